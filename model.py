@@ -1,0 +1,405 @@
+"""
+GPT-2 and LLaMA language models in one file, in the spirit of nanoGPT.
+
+The layout is what layer cycling (OMGD / LISA-wor) relies on: the transformer
+blocks live in `model.blocks` so a sampler can freeze/unfreeze them by index,
+and everything outside the blocks is reachable through `model.outer_modules()`.
+
+References:
+1) nanoGPT: https://github.com/karpathy/nanoGPT/blob/master/model.py
+2) LLaMA (RMSNorm, SwiGLU, rotary embeddings, grouped-query attention)
+3) GaLore's LLaMA pre-training configs (sizes in PRESETS below)
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class GPTConfig:
+    # Plain types only: the config is stored as dataclasses.asdict() inside
+    # checkpoints that are read back with torch.load(weights_only=True).
+    arch: str = 'gpt2'  # 'gpt2' or 'llama'
+    block_size: int = 1024
+    vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64 for speed
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int = 0  # 0 -> n_head; fewer gives LLaMA grouped-query attention
+    n_embd: int = 768
+    mlp_hidden: int = 0  # 0 -> 4*n_embd (gpt2) or the LLaMA 8/3 rule (llama)
+    dropout: float = 0.0
+    bias: bool = True  # gpt2 only: biases in Linears and LayerNorms
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.arch not in ('gpt2', 'llama'):
+            raise ValueError(f"arch must be 'gpt2' or 'llama', got {self.arch!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        # resolve the 0 defaults here so the saved config states what was built
+        if self.n_kv_head == 0:
+            self.n_kv_head = self.n_head
+        if self.n_head % self.n_kv_head != 0:
+            raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
+        if self.arch == 'llama':
+            if (self.n_embd // self.n_head) % 2 != 0:
+                raise ValueError("rotary embeddings need an even head dimension")
+            self.bias = False  # LLaMA has no biases anywhere
+        if self.mlp_hidden == 0:
+            if self.arch == 'gpt2':
+                self.mlp_hidden = 4 * self.n_embd
+            else:  # LLaMA: 2/3 of 4*d keeps SwiGLU's 3 matrices at the cost of 2
+                self.mlp_hidden = 256 * math.ceil(int(2 * 4 * self.n_embd / 3) / 256)
+
+
+# LLaMA sizes follow GaLore's pre-training configs. GaLore trained all of them
+# with a sequence length of 256, so that is the default here, 7b included;
+# override with config_from_preset('llama-7b', block_size=2048) for longer contexts.
+_LLAMA = dict(arch='llama', vocab_size=32000, block_size=256, bias=False, norm_eps=1e-6)
+_GPT2 = dict(arch='gpt2', vocab_size=50257, block_size=1024, bias=True)
+PRESETS: dict[str, dict] = {
+    'gpt2':        dict(_GPT2, n_layer=12, n_head=12, n_embd=768),    # 124M
+    'gpt2-medium': dict(_GPT2, n_layer=24, n_head=16, n_embd=1024),   # 350M
+    'gpt2-large':  dict(_GPT2, n_layer=36, n_head=20, n_embd=1280),   # 774M
+    'gpt2-xl':     dict(_GPT2, n_layer=48, n_head=25, n_embd=1600),   # 1558M
+    'llama-60m':   dict(_LLAMA, n_layer=8, n_head=8, n_embd=512, mlp_hidden=1376),
+    'llama-130m':  dict(_LLAMA, n_layer=12, n_head=12, n_embd=768, mlp_hidden=2048),
+    'llama-350m':  dict(_LLAMA, n_layer=24, n_head=16, n_embd=1024, mlp_hidden=2736),
+    'llama-1b':    dict(_LLAMA, n_layer=24, n_head=32, n_embd=2048, mlp_hidden=5461),
+    'llama-7b':    dict(_LLAMA, n_layer=32, n_head=32, n_embd=4096, mlp_hidden=11008),
+}
+
+
+def config_from_preset(name: str, **overrides) -> GPTConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    return GPTConfig(**{**PRESETS[name], **overrides})
+
+
+def rotate_half(x):
+    # HF's half-split convention, so LLaMA checkpoints could be imported unpermuted
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x, cos, sin):
+    # rotate in fp32: bf16 angles lose precision at large positions
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head
+        self.head_dim = config.n_embd // config.n_head
+        self.dropout = config.dropout
+        self.is_llama = config.arch == 'llama'
+        if self.is_llama:
+            # separate q/k/v: GQA makes k/v narrower, and GaLore projects each matrix
+            kv_dim = self.n_kv_head * self.head_dim
+            self.q_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+            self.k_proj = nn.Linear(config.n_embd, kv_dim, bias=False)
+            self.v_proj = nn.Linear(config.n_embd, kv_dim, bias=False)
+            self.o_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        else:
+            # fused q/k/v matches GPT-2's checkpoint layout (from_pretrained)
+            self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+            self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, rope=None):
+        B, T, C = x.size()
+        if self.is_llama:
+            q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+            k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+            v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+            cos, sin = rope
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:
+            q, k, v = self.c_attn(x).split(C, dim=2)
+            q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        # only ask for GQA when needed, so plain MHA keeps every SDPA backend available
+        gqa = {'enable_gqa': True} if self.n_kv_head != self.n_head else {}
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0.0,
+            is_causal=True, **gqa)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.o_proj(y) if self.is_llama else self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """GELU MLP for gpt2."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
+        self.c_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class SwiGLU(nn.Module):
+    """Gated SiLU MLP for llama."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.n_embd, config.mlp_hidden, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, config.mlp_hidden, bias=False)
+        self.down_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=False)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def make_norm(config):
+    if config.arch == 'llama':
+        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+
+
+class Block(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = make_norm(config)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = make_norm(config)
+        self.mlp = SwiGLU(config) if config.arch == 'llama' else MLP(config)
+
+    def forward(self, x, rope=None):
+        x = x + self.attn(self.ln_1(x), rope)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+# weights that write into the residual stream get the GPT-2 1/sqrt(2L) scaling
+_RESIDUAL_PROJ = ('attn.c_proj.weight', 'mlp.c_proj.weight', 'o_proj.weight', 'down_proj.weight')
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        assert config.vocab_size is not None and config.block_size is not None
+        self.config = config
+        self.is_llama = config.arch == 'llama'
+        self.activation_checkpointing: bool = False
+
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = None if self.is_llama else nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.ln_f = make_norm(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if not self.is_llama:
+            # weight tying as in GPT-2; LLaMA keeps a separate head
+            self.wte.weight = self.lm_head.weight
+        self.init_weights()
+
+    def _build_rope(self):
+        # buffers are derived data: non-persistent so they stay out of the state_dict;
+        # created on the device of the weights so a meta build stays allocation-free
+        device = self.wte.weight.device
+        hd = self.config.n_embd // self.config.n_head
+        inv_freq = 1.0 / (self.config.rope_theta ** (
+            torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+        t = torch.arange(self.config.block_size, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer('rope_cos', emb.cos(), persistent=False)
+        self.register_buffer('rope_sin', emb.sin(), persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self):
+        """(Re)initialise all parameters and buffers in place.
+
+        Called by __init__; call it again after `model.to_empty(device=...)` when
+        the model was built on the meta device (to_empty leaves garbage memory).
+        """
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                if module.bias is not None:
+                    torch.nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                module.reset_parameters()
+        for pn, p in self.named_parameters():
+            if pn.endswith(_RESIDUAL_PROJ):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
+        if self.is_llama:
+            self._build_rope()
+
+    def outer_modules(self) -> dict[str, nn.Module]:
+        """Everything outside `blocks`; the head is listed even when tied to the embedding."""
+        out = {'embed': self.wte}
+        if self.wpe is not None:
+            out['pos'] = self.wpe
+        out['norm'] = self.ln_f
+        out['head'] = self.lm_head
+        return out
+
+    def get_num_params(self, non_embedding=True):
+        """
+        Return the number of parameters in the model (parameters() dedupes the tied head).
+        With non_embedding, lookup-only tables are subtracted since they cost no FLOPs:
+        the position embedding for gpt2 (its tied token embedding is the head's matmul),
+        the untied token embedding for llama.
+        """
+        n_params = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            if self.wpe is not None:
+                n_params -= self.wpe.weight.numel()
+            if self.is_llama:
+                n_params -= self.wte.weight.numel()
+        return n_params
+
+    def forward(self, idx, targets=None):
+        b, t = idx.size()
+        if t > self.config.block_size:
+            raise ValueError(f"cannot forward a sequence of length {t}, "
+                             f"block size is only {self.config.block_size}")
+        x = self.wte(idx)  # (b, t, n_embd)
+        rope = None
+        if self.is_llama:
+            rope = (self.rope_cos[:t], self.rope_sin[:t])
+        else:
+            x = x + self.wpe(torch.arange(0, t, dtype=torch.long, device=idx.device))
+        x = self.drop(x)
+        for block in self.blocks:
+            if self.activation_checkpointing and self.training:
+                # recompute activations in backward: trades ~1/3 more compute for memory
+                x = checkpoint(block, x, rope, use_reentrant=False)
+            else:
+                x = block(x, rope)
+        x = self.ln_f(x)
+
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
+                                   ignore_index=-1)
+        else:
+            # inference-time mini-optimization: only forward the lm_head on the very last position
+            logits = self.lm_head(x[:, [-1], :])  # note: using list [-1] to preserve the time dim
+            loss = None
+        return logits, loss
+
+    def crop_block_size(self, block_size):
+        # model surgery to decrease the block size if necessary
+        # e.g. we may load the GPT2 pretrained model checkpoint (block size 1024)
+        # but want to use a smaller block size for some smaller, simpler model
+        assert block_size <= self.config.block_size
+        self.config.block_size = block_size
+        if self.wpe is not None:
+            self.wpe.weight = nn.Parameter(self.wpe.weight[:block_size])
+        else:
+            self._build_rope()
+
+    @classmethod
+    def from_pretrained(cls, model_type, override_args=None):
+        if model_type not in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
+            raise ValueError(f"from_pretrained supports gpt2, gpt2-medium, gpt2-large, gpt2-xl; "
+                             f"got {model_type!r}")
+        override_args = override_args or {}
+        # only dropout can be overridden; everything else must match the checkpoint
+        assert all(k == 'dropout' for k in override_args)
+        try:
+            from transformers import GPT2LMHeadModel
+        except ImportError:
+            raise RuntimeError(f"from_pretrained({model_type!r}) needs Hugging Face transformers: "
+                               f"pip install transformers (and the weights in the HF cache "
+                               f"or network access)") from None
+        try:
+            model_hf = GPT2LMHeadModel.from_pretrained(model_type)
+        except OSError as e:
+            raise RuntimeError(f"could not load {model_type!r} weights: they must be in the "
+                               f"Hugging Face cache or downloadable ({e})") from None
+
+        config = config_from_preset(model_type, **override_args)
+        model = GPT(config)
+        sd = model.state_dict()
+        sd_hf = model_hf.state_dict()
+        # the HF checkpoint uses Conv1D modules, whose weights are transposed w.r.t. nn.Linear
+        transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+        loaded = set()
+        for k_hf, w in sd_hf.items():
+            if k_hf.endswith(('.attn.masked_bias', '.attn.bias')):
+                continue  # causal-mask buffers, not parameters
+            k = k_hf.removeprefix('transformer.')
+            if k.startswith('h.'):
+                k = 'blocks.' + k[2:]
+            if k not in sd:
+                raise RuntimeError(f"unexpected key {k_hf!r} in the Hugging Face checkpoint")
+            w = w.t() if k.endswith(transposed) else w
+            if w.shape != sd[k].shape:
+                raise RuntimeError(f"shape mismatch for {k}: {tuple(w.shape)} vs {tuple(sd[k].shape)}")
+            with torch.no_grad():
+                sd[k].copy_(w)
+            loaded.add(k)
+        # the tied head may be listed under either name; they share storage
+        missing = set(sd) - loaded - {'lm_head.weight', 'wte.weight'}
+        if missing or not loaded & {'lm_head.weight', 'wte.weight'}:
+            raise RuntimeError(f"Hugging Face checkpoint is missing {sorted(missing)}")
+        return model
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        # frozen parameters are included on purpose: layer cycling unfreezes them later,
+        # and an optimizer that never saw them would silently skip those blocks
+        groups = param_groups(self, weight_decay)
+        extra_args = dict(fused=True) if device_type == 'cuda' else dict()
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra_args)
+
+    def estimate_flops_per_token(self):
+        """nanoGPT's estimate (PaLM appendix B): 6N for the matmuls plus attention scores."""
+        N = self.get_num_params()
+        cfg = self.config
+        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
+        return 6 * N + 12 * L * H * Q * T
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """
+        Take a conditioning sequence of indices idx (LongTensor of shape (b,t)) and complete
+        the sequence max_new_tokens times, feeding the predictions back into the model each time.
+        Most likely you'll want to make sure to be in model.eval() mode of operation for this.
+        """
+        for _ in range(max_new_tokens):
+            # if the sequence context is growing too long we must crop it at block_size
+            idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
+            logits, _ = self(idx_cond)
+            logits = logits[:, -1, :] / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float('Inf')
+            probs = F.softmax(logits, dim=-1)
+            idx_next = torch.multinomial(probs, num_samples=1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """nanoGPT's decay split: matrices and embeddings decay, biases and norm weights don't.
+
+    Every parameter is returned whether or not it currently requires grad
+    (named_parameters() already dedupes the tied embedding/head).
+    """
+    params = [p for _, p in model.named_parameters()]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return [
+        {'params': decay, 'weight_decay': weight_decay},
+        {'params': no_decay, 'weight_decay': 0.0},
+    ]

@@ -1,0 +1,272 @@
+import dataclasses
+import io
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from model import GPT, GPTConfig, PRESETS, config_from_preset, param_groups  # noqa: E402
+
+torch.set_num_threads(1)  # the CPU is shared; tiny models don't need more
+
+
+def tiny(arch, **kw):
+    base = dict(arch=arch, block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32,
+                dropout=0.0)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+TINY = {
+    'gpt2': lambda: tiny('gpt2'),
+    'llama': lambda: tiny('llama', n_kv_head=2),  # grouped-query attention
+}
+
+
+def batch(cfg, b=2, t=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = t or cfg.block_size
+    x = torch.randint(0, cfg.vocab_size, (b, t), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (b, t), generator=g)
+    return x, y
+
+
+@pytest.mark.parametrize('name,expected', [('gpt2', 124_439_808), ('llama-7b', 6_738_415_616)])
+def test_param_counts_on_meta(name, expected):
+    with torch.device('meta'):
+        model = GPT(config_from_preset(name))
+    assert model.get_num_params(non_embedding=False) == expected
+    assert all(p.is_meta for p in model.parameters())
+    assert all(b.is_meta for b in model.buffers())
+
+
+def test_non_embedding_counts():
+    with torch.device('meta'):
+        g = GPT(config_from_preset('gpt2'))
+        l = GPT(config_from_preset('llama-60m'))
+    assert g.get_num_params() == 124_439_808 - 1024 * 768  # minus wpe only (wte is the head)
+    assert l.get_num_params() == l.get_num_params(False) - 32000 * 512  # minus untied wte
+
+
+def test_presets_build_valid_configs():
+    for name in PRESETS:
+        cfg = config_from_preset(name)
+        assert cfg.n_embd % cfg.n_head == 0
+    assert config_from_preset('llama-7b').mlp_hidden == 11008
+    # the LLaMA 8/3 rule reproduces 7b's hidden size when left at 0
+    assert GPTConfig(arch='llama', n_embd=4096, n_head=32).mlp_hidden == 11008
+    assert GPTConfig(arch='gpt2', n_embd=64, n_head=4).mlp_hidden == 256
+    assert config_from_preset('llama-60m', block_size=512).block_size == 512
+
+
+def test_unknown_preset_names_valid_ones():
+    with pytest.raises(ValueError) as e:
+        config_from_preset('gpt5')
+    msg = str(e.value)
+    assert 'gpt5' in msg and 'gpt2-medium' in msg and 'llama-7b' in msg
+    assert '\n' not in msg
+
+
+def test_config_roundtrips_through_weights_only_load():
+    cfg = config_from_preset('llama-130m')
+    buf = io.BytesIO()
+    torch.save({'config': dataclasses.asdict(cfg)}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert GPTConfig(**loaded['config']) == cfg
+
+
+@pytest.mark.parametrize('arch', ['gpt2', 'llama'])
+def test_forward_shapes_and_loss(arch):
+    torch.manual_seed(0)
+    cfg = TINY[arch]()
+    model = GPT(cfg)
+    x, y = batch(cfg)
+    logits, loss = model(x, y)
+    assert logits.shape == (2, cfg.block_size, cfg.vocab_size)
+    assert torch.isfinite(loss)
+    # nanoGPT init gives near-uniform predictions
+    assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.1
+    logits, loss = model(x)
+    assert logits.shape == (2, 1, cfg.vocab_size) and loss is None
+    with pytest.raises(ValueError, match='block size'):
+        model(torch.zeros(1, cfg.block_size + 1, dtype=torch.long))
+
+
+def test_ignore_index():
+    torch.manual_seed(0)
+    cfg = TINY['gpt2']()
+    model = GPT(cfg)
+    x, y = batch(cfg)
+    y2 = y.clone()
+    y2[:, ::2] = -1
+    logits, loss = model(x, y2)
+    ref = torch.nn.functional.cross_entropy(logits[:, 1::2].reshape(-1, cfg.vocab_size),
+                                            y[:, 1::2].reshape(-1))
+    assert torch.allclose(loss, ref)
+
+
+def test_layout_and_weight_tying():
+    g = GPT(TINY['gpt2']())
+    assert g.lm_head.weight is g.wte.weight
+    assert isinstance(g.blocks, torch.nn.ModuleList) and len(g.blocks) == 2
+    assert set(g.outer_modules()) == {'embed', 'pos', 'norm', 'head'}
+    assert g.outer_modules()['pos'] is g.wpe
+
+    l = GPT(TINY['llama']())
+    assert l.lm_head.weight is not l.wte.weight
+    assert l.wpe is None
+    assert set(l.outer_modules()) == {'embed', 'norm', 'head'}
+    assert isinstance(l.ln_f, torch.nn.RMSNorm)
+    assert not any(n.endswith('bias') for n, _ in l.named_parameters())
+    # rotary tables are derived data, never checkpointed
+    assert not any('rope' in k for k in l.state_dict())
+    assert l.blocks[0].attn.k_proj.weight.shape == (16, 32)  # 2 kv heads * head_dim 8
+
+
+def test_outer_modules_plus_blocks_cover_all_params():
+    for arch in TINY:
+        m = GPT(TINY[arch]())
+        ids = {id(p) for mod in m.outer_modules().values() for p in mod.parameters()}
+        ids |= {id(p) for p in m.blocks.parameters()}
+        assert ids == {id(p) for p in m.parameters()}
+
+
+@pytest.mark.parametrize('arch', ['gpt2', 'llama'])
+def test_causal(arch):
+    torch.manual_seed(0)
+    cfg = TINY[arch]()
+    model = GPT(cfg).eval()
+    x, _ = batch(cfg)
+    x2 = x.clone()
+    x2[:, -1] = (x[:, -1] + 1) % cfg.vocab_size
+    l1, _ = model(x, x)
+    l2, _ = model(x2, x2)
+    assert torch.allclose(l1[:, :-1], l2[:, :-1], atol=1e-6)
+    assert not torch.allclose(l1[:, -1], l2[:, -1])
+
+
+@pytest.mark.parametrize('arch', ['gpt2', 'llama'])
+def test_activation_checkpointing_matches(arch):
+    torch.manual_seed(0)
+    cfg = TINY[arch]()
+    model = GPT(cfg).train()
+    x, y = batch(cfg)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss_ref, grads_ref = run()
+    model.activation_checkpointing = True
+    loss_ckpt, grads_ckpt = run()
+    assert torch.allclose(loss_ref, loss_ckpt)
+    for n in grads_ref:
+        assert torch.allclose(grads_ref[n], grads_ckpt[n], atol=1e-6), n
+
+
+def test_configure_optimizers_keeps_frozen_params():
+    model = GPT(TINY['llama']())
+    for p in model.blocks[1].parameters():
+        p.requires_grad_(False)
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    in_opt = {id(p) for g in opt.param_groups for p in g['params']}
+    assert in_opt == {id(p) for p in model.parameters()}
+    assert any(not p.requires_grad for g in opt.param_groups for p in g['params'])
+    decay, no_decay = opt.param_groups
+    assert decay['weight_decay'] == 0.1 and no_decay['weight_decay'] == 0.0
+    assert all(p.dim() >= 2 for p in decay['params'])
+    assert all(p.dim() < 2 for p in no_decay['params'])
+
+
+def test_param_groups_dedupes_tied_weights():
+    model = GPT(TINY['gpt2']())
+    groups = param_groups(model, 0.1)
+    ps = [p for g in groups for p in g['params']]
+    assert len(ps) == len({id(p) for p in ps}) == len(list(model.parameters()))
+    torch.optim.SGD(groups, lr=0.1)  # reusable by other optimizers
+
+
+def test_from_pretrained_without_transformers(monkeypatch):
+    monkeypatch.setitem(sys.modules, 'transformers', None)  # import now fails
+    with pytest.raises(RuntimeError) as e:
+        GPT.from_pretrained('gpt2')
+    msg = str(e.value)
+    assert 'pip install transformers' in msg and '\n' not in msg
+    with pytest.raises(ValueError):
+        GPT.from_pretrained('llama-7b')
+
+
+def test_from_pretrained_maps_hf_names(monkeypatch):
+    # a stand-in for transformers that serves a GPT-2-layout state_dict (Conv1D = transposed)
+    import types
+    src = GPT(config_from_preset('gpt2', n_layer=1))
+    conv1d = ('c_attn.weight', 'c_proj.weight', 'c_fc.weight')
+    sd_hf = {}
+    for k, v in src.state_dict().items():
+        k_hf = 'lm_head.weight' if k == 'lm_head.weight' else 'transformer.' + k.replace('blocks.', 'h.')
+        sd_hf[k_hf] = v.t() if k.endswith(conv1d) else v
+    sd_hf['transformer.h.0.attn.bias'] = torch.ones(1)  # HF's causal-mask buffer
+
+    class FakeHF:
+        @classmethod
+        def from_pretrained(cls, name):
+            return types.SimpleNamespace(state_dict=lambda: sd_hf)
+
+    monkeypatch.setitem(sys.modules, 'transformers', types.SimpleNamespace(GPT2LMHeadModel=FakeHF))
+    monkeypatch.setitem(PRESETS, 'gpt2', dict(PRESETS['gpt2'], n_layer=1))
+    model = GPT.from_pretrained('gpt2', {'dropout': 0.1})
+    assert model.config.dropout == 0.1 and model.lm_head.weight is model.wte.weight
+    for k, v in src.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize('arch', ['gpt2', 'llama'])
+def test_generate_shape(arch):
+    torch.manual_seed(0)
+    cfg = TINY[arch]()
+    model = GPT(cfg).eval()
+    idx = torch.zeros(2, 3, dtype=torch.long)
+    out = model.generate(idx, max_new_tokens=20, temperature=0.8, top_k=5)  # grows past block_size
+    assert out.shape == (2, 23)
+    assert out.min() >= 0 and out.max() < cfg.vocab_size
+
+
+@pytest.mark.parametrize('arch', ['gpt2', 'llama'])
+def test_crop_block_size(arch):
+    cfg = TINY[arch]()
+    model = GPT(cfg).eval()
+    x, _ = batch(cfg, t=8)
+    before, _ = model(x, x)
+    model.crop_block_size(8)
+    after, _ = model(x, x)
+    assert model.config.block_size == 8
+    assert torch.allclose(before, after, atol=1e-6)
+    with pytest.raises(ValueError):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_meta_build_then_materialize():
+    cfg = TINY['llama']()
+    with torch.device('meta'):
+        model = GPT(cfg)
+    model.to_empty(device='cpu')
+    model.init_weights()
+    x, y = batch(cfg)
+    _, loss = model(x, y)
+    assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.1
+    ref = GPT(cfg)
+    assert torch.equal(model.rope_cos, ref.rope_cos)
+
+
+def test_flops_per_token():
+    cfg = config_from_preset('gpt2')
+    with torch.device('meta'):
+        model = GPT(cfg)
+    N = model.get_num_params()
+    assert model.estimate_flops_per_token() == 6 * N + 12 * 12 * 12 * 64 * 1024
