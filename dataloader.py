@@ -1,0 +1,94 @@
+"""
+Batches of token windows from a uint16 token file (train.bin / val.bin, as data/*/prepare.py
+write them), in one of two orders:
+
+- 'rr' (random reshuffling, the default): each epoch cuts the token stream into windows of
+  block_size+1 tokens starting at a fresh random offset, permutes the windows and visits each
+  exactly once. Micro-step c of an epoch uses the global slice perm[c*R*B : (c+1)*R*B] (R ranks,
+  B windows each); rank r takes its r-th part, so ranks are disjoint and the windows of a step
+  do not depend on how many ranks share them.
+- 'iid': nanoGPT's sampling with replacement, kept as the baseline.
+
+The order is a pure function of (seed, epoch), so the position (epoch, windows consumed) is all
+a checkpoint needs to continue exactly.
+"""
+import os
+
+import numpy as np
+import torch
+
+
+def open_tokens(path, prepare_hint):
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found; run `{prepare_hint}` first")
+    return np.memmap(path, dtype=np.uint16, mode='r')
+
+
+class TokenBatches:
+
+    def __init__(self, path, block_size, batch_size, sampling='rr', seed=1337, rank=0,
+                 world_size=1, prepare_hint='python data/<dataset>/prepare.py'):
+        if sampling not in ('rr', 'iid'):
+            raise ValueError(f"sampling must be 'rr' or 'iid', got {sampling!r}")
+        self.path, self.prepare_hint = path, prepare_hint
+        self.block_size, self.batch_size, self.sampling = block_size, batch_size, sampling
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        n_tokens = len(open_tokens(path, prepare_hint))
+        # every epoch has the same number of windows, whatever its offset in [0, block_size]
+        self.windows_per_epoch = (n_tokens - block_size) // (block_size + 1)
+        self.steps_per_epoch = self.windows_per_epoch // (batch_size * world_size)
+        if n_tokens <= block_size or (sampling == 'rr' and self.steps_per_epoch == 0):
+            raise ValueError(f"{path} has {n_tokens} tokens, too few for block_size={block_size} x "
+                             f"{batch_size * world_size} windows per step; lower block_size or batch_size")
+        self.n_tokens = n_tokens
+        self.epoch, self.step_in_epoch = 0, 0
+        self._order = None
+
+    def _epoch_order(self):
+        """(offset, permutation of window indices) of the current epoch, cached."""
+        if self._order is None or self._order[0] != self.epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            offset = int(torch.randint(self.block_size + 1, (1,), generator=g))
+            perm = torch.randperm(self.windows_per_epoch, generator=g)
+            self._order = (self.epoch, offset, perm)
+        return self._order[1], self._order[2]
+
+    def next_starts(self):
+        """Token offsets of this rank's windows for the next micro-step."""
+        if self.step_in_epoch == self.steps_per_epoch:
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        per_step = self.batch_size * self.world_size
+        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        step_first = self.step_in_epoch * per_step
+        self.step_in_epoch += 1
+        if self.sampling == 'iid':
+            # one generator per global micro-step, so iid draws resume exactly and do not
+            # depend on the rank split either
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + step_first)
+            return torch.randint(self.n_tokens - self.block_size, (per_step,), generator=g)[mine]
+        offset, perm = self._epoch_order()
+        return offset + perm[step_first:step_first + per_step][mine] * (self.block_size + 1)
+
+    def next_batch(self, device='cpu'):
+        data = open_tokens(self.path, self.prepare_hint)  # a fresh memmap per batch avoids nanoGPT's leak
+        windows = np.stack([data[s:s + self.block_size + 1] for s in self.next_starts().tolist()])
+        windows = torch.from_numpy(windows.astype(np.int64))
+        x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        if device.startswith('cuda'):
+            return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        return x, y
+
+    def state_dict(self):
+        return {'sampling': self.sampling, 'seed': self.seed, 'epoch': self.epoch,
+                'windows_consumed': self.step_in_epoch * self.batch_size * self.world_size}
+
+    def load_state_dict(self, state):
+        if state['sampling'] != self.sampling or state['seed'] != self.seed:
+            raise ValueError(f"checkpoint data order is sampling={state['sampling']!r} seed={state['seed']}; "
+                             f"resume with the same sampling and seed")
+        per_step = self.batch_size * self.world_size
+        if state['windows_consumed'] % per_step:
+            raise ValueError(f"checkpoint stopped after {state['windows_consumed']} windows of the epoch, not a "
+                             f"multiple of batch_size x ranks = {per_step}; resume with the same batch_size "
+                             f"and number of ranks")
+        self.epoch, self.step_in_epoch = state['epoch'], state['windows_consumed'] // per_step

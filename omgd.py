@@ -1,0 +1,292 @@
+"""
+Omni-Masked Gradient Descent (OMGD) and its LLM instance, LISA-wor layer cycling.
+
+Paper: ../shared/omgd_paper.tex. Algorithm 1 traverses (mask, sample) pairs without
+replacement: a cycle's M masks are disjoint and sum to M * ones, and every mask meets every
+sample once. Algorithm 2 (LISA-wor) applies that to transformer blocks: every K iterations,
+gamma middle blocks are drawn from a pool of blocks not yet used in this cycle (the pool is
+refilled when fewer than gamma remain), the others are frozen, and the gradients of the
+active blocks are scaled by N_L / gamma.
+
+Frozen here means what saves memory: requires_grad=False, grad=None, and (policy 'drop') no
+optimizer state. Blocks are chosen by their index in model.blocks, never by parameter names,
+so nothing changes under DDP or torch.compile.
+"""
+import math
+
+import torch
+
+# method -> (what a unit is, drawn with replacement?, scale active gradients?)
+METHODS = {
+    'full': None,
+    'lisa': ('block', True, False),
+    'lisa_scale': ('block', True, True),
+    'lisa_wor': ('block', False, True),
+    'lisa_wor_noscale': ('block', False, False),
+    'tensor_wor': ('tensor', False, True),
+    'tensor_iid': ('tensor', True, True),
+}
+STATE_POLICIES = ('drop', 'offload', 'keep')
+OUTER_PARTS = ('embed', 'pos', 'norm', 'head')
+
+# -----------------------------------------------------------------------------
+# Algorithm 1: masks of a cycle and the order of (mask, sample) pairs
+
+
+def random_partition(n, sizes, generator):
+    """Disjoint random groups of range(n) with the given sizes (their sum may be < n)."""
+    perm = torch.randperm(n, generator=generator).tolist()
+    groups, start = [], 0
+    for size in sizes:
+        groups.append(sorted(perm[start:start + size]))
+        start += size
+    return groups
+
+
+def mask_cycle(d, ratio, generator):
+    """The M = ceil(1/ratio) masks of one cycle as an (M, d) tensor.
+
+    Coordinates are split at random into M disjoint groups of near-equal size, and mask j
+    is M on group j and 0 elsewhere, so the masks sum to M * ones (the paper's eq. 3).
+    """
+    M = math.ceil(1 / ratio)
+    sizes = [len(c) for c in torch.arange(d).tensor_split(M)]
+    masks = torch.zeros(M, d)
+    for j, group in enumerate(random_partition(d, sizes, generator)):
+        masks[j, group] = M
+    return masks
+
+
+def pair_order(M, N, generator):
+    """RandomPermutation([M] x [N]) as an (M*N, 2) tensor of (mask j, sample i) rows."""
+    flat = torch.randperm(M * N, generator=generator)
+    return torch.stack([flat // N, flat % N], dim=1)
+
+
+def balanced_partition(sizes, num_groups, generator):
+    """Split items at random into num_groups groups of about equal total size.
+
+    Items are visited in random order and each goes to the currently lightest group, so the
+    split is random, disjoint and complete, and the groups' sizes differ by at most one item.
+    """
+    groups, totals = [[] for _ in range(num_groups)], [0] * num_groups
+    for i in torch.randperm(len(sizes), generator=generator).tolist():
+        lightest = totals.index(min(totals))
+        groups[lightest].append(i)
+        totals[lightest] += sizes[i]
+    return [sorted(g) for g in groups]
+
+
+class GroupSchedule:
+    """Hands out one group of units per period.
+
+    Without replacement (OMGD) the groups of a cycle are one random partition of the units,
+    used one after the other; when none is left a new cycle draws a new partition. For
+    LISA-wor the partition is floor(N_L/gamma) groups of gamma blocks: exactly Algorithm 2's
+    pool, whose leftover (< gamma blocks) is dropped by the reset. With replacement (LISA,
+    i.i.d. masks) every period draws a fresh partition and uses only its first group.
+    """
+
+    def __init__(self, partition, replacement, generator):
+        self.partition, self.replacement, self.generator = partition, replacement, generator
+        self.pending, self.cycle = [], 0
+
+    def next(self):
+        if self.replacement or not self.pending:
+            self.pending = self.partition(self.generator)
+            self.cycle += 1
+        group = self.pending.pop(0)
+        if self.replacement:
+            self.pending = []
+        return group
+
+    def state_dict(self):
+        return {'pending': self.pending, 'cycle': self.cycle, 'rng': self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        self.pending, self.cycle = [list(g) for g in state['pending']], state['cycle']
+        self.generator.set_state(state['rng'])
+
+
+# -----------------------------------------------------------------------------
+# Layer cycling on a model and its optimizer
+
+
+def check_config(method, gamma, period, warmup, ratio, state_policy, n_units):
+    """Raise a one-line ValueError for a configuration that cannot run."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if state_policy not in STATE_POLICIES:
+        raise ValueError(f"unknown omgd_state {state_policy!r}; choose one of {', '.join(STATE_POLICIES)}")
+    if period <= 0:
+        raise ValueError(f"omgd_period must be a positive number of iterations, got {period}")
+    if warmup < 0:
+        raise ValueError(f"omgd_warmup must be >= 0, got {warmup}")
+    if method == 'full':
+        return
+    if METHODS[method][0] == 'block' and not 0 < gamma <= n_units:
+        raise ValueError(f"omgd_gamma must be in 1..{n_units} (the model's number of blocks), got {gamma}")
+    if METHODS[method][0] == 'tensor' and not 0 < ratio <= 1:
+        raise ValueError(f"omgd_ratio must be in (0, 1], got {ratio}")
+
+
+class LayerCycler:
+    """Freezes and unfreezes units (blocks or tensors) of a model on an OMGD schedule.
+
+    units: list of parameter lists that are switched on and off together.
+    always: parameters that train at every step (embedding, positions, final norm, head).
+    Parameters in neither list stay frozen for the whole run.
+    """
+
+    def __init__(self, units, always, optimizer, method='lisa_wor', gamma=1, period=1, warmup=0,
+                 ratio=0.5, state_policy='drop', seed=0):
+        check_config(method, gamma, period, warmup, ratio, state_policy, len(units))
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group['params']}
+        if any(id(p) not in in_optimizer for unit in units for p in unit):
+            # LMFlow's bug: an optimizer built over trainable parameters only never trains a
+            # block that was frozen at that moment.
+            raise ValueError("every parameter layer cycling may activate must be in the optimizer; "
+                             "build the optimizer over all parameters before freezing anything")
+        self.units, self.always, self.optimizer = units, always, optimizer
+        self.method, self.period, self.warmup = method, period, warmup
+        self.state_policy = state_policy
+        self.active = list(range(len(units)))  # everything trains until the first switch
+        self.last_switch = -1
+        self.scale = 1.0
+        self.offloaded = {}  # param -> {state key: original device}
+        if method == 'full':
+            self.schedule = None
+            return
+        unit_kind, replacement, scaled = METHODS[method]
+        generator = torch.Generator().manual_seed(seed)
+        if unit_kind == 'block':
+            n, k = len(units), gamma
+            partition = lambda g: random_partition(n, [k] * (n // k), g)
+            self.scale = n / k if scaled else 1.0
+        else:
+            M = math.ceil(1 / ratio)
+            numels = [sum(p.numel() for p in unit) for unit in units]
+            partition = lambda g: balanced_partition(numels, M, g)
+            self.scale = float(M) if scaled else 1.0
+        self.schedule = GroupSchedule(partition, replacement, generator)
+
+    @property
+    def unit_kind(self):
+        return METHODS[self.method][0] if self.schedule else 'block'
+
+    def step(self, iter_num):
+        """Call at the start of every iteration; returns True when the active set changed."""
+        if self.schedule is None or iter_num < self.warmup or iter_num == self.last_switch:
+            return False
+        if (iter_num - self.warmup) % self.period != 0 and self.last_switch >= self.warmup:
+            return False
+        self.last_switch = iter_num
+        self.apply(self.schedule.next())
+        return True
+
+    def scaling(self):
+        """The gradient scale of the active units (1 during warm-up and for 'full')."""
+        return self.scale if self.last_switch >= self.warmup and self.schedule else 1.0
+
+    def apply(self, active):
+        """Make exactly the units in `active` trainable and set their optimizer state policy."""
+        self.active = sorted(active)
+        active_set = set(self.active)
+        for i, unit in enumerate(self.units):
+            for p in unit:
+                if i in active_set:
+                    p.requires_grad_(True)
+                    self._restore_state(p)
+                else:
+                    p.requires_grad_(False)
+                    p.grad = None
+                    self._release_state(p)
+
+    def _release_state(self, p):
+        state = self.optimizer.state.get(p)
+        if not state or self.state_policy == 'keep' or p in self.offloaded:
+            return
+        if self.state_policy == 'drop':
+            del self.optimizer.state[p]
+            return
+        # offload: park the tensors on the CPU (pinned, so the copy back can overlap compute)
+        devices = {}
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.device.type != 'cpu':
+                devices[key] = value.device
+                cpu = torch.empty(value.shape, dtype=value.dtype, pin_memory=torch.cuda.is_available())
+                state[key] = cpu.copy_(value, non_blocking=True)
+        self.offloaded[p] = devices
+
+    def _restore_state(self, p):
+        devices = self.offloaded.pop(p, None)
+        if devices:
+            state = self.optimizer.state[p]
+            for key, device in devices.items():
+                state[key] = state[key].to(device, non_blocking=True)
+
+    def scale_grads(self):
+        """Multiply the gradients of the active units by the method's scale (once per step)."""
+        scale = self.scaling()
+        if scale == 1.0:
+            return
+        for i in self.active:
+            for p in self.units[i]:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+
+    def describe(self):
+        if self.schedule is None:
+            return 'full training'
+        if self.last_switch < self.warmup:
+            return f'warm-up: all {len(self.units)} {self.unit_kind}s train'
+        active = self.active if self.unit_kind == 'block' else f'{len(self.active)} of {len(self.units)}'
+        return f'cycle {self.schedule.cycle}: active {self.unit_kind}s {active}, grad scale {self.scaling():g}'
+
+    def state_dict(self):
+        return {'method': self.method, 'active': self.active, 'last_switch': self.last_switch,
+                'schedule': self.schedule.state_dict() if self.schedule else None}
+
+    def load_state_dict(self, state):
+        """Restore the schedule and re-apply the active set (call after loading the optimizer)."""
+        if state['method'] != self.method:
+            raise ValueError(f"checkpoint was trained with method={state['method']!r}, not {self.method!r}; "
+                             f"resume with --method={state['method']}")
+        self.last_switch = state['last_switch']
+        if self.schedule is not None:
+            self.schedule.load_state_dict(state['schedule'])
+        self.apply(state['active'])
+
+
+def build_cycler(model, optimizer, method='lisa_wor', gamma=1, period=1, warmup=0, ratio=0.5,
+                 state_policy='drop', seed=0, always=OUTER_PARTS):
+    """A LayerCycler over model.blocks (LISA methods) or over every tensor (tensor methods).
+
+    `always` names the outer parts that train at every step under the LISA methods; the
+    parts it leaves out stay frozen for the whole run.
+    """
+    unknown = set(always) - set(OUTER_PARTS)
+    if unknown:
+        raise ValueError(f"unknown omgd_always part(s) {sorted(unknown)}; choose from {', '.join(OUTER_PARTS)}")
+    if METHODS.get(method) and METHODS[method][0] == 'tensor':
+        units = [[p] for p in model.parameters()]  # parameters() dedupes the tied head
+        return LayerCycler(units, [], optimizer, method, gamma, period, warmup, ratio, state_policy, seed)
+    units = [list(block.parameters()) for block in model.blocks]
+    outer = model.outer_modules()
+    always_params = {id(p): p for part in always if outer.get(part) is not None
+                     for p in outer[part].parameters()}
+    in_blocks = {id(p) for unit in units for p in unit}
+    for p in model.parameters():
+        if id(p) not in in_blocks and id(p) not in always_params:
+            p.requires_grad_(False)
+    return LayerCycler(units, list(always_params.values()), optimizer, method, gamma, period,
+                       warmup, ratio, state_policy, seed)
+
+
+def memory_bytes(model, optimizer):
+    """Exact bytes of parameters, gradients and optimizer state tensors (on any device)."""
+    params = {id(p): p for p in model.parameters()}.values()
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0)  # scalar 'step' counters are not state memory
+    return {'params': sum(p.numel() * p.element_size() for p in params), 'grads': grads, 'optimizer': state}

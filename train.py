@@ -1,0 +1,449 @@
+"""
+Pre-train a GPT-2 or LLaMA model with OMGD layer cycling (LISA-wor) or a baseline method.
+
+One process (CPU or one GPU):
+$ python train.py                                  # small LISA-wor model on Shakespeare, CPU, minutes
+$ python train.py config/shakespeare_lisa_wor.py --method=lisa --max_iters=500
+
+DDP on 4 GPUs of one node (gloo instead of nccl when there is no CUDA):
+$ torchrun --standalone --nproc_per_node=4 train.py config/gpt2_lisa_wor.py
+
+Several nodes (run on each node, with its own --node_rank):
+$ torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv-backend=c10d \
+      --rdzv-endpoint=HOST:29500 --rdzv-id=gpt2 train.py config/gpt2_lisa_wor.py
+"""
+import math
+import os
+import random
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from configurator import ConfigError, configure, format_config
+from dataloader import TokenBatches
+from model import GPT, GPTConfig, PRESETS, config_from_preset, param_groups
+import omgd
+
+# -----------------------------------------------------------------------------
+# default config values: a small GPT on character-level Shakespeare with LISA-wor, minutes on CPU
+# I/O
+out_dir = 'out'
+eval_interval = 100
+log_interval = 10
+eval_iters = 20
+eval_only = False  # evaluate once and exit
+always_save_checkpoint = True  # if False, save only when the val loss improves
+init_from = 'scratch'  # 'scratch', 'resume' (from out_dir) or a GPT-2 name ('gpt2', 'gpt2-medium', ...)
+sample_tokens = 300  # length of the sample printed at the end (0: none)
+# wandb logging (optional, off by default; never needed to run or test)
+wandb_log = False
+wandb_project = 'omgd'
+wandb_run_name = 'run'
+# data
+dataset = 'shakespeare_char'  # a folder of data/ with train.bin and val.bin
+sampling = 'rr'  # 'rr': random reshuffling (each window once per epoch), 'iid': nanoGPT's sampling with replacement
+data_seed = 1337
+gradient_accumulation_steps = 1  # micro-steps per optimizer step, summed over all ranks
+batch_size = 32  # micro-batch size per rank
+block_size = 128
+# model: a preset name ('gpt2', 'gpt2-medium', 'llama-60m', ...) sets the architecture keys below
+preset = ''
+arch = 'gpt2'  # 'gpt2' or 'llama'
+n_layer = 6
+n_head = 4
+n_kv_head = 0  # llama grouped-query attention; 0 means n_head
+n_embd = 128
+mlp_hidden = 0  # 0: 4*n_embd for gpt2, LLaMA's rule for llama
+dropout = 0.0
+bias = False
+vocab_size = 0  # 0: from the dataset (meta.pkl), else GPT-2's 50304 (padded 50257)
+activation_checkpointing = False
+# optimizer
+optimizer = 'adamw'  # 'adamw' or 'sgd' (with momentum); method='galore'/'golore' use galore.py
+learning_rate = 1e-3
+max_iters = 1000
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.99
+momentum = 0.9  # sgd only
+grad_clip = 1.0  # 0 disables clipping
+# learning rate schedule: linear warm-up, then cosine decay to min_lr
+decay_lr = True
+warmup_iters = 50
+lr_decay_iters = 1000
+min_lr = 1e-4
+# layer cycling (omgd.py); see the README's table of methods
+method = 'lisa_wor'  # full, lisa, lisa_scale, lisa_wor, lisa_wor_noscale, tensor_wor, tensor_iid, galore, golore
+omgd_gamma = 2  # active middle blocks per period
+omgd_period = 25  # K: iterations between switches
+omgd_warmup = 0  # iterations of full training before cycling starts
+omgd_ratio = 0.5  # tensor methods: fraction of tensors active per period
+omgd_state = 'drop'  # optimizer state of frozen parameters: 'drop', 'offload' (to CPU) or 'keep'
+omgd_seed = 0  # seeds block selection (same on every rank), independent of the data order
+omgd_scale_after_clip = True  # the paper's code clips the gradient norm first, then scales
+omgd_always = 'embed,pos,norm,head'  # parts trained at every step
+# galore / golore (galore.py)
+galore_rank = 128
+galore_update_proj_gap = 200
+galore_scale = 0.25
+# system
+device = 'cuda' if torch.cuda.is_available() else 'cpu'
+dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # autocast dtype; CPU runs in float32
+compile = torch.cuda.is_available()  # torch.compile each block separately (regional compilation)
+backend = 'nccl' if torch.cuda.is_available() else 'gloo'
+seed = 1337
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+defaults = {k: globals()[k] for k in config_keys}
+try:
+    config = configure(defaults, sys.argv[1:])
+except ConfigError as e:
+    sys.exit(f"error: {e}")
+globals().update(config)
+# -----------------------------------------------------------------------------
+
+# peak dense bf16 tensor FLOP/s by GPU model, matched against torch.cuda.get_device_name()
+PEAK_BF16_FLOPS = {'H200': 989e12, 'H100 PCIe': 756e12, 'H100': 989e12, 'A100': 312e12,
+                   'B200': 2250e12, 'L40S': 362e12, 'A10G': 125e12, 'RTX 4090': 165e12}
+
+
+def fail(message):
+    """One line on stderr and a non-zero exit; nothing has been saved by this run yet."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(1)
+
+
+# distributed setup: torchrun sets RANK; every rank runs this same script
+ddp = int(os.environ.get('RANK', -1)) != -1
+if ddp:
+    dist.init_process_group(backend=backend)
+    ddp_rank, ddp_local_rank, ddp_world_size = dist.get_rank(), int(os.environ['LOCAL_RANK']), dist.get_world_size()
+    if device.startswith('cuda'):
+        device = f'cuda:{ddp_local_rank}'
+        torch.cuda.set_device(device)
+    master_process = ddp_rank == 0
+else:
+    ddp_rank, ddp_local_rank, ddp_world_size, master_process = 0, 0, 1, True
+if gradient_accumulation_steps % ddp_world_size:
+    fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
+         f"{ddp_world_size} ranks")
+grad_accum = gradient_accumulation_steps // ddp_world_size
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
+if master_process:
+    print(f"config:\n{format_config(config)}")
+    print(f"tokens per iteration: {tokens_per_iter:,} ({ddp_world_size} ranks)")
+    os.makedirs(out_dir, exist_ok=True)
+device_type = 'cuda' if device.startswith('cuda') else 'cpu'
+torch.manual_seed(seed)  # same model init on every rank; data order has its own seed
+if device_type == 'cuda':
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+autocast = nullcontext() if device_type == 'cpu' else torch.amp.autocast(device_type=device_type, dtype=ptdtype)
+
+# data: the embedded Shakespeare corpora are prepared on first use, anything else must exist
+data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
+prepare_cmd = f"python data/{dataset}/prepare.py"
+missing = [f for f in ('train.bin', 'val.bin') if not os.path.exists(os.path.join(data_dir, f))]
+if missing and dataset in ('shakespeare', 'shakespeare_char'):
+    if master_process:
+        print(f"preparing data/{dataset} (first run)")
+        import importlib
+        importlib.import_module(f'data.{dataset}.prepare').prepare(data_dir)
+    if ddp:
+        dist.barrier()
+try:
+    def token_batches(split, sampling, seed):
+        return TokenBatches(os.path.join(data_dir, f'{split}.bin'), block_size, batch_size, sampling, seed,
+                            ddp_rank, ddp_world_size, prepare_cmd)
+    train_batches = token_batches('train', sampling, data_seed)
+    # evaluation draws the same fixed windows every time, from generators of its own
+    eval_batches = {split: token_batches(split, 'iid', data_seed + 1) for split in ('train', 'val')}
+except (FileNotFoundError, ValueError) as e:
+    fail(e)
+meta_path = os.path.join(data_dir, 'meta.pkl')
+if vocab_size == 0 and os.path.exists(meta_path):
+    import pickle
+    with open(meta_path, 'rb') as f:
+        vocab_size = pickle.load(f)['vocab_size']
+        print(f"found vocab_size = {vocab_size} (inside {meta_path})") if master_process else None
+
+# model
+arch_keys = ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias', 'vocab_size')
+model_args = dict(arch=arch, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
+                  mlp_hidden=mlp_hidden, bias=bias, block_size=block_size, dropout=dropout,
+                  vocab_size=vocab_size or 50304)
+if preset:
+    if preset not in PRESETS:
+        fail(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    model_args.update({k: v for k, v in PRESETS[preset].items() if k in arch_keys})
+    model_args['vocab_size'] = vocab_size or PRESETS[preset]['vocab_size']
+iter_num, best_val_loss, checkpoint = 0, 1e9, None
+ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+if init_from == 'scratch':
+    raw_model = GPT(GPTConfig(**model_args))
+elif init_from == 'resume':
+    if not os.path.exists(ckpt_path):
+        fail(f"no checkpoint at {ckpt_path} to resume from; train with init_from='scratch' first")
+    try:
+        checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
+        model_args = checkpoint['model_args']
+        for k in arch_keys:
+            if k != 'vocab_size' and k in config and config[k] != defaults[k] and config[k] != model_args[k]:
+                fail(f"{k}={config[k]!r} conflicts with the checkpoint's {model_args[k]!r}; drop the override")
+        model_args.update(block_size=block_size, dropout=dropout)
+        raw_model = GPT(GPTConfig(**model_args))
+        raw_model.load_state_dict(checkpoint['model'])
+    except Exception as e:
+        fail(f"cannot load checkpoint {ckpt_path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+             f"it is corrupt or from another version: start from scratch or restore a backup")
+    iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+elif init_from.startswith('gpt2'):
+    try:
+        raw_model = GPT.from_pretrained(init_from, dict(dropout=dropout))
+    except (RuntimeError, ValueError) as e:
+        fail(e)
+    model_args = asdict(raw_model.config)
+else:
+    fail(f"init_from must be 'scratch', 'resume' or a GPT-2 name, got {init_from!r}")
+if block_size < raw_model.config.block_size:
+    raw_model.crop_block_size(block_size)
+raw_model.activation_checkpointing = activation_checkpointing
+raw_model.to(device)
+
+# optimizer over ALL parameters, built before anything is frozen, so every block can train later
+if method in ('galore', 'golore'):
+    import galore
+    opt = galore.build_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), rank=galore_rank,
+                                 update_proj_gap=galore_update_proj_gap, scale=galore_scale,
+                                 projection='svd' if method == 'galore' else 'random')
+elif optimizer == 'adamw':
+    opt = torch.optim.AdamW(param_groups(raw_model, weight_decay), lr=learning_rate, betas=(beta1, beta2),
+                            fused=device_type == 'cuda')
+elif optimizer == 'sgd':
+    opt = torch.optim.SGD(param_groups(raw_model, weight_decay), lr=learning_rate, momentum=momentum)
+else:
+    fail(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+try:
+    cycler = omgd.build_cycler(raw_model, opt, 'full' if method in ('galore', 'golore') else method,
+                               omgd_gamma, omgd_period, omgd_warmup, omgd_ratio, omgd_state, omgd_seed,
+                               always=[part for part in omgd_always.split(',') if part])
+except ValueError as e:
+    fail(e)
+if checkpoint is not None:
+    try:
+        opt.load_state_dict(checkpoint['optimizer'])
+        cycler.load_state_dict(checkpoint['cycler'])
+        train_batches.load_state_dict(checkpoint['data'])
+    except (ValueError, KeyError) as e:
+        fail(f"cannot resume from {ckpt_path}: {e}")
+    torch.set_rng_state(checkpoint['rng']['torch'])
+    if device_type == 'cuda' and checkpoint['rng'].get('cuda') is not None:
+        torch.cuda.set_rng_state(checkpoint['rng']['cuda'][ddp_local_rank % len(checkpoint['rng']['cuda'])])
+    random.setstate(checkpoint['rng']['python'])
+    np.random.set_state(tuple(checkpoint['rng']['numpy']))
+    checkpoint = None  # free memory
+
+if compile:
+    # Regional compilation: one compiled graph per block. A whole-model compile recompiles for
+    # every new requires_grad pattern and gives up after 8; a block only ever sees two patterns
+    # (trainable or frozen). nn.Module.compile keeps parameter names free of '_orig_mod.'.
+    for block in raw_model.blocks:
+        block.compile()
+
+
+def wrap(init_sync):
+    """DDP over the parameters that train now.
+
+    DDP allocates gradient buckets for, and all-reduces, exactly the parameters with
+    requires_grad=True at construction, so we build a new wrapper after every switch: frozen
+    blocks then cost no bucket memory and no communication. The weights are already equal on
+    every rank, so later wrappers skip the initial broadcast (init_sync=False). Building one
+    costs a few milliseconds per switch (see the README), once every omgd_period iterations.
+    """
+    if not ddp:
+        return raw_model
+    return DDP(raw_model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None, init_sync=init_sync)
+
+
+model = wrap(init_sync=True)
+
+
+def get_lr(it):
+    if not decay_lr:
+        return learning_rate
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    decay_ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * decay_ratio)) * (learning_rate - min_lr)
+
+
+def mean_over_ranks(value):
+    if not ddp:
+        return value
+    t = torch.tensor(value, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / ddp_world_size
+
+
+@torch.no_grad()
+def estimate_loss():
+    out = {}
+    raw_model.eval()
+    for split, batches in eval_batches.items():
+        batches.epoch, batches.step_in_epoch = 0, 0  # the same windows at every evaluation
+        losses = torch.zeros(eval_iters)
+        for k in range(eval_iters):
+            X, Y = batches.next_batch(device)
+            with autocast:
+                _, loss = raw_model(X, Y)
+            losses[k] = loss.item()
+        out[split] = mean_over_ranks(losses.mean().item())
+    raw_model.train()
+    return out
+
+
+def iteration_flops():
+    """FLOPs one iteration executes: a frozen block skips its weight-gradient GEMMs (4N, not 6N)."""
+    cfg = raw_model.config
+    trainable = sum(p.numel() for b in raw_model.blocks for p in b.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for b in raw_model.blocks for p in b.parameters() if not p.requires_grad)
+    head = raw_model.lm_head.weight.numel()
+    attention = 12 * cfg.n_layer * cfg.n_embd * block_size
+    return tokens_per_iter * (6 * (trainable + head) + 4 * frozen + attention)
+
+
+def save_checkpoint():
+    """Atomic: write a temporary file, then rename, so a crash never leaves a broken ckpt.pt."""
+    checkpoint = {
+        'model': raw_model.state_dict(), 'optimizer': opt.state_dict(), 'cycler': cycler.state_dict(),
+        'data': train_batches.state_dict(), 'model_args': model_args, 'iter_num': iter_num,
+        'best_val_loss': best_val_loss, 'config': config, 'world_size': ddp_world_size,
+        'rng': {'torch': torch.get_rng_state(), 'python': random.getstate(),
+                'numpy': [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
+                'cuda': torch.cuda.get_rng_state_all() if device_type == 'cuda' else None},
+    }
+    tmp_path = ckpt_path + '.tmp'
+    torch.save(checkpoint, tmp_path)
+    os.replace(tmp_path, ckpt_path)
+    print(f"saved checkpoint to {ckpt_path}")
+
+
+# preemption (SIGTERM from a cluster, Ctrl-C): finish the current iteration, then save and stop
+stop_requested = False
+
+
+def request_stop(signum, frame):
+    global stop_requested
+    stop_requested = True
+
+
+signal.signal(signal.SIGTERM, request_stop)
+signal.signal(signal.SIGINT, request_stop)
+
+
+def all_ranks_agree_to_stop():
+    flag = torch.tensor(float(stop_requested), device=device)
+    if ddp:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() > 0
+
+
+if wandb_log and master_process:
+    import wandb
+    wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+
+peak_flops = next((v for k, v in PEAK_BF16_FLOPS.items() if k in torch.cuda.get_device_name()), None) \
+    if device_type == 'cuda' else None
+X, Y = train_batches.next_batch(device)
+t0 = time.time()
+local_iter_num, running_mfu = 0, -1.0
+while True:
+    lr = get_lr(iter_num)
+    for group in opt.param_groups:
+        group['lr'] = lr
+    stop = all_ranks_agree_to_stop()
+    if iter_num % eval_interval == 0 or iter_num >= max_iters or stop:
+        losses = estimate_loss()
+        if master_process:
+            print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        if not all(math.isfinite(v) for v in losses.values()):
+            fail(f"loss is {losses['val']} at iteration {iter_num}; kept the last good checkpoint in {out_dir}; "
+                 f"lower learning_rate or raise warmup_iters")
+        if wandb_log and master_process:
+            wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
+        improved = losses['val'] < best_val_loss
+        best_val_loss = min(best_val_loss, losses['val'])
+        if iter_num > 0 and (improved or always_save_checkpoint or stop) and master_process:
+            save_checkpoint()
+    if iter_num >= max_iters or eval_only or stop:
+        break
+
+    if cycler.step(iter_num):
+        if master_process:
+            print(f"iter {iter_num}: {cycler.describe()}")
+        del model
+        model = wrap(init_sync=False)
+
+    for micro_step in range(grad_accum):
+        if ddp:
+            # all-reduce only on the last micro-step; earlier ones accumulate locally
+            model.require_backward_grad_sync = micro_step == grad_accum - 1
+        with autocast:
+            _, loss = model(X, Y)
+            loss = loss / grad_accum
+        X, Y = train_batches.next_batch(device)  # prefetch while the GPU works
+        loss.backward()
+    if not omgd_scale_after_clip:
+        cycler.scale_grads()
+    if grad_clip != 0.0:
+        torch.nn.utils.clip_grad_norm_([p for p in raw_model.parameters() if p.requires_grad], grad_clip)
+    if omgd_scale_after_clip:
+        cycler.scale_grads()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+    t1 = time.time()
+    dt, t0 = t1 - t0, t1
+    if iter_num % log_interval == 0:
+        lossf = mean_over_ranks(loss.item() * grad_accum)
+        if not math.isfinite(lossf):
+            fail(f"loss is {lossf} at iteration {iter_num}; kept the last good checkpoint in {out_dir}; "
+                 f"lower learning_rate or raise warmup_iters")
+        if master_process:
+            epoch = train_batches.epoch + train_batches.step_in_epoch / train_batches.steps_per_epoch
+            line = (f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.1f}ms, "
+                    f"tok/s {tokens_per_iter / dt:,.0f}, epoch {epoch:.2f}")
+            if peak_flops and local_iter_num >= 5:
+                mfu = iteration_flops() / dt / (peak_flops * ddp_world_size)
+                running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
+                line += f", mfu {running_mfu * 100:.2f}%"
+            if device_type == 'cuda':
+                line += (f", mem {torch.cuda.max_memory_allocated() / 2**30:.2f}/"
+                         f"{torch.cuda.max_memory_reserved() / 2**30:.2f} GiB alloc/reserved")
+            print(line, flush=True)
+            if wandb_log:
+                wandb.log({'iter': iter_num, 'train/loss_step': lossf, 'epoch': epoch})
+    iter_num += 1
+    local_iter_num += 1
+
+if master_process and sample_tokens > 0 and not stop:
+    from sample import load_codec
+    encode, decode = load_codec(data_dir)
+    start = torch.tensor([encode('\n')], dtype=torch.long, device=device)
+    with autocast:
+        y = raw_model.generate(start, sample_tokens, temperature=0.8, top_k=200)
+    print(f"sample:\n{decode(y[0].tolist())}")
+if ddp:
+    dist.destroy_process_group()
