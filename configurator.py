@@ -59,7 +59,7 @@ def load_config_file(path):
             source = f.read()
     except OSError as e:
         raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
-    namespace = {}
+    namespace = {'__file__': path}  # lets a config file build on another one next to it
     exec(compile(source, path, 'exec'), namespace)
     return {k: v for k, v in namespace.items()
             if not k.startswith('_') and not callable(v) and type(v).__name__ != 'module'}

@@ -47,7 +47,7 @@ wandb_log = False
 wandb_project = 'omgd'
 wandb_run_name = 'run'
 # data
-dataset = 'shakespeare_char'  # a folder of data/ with train.bin and val.bin
+dataset = 'shakespeare_char'  # a folder of data/ (or a path) with train.bin and val.bin
 sampling = 'rr'  # 'rr': random reshuffling (each window once per epoch), 'iid': nanoGPT's sampling with replacement
 data_seed = 1337
 gradient_accumulation_steps = 1  # micro-steps per optimizer step, summed over all ranks
@@ -328,7 +328,7 @@ def save_checkpoint():
     """Atomic: write a temporary file, then rename, so a crash never leaves a broken ckpt.pt."""
     checkpoint = {
         'model': raw_model.state_dict(), 'optimizer': opt.state_dict(), 'cycler': cycler.state_dict(),
-        'data': train_batches.state_dict(), 'model_args': model_args, 'iter_num': iter_num,
+        'data': data_position, 'model_args': model_args, 'iter_num': iter_num,
         'best_val_loss': best_val_loss, 'config': config, 'world_size': ddp_world_size,
         'rng': {'torch': torch.get_rng_state(), 'python': random.getstate(),
                 'numpy': [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
@@ -364,9 +364,18 @@ if wandb_log and master_process:
     import wandb
     wandb.init(project=wandb_project, name=wandb_run_name, config=config)
 
+
+def next_batch():
+    """The next training micro-batch; remembers the data position of the batch it fetched, which
+    is what a checkpoint must store, since the loop prefetches one micro-batch ahead."""
+    global data_position
+    data_position = train_batches.state_dict()
+    return train_batches.next_batch(device)
+
+
 peak_flops = next((v for k, v in PEAK_BF16_FLOPS.items() if k in torch.cuda.get_device_name()), None) \
     if device_type == 'cuda' else None
-X, Y = train_batches.next_batch(device)
+X, Y = next_batch()
 t0 = time.time()
 local_iter_num, running_mfu = 0, -1.0
 while True:
@@ -385,7 +394,7 @@ while True:
             wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
         improved = losses['val'] < best_val_loss
         best_val_loss = min(best_val_loss, losses['val'])
-        if iter_num > 0 and (improved or always_save_checkpoint or stop) and master_process:
+        if local_iter_num > 0 and (improved or always_save_checkpoint or stop) and master_process:
             save_checkpoint()
     if iter_num >= max_iters or eval_only or stop:
         break
@@ -403,7 +412,7 @@ while True:
         with autocast:
             _, loss = model(X, Y)
             loss = loss / grad_accum
-        X, Y = train_batches.next_batch(device)  # prefetch while the GPU works
+        X, Y = next_batch()  # prefetch while the GPU works
         loss.backward()
     if not omgd_scale_after_clip:
         cycler.scale_grads()

@@ -1,0 +1,6 @@
+# GPT-2 124M on OpenWebText, full-parameter AdamW: the baseline of config/gpt2_lisa_wor.py
+import os
+exec(open(os.path.join(os.path.dirname(__file__), 'gpt2_lisa_wor.py')).read())
+out_dir = 'out-gpt2-full'
+wandb_run_name = 'gpt2-124m-full'
+method = 'full'

@@ -1,0 +1,195 @@
+import copy
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import galore  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+LR, BETAS, EPS, WD, SCALE = 0.1, (0.9, 0.95), 1e-8, 0.1, 0.5
+
+
+def galore_by_hand(w, grads, rank, gap, scale, lr=LR, betas=BETAS, eps=EPS, wd=WD):
+    """GaLore-AdamW written out step by step from its definition, for one matrix."""
+    w = w.clone()
+    m, n = w.shape
+    right = m >= n
+    exp_avg = exp_avg_sq = proj = None
+    for t, g in enumerate(grads, start=1):
+        if (t - 1) % gap == 0:
+            U, S, Vh = torch.linalg.svd(g, full_matrices=False)
+            proj = Vh[:rank].T if right else U[:, :rank]  # Q (n x r) or P (m x r)
+        r = g @ proj if right else proj.T @ g
+        if exp_avg is None:
+            exp_avg, exp_avg_sq = torch.zeros_like(r), torch.zeros_like(r)
+        exp_avg = betas[0] * exp_avg + (1 - betas[0]) * r
+        exp_avg_sq = betas[1] * exp_avg_sq + (1 - betas[1]) * r * r
+        m_hat = exp_avg / (1 - betas[0] ** t)
+        v_hat = exp_avg_sq / (1 - betas[1] ** t)
+        n_low = m_hat / (v_hat.sqrt() + eps)
+        n_full = n_low @ proj.T if right else proj @ n_low
+        w = w * (1 - lr * wd) - lr * scale * n_full
+    return w, exp_avg, exp_avg_sq, proj
+
+
+@pytest.mark.parametrize('shape', [(6, 4), (4, 6)])
+def test_step_matches_hand_computation(shape):
+    torch.manual_seed(0)
+    w0 = torch.randn(shape, dtype=torch.float64)
+    grads = [torch.randn(shape, dtype=torch.float64) for _ in range(3)]
+    expected, exp_avg, exp_avg_sq, proj = galore_by_hand(w0, grads, rank=2, gap=200, scale=SCALE)
+
+    p = torch.nn.Parameter(w0.clone())
+    opt = galore.GaLoreAdamW([{'params': [p], 'rank': 2, 'update_proj_gap': 200, 'scale': SCALE}],
+                             lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    torch.testing.assert_close(p.detach(), expected)
+    state = opt.state[p]
+    # moments are r x n or m x r: projected on the smaller side
+    assert state['exp_avg'].shape == ((6, 2) if shape == (6, 4) else (2, 6))
+    torch.testing.assert_close(state['exp_avg'], exp_avg)
+    torch.testing.assert_close(state['exp_avg_sq'], exp_avg_sq)
+    torch.testing.assert_close(state['projector'], proj)
+    assert state['step'] == 3
+
+
+def test_group_without_rank_is_torch_adamw():
+    torch.manual_seed(1)
+    a = torch.nn.Parameter(torch.randn(5, 3))
+    b = torch.nn.Parameter(a.detach().clone())
+    ours = galore.GaLoreAdamW([a], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    ref = torch.optim.AdamW([b], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    for _ in range(4):
+        g = torch.randn(5, 3)
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    torch.testing.assert_close(a, b)
+    assert 'projector' not in ours.state[a]
+
+
+def test_projection_refreshed_every_gap_steps():
+    torch.manual_seed(2)
+    p = torch.nn.Parameter(torch.randn(8, 5))
+    opt = galore.GaLoreAdamW([{'params': [p], 'rank': 2, 'update_proj_gap': 3}], lr=1e-3)
+    projectors = []
+    for _ in range(7):
+        p.grad = torch.randn(8, 5)
+        opt.step()
+        projectors.append(opt.state[p]['projector'].clone())
+    same = [torch.equal(projectors[i], projectors[i + 1]) for i in range(6)]
+    # new projections at steps 0, 3, 6: before the 4th and the 7th call
+    assert same == [True, True, False, True, True, False]
+
+
+def test_golore_projection_orthonormal_and_reproducible():
+    def projector(seed, shape=(20, 12)):
+        torch.manual_seed(123)  # the global RNG must not matter
+        p = torch.nn.Parameter(torch.zeros(shape))
+        opt = galore.GaLoreAdamW([{'params': [p], 'rank': 4, 'projection': 'random'}], lr=1e-3, seed=seed)
+        torch.manual_seed(seed + 1000)
+        p.grad = torch.randn(shape)
+        opt.step()
+        return opt.state[p]['projector']
+
+    q = projector(0)
+    assert q.shape == (12, 4)
+    torch.testing.assert_close(q.T @ q, torch.eye(4), atol=1e-5, rtol=0)
+    torch.testing.assert_close(projector(0), q)  # same seed: same projection, whatever the grad
+    assert not torch.allclose(projector(1), q)
+    left = projector(0, shape=(7, 30))
+    assert left.shape == (7, 4)
+    torch.testing.assert_close(left.T @ left, torch.eye(4), atol=1e-5, rtol=0)
+
+
+def test_none_grads_skipped_and_accounting_excludes_projector():
+    frozen = torch.nn.Parameter(torch.randn(6, 4))
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    bias = torch.nn.Parameter(torch.randn(4))
+    opt = galore.GaLoreAdamW([{'params': [frozen, p], 'rank': 2}, {'params': [bias]}], lr=1e-3)
+    p.grad, bias.grad = torch.randn(6, 4), torch.randn(4)
+    opt.step()
+    assert frozen not in opt.state
+    # moments: 2 x (6 x 2) for p, 2 x 4 for the bias; the 4 x 2 projector counted apart
+    assert galore.optimizer_state_bytes(opt) == 4 * (2 * 12 + 2 * 4)
+    assert galore.projector_bytes(opt) == 4 * 8
+
+
+def test_state_dict_resume_is_exact():
+    torch.manual_seed(3)
+    grads = [torch.randn(6, 9) for _ in range(6)]
+
+    def make():
+        p = torch.nn.Parameter(torch.ones(6, 9))
+        return p, galore.GaLoreAdamW([{'params': [p], 'rank': 3, 'update_proj_gap': 2,
+                                       'projection': 'random'}], lr=1e-2)
+
+    p, opt = make()
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    q, opt2 = make()
+    for g in grads[:3]:
+        q.grad = g.clone()
+        opt2.step()
+    saved = copy.deepcopy(opt2.state_dict())
+    r, opt3 = make()
+    with torch.no_grad():
+        r.copy_(q)
+    opt3.load_state_dict(saved)
+    for g in grads[3:]:
+        r.grad = g.clone()
+        opt3.step()
+    torch.testing.assert_close(r, p)
+
+
+def tiny_gpt(arch='llama'):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(arch=arch, n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16, bias=False))
+
+
+def test_build_optimizer_groups():
+    model = tiny_gpt()
+    opt = galore.build_optimizer(model, 0.1, 1e-3, (0.9, 0.95), rank=4, update_proj_gap=10, scale=0.25,
+                                 projection='random')
+    seen = [id(p) for g in opt.param_groups for p in g['params']]
+    assert sorted(seen) == sorted(id(p) for p in model.parameters())
+    (low_rank,) = [g for g in opt.param_groups if 'rank' in g]
+    expected = {id(p) for b in model.blocks for p in b.parameters() if p.dim() == 2}
+    assert {id(p) for p in low_rank['params']} == expected and len(expected) == 2 * 7
+    assert low_rank['projection'] == 'random' and low_rank['update_proj_gap'] == 10
+    outer = {id(model.wte.weight), id(model.lm_head.weight)}
+    assert outer.isdisjoint(expected)
+
+
+@pytest.mark.parametrize('arch,projection', [('llama', 'svd'), ('gpt2', 'random')])
+def test_tiny_gpt_training_lowers_loss(arch, projection):
+    model = tiny_gpt(arch)
+    opt = galore.build_optimizer(model, 0.0, 3e-3, (0.9, 0.95), rank=8, update_proj_gap=10, scale=1.0,
+                                 projection=projection)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 64, (8, 16), generator=gen)
+    y = torch.roll(x, -1, dims=1)
+    losses = []
+    for _ in range(40):
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0, losses
+    assert all(math.isfinite(v) for v in losses)
+
+
+def test_invalid_settings():
+    p = torch.nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(ValueError, match='projection'):
+        galore.GaLoreAdamW([{'params': [p], 'rank': 2, 'projection': 'qr'}])
+    with pytest.raises(ValueError, match='rank'):
+        galore.GaLoreAdamW([{'params': [p], 'rank': 0}])
