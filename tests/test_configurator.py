@@ -1,0 +1,74 @@
+"""configurator.py: config files then --key=value, strict keys and types."""
+import ast
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from configurator import ConfigError, configure  # noqa: E402
+
+DEFAULTS = dict(learning_rate=6e-4, max_iters=100, compile=True, method='lisa_wor', omgd_gamma=2)
+
+
+def test_file_then_overrides_in_order(tmp_path):
+    cfg = tmp_path / 'c.py'
+    cfg.write_text("import math\nmethod = 'lisa'\nomgd_gamma = 3\n_private = 1\nmax_iters = int(math.sqrt(400))\n")
+    out = configure(DEFAULTS, [str(cfg), '--omgd_gamma=4'])
+    assert out == dict(DEFAULTS, method='lisa', omgd_gamma=4, max_iters=20)
+
+
+@pytest.mark.parametrize('text, value', [('True', True), ('false', False), ('1', True), ('0', False),
+                                         ('true', True), ('False', False)])
+def test_booleans(text, value):
+    assert configure(DEFAULTS, [f'--compile={text}'])['compile'] is value
+
+
+def test_int_for_float_and_strings():
+    out = configure(DEFAULTS, ['--learning_rate=1', '--method=full'])
+    assert out['learning_rate'] == 1.0 and isinstance(out['learning_rate'], float)
+    assert out['method'] == 'full'
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--lerning_rate=1e-3'], "unknown config key 'lerning_rate'; did you mean learning_rate?"),
+    (['--omgd_gama=3'], "did you mean omgd_gamma?"),
+    (['--max_iters=1e3'], "max_iters=1000.0 has type float, expected int"),
+    (['--max_iters=abc'], "max_iters='abc' is not a valid int"),
+    (['--compile=yes'], "compile='yes' is not a valid bool"),
+    (['--max_iters'], "expected --key=value"),
+    (['missing_config.py'], "cannot read config file 'missing_config.py'"),
+])
+def test_errors_are_one_line_and_helpful(argv, message):
+    with pytest.raises(ConfigError) as e:
+        configure(DEFAULTS, argv)
+    assert message in str(e.value) and '\n' not in str(e.value)
+
+
+def test_unknown_key_in_config_file(tmp_path):
+    cfg = tmp_path / 'c.py'
+    cfg.write_text("omgd_perod = 10\n")
+    with pytest.raises(ConfigError, match="unknown config key 'omgd_perod'"):
+        configure(DEFAULTS, [str(cfg)])
+
+
+def test_every_shipped_config_file_is_valid():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    source = open(os.path.join(root, 'train.py')).read()
+    defaults = {}
+    for node in ast.parse(source).body:  # train.py's module-level literal defaults
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            try:
+                defaults[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass
+    defaults.update(device='cpu', dtype='float32', compile=False, backend='gloo')
+    configs = sorted(f for f in os.listdir(os.path.join(root, 'config')) if f.endswith('.py'))
+    assert 'gpt2_lisa_wor.py' in configs and 'shakespeare_lisa_wor.py' in configs
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        for name in configs:
+            configure(defaults, [os.path.join('config', name)])
+    finally:
+        os.chdir(cwd)
