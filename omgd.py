@@ -178,7 +178,9 @@ class LayerCycler:
         """Call at the start of every iteration; returns True when the active set changed."""
         if self.schedule is None or iter_num < self.warmup or iter_num == self.last_switch:
             return False
-        if (iter_num - self.warmup) % self.period != 0 and self.last_switch >= self.warmup:
+        period_starts = (iter_num - self.warmup) % self.period == 0
+        never_switched = self.last_switch < self.warmup  # e.g. a run that starts mid-period
+        if not (period_starts or never_switched):
             return False
         self.last_switch = iter_num
         self.apply(self.schedule.next())
@@ -209,13 +211,14 @@ class LayerCycler:
         if self.state_policy == 'drop':
             del self.optimizer.state[p]
             return
-        # offload: park the tensors on the CPU (pinned, so the copy back can overlap compute)
+        # offload: park the tensors in pinned CPU memory, so the copy back can overlap compute;
+        # the copy out is blocking, so a checkpoint saved right after reads finished data
         devices = {}
         for key, value in state.items():
             if torch.is_tensor(value) and value.device.type != 'cpu':
                 devices[key] = value.device
                 cpu = torch.empty(value.shape, dtype=value.dtype, pin_memory=torch.cuda.is_available())
-                state[key] = cpu.copy_(value, non_blocking=True)
+                state[key] = cpu.copy_(value)
         self.offloaded[p] = devices
 
     def _restore_state(self, p):
