@@ -14,12 +14,20 @@ state), LISA/LISA-wor with 2 of 32 blocks plus embedding, final norm and head tr
 
 For every method: build the model, its optimizer over all parameters (torch AdamW, or
 galore.build_optimizer), and an omgd.LayerCycler (LISA methods: `gamma` blocks; `.step(0)` freezes
-the others exactly as in training). A warm-up iteration creates the optimizer state (and GaLore's
-projectors) as step 0 of training does; the measured iteration is then the second one of a
-switching period, the costliest: `micro_batches` (>= 2) forward/backward passes accumulating
-gradients, gradient clipping, the OMGD gradient scale, one optimizer step. Weights, gradients and
-optimizer state are exact tensor bytes (omgd.memory_bytes; GaLore projectors and CPU-resident state
-are left out of the optimizer column and reported apart). Everything is freed between methods.
+the others exactly as in training). A warm-up step (zero gradients on the trainable parameters,
+no forward) creates the optimizer state and GaLore's projectors as step 0 of training does. The
+measured iteration is then the second one of a switching period, the costliest, since the state
+already exists during the forward/backward: `micro_batches` (>= 2) forward/backward passes that
+accumulate gradients, gradient clipping, the OMGD gradient scale, one optimizer step. Weights,
+gradients and optimizer state are exact tensor bytes (omgd.memory_bytes; the optimizer column
+leaves out GaLore's projectors and CPU-resident state, reported apart). Everything is freed
+between methods.
+
+The paper's 1.73 GiB for GaLore/GoLore comes out with GaLore's own convention: rank 128 on the
+smaller side of all 7 matrices of every block (moments of 4096 x 128 for q/k/v/o, 11008 x 128 for
+gate/up/down), full bf16 AdamW moments for the embedding, head and norms, projectors not counted:
+2 x 2 bytes x (32 x 6,332,416 + 262,148,096) = 1.7314 GiB. LISA's 1.24/2.48 GiB are 2 blocks +
+embedding + head + final norm (666,914,816 parameters) in bf16, times 1 and 2.
 
 Where it runs (--device):
   cuda: measured. Peak = torch.cuda.max_memory_allocated over the measured iteration (after
@@ -40,7 +48,8 @@ Where it runs (--device):
         per-parameter AdamW, whose temporaries are one parameter's size at a time).
   cpu:  runs for real on the CPU, counted by LiveBytes (for tests of the non-meta code path).
 On cuda LiveBytes runs too, and its peak is stored in the JSON ('tracked_peak') to check the
-meta estimator against the measurement.
+meta estimator against the measurement. (torch.distributed._tools.mem_tracker.MemTracker is not
+used: it registers a gradient hook on every parameter it sees and fails on frozen ones.)
 
 Methods: full, galore, golore, and any layer-cycling method of omgd.py (lisa, lisa_wor, ...).
 A suffix changes where AdamW keeps its state (layer-cycling and full methods only):
@@ -53,12 +62,12 @@ blocks' state is absent or in CPU memory); 'keep' first runs one full cycle of s
 block has state, what 'keep' converges to.
 """
 import gc
-import weakref
 import json
 import math
 import os
 import sys
 import time
+import weakref
 from contextlib import contextmanager, nullcontext
 from functools import partial
 
@@ -280,20 +289,23 @@ class MasterAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 with self.host_scope():
                     if 'master' not in state:
-                        state['master'] = p.detach().to(self.master_device or p.device, torch.float32, copy=True)
+                        weight = p.detach().to(self.master_device or p.device)  # copy bf16 across, then widen
+                        state['master'] = weight.float() if weight.dtype != torch.float32 else weight.clone()
                         state['exp_avg'] = torch.zeros_like(state['master'])
                         state['exp_avg_sq'] = torch.zeros_like(state['master'])
                         state['step'] = 0
                     master, exp_avg, exp_avg_sq = state['master'], state['exp_avg'], state['exp_avg_sq']
                     state['step'] += 1
-                    grad = p.grad.to(master.device, torch.float32)
+                    grad = p.grad.to(master.device).float()  # copy bf16 across, then widen
                     master.mul_(1 - group['lr'] * group['weight_decay'])
                     exp_avg.lerp_(grad, 1 - beta1)
                     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                     denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** state['step'])).add_(group['eps'])
                     master.addcdiv_(exp_avg, denom, value=-group['lr'] / (1 - beta1 ** state['step']))
                     del grad, denom
-                p.copy_(master)  # back to the GPU, rounded to bf16
+                with self.host_scope():
+                    rounded = master.to(p.dtype)
+                p.copy_(rounded)  # back to the GPU as bf16
 
 
 # -----------------------------------------------------------------------------
@@ -313,15 +325,19 @@ def parse_method(name):
 
 def resolve_device(name):
     if name == 'auto':
-        return torch.device('cuda' if torch.cuda.is_available() else 'meta')
+        name = 'cuda' if torch.cuda.is_available() else 'meta'
     if name not in ('cuda', 'meta', 'cpu'):
         raise ValueError(f"device must be auto, cuda, meta or cpu, got {name!r}")
     if name == 'cuda' and not torch.cuda.is_available():
         raise ValueError("device=cuda but CUDA is not available; use device=meta for an estimate")
+    if name == 'cuda':  # with its index: tensors report cuda:N, and LiveBytes compares devices
+        return torch.device('cuda', torch.cuda.current_device())
     return torch.device(name)
 
 
 def model_config(cfg):
+    """The GPTConfig of cfg['model'] at cfg['block_size']; optional n_layer/n_head/n_embd/vocab_size
+    keys of cfg (bench.py has them) override the preset when non-zero."""
     if cfg['model'] == 'tiny':
         args = dict(TINY)
     elif cfg['model'] in PRESETS:
@@ -329,9 +345,15 @@ def model_config(cfg):
     else:
         raise ValueError(f"unknown model {cfg['model']!r}; choose tiny or one of {', '.join(PRESETS)}")
     args['block_size'] = cfg['block_size']
-    if cfg['vocab_size']:
-        args['vocab_size'] = cfg['vocab_size']
-    return GPTConfig(**args)
+    for key in ('n_layer', 'n_head', 'n_embd', 'vocab_size'):
+        if cfg.get(key):
+            args[key] = cfg[key]
+    if cfg.get('n_embd'):
+        args.pop('mlp_hidden', None)  # derive the MLP width from the new n_embd
+    try:
+        return GPTConfig(**args)
+    except ValueError as e:
+        raise ValueError(f"model shape: {e}") from None
 
 
 def build_model(config, device, param_dtype, activation_checkpointing):
@@ -351,7 +373,7 @@ def build_model(config, device, param_dtype, activation_checkpointing):
     return net
 
 
-def build_optimizer(net, base, variant, cfg, device, tracker):
+def build_optimizer(net, base, variant, cfg, device, tracker=None):
     betas, lr, wd = (cfg['beta1'], cfg['beta2']), cfg['learning_rate'], cfg['weight_decay']
     if base in LOW_RANK:
         return galore.build_optimizer(net, wd, lr, betas, rank=cfg['galore_rank'],
@@ -393,8 +415,8 @@ def measure(cfg, method, device):
     shape = (cfg['batch_size'], cfg['block_size'])
     batches = [(torch.randint(0, config.vocab_size, shape, device=device),
                 torch.randint(0, config.vocab_size, shape, device=device)) for _ in range(max(1, cfg['micro_batches']))]
-    if cuda:
-        forward_ctx = partial(torch.autocast, 'cuda', dtype=torch.bfloat16, enabled=autocast)
+    if device.type != 'meta':
+        forward_ctx = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=autocast)
         backward = torch.Tensor.backward
     else:
         forward_ctx = partial(MetaAsCuda, autocast=autocast, cache=True)
@@ -465,14 +487,20 @@ def gib(n):
 def notes_for(cfg, device, estimate):
     lines = []
     if estimate:
+        how = ("attention as FlashAttention/memory-efficient kernels, CUDA autocast emulated"
+               if device.type == 'meta' else "the CPU's own kernels")
         lines.append(f"ESTIMATE on the {device.type} device, not a GPU measurement. Weights, gradients and "
                      "optimizer state are exact tensor bytes; Others = the peak of live tensor bytes counted op "
-                     "by op (LiveBytes in bench_memory.py, attention as FlashAttention/memory-efficient kernels, "
-                     "CUDA autocast emulated) minus those three. Allocator rounding/fragmentation, cuBLAS "
-                     "workspaces and the CUDA context are not included; no reserved figure.")
+                     f"by op (LiveBytes in bench_memory.py; {how}) minus those three. Allocator "
+                     "rounding/fragmentation, cuBLAS workspaces and the CUDA context are not included; no "
+                     "reserved figure.")
     else:
         lines.append("Measured on the GPU: Total = torch.cuda.max_memory_allocated over the measured iteration, "
                      "Reserved = max_memory_reserved; Others = Total - Model - Gradients - Optimizer.")
+    config = model_config(cfg)
+    n_params = sum(p.numel() for p in build_model(config, torch.device('meta'), torch.float32, False).parameters())
+    lines.append(f"Model {cfg['model']}: {config.arch}, {config.n_layer} blocks, n_embd {config.n_embd}, MLP "
+                 f"{config.mlp_hidden}, vocab {config.vocab_size}, {n_params:,} parameters.")
     prec = {'bf16_pure': 'pure bf16 weights, gradients and AdamW states (no fp32 master)',
             'bf16_autocast': 'fp32 weights, gradients and AdamW states with bf16 autocast (nanoGPT style)'}
     lines.append(f"{prec[cfg['dtype']]}; micro-batch {cfg['batch_size']} x {cfg['block_size']} tokens "
@@ -492,8 +520,8 @@ def notes_for(cfg, device, estimate):
 
 def markdown(result):
     cfg, rows, estimate = result['config'], result['rows'], result['estimate']
-    title = f"Memory breakdown (GiB), {cfg['model']}, one {'GPU' if not estimate else 'device'}"
-    out = [f"# {title}{' — ESTIMATE (meta device, no GPU)' if estimate else ''}", '']
+    title = f"Memory breakdown (GiB), {cfg['model']}, one {'device' if estimate else result['device']}"
+    out = [f"# {title}" + (f" — ESTIMATE ({result['device']} device, no GPU)" if estimate else ''), '']
     out += [f"- {line}" for line in result['notes']]
     out += ['', f"Command: `{result['command']}`", '']
     extra = [('projectors', 'GaLore proj. (in Others)'), ('cpu_state', 'CPU state')]
@@ -508,8 +536,9 @@ def markdown(result):
         cells += [f"{gib(r[k]):.2f}" for k, _ in extra]
         out.append('| ' + ' | '.join(cells) + ' |')
     if cfg['model'] == 'llama-7b':
-        out += ['', "The paper's table (GiB), for comparison (its Others/Total come from its own runs; its full-"
-                "parameter row was extrapolated after running out of memory):", '',
+        out += ['', "The paper's table (GiB), for comparison. Its Others/Total were measured on an RTX PRO 6000 "
+                "with its own code; a commented-out passage of the paper's source says the full-parameter row "
+                "was estimated from proportions after running out of memory.", '',
                 '| Method | Model | Gradients | Optimizer | Others | Total |', '|---|---|---|---|---|---|']
         for name, values in PAPER_LLAMA_7B.items():
             out.append(f"| {name} | " + ' | '.join(f"{v:.2f}" for v in values) + ' |')
@@ -536,7 +565,7 @@ def plot(result, path):
     ax.set_ylabel('GiB')
     title = f"GPU memory, {result['config']['model']}"
     if result['estimate']:
-        title += ' (ESTIMATE, meta device)'
+        title += f" (ESTIMATE, {result['device']} device)"
     ax.set_title(title)
     ax.set_ylim(0, max(bottom) * 1.12)
     ax.legend(loc='upper right', fontsize=8)
