@@ -22,7 +22,7 @@ Conventions, as in GaLore's code unless noted:
   GaLore's reference code uses transformers' AdamW variant, which differs only at the scale of eps.
 - The projector is kept in state['projector'], so state_dict() saves it and a resumed run goes on
   in the same subspace. It is not optimizer state in the GaLore papers' memory accounting:
-  optimizer_state_bytes() leaves it out, projector_bytes() counts it.
+  omgd.memory_bytes() leaves it out, projector_bytes() counts it.
 - GoLore's projection for a parameter is drawn from a CPU torch.Generator seeded with
   (seed, parameter index, step), so runs are reproducible, resumed runs included, on any device.
 """
@@ -127,12 +127,6 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 else:
                     p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
         return loss
-
-
-def optimizer_state_bytes(optimizer):
-    """Bytes of optimizer state tensors, GaLore projectors and scalar step counters excluded."""
-    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for k, v in s.items()
-               if torch.is_tensor(v) and v.dim() > 0 and k != 'projector')
 
 
 def projector_bytes(optimizer):

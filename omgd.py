@@ -290,6 +290,8 @@ def memory_bytes(model, optimizer):
     """Exact bytes of parameters, gradients and optimizer state tensors (on any device)."""
     params = {id(p): p for p in model.parameters()}.values()
     grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-                if torch.is_tensor(v) and v.dim() > 0)  # scalar 'step' counters are not state memory
+    # scalar 'step' counters are not state memory; GaLore's projection matrices are counted
+    # apart, as the paper's memory table does
+    state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for k, v in s.items()
+                if torch.is_tensor(v) and v.dim() > 0 and k != 'projector')
     return {'params': sum(p.numel() * p.element_size() for p in params), 'grads': grads, 'optimizer': state}
