@@ -10,7 +10,10 @@ write them), in one of two orders:
 - 'iid': nanoGPT's sampling with replacement, kept as the baseline.
 
 The order is a pure function of (seed, epoch), so the position (epoch, windows consumed) is all
-a checkpoint needs to continue exactly.
+a checkpoint needs to continue exactly. Because the position counts windows, not steps, a run can
+resume on another number of ranks when the windows consumed are a whole number of its steps,
+always so when batch_size x ranks is unchanged (the epoch's dropped tail, fewer than
+batch_size x ranks windows, depends on that product too).
 """
 import os
 
@@ -80,7 +83,8 @@ class TokenBatches:
 
     def state_dict(self):
         return {'sampling': self.sampling, 'seed': self.seed, 'epoch': self.epoch,
-                'windows_consumed': self.step_in_epoch * self.batch_size * self.world_size}
+                'windows_consumed': self.step_in_epoch * self.batch_size * self.world_size,
+                'windows_per_step': self.batch_size * self.world_size}
 
     def load_state_dict(self, state):
         if state['sampling'] != self.sampling or state['seed'] != self.seed:
@@ -88,7 +92,10 @@ class TokenBatches:
                              f"resume with the same sampling and seed")
         per_step = self.batch_size * self.world_size
         if state['windows_consumed'] % per_step:
+            saved, ranks = state.get('windows_per_step', '?'), f"{self.world_size} rank{'s' * (self.world_size > 1)}"
+            hint = f", i.e. --batch_size={saved // self.world_size} with {ranks}" \
+                if isinstance(saved, int) and saved % self.world_size == 0 else ""
             raise ValueError(f"checkpoint stopped after {state['windows_consumed']} windows of the epoch, not a "
-                             f"multiple of batch_size x ranks = {per_step}; resume with the same batch_size "
-                             f"and number of ranks")
+                             f"multiple of batch_size x ranks = {self.batch_size} x {self.world_size}; resume with "
+                             f"the same batch_size x ranks as the checkpoint ({saved}){hint}")
         self.epoch, self.step_in_epoch = state['epoch'], state['windows_consumed'] // per_step

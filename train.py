@@ -5,19 +5,22 @@ One process (CPU or one GPU):
 $ python train.py                                  # small LISA-wor model on Shakespeare, CPU, minutes
 $ python train.py config/shakespeare_lisa_wor.py --method=lisa --max_iters=500
 
-DDP on 4 GPUs of one node (gloo instead of nccl when there is no CUDA):
+DDP on 4 GPUs of one node (gloo instead of nccl when there is no CUDA, or with --backend=gloo):
 $ torchrun --standalone --nproc_per_node=4 train.py config/gpt2_lisa_wor.py
 
-Several nodes (run on each node, with its own --node_rank):
-$ torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv-backend=c10d \
-      --rdzv-endpoint=HOST:29500 --rdzv-id=gpt2 train.py config/gpt2_lisa_wor.py
+Several nodes (the same command on every node; HOST is one of them; the rendezvous assigns ranks):
+$ torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+      --rdzv-id=gpt2 train.py config/gpt2_lisa_wor.py
 """
+import gc
+import hashlib
 import math
 import os
 import random
 import signal
 import sys
 import time
+import weakref
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -99,6 +102,7 @@ dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # autocast dtype
 compile = torch.cuda.is_available()  # torch.compile each block separately (regional compilation)
 backend = 'nccl' if torch.cuda.is_available() else 'gloo'
 seed = 1337
+ddp_check = False  # assert the DDP invariants at every iteration on every rank (tests; hashes all weights)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 defaults = {k: globals()[k] for k in config_keys}
@@ -131,19 +135,57 @@ if ddp:
         device = f'cuda:{ddp_local_rank}'
         torch.cuda.set_device(device)
     master_process = ddp_rank == 0
+    # Control messages (the stop flag, RNG states, ddp_check) travel over a CPU group: reading
+    # a flag back from a GPU tensor at every iteration would stall the GPU's queue of work.
+    cpu_group = dist.new_group(backend='gloo') if backend != 'gloo' else dist.group.WORLD
 else:
     ddp_rank, ddp_local_rank, ddp_world_size, master_process = 0, 0, 1, True
 if gradient_accumulation_steps % ddp_world_size:
-    fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
-         f"{ddp_world_size} ranks")
+    fail(f"gradient_accumulation_steps={gradient_accumulation_steps} counts micro-steps summed over all ranks and "
+         f"must be a multiple of the {ddp_world_size} ranks, e.g. --gradient_accumulation_steps="
+         f"{ddp_world_size * math.ceil(gradient_accumulation_steps / ddp_world_size)} (tokens per iteration = "
+         f"gradient_accumulation_steps x batch_size x block_size)")
 grad_accum = gradient_accumulation_steps // ddp_world_size
+
+# Preemption (SIGTERM from a cluster or from torchrun, which forwards its own SIGTERM/SIGINT to
+# every worker; Ctrl-C): finish the current iteration, then all ranks save and stop together.
+# A signal may reach only some ranks, so every iteration starts with an all_reduce(MAX) of the
+# flag: all ranks then leave the loop at the same iteration. torchrun kills the workers 30 s after
+# forwarding a signal (--shutdown-timeout), so a stop saves at once and skips the evaluation.
+stop_requested = False
+
+
+def request_stop(signum, frame):
+    global stop_requested
+    stop_requested = True
+
+
+signal.signal(signal.SIGTERM, request_stop)
+signal.signal(signal.SIGINT, request_stop)
+
+
+def all_ranks_agree_to_stop():
+    flag = torch.tensor(float(stop_requested))
+    if ddp:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group)
+    return flag.item() > 0
+
+
+def gather(obj):
+    """A list of `obj` from every rank (in rank order), on every rank."""
+    if not ddp:
+        return [obj]
+    objs = [None] * ddp_world_size
+    dist.all_gather_object(objs, obj, group=cpu_group)
+    return objs
+
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 if master_process:
     print(f"config:\n{format_config(config)}")
     print(f"tokens per iteration: {tokens_per_iter:,} ({ddp_world_size} ranks)")
     os.makedirs(out_dir, exist_ok=True)
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-torch.manual_seed(seed)  # same model init on every rank; data order has its own seed
+torch.manual_seed(seed)  # same model init on every rank (DDP broadcasts rank 0's anyway); data has its own seed
 if device_type == 'cuda':
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -239,6 +281,7 @@ try:
                                always=[part for part in omgd_always.split(',') if part])
 except ValueError as e:
     fail(e)
+torch.manual_seed(seed + ddp_rank)  # from here on (dropout) each rank draws its own random numbers
 if checkpoint is not None:
     try:
         opt.load_state_dict(checkpoint['optimizer'])
@@ -246,9 +289,20 @@ if checkpoint is not None:
         train_batches.load_state_dict(checkpoint['data'])
     except (ValueError, KeyError) as e:
         fail(f"cannot resume from {ckpt_path}: {e}")
-    torch.set_rng_state(checkpoint['rng']['torch'])
-    if device_type == 'cuda' and checkpoint['rng'].get('cuda') is not None:
-        torch.cuda.set_rng_state(checkpoint['rng']['cuda'][ddp_local_rank % len(checkpoint['rng']['cuda'])])
+    rank_rngs = checkpoint['rng'].get('ranks', [])
+    if len(rank_rngs) == ddp_world_size:
+        torch.set_rng_state(rank_rngs[ddp_rank]['torch'])
+        if device_type == 'cuda' and rank_rngs[ddp_rank]['cuda'] is not None:
+            torch.cuda.set_rng_state(rank_rngs[ddp_rank]['cuda'])
+    else:
+        # Another number of ranks (the data loader accepted the position, see dataloader.py):
+        # the run goes on from the same weights, schedule and windows, but the per-rank dropout
+        # streams cannot continue, and the gradient sum runs in another order, so it is not bitwise.
+        torch.manual_seed(seed + ddp_rank + 1_000_003 * iter_num)
+        if master_process:
+            print(f"resuming a {checkpoint.get('world_size', 1)}-rank checkpoint on {ddp_world_size} "
+                  f"rank{'s' * (ddp_world_size > 1)}: "
+                  f"same data position, not bitwise the run it would have been")
     random.setstate(checkpoint['rng']['python'])
     np.random.set_state(tuple(checkpoint['rng']['numpy']))
     checkpoint = None  # free memory
@@ -266,16 +320,27 @@ def wrap(init_sync):
 
     DDP allocates gradient buckets for, and all-reduces, exactly the parameters with
     requires_grad=True at construction, so we build a new wrapper after every switch: frozen
-    blocks then cost no bucket memory and no communication. The weights are already equal on
-    every rank, so later wrappers skip the initial broadcast (init_sync=False). Building one
-    costs a few milliseconds per switch (see the README), once every omgd_period iterations.
+    blocks then cost no bucket memory and no communication. The alternative, one wrapper for the
+    whole run plus our own all-reduce of the active gradients, would either wait for the end of
+    backward (no overlap of communication with compute) or re-implement DDP's bucketed autograd
+    hooks, which is what DDP's C++ reducer already does, well tested, with no_sync and compile
+    support. A rebuild is local (no collective with init_sync=False: the weights are already equal
+    on every rank) and costs milliseconds, plus one bucket re-ordering in the next backward,
+    once every omgd_period iterations (results/ddp_switch_cost.md).
+    gradient_as_bucket_view: the gradients of the active parameters live in the buckets rather
+    than next to them, which saves one copy of the active gradients.
+    forward_sync_buffers=False: the only buffers (LLaMA's RoPE tables) are constants, so there is
+    nothing to broadcast before every forward.
     """
     if not ddp:
         return raw_model
-    return DDP(raw_model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None, init_sync=init_sync)
+    return DDP(raw_model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None, init_sync=init_sync,
+               forward_sync_buffers=False, gradient_as_bucket_view=True)
 
 
-model = wrap(init_sync=True)
+# The wrapper is built at the first iteration, after the first switch: a wrapper over all
+# parameters would allocate full-size gradient buckets that layer cycling is meant to avoid.
+model = None
 
 
 def get_lr(it):
@@ -325,14 +390,19 @@ def iteration_flops():
 
 
 def save_checkpoint():
-    """Atomic: write a temporary file, then rename, so a crash never leaves a broken ckpt.pt."""
+    """Called on every rank; rank 0 writes. Model, optimizer, schedule and data position are the
+    same on every rank; the dropout RNG is not, so each rank's state is gathered into the file.
+    Atomic: write a temporary file, then rename, so a crash never leaves a broken ckpt.pt."""
+    rank_rngs = gather({'torch': torch.get_rng_state(),
+                        'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None})
+    if not master_process:
+        return
     checkpoint = {
         'model': raw_model.state_dict(), 'optimizer': opt.state_dict(), 'cycler': cycler.state_dict(),
         'data': data_position, 'model_args': model_args, 'iter_num': iter_num,
         'best_val_loss': best_val_loss, 'config': config, 'world_size': ddp_world_size,
-        'rng': {'torch': torch.get_rng_state(), 'python': random.getstate(),
-                'numpy': [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
-                'cuda': torch.cuda.get_rng_state_all() if device_type == 'cuda' else None},
+        'rng': {'ranks': rank_rngs, 'python': random.getstate(),
+                'numpy': [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()]},
     }
     tmp_path = ckpt_path + '.tmp'
     torch.save(checkpoint, tmp_path)
@@ -340,24 +410,48 @@ def save_checkpoint():
     print(f"saved checkpoint to {ckpt_path}")
 
 
-# preemption (SIGTERM from a cluster, Ctrl-C): finish the current iteration, then save and stop
-stop_requested = False
+def counted_allreduce(counter, bucket):
+    """ddp_check: DDP's default all-reduce (its documented reference hook, same result), counted,
+    to verify that gradient accumulation communicates on the last micro-step only."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    counter[0] += 1
+    return allreduce_hook(None, bucket)
 
 
-def request_stop(signum, frame):
-    global stop_requested
-    stop_requested = True
-
-
-signal.signal(signal.SIGTERM, request_stop)
-signal.signal(signal.SIGINT, request_stop)
-
-
-def all_ranks_agree_to_stop():
-    flag = torch.tensor(float(stop_requested), device=device)
+def check_ddp(old_wrapper, kept_by_cycle, frozen_snapshot, reductions):
+    """ddp_check=True, after the optimizer step, gradients still in place: every rank reports what
+    must hold after a switch, and every rank compares all reports, so a failure stops all ranks.
+    Returns a summary of the reports."""
+    params = list(raw_model.parameters())  # deduplicated: the tied head is the embedding
+    active = [p for p in params if p.requires_grad]
+    weights = hashlib.sha256()
+    for p in params:
+        weights.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    report = {'active': cycler.active, 'weights': weights.hexdigest(),
+              'the previous DDP wrapper is freed': old_wrapper is None or old_wrapper() is None,
+              'by reference counting, without gc.collect()': not kept_by_cycle,
+              'frozen parameters are untouched': all(torch.equal(p, copy) for p, copy in frozen_snapshot),
+              'gradients exist exactly for the active parameters': all((p.grad is not None) == p.requires_grad
+                                                                        for p in params),
+              'active elements': sum(p.numel() for p in active), 'bucket elements': None}
     if ddp:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() > 0
+        # what the reducer holds: the parameters of its buckets and the buckets' flat buffers
+        buckets = model.reducer._get_zeros_like_grad_buckets()
+        report['DDP buckets hold exactly the active parameters'] = \
+            {id(p) for b in buckets for p in b.parameters()} == {id(p) for p in active}
+        report['bucket elements'] = sum(b.buffer().numel() for b in buckets)
+        report['bucket elements == active elements'] = report['bucket elements'] == report['active elements']
+        report['one all-reduce per bucket per step'] = reductions[0] == len(buckets)
+        reductions[0] = 0
+    reports = gather(report)
+    problems = [k for k, v in report.items() if isinstance(v, bool) and not all(r[k] for r in reports)]
+    problems += [f"ranks differ in {k}" for k in ('active', 'weights') if any(r[k] != report[k] for r in reports)]
+    if problems:
+        fail(f"ddp check failed at iteration {iter_num}, not on every rank: {'; '.join(problems)}")
+    return (f"ddp check: {ddp_world_size} ranks agree on active {report['active']} and weights sha256 "
+            f"{report['weights'][:16]}; {report['active elements']} active elements, DDP buckets "
+            f"{report['bucket elements']}; one all-reduce per bucket; frozen untouched, no frozen gradients, "
+            f"old wrapper freed")
 
 
 if wandb_log and master_process:
@@ -383,7 +477,12 @@ while True:
     for group in opt.param_groups:
         group['lr'] = lr
     stop = all_ranks_agree_to_stop()
-    if iter_num % eval_interval == 0 or iter_num >= max_iters or stop:
+    if stop:
+        print(f"rank {ddp_rank}: stop requested, stopping at iteration {iter_num}", flush=True)
+        if local_iter_num > 0:  # else nothing trained since the start or the resume
+            save_checkpoint()
+        break
+    if iter_num % eval_interval == 0 or iter_num >= max_iters:
         losses = estimate_loss()
         if master_process:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
@@ -394,16 +493,31 @@ while True:
             wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
         improved = losses['val'] < best_val_loss
         best_val_loss = min(best_val_loss, losses['val'])
-        if local_iter_num > 0 and (improved or always_save_checkpoint or stop) and master_process:
+        # every rank decides alike: the losses are all-reduced, so identical on every rank
+        if local_iter_num > 0 and (improved or always_save_checkpoint):
             save_checkpoint()
-    if iter_num >= max_iters or eval_only or stop:
+    if iter_num >= max_iters or eval_only:
         break
 
-    if cycler.step(iter_num):
-        if master_process:
-            print(f"iter {iter_num}: {cycler.describe()}")
-        del model
-        model = wrap(init_sync=False)
+    switched = cycler.step(iter_num)
+    if switched or model is None:
+        old_wrapper = weakref.ref(model) if ddp and model is not None else None
+        # `model` is the last reference to the old wrapper: dropping it frees its reducer, whose
+        # destructor removes its autograd hooks and frees its buckets before the new ones exist
+        model = None
+        kept_by_cycle = old_wrapper is not None and old_wrapper() is not None
+        if kept_by_cycle:
+            gc.collect()  # never needed with torch 2.13 (ddp_check verifies it); insurance
+        t = time.time()
+        model = wrap(init_sync=old_wrapper is None)  # the first wrapper broadcasts rank 0's weights
+        rebuild_ms = (time.time() - t) * 1000
+        if ddp_check:
+            frozen_snapshot = [(p, p.detach().clone()) for p in raw_model.parameters() if not p.requires_grad]
+            reductions = [0]
+            if ddp:
+                model.register_comm_hook(reductions, counted_allreduce)
+    if switched and master_process:
+        print(f"iter {iter_num}: {cycler.describe()}" + (f", DDP rebuilt in {rebuild_ms:.1f} ms" if ddp else ""))
 
     for micro_step in range(grad_accum):
         if ddp:
@@ -421,6 +535,10 @@ while True:
     if omgd_scale_after_clip:
         cycler.scale_grads()
     opt.step()
+    if ddp_check:
+        summary = check_ddp(old_wrapper, kept_by_cycle, frozen_snapshot, reductions)
+        if master_process and (switched or iter_num == max_iters - 1):
+            print(f"iter {iter_num}: {summary}")
     opt.zero_grad(set_to_none=True)
 
     t1 = time.time()

@@ -1,0 +1,102 @@
+"""
+Cost of a layer switch under DDP: train.py drops its DistributedDataParallel wrapper and builds a
+new one over the parameters that train after the switch (see wrap() in train.py).
+
+$ torchrun --standalone --nproc_per_node=2 bench_ddp_switch.py                        # GPT-2 124M
+$ torchrun --standalone --nproc_per_node=2 bench_ddp_switch.py --preset=tiny --gamma=2
+
+For several LISA-wor switches this times, as the slowest rank sees it:
+- switch:  cycler.step (requires_grad flags) plus dropping the old wrapper (its reducer, hooks and
+           buckets) and building the new one with train.py's arguments (init_sync=False);
+- first:   the first forward+backward after the switch, in which DDP re-orders its buckets;
+- steady:  the next forward+backward, for comparison;
+- reduce:  one all_reduce of as many float32 elements as there are active ones, which is what the
+           steady backward communicates (and, once, of all the model's elements, for comparison).
+Rank 0 prints one row per switch and the medians.
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import omgd
+from model import GPT, GPTConfig, config_from_preset
+
+parser = argparse.ArgumentParser()
+parser.add_argument('--preset', default='gpt2', help="a model.py preset, or 'tiny' (the tests' 4x32 model)")
+parser.add_argument('--gamma', type=int, default=3, help='active blocks per period (the GPT-2 config: 3 of 12)')
+parser.add_argument('--switches', type=int, default=5)
+parser.add_argument('--batch_size', type=int, default=1)
+parser.add_argument('--block_size', type=int, default=64)
+parser.add_argument('--backend', default='gloo')
+args = parser.parse_args()
+
+dist.init_process_group(backend=args.backend)
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+if args.preset == 'tiny':
+    config = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=args.block_size, vocab_size=80)
+else:
+    config = config_from_preset(args.preset, block_size=args.block_size, vocab_size=50304)
+model = GPT(config)
+opt = torch.optim.SGD(model.parameters(), lr=0.0)  # never stepped: only there for build_cycler's check
+cycler = omgd.build_cycler(model, opt, 'lisa_wor', gamma=args.gamma, period=1)
+x = torch.randint(config.vocab_size, (args.batch_size, args.block_size))
+
+
+def slowest(seconds):
+    """Milliseconds on the slowest rank (a collective step waits for it)."""
+    t = torch.tensor(seconds * 1000)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def timed(fn):
+    dist.barrier()
+    t = time.perf_counter()
+    fn()
+    return slowest(time.perf_counter() - t)
+
+
+def forward_backward():
+    _, loss = ddp(x, x)
+    loss.backward()
+    for p in model.parameters():
+        p.grad = None
+
+
+ddp = None
+rows = []
+for i in range(args.switches + 1):
+    def switch():
+        global ddp
+        cycler.step(i)
+        ddp = None  # the last reference: the old reducer goes now
+        ddp = DDP(model, init_sync=(i == 0), forward_sync_buffers=False, gradient_as_bucket_view=True)
+    cost = timed(switch)
+    first, steady = timed(forward_backward), timed(forward_backward)
+    active = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    flat = torch.zeros(active)
+    reduce = timed(lambda: dist.all_reduce(flat))
+    if i > 0:  # the first wrapper also broadcasts the weights; train.py pays that once per run
+        rows.append((cycler.active, active, cost, first, steady, reduce))
+
+total = sum(p.numel() for p in model.parameters())
+flat = torch.zeros(total)
+reduce_all = statistics.median(timed(lambda: dist.all_reduce(flat)) for _ in range(3))
+if rank == 0:
+    print(f"{args.preset}: {total / 1e6:.1f}M parameters, LISA-wor gamma={args.gamma} of {config.n_layer}, "
+          f"{world} ranks, {args.backend}, batch {args.batch_size}x{args.block_size}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} thread(s) per rank")
+    print("| active blocks | active params | switch (ms) | first fwd+bwd (ms) | steady fwd+bwd (ms) | "
+          "all_reduce of the active grads (ms) |")
+    print("|---|---|---|---|---|---|")
+    for blocks, active, cost, first, steady, reduce in rows:
+        print(f"| {blocks} | {active / 1e6:.2f}M | {cost:.1f} | {first:.1f} | {steady:.1f} | {reduce:.1f} |")
+    med = [statistics.median(r[k] for r in rows) for k in (2, 3, 4, 5)]
+    print(f"| median | | {med[0]:.1f} | {med[1]:.1f} | {med[2]:.1f} | {med[3]:.1f} |")
+    print(f"all_reduce of all {total / 1e6:.2f}M elements, as without layer cycling: {reduce_all:.1f} ms (median of 3)")
+dist.destroy_process_group()

@@ -1,0 +1,286 @@
+"""train.py under DDP: two gloo ranks on CPU, launched the way the README says (torchrun).
+
+What is checked, and how:
+- `--ddp_check=True` makes every rank, after every optimizer step, report its active set, a
+  SHA-256 of all its weights, whether the previous DDP wrapper is gone (freed by reference
+  counting), whether its frozen parameters are bitwise unchanged since the switch, whether it holds
+  gradients exactly for the active parameters, and which parameters and how many elements the DDP
+  reducer's buckets hold; every rank compares all reports and the run fails on any mismatch.
+  It also counts the bucket all-reduces of each step (one per bucket: only the last micro-step syncs).
+- 2 ranks x 2 micro-steps x 2 windows against 1 rank x 2 micro-steps x 4 windows (the same
+  windows, dataloader.py) with SGD and no clipping, which are linear in the gradient: a gradient
+  summed instead of averaged would be off by 0.34 (measured as a doubled learning rate), where the
+  reduction order alone costs 2.4e-7.
+- Exact resume under two ranks through a normal end, a SIGTERM sent to a single worker and a
+  SIGTERM sent to torchrun (which forwards it to every worker): both ranks stop at the same
+  iteration, and the last resumed run ends bit for bit where a straight run ends.
+- Resuming on another number of ranks: accepted when the data position allows, else one line.
+
+Each launch pays ~10 s of process start-up and `import torch` on a busy 2-core machine, so the
+method sweep runs train.py several times inside one torchrun launch (this file's __main__).
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ['--n_layer=4', '--n_head=2', '--n_embd=32', '--block_size=32', '--eval_iters=2', '--log_interval=1',
+        '--sample_tokens=0', '--compile=False', '--omgd_gamma=2', '--omgd_period=3', '--warmup_iters=2',
+        '--lr_decay_iters=100', '--eval_interval=1000', '--backend=gloo']
+# 8 windows per iteration either way: 2 ranks x 2 micro-steps x 2 windows, or 1 rank x 2 x 4 (the
+# same windows, dataloader.py); under 2 ranks each rank accumulates 2 micro-steps before syncing
+TWO_RANKS = ['--batch_size=2', '--gradient_accumulation_steps=4']
+ONE_RANK = ['--batch_size=4', '--gradient_accumulation_steps=2']
+LINEAR = ['--optimizer=sgd', '--learning_rate=0.1', '--grad_clip=0']  # updates linear in the gradient
+TORCHRUN = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2']
+TIMEOUT = 150  # per launch; a hang fails the test instead of blocking CI
+
+
+def descendants(pid):
+    """Pids of all processes below `pid` (torchrun starts its workers in their own sessions)."""
+    parent = {}
+    for entry in os.listdir('/proc'):
+        if entry.isdigit():
+            try:
+                with open(f'/proc/{entry}/stat') as f:
+                    parent[int(entry)] = int(f.read().rsplit(')', 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def kill_tree(proc):
+    for pid in descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.kill()
+
+
+class Launch:
+    """A subprocess whose merged output is collected by a thread, so a test can watch it live."""
+
+    def __init__(self, cmd, env=None):
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.lines = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+
+    @property
+    def out(self):
+        return ''.join(self.lines)
+
+    def wait(self, timeout=TIMEOUT):
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.proc)
+            self.proc.wait()
+            pytest.fail(f"timed out after {timeout} s (hang?):\n{self.out[-3000:]}")
+        self.reader.join(timeout=10)
+        return self
+
+    def wait_for(self, pattern, timeout=TIMEOUT):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            match = re.search(pattern, self.out)
+            if match:
+                return match
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        kill_tree(self.proc)
+        pytest.fail(f"never printed {pattern!r}:\n{self.out[-3000:]}")
+
+
+def train(*args, ranks=2, expect_ok=True):
+    cmd = (TORCHRUN if ranks == 2 else [sys.executable]) + ['train.py', *TINY, *args]
+    run = Launch(cmd).wait()
+    if expect_ok:
+        assert run.proc.returncode == 0, run.out[-3000:]
+    return run
+
+
+def load(out_dir):
+    return torch.load(os.path.join(out_dir, 'ckpt.pt'), weights_only=True)
+
+
+def assert_same_state(a, b):
+    """Bitwise: model, optimizer, layer-cycling schedule and data position."""
+    assert a['iter_num'] == b['iter_num']
+    for k in a['model']:
+        assert torch.equal(a['model'][k], b['model'][k]), k
+    assert a['optimizer']['state'].keys() == b['optimizer']['state'].keys()
+    for s1, s2 in zip(a['optimizer']['state'].values(), b['optimizer']['state'].values()):
+        assert all(torch.equal(s1[k], s2[k]) for k in s1)
+    ca, cb = a['cycler'], b['cycler']
+    assert (ca['active'], ca['last_switch'], ca['schedule']['pending']) == \
+        (cb['active'], cb['last_switch'], cb['schedule']['pending'])
+    assert torch.equal(ca['schedule']['rng'], cb['schedule']['rng'])
+    assert a['data'] == b['data']
+
+
+@pytest.fixture(scope='module')
+def two_rank_run(tmp_path_factory):
+    """torchrun, 2 ranks, LISA-wor, 40 iterations = 14 switches, every invariant checked."""
+    out = tmp_path_factory.mktemp('two_ranks')
+    run = train(f'--out_dir={out}', '--max_iters=40', '--ddp_check=True', *LINEAR, *TWO_RANKS)
+    return out, run.out
+
+
+def test_two_ranks_stay_in_sync_and_match_one_rank(two_rank_run, tmp_path):
+    out, log = two_rank_run
+    switches = re.findall(r'iter (\d+): cycle \d+: active blocks \[(\d), (\d)\], grad scale 2, '
+                          r'DDP rebuilt in [\d.]+ ms', log)
+    assert [int(s[0]) for s in switches] == list(range(0, 40, 3))
+    # a ddp check line per switch and at the last iteration (checks run at every step; any
+    # failure exits non-zero on every rank)
+    checks = re.findall(r'iter (\d+): ddp check: 2 ranks agree on active \[(\d), (\d)\] and weights sha256 '
+                        r'[0-9a-f]{16}; (\d+) active elements, DDP buckets (\d+); one all-reduce per bucket; '
+                        r'frozen untouched, '
+                        r'no frozen gradients, old wrapper freed', log)
+    assert [int(c[0]) for c in checks] == list(range(0, 40, 3))  # 39, the last iteration, is a switch
+    assert all(c[3] == c[4] for c in checks)  # bucket sizes sum to the active parameter count
+    assert [c[1:3] for c in checks] == [s[1:] for s in switches]
+    assert len(re.findall(r'saved checkpoint', log)) == 1 and 'tokens per iteration: 256 (2 ranks)' in log
+
+    one = tmp_path / 'one_rank'
+    one_log = train(f'--out_dir={one}', '--max_iters=40', *LINEAR, *ONE_RANK, ranks=1).out
+    a, b = load(out), load(one)
+    assert a['cycler']['active'] == b['cycler']['active'] and a['data'] == b['data']
+    # Not bitwise: each rank averages 2 micro-steps of 2 windows and gloo averages the 2 ranks,
+    # where one rank averages 2 micro-steps of 4 windows, so float32 rounding differs (observed
+    # 2.4e-7, ~2 ulp at the weights' magnitude ~1.4). A gradient summed instead of averaged is 0.34.
+    worst = max((a['model'][k] - b['model'][k]).abs().max().item() for k in a['model'])
+    assert worst < 1e-5, worst
+    losses = [re.findall(r'iter \d+: loss ([\d.]+)', text) for text in (log, one_log)]
+    assert len(losses[0]) == 40 and losses[0] == losses[1]  # the mean over ranks, to 4 decimals
+
+
+def test_resume_on_another_number_of_ranks(two_rank_run, tmp_path):
+    out, _ = two_rank_run
+    first = load(out)
+    assert first['world_size'] == 2 and first['data']['windows_per_step'] == 4
+    # batch_size x ranks unchanged (4 x 1 for 2 x 2): same windows, the run goes on
+    (tmp_path / 'ckpt.pt').write_bytes((out / 'ckpt.pt').read_bytes())
+    run = train(f'--out_dir={tmp_path}', '--max_iters=43', '--init_from=resume', *LINEAR, *ONE_RANK, ranks=1)
+    assert 'resuming a 2-rank checkpoint on 1 rank: same data position' in run.out
+    after = load(tmp_path)
+    assert after['iter_num'] == 43
+    assert after['data']['windows_consumed'] == first['data']['windows_consumed'] + 3 * 8
+    # a data position that is not a whole number of steps: refused, saying what to do
+    run = train(f'--out_dir={tmp_path}', '--max_iters=50', '--init_from=resume', *LINEAR, '--batch_size=3',
+                ranks=1, expect_ok=False)
+    assert run.proc.returncode != 0 and 'Traceback' not in run.out
+    assert run.out.strip().splitlines()[-1] == (
+        f"error: cannot resume from {tmp_path}/ckpt.pt: checkpoint stopped after "
+        f"{after['data']['windows_consumed']} windows of the epoch, not a multiple of batch_size x ranks = 3 x 1; "
+        f"resume with the same batch_size x ranks as the checkpoint (4), i.e. --batch_size=4 with 1 rank")
+
+
+METHODS = ['full', 'lisa', 'lisa_scale', 'lisa_wor_noscale', 'tensor_wor', 'tensor_iid'] + \
+    (['galore', 'golore'] if os.path.exists(os.path.join(ROOT, 'galore.py')) else [])
+RESUME = ['--dropout=0.1', '--omgd_period=4', *TWO_RANKS]  # AdamW; dropout: per-rank RNG streams
+STRAIGHT = 40  # iterations of the straight run that the resumed runs must reproduce
+
+
+@pytest.fixture(scope='module')
+def many_runs(tmp_path_factory):
+    """One torchrun launch, train.py run once per method, then the straight run of the resume test."""
+    root = tmp_path_factory.mktemp('many')
+    runs = [(m, [f'--out_dir={root / m}', f'--method={m}', '--max_iters=5', '--omgd_period=2', '--ddp_check=True',
+                 '--galore_rank=8', '--galore_update_proj_gap=2', *TWO_RANKS]) for m in METHODS]
+    runs.append(('straight', [f'--out_dir={root / "straight"}', f'--max_iters={STRAIGHT}', *RESUME]))
+    run = Launch(TORCHRUN + ['tests/test_ddp.py'], env={'DDP_TEST_RUNS': json.dumps(runs)}).wait()
+    assert run.proc.returncode == 0, run.out[-3000:]
+    logs = dict(re.findall(r'=== (\w+)\n(.*?)(?==== |\Z)', run.out, flags=re.S))
+    return root, logs
+
+
+@pytest.mark.parametrize('method', METHODS)
+def test_every_method_under_two_ranks(many_runs, method):
+    root, logs = many_runs
+    log = logs[method]
+    checks = re.findall(r'iter (\d+): ddp check: 2 ranks agree .* (\d+) active elements, DDP buckets (\d+);', log)
+    assert checks and all(c[1] == c[2] for c in checks), log
+    if method in ('full', 'galore', 'golore'):  # never switch: one wrapper for the whole run
+        assert [c[0] for c in checks] == ['4'] and 'DDP rebuilt' not in log
+    else:
+        assert [c[0] for c in checks] == ['0', '2', '4'], log
+        assert len(re.findall(r'DDP rebuilt in', log)) == 3
+    assert load(root / method)['iter_num'] == 5
+
+
+def worker_pids(launch):
+    """{rank: pid} of torchrun's workers, read from their environment."""
+    workers = {}
+    for pid in descendants(launch.proc.pid):
+        with open(f'/proc/{pid}/environ', 'rb') as f:
+            env = dict(kv.split(b'=', 1) for kv in f.read().split(b'\0') if b'=' in kv)
+        if b'RANK' in env:
+            workers[int(env[b'RANK'])] = pid
+    assert sorted(workers) == [0, 1]
+    return workers
+
+
+def stop_with_sigterm(out_dir, after, target):
+    """Resume in out_dir, send SIGTERM to `target` ('rank1' or 'torchrun') once iteration `after`
+    is logged; check that both ranks stopped at the same iteration and saved it. Returns it."""
+    run = Launch(TORCHRUN + ['train.py', *TINY, f'--out_dir={out_dir}', f'--max_iters={STRAIGHT}',
+                             '--init_from=resume', *RESUME])
+    run.wait_for(rf'iter {after}: loss')
+    os.kill(worker_pids(run)[1] if target == 'rank1' else run.proc.pid, signal.SIGTERM)
+    run.wait()
+    # torchrun forwards its SIGTERM to the workers, then exits non-zero by design
+    assert run.proc.returncode == (0 if target == 'rank1' else 1), run.out[-3000:]
+    stops = re.findall(r'rank (\d): stop requested, stopping at iteration (\d+)', run.out)
+    assert sorted(s[0] for s in stops) == ['0', '1'] and stops[0][1] == stops[1][1], run.out[-3000:]
+    stopped = int(stops[0][1])
+    assert after < stopped < STRAIGHT, run.out[-3000:]
+    assert re.search(rf'iter {stopped - 1}: loss', run.out) and not re.search(rf'iter {stopped}: loss', run.out)
+    ckpt = load(out_dir)
+    assert ckpt['iter_num'] == stopped and ckpt['world_size'] == 2
+    return stopped
+
+
+def test_resume_and_sigterm_continue_exactly(many_runs, tmp_path):
+    root, _ = many_runs
+    train(f'--out_dir={tmp_path}', '--max_iters=10', *RESUME)  # a normal end at 10, then resume
+    assert load(tmp_path)['iter_num'] == 10
+    first = stop_with_sigterm(tmp_path, after=12, target='rank1')  # one worker only, the other follows
+    stop_with_sigterm(tmp_path, after=first + 2, target='torchrun')  # a preempted node: torchrun gets it
+    # the resumed run ends where the straight run ends, bit for bit
+    train(f'--out_dir={tmp_path}', f'--max_iters={STRAIGHT}', '--init_from=resume', *RESUME)
+    assert_same_state(load(root / 'straight'), load(tmp_path))
+
+
+if __name__ == '__main__':
+    # torchrun worker of the `many_runs` fixture: run train.py once per (name, args) in
+    # $DDP_TEST_RUNS, in this same process. Re-creating the process group between runs races
+    # (a rank that finishes first would join the next group on stale rendezvous keys), so the
+    # runs share one group, created here; train.py's own init and destroy become no-ops.
+    import runpy
+    import torch.distributed as dist
+    sys.path.insert(0, ROOT)
+    dist.init_process_group(backend='gloo')
+    dist.init_process_group = dist.destroy_process_group = lambda *args, **kwargs: None
+    for name, args in json.loads(os.environ['DDP_TEST_RUNS']):
+        if os.environ.get('RANK') == '0':
+            print(f"=== {name}", flush=True)
+        sys.argv = ['train.py', *TINY, *args]
+        runpy.run_path(os.path.join(ROOT, 'train.py'), run_name='__main__')
