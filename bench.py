@@ -28,6 +28,7 @@ import torch
 import bench_memory
 import omgd
 from configurator import ConfigError, configure
+from model import peak_bf16_flops
 
 # -----------------------------------------------------------------------------
 model = 'tiny'  # a preset of model.py, or 'tiny' (llama, 8 blocks, n_embd 256, vocab 8192)
@@ -63,21 +64,6 @@ out = ''  # also write the Markdown table to this file
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in dict(globals()).items()
             if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
-
-# peak dense bf16 tensor FLOP/s by GPU model (train.py's table), matched against the device name
-PEAK_BF16_FLOPS = {'H200': 989e12, 'H100 PCIe': 756e12, 'H100': 989e12, 'A100': 312e12,
-                   'B200': 2250e12, 'L40S': 362e12, 'A10G': 125e12, 'RTX 4090': 165e12}
-
-
-def iteration_flops(net, tokens):
-    """FLOPs of one iteration: a frozen block skips its weight-gradient GEMMs (4N, not 6N)."""
-    cfg = net.config
-    trainable = sum(p.numel() for b in net.blocks for p in b.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for b in net.blocks for p in b.parameters() if not p.requires_grad)
-    head = net.lm_head.weight.numel()
-    attention = 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
-    return tokens * (6 * (trainable + head) + 4 * frozen + attention)
-
 
 class MethodRun:
     """One method's model, optimizer and cycler, stepped one training iteration at a time."""
@@ -123,7 +109,7 @@ class MethodRun:
         self.sync()
         if timed:
             self.times.append(time.perf_counter() - t0)
-            self.flops.append(iteration_flops(net, self.tokens))
+            self.flops.append(net.estimate_flops_per_token() * self.tokens)
             self.loss = loss.item() * cfg['grad_accum']
 
     def row(self, peak_flops, memory):
@@ -142,8 +128,7 @@ class MethodRun:
 def bench(cfg, names, device, autocast_dtype, config):
     """Time every method; one after the other (peak memory per method on CUDA), or interleaved."""
     cuda = device.type == 'cuda'
-    peak_flops = next((v for k, v in PEAK_BF16_FLOPS.items() if k in torch.cuda.get_device_name(device)),
-                      None) if cuda else None
+    peak_flops = peak_bf16_flops(device)
     total = cfg['warmup_steps'] + cfg['steps']
     if cfg['interleave']:
         # round-robin: load from other processes on a shared machine hits every method alike

@@ -363,11 +363,15 @@ class GPT(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra_args)
 
     def estimate_flops_per_token(self):
-        """nanoGPT's estimate (PaLM appendix B): 6N for the matmuls plus attention scores."""
-        N = self.get_num_params()
+        """Training FLOPs per token as the model is frozen now (nanoGPT's 6N + attention, after
+        PaLM appendix B). A matmul weight that trains costs 6 FLOPs per token (forward, input
+        gradient, weight gradient); a frozen one costs 4, as its weight-gradient GEMM is skipped,
+        which is where layer cycling saves compute. The embedding lookup is not a matmul."""
         cfg = self.config
-        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
-        return 6 * N + 12 * L * H * Q * T
+        weights = [p for block in self.blocks for p in block.parameters()] + [self.lm_head.weight]
+        matmuls = sum((6 if p.requires_grad else 4) * p.numel() for p in weights)
+        return matmuls + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
@@ -388,6 +392,20 @@ class GPT(nn.Module):
             idx_next = torch.multinomial(probs, num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
+
+
+# peak dense bf16 tensor FLOP/s per GPU, matched in this order against torch.cuda.get_device_name()
+PEAK_BF16_FLOPS = {'H200': 989e12, 'H100 PCIe': 756e12, 'H100': 989e12, 'A100': 312e12,
+                   'B200': 2250e12, 'L40S': 362e12, 'A10G': 125e12, 'RTX 4090': 165e12}
+
+
+def peak_bf16_flops(device):
+    """The GPU's peak from PEAK_BF16_FLOPS, or None (CPU, unknown GPU: no MFU is reported)."""
+    device = torch.device(device)
+    if device.type != 'cuda':
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

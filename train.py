@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import ConfigError, configure, format_config
 from dataloader import TokenBatches
-from model import GPT, GPTConfig, PRESETS, config_from_preset, param_groups
+from model import GPT, GPTConfig, PRESETS, param_groups, peak_bf16_flops
 import omgd
 
 # -----------------------------------------------------------------------------
@@ -112,11 +112,6 @@ except ConfigError as e:
     sys.exit(f"error: {e}")
 globals().update(config)
 # -----------------------------------------------------------------------------
-
-# peak dense bf16 tensor FLOP/s by GPU model, matched against torch.cuda.get_device_name()
-PEAK_BF16_FLOPS = {'H200': 989e12, 'H100 PCIe': 756e12, 'H100': 989e12, 'A100': 312e12,
-                   'B200': 2250e12, 'L40S': 362e12, 'A10G': 125e12, 'RTX 4090': 165e12}
-
 
 def fail(message):
     """One line on stderr and a non-zero exit; nothing has been saved by this run yet."""
@@ -220,7 +215,8 @@ if vocab_size == 0 and os.path.exists(meta_path):
         print(f"found vocab_size = {vocab_size} (inside {meta_path})") if master_process else None
 
 # model
-arch_keys = ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias', 'vocab_size')
+arch_keys = ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias', 'vocab_size', 'norm_eps',
+             'rope_theta')
 model_args = dict(arch=arch, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
                   mlp_hidden=mlp_hidden, bias=bias, block_size=block_size, dropout=dropout,
                   vocab_size=vocab_size or 50304)
@@ -267,7 +263,7 @@ if method in ('galore', 'golore'):
     import galore
     opt = galore.build_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), rank=galore_rank,
                                  update_proj_gap=galore_update_proj_gap, scale=galore_scale,
-                                 projection='svd' if method == 'galore' else 'random')
+                                 projection='svd' if method == 'galore' else 'random', seed=omgd_seed)
 elif optimizer == 'adamw':
     opt = torch.optim.AdamW(param_groups(raw_model, weight_decay), lr=learning_rate, betas=(beta1, beta2),
                             fused=device_type == 'cuda')
@@ -379,16 +375,6 @@ def estimate_loss():
     return out
 
 
-def iteration_flops():
-    """FLOPs one iteration executes: a frozen block skips its weight-gradient GEMMs (4N, not 6N)."""
-    cfg = raw_model.config
-    trainable = sum(p.numel() for b in raw_model.blocks for p in b.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for b in raw_model.blocks for p in b.parameters() if not p.requires_grad)
-    head = raw_model.lm_head.weight.numel()
-    attention = 12 * cfg.n_layer * cfg.n_embd * block_size
-    return tokens_per_iter * (6 * (trainable + head) + 4 * frozen + attention)
-
-
 def save_checkpoint():
     """Called on every rank; rank 0 writes. Model, optimizer, schedule and data position are the
     same on every rank; the dropout RNG is not, so each rank's state is gathered into the file.
@@ -467,8 +453,7 @@ def next_batch():
     return train_batches.next_batch(device)
 
 
-peak_flops = next((v for k, v in PEAK_BF16_FLOPS.items() if k in torch.cuda.get_device_name()), None) \
-    if device_type == 'cuda' else None
+peak_flops = peak_bf16_flops(device)
 X, Y = next_batch()
 t0 = time.time()
 local_iter_num, running_mfu = 0, -1.0
@@ -553,7 +538,7 @@ while True:
             line = (f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.1f}ms, "
                     f"tok/s {tokens_per_iter / dt:,.0f}, epoch {epoch:.2f}")
             if peak_flops and local_iter_num >= 5:
-                mfu = iteration_flops() / dt / (peak_flops * ddp_world_size)
+                mfu = raw_model.estimate_flops_per_token() * tokens_per_iter / dt / (peak_flops * ddp_world_size)
                 running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
                 line += f", mfu {running_mfu * 100:.2f}%"
             if device_type == 'cuda':

@@ -264,9 +264,14 @@ def test_meta_build_then_materialize():
     assert torch.equal(model.rope_cos, ref.rope_cos)
 
 
-def test_flops_per_token():
+def test_flops_per_token_counts_frozen_blocks_at_4N():
     cfg = config_from_preset('gpt2')
     with torch.device('meta'):
         model = GPT(cfg)
-    N = model.get_num_params()
-    assert model.estimate_flops_per_token() == 6 * N + 12 * 12 * 12 * 64 * 1024
+    N = model.get_num_params()  # wpe excluded; blocks + the tied wte/head + ln_f
+    attention = 12 * 12 * 12 * 64 * 1024
+    ln_f = 2 * 768
+    assert model.estimate_flops_per_token() == 6 * (N - ln_f) + attention
+    frozen = sum(p.numel() for p in model.blocks[3].parameters())
+    model.blocks[3].requires_grad_(False)
+    assert model.estimate_flops_per_token() == 6 * (N - ln_f) - 2 * frozen + attention
