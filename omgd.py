@@ -77,6 +77,18 @@ def balanced_partition(sizes, num_groups, generator):
     return [sorted(g) for g in groups]
 
 
+def random_fraction(sizes, ratio, generator):
+    """One random group of items holding about `ratio` of the total size: the shortest prefix
+    of a random order of the items that reaches it."""
+    target, group, total = ratio * sum(sizes), [], 0
+    for i in torch.randperm(len(sizes), generator=generator).tolist():
+        if total >= target:
+            break
+        group.append(i)
+        total += sizes[i]
+    return [sorted(group)]
+
+
 class GroupSchedule:
     """Hands out one group of units per period.
 
@@ -163,11 +175,15 @@ class LayerCycler:
             n, k = len(units), gamma
             partition = lambda g: random_partition(n, [k] * (n // k), g)
             self.scale = n / k if scaled else 1.0
-        else:
+        elif replacement:  # tensor_iid: a fresh fraction r of the elements, scaled by 1/r
+            numels = [sum(p.numel() for p in unit) for unit in units]
+            partition = lambda g: random_fraction(numels, ratio, g)
+            self.scale = 1 / ratio
+        else:  # tensor_wor: M complementary groups; the masks sum to M * ones
             M = math.ceil(1 / ratio)
             numels = [sum(p.numel() for p in unit) for unit in units]
             partition = lambda g: balanced_partition(numels, M, g)
-            self.scale = float(M) if scaled else 1.0
+            self.scale = float(M)
         self.schedule = GroupSchedule(partition, replacement, generator)
 
     @property

@@ -95,6 +95,21 @@ def test_tensor_wor_groups_are_complementary_and_balanced():
     assert cycler.scaling() == 2.0
 
 
+def test_tensor_iid_draws_a_fresh_fraction_r_each_period():
+    model = tiny_gpt(n_layer=4)
+    cycler = omgd.build_cycler(model, torch.optim.AdamW(model.parameters()), 'tensor_iid', ratio=0.3, period=1)
+    numels = [u[0].numel() for u in cycler.units]
+    total, largest = sum(numels), max(numels)
+    draws_ = []
+    for it in range(20):
+        cycler.step(it)
+        active = sum(numels[i] for i in cycler.active)
+        assert 0.3 * total <= active < 0.3 * total + largest
+        draws_.append(tuple(cycler.active))
+    assert len(set(draws_)) > 10  # fresh draws, not a cycle of fixed groups
+    assert cycler.scaling() == pytest.approx(1 / 0.3)
+
+
 def test_frozen_parameters_bitwise_unchanged_and_without_grad():
     model = tiny_gpt()
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
