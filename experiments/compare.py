@@ -1,0 +1,499 @@
+"""
+Issue 6, part 2: the same small GPT on character-level Shakespeare, trained by train.py with every
+layer-cycling method (and GaLore/GoLore), under random reshuffling (rr) and i.i.d. sampling, over
+several seeds, with equal iterations and learning-rate schedule.
+
+train.py is the only training code: every run is a `python train.py ... --compile=False
+--sample_tokens=0 --out_dir=RUN` subprocess whose log is parsed (`step N: train loss X, val loss Y`,
+`iter N: loss X, time Tms, ...`, switch lines). A run's seed s sets --seed, --data_seed and
+--omgd_seed together, so for one s every method starts from the same weights, sees the same data
+order (for the same sampling) and is evaluated on the same windows: differences between methods at
+one seed are paired.
+
+Memory: on CPU there is no allocator peak, so the table reports the exact bytes of gradients and
+optimizer state right after the first optimizer step following a switch, from the same model,
+optimizer and cycler built in this process (omgd.build_cycler, omgd.memory_bytes; galore.build_optimizer
+for galore/golore). Activations are not included.
+
+Variants are METHOD or METHOD:SAMPLING (sampling rr by default), e.g.
+
+    python experiments/compare.py                                   # all 9 variants x 3 seeds
+    python experiments/compare.py --methods=full,lisa_wor --seeds=1 --max_iters=20 --out_dir=/tmp/c
+    python experiments/compare.py --jobs=2 --n_embd=128 --block_size=128
+
+Outputs in --out_dir: NAME.md (table), NAME.json (everything, curves included) and NAME_loss.png
+(val loss vs iteration, mean over seeds, band = min..max over seeds); NAME is --name, 'compare' by
+default. `--replot` rewrites the table and plot from an existing NAME.json without training.
+"""
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+DEFAULT_VARIANTS = ('full', 'lisa', 'lisa_scale', 'lisa_wor', 'lisa_wor_noscale', 'galore', 'golore',
+                    'full:iid', 'lisa_wor:iid')
+SAMPLINGS = ('rr', 'iid')
+# model / schedule flags passed through to train.py unchanged (name, type, default)
+TRAIN_FLAGS = (
+    ('dataset', str, 'shakespeare_char'),
+    ('n_layer', int, 8),
+    ('n_head', int, 4),
+    ('n_embd', int, 64),
+    ('block_size', int, 64),
+    ('batch_size', int, 16),
+    ('dropout', float, 0.0),
+    ('learning_rate', float, 2e-3),
+    ('min_lr', float, 2e-4),
+    ('warmup_iters', int, 20),
+    ('weight_decay', float, 0.1),
+    ('grad_clip', float, 1.0),
+    ('eval_interval', int, 24),
+    ('eval_iters', int, 12),
+    ('log_interval', int, 10),
+    ('omgd_gamma', int, 2),
+    ('omgd_period', int, 10),
+    ('omgd_state', str, 'drop'),
+    ('galore_rank', int, 16),
+    ('galore_update_proj_gap', int, 50),
+    ('galore_scale', float, 0.25),
+)
+STEP_RE = re.compile(r'^step (\d+): train loss ([-+\w.]+), val loss ([-+\w.]+)')
+ITER_RE = re.compile(r'^iter (\d+): loss ([-+\w.]+), time ([\d.]+)ms(?:.*epoch ([\d.]+))?')
+SWITCH_RE = re.compile(r'^iter (\d+): (cycle \d+: .*|full training|warm-up: .*)$')
+
+
+def parse_variant(spec):
+    method, _, sampling = spec.partition(':')
+    sampling = sampling or 'rr'
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r} in {spec!r}")
+    return {'name': method if sampling == 'rr' else f'{method}:{sampling}', 'method': method, 'sampling': sampling}
+
+
+def parse_log(text):
+    """Curves and timings from a train.py log (master process output)."""
+    evals, iters, switches = [], [], []
+    for line in text.splitlines():
+        m = STEP_RE.match(line)
+        if m:
+            evals.append((int(m[1]), float(m[2]), float(m[3])))
+            continue
+        m = ITER_RE.match(line)
+        if m:
+            iters.append((int(m[1]), float(m[2]), float(m[3]), float(m[4]) if m[4] else None))
+            continue
+        m = SWITCH_RE.match(line)
+        if m:
+            switches.append((int(m[1]), m[2]))
+    # the first logged iterations include start-up work; time the rest
+    times = [i[2] for i in iters if i[0] > 0]
+    return {
+        'eval_iters': [e[0] for e in evals], 'train_loss': [e[1] for e in evals], 'val_loss': [e[2] for e in evals],
+        'log_iters': [i[0] for i in iters], 'step_loss': [i[1] for i in iters],
+        'median_ms_per_iter': statistics.median(times) if times else None,
+        'last_logged_epoch': iters[-1][3] if iters else None,  # fraction of the training set's windows seen
+        'switches': len(switches), 'first_switches': [f'iter {i}: {d}' for i, d in switches[:3]],
+    }
+
+
+def train_command(variant, seed, args, out_dir):
+    cmd = [sys.executable, 'train.py', f'--method={variant["method"]}', f'--sampling={variant["sampling"]}',
+           f'--seed={seed}', f'--data_seed={seed}', f'--omgd_seed={seed}',
+           f'--max_iters={args.max_iters}', f'--lr_decay_iters={args.max_iters}', '--decay_lr=True',
+           '--compile=False', '--sample_tokens=0', '--always_save_checkpoint=False', '--device=cpu',
+           '--dtype=float32', f'--out_dir={out_dir}']
+    cmd += [f'--{name}={getattr(args, name)}' for name, _, _ in TRAIN_FLAGS]
+    return cmd + list(args.train_arg)
+
+
+def run_one(variant, seed, args, runs_dir):
+    out_dir = os.path.join(runs_dir, f'{variant["name"].replace(":", "_")}_s{seed}')
+    os.makedirs(out_dir, exist_ok=True)
+    cmd = train_command(variant, seed, args, out_dir)
+    env = dict(os.environ)
+    if args.threads:
+        env['OMP_NUM_THREADS'] = str(args.threads)
+    t0 = time.time()
+    with open(os.path.join(out_dir, 'train.log'), 'w') as log:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.PIPE, text=True, env=env)
+    wall = time.time() - t0
+    with open(os.path.join(out_dir, 'train.log')) as f:
+        text = f.read()
+    result = {'variant': variant['name'], 'method': variant['method'], 'sampling': variant['sampling'],
+              'seed': seed, 'returncode': proc.returncode, 'wall_s': round(wall, 1),
+              'command': ' '.join(cmd[1:]), **parse_log(text)}
+    if proc.returncode != 0:
+        lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
+        result['error'] = lines[-1][:300] if lines else f'exit code {proc.returncode}'
+        with open(os.path.join(out_dir, 'stderr.log'), 'w') as f:
+            f.write(proc.stderr)
+    elif not result['val_loss'] or result['eval_iters'][-1] != args.max_iters:
+        result['error'] = 'no final evaluation in the log'
+    if not args.keep_checkpoints:
+        for name in ('ckpt.pt', 'ckpt.pt.tmp'):
+            if os.path.exists(os.path.join(out_dir, name)):
+                os.remove(os.path.join(out_dir, name))
+    status = f"error: {result['error']}" if 'error' in result else f"final val {result['val_loss'][-1]:.4f}"
+    print(f"[{time.strftime('%H:%M:%S')}] {variant['name']} seed {seed}: {status} ({wall:.0f} s)", flush=True)
+    return result
+
+
+# -----------------------------------------------------------------------------
+# memory: the same model / optimizer / cycler as train.py, built in this process
+
+
+def measure_memory(method, args):
+    """Exact bytes of params, grads and optimizer state right after an optimizer step that follows
+    a switch (gradients still held), the largest over one cycle plus one switch (N_L / gamma + 1
+    periods, one step each). With omgd_state='drop' every period gives the same number (the
+    previous blocks' state was dropped, the new blocks' state has just been created); with 'keep'
+    the state grows to the full model's over the cycle. Returns a dict, or {'error': ...}."""
+    import pickle
+
+    import torch
+
+    import omgd
+    from model import GPT, GPTConfig, param_groups
+    try:
+        meta = os.path.join(ROOT, 'data', args.dataset, 'meta.pkl')
+        vocab = pickle.load(open(meta, 'rb'))['vocab_size'] if os.path.exists(meta) else 50304
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(arch='gpt2', n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                              block_size=args.block_size, vocab_size=vocab, dropout=0.0, bias=False))
+        galore_like = method in ('galore', 'golore')
+        if galore_like:
+            import galore
+            opt = galore.build_optimizer(model, args.weight_decay, args.learning_rate, (0.9, 0.99),
+                                         rank=args.galore_rank, update_proj_gap=args.galore_update_proj_gap,
+                                         scale=args.galore_scale,
+                                         projection='svd' if method == 'galore' else 'random')
+        else:
+            opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.learning_rate,
+                                    betas=(0.9, 0.99))
+        cycler = omgd.build_cycler(model, opt, 'full' if galore_like else method, args.omgd_gamma,
+                                   args.omgd_period, 0, 0.5, args.omgd_state, 0)
+        gen = torch.Generator().manual_seed(0)
+        mem, periods = None, args.n_layer // max(1, args.omgd_gamma) + 1
+        for k in range(periods):
+            cycler.step(k * args.omgd_period)
+            x = torch.randint(0, vocab, (args.batch_size, args.block_size), generator=gen)
+            _, loss = model(x, torch.roll(x, -1, dims=1))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], args.grad_clip)
+            cycler.scale_grads()
+            opt.step()
+            now = omgd.memory_bytes(model, opt)  # gradients still held: before zero_grad
+            now['trainable_params'] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            if mem is None or now['grads'] + now['optimizer'] > mem['grads'] + mem['optimizer']:
+                mem = now
+            opt.zero_grad(set_to_none=True)
+        mem['periods_measured'] = periods
+        if galore_like:
+            mem['projector'] = galore.projector_bytes(opt)  # omgd.memory_bytes leaves projectors out
+        mem['grads_plus_optimizer'] = mem['grads'] + mem['optimizer']
+        return mem
+    except Exception as e:  # noqa: BLE001  (report, never stop the comparison for this)
+        return {'error': f'{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ""}'}
+
+
+# -----------------------------------------------------------------------------
+# summary
+
+
+def mean_std(values):
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize(variants, runs, memory, seeds):
+    rows = []
+    for v in variants:
+        mine = [r for r in runs if r['variant'] == v['name']]
+        ok = [r for r in mine if 'error' not in r and all(math.isfinite(x) for x in r['val_loss'])]
+        finals = [r['val_loss'][-1] for r in ok]
+        mean, std = mean_std(finals)
+        curve = None
+        if ok and all(r['eval_iters'] == ok[0]['eval_iters'] for r in ok):
+            curve = {'iters': ok[0]['eval_iters'],
+                     'mean': [statistics.fmean(c) for c in zip(*[r['val_loss'] for r in ok])],
+                     'min': [min(c) for c in zip(*[r['val_loss'] for r in ok])],
+                     'max': [max(c) for c in zip(*[r['val_loss'] for r in ok])]}
+        ms = [r['median_ms_per_iter'] for r in ok if r['median_ms_per_iter']]
+        rows.append({**v, 'seeds_ok': [r['seed'] for r in ok], 'final_val': dict(zip([r['seed'] for r in ok], finals)),
+                     'final_val_mean': mean, 'final_val_std': std,
+                     'final_val_min': min(finals) if finals else None, 'final_val_max': max(finals) if finals else None,
+                     'final_train_mean': mean_std([r['train_loss'][-1] for r in ok])[0],
+                     'median_ms_per_iter': statistics.median(ms) if ms else None,
+                     'switches': ok[0]['switches'] if ok else None,
+                     'errors': sorted({r['error'] for r in mine if 'error' in r}),
+                     'val_curve': curve, 'memory': memory.get(v['method'])})
+    return rows
+
+
+def paired(rows, a, b):
+    """Per-seed difference a - b of final val loss (negative: a is better)."""
+    ra = next((r for r in rows if r['name'] == a), None)
+    rb = next((r for r in rows if r['name'] == b), None)
+    if not ra or not rb:
+        return None
+    seeds = [s for s in ra['final_val'] if s in rb['final_val']]
+    if not seeds:
+        return None
+    diffs = [ra['final_val'][s] - rb['final_val'][s] for s in seeds]
+    mean, std = mean_std(diffs)
+    return {'a': a, 'b': b, 'seeds': seeds, 'diffs': diffs, 'mean': mean, 'std': std,
+            'a_wins': sum(d < 0 for d in diffs),
+            't': mean / (std / math.sqrt(len(diffs))) if len(diffs) > 1 and std > 0 else None}
+
+
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # t_{0.975, df}
+PAIRS = (('lisa_wor', 'lisa'), ('lisa_wor', 'lisa_scale'), ('lisa_wor', 'lisa_wor_noscale'),
+         ('lisa_scale', 'lisa'), ('lisa_wor_noscale', 'lisa'), ('lisa_wor', 'full'), ('lisa_wor', 'galore'),
+         ('lisa_wor', 'golore'), ('golore', 'galore'), ('full', 'full:iid'), ('lisa_wor', 'lisa_wor:iid'))
+
+
+def fmt(x, nd=4):
+    return '-' if x is None else f'{x:.{nd}f}'
+
+
+def kib(n):
+    return '-' if n is None else f'{n / 1024:,.1f}'
+
+
+def write_markdown(path, report):
+    cfg, rows = report['config'], report['rows']
+    L = ['# Method comparison on character-level Shakespeare (issue 6, part 2)', '',
+         f"Generated by `experiments/compare.py`. Command: `{report['command']}`", '',
+         f"Machine: {report['machine']}. Wall time: {report['wall_s'] / 60:.1f} min "
+         f"({len(report['runs'])} runs, {cfg['jobs']} at a time).", '',
+         f"Model: GPT-2 style, {cfg['n_layer']} blocks, n_embd {cfg['n_embd']}, {cfg['n_head']} heads, "
+         f"block_size {cfg['block_size']}, batch {cfg['batch_size']}, {report['n_params']:,} parameters. "
+         f"{cfg['max_iters']} iterations for every method, AdamW lr {cfg['learning_rate']:g} "
+         f"(warm-up {cfg['warmup_iters']}, cosine to {cfg['min_lr']:g} at {cfg['max_iters']}), "
+         f"grad clip {cfg['grad_clip']:g}. Layer cycling: gamma={cfg['omgd_gamma']} of {cfg['n_layer']} blocks, "
+         f"period K={cfg['omgd_period']}, optimizer state '{cfg['omgd_state']}'. GaLore/GoLore: rank "
+         f"{cfg['galore_rank']}, update_proj_gap {cfg['galore_update_proj_gap']}, scale {cfg['galore_scale']:g}. "
+         f"Seeds {cfg['seeds']} (seed = data_seed = omgd_seed; same init, data order and eval windows "
+         f"for every method at one seed). Val loss: mean over {cfg['eval_iters']} fixed batches.", '',
+         '## Final validation loss', '',
+         '| variant | sampling | final val loss (mean ± std) | min .. max | per seed | final train loss '
+         '| grads + optimizer state (KiB) | trainable params after a switch | ms/iter (median) |',
+         '|---|---|---|---|---|---|---|---|---|']
+    for r in rows:
+        mem = r['memory'] or {}
+        if r['final_val_mean'] is None:
+            L.append(f"| {r['name']} | {r['sampling']} | FAILED: {'; '.join(r['errors'])[:200]} | | | | "
+                     f"{kib(mem.get('grads_plus_optimizer'))} | | |")
+            continue
+        per_seed = ', '.join(f'{v:.4f}' for v in r['final_val'].values())
+        memtxt = kib(mem.get('grads_plus_optimizer')) if 'error' not in mem else f"n/a ({mem['error'][:60]})"
+        tp = mem.get('trainable_params')
+        L.append(f"| {r['name']} | {r['sampling']} | {fmt(r['final_val_mean'])} ± {fmt(r['final_val_std'])} | "
+                 f"{fmt(r['final_val_min'])} .. {fmt(r['final_val_max'])} | {per_seed} | {fmt(r['final_train_mean'])} | "
+                 f"{memtxt} | {f'{tp:,}' if isinstance(tp, int) else '-'} | {fmt(r['median_ms_per_iter'], 0)} |")
+        if r['errors']:
+            L.append(f"|  | | ({len(r['errors'])} failed seed(s): {'; '.join(r['errors'])[:200]}) | | | | | | |")
+    L += ['', 'std: sample standard deviation over seeds. Memory: NOT an allocator peak (CPU has none); the exact '
+          'bytes of gradients + optimizer state tensors right after an optimizer step that follows a switch '
+          '(largest over one cycle + 1 switch), from the same model/optimizer/cycler built in-process (omgd.build_cycler + '
+          'omgd.memory_bytes; galore.build_optimizer for galore/golore, whose projection matrices are not '
+          'counted as optimizer state but listed apart below, as in the GaLore paper). Parameters and activations excluded; identical for rr and iid. ms/iter is wall time on '
+          'a shared CPU and only indicative.', '']
+    if report['pairs']:
+        L += ['## Paired differences (same seed)', '',
+              'Final val loss of A minus B at each seed (negative: A is lower). t = mean / (std / sqrt(n)); '
+              f'with n = {len(cfg["seeds"])} seeds, |t| > {T95.get(len(cfg["seeds"]) - 1, 2.0):g} is needed for '
+              'p < 0.05 (two-sided paired t-test).', '',
+              '| A | B | per-seed A - B | mean | std | A lower in | t |', '|---|---|---|---|---|---|---|']
+        for p in report['pairs']:
+            L.append(f"| {p['a']} | {p['b']} | {', '.join(f'{d:+.4f}' for d in p['diffs'])} | {p['mean']:+.4f} | "
+                     f"{fmt(p['std'])} | {p['a_wins']}/{len(p['diffs'])} | {fmt(p['t'], 2)} |")
+        L.append('')
+    mem_rows = [(m, v) for m, v in report['memory'].items()]
+    if mem_rows:
+        L += ['## Memory detail (bytes, right after a step that follows a switch; largest over N_L/gamma + 1 periods)', '',
+              '| method | params | grads | optimizer state | GaLore projectors (not in optimizer state) | grads + optimizer |',
+              '|---|---|---|---|---|---|']
+        for m, v in mem_rows:
+            if 'error' in v:
+                L.append(f'| {m} | n/a: {v["error"]} | | | | |')
+            else:
+                L.append(f"| {m} | {v['params']:,} | {v['grads']:,} | {v['optimizer']:,} | "
+                         f"{v.get('projector', 0):,} | {v['grads_plus_optimizer']:,} |")
+        L.append('')
+    L += [f"Loss curves: `{report.get('name', 'compare')}_loss.png` (val loss vs iteration, mean over seeds, "
+          f"band = min..max).", '']
+    if report.get('replotted_with'):
+        L += [f"Table and plot rewritten from the JSON (no training) by `{report['replotted_with']}`.", '']
+    with open(path, 'w') as f:
+        f.write('\n'.join(L))
+
+
+def plot(path, report):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    rows = [r for r in report['rows'] if r['val_curve']]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    cmap = plt.get_cmap('tab10')
+    methods = list(dict.fromkeys(r['method'] for r in rows))
+    zoomed = []
+    for ax, zoom in zip(axes, (False, True)):
+        for r in rows:
+            c = r['val_curve']
+            color = cmap(methods.index(r['method']) % 10)
+            style = '--' if r['sampling'] == 'iid' else '-'
+            it = c['iters']
+            start = next((i for i, x in enumerate(it) if x >= it[-1] / 2), 0) if zoom else 0
+            if zoom:
+                zoomed += c['mean'][start:]
+            ax.plot(it[start:], c['mean'][start:], style, color=color, marker='.' if zoom else None,
+                    label=f"{r['name']} ({len(r['seeds_ok'])} seeds)")
+            if len(r['seeds_ok']) > 1:
+                ax.fill_between(it[start:], c['min'][start:], c['max'][start:], color=color, alpha=0.12)
+        ax.set_xlabel('iteration')
+        ax.set_ylabel('validation loss')
+        ax.grid(alpha=0.3)
+        ax.set_title('second half (zoom; band = min..max over seeds)' if zoom else 'validation loss, mean over seeds')
+    if zoomed:
+        lo, hi = min(zoomed), max(zoomed)
+        axes[1].set_ylim(lo - 0.1 * (hi - lo) - 0.005, hi + 0.3 * (hi - lo) + 0.005)
+    axes[0].legend(fontsize=8)
+    cfg = report['config']
+    fig.suptitle(f"shakespeare_char, {cfg['n_layer']} blocks x {cfg['n_embd']}, gamma={cfg['omgd_gamma']}, "
+                 f"K={cfg['omgd_period']}, {cfg['max_iters']} iters; dashed = iid sampling, solid = reshuffling",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine():
+    import platform
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open('/proc/cpuinfo') as f:
+            names = [l.split(':', 1)[1].strip() for l in f if l.startswith('model name')]
+        if names:
+            cpu = names[0]
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores (shared), {platform.system()} {platform.release()}"
+
+
+def n_params(args):
+    import pickle
+
+    import torch
+
+    from model import GPT, GPTConfig
+    meta = os.path.join(ROOT, 'data', args.dataset, 'meta.pkl')
+    vocab = pickle.load(open(meta, 'rb'))['vocab_size'] if os.path.exists(meta) else 50304
+    with torch.device('meta'):
+        m = GPT(GPTConfig(arch='gpt2', n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                          block_size=args.block_size, vocab_size=vocab, bias=False))
+    return sum(p.numel() for p in m.parameters())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument('--methods', default=','.join(DEFAULT_VARIANTS),
+                    help='comma-separated METHOD or METHOD:SAMPLING (rr|iid; default rr)')
+    ap.add_argument('--seeds', default='3', help='a count N (seeds 0..N-1) or a comma-separated list')
+    ap.add_argument('--max_iters', type=int, default=240)
+    ap.add_argument('--out_dir', default=os.path.join(ROOT, 'results'), help='where compare.* are written')
+    ap.add_argument('--name', default='compare', help='output file stem: NAME.md, NAME.json, NAME_loss.png')
+    ap.add_argument('--runs_dir', default='', help='one out_dir per run (default: a temporary folder)')
+    ap.add_argument('--jobs', type=int, default=1, help='runs in parallel (2 cores here: keep 1 or 2)')
+    ap.add_argument('--threads', type=int, default=1,
+                    help='OMP_NUM_THREADS per run (0: torch default). 1 by default: on a shared 2-core machine '
+                         'two intra-op threads per run made a step ~8x slower in wall time than one thread')
+    ap.add_argument('--keep_checkpoints', action='store_true')
+    ap.add_argument('--no_memory', action='store_true', help='skip the in-process memory measurement')
+    ap.add_argument('--train_arg', action='append', default=[],
+                    help='extra train.py argument, repeatable, e.g. --train_arg=--omgd_warmup=50')
+    for name, typ, default in TRAIN_FLAGS:
+        ap.add_argument(f'--{name}', type=typ, default=default, help=f'passed to train.py (default {default})')
+    ap.add_argument('--replot', action='store_true',
+                    help='no training: rewrite NAME.md and NAME_loss.png from OUT_DIR/NAME.json '
+                         '(re-measuring memory, which is cheap, unless --no_memory)')
+    args = ap.parse_args(argv)
+    if args.replot:
+        path = os.path.join(args.out_dir, f'{args.name}.json')
+        with open(path) as f:
+            report = json.load(f)
+        if report['memory'] and not args.no_memory:  # cheap, no training: re-measure with the report's config
+            cfg = argparse.Namespace(**{n: report['config'][n] for n, _, _ in TRAIN_FLAGS})
+            report['memory'] = {m: measure_memory(m, cfg) for m in report['memory']}
+            for r in report['rows']:
+                r['memory'] = report['memory'].get(r['method'])
+        report['name'] = args.name
+        report['replotted_with'] = ' '.join(['python', os.path.relpath(os.path.abspath(__file__), ROOT)] +
+                                            (sys.argv[1:] if argv is None else list(argv)))
+        with open(path, 'w') as f:
+            json.dump(report, f, indent=1)
+        write_markdown(os.path.join(args.out_dir, f'{args.name}.md'), report)
+        plot(os.path.join(args.out_dir, f'{args.name}_loss.png'), report)
+        print(f"rewrote {args.out_dir}/{args.name}.md and {args.name}_loss.png from {args.name}.json")
+        return 0
+    variants = [parse_variant(s.strip()) for s in args.methods.split(',') if s.strip()]
+    seeds = list(range(int(args.seeds))) if args.seeds.strip().isdigit() else \
+        [int(s) for s in args.seeds.split(',') if s.strip()]
+    os.makedirs(args.out_dir, exist_ok=True)
+    tmp = None
+    runs_dir = args.runs_dir
+    if not runs_dir:
+        tmp = runs_dir = tempfile.mkdtemp(prefix='compare_runs_')
+    print(f"{len(variants)} variants x {len(seeds)} seeds, {args.max_iters} iterations, runs in {runs_dir}", flush=True)
+
+    t0 = time.time()
+    jobs = [(v, s) for s in seeds for v in variants]  # seed-major: a partial run still pairs methods
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        runs = list(pool.map(lambda vs: run_one(vs[0], vs[1], args, runs_dir), jobs))
+    wall = time.time() - t0
+
+    memory = {}
+    if not args.no_memory:
+        for m in dict.fromkeys(v['method'] for v in variants):
+            memory[m] = measure_memory(m, args)
+
+    rows = summarize(variants, runs, memory, seeds)
+    pairs = [p for a, b in PAIRS if (p := paired(rows, a, b))]
+    report = {
+        'command': ' '.join(['python', os.path.relpath(os.path.abspath(__file__), ROOT)] +
+                            (sys.argv[1:] if argv is None else list(argv))),
+        'name': args.name, 'machine': machine(), 'wall_s': round(wall, 1), 'n_params': n_params(args),
+        'config': {**{n: getattr(args, n) for n, _, _ in TRAIN_FLAGS}, 'max_iters': args.max_iters,
+                   'seeds': seeds, 'jobs': args.jobs, 'threads': args.threads, 'train_args': args.train_arg,
+                   'variants': [v['name'] for v in variants]},
+        'rows': rows, 'pairs': pairs, 'memory': memory, 'runs': runs,
+        'memory_note': 'exact bytes of gradients + optimizer state after an optimizer step following a switch '
+                       '(largest over one cycle + 1 switch), rebuilt in-process on CPU (omgd.memory_bytes); not an allocator peak',
+    }
+    with open(os.path.join(args.out_dir, f'{args.name}.json'), 'w') as f:
+        json.dump(report, f, indent=1)
+    write_markdown(os.path.join(args.out_dir, f'{args.name}.md'), report)
+    plot(os.path.join(args.out_dir, f'{args.name}_loss.png'), report)
+    if tmp and not args.runs_dir:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(open(os.path.join(args.out_dir, f'{args.name}.md')).read())
+    print(f"wall time {wall / 60:.1f} min; wrote {args.name}.md, {args.name}.json, {args.name}_loss.png in {args.out_dir}")
+    failed = [r for r in runs if 'error' in r]
+    return 1 if failed and len(failed) == len(runs) else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

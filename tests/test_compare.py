@@ -1,0 +1,70 @@
+"""Smoke test of experiments/compare.py: 2 methods, 1 seed, a few iterations of a tiny GPT through train.py."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, 'experiments'))
+import compare  # noqa: E402
+
+TINY = ['--n_layer=4', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=8', '--eval_iters=2',
+        '--eval_interval=3', '--log_interval=1', '--warmup_iters=2', '--omgd_gamma=2', '--omgd_period=2']
+
+
+def test_smoke_two_methods_one_seed(tmp_path):
+    out = tmp_path / 'results'
+    result = subprocess.run([sys.executable, 'experiments/compare.py', '--methods=full,lisa_wor:iid', '--seeds=1',
+                             '--max_iters=6', f'--out_dir={out}', f'--runs_dir={tmp_path / "runs"}', *TINY],
+                            cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for name in ('compare.md', 'compare.json', 'compare_loss.png'):
+        assert (out / name).stat().st_size > 0, name
+    report = json.loads((out / 'compare.json').read_text())
+    rows = {r['name']: r for r in report['rows']}
+    assert set(rows) == {'full', 'lisa_wor:iid'}
+    assert rows['lisa_wor:iid']['sampling'] == 'iid' and rows['lisa_wor:iid']['method'] == 'lisa_wor'
+    for r in rows.values():
+        assert r['errors'] == [] and r['seeds_ok'] == [0]
+        assert math.isfinite(r['final_val_mean'])
+        assert r['val_curve']['iters'] == [0, 3, 6] and all(math.isfinite(v) for v in r['val_curve']['mean'])
+    for run in report['runs']:
+        assert '--sampling=' + ('iid' if run['variant'] == 'lisa_wor:iid' else 'rr') in run['command']
+        assert '--seed=0 --data_seed=0 --omgd_seed=0' in run['command'] and '--compile=False' in run['command']
+    lisa = [r for r in report['runs'] if r['method'] == 'lisa_wor'][0]
+    assert lisa['switches'] == 3  # iterations 0, 2, 4
+    # memory: exact grads + optimizer state, smaller for LISA-wor (2 of 4 blocks) than for full training
+    mem = report['memory']
+    assert 0 < mem['lisa_wor']['grads_plus_optimizer'] < mem['full']['grads_plus_optimizer']
+    assert mem['full']['optimizer'] == 2 * mem['full']['grads'] == 2 * mem['full']['params']
+    md = (out / 'compare.md').read_text()
+    assert '| full | rr |' in md and '| lisa_wor:iid | iid |' in md and 'NOT an allocator peak' in md
+    # --replot rewrites the table and plot from the JSON without training
+    (out / 'compare.md').unlink()
+    (out / 'compare_loss.png').unlink()
+    replot = subprocess.run([sys.executable, 'experiments/compare.py', '--replot', '--no_memory', f'--out_dir={out}'],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert replot.returncode == 0, replot.stderr[-3000:]
+    assert (out / 'compare_loss.png').stat().st_size > 0
+    assert '| lisa_wor:iid | iid |' in (out / 'compare.md').read_text()
+
+
+def test_parse_log_and_variants():
+    log = '\n'.join(['step 0: train loss 4.2000, val loss 4.3000', 'iter 0: cycle 1: active blocks [1, 4], grad scale 4',
+                     'iter 0: loss 4.1000, time 900.0ms, tok/s 100, epoch 0.00',
+                     'iter 10: loss 3.0000, time 50.0ms, tok/s 2,000, epoch 0.01',
+                     'step 20: train loss 2.9000, val loss 2.9500'])
+    parsed = compare.parse_log(log)
+    assert parsed['eval_iters'] == [0, 20] and parsed['val_loss'] == [4.3, 2.95] and parsed['train_loss'] == [4.2, 2.9]
+    assert parsed['median_ms_per_iter'] == 50.0 and parsed['switches'] == 1 and parsed['last_logged_epoch'] == 0.01
+    assert compare.parse_variant('full:iid') == {'name': 'full:iid', 'method': 'full', 'sampling': 'iid'}
+    assert compare.parse_variant('lisa') == {'name': 'lisa', 'method': 'lisa', 'sampling': 'rr'}
+
+
+def test_paired_differences():
+    rows = [{'name': 'lisa_wor', 'final_val': {0: 2.0, 1: 2.1, 2: 2.2}},
+            {'name': 'lisa', 'final_val': {0: 2.1, 1: 2.3, 2: 2.2}}]
+    p = compare.paired(rows, 'lisa_wor', 'lisa')
+    assert p['a_wins'] == 2 and math.isclose(p['mean'], -0.1) and p['seeds'] == [0, 1, 2]
+    assert compare.paired(rows, 'lisa_wor', 'galore') is None
