@@ -7,17 +7,17 @@ $ python train.py config/shakespeare_lisa_wor.py --method=lisa --max_iters=500
 
 DDP on 4 GPUs of one node (gloo instead of nccl when there is no CUDA, or with --backend=gloo):
 $ torchrun --standalone --nproc_per_node=4 train.py config/gpt2_lisa_wor.py
+FSDP2 (each block sharded over the ranks), for weights that do not fit on one GPU:
+$ torchrun --standalone --nproc_per_node=4 train.py config/gpt2_lisa_wor.py --parallel=fsdp
 
 Several nodes (the same command on every node; HOST is one of them; the rendezvous assigns ranks):
 $ torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
       --rdzv-id=gpt2 train.py config/gpt2_lisa_wor.py
 """
 import gc
-import hashlib
 import math
 import os
 import random
-import signal
 import sys
 import time
 import weakref
@@ -27,10 +27,10 @@ from dataclasses import asdict
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import ConfigError, configure, format_config
 from dataloader import TokenBatches
+import distributed
 from model import GPT, GPTConfig, PRESETS, param_groups, peak_bf16_flops
 import omgd
 
@@ -101,6 +101,7 @@ device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # autocast dtype; CPU runs in float32
 compile = torch.cuda.is_available()  # torch.compile each block separately (regional compilation)
 backend = 'nccl' if torch.cuda.is_available() else 'gloo'
+parallel = 'ddp'  # under torchrun: 'ddp' (replicated weights) or 'fsdp' (FSDP2, weights sharded per block)
 seed = 1337
 ddp_check = False  # assert the DDP invariants at every iteration on every rank (tests; hashes all weights)
 # -----------------------------------------------------------------------------
@@ -121,20 +122,19 @@ def fail(message):
     sys.exit(1)
 
 
-# distributed setup: torchrun sets RANK; every rank runs this same script
-ddp = int(os.environ.get('RANK', -1)) != -1
-if ddp:
-    dist.init_process_group(backend=backend)
-    ddp_rank, ddp_local_rank, ddp_world_size = dist.get_rank(), int(os.environ['LOCAL_RANK']), dist.get_world_size()
-    if device.startswith('cuda'):
-        device = f'cuda:{ddp_local_rank}'
-        torch.cuda.set_device(device)
-    master_process = ddp_rank == 0
-    # Control messages (the stop flag, RNG states, ddp_check) travel over a CPU group: reading
-    # a flag back from a GPU tensor at every iteration would stall the GPU's queue of work.
-    cpu_group = dist.new_group(backend='gloo') if backend != 'gloo' else dist.group.WORLD
-else:
-    ddp_rank, ddp_local_rank, ddp_world_size, master_process = 0, 0, 1, True
+# distributed setup (distributed.py): torchrun sets RANK; every rank runs this same script.
+# `ddp` means launched by torchrun, whichever `parallel` (DDP or FSDP2) it then uses.
+ranks, device = distributed.setup(backend, device)
+ddp, ddp_rank, ddp_world_size, master_process = ranks.enabled, ranks.rank, ranks.world_size, ranks.master
+fsdp = ddp and parallel == 'fsdp'
+if parallel not in ('ddp', 'fsdp'):
+    fail(f"parallel must be 'ddp' or 'fsdp', got {parallel!r}")
+if fsdp and omgd_state == 'offload':
+    fail("omgd_state='offload' is not supported with parallel='fsdp' (the sharded optimizer state stays on its "
+         "device); use --omgd_state=drop or --omgd_state=keep")
+if fsdp and method in ('galore', 'golore'):
+    fail(f"method={method!r} is not supported with parallel='fsdp' (its projections need whole gradients); "
+         f"use --parallel=ddp")
 if gradient_accumulation_steps % ddp_world_size:
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} counts micro-steps summed over all ranks and "
          f"must be a multiple of the {ddp_world_size} ranks, e.g. --gradient_accumulation_steps="
@@ -142,45 +142,15 @@ if gradient_accumulation_steps % ddp_world_size:
          f"gradient_accumulation_steps x batch_size x block_size)")
 grad_accum = gradient_accumulation_steps // ddp_world_size
 
-# Preemption (SIGTERM from a cluster or from torchrun, which forwards its own SIGTERM/SIGINT to
-# every worker; Ctrl-C): finish the current iteration, then all ranks save and stop together.
-# A signal may reach only some ranks, so every iteration starts with an all_reduce(MAX) of the
-# flag: all ranks then leave the loop at the same iteration. torchrun kills the workers 30 s after
-# forwarding a signal (--shutdown-timeout), so a stop saves at once and skips the evaluation.
-stop_requested = False
-
-
-def request_stop(signum, frame):
-    global stop_requested
-    stop_requested = True
-
-
-signal.signal(signal.SIGTERM, request_stop)
-signal.signal(signal.SIGINT, request_stop)
-
-
-def all_ranks_agree_to_stop():
-    flag = torch.tensor(float(stop_requested))
-    if ddp:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group)
-    return flag.item() > 0
-
-
-def gather(obj):
-    """A list of `obj` from every rank (in rank order), on every rank."""
-    if not ddp:
-        return [obj]
-    objs = [None] * ddp_world_size
-    dist.all_gather_object(objs, obj, group=cpu_group)
-    return objs
-
+# SIGTERM/SIGINT: all ranks finish the iteration, save and stop together (distributed.py)
+stop_request = distributed.StopRequest()
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 if master_process:
     print(f"config:\n{format_config(config)}")
     print(f"tokens per iteration: {tokens_per_iter:,} ({ddp_world_size} ranks)")
     os.makedirs(out_dir, exist_ok=True)
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-torch.manual_seed(seed)  # same model init on every rank (DDP broadcasts rank 0's anyway); data has its own seed
+torch.manual_seed(seed)  # same model init on every rank (DDP broadcasts rank 0's; FSDP needs it); data has its own seed
 if device_type == 'cuda':
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -257,6 +227,10 @@ if block_size < raw_model.config.block_size:
     raw_model.crop_block_size(block_size)
 raw_model.activation_checkpointing = activation_checkpointing
 raw_model.to(device)
+if fsdp:
+    # before the optimizer and the cycler (they must see the sharded parameters) and the compile
+    distributed.shard_fsdp(raw_model, ranks, device_type, ptdtype if device_type == 'cuda' and
+                           ptdtype != torch.float32 else None)
 
 # optimizer over ALL parameters, built before anything is frozen, so every block can train later
 if method in ('galore', 'golore'):
@@ -280,7 +254,10 @@ except ValueError as e:
 torch.manual_seed(seed + ddp_rank)  # from here on (dropout) each rank draws its own random numbers
 if checkpoint is not None:
     try:
-        opt.load_state_dict(checkpoint['optimizer'])
+        if fsdp:  # the file holds full tensors; each rank keeps its shards
+            distributed.load_optimizer_state(raw_model, opt, checkpoint['optimizer'])
+        else:
+            opt.load_state_dict(checkpoint['optimizer'])
         cycler.load_state_dict(checkpoint['cycler'])
         train_batches.load_state_dict(checkpoint['data'])
     except (ValueError, KeyError) as e:
@@ -310,32 +287,9 @@ if compile:
     for block in raw_model.blocks:
         block.compile()
 
-
-def wrap(init_sync):
-    """DDP over the parameters that train now.
-
-    DDP allocates gradient buckets for, and all-reduces, exactly the parameters with
-    requires_grad=True at construction, so we build a new wrapper after every switch: frozen
-    blocks then cost no bucket memory and no communication. The alternative, one wrapper for the
-    whole run plus our own all-reduce of the active gradients, would either wait for the end of
-    backward (no overlap of communication with compute) or re-implement DDP's bucketed autograd
-    hooks, which is what DDP's C++ reducer already does, well tested, with no_sync and compile
-    support. A rebuild is local (no collective with init_sync=False: the weights are already equal
-    on every rank) and costs milliseconds, plus one bucket re-ordering in the next backward,
-    once every omgd_period iterations (results/ddp_switch_cost.md).
-    gradient_as_bucket_view: the gradients of the active parameters live in the buckets rather
-    than next to them, which saves one copy of the active gradients.
-    forward_sync_buffers=False: the only buffers (LLaMA's RoPE tables) are constants, so there is
-    nothing to broadcast before every forward.
-    """
-    if not ddp:
-        return raw_model
-    return DDP(raw_model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None, init_sync=init_sync,
-               forward_sync_buffers=False, gradient_as_bucket_view=True)
-
-
-# The wrapper is built at the first iteration, after the first switch: a wrapper over all
-# parameters would allocate full-size gradient buckets that layer cycling is meant to avoid.
+# DDP: the wrapper (distributed.wrap_ddp) is rebuilt over the active parameters after every switch,
+# starting at the first iteration: a wrapper over all parameters would allocate full-size gradient
+# buckets that layer cycling is meant to avoid. FSDP and one process: `model` is raw_model.
 model = None
 
 
@@ -350,14 +304,6 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * decay_ratio)) * (learning_rate - min_lr)
 
 
-def mean_over_ranks(value):
-    if not ddp:
-        return value
-    t = torch.tensor(value, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.item() / ddp_world_size
-
-
 @torch.no_grad()
 def estimate_loss():
     out = {}
@@ -370,7 +316,7 @@ def estimate_loss():
             with autocast:
                 _, loss = raw_model(X, Y)
             losses[k] = loss.item()
-        out[split] = mean_over_ranks(losses.mean().item())
+        out[split] = ranks.mean(losses.mean().item(), device)
     raw_model.train()
     return out
 
@@ -379,12 +325,16 @@ def save_checkpoint():
     """Called on every rank; rank 0 writes. Model, optimizer, schedule and data position are the
     same on every rank; the dropout RNG is not, so each rank's state is gathered into the file.
     Atomic: write a temporary file, then rename, so a crash never leaves a broken ckpt.pt."""
-    rank_rngs = gather({'torch': torch.get_rng_state(),
-                        'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None})
+    rank_rngs = ranks.gather({'torch': torch.get_rng_state(),
+                              'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None})
+    if fsdp:  # gathered to rank 0 (a collective); the same file format as below
+        model_state, optimizer_state = distributed.full_state_dicts(raw_model, opt)
+    else:
+        model_state, optimizer_state = raw_model.state_dict(), opt.state_dict()
     if not master_process:
         return
     checkpoint = {
-        'model': raw_model.state_dict(), 'optimizer': opt.state_dict(), 'cycler': cycler.state_dict(),
+        'model': model_state, 'optimizer': optimizer_state, 'cycler': cycler.state_dict(),
         'data': data_position, 'model_args': model_args, 'iter_num': iter_num,
         'best_val_loss': best_val_loss, 'config': config, 'world_size': ddp_world_size,
         'rng': {'ranks': rank_rngs, 'python': random.getstate(),
@@ -394,50 +344,6 @@ def save_checkpoint():
     torch.save(checkpoint, tmp_path)
     os.replace(tmp_path, ckpt_path)
     print(f"saved checkpoint to {ckpt_path}")
-
-
-def counted_allreduce(counter, bucket):
-    """ddp_check: DDP's default all-reduce (its documented reference hook, same result), counted,
-    to verify that gradient accumulation communicates on the last micro-step only."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    counter[0] += 1
-    return allreduce_hook(None, bucket)
-
-
-def check_ddp(old_wrapper, kept_by_cycle, frozen_snapshot, reductions):
-    """ddp_check=True, after the optimizer step, gradients still in place: every rank reports what
-    must hold after a switch, and every rank compares all reports, so a failure stops all ranks.
-    Returns a summary of the reports."""
-    params = list(raw_model.parameters())  # deduplicated: the tied head is the embedding
-    active = [p for p in params if p.requires_grad]
-    weights = hashlib.sha256()
-    for p in params:
-        weights.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    report = {'active': cycler.active, 'weights': weights.hexdigest(),
-              'the previous DDP wrapper is freed': old_wrapper is None or old_wrapper() is None,
-              'by reference counting, without gc.collect()': not kept_by_cycle,
-              'frozen parameters are untouched': all(torch.equal(p, copy) for p, copy in frozen_snapshot),
-              'gradients exist exactly for the active parameters': all((p.grad is not None) == p.requires_grad
-                                                                        for p in params),
-              'active elements': sum(p.numel() for p in active), 'bucket elements': None}
-    if ddp:
-        # what the reducer holds: the parameters of its buckets and the buckets' flat buffers
-        buckets = model.reducer._get_zeros_like_grad_buckets()
-        report['DDP buckets hold exactly the active parameters'] = \
-            {id(p) for b in buckets for p in b.parameters()} == {id(p) for p in active}
-        report['bucket elements'] = sum(b.buffer().numel() for b in buckets)
-        report['bucket elements == active elements'] = report['bucket elements'] == report['active elements']
-        report['one all-reduce per bucket per step'] = reductions[0] == len(buckets)
-        reductions[0] = 0
-    reports = gather(report)
-    problems = [k for k, v in report.items() if isinstance(v, bool) and not all(r[k] for r in reports)]
-    problems += [f"ranks differ in {k}" for k in ('active', 'weights') if any(r[k] != report[k] for r in reports)]
-    if problems:
-        fail(f"ddp check failed at iteration {iter_num}, not on every rank: {'; '.join(problems)}")
-    return (f"ddp check: {ddp_world_size} ranks agree on active {report['active']} and weights sha256 "
-            f"{report['weights'][:16]}; {report['active elements']} active elements, DDP buckets "
-            f"{report['bucket elements']}; one all-reduce per bucket; frozen untouched, no frozen gradients, "
-            f"old wrapper freed")
 
 
 if wandb_log and master_process:
@@ -461,7 +367,7 @@ while True:
     lr = get_lr(iter_num)
     for group in opt.param_groups:
         group['lr'] = lr
-    stop = all_ranks_agree_to_stop()
+    stop = stop_request.agreed(ranks)
     if stop:
         print(f"rank {ddp_rank}: stop requested, stopping at iteration {iter_num}", flush=True)
         if local_iter_num > 0:  # else nothing trained since the start or the resume
@@ -486,27 +392,40 @@ while True:
 
     switched = cycler.step(iter_num)
     if switched or model is None:
-        old_wrapper = weakref.ref(model) if ddp and model is not None else None
-        # `model` is the last reference to the old wrapper: dropping it frees its reducer, whose
-        # destructor removes its autograd hooks and frees its buckets before the new ones exist
-        model = None
-        kept_by_cycle = old_wrapper is not None and old_wrapper() is not None
-        if kept_by_cycle:
-            gc.collect()  # never needed with torch 2.13 (ddp_check verifies it); insurance
-        t = time.time()
-        model = wrap(init_sync=old_wrapper is None)  # the first wrapper broadcasts rank 0's weights
-        rebuild_ms = (time.time() - t) * 1000
+        old_wrapper, kept_by_cycle = None, False
+        if fsdp:
+            # nothing to rebuild: FSDP2 reduce-scatters only the gradients that exist (ddp_check counts)
+            if model is None and ddp_check:
+                communication = distributed.count_reduce_scatters(raw_model)
+            model = distributed.reshard_fsdp(raw_model)  # so the next forward sees the new requires_grad
+        else:
+            old_wrapper = weakref.ref(model) if ddp and model is not None else None
+            # `model` is the last reference to the old wrapper: dropping it frees its reducer, whose
+            # destructor removes its autograd hooks and frees its buckets before the new ones exist
+            model = None
+            kept_by_cycle = old_wrapper is not None and old_wrapper() is not None
+            if kept_by_cycle:
+                gc.collect()  # never needed with torch 2.13 (ddp_check verifies it); insurance
+            t = time.time()
+            # the first wrapper broadcasts rank 0's weights
+            model = distributed.wrap_ddp(raw_model, ranks, device_type, init_sync=old_wrapper is None)
+            rebuild_ms = (time.time() - t) * 1000
+            if ddp_check:
+                communication = [0]  # all-reduces this step
+                if ddp:
+                    model.register_comm_hook(communication, distributed.counted_allreduce)
         if ddp_check:
-            frozen_snapshot = [(p, p.detach().clone()) for p in raw_model.parameters() if not p.requires_grad]
-            reductions = [0]
-            if ddp:
-                model.register_comm_hook(reductions, counted_allreduce)
+            frozen_snapshot = [(p, distributed.local_shard(p).detach().clone())
+                               for p in raw_model.parameters() if not p.requires_grad]
     if switched and master_process:
-        print(f"iter {iter_num}: {cycler.describe()}" + (f", DDP rebuilt in {rebuild_ms:.1f} ms" if ddp else ""))
+        print(f"iter {iter_num}: {cycler.describe()}" +
+              (f", DDP rebuilt in {rebuild_ms:.1f} ms" if ddp and not fsdp else ""))
 
     for micro_step in range(grad_accum):
-        if ddp:
-            # all-reduce only on the last micro-step; earlier ones accumulate locally
+        # reduce gradients only on the last micro-step; earlier ones accumulate locally
+        if fsdp:
+            model.set_requires_gradient_sync(micro_step == grad_accum - 1)
+        elif ddp:
             model.require_backward_grad_sync = micro_step == grad_accum - 1
         with autocast:
             _, loss = model(X, Y)
@@ -521,7 +440,10 @@ while True:
         cycler.scale_grads()
     opt.step()
     if ddp_check:
-        summary = check_ddp(old_wrapper, kept_by_cycle, frozen_snapshot, reductions)
+        problems, summary = distributed.check(ranks, raw_model, model if ddp and not fsdp else None, opt, cycler,
+                                              omgd_state, old_wrapper, kept_by_cycle, frozen_snapshot, communication)
+        if problems:
+            fail(f"ddp check failed at iteration {iter_num}, not on every rank: {'; '.join(problems)}")
         if master_process and (switched or iter_num == max_iters - 1):
             print(f"iter {iter_num}: {summary}")
     opt.zero_grad(set_to_none=True)
@@ -529,7 +451,7 @@ while True:
     t1 = time.time()
     dt, t0 = t1 - t0, t1
     if iter_num % log_interval == 0:
-        lossf = mean_over_ranks(loss.item() * grad_accum)
+        lossf = ranks.mean(loss.item() * grad_accum, device)
         if not math.isfinite(lossf):
             fail(f"loss is {lossf} at iteration {iter_num}; kept the last good checkpoint in {out_dir}; "
                  f"lower learning_rate or raise warmup_iters")
@@ -550,12 +472,14 @@ while True:
     iter_num += 1
     local_iter_num += 1
 
-if master_process and sample_tokens > 0 and not stop:
+# under FSDP every rank runs the sample's forwards (each all-gathers the weights); rank 0 prints
+if (master_process or fsdp) and sample_tokens > 0 and not stop:
     from sample import load_codec
     encode, decode = load_codec(data_dir)
     start = torch.tensor([encode('\n')], dtype=torch.long, device=device)
     with autocast:
         y = raw_model.generate(start, sample_tokens, temperature=0.8, top_k=200)
-    print(f"sample:\n{decode(y[0].tolist())}")
+    if master_process:
+        print(f"sample:\n{decode(y[0].tolist())}")
 if ddp:
     dist.destroy_process_group()

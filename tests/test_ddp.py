@@ -238,11 +238,11 @@ def worker_pids(launch):
     return workers
 
 
-def stop_with_sigterm(out_dir, after, target):
+def stop_with_sigterm(out_dir, after, target, args=RESUME, max_iters=STRAIGHT):
     """Resume in out_dir, send SIGTERM to `target` ('rank1' or 'torchrun') once iteration `after`
     is logged; check that both ranks stopped at the same iteration and saved it. Returns it."""
-    run = Launch(TORCHRUN + ['train.py', *TINY, f'--out_dir={out_dir}', f'--max_iters={STRAIGHT}',
-                             '--init_from=resume', *RESUME])
+    run = Launch(TORCHRUN + ['train.py', *TINY, f'--out_dir={out_dir}', f'--max_iters={max_iters}',
+                             '--init_from=resume', *args])
     run.wait_for(rf'iter {after}: loss')
     os.kill(worker_pids(run)[1] if target == 'rank1' else run.proc.pid, signal.SIGTERM)
     run.wait()
@@ -251,7 +251,7 @@ def stop_with_sigterm(out_dir, after, target):
     stops = re.findall(r'rank (\d): stop requested, stopping at iteration (\d+)', run.out)
     assert sorted(s[0] for s in stops) == ['0', '1'] and stops[0][1] == stops[1][1], run.out[-3000:]
     stopped = int(stops[0][1])
-    assert after < stopped < STRAIGHT, run.out[-3000:]
+    assert after < stopped < max_iters, run.out[-3000:]
     assert re.search(rf'iter {stopped - 1}: loss', run.out) and not re.search(rf'iter {stopped}: loss', run.out)
     ckpt = load(out_dir)
     assert ckpt['iter_num'] == stopped and ckpt['world_size'] == 2

@@ -1,0 +1,312 @@
+"""
+Multi-process machinery for train.py: process groups, control messages between ranks, the DDP
+wrapper and the FSDP2 sharding, full-state checkpoints of a sharded model, and the invariant
+checks of `--ddp_check=True`. train.py keeps the training loop; everything here is told what it
+needs through arguments (a `Ranks`, the model, the optimizer), never through globals.
+"""
+import hashlib
+import math
+import os
+import signal
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Ranks:
+    """Who this process is. `enabled`: launched by torchrun (RANK is set), with a process group."""
+    enabled: bool = False
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    cpu_group: object = None
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    def gather(self, obj):
+        """A list of `obj` from every rank (in rank order), on every rank."""
+        if not self.enabled:
+            return [obj]
+        objs = [None] * self.world_size
+        dist.all_gather_object(objs, obj, group=self.cpu_group)
+        return objs
+
+    def any(self, flag):
+        """True on every rank when `flag` is true on any rank (an all_reduce(MAX) on the CPU group)."""
+        t = torch.tensor(float(flag))
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return t.item() > 0
+
+    def mean(self, value, device):
+        """The mean of a Python float over ranks (on the compute device's group)."""
+        if not self.enabled:
+            return value
+        t = torch.tensor(value, dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        return t.item() / self.world_size
+
+
+def setup(backend, device):
+    """Join torchrun's process group when RANK is set; returns the Ranks and this rank's device."""
+    if int(os.environ.get('RANK', -1)) == -1:
+        return Ranks(), device
+    dist.init_process_group(backend=backend)
+    local_rank = int(os.environ['LOCAL_RANK'])
+    if device.startswith('cuda'):
+        device = f'cuda:{local_rank}'
+        torch.cuda.set_device(device)
+    # Control messages (the stop flag, RNG states, ddp_check) travel over a CPU group: reading
+    # a flag back from a GPU tensor at every iteration would stall the GPU's queue of work.
+    cpu_group = dist.new_group(backend='gloo') if backend != 'gloo' else dist.group.WORLD
+    return Ranks(True, dist.get_rank(), local_rank, dist.get_world_size(), cpu_group), device
+
+
+class StopRequest:
+    """Preemption (SIGTERM from a cluster or from torchrun, which forwards its own SIGTERM/SIGINT to
+    every worker; Ctrl-C): finish the current iteration, then all ranks save and stop together.
+    A signal may reach only some ranks, so every iteration starts with `agreed()`, an
+    all_reduce(MAX) of the flag: all ranks then leave the loop at the same iteration. torchrun
+    kills the workers 30 s after forwarding a signal (--shutdown-timeout), so a stop saves at
+    once and skips the evaluation."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._request)
+        signal.signal(signal.SIGINT, self._request)
+
+    def _request(self, signum, frame):
+        self.requested = True
+
+    def agreed(self, ranks):
+        return ranks.any(self.requested)
+
+
+# -----------------------------------------------------------------------------
+# DDP
+
+
+def wrap_ddp(model, ranks, device_type, init_sync):
+    """DDP over the parameters that train now.
+
+    DDP allocates gradient buckets for, and all-reduces, exactly the parameters with
+    requires_grad=True at construction, so train.py builds a new wrapper after every switch:
+    frozen blocks then cost no bucket memory and no communication. The alternative, one wrapper
+    for the whole run plus our own all-reduce of the active gradients, would either wait for the
+    end of backward (no overlap of communication with compute) or re-implement DDP's bucketed
+    autograd hooks, which is what DDP's C++ reducer already does, well tested, with no_sync and
+    compile support. A rebuild is local (no collective with init_sync=False: the weights are
+    already equal on every rank) and costs milliseconds, plus one bucket re-ordering in the next
+    backward, once every omgd_period iterations (results/ddp_switch_cost.md).
+    gradient_as_bucket_view: the gradients of the active parameters live in the buckets rather
+    than next to them, which saves one copy of the active gradients.
+    forward_sync_buffers=False: the only buffers (LLaMA's RoPE tables) are constants, so there is
+    nothing to broadcast before every forward.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    if not ranks.enabled:
+        return model
+    return DDP(model, device_ids=[ranks.local_rank] if device_type == 'cuda' else None, init_sync=init_sync,
+               forward_sync_buffers=False, gradient_as_bucket_view=True)
+
+
+def counted_allreduce(counter, bucket):
+    """ddp_check: DDP's default all-reduce (its documented reference hook, same result), counted,
+    to verify that gradient accumulation communicates on the last micro-step only."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    counter[0] += 1
+    return allreduce_hook(None, bucket)
+
+
+# -----------------------------------------------------------------------------
+# FSDP2
+
+
+def shard_fsdp(model, ranks, device_type, param_dtype):
+    """FSDP2 in place: each block is one FSDP unit (all-gathered before its forward and backward,
+    its gradients reduce-scattered after its backward), the root holds the rest (embedding, tied
+    head, positions, final norm). Call before building the optimizer and the layer cycler, which
+    must see the sharded (DTensor) parameters, and before any compile.
+
+    No rebuild at a switch: FSDP2 keeps no buckets and reduce-scatters, in each unit's
+    post-backward, only the parameters that produced a gradient. cycler.apply's
+    requires_grad_(False) and grad=None is all a switch needs; a frozen block communicates nothing
+    in backward (its weights are still all-gathered, in forward and again in backward while the
+    gradient flows through it). `--ddp_check=True` counts the reduce-scattered elements.
+    param_dtype: None (fp32 everywhere, CPU/gloo) or the compute dtype of the all-gathered weights
+    (bfloat16 on CUDA); gradients are reduced in float32 and the sharded master weights stay fp32.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(device_type, (ranks.world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+    kwargs = {'mesh': mesh, **({'mp_policy': mp} if mp else {})}
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def reshard_fsdp(model):
+    """Call at every switch, before the next forward. The root unit keeps its weights all-gathered
+    after a forward that had no backward (an evaluation): FSDP2's root does not reshard after
+    forward, and its next forward then reuses those unsharded parameters as they are, with the
+    requires_grad they had before the switch. A frozen root parameter (tensor methods) would still
+    get a gradient, and it would be reduce-scattered and applied (ddp_check catches it). Resharding
+    registers the sharded parameters again, so the next all-gather copies their requires_grad. It
+    frees memory and costs nothing: the next forward all-gathers anyway."""
+    for unit in [*model.blocks, model]:
+        unit.reshard()
+    return model
+
+
+def _param_names(model, optimizer):
+    """Fully qualified names of the optimizer's parameters, in the order of its param_groups (the
+    order that numbers them in a torch.optim state dict; the tied head goes by its first name)."""
+    names = {}
+    for name, p in model.named_parameters():  # deduplicated: the first name of a tied parameter
+        names.setdefault(p, name)
+    return [names[p] for group in optimizer.param_groups for p in group['params']]
+
+
+def full_state_dicts(model, optimizer):
+    """(model, optimizer) state dicts of a sharded model, gathered to CPU on rank 0 (empty dicts on
+    the others); a collective, call on every rank. The optimizer's is converted to torch.optim's
+    own format (state keyed by parameter number), so the checkpoint file is the one a single
+    process or DDP writes, and loads anywhere."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(model, options=options)
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
+    if not optim_sd:
+        return model_sd, optim_sd
+    index, groups = {}, []
+    for group in optim_sd['param_groups']:
+        groups.append({**group, 'params': []})
+        for name in group['params']:
+            index[name] = len(index)
+            groups[-1]['params'].append(index[name])
+    state = {index[name]: s for name, s in optim_sd['state'].items()}
+    return model_sd, {'state': dict(sorted(state.items())), 'param_groups': groups}
+
+
+def load_optimizer_state(model, optimizer, state_dict):
+    """Load a torch.optim-format (full, unsharded) optimizer state dict into the optimizer of a
+    sharded model; every rank passes the dict it read from the checkpoint."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    names = _param_names(model, optimizer)
+    by_name = {'state': {names[i]: s for i, s in state_dict['state'].items()},
+               'param_groups': [{**g, 'params': [names[i] for i in g['params']]}
+                                for g in state_dict['param_groups']]}
+    # strict=False: frozen parameters whose state was dropped have none in the checkpoint
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True, strict=False))
+    # set_optimizer_state_dict first runs one zero-gradient step to create state for every
+    # parameter that requires grad; remove what the checkpoint did not have, so that a parameter
+    # trained later starts its state (and its Adam step count) exactly as in an uninterrupted run
+    saved = {names[i] for i in state_dict['state']}
+    for p, name in zip([p for g in optimizer.param_groups for p in g['params']], names):
+        if name not in saved:
+            optimizer.state.pop(p, None)
+
+
+class CountedReduceScatter:
+    """ddp_check under FSDP: FSDP2's reduce-scatter (the same collective), counting calls and
+    elements, to verify that only active gradients, and only on the last micro-step, are sent."""
+
+    def __new__(cls, counter):
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+        class Counted(ReduceScatter):
+            def allocate(self, size, *, dtype, device):
+                return torch.empty(*size, dtype=dtype, device=device)
+
+            def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+                counter['calls'] += 1
+                counter['elements'] += input_tensor.numel()
+                return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, op=op, group=group,
+                                                  async_op=async_op)
+        return Counted()
+
+
+def count_reduce_scatters(model):
+    counter = {'calls': 0, 'elements': 0}
+    for unit in [*model.blocks, model]:  # the FSDP units of shard_fsdp
+        unit.set_custom_reduce_scatter(CountedReduceScatter(counter))
+    return counter
+
+
+# -----------------------------------------------------------------------------
+# ddp_check: the invariants of layer cycling under DDP or FSDP, compared across ranks
+
+
+def local_shard(t):
+    """This rank's part of a parameter (FSDP: its shard), or the tensor itself."""
+    return t.to_local() if hasattr(t, 'to_local') else t
+
+
+def check(ranks, model, wrapper, optimizer, cycler, state_policy, old_wrapper, kept_by_cycle, frozen_snapshot,
+          comm):
+    """ddp_check=True, after the optimizer step, gradients still in place: every rank reports what
+    must hold after a switch, and every rank compares all reports. Returns (problems, summary).
+
+    wrapper: the DDP wrapper, or None (one process, or FSDP, where `model` itself is sharded).
+    comm: DDP: [all-reduces this step]; FSDP: count_reduce_scatters' counter. Both are reset.
+    """
+    params = list(model.parameters())  # deduplicated: the tied head is the embedding
+    active = [p for p in params if p.requires_grad]
+    fsdp = hasattr(model, 'set_requires_gradient_sync')
+    weights = hashlib.sha256()
+    for p in params:  # FSDP: the full weights, all-gathered (a collective, same order on every rank)
+        full = p.full_tensor() if fsdp else p
+        weights.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    in_state = {id(p) for p in optimizer.state}
+    report = {'active': cycler.active, 'weights': weights.hexdigest(),
+              'the previous DDP wrapper is freed': old_wrapper is None or old_wrapper() is None,
+              'by reference counting, without gc.collect()': not kept_by_cycle,
+              'frozen parameters are untouched': all(torch.equal(local_shard(p), copy) for p, copy in frozen_snapshot),
+              'gradients exist exactly for the active parameters': all((p.grad is not None) == p.requires_grad
+                                                                        for p in params),
+              'optimizer state exists only for the active parameters':
+                  state_policy != 'drop' or in_state <= {id(p) for p in active},
+              'active elements': sum(p.numel() for p in active), 'comm elements': None}
+    if wrapper is not None:
+        # what the reducer holds: the parameters of its buckets and the buckets' flat buffers
+        buckets = wrapper.reducer._get_zeros_like_grad_buckets()
+        report['DDP buckets hold exactly the active parameters'] = \
+            {id(p) for b in buckets for p in b.parameters()} == {id(p) for p in active}
+        report['comm elements'] = sum(b.buffer().numel() for b in buckets)
+        report['bucket elements == active elements'] = report['comm elements'] == report['active elements']
+        report['one all-reduce per bucket per step'] = comm[0] == len(buckets)
+        comm[0] = 0
+    elif fsdp:
+        # FSDP2 pads each parameter's first dimension to a multiple of the world size
+        padded = sum(math.ceil(p.shape[0] / ranks.world_size) * ranks.world_size * p[0].numel() if p.dim() else 1
+                     for p in active)
+        in_blocks = {id(p) for block in model.blocks for p in block.parameters()}
+        units = [list(block.parameters()) for block in model.blocks]
+        units.append([p for p in params if id(p) not in in_blocks])  # the root's own
+        units_with_active = sum(any(p.requires_grad for p in unit) for unit in units)
+        report['comm elements'] = comm['elements']
+        report['reduce-scattered elements == padded active elements'] = comm['elements'] == padded
+        report['one reduce-scatter per FSDP unit with active parameters per step'] = \
+            comm['calls'] == units_with_active
+        comm['calls'] = comm['elements'] = 0
+    reports = ranks.gather(report)
+    problems = [k for k, v in report.items() if isinstance(v, bool) and not all(r[k] for r in reports)]
+    problems += [f"ranks differ in {k}" for k in ('active', 'weights') if any(r[k] != report[k] for r in reports)]
+    if fsdp:
+        summary = (f"fsdp check: {ranks.world_size} ranks agree on active {report['active']} and weights sha256 "
+                   f"{report['weights'][:16]}; {report['active elements']} active elements, reduce-scattered "
+                   f"{report['comm elements']} (padded); one reduce-scatter per unit with active parameters; "
+                   f"frozen untouched, no frozen gradients, optimizer state only for active parameters")
+    else:
+        summary = (f"ddp check: {ranks.world_size} ranks agree on active {report['active']} and weights sha256 "
+                   f"{report['weights'][:16]}; {report['active elements']} active elements, DDP buckets "
+                   f"{report['comm elements']}; one all-reduce per bucket; frozen untouched, no frozen gradients, "
+                   f"old wrapper freed")
+    return problems, summary
