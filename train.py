@@ -55,7 +55,7 @@ sampling = 'rr'  # 'rr': random reshuffling (each window once per epoch), 'iid':
 data_seed = 1337
 gradient_accumulation_steps = 1  # micro-steps per optimizer step, summed over all ranks
 batch_size = 32  # micro-batch size per rank
-block_size = 128
+block_size = 64
 # model: a preset name ('gpt2', 'gpt2-medium', 'llama-60m', ...) sets the architecture keys below
 preset = ''
 arch = 'gpt2'  # 'gpt2' or 'llama'
@@ -70,7 +70,7 @@ vocab_size = 0  # 0: from the dataset (meta.pkl), else GPT-2's 50304 (padded 502
 activation_checkpointing = False
 # optimizer
 optimizer = 'adamw'  # 'adamw' or 'sgd' (with momentum); method='galore'/'golore' use galore.py
-learning_rate = 1e-3
+learning_rate = 2e-3
 max_iters = 1000
 weight_decay = 0.1
 beta1 = 0.9
@@ -81,7 +81,7 @@ grad_clip = 1.0  # 0 disables clipping
 decay_lr = True
 warmup_iters = 50
 lr_decay_iters = 1000
-min_lr = 1e-4
+min_lr = 2e-4
 # layer cycling (omgd.py); see the README's table of methods
 method = 'lisa_wor'  # full, lisa, lisa_scale, lisa_wor, lisa_wor_noscale, tensor_wor, tensor_iid, galore, golore
 omgd_gamma = 2  # active middle blocks per period
