@@ -17,7 +17,12 @@ def load_codec(data_dir):
         with open(meta_path, 'rb') as f:
             meta = pickle.load(f)
         stoi, itos = meta['stoi'], meta['itos']
-        return (lambda s: [stoi[c] for c in s if c in stoi]), (lambda ids: ''.join(itos[i] for i in ids))
+        def encode(text):
+            unknown = sorted(set(text) - set(stoi))
+            if unknown:
+                raise ValueError(f"characters {''.join(unknown)!r} are not in the dataset's vocabulary")
+            return [stoi[c] for c in text]
+        return encode, (lambda ids: ''.join(itos[i] for i in ids))
     from data.common import gpt2_encoding
     enc = gpt2_encoding()
     return (lambda s: enc.encode(s, allowed_special={'<|endoftext|>'})), enc.decode
@@ -46,7 +51,10 @@ def main(argv):
     if start.startswith('FILE:'):
         with open(start[5:], encoding='utf-8') as f:
             start = f.read()
-    x = torch.tensor([encode(start)], dtype=torch.long, device=cfg['device'])
+    try:
+        x = torch.tensor([encode(start)], dtype=torch.long, device=cfg['device'])
+    except ValueError as e:
+        sys.exit(f"error: --start: {e}")
     for _ in range(cfg['num_samples']):
         y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'], top_k=cfg['top_k'])
         print(decode(y[0].tolist()))

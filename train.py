@@ -239,8 +239,7 @@ if method in ('galore', 'golore'):
                                  update_proj_gap=galore_update_proj_gap, scale=galore_scale,
                                  projection='svd' if method == 'galore' else 'random', seed=omgd_seed)
 elif optimizer == 'adamw':
-    opt = torch.optim.AdamW(param_groups(raw_model, weight_decay), lr=learning_rate, betas=(beta1, beta2),
-                            fused=device_type == 'cuda')
+    opt = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 elif optimizer == 'sgd':
     opt = torch.optim.SGD(param_groups(raw_model, weight_decay), lr=learning_rate, momentum=momentum)
 else:

@@ -17,6 +17,9 @@ def test_sample_from_checkpoint_and_missing_checkpoint(tmp_path):
     samples = result.stdout.split('---------------')
     assert len(samples) == 3 and all(s.strip().startswith('ROMEO:') for s in samples[:2])
     assert len(samples[0].strip()) == len('ROMEO:') + 40
+    bad = subprocess.run(cmd[:3] + ['--start=ROMEO{}'], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and bad.stderr.strip() == "error: --start: characters '{}' are not in the " \
+        "dataset's vocabulary"
     cmd[2] = f'--out_dir={tmp_path / "none"}'
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and result.stderr.strip().startswith('error: no checkpoint at')
