@@ -16,13 +16,11 @@ What is checked, and how (helpers and the tiny model come from tests/test_ddp.py
   bit for bit where a straight run ends (AdamW, dropout).
 """
 import json
-import os
 import re
-import sys
 
 import torch
 
-from test_ddp import (LINEAR, ONE_RANK, ROOT, TINY, TORCHRUN, TWO_RANKS, Launch, assert_same_state, load,
+from test_ddp import (LINEAR, ONE_RANK, TORCHRUN, TWO_RANKS, Launch, assert_same_state, load,
                       stop_with_sigterm, train)
 
 import pytest
