@@ -123,3 +123,33 @@ def test_master_adamw_matches_fp32_adamw():
         adamw.step()
     torch.testing.assert_close(ours.state[p]['master'], ref.detach())
     assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), ref.detach().bfloat16())
+
+
+def gpu_script_commands():
+    """The (script, [keys]) of every `run python SCRIPT.py --key=...` command of experiments/gpu_benchmarks.sh."""
+    text = open(os.path.join(ROOT, 'experiments', 'gpu_benchmarks.sh')).read().replace('\\\n', ' ')
+    commands = []
+    for line in text.splitlines():
+        words = line.split()
+        if words[:2] == ['run', 'python']:
+            commands.append((words[2], [w[2:].split('=')[0] for w in words[3:] if w.startswith('--')]))
+    return commands
+
+
+def test_gpu_script_uses_only_valid_keys():
+    """A mistyped key would only show on the GPU, after minutes of other benchmarks."""
+    import bench
+    defaults = {'bench_memory.py': bench_memory.DEFAULTS, 'bench.py': bench.DEFAULTS}
+    commands = gpu_script_commands()
+    assert [script for script, _ in commands] == ['bench_memory.py'] * 3 + ['bench.py']
+    for script, keys in commands:
+        assert keys and all(key in defaults[script] for key in keys), (script, keys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='on a GPU the script would run the benchmarks')
+def test_gpu_script_refuses_without_cuda():
+    before = sorted(os.listdir(os.path.join(ROOT, 'results')))
+    proc = subprocess.run(['bash', os.path.join(ROOT, 'experiments', 'gpu_benchmarks.sh')],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and 'error: no CUDA device' in proc.stderr
+    assert sorted(os.listdir(os.path.join(ROOT, 'results'))) == before
