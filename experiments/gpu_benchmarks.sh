@@ -34,4 +34,4 @@ run python bench_memory.py --model=gpt2 --methods=full,galore,golore,lisa,lisa_w
     --batch_size=60 --block_size=1024 --gamma=3 --dtype=bf16_autocast --activation_checkpointing=False \
     --vocab_size=50304 --grad_accum=8 --out="results/memory_gpt2_$gpu"
 # speed: full AdamW, LISA, LISA-wor and GaLore on GPT-2 124M, compiled per block, one run
-run python bench.py --model=gpt2 --batch_size=12 --block_size=1024 --gamma=3 --out="results/bench_gpt2_$gpu.md"
+run python bench.py --model=gpt2 --vocab_size=50304 --batch_size=12 --block_size=1024 --gamma=3 --out="results/bench_gpt2_$gpu.md"
