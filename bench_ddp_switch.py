@@ -1,13 +1,17 @@
 """
 Cost of a layer switch under DDP: train.py drops its DistributedDataParallel wrapper and builds a
-new one over the parameters that train after the switch (see wrap() in train.py).
+new one over the parameters that train after the switch (distributed.wrap_ddp, whose docstring
+says why a rebuild beats one wrapper plus a hand-written all-reduce).
 
 $ torchrun --standalone --nproc_per_node=2 bench_ddp_switch.py                        # GPT-2 124M
 $ torchrun --standalone --nproc_per_node=2 bench_ddp_switch.py --preset=tiny --gamma=2
 
+It runs on the CPU with gloo (the ranks' processes on one machine); there is no GPU/NCCL path.
+
 For several LISA-wor switches this times, as the slowest rank sees it:
 - switch:  cycler.step (requires_grad flags) plus dropping the old wrapper (its reducer, hooks and
-           buckets) and building the new one with train.py's arguments (init_sync=False);
+           buckets) and building the new one with distributed.wrap_ddp, as train.py does
+           (init_sync=False after the first wrapper);
 - first:   the first forward+backward after the switch, in which DDP re-orders its buckets;
 - steady:  the next forward+backward, for comparison;
 - reduce:  one all_reduce of as many float32 elements as there are active ones, which is what the
@@ -20,8 +24,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
+import distributed
 import omgd
 from model import GPT, GPTConfig, config_from_preset
 
@@ -31,11 +35,12 @@ parser.add_argument('--gamma', type=int, default=3, help='active blocks per peri
 parser.add_argument('--switches', type=int, default=5)
 parser.add_argument('--batch_size', type=int, default=1)
 parser.add_argument('--block_size', type=int, default=64)
-parser.add_argument('--backend', default='gloo')
 args = parser.parse_args()
 
-dist.init_process_group(backend=args.backend)
-rank, world = dist.get_rank(), dist.get_world_size()
+ranks, _ = distributed.setup('gloo', 'cpu')
+if not ranks.enabled:
+    raise SystemExit("error: run under torchrun, e.g. torchrun --standalone --nproc_per_node=2 bench_ddp_switch.py")
+rank, world = ranks.rank, ranks.world_size
 torch.manual_seed(0)
 if args.preset == 'tiny':
     config = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=args.block_size, vocab_size=80)
@@ -75,7 +80,7 @@ for i in range(args.switches + 1):
         global ddp
         cycler.step(i)
         ddp = None  # the last reference: the old reducer goes now
-        ddp = DDP(model, init_sync=(i == 0), forward_sync_buffers=False, gradient_as_bucket_view=True)
+        ddp = distributed.wrap_ddp(model, ranks, 'cpu', init_sync=(i == 0))
     cost = timed(switch)
     first, steady = timed(forward_backward), timed(forward_backward)
     active = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -89,7 +94,7 @@ flat = torch.zeros(total)
 reduce_all = statistics.median(timed(lambda: dist.all_reduce(flat)) for _ in range(3))
 if rank == 0:
     print(f"{args.preset}: {total / 1e6:.1f}M parameters, LISA-wor gamma={args.gamma} of {config.n_layer}, "
-          f"{world} ranks, {args.backend}, batch {args.batch_size}x{args.block_size}, "
+          f"{world} ranks, gloo, batch {args.batch_size}x{args.block_size}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} thread(s) per rank")
     print("| active blocks | active params | switch (ms) | first fwd+bwd (ms) | steady fwd+bwd (ms) | "
           "all_reduce of the active grads (ms) |")
