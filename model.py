@@ -192,7 +192,6 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        assert config.vocab_size is not None and config.block_size is not None
         self.config = config
         self.is_llama = config.arch == 'llama'
         self.activation_checkpointing: bool = False
@@ -364,14 +363,27 @@ class GPT(nn.Module):
 
     def estimate_flops_per_token(self):
         """Training FLOPs per token as the model is frozen now (nanoGPT's 6N + attention, after
-        PaLM appendix B). A matmul weight that trains costs 6 FLOPs per token (forward, input
-        gradient, weight gradient); a frozen one costs 4, as its weight-gradient GEMM is skipped,
-        which is where layer cycling saves compute. The embedding lookup is not a matmul."""
+        PaLM appendix B). A matmul weight costs 2 FLOPs per token forward, 2 for its input
+        gradient and 2 for its weight gradient. Walking up from the embedding: blocks below
+        every trainable parameter run forward only (2N, a third of the attention); from the
+        first block with a trainable parameter (or above a trainable wte/wpe) on, a trainable
+        weight costs 6 and a frozen one 4. Block granularity: the input gradient a bottom block's
+        first layer skips is still counted. The embedding lookup is not a matmul."""
         cfg = self.config
-        weights = [p for block in self.blocks for p in block.parameters()] + [self.lm_head.weight]
-        matmuls = sum((6 if p.requires_grad else 4) * p.numel() for p in weights)
-        return matmuls + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
-
+        attention = 12 * cfg.n_embd * cfg.block_size  # per layer, forward + backward
+        trains = lambda module: module is not None and any(p.requires_grad for p in module.parameters())
+        backward = trains(self.wte) or trains(self.wpe)  # does anything at or below here train?
+        flops = 0
+        for block in self.blocks:
+            params = list(block.parameters())
+            backward = backward or trains(block)
+            if backward:
+                flops += sum((6 if p.requires_grad else 4) * p.numel() for p in params) + attention
+            else:
+                flops += 2 * sum(p.numel() for p in params) + attention // 3
+        backward = backward or trains(self.ln_f)
+        head = self.lm_head.weight
+        return flops + (6 if head.requires_grad else 4 if backward else 2) * head.numel()
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
@@ -412,9 +424,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """nanoGPT's decay split: matrices and embeddings decay, biases and norm weights don't.
 
     Every parameter is returned whether or not it currently requires grad
-    (named_parameters() already dedupes the tied embedding/head).
+    (parameters() already dedupes the tied embedding/head).
     """
-    params = [p for _, p in model.named_parameters()]
+    params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     return [

@@ -53,13 +53,23 @@ def test_non_embedding_counts():
 
 def test_presets_build_valid_configs():
     for name in PRESETS:
-        cfg = config_from_preset(name)
-        assert cfg.n_embd % cfg.n_head == 0
+        config_from_preset(name)
     assert config_from_preset('llama-7b').mlp_hidden == 11008
     # the LLaMA 8/3 rule reproduces 7b's hidden size when left at 0
     assert GPTConfig(arch='llama', n_embd=4096, n_head=32).mlp_hidden == 11008
     assert GPTConfig(arch='gpt2', n_embd=64, n_head=4).mlp_hidden == 256
     assert config_from_preset('llama-60m', block_size=512).block_size == 512
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(arch='mamba'), 'arch must be'),
+    (dict(n_embd=30, n_head=4), 'not divisible by n_head'),
+    (dict(n_head=4, n_kv_head=3), 'must divide n_head'),
+    (dict(arch='llama', n_embd=12, n_head=4), 'even head dimension'),
+])
+def test_bad_config_gives_clear_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**kwargs)
 
 
 def test_unknown_preset_names_valid_ones():
@@ -275,3 +285,24 @@ def test_flops_per_token_counts_frozen_blocks_at_4N():
     frozen = sum(p.numel() for p in model.blocks[3].parameters())
     model.blocks[3].requires_grad_(False)
     assert model.estimate_flops_per_token() == 6 * (N - ln_f) - 2 * frozen + attention
+
+def test_flops_per_token_skip_the_backward_below_every_trainable_parameter():
+    model = GPT(TINY['llama']())  # untied head: the embedding can freeze alone
+    cfg = model.config
+    B = sum(p.numel() for p in model.blocks[0].parameters())
+    H = model.lm_head.weight.numel()
+    A = 12 * cfg.n_embd * cfg.block_size  # attention per layer; a third of it is forward
+    assert model.estimate_flops_per_token() == 6 * (2 * B + H) + 2 * A  # nanoGPT's 6N + attention
+    model.wte.requires_grad_(False)
+    model.blocks[0].requires_grad_(False)  # bottom block, nothing below trains: forward only
+    assert model.estimate_flops_per_token() == (2 * B + A // 3) + (6 * B + A) + 6 * H
+    model.blocks[0].requires_grad_(True)
+    model.blocks[1].requires_grad_(False)  # above a trainable block: input gradient, no weight gradient
+    assert model.estimate_flops_per_token() == (6 * B + A) + (4 * B + A) + 6 * H
+    model.blocks[0].requires_grad_(False)  # everything below the head frozen
+    assert model.estimate_flops_per_token() == 2 * (2 * B + A // 3) + 6 * H
+    model.lm_head.requires_grad_(False)
+    model.ln_f.requires_grad_(False)
+    assert model.estimate_flops_per_token() == 2 * (2 * B + A // 3) + 2 * H
+    model.wte.requires_grad_(True)  # a trainable embedding needs the backward of every block
+    assert model.estimate_flops_per_token() == 2 * (4 * B + A) + 4 * H
