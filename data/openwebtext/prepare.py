@@ -13,7 +13,6 @@ Sizes from nanoGPT for OpenWebText: train.bin ~17GB, val.bin ~8.5MB;
 train has ~9B tokens (9,035,582,198), val has ~4M tokens (4,434,897).
 """
 
-import argparse
 import glob
 import os
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `data.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from data.common import EOT, gpt2_encode, gpt2_encoding, tokenize_dataset
+from data.common import EOT, gpt2_encode, gpt2_encoding, prepare_main, tokenize_dataset
 
 HERE = Path(__file__).resolve().parent
 
@@ -71,15 +70,14 @@ def prepare(out_dir=None, dataset="openwebtext", dataset_config=None, text_files
             "seconds": round(time.time() - t0, 3)}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description="OpenWebText (or another text dataset) -> GPT-2 train.bin/val.bin")
+def add_arguments(p):
     p.add_argument("--dataset", default="openwebtext", help="Hugging Face dataset name (e.g. allenai/c4)")
     p.add_argument("--dataset_config", default=None, help="dataset config name (e.g. 'en' for allenai/c4)")
     p.add_argument("--text_files", default=None, help="glob of local text files to use instead of --dataset")
     p.add_argument("--sample_by", default="document", choices=["document", "paragraph", "line"],
                    help="with --text_files: what one document (one <|endoftext|>) is")
-    p.add_argument("--num_proc", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                   help="workers for the .map() tokenization (nanoGPT: about half the CPU cores)")
+    p.add_argument("--num_proc", type=int, default=None,
+                   help="workers for the .map() tokenization (default, as nanoGPT: half the CPU cores)")
     p.add_argument("--num_proc_load_dataset", type=int, default=None,
                    help="workers for load_dataset (default: --num_proc)")
     p.add_argument("--test_size", type=float, default=0.0005)
@@ -87,17 +85,11 @@ def main(argv=None):
     p.add_argument("--max_docs", type=int, default=None, help="only use the first N documents")
     p.add_argument("--text_field", default="text")
     p.add_argument("--cache_dir", default=None, help="Hugging Face datasets cache dir")
-    p.add_argument("--out_dir", default=str(HERE), help="output folder (default: this script's folder)")
-    args = p.parse_args(argv)
-    try:
-        stats = prepare(args.out_dir, args.dataset, args.dataset_config, args.text_files, args.sample_by,
-                        args.num_proc, args.num_proc_load_dataset, args.test_size, args.seed, args.max_docs,
-                        args.text_field, args.cache_dir)
-    except FileNotFoundError as e:
-        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {stats['out_dir']} in {stats['seconds']:.1f}s")
-    return 0
+
+
+def main(argv=None):
+    return prepare_main(prepare, "OpenWebText (or another text dataset) -> GPT-2 train.bin/val.bin", HERE, argv,
+                        add_arguments=add_arguments)
 
 
 if __name__ == "__main__":
