@@ -26,7 +26,6 @@ from contextlib import nullcontext
 import torch
 
 import bench_memory
-import omgd
 from configurator import ConfigError, configure
 from model import peak_bf16_flops
 
@@ -74,9 +73,8 @@ class MethodRun:
         torch.manual_seed(cfg['seed'])
         self.net = bench_memory.build_model(config, device, torch.float32, cfg['activation_checkpointing'])
         self.opt = bench_memory.build_optimizer(self.net, base, '', cfg, device)
-        always = [part for part in cfg['omgd_always'].split(',') if part]
-        self.cycler = omgd.build_cycler(self.net, self.opt, base if base in omgd.METHODS else 'full', cfg['gamma'],
-                                        cfg['omgd_period'], 0, 0.5, cfg['omgd_state'], cfg['seed'], always=always)
+        self.cycler = bench_memory.build_cycler(self.net, self.opt, base, cfg, cfg['omgd_period'])
+        self.n_params = sum(p.numel() for p in self.net.parameters())
         if cfg['compile']:
             for block in self.net.blocks:
                 block.compile()
@@ -118,7 +116,7 @@ class MethodRun:
         row = dict(method=self.method, ms=1000 * dt, mean_ms=1000 * sum(self.times) / len(self.times),
                    tokens_per_s=self.tokens / dt, loss=self.loss,
                    mfu=sum(self.flops) / len(self.flops) / dt / peak_flops if peak_flops else None,
-                   peak_gib=None, reserved_gib=None)
+                   peak_gib=None, reserved_gib=None, n_params=self.n_params)
         if memory:
             row['peak_gib'] = torch.cuda.max_memory_allocated(self.device) / 2**30
             row['reserved_gib'] = torch.cuda.max_memory_reserved(self.device) / 2**30
@@ -163,8 +161,7 @@ def describe_machine(device):
 
 def markdown(cfg, rows, device, config, argv):
     full = next((r for r in rows if r['method'] == 'full'), None)
-    n_params = sum(p.numel() for p in bench_memory.build_model(config, torch.device('meta'), torch.float32,
-                                                              False).parameters())
+    n_params = rows[0]['n_params']
     out = [f"Machine: {describe_machine(device)}",
            f"Model: {cfg['model']} ({config.arch}, {config.n_layer} blocks, n_embd {config.n_embd}, vocab "
            f"{config.vocab_size}, {n_params / 1e6:.1f}M parameters); batch {cfg['batch_size']} x "
@@ -199,6 +196,8 @@ def main(argv):
         if cfg['steps'] < 1 or cfg['warmup_steps'] < 0:
             raise ValueError("steps must be >= 1 and warmup_steps >= 0")
         names = [m for m in cfg['methods'].split(',') if m]
+        if not names:
+            raise ValueError("methods is empty")
         for name in names:
             if bench_memory.parse_method(name)[1]:
                 raise ValueError(f"bench.py times plain methods; {name!r} has a suffix")

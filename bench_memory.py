@@ -392,6 +392,14 @@ def build_optimizer(net, base, variant, cfg, device, tracker=None):
     return torch.optim.AdamW(groups, lr=lr, betas=betas, **extra)
 
 
+def build_cycler(net, opt, base, cfg, period):
+    """omgd.build_cycler for method `base` (AdamW and GaLore/GoLore get the 'full' cycler, which
+    trains everything), with cfg's gamma, omgd_state, omgd_always and seed."""
+    always = [part for part in cfg['omgd_always'].split(',') if part]
+    return omgd.build_cycler(net, opt, base if base in omgd.METHODS else 'full', cfg['gamma'], period, 0, 0.5,
+                             cfg['omgd_state'], cfg['seed'], always=always)
+
+
 def measure(cfg, method, device):
     """Build, warm up, run one measured iteration; return the breakdown in bytes."""
     base, variant = parse_method(method)
@@ -407,10 +415,7 @@ def measure(cfg, method, device):
     torch.manual_seed(cfg['seed'])
     net = build_model(config, device, param_dtype, cfg['activation_checkpointing'])
     opt = build_optimizer(net, base, variant, cfg, device, tracker)
-    cycle_method = base if base in omgd.METHODS else 'full'
-    always = [part for part in cfg['omgd_always'].split(',') if part]
-    cycler = omgd.build_cycler(net, opt, cycle_method, cfg['gamma'], 1, 0, 0.5, cfg['omgd_state'], cfg['seed'],
-                               always=always)
+    cycler = build_cycler(net, opt, base, cfg, period=1)
     cycler.step(0)
     shape = (cfg['batch_size'], cfg['block_size'])
     batches = [(torch.randint(0, config.vocab_size, shape, device=device),
@@ -472,6 +477,7 @@ def measure(cfg, method, device):
     else:
         row['peak'], row['reserved'] = tracker.peak, None
     row['others'] = row['peak'] - row['params'] - row['grads'] - row['optimizer']
+    row['n_params'] = sum(p.numel() for p in net.parameters())
     del net, opt, cycler, batches, states
     return row
 
@@ -484,7 +490,7 @@ def gib(n):
     return None if n is None else n / GIB
 
 
-def notes_for(cfg, device, estimate):
+def notes_for(cfg, device, estimate, n_params):
     lines = []
     if estimate:
         how = ("attention as FlashAttention/memory-efficient kernels, CUDA autocast emulated"
@@ -498,7 +504,6 @@ def notes_for(cfg, device, estimate):
         lines.append("Measured on the GPU: Total = torch.cuda.max_memory_allocated over the measured iteration, "
                      "Reserved = max_memory_reserved; Others = Total - Model - Gradients - Optimizer.")
     config = model_config(cfg)
-    n_params = sum(p.numel() for p in build_model(config, torch.device('meta'), torch.float32, False).parameters())
     lines.append(f"Model {cfg['model']}: {config.arch}, {config.n_layer} blocks, n_embd {config.n_embd}, MLP "
                  f"{config.mlp_hidden}, vocab {config.vocab_size}, {n_params:,} parameters.")
     prec = {'bf16_pure': 'pure bf16 weights, gradients and AdamW states (no fp32 master)',
@@ -582,13 +587,15 @@ def run(cfg, argv=()):
         raise ValueError("batch_size and grad_accum must be >= 1 and micro_batches >= 0")
     device = resolve_device(cfg['device'])
     names = [m for m in cfg['methods'].split(',') if m]
+    if not names:
+        raise ValueError("methods is empty")
     for name in names:
         parse_method(name)
     rows = [measure(cfg, name, device) for name in names]
     estimate = device.type != 'cuda'
     return dict(estimate=estimate, device=device.type if estimate else torch.cuda.get_device_name(device),
                 torch=torch.__version__, config=cfg, command=' '.join(['python bench_memory.py', *argv]),
-                notes=notes_for(cfg, device, estimate), rows=rows)
+                notes=notes_for(cfg, device, estimate, rows[0]['n_params']), rows=rows)
 
 
 def write(result, prefix):

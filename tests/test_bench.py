@@ -104,9 +104,45 @@ def test_bench_script_runs(tmp_path):
                       '--warmup_steps=1', '--methods=full,lisa_wor,galore', '--compile=False', f'--out={out}')
     assert proc.returncode == 0, proc.stderr
     text = open(out).read()
-    for method in ('full', 'lisa_wor', 'galore'):
-        assert f'| {method} |' in text
-    assert 'tokens/s' in text
+    rows = [line.split('|')[1:-1] for line in text.splitlines() if line.startswith('| ')]
+    header = [cell.strip() for cell in rows[0]]
+    speeds = {cells[0].strip(): float(cells[header.index('tokens/s')].replace(',', '')) for cells in rows[1:]}
+    assert list(speeds) == ['full', 'lisa_wor', 'galore'] and all(v > 0 for v in speeds.values()), speeds
+    cfg = config(model='tiny', n_layer=2, n_embd=64, vocab_size=512, block_size=32)
+    net = bench_memory.build_model(bench_memory.model_config(cfg), torch.device('meta'), torch.float32, False)
+    assert f"{sum(p.numel() for p in net.parameters()) / 1e6:.1f}M parameters" in text
+
+
+@pytest.mark.parametrize('overrides,message', [
+    (dict(dtype='fp16'), 'dtype must be'),
+    (dict(batch_size=0), 'batch_size and grad_accum must be'),
+    (dict(grad_accum=0), 'batch_size and grad_accum must be'),
+    (dict(methods='adam'), 'unknown method'),
+    (dict(methods=','), 'methods is empty'),
+    (dict(device='tpu'), 'device must be auto'),
+    (dict(model='gpt5', micro_batches=0), 'unknown model'),
+    (dict(model='tiny', n_embd=100, n_head=3, micro_batches=0), 'model shape:'),
+])
+def test_bench_memory_errors(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        bench_memory.run(config(**{'device': 'meta', 'methods': 'full', **overrides}))
+
+
+@pytest.mark.parametrize('argv,message', [
+    (['--device=tpu'], 'device must be auto'),
+    (['--dtype=fp16'], 'dtype must be auto, float32 or bfloat16'),
+    (['--steps=0'], 'steps must be >= 1'),
+    (['--methods=lisa_wor+master'], 'has a suffix'),
+    (['--methods=adam'], 'unknown method'),
+    (['--methods='], 'methods is empty'),
+    (['--model=gpt5'], 'unknown model'),
+    (['--n_embd=100', '--n_head=3'], 'model shape:'),
+    (['--stepz=3'], 'unknown config key'),
+])
+def test_bench_errors(argv, message):
+    import bench
+    with pytest.raises(SystemExit, match=message):
+        bench.main(['--device=cpu', *argv] if not argv[0].startswith('--device') else argv)
 
 
 def test_master_adamw_matches_fp32_adamw():
