@@ -13,7 +13,9 @@ one seed are paired.
 Memory: on CPU there is no allocator peak, so the table reports the exact bytes of gradients and
 optimizer state right after the first optimizer step following a switch, from the same model,
 optimizer and cycler built in this process (omgd.build_cycler, omgd.memory_bytes; galore.build_optimizer
-for galore/golore). Activations are not included.
+for galore/golore). Activations are not included. Of the --train_arg overrides, those that change
+what is measured (MEMORY_KEYS: the model's shape, omgd_always, omgd_ratio) are applied to it too;
+the table names any that are not.
 
 Variants are METHOD or METHOD:SAMPLING (sampling rr by default), e.g.
 
@@ -26,6 +28,7 @@ Outputs in --out_dir: NAME.md (table), NAME.json (everything, curves included) a
 default. `--replot` rewrites the table and plot from an existing NAME.json without training.
 """
 import argparse
+import ast
 import json
 import math
 import os
@@ -68,6 +71,9 @@ TRAIN_FLAGS = (
     ('galore_update_proj_gap', int, 50),
     ('galore_scale', float, 0.25),
 )
+# --train_arg keys that measure_memory applies (model shape, what the cycler trains); GPTConfig fields first
+MODEL_KEYS = ('arch', 'n_kv_head', 'mlp_hidden', 'bias', 'norm_eps', 'rope_theta')
+MEMORY_KEYS = MODEL_KEYS + ('omgd_always', 'omgd_ratio', 'beta1', 'beta2')
 STEP_RE = re.compile(r'^step (\d+): train loss ([-+\w.]+), val loss ([-+\w.]+)')
 ITER_RE = re.compile(r'^iter (\d+): loss ([-+\w.]+), time ([\d.]+)ms(?:.*epoch ([\d.]+))?')
 SWITCH_RE = re.compile(r'^iter (\d+): (cycle \d+: .*|full training|warm-up: .*)$')
@@ -153,36 +159,68 @@ def run_one(variant, seed, args, runs_dir):
 # memory: the same model / optimizer / cycler as train.py, built in this process
 
 
-def measure_memory(method, args):
+def train_overrides(train_args):
+    """{key: value} of the `--key=value` items of --train_arg (values parsed as Python literals when
+    they are, as train.py's configurator does; strings otherwise)."""
+    out = {}
+    for arg in train_args:
+        key, eq, value = arg.lstrip('-').partition('=')
+        if eq:
+            try:
+                value = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                pass
+            out[key] = value
+    return out
+
+
+def model_config(args):
+    """The GPTConfig train.py builds for these flags (vocabulary from the dataset's meta.pkl, else
+    50304, as train.py), with the model-shape keys of --train_arg applied."""
+    import pickle
+
+    from model import GPTConfig
+    meta = os.path.join(ROOT, 'data', args.dataset, 'meta.pkl')
+    vocab = 50304
+    if os.path.exists(meta):
+        with open(meta, 'rb') as f:
+            vocab = pickle.load(f)['vocab_size']
+    overrides = train_overrides(getattr(args, 'train_arg', []))
+    shape = {'arch': 'gpt2', 'bias': False, **{k: v for k, v in overrides.items() if k in MODEL_KEYS}}
+    return GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
+                     vocab_size=vocab, dropout=0.0, **shape)
+
+
+def measure_memory(method, args, config):
     """Exact bytes of params, grads and optimizer state right after an optimizer step that follows
     a switch (gradients still held), the largest over one cycle plus one switch (N_L / gamma + 1
     periods, one step each). With omgd_state='drop' every period gives the same number (the
     previous blocks' state was dropped, the new blocks' state has just been created); with 'keep'
-    the state grows to the full model's over the cycle. Returns a dict, or {'error': ...}."""
-    import pickle
-
+    the state grows to the full model's over the cycle. `config`: model_config(args).
+    Returns a dict, or {'error': ...}."""
     import torch
 
     import omgd
-    from model import GPT, GPTConfig, param_groups
+    from model import GPT
     try:
-        meta = os.path.join(ROOT, 'data', args.dataset, 'meta.pkl')
-        vocab = pickle.load(open(meta, 'rb'))['vocab_size'] if os.path.exists(meta) else 50304
+        overrides = train_overrides(getattr(args, 'train_arg', []))
+        betas = (overrides.get('beta1', 0.9), overrides.get('beta2', 0.99))  # train.py's defaults
+        always = [part for part in str(overrides.get('omgd_always', 'embed,pos,norm,head')).split(',') if part]
+        vocab = config.vocab_size
         torch.manual_seed(0)
-        model = GPT(GPTConfig(arch='gpt2', n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                              block_size=args.block_size, vocab_size=vocab, dropout=0.0, bias=False))
+        model = GPT(config)
         galore_like = method in ('galore', 'golore')
         if galore_like:
             import galore
-            opt = galore.build_optimizer(model, args.weight_decay, args.learning_rate, (0.9, 0.99),
+            opt = galore.build_optimizer(model, args.weight_decay, args.learning_rate, betas,
                                          rank=args.galore_rank, update_proj_gap=args.galore_update_proj_gap,
                                          scale=args.galore_scale,
                                          projection='svd' if method == 'galore' else 'random')
         else:
-            opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.learning_rate,
-                                    betas=(0.9, 0.99))
+            opt = model.configure_optimizers(args.weight_decay, args.learning_rate, betas, 'cpu')
         cycler = omgd.build_cycler(model, opt, 'full' if galore_like else method, args.omgd_gamma,
-                                   args.omgd_period, 0, 0.5, args.omgd_state, 0)
+                                   args.omgd_period, 0, overrides.get('omgd_ratio', 0.5), args.omgd_state, 0,
+                                   always=always)
         gen = torch.Generator().manual_seed(0)
         mem, periods = None, args.n_layer // max(1, args.omgd_gamma) + 1
         for k in range(periods):
@@ -199,6 +237,7 @@ def measure_memory(method, args):
                 mem = now
             opt.zero_grad(set_to_none=True)
         mem['periods_measured'] = periods
+        mem['n_params'] = sum(p.numel() for p in model.parameters())
         if galore_like:
             mem['projector'] = galore.projector_bytes(opt)  # omgd.memory_bytes leaves projectors out
         mem['grads_plus_optimizer'] = mem['grads'] + mem['optimizer']
@@ -217,7 +256,7 @@ def mean_std(values):
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def summarize(variants, runs, memory, seeds):
+def summarize(variants, runs, memory):
     rows = []
     for v in variants:
         mine = [r for r in runs if r['variant'] == v['name']]
@@ -311,6 +350,9 @@ def write_markdown(path, report):
           'omgd.memory_bytes; galore.build_optimizer for galore/golore, whose projection matrices are not '
           'counted as optimizer state but listed apart below, as in the GaLore paper). Parameters and activations excluded; identical for rr and iid. ms/iter is wall time on '
           'a shared CPU and only indicative.', '']
+    ignored = [k for k in train_overrides(cfg.get('train_args', [])) if k not in MEMORY_KEYS]
+    if ignored and report['memory']:
+        L[-1:] = [f"The memory columns do not apply these --train_arg overrides of the runs: {', '.join(ignored)}.", '']
     if report['pairs']:
         L += ['## Paired differences (same seed)', '',
               'Final val loss of A minus B at each seed (negative: A is lower). t = mean / (std / sqrt(n)); '
@@ -393,18 +435,16 @@ def machine():
     return f"{cpu}, {os.cpu_count()} cores (shared), {platform.system()} {platform.release()}"
 
 
-def n_params(args):
-    import pickle
-
+def n_params(config, memory):
+    """The model's parameter count: from a memory measurement when there is one, else counted on meta."""
+    counted = [m['n_params'] for m in memory.values() if 'n_params' in m]
+    if counted:
+        return counted[0]
     import torch
 
-    from model import GPT, GPTConfig
-    meta = os.path.join(ROOT, 'data', args.dataset, 'meta.pkl')
-    vocab = pickle.load(open(meta, 'rb'))['vocab_size'] if os.path.exists(meta) else 50304
+    from model import GPT
     with torch.device('meta'):
-        m = GPT(GPTConfig(arch='gpt2', n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                          block_size=args.block_size, vocab_size=vocab, bias=False))
-    return sum(p.numel() for p in m.parameters())
+        return sum(p.numel() for p in GPT(config).parameters())
 
 
 def main(argv=None):
@@ -436,8 +476,10 @@ def main(argv=None):
         with open(path) as f:
             report = json.load(f)
         if report['memory'] and not args.no_memory:  # cheap, no training: re-measure with the report's config
-            cfg = argparse.Namespace(**{n: report['config'][n] for n, _, _ in TRAIN_FLAGS})
-            report['memory'] = {m: measure_memory(m, cfg) for m in report['memory']}
+            cfg = argparse.Namespace(**{n: report['config'][n] for n, _, _ in TRAIN_FLAGS},
+                                     train_arg=report['config'].get('train_args', []))
+            config = model_config(cfg)
+            report['memory'] = {m: measure_memory(m, cfg, config) for m in report['memory']}
             for r in report['rows']:
                 r['memory'] = report['memory'].get(r['method'])
         report['name'] = args.name
@@ -452,6 +494,10 @@ def main(argv=None):
     variants = [parse_variant(s.strip()) for s in args.methods.split(',') if s.strip()]
     seeds = list(range(int(args.seeds))) if args.seeds.strip().isdigit() else \
         [int(s) for s in args.seeds.split(',') if s.strip()]
+    try:
+        config = model_config(args)  # before hours of training: a bad model shape fails now
+    except (ValueError, TypeError) as e:
+        sys.exit(f"error: model shape: {e}")
     os.makedirs(args.out_dir, exist_ok=True)
     tmp = None
     runs_dir = args.runs_dir
@@ -468,14 +514,14 @@ def main(argv=None):
     memory = {}
     if not args.no_memory:
         for m in dict.fromkeys(v['method'] for v in variants):
-            memory[m] = measure_memory(m, args)
+            memory[m] = measure_memory(m, args, config)
 
-    rows = summarize(variants, runs, memory, seeds)
+    rows = summarize(variants, runs, memory)
     pairs = [p for a, b in PAIRS if (p := paired(rows, a, b))]
     report = {
         'command': ' '.join(['python', os.path.relpath(os.path.abspath(__file__), ROOT)] +
                             (sys.argv[1:] if argv is None else list(argv))),
-        'name': args.name, 'machine': machine(), 'wall_s': round(wall, 1), 'n_params': n_params(args),
+        'name': args.name, 'machine': machine(), 'wall_s': round(wall, 1), 'n_params': n_params(config, memory),
         'config': {**{n: getattr(args, n) for n, _, _ in TRAIN_FLAGS}, 'max_iters': args.max_iters,
                    'seeds': seeds, 'jobs': args.jobs, 'threads': args.threads, 'train_args': args.train_arg,
                    'variants': [v['name'] for v in variants]},

@@ -68,3 +68,22 @@ def test_paired_differences():
     p = compare.paired(rows, 'lisa_wor', 'lisa')
     assert p['a_wins'] == 2 and math.isclose(p['mean'], -0.1) and p['seeds'] == [0, 1, 2]
     assert compare.paired(rows, 'lisa_wor', 'galore') is None
+
+
+def test_memory_applies_the_model_keys_of_train_arg():
+    """measure_memory describes the model the runs train: --train_arg's shape keys reach it, others are named."""
+    import argparse
+
+    import torch
+
+    from model import GPT
+    flags = {name: default for name, _, default in compare.TRAIN_FLAGS}
+    flags.update(dataset='no_such_dataset', n_layer=2, n_embd=32, block_size=16, batch_size=2, omgd_gamma=1)
+    args = argparse.Namespace(**flags, train_arg=['--arch=llama', '--n_kv_head=2', '--omgd_warmup=5'])
+    assert compare.train_overrides(args.train_arg) == {'arch': 'llama', 'n_kv_head': 2, 'omgd_warmup': 5}
+    config = compare.model_config(args)
+    assert (config.arch, config.n_kv_head, config.vocab_size) == ('llama', 2, 50304)
+    mem = compare.measure_memory('lisa_wor', args, config)
+    with torch.device('meta'):
+        assert 'error' not in mem and mem['n_params'] == sum(p.numel() for p in GPT(config).parameters())
+    assert compare.n_params(config, {'lisa_wor': mem}) == compare.n_params(config, {}) == mem['n_params']
