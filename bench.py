@@ -2,8 +2,11 @@
 Training speed of full AdamW, LISA, LISA-wor and GaLore on the same model and batch, in one run,
 like nanoGPT's bench.py: time per iteration, tokens/s, MFU (on a GPU of known peak) and peak memory.
 
-$ python bench.py --model=gpt2 --batch_size=12 --block_size=1024                 # one GPU, compiled
-$ python bench.py --model=tiny --device=cpu --compile=False --steps=10           # CPU
+$ python bench.py --model=gpt2 --vocab_size=50304 --batch_size=12 --block_size=1024 --gamma=3   # one GPU, compiled
+$ python bench.py --model=tiny --device=cpu --compile=False --steps=10                          # CPU
+
+(the GPU command is the one of experiments/gpu_benchmarks.sh: GPT-2 124M with the padded vocabulary
+and 3 of 12 active blocks of config/gpt2_lisa_wor.py)
 
 Each method gets a fresh model (same seed) and optimizer, built as train.py builds them (AdamW,
 fused on CUDA, over all parameters; galore.build_optimizer for GaLore/GoLore; omgd.build_cycler
