@@ -55,7 +55,6 @@ import omgd  # noqa: E402  (Algorithm 1's masks and pair order: use omgd.mask_cy
 
 METHODS = ('RR', 'RR_mask_wor', 'RR_mask_iid', 'RR_proj', 'IID')
 COMPRESSED = ('RR_mask_wor', 'RR_mask_iid', 'RR_proj')
-TERMS = ('decay', 'reshuffle', 'compression')
 DEFAULTS = dict(T=10**6, seeds=10, n=1000, d=10, ratio=0.5, warmup=100, c=2.0, t0=100.0,
                 data_seed=0, n_log=300, chunk=4000)
 
@@ -109,13 +108,13 @@ class Schedule:
     plain SGD; the method's epochs / cycles start right after them.
     """
 
-    def __init__(self, method, X, ratio, warmup, generator, rng=None):
+    def __init__(self, method, X, ratio, warmup, generator):
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         self.method, self.X, self.ratio, self.gen = method, X, ratio, generator
         # torch generator: RR permutations, IID draws and omgd's masks / pair order;
         # numpy generator: the i.i.d. masks' and projections' random numbers (faster)
-        self.rng = rng if rng is not None else np.random.default_rng(generator.initial_seed())
+        self.rng = np.random.default_rng(generator.initial_seed())
         self.n, self.d = X.shape
         self.k = max(1, round(ratio * self.d))  # coordinates kept by RR_mask_iid / rank of RR_proj
         self.M = math.ceil(1 / ratio)            # masks per OMGD cycle
@@ -189,8 +188,9 @@ def log_times(T, n_log):
     return np.unique(np.round(np.logspace(0, math.log10(T), n_log)).astype(np.int64))
 
 
-def run(methods=METHODS, T=DEFAULTS['T'], seeds=DEFAULTS['seeds'], *, n=1000, d=10, ratio=0.5,
-        warmup=100, c=2.0, t0=100.0, data_seed=0, n_log=300, chunk=4000, seed_offset=0,
+def run(methods=METHODS, T=DEFAULTS['T'], seeds=DEFAULTS['seeds'], *, n=DEFAULTS['n'], d=DEFAULTS['d'],
+        ratio=DEFAULTS['ratio'], warmup=DEFAULTS['warmup'], c=DEFAULTS['c'], t0=DEFAULTS['t0'],
+        data_seed=DEFAULTS['data_seed'], n_log=DEFAULTS['n_log'], chunk=DEFAULTS['chunk'], seed_offset=0,
         decompose=True, problem=None):
     """Run every method on `seeds` seeds for T steps (one vectorised loop over all of them).
 
@@ -273,7 +273,7 @@ def run(methods=METHODS, T=DEFAULTS['T'], seeds=DEFAULTS['seeds'], *, n=1000, d=
 
     out = dict(t=times, decay=decay, decomp_residual=resid if decompose else None,
                lambda_min=float(lam[0]), lambda_max=float(lam[-1]), theta_star=ts,
-               schedules=scheds, err={}, reshuffle={}, compression={},
+               err={}, reshuffle={}, compression={},
                params=dict(methods=methods, T=T, seeds=seeds, seed_offset=seed_offset, n=n, d=d,
                            ratio=ratio, warmup=warmup, c=c, t0=t0, data_seed=data_seed,
                            alpha=float(c * lam[0]), chunk=chunk))
@@ -334,8 +334,8 @@ def plot_error(res, path):
     t, T = res['t'], res['params']['T']
     for m, e in res['err'].items():
         ax.loglog(t, e.mean(0), color=COLORS.get(m), label=m)
-    anchor_t = t[np.searchsorted(t, T / 10)]
-    j = int(np.searchsorted(t, anchor_t))
+    j = int(np.searchsorted(t, T / 10))  # t is sorted and unique (log_times)
+    anchor_t = t[j]
     up = max(e.mean(0)[j] for e in res['err'].values())
     low = min(e.mean(0)[j] for e in res['err'].values())
     _reference_slopes(ax, t, {1: (anchor_t, 3 * up), 2: (anchor_t, low / 3)})
