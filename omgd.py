@@ -145,12 +145,11 @@ def check_config(method, gamma, period, warmup, ratio, state_policy, n_units):
 class LayerCycler:
     """Freezes and unfreezes units (blocks or tensors) of a model on an OMGD schedule.
 
-    units: list of parameter lists that are switched on and off together.
-    always: parameters that train at every step (embedding, positions, final norm, head).
-    Parameters in neither list stay frozen for the whole run.
+    units: list of parameter lists that are switched on and off together. Parameters in no
+    unit are left alone (build_cycler sets which of them train).
     """
 
-    def __init__(self, units, always, optimizer, method='lisa_wor', gamma=1, period=1, warmup=0,
+    def __init__(self, units, optimizer, method='lisa_wor', gamma=1, period=1, warmup=0,
                  ratio=0.5, state_policy='drop', seed=0):
         check_config(method, gamma, period, warmup, ratio, state_policy, len(units))
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group['params']}
@@ -159,7 +158,7 @@ class LayerCycler:
             # block that was frozen at that moment.
             raise ValueError("every parameter layer cycling may activate must be in the optimizer; "
                              "build the optimizer over all parameters before freezing anything")
-        self.units, self.always, self.optimizer = units, always, optimizer
+        self.units, self.optimizer = units, optimizer
         self.method, self.period, self.warmup = method, period, warmup
         self.state_policy = state_policy
         self.active = list(range(len(units)))  # everything trains until the first switch
@@ -204,7 +203,7 @@ class LayerCycler:
 
     def scaling(self):
         """The gradient scale of the active units (1 during warm-up and for 'full')."""
-        return self.scale if self.last_switch >= self.warmup and self.schedule else 1.0
+        return self.scale if self.last_switch >= self.warmup else 1.0  # 'full' never switches
 
     def apply(self, active):
         """Make exactly the units in `active` trainable and set their optimizer state policy."""
@@ -282,32 +281,40 @@ def build_cycler(model, optimizer, method='lisa_wor', gamma=1, period=1, warmup=
     """A LayerCycler over model.blocks (LISA methods) or over every tensor (tensor methods).
 
     `always` names the outer parts that train at every step under the LISA methods; the
-    parts it leaves out stay frozen for the whole run.
+    parts it leaves out stay frozen for the whole run. Tensor methods cycle the outer parts
+    too, so they accept only the default (every outer part of the model).
     """
     unknown = set(always) - set(OUTER_PARTS)
     if unknown:
         raise ValueError(f"unknown omgd_always part(s) {sorted(unknown)}; choose from {', '.join(OUTER_PARTS)}")
-    if METHODS.get(method) and METHODS[method][0] == 'tensor':
-        units = [[p] for p in model.parameters()]  # parameters() dedupes the tied head
-        return LayerCycler(units, [], optimizer, method, gamma, period, warmup, ratio, state_policy, seed)
-    units = [list(block.parameters()) for block in model.blocks]
     outer = model.outer_modules()
-    always_params = {id(p): p for part in always if outer.get(part) is not None
-                     for p in outer[part].parameters()}
-    in_blocks = {id(p) for unit in units for p in unit}
+    if METHODS.get(method) and METHODS[method][0] == 'tensor':
+        if not set(outer) <= set(always):
+            raise ValueError(f"{method} cycles every tensor, outer parts included; omgd_always must be "
+                             f"{','.join(outer)} (the default), got {','.join(always) or 'nothing'}")
+        units = [[p] for p in model.parameters()]  # parameters() dedupes the tied head
+        return LayerCycler(units, optimizer, method, gamma, period, warmup, ratio, state_policy, seed)
+    units = [list(block.parameters()) for block in model.blocks]
+    trained = {id(p) for part in always if part in outer for p in outer[part].parameters()}
+    trained |= {id(p) for unit in units for p in unit}
     for p in model.parameters():
-        if id(p) not in in_blocks and id(p) not in always_params:
+        if id(p) not in trained:
             p.requires_grad_(False)
-    return LayerCycler(units, list(always_params.values()), optimizer, method, gamma, period,
-                       warmup, ratio, state_policy, seed)
+    return LayerCycler(units, optimizer, method, gamma, period, warmup, ratio, state_policy, seed)
+
+
+def state_tensors(optimizer):
+    """(param, key, tensor) of the optimizer state counted as memory: not scalar 'step' counters,
+    nor GaLore's projectors (counted apart, as in the paper's table: galore.projector_bytes)."""
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0 and key != 'projector':
+                yield p, key, value
 
 
 def memory_bytes(model, optimizer):
     """Exact bytes of parameters, gradients and optimizer state tensors (on any device)."""
-    params = {id(p): p for p in model.parameters()}.values()
+    params = list(model.parameters())  # deduped: a tied weight counts once
     grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    # scalar 'step' counters are not state memory; GaLore's projection matrices are counted
-    # apart, as the paper's memory table does
-    state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for k, v in s.items()
-                if torch.is_tensor(v) and v.dim() > 0 and k != 'projector')
+    state = sum(v.numel() * v.element_size() for _, _, v in state_tensors(optimizer))
     return {'params': sum(p.numel() * p.element_size() for p in params), 'grads': grads, 'optimizer': state}
