@@ -62,11 +62,10 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 raise ValueError(f"projection must be one of {PROJECTIONS}, got {group['projection']!r}")
         super().add_param_group(group)
 
-    def _projector(self, grad, group, index, step):
+    def _projector(self, grad, group, index, step, right):
         """P (m x r) for a left projection or Q (n x r) for a right one, in the grad's dtype."""
         m, n = grad.shape
         r = min(group['rank'], m, n)
-        right = m >= n
         if group['projection'] == 'svd':
             exact = grad if grad.dtype in (torch.float32, torch.float64) else grad.float()  # no bf16 SVD
             U, _, Vh = torch.linalg.svd(exact, full_matrices=False)
@@ -103,10 +102,10 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 grad = p.grad
                 projected = 'rank' in group and p.dim() == 2
                 if projected:
+                    right = grad.shape[0] >= grad.shape[1]  # project on the smaller side
                     if step % group['update_proj_gap'] == 0 or 'projector' not in state:
-                        state['projector'] = self._projector(grad, group, index, step)
+                        state['projector'] = self._projector(grad, group, index, step, right)
                     proj = state['projector']
-                    right = grad.shape[0] >= grad.shape[1]
                     grad = grad @ proj if right else proj.T @ grad
                 if 'exp_avg' not in state:
                     state['exp_avg'] = torch.zeros_like(grad, memory_format=torch.preserve_format)

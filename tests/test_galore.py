@@ -90,11 +90,10 @@ def test_projection_refreshed_every_gap_steps():
 
 
 def test_golore_projection_orthonormal_and_reproducible():
-    def projector(seed, shape=(20, 12)):
-        torch.manual_seed(123)  # the global RNG must not matter
+    def projector(seed, shape=(20, 12), global_seed=123):
         p = torch.nn.Parameter(torch.zeros(shape))
         opt = galore.GaLoreAdamW([{'params': [p], 'rank': 4, 'projection': 'random'}], lr=1e-3, seed=seed)
-        torch.manual_seed(seed + 1000)
+        torch.manual_seed(global_seed)  # sets both the gradient and the global RNG's state
         p.grad = torch.randn(shape)
         opt.step()
         return opt.state[p]['projector']
@@ -102,7 +101,8 @@ def test_golore_projection_orthonormal_and_reproducible():
     q = projector(0)
     assert q.shape == (12, 4)
     torch.testing.assert_close(q.T @ q, torch.eye(4), atol=1e-5, rtol=0)
-    torch.testing.assert_close(projector(0), q)  # same seed: same projection, whatever the grad
+    # same seed: same projection, whatever the gradient and the global RNG
+    torch.testing.assert_close(projector(0, global_seed=456), q)
     assert not torch.allclose(projector(1), q)
     left = projector(0, shape=(7, 30))
     assert left.shape == (7, 4)
@@ -120,6 +120,7 @@ def test_none_grads_skipped_and_accounting_excludes_projector():
     # moments: 2 x (6 x 2) for p, 2 x 4 for the bias; the 4 x 2 projector counted apart
     holder = torch.nn.ParameterList([frozen, p, bias])
     assert omgd.memory_bytes(holder, opt)['optimizer'] == 4 * (2 * 12 + 2 * 4)
+    assert sorted(k for _, k, _ in omgd.state_tensors(opt)) == ['exp_avg', 'exp_avg', 'exp_avg_sq', 'exp_avg_sq']
     assert galore.projector_bytes(opt) == 4 * 8
 
 
@@ -189,9 +190,15 @@ def test_tiny_gpt_training_lowers_loss(arch, projection):
     assert all(math.isfinite(v) for v in losses)
 
 
-def test_invalid_settings():
+@pytest.mark.parametrize('group, kwargs, message', [
+    (dict(rank=2, projection='qr'), {}, 'projection'),
+    (dict(rank=0), {}, 'rank'),
+    (dict(rank=2, update_proj_gap=0), {}, 'update_proj_gap >= 1'),
+    ({}, dict(lr=-1.0), 'invalid AdamW settings'),
+    ({}, dict(betas=(0.9, 1.0)), 'invalid AdamW settings'),
+    ({}, dict(weight_decay=-0.1), 'invalid AdamW settings'),
+])
+def test_invalid_settings(group, kwargs, message):
     p = torch.nn.Parameter(torch.zeros(3, 3))
-    with pytest.raises(ValueError, match='projection'):
-        galore.GaLoreAdamW([{'params': [p], 'rank': 2, 'projection': 'qr'}])
-    with pytest.raises(ValueError, match='rank'):
-        galore.GaLoreAdamW([{'params': [p], 'rank': 0}])
+    with pytest.raises(ValueError, match=message):
+        galore.GaLoreAdamW([{'params': [p], **group}], **kwargs)
