@@ -145,10 +145,14 @@ def shard_fsdp(model, ranks, device_type, param_dtype):
     mesh = init_device_mesh(device_type, (ranks.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     kwargs = {'mesh': mesh, **({'mp_policy': mp} if mp else {})}
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    for unit in fsdp_units(model):  # the blocks first: the root's unit holds what they leave
+        fully_shard(unit, **kwargs)
     return model
+
+
+def fsdp_units(model):
+    """The FSDP units of shard_fsdp, in sharding order: every block, then the root."""
+    return [*model.blocks, model]
 
 
 def reshard_fsdp(model):
@@ -159,7 +163,7 @@ def reshard_fsdp(model):
     get a gradient, and it would be reduce-scattered and applied (ddp_check catches it). Resharding
     registers the sharded parameters again, so the next all-gather copies their requires_grad. It
     frees memory and costs nothing: the next forward all-gathers anyway."""
-    for unit in [*model.blocks, model]:
+    for unit in fsdp_units(model):
         unit.reshard()
     return model
 
@@ -185,13 +189,11 @@ def full_state_dicts(model, optimizer):
     optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
     if not optim_sd:
         return model_sd, optim_sd
-    index, groups = {}, []
-    for group in optim_sd['param_groups']:
-        groups.append({**group, 'params': []})
-        for name in group['params']:
-            index[name] = len(index)
-            groups[-1]['params'].append(index[name])
-    state = {index[name]: s for name, s in optim_sd['state'].items()}
+    # numbered as load_optimizer_state reads them back: a parameter's number is its place in
+    # _param_names, as in torch.optim's own state dict
+    number = {name: i for i, name in enumerate(_param_names(model, optimizer))}
+    groups = [{**group, 'params': [number[name] for name in group['params']]} for group in optim_sd['param_groups']]
+    state = {number[name]: s for name, s in optim_sd['state'].items()}
     return model_sd, {'state': dict(sorted(state.items())), 'param_groups': groups}
 
 
@@ -235,7 +237,7 @@ class CountedReduceScatter:
 
 def count_reduce_scatters(model):
     counter = {'calls': 0, 'elements': 0}
-    for unit in [*model.blocks, model]:  # the FSDP units of shard_fsdp
+    for unit in fsdp_units(model):
         unit.set_custom_reduce_scatter(CountedReduceScatter(counter))
     return counter
 
@@ -287,10 +289,11 @@ def check(ranks, model, wrapper, optimizer, cycler, state_policy, old_wrapper, k
         # FSDP2 pads each parameter's first dimension to a multiple of the world size
         padded = sum(math.ceil(p.shape[0] / ranks.world_size) * ranks.world_size * p[0].numel() if p.dim() else 1
                      for p in active)
-        in_blocks = {id(p) for block in model.blocks for p in block.parameters()}
-        units = [list(block.parameters()) for block in model.blocks]
-        units.append([p for p in params if id(p) not in in_blocks])  # the root's own
-        units_with_active = sum(any(p.requires_grad for p in unit) for unit in units)
+        seen, units_with_active = set(), 0
+        for unit in fsdp_units(model):  # the blocks first: the root's own parameters are those left
+            own = [p for p in unit.parameters() if id(p) not in seen]
+            seen.update(id(p) for p in own)
+            units_with_active += any(p.requires_grad for p in own)
         report['comm elements'] = comm['elements']
         report['reduce-scattered elements == padded active elements'] = comm['elements'] == padded
         report['one reduce-scatter per FSDP unit with active parameters per step'] = \
