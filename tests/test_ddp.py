@@ -27,11 +27,16 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import distributed  # noqa: E402
+import omgd  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 TINY = ['--n_layer=4', '--n_head=2', '--n_embd=32', '--block_size=32', '--eval_iters=2', '--log_interval=1',
         '--sample_tokens=0', '--compile=False', '--omgd_gamma=2', '--omgd_period=3', '--warmup_iters=2',
         '--lr_decay_iters=100', '--eval_interval=1000', '--backend=gloo']
@@ -120,6 +125,14 @@ def load(out_dir):
     return torch.load(os.path.join(out_dir, 'ckpt.pt'), weights_only=True)
 
 
+def lisa_active_elements(ckpt, trained_blocks=2):
+    """Elements that train under LISA with the default omgd_always (every outer part): the whole
+    model but the frozen blocks, counted on a GPT built from the checkpoint's model_args."""
+    ref = GPT(GPTConfig(**ckpt['model_args']))
+    total = sum(p.numel() for p in ref.parameters())  # parameters() dedupes the tied head
+    return total, total - (len(ref.blocks) - trained_blocks) * sum(p.numel() for p in ref.blocks[0].parameters())
+
+
 def assert_same_state(a, b):
     """Bitwise: model, optimizer, layer-cycling schedule and data position."""
     assert a['iter_num'] == b['iter_num']
@@ -155,7 +168,9 @@ def test_two_ranks_stay_in_sync_and_match_one_rank(two_rank_run, tmp_path):
                         r'frozen untouched, '
                         r'no frozen gradients, old wrapper freed', log)
     assert [int(c[0]) for c in checks] == list(range(0, 40, 3))  # 39, the last iteration, is a switch
-    assert all(c[3] == c[4] for c in checks)  # bucket sizes sum to the active parameter count
+    # ddp_check already fails the run unless the buckets hold exactly the parameters that require
+    # grad; this checks that those are 2 blocks plus the outer parts, at every switch
+    assert {int(c[3]) for c in checks} == {lisa_active_elements(load(out))[1]}
     assert [c[1:3] for c in checks] == [s[1:] for s in switches]
     assert len(re.findall(r'saved checkpoint', log)) == 1 and 'tokens per iteration: 256 (2 ranks)' in log
 
@@ -217,13 +232,68 @@ def test_every_method_under_two_ranks(many_runs, method):
     root, logs = many_runs
     log = logs[method]
     checks = re.findall(r'iter (\d+): ddp check: 2 ranks agree .* (\d+) active elements, DDP buckets (\d+);', log)
-    assert checks and all(c[1] == c[2] for c in checks), log
+    assert checks, log
+    # what trains (ddp_check has already matched the buckets to it): everything, 2 of 4 blocks
+    # plus the outer parts, or some of the tensors
+    total, lisa = lisa_active_elements(load(root / method))
+    active = {int(c[1]) for c in checks}
+    if method in ('full', 'galore', 'golore'):
+        assert active == {total}
+    elif method.startswith('lisa'):
+        assert active == {lisa}
+    else:
+        assert max(active) < total
     if method in ('full', 'galore', 'golore'):  # never switch: one wrapper for the whole run
         assert [c[0] for c in checks] == ['4'] and 'DDP rebuilt' not in log
     else:
         assert [c[0] for c in checks] == ['0', '2', '4'], log
         assert len(re.findall(r'DDP rebuilt in', log)) == 3
     assert load(root / method)['iter_num'] == 5
+
+
+def test_check_names_every_broken_invariant_on_any_rank():
+    """distributed.check in one process, each invariant broken in turn, then a second rank's
+    report faked: the problems name what failed, on whichever rank, and ranks that disagree."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=32, bias=False))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    cycler = omgd.build_cycler(model, opt, 'lisa_wor', gamma=2, period=3)
+    cycler.step(0)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    snapshot = [(p, p.detach().clone()) for p in frozen]
+    x = torch.randint(0, 32, (2, 8))
+    model(x, x)[1].backward()
+    opt.step()
+
+    def problems(ranks=distributed.Ranks(), old_wrapper=None, kept_by_cycle=False):
+        return distributed.check(ranks, model, None, opt, cycler, 'drop', old_wrapper, kept_by_cycle, snapshot,
+                                 [0])[0]
+
+    assert problems() == []
+    alive = torch.nn.Module()
+    assert problems(old_wrapper=weakref.ref(alive), kept_by_cycle=True) == [
+        'the previous DDP wrapper is freed', 'by reference counting, without gc.collect()']
+    frozen[0].grad = torch.zeros_like(frozen[0])
+    opt.state[frozen[0]] = {'step': torch.tensor(1.0)}
+    assert problems() == ['gradients exist exactly for the active parameters',
+                          'optimizer state exists only for the active parameters']
+    frozen[0].grad = None
+    del opt.state[frozen[0]]
+    with torch.no_grad():
+        frozen[0].add_(1.0)
+    assert problems() == ['frozen parameters are untouched']
+    with torch.no_grad():
+        frozen[0].sub_(1.0)
+    assert problems() == []
+
+    other_blocks = [i for i in range(4) if i not in cycler.active]
+
+    class TwoRanks(distributed.Ranks):  # rank 1 reports other blocks, other weights and a failure
+        def gather(self, obj):
+            return [obj, {**obj, 'active': other_blocks, 'weights': '0' * 64,
+                          'frozen parameters are untouched': False}]
+    assert problems(TwoRanks(world_size=2)) == ['frozen parameters are untouched', 'ranks differ in active',
+                                                'ranks differ in weights']
 
 
 def worker_pids(launch):

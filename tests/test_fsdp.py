@@ -11,6 +11,9 @@ What is checked, and how (helpers and the tiny model come from tests/test_ddp.py
 - 2 ranks x 2 micro-steps x 2 windows against 1 rank x 2 micro-steps x 4 windows (the same
   windows) with SGD, where gradient clipping is active (clip_grad_norm_ over DTensor gradients
   must use the norm of the full gradient; a per-shard norm would be ~1/sqrt(2) of it).
+- Evaluations and checkpoint writes inside a switching period (the checked run evaluates every 4
+  iterations, switches every 3) change nothing: the run still matches the one-process run, which
+  evaluates only at the start and the end.
 - The FSDP checkpoint is the single-process format: it loads into a plain GPT and optimizer.
 - Exact resume under FSDP through a normal end and a SIGTERM to one worker: the resumed run ends
   bit for bit where a straight run ends (AdamW, dropout).
@@ -28,6 +31,7 @@ import pytest
 FSDP = ['--parallel=fsdp']
 CLIPPED = [*LINEAR[:-1], '--grad_clip=0.05']  # SGD with clipping (active: without it the weights end 0.18 away)
 ITERS = 24
+EVAL = 4  # the checked run evaluates (and saves) inside switching periods too: at 4, 8, 16 and 20
 RESUME = ['--dropout=0.1', '--omgd_period=4', *TWO_RANKS, *FSDP]  # AdamW; dropout: per-rank RNG streams
 STRAIGHT = 16
 
@@ -38,7 +42,7 @@ def runs(tmp_path_factory):
     the resume test, and a short tensor_wor run (units are single tensors)."""
     root = tmp_path_factory.mktemp('fsdp')
     runs = [('checked', [f'--out_dir={root / "checked"}', f'--max_iters={ITERS}', '--ddp_check=True', *CLIPPED,
-                         *TWO_RANKS, *FSDP]),
+                         *TWO_RANKS, *FSDP, f'--eval_interval={EVAL}']),
             ('straight', [f'--out_dir={root / "straight"}', f'--max_iters={STRAIGHT}', *RESUME]),
             ('tensor_wor', [f'--out_dir={root / "tensor_wor"}', '--method=tensor_wor', '--max_iters=4',
                             '--omgd_period=2', '--ddp_check=True', *TWO_RANKS, *FSDP])]
@@ -64,7 +68,14 @@ def test_fsdp_checks_hold_and_two_ranks_match_one_process(runs, tmp_path):
     # frozen blocks reduce-scatter nothing: the elements sent are the active ones (all dims even here)
     assert all(c[2] == c[3] and int(c[2]) < 40000 for c in checks)
     assert [c[1] for c in checks if int(c[0]) % 3 == 0] == [f'{a}, {b}' for _, a, b in switches]
-    assert 'tokens per iteration: 256 (2 ranks)' in log and len(re.findall('saved checkpoint', log)) == 1
+    assert 'tokens per iteration: 256 (2 ranks)' in log
+    # An evaluation leaves FSDP's root unit all-gathered and the next forward reuses it, here both
+    # inside a period (4, 8, 16, 20) and at a switch (12, after reshard_fsdp); evaluations and
+    # checkpoint writes must leave training as it is without them: the comparison with one process
+    # below, which evaluates only at 0 and at the end, covers that.
+    evals = [int(i) for i in re.findall(r'step (\d+): train loss', log)]
+    assert evals == list(range(0, ITERS + 1, EVAL)) and any(i % 3 for i in evals)
+    assert len(re.findall('saved checkpoint', log)) == len(evals) - 1  # always_save_checkpoint, not at 0
 
     one = tmp_path / 'one'
     one_log = train(f'--out_dir={one}', f'--max_iters={ITERS}', *CLIPPED, *ONE_RANK, ranks=1).out
