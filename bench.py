@@ -16,7 +16,8 @@ block is compiled on its own (regional compilation, as train.py does). `warmup_s
 and MFU (the mean is shown too); the data is one random batch reused. With --interleave the methods
 are stepped round-robin, so that other processes on a shared machine slow them all alike.
 MFU counts the FLOPs an iteration executes as train.py does: 6N per token for trainable matrices,
-4N for frozen blocks (no weight-gradient GEMMs), plus attention.
+4N for frozen blocks (no weight-gradient GEMMs), 2N for frozen blocks below every trainable
+parameter (forward only), plus attention.
 """
 import gc
 import os

@@ -464,8 +464,7 @@ def measure(cfg, method, device):
             torch.cuda.synchronize(device)
     seconds = time.time() - t0
     sizes = omgd.memory_bytes(net, opt)
-    states = [v for s in opt.state.values() for k, v in s.items()
-              if torch.is_tensor(v) and v.dim() > 0 and k != 'projector']  # as omgd.memory_bytes counts
+    states = [v for _, _, v in omgd.state_tensors(opt)]
     row = dict(method=method, params=sizes['params'], grads=sizes['grads'],
                optimizer=sum(v.numel() * v.element_size() for v in states if not tracker.is_host(v)),
                cpu_state=sum(v.numel() * v.element_size() for v in states if tracker.is_host(v)),

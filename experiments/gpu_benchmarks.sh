@@ -26,7 +26,8 @@ run() {  # run one command, echoing it into the log first
 # the paper's LLaMA-7B table: pure bf16, micro-batch 16 x 256, activation checkpointing
 run python bench_memory.py --model=llama-7b --methods=full,galore,golore,lisa,lisa_wor \
     --batch_size=16 --block_size=256 --out="results/memory_llama-7b_$gpu"
-# LISA-wor below the paper's 19.56 GiB: fp32 master copy of the active blocks only, on the GPU or the CPU
+# LISA-wor with an fp32 master copy of the active blocks only: on the GPU (+master, above the paper's
+# 19.56 GiB) or on the CPU with the AdamW step there (+offload, the row below it)
 run python bench_memory.py --model=llama-7b --methods=lisa_wor,lisa_wor+master,lisa_wor+offload \
     --batch_size=16 --block_size=256 --out="results/memory_llama-7b_lisa_wor_variants_$gpu"
 # GPT-2 124M at config/gpt2_lisa_wor.py's micro-batch, nanoGPT's precision (fp32 weights, bf16 autocast)
