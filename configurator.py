@@ -11,6 +11,7 @@ as a plain dict, which train.py also stores in its checkpoints.
 """
 import ast
 import difflib
+import traceback
 
 
 class ConfigError(ValueError):
@@ -24,7 +25,8 @@ def _unknown_key(key, defaults):
 
 
 def coerce(key, value, default):
-    """Return `value` converted to the type of `default`, or raise a one-line ConfigError."""
+    """Return `value` converted to the type of `default` (a bool, int, float or str: callers keep
+    only such defaults), or raise a one-line ConfigError."""
     want = type(default)
     if isinstance(value, str) and want is not str:
         text = value.strip()
@@ -46,8 +48,6 @@ def coerce(key, value, default):
     elif want is str:
         if isinstance(value, str):
             return value
-    else:
-        return value
     raise ConfigError(f"{key}={value!r} has type {type(value).__name__}, expected {want.__name__} "
                       f"(default {default!r})")
 
@@ -60,7 +60,14 @@ def load_config_file(path):
     except OSError as e:
         raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
     namespace = {'__file__': path}  # lets a config file build on another one next to it
-    exec(compile(source, path, 'exec'), namespace)
+    try:
+        exec(compile(source, path, 'exec'), namespace)
+    except Exception as e:
+        # a mistake inside the file (SyntaxError, NameError, ...): one line naming the file and line
+        line = e.lineno if isinstance(e, SyntaxError) else \
+            next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), '?')
+        message = e.msg if isinstance(e, SyntaxError) else (str(e).splitlines() or [''])[0]
+        raise ConfigError(f"config file {path!r}, line {line}: {type(e).__name__}: {message}") from None
     return {k: v for k, v in namespace.items()
             if not k.startswith('_') and not callable(v) and type(v).__name__ != 'module'}
 

@@ -73,7 +73,8 @@ class TokenBatches:
         return offset + perm[step_first:step_first + per_step][mine] * (self.block_size + 1)
 
     def next_batch(self, device='cpu'):
-        data = open_tokens(self.path, self.prepare_hint)  # a fresh memmap per batch avoids nanoGPT's leak
+        # a fresh memmap per batch avoids nanoGPT's leak; __init__ checked that the file exists
+        data = np.memmap(self.path, dtype=np.uint16, mode='r')
         windows = np.stack([data[s:s + self.block_size + 1] for s in self.next_starts().tolist()])
         windows = torch.from_numpy(windows.astype(np.int64))
         x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

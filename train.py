@@ -17,18 +17,19 @@ $ torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOS
 import gc
 import math
 import os
-import random
+import signal
 import sys
 import time
 import weakref
 from contextlib import nullcontext
 from dataclasses import asdict
+from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from configurator import ConfigError, configure, format_config
+from data.common import atomic_path
 from dataloader import TokenBatches
 import distributed
 from model import GPT, GPTConfig, PRESETS, param_groups, peak_bf16_flops
@@ -98,7 +99,7 @@ galore_update_proj_gap = 200
 galore_scale = 0.25
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
-dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # autocast dtype; CPU runs in float32
+dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # autocast dtype: float32, bfloat16 or float16 (loss-scaled); CPU runs in float32
 compile = torch.cuda.is_available()  # torch.compile each block separately (regional compilation)
 backend = 'nccl' if torch.cuda.is_available() else 'gloo'
 parallel = 'ddp'  # under torchrun: 'ddp' (replicated weights) or 'fsdp' (FSDP2, weights sharded per block)
@@ -122,13 +123,30 @@ def fail(message):
     sys.exit(1)
 
 
+# values that need nothing built to check: refuse them before data, model and process group cost time
+PTDTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+if parallel not in ('ddp', 'fsdp'):
+    fail(f"parallel must be 'ddp' or 'fsdp', got {parallel!r}")
+if optimizer not in ('adamw', 'sgd'):
+    fail(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2'):
+    fail(f"init_from must be 'scratch', 'resume' or a GPT-2 name, got {init_from!r}")
+if preset and preset not in PRESETS:
+    fail(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+if dtype not in PTDTYPES:
+    fail(f"unknown dtype {dtype!r}; choose one of {', '.join(PTDTYPES)}")
+if gradient_accumulation_steps < 1:
+    fail(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
+
 # distributed setup (distributed.py): torchrun sets RANK; every rank runs this same script.
 # `ddp` means launched by torchrun, whichever `parallel` (DDP or FSDP2) it then uses.
 ranks, device = distributed.setup(backend, device)
 ddp, ddp_rank, ddp_world_size, master_process = ranks.enabled, ranks.rank, ranks.world_size, ranks.master
 fsdp = ddp and parallel == 'fsdp'
-if parallel not in ('ddp', 'fsdp'):
-    fail(f"parallel must be 'ddp' or 'fsdp', got {parallel!r}")
+if fsdp and dtype == 'float16':
+    # GradScaler's overflow check would see only this rank's gradient shards, so ranks could disagree
+    fail("dtype='float16' is not supported with parallel='fsdp' (its loss scaling sees only local shards); "
+         "use --dtype=bfloat16")
 if fsdp and omgd_state == 'offload':
     fail("omgd_state='offload' is not supported with parallel='fsdp' (the sharded optimizer state stays on its "
          "device); use --omgd_state=drop or --omgd_state=keep")
@@ -142,8 +160,6 @@ if gradient_accumulation_steps % ddp_world_size:
          f"gradient_accumulation_steps x batch_size x block_size)")
 grad_accum = gradient_accumulation_steps // ddp_world_size
 
-# SIGTERM/SIGINT: all ranks finish the iteration, save and stop together (distributed.py)
-stop_request = distributed.StopRequest()
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 if master_process:
     print(f"config:\n{format_config(config)}")
@@ -154,8 +170,11 @@ torch.manual_seed(seed)  # same model init on every rank (DDP broadcasts rank 0'
 if device_type == 'cuda':
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+ptdtype = PTDTYPES[dtype]
 autocast = nullcontext() if device_type == 'cpu' else torch.amp.autocast(device_type=device_type, dtype=ptdtype)
+# float16 gradients underflow without loss scaling (nanoGPT's GradScaler); a no-op for other dtypes.
+# On CPU (float32 compute) it only scales by a power of two and back, and lets tests run this path.
+scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')
 
 # data: the embedded Shakespeare corpora are prepared on first use, anything else must exist
 data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
@@ -175,6 +194,7 @@ try:
     train_batches = token_batches('train', sampling, data_seed)
     # evaluation draws the same fixed windows every time, from generators of its own
     eval_batches = {split: token_batches(split, 'iid', data_seed + 1) for split in ('train', 'val')}
+    eval_start = {split: batches.state_dict() for split, batches in eval_batches.items()}
 except (FileNotFoundError, ValueError) as e:
     fail(e)
 meta_path = os.path.join(data_dir, 'meta.pkl')
@@ -191,14 +211,15 @@ model_args = dict(arch=arch, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head
                   mlp_hidden=mlp_hidden, bias=bias, block_size=block_size, dropout=dropout,
                   vocab_size=vocab_size or 50304)
 if preset:
-    if preset not in PRESETS:
-        fail(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     model_args.update({k: v for k, v in PRESETS[preset].items() if k in arch_keys})
     model_args['vocab_size'] = vocab_size or PRESETS[preset]['vocab_size']
 iter_num, best_val_loss, checkpoint = 0, 1e9, None
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 if init_from == 'scratch':
-    raw_model = GPT(GPTConfig(**model_args))
+    try:
+        raw_model = GPT(GPTConfig(**model_args))
+    except ValueError as e:
+        fail(e)
 elif init_from == 'resume':
     if not os.path.exists(ckpt_path):
         fail(f"no checkpoint at {ckpt_path} to resume from; train with init_from='scratch' first")
@@ -208,23 +229,30 @@ elif init_from == 'resume':
         for k in arch_keys:
             if k != 'vocab_size' and k in config and config[k] != defaults[k] and config[k] != model_args[k]:
                 fail(f"{k}={config[k]!r} conflicts with the checkpoint's {model_args[k]!r}; drop the override")
-        model_args.update(block_size=block_size, dropout=dropout)
+        # LLaMA's rotary tables are not saved, so any length works. gpt2's learned positions (and
+        # their optimizer state) have the checkpoint's length: growing is impossible, and cropping
+        # would also have to crop the optimizer state, which nothing here does.
+        if model_args['arch'] == 'llama':
+            model_args['block_size'] = block_size
+        elif block_size != model_args['block_size']:
+            fail(f"block_size={block_size} differs from the checkpoint's {model_args['block_size']} (gpt2's "
+                 f"learned positions are in the weights and the optimizer state); resume with "
+                 f"--block_size={model_args['block_size']}")
+        model_args['dropout'] = dropout
         raw_model = GPT(GPTConfig(**model_args))
         raw_model.load_state_dict(checkpoint['model'])
     except Exception as e:
         fail(f"cannot load checkpoint {ckpt_path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
              f"it is corrupt or from another version: start from scratch or restore a backup")
     iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
-elif init_from.startswith('gpt2'):
+else:  # a GPT-2 name
     try:
         raw_model = GPT.from_pretrained(init_from, dict(dropout=dropout))
     except (RuntimeError, ValueError) as e:
         fail(e)
-    model_args = asdict(raw_model.config)
-else:
-    fail(f"init_from must be 'scratch', 'resume' or a GPT-2 name, got {init_from!r}")
 if block_size < raw_model.config.block_size:
     raw_model.crop_block_size(block_size)
+model_args = asdict(raw_model.config)  # what was built, after any crop: sample.py and resumes rebuild it
 raw_model.activation_checkpointing = activation_checkpointing
 raw_model.to(device)
 if fsdp:
@@ -240,10 +268,8 @@ if method in ('galore', 'golore'):
                                  projection='svd' if method == 'galore' else 'random', seed=omgd_seed)
 elif optimizer == 'adamw':
     opt = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
-elif optimizer == 'sgd':
+else:  # 'sgd', checked above
     opt = torch.optim.SGD(param_groups(raw_model, weight_decay), lr=learning_rate, momentum=momentum)
-else:
-    fail(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
 try:
     cycler = omgd.build_cycler(raw_model, opt, 'full' if method in ('galore', 'golore') else method,
                                omgd_gamma, omgd_period, omgd_warmup, omgd_ratio, omgd_state, omgd_seed,
@@ -259,6 +285,8 @@ if checkpoint is not None:
             opt.load_state_dict(checkpoint['optimizer'])
         cycler.load_state_dict(checkpoint['cycler'])
         train_batches.load_state_dict(checkpoint['data'])
+        if scaler.is_enabled() and checkpoint.get('scaler'):  # absent or empty: saved without float16
+            scaler.load_state_dict(checkpoint['scaler'])
     except (ValueError, KeyError) as e:
         fail(f"cannot resume from {ckpt_path}: {e}")
     rank_rngs = checkpoint['rng'].get('ranks', [])
@@ -275,8 +303,6 @@ if checkpoint is not None:
             print(f"resuming a {checkpoint.get('world_size', 1)}-rank checkpoint on {ddp_world_size} "
                   f"rank{'s' * (ddp_world_size > 1)}: "
                   f"same data position, not bitwise the run it would have been")
-    random.setstate(checkpoint['rng']['python'])
-    np.random.set_state(tuple(checkpoint['rng']['numpy']))
     checkpoint = None  # free memory
 
 if compile:
@@ -308,13 +334,13 @@ def estimate_loss():
     out = {}
     raw_model.eval()
     for split, batches in eval_batches.items():
-        batches.epoch, batches.step_in_epoch = 0, 0  # the same windows at every evaluation
-        losses = torch.zeros(eval_iters)
+        batches.load_state_dict(eval_start[split])  # the same windows at every evaluation
+        losses = torch.zeros(eval_iters, device=device)  # on the device: one sync per split, not per batch
         for k in range(eval_iters):
             X, Y = batches.next_batch(device)
             with autocast:
                 _, loss = raw_model(X, Y)
-            losses[k] = loss.item()
+            losses[k] = loss
         out[split] = ranks.mean(losses.mean().item(), device)
     raw_model.train()
     return out
@@ -323,7 +349,7 @@ def estimate_loss():
 def save_checkpoint():
     """Called on every rank; rank 0 writes. Model, optimizer, schedule and data position are the
     same on every rank; the dropout RNG is not, so each rank's state is gathered into the file.
-    Atomic: write a temporary file, then rename, so a crash never leaves a broken ckpt.pt."""
+    Atomic (data/common.py's atomic_path): a crash never leaves a broken ckpt.pt or a stray temporary file."""
     rank_rngs = ranks.gather({'torch': torch.get_rng_state(),
                               'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None})
     if fsdp:  # gathered to rank 0 (a collective); the same file format as below
@@ -336,18 +362,24 @@ def save_checkpoint():
         'model': model_state, 'optimizer': optimizer_state, 'cycler': cycler.state_dict(),
         'data': data_position, 'model_args': model_args, 'iter_num': iter_num,
         'best_val_loss': best_val_loss, 'config': config, 'world_size': ddp_world_size,
-        'rng': {'ranks': rank_rngs, 'python': random.getstate(),
-                'numpy': [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()]},
+        'rng': {'ranks': rank_rngs}, 'scaler': scaler.state_dict(),
     }
-    tmp_path = ckpt_path + '.tmp'
-    torch.save(checkpoint, tmp_path)
-    os.replace(tmp_path, ckpt_path)
+    with atomic_path(Path(ckpt_path)) as tmp_path:
+        torch.save(checkpoint, tmp_path)
     print(f"saved checkpoint to {ckpt_path}")
 
 
 if wandb_log and master_process:
     import wandb
     wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+
+
+def check_finite(losses):
+    """Stop at a non-finite loss; the values are all-reduced, so every rank stops here alike."""
+    for split, value in losses.items():
+        if not math.isfinite(value):
+            fail(f"{split} loss is {value} at iteration {iter_num}; kept the last good checkpoint in {out_dir}; "
+                 f"lower learning_rate or raise warmup_iters")
 
 
 def next_batch():
@@ -359,6 +391,9 @@ def next_batch():
 
 
 peak_flops = peak_bf16_flops(device)
+# SIGTERM/SIGINT: all ranks finish the iteration, save and stop together (distributed.py). Installed
+# only now: during the setup above, Ctrl-C must stop the run at once, as there is nothing to save.
+stop_request = distributed.StopRequest()
 X, Y = next_batch()
 t0 = time.time()
 local_iter_num, running_mfu = 0, -1.0
@@ -372,13 +407,11 @@ while True:
         if local_iter_num > 0:  # else nothing trained since the start or the resume
             save_checkpoint()
         break
-    if iter_num % eval_interval == 0 or iter_num >= max_iters:
+    if iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only:
         losses = estimate_loss()
         if master_process:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        if not all(math.isfinite(v) for v in losses.values()):
-            fail(f"loss is {losses['val']} at iteration {iter_num}; kept the last good checkpoint in {out_dir}; "
-                 f"lower learning_rate or raise warmup_iters")
+        check_finite(losses)
         if wandb_log and master_process:
             wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
         improved = losses['val'] < best_val_loss
@@ -430,14 +463,17 @@ while True:
             _, loss = model(X, Y)
             loss = loss / grad_accum
         X, Y = next_batch()  # prefetch while the GPU works
-        loss.backward()
+        scaler.scale(loss).backward()
+    scaler.unscale_(opt)  # the true gradients, for the clipping and the OMGD scale below
     if not omgd_scale_after_clip:
         cycler.scale_grads()
     if grad_clip != 0.0:
-        torch.nn.utils.clip_grad_norm_([p for p in raw_model.parameters() if p.requires_grad], grad_clip)
+        # frozen parameters hold no gradient (None), which clip_grad_norm_ skips
+        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)
     if omgd_scale_after_clip:
         cycler.scale_grads()
-    opt.step()
+    scaler.step(opt)  # with float16: skipped when a gradient overflowed, and the scale lowered
+    scaler.update()
     if ddp_check:
         problems, summary = distributed.check(ranks, raw_model, model if ddp and not fsdp else None, opt, cycler,
                                               omgd_state, old_wrapper, kept_by_cycle, frozen_snapshot, communication)
@@ -451,9 +487,7 @@ while True:
     dt, t0 = t1 - t0, t1
     if iter_num % log_interval == 0:
         lossf = ranks.mean(loss.item() * grad_accum, device)
-        if not math.isfinite(lossf):
-            fail(f"loss is {lossf} at iteration {iter_num}; kept the last good checkpoint in {out_dir}; "
-                 f"lower learning_rate or raise warmup_iters")
+        check_finite({'train': lossf})
         if master_process:
             epoch = train_batches.epoch + train_batches.step_in_epoch / train_batches.steps_per_epoch
             line = (f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.1f}ms, "
@@ -470,12 +504,16 @@ while True:
                 wandb.log({'iter': iter_num, 'train/loss_step': lossf, 'epoch': epoch})
     iter_num += 1
     local_iter_num += 1
+# back to the default handlers: Ctrl-C during the sample below stops at once
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # under FSDP every rank runs the sample's forwards (each all-gathers the weights); rank 0 prints
 if (master_process or fsdp) and sample_tokens > 0 and not stop:
     from sample import load_codec
     encode, decode = load_codec(data_dir)
     start = torch.tensor([encode('\n')], dtype=torch.long, device=device)
+    raw_model.eval()  # no dropout while generating (estimate_loss left it in training mode)
     with autocast:
         y = raw_model.generate(start, sample_tokens, temperature=0.8, top_k=200)
     if master_process:

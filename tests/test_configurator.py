@@ -52,6 +52,18 @@ def test_unknown_key_in_config_file(tmp_path):
         configure(DEFAULTS, [str(cfg)])
 
 
+@pytest.mark.parametrize('text, message', [
+    ("max_iters = (\n", "line 1: SyntaxError: '(' was never closed"),
+    ("method = 'lisa'\nmax_iters = steps * 2\n", "line 2: NameError: name 'steps' is not defined"),
+])
+def test_mistake_inside_config_file_names_file_and_line(tmp_path, text, message):
+    cfg = tmp_path / 'c.py'
+    cfg.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        configure(DEFAULTS, [str(cfg)])
+    assert str(e.value) == f"config file {str(cfg)!r}, {message}"
+
+
 def test_every_shipped_config_file_is_valid():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     source = open(os.path.join(root, 'train.py')).read()
