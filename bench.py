@@ -201,7 +201,7 @@ def main(argv):
             raise ValueError("steps must be >= 1 and warmup_steps >= 0")
         names = [m for m in cfg['methods'].split(',') if m]
         if not names:
-            raise ValueError("methods is empty")
+            raise ValueError("methods is empty; name at least one, e.g. --methods=full,lisa_wor")
         for name in names:
             if bench_memory.parse_method(name)[1]:
                 raise ValueError(f"bench.py times plain methods; {name!r} has a suffix")

@@ -587,7 +587,7 @@ def run(cfg, argv=()):
     device = resolve_device(cfg['device'])
     names = [m for m in cfg['methods'].split(',') if m]
     if not names:
-        raise ValueError("methods is empty")
+        raise ValueError("methods is empty; name at least one, e.g. --methods=full,lisa_wor")
     for name in names:
         parse_method(name)
     rows = [measure(cfg, name, device) for name in names]

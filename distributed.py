@@ -76,8 +76,12 @@ class StopRequest:
 
     def __init__(self):
         self.requested = False
-        signal.signal(signal.SIGTERM, self._request)
-        signal.signal(signal.SIGINT, self._request)
+        self.previous = {sig: signal.signal(sig, self._request) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def release(self):
+        """Put back the handlers there were before: after the loop a signal stops the process at once."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
     def _request(self, signum, frame):
         self.requested = True

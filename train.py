@@ -17,7 +17,6 @@ $ torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOS
 import gc
 import math
 import os
-import signal
 import sys
 import time
 import weakref
@@ -504,9 +503,7 @@ while True:
                 wandb.log({'iter': iter_num, 'train/loss_step': lossf, 'epoch': epoch})
     iter_num += 1
     local_iter_num += 1
-# back to the default handlers: Ctrl-C during the sample below stops at once
-signal.signal(signal.SIGTERM, signal.SIG_DFL)
-signal.signal(signal.SIGINT, signal.default_int_handler)
+stop_request.release()  # Ctrl-C during the sample below stops at once
 
 # under FSDP every rank runs the sample's forwards (each all-gathers the weights); rank 0 prints
 if (master_process or fsdp) and sample_tokens > 0 and not stop:
