@@ -105,7 +105,7 @@ beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0  # 0: no clipping
 device = 'auto'  # auto (cuda if available, else meta), cuda, meta, cpu
-out = ''  # output prefix for .md/.json/.png; '' -> results/memory_<model>
+out = ''  # output prefix for .md/.json/.png; '' -> out/memory_<model> (git-ignored; results/ only when named)
 seed = 0
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in dict(globals()).items()
@@ -356,6 +356,14 @@ def model_config(cfg):
         raise ValueError(f"model shape: {e}") from None
 
 
+def tied_parameters(net):
+    """[[name, name, ...], ...]: the names under which each shared parameter of `net` is registered."""
+    names = {}
+    for name, p in net.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
 def build_model(config, device, param_dtype, activation_checkpointing):
     """Built on meta (no memory, no init cost), then materialised and initialised off meta."""
     default = torch.get_default_dtype()
@@ -366,7 +374,13 @@ def build_model(config, device, param_dtype, activation_checkpointing):
     finally:
         torch.set_default_dtype(default)
     if device.type != 'meta':
-        net.to_empty(device=device)
+        ties = tied_parameters(net)
+        net.to_empty(device=device)  # one new tensor per module: it unties GPT-2's embedding and head
+        for first, *others in ties:
+            shared = net.get_parameter(first)
+            for name in others:
+                module, _, attr = name.rpartition('.')
+                setattr(net.get_submodule(module), attr, shared)
         net.init_weights()
     net.activation_checkpointing = activation_checkpointing
     net.train()
@@ -611,13 +625,18 @@ def write(result, prefix):
     return text
 
 
+def output_prefix(cfg):
+    """Where main writes: --out, else out/memory_<model> (git-ignored), never results/ unless named."""
+    return cfg['out'] or os.path.join('out', f"memory_{cfg['model']}")
+
+
 def main(argv):
     try:
         cfg = configure(DEFAULTS, argv)
         result = run(cfg, argv)
     except (ConfigError, ValueError) as e:
         sys.exit(f"error: {e}")
-    prefix = cfg['out'] or os.path.join('results', f"memory_{cfg['model']}")
+    prefix = output_prefix(cfg)
     print(write(result, prefix), end='')
     print(f"wrote {prefix}.md, {prefix}.json, {prefix}.png")
 

@@ -19,13 +19,13 @@ the table names any that are not.
 
 Variants are METHOD or METHOD:SAMPLING (sampling rr by default), e.g.
 
-    python experiments/compare.py                                   # all 9 variants x 3 seeds
+    python experiments/compare.py --out_dir=results                 # all 9 variants x 3 seeds
     python experiments/compare.py --methods=full,lisa_wor --seeds=1 --max_iters=20 --out_dir=/tmp/c
     python experiments/compare.py --jobs=2 --n_embd=128 --block_size=128
 
-Outputs in --out_dir: NAME.md (table), NAME.json (everything, curves included) and NAME_loss.png
-(val loss vs iteration, mean over seeds, band = min..max over seeds); NAME is --name, 'compare' by
-default. `--replot` rewrites the table and plot from an existing NAME.json without training.
+Outputs in --out_dir (default out/, git-ignored; results/ only when named): NAME.md (table),
+NAME.json (everything, curves included) and NAME_loss.png (val loss vs iteration, mean over seeds,
+band = min..max over seeds); NAME is --name, 'compare' by default. `--replot` rewrites the table and plot from an existing NAME.json without training.
 """
 import argparse
 import ast
@@ -447,14 +447,15 @@ def n_params(config, memory):
         return sum(p.numel() for p in GPT(config).parameters())
 
 
-def main(argv=None):
+def build_parser():
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--methods', default=','.join(DEFAULT_VARIANTS),
                     help='comma-separated METHOD or METHOD:SAMPLING (rr|iid; default rr)')
     ap.add_argument('--seeds', default='3', help='a count N (seeds 0..N-1) or a comma-separated list')
     ap.add_argument('--max_iters', type=int, default=240)
-    ap.add_argument('--out_dir', default=os.path.join(ROOT, 'results'), help='where compare.* are written')
+    ap.add_argument('--out_dir', default=os.path.join(ROOT, 'out'),
+                    help='where compare.* are written (default out/, git-ignored; results/ only when named)')
     ap.add_argument('--name', default='compare', help='output file stem: NAME.md, NAME.json, NAME_loss.png')
     ap.add_argument('--runs_dir', default='', help='one out_dir per run (default: a temporary folder)')
     ap.add_argument('--jobs', type=int, default=1, help='runs in parallel (2 cores here: keep 1 or 2)')
@@ -470,7 +471,11 @@ def main(argv=None):
     ap.add_argument('--replot', action='store_true',
                     help='no training: rewrite NAME.md and NAME_loss.png from OUT_DIR/NAME.json '
                          '(re-measuring memory, which is cheap, unless --no_memory)')
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.replot:
         path = os.path.join(args.out_dir, f'{args.name}.json')
         with open(path) as f:

@@ -37,8 +37,8 @@ the residual is one row-wise dot product). Schedules, gathers and the decomposit
 vectorised per chunk. T = 1e6 with 5 methods x 10 seeds takes about 2 minutes on one core
 (0.6 GB of memory); --no_decompose roughly halves that.
 
-    python experiments/linreg.py                      # T = 1e6, 10 seeds, all methods
-    python experiments/linreg.py --T 100000 --seeds 4 --out_dir results/tmp
+    python experiments/linreg.py --out_dir results    # T = 1e6, 10 seeds, all methods: results/linreg.*
+    python experiments/linreg.py --T 100000 --seeds 4 # writes out/linreg.* (the default, git-ignored)
 """
 import argparse
 import json
@@ -426,7 +426,7 @@ def verdict(summary):
     return 'Versus the paper (threshold -1.5 between the two rates):\n\n' + '\n'.join(lines)
 
 
-def main(argv=None):
+def build_parser():
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--T', type=float, default=DEFAULTS['T'], help='iterations (default 1e6)')
@@ -442,8 +442,12 @@ def main(argv=None):
     ap.add_argument('--n_log', type=int, default=DEFAULTS['n_log'], help='log-spaced logged steps')
     ap.add_argument('--chunk', type=int, default=DEFAULTS['chunk'])
     ap.add_argument('--no_decompose', action='store_true')
-    ap.add_argument('--out_dir', default='results')
-    args = ap.parse_args(argv)
+    ap.add_argument('--out_dir', default='out', help='default out/ (git-ignored); results/ only when named')
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     T = int(args.T)
     methods = [m for m in args.methods.split(',') if m]

@@ -47,6 +47,24 @@ def test_meta_and_cpu_agree_on_exact_bytes():
     assert offload['optimizer'] == 0 and offload['cpu_state'] > 0 and offload['peak'] < plain['peak']
 
 
+def test_cpu_build_keeps_gpt2_head_tied_to_embedding():
+    """to_empty gives each module its own tensor; build_model must re-tie GPT-2's head to its embedding
+    (untied, --device=cpu counted the 50304 x 768 head twice: 162.5M parameters instead of 123.9M)."""
+    cfg = config(model='gpt2', n_layer=2, n_head=4, n_embd=64, vocab_size=512, block_size=32)
+    counts = {}
+    for device in ('meta', 'cpu'):
+        net = bench_memory.build_model(bench_memory.model_config(cfg), torch.device(device), torch.float32, False)
+        assert bench_memory.tied_parameters(net) == [['wte.weight', 'lm_head.weight']], device
+        counts[device] = sum(p.numel() for p in net.parameters())
+    from model import GPT
+    assert counts['meta'] == counts['cpu'] == sum(p.numel() for p in GPT(bench_memory.model_config(cfg)).parameters())
+    assert abs(net.wte.weight.std().item() - 0.02) < 0.002  # initialised after to_empty, not garbage
+    rows = {device: bench_memory.run(config(device=device, methods='full', micro_batches=0, **{
+        k: cfg[k] for k in ('model', 'n_layer', 'n_head', 'n_embd', 'vocab_size', 'block_size')}))['rows'][0]
+        for device in ('meta', 'cpu')}
+    assert all(rows['meta'][k] == rows['cpu'][k] for k in ('params', 'grads', 'optimizer', 'n_params'))
+
+
 def test_live_bytes_counts_storages_once_and_frees():
     tracker = bench_memory.LiveBytes('meta')
     with tracker:
@@ -180,6 +198,45 @@ def test_gpu_script_uses_only_valid_keys():
     assert [script for script, _ in commands] == ['bench_memory.py'] * 3 + ['bench.py']
     for script, keys in commands:
         assert keys and all(key in defaults[script] for key in keys), (script, keys)
+    assert all('out' in keys for _, keys in commands)  # results/ is written only when named
+
+
+def under(path, folder):
+    """Whether `path` (relative paths from the repository root, where the commands run) lies in `folder`."""
+    path, folder = (os.path.realpath(os.path.join(ROOT, p)) for p in (path, folder))
+    return os.path.commonpath([path, folder]) == folder
+
+
+def git_ignored(path):
+    """Whether the top folder of `path` matches a folder pattern of .gitignore (as out*/ does)."""
+    import fnmatch
+    top = os.path.relpath(os.path.realpath(os.path.join(ROOT, path)), ROOT).split(os.sep)[0]
+    patterns = [line.strip().strip('/') for line in open(os.path.join(ROOT, '.gitignore')) if line.strip().endswith('/')]
+    return any(fnmatch.fnmatch(top, p) for p in patterns)
+
+
+def test_default_outputs_stay_out_of_results():
+    """Run as documented without --out, a benchmark must not overwrite the committed results/ files."""
+    import bench
+    from configurator import configure
+    for model in ('llama-7b', 'gpt2'):
+        prefix = bench_memory.output_prefix(configure(bench_memory.DEFAULTS, [f'--model={model}']))
+        assert not under(prefix, 'results') and git_ignored(prefix), prefix
+    assert bench_memory.output_prefix(configure(bench_memory.DEFAULTS, ['--out=results/x'])) == 'results/x'
+    assert configure(bench.DEFAULTS, [])['out'] == ''  # bench.py writes a file only when --out names one
+
+
+def test_readme_commands_that_write_results_name_their_output():
+    """The README's commands behind the committed results/ files say where they write."""
+    flags = {'bench_memory.py': '--out=results/', 'experiments/compare.py': '--out_dir=results',
+             'experiments/linreg.py': '--out_dir=results'}
+    found = set()
+    for line in open(os.path.join(ROOT, 'README.md')):
+        for script, flag in flags.items():
+            if f'python {script}' in line:
+                found.add(script)
+                assert flag in line, line
+    assert found == set(flags)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='on a GPU the script would run the benchmarks')

@@ -87,3 +87,12 @@ def test_memory_applies_the_model_keys_of_train_arg():
     with torch.device('meta'):
         assert 'error' not in mem and mem['n_params'] == sum(p.numel() for p in GPT(config).parameters())
     assert compare.n_params(config, {'lisa_wor': mem}) == compare.n_params(config, {}) == mem['n_params']
+
+
+def test_default_out_dir_is_not_results():
+    """Run without --out_dir, compare.py must not overwrite the committed results/compare.*."""
+    out_dir = os.path.realpath(compare.build_parser().parse_args([]).out_dir)
+    results = os.path.realpath(os.path.join(ROOT, 'results'))
+    assert os.path.commonpath([out_dir, results]) != results, out_dir
+    assert out_dir == os.path.realpath(os.path.join(ROOT, 'out'))  # git-ignored (out*/ in .gitignore)
+    assert compare.build_parser().parse_args(['--out_dir=results']).out_dir == 'results'

@@ -182,3 +182,12 @@ def test_cli_writes_outputs(tmp_path):
     blob = json.loads((tmp_path / 'linreg.json').read_text())
     assert set(blob['summary']['methods']) == set(linreg.METHODS)
     assert blob['params']['T'] == 3000 and len(blob['curves']['t']) == len(blob['curves']['err']['RR'])
+
+
+def test_default_out_dir_is_not_results():
+    """Run without --out_dir (from the repository root), linreg.py must not overwrite results/linreg.*."""
+    out_dir = linreg.build_parser().parse_args([]).out_dir
+    path, results = (os.path.realpath(os.path.join(ROOT, p)) for p in (out_dir, 'results'))
+    assert os.path.commonpath([path, results]) != results, out_dir
+    assert os.path.normpath(out_dir) == 'out'  # git-ignored (out*/ in .gitignore)
+    assert linreg.build_parser().parse_args(['--out_dir', 'results']).out_dir == 'results'
