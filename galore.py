@@ -4,27 +4,55 @@ GaLore and GoLore: AdamW whose moments live in a low-rank subspace of each matri
 GaLore (Zhao et al., 2024) projects the gradient G (m x n) of a weight matrix onto r directions
 taken from its SVD, runs Adam on the small r-dimensional matrix and maps the normalised update
 back, times `scale`. The subspace is refreshed every `update_proj_gap` steps. GoLore (He et al.,
-2024) is the same with a random orthonormal projection (QR of a Gaussian matrix), which removes
-GaLore's bias toward the dominant subspace.
+2024) draws the refreshed subspace at random (uniform on the Stiefel manifold), which removes
+GaLore's bias toward the dominant, noise-dominated directions; its reference code starts with SVD
+projections and switches to random ones, and carries the first moment over into each new basis.
 
 Why not `pip install galore-torch`: the package is unmaintained, pulls in transformers and
 bitsandbytes for about 100 lines of algorithm, and keeps a Python projector object inside the
 optimizer state (which neither torch.save(weights_only=True) nor memory accounting handle).
 
-Conventions, as in GaLore's code unless noted:
-- Projection on the smaller side: for m >= n the gradient is projected on the right, R = G Q with
-  Q (n x r), so the moments are m x r; otherwise on the left, R = P^T G with P (m x r), moments
-  r x n. The update is Q-back-projected (N Q^T or P N) and multiplied by `scale`.
-- The projection is computed at a parameter's steps 0, gap, 2*gap, ... (its own step count);
-  Adam's moments are kept, not reset, when the subspace changes.
+What the reference code does (jiaweizzhao/GaLore galore_torch/{adamw,galore_projector}.py and
+pkumelon/Golore peft_pretraining/golore_torch/{adamw,golore_projector}.py, GoLore.py), and here:
+- Projection on the smaller side ('std'): for m >= n the gradient is projected on the right,
+  R = G Q with Q (n x r) (the references store Q^T = Vh[:r]), so the moments are m x r; otherwise
+  on the left, R = P^T G with P = U[:, :r] (m x r), moments r x n. The update is back-projected
+  (N Q^T or P N) and multiplied by `scale` (GaLore's scripts use 0.25; GoLore's scripts leave it
+  at their default 1.0).
+- The projection is computed at a parameter's own steps 0, gap, 2*gap, ... (counted before the
+  step's increment), from that step's gradient.
+- GaLore ('svd'): Adam's moments and step count are kept unchanged when the subspace changes.
+- GoLore ('random'): a refresh at a parameter step s uses SVD while s < `svd_steps` and a random
+  projection from then on (the reference's `rand = state["step"] >= group["rand_epoch"]`, with
+  rand_epoch = rand_ratio * num_training_steps; its scripts and README use rand_ratio 0.8, i.e.
+  svd_steps = ceil(0.8 * total steps)). At every refresh after the first, SVD or random, the first
+  moment is re-expressed in the new basis, exp_avg <- P_new^T P_old exp_avg (left) or
+  exp_avg Q_old^T Q_new (right); the second moment and the step count are kept as they are.
 - The Adam arithmetic is torch.optim.AdamW's (decoupled weight decay on the whole matrix before the
   update, eps added to the bias-corrected sqrt(v)), so a group without `rank` is exactly AdamW.
-  GaLore's reference code uses transformers' AdamW variant, which differs only at the scale of eps.
-- The projector is kept in state['projector'], so state_dict() saves it and a resumed run goes on
-  in the same subspace. It is not optimizer state in the GaLore papers' memory accounting:
+
+Remaining differences from the reference code, on purpose:
+- svd_steps defaults to 0 (random from the first refresh: the GoLore algorithm the paper analyses).
+  The reference's group needs rand_epoch set, and its CLI default rand_ratio=2 never draws a random
+  basis at all; a caller wanting the reference scripts' setting passes ceil(0.8 * total steps).
+- Both references use transformers' AdamW variant: eps is added to the uncorrected sqrt(v) and the
+  weight decay p -= lr*wd*p comes after the update. The results differ at the scale of eps and of
+  lr^2*wd; torch's arithmetic keeps a group without `rank` equal to torch.optim.AdamW.
+- GoLore's golore_torch/adamw.py re-projects into a local name (`exp_avg = ...`), so the stored
+  exp_avg is never replaced: the re-projected moment serves that one step only, and the next step
+  goes on from the old-basis moment without the refresh step's gradient. We store the re-projected
+  moment, as GoLore.py (the ReLoRA-style version in the Golore README) does with .copy_(). We also
+  form the r x r change of basis first ((P_new^T P_old) M rather than P_new^T (P_old M)): equal up
+  to rounding, with no m x n temporary.
+- The random basis: GoLore takes the polar factor Z (Z^T Z)^(-1/2) of a Gaussian Z from the global
+  RNG; we take Q of Z = QR with R's diagonal made positive, which has the same (Haar) distribution,
+  from a CPU torch.Generator seeded with (seed, parameter index, step), so runs are reproducible,
+  resumed runs included, on any device, and the global RNG is left alone.
+- The projector is kept in state['projector'] as a tensor (the references keep a Python projector
+  object, and GoLore a second copy in state['matrix']), so state_dict() saves it and a resumed run
+  goes on in the same subspace; the previous basis needed by the re-projection is that same tensor,
+  read before it is replaced. It is not optimizer state in the GaLore papers' memory accounting:
   omgd.memory_bytes() leaves it out, projector_bytes() counts it.
-- GoLore's projection for a parameter is drawn from a CPU torch.Generator seeded with
-  (seed, parameter index, step), so runs are reproducible, resumed runs included, on any device.
 """
 import math
 
@@ -38,9 +66,10 @@ PROJECTIONS = ('svd', 'random')
 class GaLoreAdamW(torch.optim.Optimizer):
     """AdamW; 2-D parameters in a group with `rank` get GaLore/GoLore projected moments.
 
-    A projected group may carry rank, update_proj_gap (default 200), scale (default 0.25) and
-    projection ('svd' for GaLore, 'random' for GoLore). Parameters whose grad is None are skipped
-    (they are frozen, e.g. by layer cycling).
+    A projected group may carry rank, update_proj_gap (default 200), scale (default 0.25),
+    projection ('svd' for GaLore, 'random' for GoLore) and svd_steps (GoLore only, default 0: a
+    refresh at a parameter step below it uses SVD; the reference's rand_epoch). Parameters whose
+    grad is None are skipped (they are frozen, e.g. by layer cycling).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, seed=0):
@@ -55,18 +84,21 @@ class GaLoreAdamW(torch.optim.Optimizer):
             group.setdefault('update_proj_gap', 200)
             group.setdefault('scale', 0.25)
             group.setdefault('projection', 'svd')
+            group.setdefault('svd_steps', 0)
             if group['rank'] < 1 or group['update_proj_gap'] < 1:
                 raise ValueError(f"GaLore needs rank >= 1 and update_proj_gap >= 1, got "
                                  f"{group['rank']} and {group['update_proj_gap']}")
             if group['projection'] not in PROJECTIONS:
                 raise ValueError(f"projection must be one of {PROJECTIONS}, got {group['projection']!r}")
+            if not isinstance(group['svd_steps'], int) or group['svd_steps'] < 0:
+                raise ValueError(f"svd_steps must be an int >= 0, got {group['svd_steps']!r}")
         super().add_param_group(group)
 
     def _projector(self, grad, group, index, step, right):
         """P (m x r) for a left projection or Q (n x r) for a right one, in the grad's dtype."""
         m, n = grad.shape
         r = min(group['rank'], m, n)
-        if group['projection'] == 'svd':
+        if group['projection'] == 'svd' or step < group['svd_steps']:
             exact = grad if grad.dtype in (torch.float32, torch.float64) else grad.float()  # no bf16 SVD
             U, _, Vh = torch.linalg.svd(exact, full_matrices=False)
             basis = Vh[:r].T if right else U[:, :r]
@@ -104,7 +136,14 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 if projected:
                     right = grad.shape[0] >= grad.shape[1]  # project on the smaller side
                     if step % group['update_proj_gap'] == 0 or 'projector' not in state:
-                        state['projector'] = self._projector(grad, group, index, step, right)
+                        new = self._projector(grad, group, index, step, right)
+                        if group['projection'] == 'random' and 'projector' in state and 'exp_avg' in state:
+                            # GoLore: carry the first moment into the new basis (old coordinates would
+                            # be noise there); the second moment is kept as it is, as in the reference
+                            change = new.T @ state['projector']  # r x r: new coordinates of the old basis
+                            avg = state['exp_avg']
+                            avg.copy_(avg @ change.T if right else change @ avg)
+                        state['projector'] = new
                     proj = state['projector']
                     grad = grad @ proj if right else proj.T @ grad
                 if 'exp_avg' not in state:
@@ -135,10 +174,12 @@ def projector_bytes(optimizer):
 
 
 def build_optimizer(model, weight_decay, lr, betas, rank=128, update_proj_gap=200, scale=0.25,
-                    projection='svd', eps=1e-8, seed=0):
+                    projection='svd', eps=1e-8, seed=0, svd_steps=0):
     """GaLore (projection='svd') or GoLore ('random') on every matrix inside model.blocks (the
     attention and MLP weights), plain AdamW with model.param_groups' decay split elsewhere
-    (embeddings, head, norms, biases). Built over all parameters, frozen ones included."""
+    (embeddings, head, norms, biases). Built over all parameters, frozen ones included.
+    GoLore's reference switches from SVD to random projections after a fraction rand_ratio of
+    training: svd_steps = math.ceil(rand_ratio * total_steps) gives its `step >= rand_ratio * T`."""
     projected = [p for block in model.blocks for p in block.parameters() if p.dim() == 2]
     ids = {id(p) for p in projected}
     groups = []
@@ -148,5 +189,6 @@ def build_optimizer(model, weight_decay, lr, betas, rank=128, update_proj_gap=20
             groups.append({**group, 'params': rest})
     if projected:
         groups.append({'params': projected, 'weight_decay': weight_decay, 'rank': rank,
-                       'update_proj_gap': update_proj_gap, 'scale': scale, 'projection': projection})
+                       'update_proj_gap': update_proj_gap, 'scale': scale, 'projection': projection,
+                       'svd_steps': svd_steps})
     return GaLoreAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, seed=seed)

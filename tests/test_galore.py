@@ -14,16 +14,25 @@ from model import GPT, GPTConfig  # noqa: E402
 LR, BETAS, EPS, WD, SCALE = 0.1, (0.9, 0.95), 1e-8, 0.1, 0.5
 
 
-def galore_by_hand(w, grads, rank, gap, scale, lr=LR, betas=BETAS, eps=EPS, wd=WD):
-    """GaLore-AdamW written out step by step from its definition, for one matrix."""
+def galore_by_hand(w, grads, rank, gap, scale, lr=LR, betas=BETAS, eps=EPS, wd=WD, golore_bases=None):
+    """GaLore-AdamW written out step by step from its definition, for one matrix. With golore_bases
+    (refresh step -> the random basis drawn there; other refreshes use SVD) it is GoLore as in its
+    reference code: at each refresh the first moment is mapped back to m x n and onto the new basis."""
     w = w.clone()
     m, n = w.shape
     right = m >= n
     exp_avg = exp_avg_sq = proj = None
     for t, g in enumerate(grads, start=1):
         if (t - 1) % gap == 0:
-            U, S, Vh = torch.linalg.svd(g, full_matrices=False)
-            proj = Vh[:rank].T if right else U[:, :rank]  # Q (n x r) or P (m x r)
+            if golore_bases is not None and t - 1 in golore_bases:
+                new = golore_bases[t - 1]
+            else:
+                U, S, Vh = torch.linalg.svd(g, full_matrices=False)
+                new = Vh[:rank].T if right else U[:, :rank]  # Q (n x r) or P (m x r)
+            if golore_bases is not None and proj is not None:
+                full = exp_avg @ proj.T if right else proj @ exp_avg  # old coordinates -> m x n
+                exp_avg = full @ new if right else new.T @ full
+            proj = new
         r = g @ proj if right else proj.T @ g
         if exp_avg is None:
             exp_avg, exp_avg_sq = torch.zeros_like(r), torch.zeros_like(r)
@@ -37,15 +46,16 @@ def galore_by_hand(w, grads, rank, gap, scale, lr=LR, betas=BETAS, eps=EPS, wd=W
     return w, exp_avg, exp_avg_sq, proj
 
 
+@pytest.mark.parametrize('gap', [200, 2])  # 2: a refresh at step 2, where GaLore keeps its moments
 @pytest.mark.parametrize('shape', [(6, 4), (4, 6)])
-def test_step_matches_hand_computation(shape):
+def test_step_matches_hand_computation(shape, gap):
     torch.manual_seed(0)
     w0 = torch.randn(shape, dtype=torch.float64)
     grads = [torch.randn(shape, dtype=torch.float64) for _ in range(3)]
-    expected, exp_avg, exp_avg_sq, proj = galore_by_hand(w0, grads, rank=2, gap=200, scale=SCALE)
+    expected, exp_avg, exp_avg_sq, proj = galore_by_hand(w0, grads, rank=2, gap=gap, scale=SCALE)
 
     p = torch.nn.Parameter(w0.clone())
-    opt = galore.GaLoreAdamW([{'params': [p], 'rank': 2, 'update_proj_gap': 200, 'scale': SCALE}],
+    opt = galore.GaLoreAdamW([{'params': [p], 'rank': 2, 'update_proj_gap': gap, 'scale': SCALE}],
                              lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     for g in grads:
         p.grad = g.clone()
@@ -58,6 +68,43 @@ def test_step_matches_hand_computation(shape):
     torch.testing.assert_close(state['exp_avg_sq'], exp_avg_sq)
     torch.testing.assert_close(state['projector'], proj)
     assert state['step'] == 3
+
+
+@pytest.mark.parametrize('shape', [(6, 4), (4, 6)])
+def test_golore_matches_hand_computation_across_refreshes(shape):
+    # refreshes at steps 0 and 2 use SVD (step < svd_steps = 4), at 4 and 6 random bases
+    torch.manual_seed(4)
+    w0 = torch.randn(shape, dtype=torch.float64)
+    grads = [torch.randn(shape, dtype=torch.float64) for _ in range(7)]
+    p = torch.nn.Parameter(w0.clone())
+    opt = galore.GaLoreAdamW([{'params': [p], 'rank': 2, 'update_proj_gap': 2, 'scale': SCALE,
+                               'projection': 'random', 'svd_steps': 4}],
+                             lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, seed=5)
+    bases = []
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+        bases.append(opt.state[p]['projector'].clone())
+    # the random draws are taken from the optimizer; check they are orthonormal and not the SVD's
+    drawn = {4: bases[4], 6: bases[6]}
+    right = shape[0] >= shape[1]
+    for s, q in drawn.items():
+        torch.testing.assert_close(q.T @ q, torch.eye(2, dtype=torch.float64), atol=1e-6, rtol=0)
+        U, _, Vh = torch.linalg.svd(grads[s], full_matrices=False)
+        top = Vh[:2].T if right else U[:, :2]
+        assert (top.T @ q).abs().max() < 0.999  # not spanning the top singular directions
+    expected, exp_avg, exp_avg_sq, proj = galore_by_hand(w0, grads, rank=2, gap=2, scale=SCALE,
+                                                         golore_bases=drawn)
+    state = opt.state[p]
+    torch.testing.assert_close(p.detach(), expected)
+    torch.testing.assert_close(state['exp_avg'], exp_avg)
+    torch.testing.assert_close(state['exp_avg_sq'], exp_avg_sq)
+    torch.testing.assert_close(state['projector'], proj)
+    assert state['step'] == 7
+    # and it is not GaLore's keep-the-moments rule with the same bases (the re-projection matters)
+    kept, *_ = galore_by_hand(w0, grads[:3], rank=2, gap=2, scale=SCALE)
+    moved, *_ = galore_by_hand(w0, grads[:3], rank=2, gap=2, scale=SCALE, golore_bases={})
+    assert not torch.allclose(kept, moved)
 
 
 def test_group_without_rank_is_torch_adamw():
@@ -131,7 +178,7 @@ def test_state_dict_resume_is_exact():
     def make():
         p = torch.nn.Parameter(torch.ones(6, 9))
         return p, galore.GaLoreAdamW([{'params': [p], 'rank': 3, 'update_proj_gap': 2,
-                                       'projection': 'random'}], lr=1e-2)
+                                       'projection': 'random', 'svd_steps': 4}], lr=1e-2)
 
     p, opt = make()
     for g in grads:
@@ -142,6 +189,8 @@ def test_state_dict_resume_is_exact():
         q.grad = g.clone()
         opt2.step()
     saved = copy.deepcopy(opt2.state_dict())
+    # only tensors and numbers in the state: it loads with torch.load(weights_only=True)
+    assert all(torch.is_tensor(v) or isinstance(v, int) for s in saved['state'].values() for v in s.values())
     r, opt3 = make()
     with torch.no_grad():
         r.copy_(q)
@@ -160,13 +209,14 @@ def tiny_gpt(arch='llama'):
 def test_build_optimizer_groups():
     model = tiny_gpt()
     opt = galore.build_optimizer(model, 0.1, 1e-3, (0.9, 0.95), rank=4, update_proj_gap=10, scale=0.25,
-                                 projection='random')
+                                 projection='random', svd_steps=30)
     seen = [id(p) for g in opt.param_groups for p in g['params']]
     assert sorted(seen) == sorted(id(p) for p in model.parameters())
     (low_rank,) = [g for g in opt.param_groups if 'rank' in g]
     expected = {id(p) for b in model.blocks for p in b.parameters() if p.dim() == 2}
     assert {id(p) for p in low_rank['params']} == expected and len(expected) == 2 * 7
     assert low_rank['projection'] == 'random' and low_rank['update_proj_gap'] == 10
+    assert low_rank['svd_steps'] == 30
     outer = {id(model.wte.weight), id(model.lm_head.weight)}
     assert outer.isdisjoint(expected)
 
@@ -194,6 +244,8 @@ def test_tiny_gpt_training_lowers_loss(arch, projection):
     (dict(rank=2, projection='qr'), {}, 'projection'),
     (dict(rank=0), {}, 'rank'),
     (dict(rank=2, update_proj_gap=0), {}, 'update_proj_gap >= 1'),
+    (dict(rank=2, projection='random', svd_steps=-1), {}, 'svd_steps'),
+    (dict(rank=2, projection='random', svd_steps=2.5), {}, 'svd_steps'),
     ({}, dict(lr=-1.0), 'invalid AdamW settings'),
     ({}, dict(betas=(0.9, 1.0)), 'invalid AdamW settings'),
     ({}, dict(weight_decay=-0.1), 'invalid AdamW settings'),
