@@ -43,6 +43,9 @@ class TokenBatches:
         if n_tokens <= block_size or (sampling == 'rr' and self.steps_per_epoch == 0):
             raise ValueError(f"{path} has {n_tokens} tokens, too few for block_size={block_size} x "
                              f"{batch_size * world_size} windows per step; lower block_size or batch_size")
+        # iid draws with replacement from any split; an 'epoch' (which only seeds the draws and
+        # is logged) is then at least one step
+        self.steps_per_epoch = max(1, self.steps_per_epoch)
         self.n_tokens = n_tokens
         self.epoch, self.step_in_epoch = 0, 0
         self._order = None
@@ -81,6 +84,13 @@ class TokenBatches:
         if device.startswith('cuda'):
             return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
         return x, y
+
+    def epochs(self):
+        """Epochs of data consumed so far, as a fraction (iid: windows drawn / windows in the split)."""
+        if self.sampling == 'rr':
+            return self.epoch + self.step_in_epoch / self.steps_per_epoch
+        drawn = (self.epoch * self.steps_per_epoch + self.step_in_epoch) * self.batch_size * self.world_size
+        return drawn / max(1, self.windows_per_epoch)
 
     def state_dict(self):
         return {'sampling': self.sampling, 'seed': self.seed, 'epoch': self.epoch,

@@ -76,6 +76,7 @@ class StopRequest:
 
     def __init__(self):
         self.requested = False
+        self.exit_status = 128 + signal.SIGTERM  # also on ranks that stop only because another rank was asked
         self.previous = {sig: signal.signal(sig, self._request) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def release(self):
@@ -85,6 +86,7 @@ class StopRequest:
 
     def _request(self, signum, frame):
         self.requested = True
+        self.exit_status = 128 + signum
 
     def agreed(self, ranks):
         return ranks.any(self.requested)

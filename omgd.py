@@ -1,7 +1,8 @@
 """
 Omni-Masked Gradient Descent (OMGD) and its LLM instance, LISA-wor layer cycling.
 
-Paper: ../shared/omgd_paper.tex. Algorithm 1 traverses (mask, sample) pairs without
+Paper: "Omni-Masked Gradient Descent: Memory-Efficient Optimization via Mask Traversal with
+Improved Convergence" (Yang, Ren, Jiang, Tian, Peng). Algorithm 1 traverses (mask, sample) pairs without
 replacement: a cycle's M masks are disjoint and sum to M * ones, and every mask meets every
 sample once. Algorithm 2 (LISA-wor) applies that to transformer blocks: every K iterations,
 gamma middle blocks are drawn from a pool of blocks not yet used in this cycle (the pool is
@@ -77,16 +78,17 @@ def balanced_partition(sizes, num_groups, generator):
     return [sorted(g) for g in groups]
 
 
-def random_fraction(sizes, ratio, generator):
-    """One random group of items holding about `ratio` of the total size: the shortest prefix
-    of a random order of the items that reaches it."""
-    target, group, total = ratio * sum(sizes), [], 0
-    for i in torch.randperm(len(sizes), generator=generator).tolist():
-        if total >= target:
-            break
-        group.append(i)
-        total += sizes[i]
-    return [sorted(group)]
+def bernoulli_subset(n, ratio, generator):
+    """The paper's i.i.d. mask on n items: each kept independently with probability `ratio`.
+
+    An empty draw is redrawn: a period with nothing to train cannot run (backward reaches no
+    parameter). That raises P(kept) to r / (1 - (1-r)^n), so LayerCycler scales by
+    (1 - (1-r)^n) / r, not 1/r: E[S] = 1 exactly for every item (float64: P(u < r) = r to 2^-53).
+    """
+    while True:
+        kept = (torch.rand(n, generator=generator, dtype=torch.float64) < ratio).nonzero().flatten()
+        if len(kept):
+            return [kept.tolist()]
 
 
 class GroupSchedule:
@@ -97,26 +99,39 @@ class GroupSchedule:
     LISA-wor the partition is floor(N_L/gamma) groups of gamma blocks: exactly Algorithm 2's
     pool, whose leftover (< gamma blocks) is dropped by the reset. With replacement (LISA,
     i.i.d. masks) every period draws a fresh partition and uses only its first group.
+    peek() tells the next group a period early (for prefetching) without changing the draws.
     """
 
     def __init__(self, partition, replacement, generator):
         self.partition, self.replacement, self.generator = partition, replacement, generator
         self.pending, self.cycle = [], 0
+        self.ahead = None  # the next partition, when peek() had to draw it early
 
     def next(self):
         if self.replacement or not self.pending:
-            self.pending = self.partition(self.generator)
-            self.cycle += 1
+            self.pending = self.ahead if self.ahead is not None else self.partition(self.generator)
+            self.ahead, self.cycle = None, self.cycle + 1
         group = self.pending.pop(0)
         if self.replacement:
             self.pending = []
         return group
 
+    def peek(self):
+        """The group next() will return. A partition drawn here is the one next() would draw
+        (same generator, same order), so peeking never changes which groups are chosen."""
+        if not self.replacement and self.pending:
+            return self.pending[0]
+        if self.ahead is None:
+            self.ahead = self.partition(self.generator)
+        return self.ahead[0]
+
     def state_dict(self):
-        return {'pending': self.pending, 'cycle': self.cycle, 'rng': self.generator.get_state()}
+        return {'pending': self.pending, 'cycle': self.cycle, 'rng': self.generator.get_state(),
+                'ahead': self.ahead}  # the generator has moved past it: a resume must not redraw
 
     def load_state_dict(self, state):
         self.pending, self.cycle = [list(g) for g in state['pending']], state['cycle']
+        self.ahead = [list(g) for g in state['ahead']] if state.get('ahead') else None  # older: absent
         self.generator.set_state(state['rng'])
 
 
@@ -159,25 +174,26 @@ class LayerCycler:
             raise ValueError("every parameter layer cycling may activate must be in the optimizer; "
                              "build the optimizer over all parameters before freezing anything")
         self.units, self.optimizer = units, optimizer
-        self.method, self.period, self.warmup = method, period, warmup
+        self.method, self.gamma, self.period, self.warmup = method, gamma, period, warmup
         self.state_policy = state_policy
         self.active = list(range(len(units)))  # everything trains until the first switch
         self.last_switch = -1
         self.scale = 1.0
         self.offloaded = {}  # param -> {state key: original device}
+        self.prefetched = {}  # param -> {state key: its copy back, started by prefetch()}
+        self.streams, self.events, self.sources = {}, {}, []  # CUDA: per device; pinned tensors being read
         if method == 'full':
             self.schedule = None
             return
         unit_kind, replacement, scaled = METHODS[method]
         generator = torch.Generator().manual_seed(seed)
+        n = len(units)
         if unit_kind == 'block':
-            n, k = len(units), gamma
-            partition = lambda g: random_partition(n, [k] * (n // k), g)
-            self.scale = n / k if scaled else 1.0
-        elif replacement:  # tensor_iid: a fresh fraction r of the elements, scaled by 1/r
-            numels = [sum(p.numel() for p in unit) for unit in units]
-            partition = lambda g: random_fraction(numels, ratio, g)
-            self.scale = 1 / ratio
+            partition = lambda g: random_partition(n, [gamma] * (n // gamma), g)
+            self.scale = n / gamma if scaled else 1.0
+        elif replacement:  # tensor_iid: each tensor kept with probability r (see bernoulli_subset)
+            partition = lambda g: bernoulli_subset(n, ratio, g)
+            self.scale = (1 - (1 - ratio) ** n) / ratio
         else:  # tensor_wor: M complementary groups; the masks sum to M * ones
             M = math.ceil(1 / ratio)
             numels = [sum(p.numel() for p in unit) for unit in units]
@@ -189,17 +205,55 @@ class LayerCycler:
     def unit_kind(self):
         return METHODS[self.method][0] if self.schedule else 'block'
 
-    def step(self, iter_num):
-        """Call at the start of every iteration; returns True when the active set changed."""
+    def cycle_note(self):
+        """A line for the log when LISA-wor's cycles leave blocks out, else None."""
+        k = len(self.units) % self.gamma
+        if self.schedule is None or METHODS[self.method][:2] != ('block', False) or k == 0:
+            return None
+        return (f"{self.method} with N_L={len(self.units)}, gamma={self.gamma}: N_L mod gamma = {k} random "
+                f"block{'s sit' if k > 1 else ' sits'} out each cycle, so a cycle's masks do not sum to "
+                f"M x 1 (Algorithm 1 holds only when gamma divides N_L)")
+
+    def _switches_at(self, iter_num):
         if self.schedule is None or iter_num < self.warmup or iter_num == self.last_switch:
             return False
         period_starts = (iter_num - self.warmup) % self.period == 0
         never_switched = self.last_switch < self.warmup  # e.g. a run that starts mid-period
-        if not (period_starts or never_switched):
+        return period_starts or never_switched
+
+    def step(self, iter_num):
+        """Call at the start of every iteration; returns True when the active set changed."""
+        if not self._switches_at(iter_num):
             return False
         self.last_switch = iter_num
         self.apply(self.schedule.next())
         return True
+
+    def prefetch(self, iter_num):
+        """Call once per iteration, after step(iter_num). On a period's last iteration, draw the next
+        group (the same draws step would make) and, under 'offload', start copying its parked state
+        back: on a side stream under CUDA, at once elsewhere (the same path on every device)."""
+        if not self._switches_at(iter_num + 1):
+            return
+        group = self.schedule.peek()
+        if self.state_policy != 'offload':
+            return
+        for event in self.events.values():  # the previous copies, done a period ago: free their sources
+            event.synchronize()
+        self.sources = []
+        for p in (p for i in group for p in self.units[i] if p in self.offloaded and p not in self.prefetched):
+            self.prefetched[p] = {key: self._copy_back(self.optimizer.state[p][key], device)
+                                  for key, device in self.offloaded[p].items()}
+        self.events = {device: stream.record_event() for device, stream in self.streams.items()}
+
+    def _copy_back(self, parked, device):
+        if device.type != 'cuda':
+            return parked.to(device, copy=True)
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        self.sources.append(parked)  # keep the source alive until the copy has read it
+        with torch.cuda.stream(self.streams[device]):
+            return parked.to(device, non_blocking=True)
 
     def scaling(self):
         """The gradient scale of the active units (1 during warm-up and for 'full')."""
@@ -207,6 +261,8 @@ class LayerCycler:
 
     def apply(self, active):
         """Make exactly the units in `active` trainable and set their optimizer state policy."""
+        for device, event in self.events.items():  # the compute stream waits for prefetched copies
+            torch.cuda.current_stream(device).wait_event(event)
         self.active = sorted(active)
         active_set = set(self.active)
         for i, unit in enumerate(self.units):
@@ -218,6 +274,7 @@ class LayerCycler:
                     p.requires_grad_(False)
                     p.grad = None
                     self._release_state(p)
+        self.prefetched = {}  # copies of units left frozen (apply called by hand) are not needed
 
     def _release_state(self, p):
         state = self.optimizer.state.get(p)
@@ -226,22 +283,29 @@ class LayerCycler:
         if self.state_policy == 'drop':
             del self.optimizer.state[p]
             return
-        # offload: park the tensors in pinned CPU memory, so the copy back can overlap compute;
-        # the copy out is blocking, so a checkpoint saved right after reads finished data
+        # offload: park the moments (not scalar 'step's) in CPU memory, pinned under CUDA so the copy
+        # back can overlap compute; on CPU a plain copy, so the same path runs (and is tested) there.
+        # The copy out is blocking, so a checkpoint saved right after reads finished data.
         devices = {}
         for key, value in state.items():
-            if torch.is_tensor(value) and value.device.type != 'cpu':
+            if torch.is_tensor(value) and value.dim() > 0:
                 devices[key] = value.device
-                cpu = torch.empty(value.shape, dtype=value.dtype, pin_memory=torch.cuda.is_available())
-                state[key] = cpu.copy_(value)
+                parked = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                state[key] = parked.copy_(value)
         self.offloaded[p] = devices
 
     def _restore_state(self, p):
         devices = self.offloaded.pop(p, None)
-        if devices:
-            state = self.optimizer.state[p]
-            for key, device in devices.items():
-                state[key] = state[key].to(device, non_blocking=True)
+        if devices is None:
+            return
+        state, ready = self.optimizer.state[p], self.prefetched.pop(p, {})
+        for key, device in devices.items():
+            if key in ready:
+                if ready[key].is_cuda:  # made on the side stream, used on this one from now on
+                    ready[key].record_stream(torch.cuda.current_stream(device))
+                state[key] = ready[key]
+            else:  # not prefetched (e.g. right after a resume)
+                state[key] = state[key].to(device, non_blocking=True, copy=True)
 
     def scale_grads(self):
         """Multiply the gradients of the active units by the method's scale (once per step)."""

@@ -29,6 +29,7 @@ def load_codec(data_dir):
 
 
 def main(argv):
+    from checkpoint import CheckpointError, read as read_checkpoint
     from configurator import ConfigError, configure
     from model import GPT, GPTConfig
     defaults = dict(out_dir='out', start='\n', num_samples=1, max_new_tokens=300, temperature=0.8,
@@ -37,10 +38,10 @@ def main(argv):
         cfg = configure(defaults, argv)
     except ConfigError as e:
         sys.exit(f"error: {e}")
-    ckpt_path = os.path.join(cfg['out_dir'], 'ckpt.pt')
-    if not os.path.exists(ckpt_path):
-        sys.exit(f"error: no checkpoint at {ckpt_path}; train first (python train.py)")
-    checkpoint = torch.load(ckpt_path, map_location=cfg['device'], weights_only=True)
+    try:
+        checkpoint = read_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'), map_location=cfg['device'])
+    except CheckpointError as e:
+        sys.exit(f"error: {e}")
     model = GPT(GPTConfig(**checkpoint['model_args']))
     model.load_state_dict(checkpoint['model'])
     model.eval().to(cfg['device'])
@@ -49,8 +50,12 @@ def main(argv):
     torch.manual_seed(cfg['seed'])
     start = cfg['start']
     if start.startswith('FILE:'):
-        with open(start[5:], encoding='utf-8') as f:
-            start = f.read()
+        try:
+            with open(start[5:], encoding='utf-8') as f:
+                start = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            sys.exit(f"error: --start=FILE:{start[5:]}: cannot read it ({e.strerror or e}); give an existing "
+                     f"UTF-8 text file")
     try:
         x = torch.tensor([encode(start)], dtype=torch.long, device=cfg['device'])
     except ValueError as e:

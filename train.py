@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from configurator import ConfigError, configure, format_config
+import checkpoint as ckpt_io
 from data.common import atomic_path
 from dataloader import TokenBatches
 import distributed
@@ -44,6 +45,7 @@ eval_iters = 20
 eval_only = False  # evaluate once and exit
 always_save_checkpoint = True  # if False, save only when the val loss improves
 init_from = 'scratch'  # 'scratch', 'resume' (from out_dir) or a GPT-2 name ('gpt2', 'gpt2-medium', ...)
+overwrite = False  # let a run that does not resume replace the checkpoint already in out_dir
 sample_tokens = 300  # length of the sample printed at the end (0: none)
 # wandb logging (optional, off by default; never needed to run or test)
 wandb_log = False
@@ -87,7 +89,7 @@ method = 'lisa_wor'  # full, lisa, lisa_scale, lisa_wor, lisa_wor_noscale, tenso
 omgd_gamma = 2  # active middle blocks per period
 omgd_period = 25  # K: iterations between switches
 omgd_warmup = 0  # iterations of full training before cycling starts
-omgd_ratio = 0.5  # tensor methods: fraction of tensors active per period
+omgd_ratio = 0.5  # tensor_wor: 1/M, the share of each of the M groups; tensor_iid: each tensor's keep probability
 omgd_state = 'drop'  # optimizer state of frozen parameters: 'drop', 'offload' (to CPU) or 'keep'
 omgd_seed = 0  # seeds block selection (same on every rank), independent of the data order
 omgd_scale_after_clip = True  # the paper's code clips the gradient norm first, then scales
@@ -96,6 +98,7 @@ omgd_always = 'embed,pos,norm,head'  # parts trained at every step
 galore_rank = 128
 galore_update_proj_gap = 200
 galore_scale = 0.25
+golore_svd_fraction = 0.0  # golore: fraction of max_iters on SVD (GaLore) projections before random ones; GoLore's scripts use 0.8
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # autocast dtype: float32, bfloat16 or float16 (loss-scaled); CPU runs in float32
@@ -130,8 +133,13 @@ if optimizer not in ('adamw', 'sgd'):
     fail(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
 if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2'):
     fail(f"init_from must be 'scratch', 'resume' or a GPT-2 name, got {init_from!r}")
+METHOD_NAMES = (*omgd.METHODS, 'galore', 'golore')  # galore.py's methods train every block
+if method not in METHOD_NAMES:
+    fail(f"unknown method {method!r}; choose one of {', '.join(METHOD_NAMES)}")
 if preset and preset not in PRESETS:
     fail(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+if not 0 <= golore_svd_fraction <= 1:
+    fail(f"golore_svd_fraction must be in [0, 1], got {golore_svd_fraction}")
 if dtype not in PTDTYPES:
     fail(f"unknown dtype {dtype!r}; choose one of {', '.join(PTDTYPES)}")
 if gradient_accumulation_steps < 1:
@@ -158,6 +166,18 @@ if gradient_accumulation_steps % ddp_world_size:
          f"{ddp_world_size * math.ceil(gradient_accumulation_steps / ddp_world_size)} (tokens per iteration = "
          f"gradient_accumulation_steps x batch_size x block_size)")
 grad_accum = gradient_accumulation_steps // ddp_world_size
+ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+if init_from != 'resume' and not eval_only and os.path.exists(ckpt_path):
+    # a new run saves over out_dir/ckpt.pt; losing a long run to a re-typed command must be asked for
+    try:
+        earlier = f"iteration {ckpt_io.read(ckpt_path, mmap=True)['iter_num']} of an earlier run"
+    except (ckpt_io.CheckpointError, KeyError):
+        earlier = "an unreadable checkpoint"
+    if not overwrite:
+        fail(f"{ckpt_path} holds {earlier}; continue it with --init_from=resume, choose another --out_dir, "
+             f"or pass --overwrite=True to replace it")
+    if master_process:
+        print(f"{ckpt_path} holds {earlier}; this run's first save replaces it (overwrite=True)")
 
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 if master_process:
@@ -213,7 +233,7 @@ if preset:
     model_args.update({k: v for k, v in PRESETS[preset].items() if k in arch_keys})
     model_args['vocab_size'] = vocab_size or PRESETS[preset]['vocab_size']
 iter_num, best_val_loss, checkpoint = 0, 1e9, None
-ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+saved_iter = None  # the iteration of the checkpoint in out_dir that belongs to this run
 if init_from == 'scratch':
     try:
         raw_model = GPT(GPTConfig(**model_args))
@@ -223,19 +243,20 @@ elif init_from == 'resume':
     if not os.path.exists(ckpt_path):
         fail(f"no checkpoint at {ckpt_path} to resume from; train with init_from='scratch' first")
     try:
-        checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
+        checkpoint = ckpt_io.read(ckpt_path, map_location=device)
+    except ckpt_io.CheckpointError as e:
+        fail(e)
+    try:
         model_args = checkpoint['model_args']
         for k in arch_keys:
             if k != 'vocab_size' and k in config and config[k] != defaults[k] and config[k] != model_args[k]:
                 fail(f"{k}={config[k]!r} conflicts with the checkpoint's {model_args[k]!r}; drop the override")
-        # LLaMA's rotary tables are not saved, so any length works. gpt2's learned positions (and
-        # their optimizer state) have the checkpoint's length: growing is impossible, and cropping
-        # would also have to crop the optimizer state, which nothing here does.
-        if model_args['arch'] == 'llama':
-            model_args['block_size'] = block_size
-        elif block_size != model_args['block_size']:
-            fail(f"block_size={block_size} differs from the checkpoint's {model_args['block_size']} (gpt2's "
-                 f"learned positions are in the weights and the optimizer state); resume with "
+        # The data position counts windows of block_size+1 tokens, so another length would continue on
+        # another window grid (and gpt2's learned positions have the checkpoint's length in the
+        # weights and the optimizer state): an exact resume needs the same block_size.
+        if block_size != model_args['block_size']:
+            fail(f"block_size={block_size} differs from the checkpoint's {model_args['block_size']} (the data "
+                 f"position counts windows of block_size+1 tokens); resume with "
                  f"--block_size={model_args['block_size']}")
         model_args['dropout'] = dropout
         raw_model = GPT(GPTConfig(**model_args))
@@ -244,6 +265,9 @@ elif init_from == 'resume':
         fail(f"cannot load checkpoint {ckpt_path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
              f"it is corrupt or from another version: start from scratch or restore a backup")
     iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+    saved_iter = iter_num
+    if master_process:
+        print(f"resuming from iteration {iter_num} of {ckpt_path}")
 else:  # a GPT-2 name
     try:
         raw_model = GPT.from_pretrained(init_from, dict(dropout=dropout))
@@ -264,7 +288,8 @@ if method in ('galore', 'golore'):
     import galore
     opt = galore.build_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), rank=galore_rank,
                                  update_proj_gap=galore_update_proj_gap, scale=galore_scale,
-                                 projection='svd' if method == 'galore' else 'random', seed=omgd_seed)
+                                 projection='svd' if method == 'galore' else 'random', seed=omgd_seed,
+                                 svd_steps=math.ceil(golore_svd_fraction * max_iters) if method == 'golore' else 0)
 elif optimizer == 'adamw':
     opt = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 else:  # 'sgd', checked above
@@ -275,6 +300,8 @@ try:
                                always=[part for part in omgd_always.split(',') if part])
 except ValueError as e:
     fail(e)
+if master_process and cycler.cycle_note():
+    print(cycler.cycle_note())
 torch.manual_seed(seed + ddp_rank)  # from here on (dropout) each rank draws its own random numbers
 if checkpoint is not None:
     try:
@@ -349,6 +376,7 @@ def save_checkpoint():
     """Called on every rank; rank 0 writes. Model, optimizer, schedule and data position are the
     same on every rank; the dropout RNG is not, so each rank's state is gathered into the file.
     Atomic (data/common.py's atomic_path): a crash never leaves a broken ckpt.pt or a stray temporary file."""
+    global saved_iter
     rank_rngs = ranks.gather({'torch': torch.get_rng_state(),
                               'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None})
     if fsdp:  # gathered to rank 0 (a collective); the same file format as below
@@ -366,6 +394,7 @@ def save_checkpoint():
     with atomic_path(Path(ckpt_path)) as tmp_path:
         torch.save(checkpoint, tmp_path)
     print(f"saved checkpoint to {ckpt_path}")
+    saved_iter = iter_num
 
 
 if wandb_log and master_process:
@@ -377,8 +406,9 @@ def check_finite(losses):
     """Stop at a non-finite loss; the values are all-reduced, so every rank stops here alike."""
     for split, value in losses.items():
         if not math.isfinite(value):
-            fail(f"{split} loss is {value} at iteration {iter_num}; kept the last good checkpoint in {out_dir}; "
-                 f"lower learning_rate or raise warmup_iters")
+            kept = (f"kept the last good checkpoint {ckpt_path} (iteration {saved_iter})" if saved_iter is not None
+                    else "this run saved no checkpoint")
+            fail(f"{split} loss is {value} at iteration {iter_num}; {kept}; lower learning_rate or raise warmup_iters")
 
 
 def next_batch():
@@ -405,6 +435,8 @@ while True:
         print(f"rank {ddp_rank}: stop requested, stopping at iteration {iter_num}", flush=True)
         if local_iter_num > 0:  # else nothing trained since the start or the resume
             save_checkpoint()
+        if ddp:  # rank 0 has written the file before any rank exits non-zero, when torchrun stops the rest
+            dist.barrier(group=ranks.cpu_group)
         break
     if iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only:
         losses = estimate_loss()
@@ -422,6 +454,7 @@ while True:
         break
 
     switched = cycler.step(iter_num)
+    cycler.prefetch(iter_num)  # on a period's last iteration: draw the next group, start copying back its offloaded state
     if switched or model is None:
         old_wrapper, kept_by_cycle = None, False
         if fsdp:
@@ -488,7 +521,7 @@ while True:
         lossf = ranks.mean(loss.item() * grad_accum, device)
         check_finite({'train': lossf})
         if master_process:
-            epoch = train_batches.epoch + train_batches.step_in_epoch / train_batches.steps_per_epoch
+            epoch = train_batches.epochs()
             line = (f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.1f}ms, "
                     f"tok/s {tokens_per_iter / dt:,.0f}, epoch {epoch:.2f}")
             if peak_flops and local_iter_num >= 5:
@@ -517,3 +550,7 @@ if (master_process or fsdp) and sample_tokens > 0 and not stop:
         print(f"sample:\n{decode(y[0].tolist())}")
 if ddp:
     dist.destroy_process_group()
+if stop:
+    # the run did not finish: exit as a process the signal ended would (128 + its number), so that
+    # schedulers and requeue scripts do not take a preempted run for a finished one (README)
+    sys.exit(stop_request.exit_status)

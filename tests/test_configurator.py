@@ -64,23 +64,43 @@ def test_mistake_inside_config_file_names_file_and_line(tmp_path, text, message)
     assert str(e.value) == f"config file {str(cfg)!r}, {message}"
 
 
-def test_every_shipped_config_file_is_valid():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = open(os.path.join(root, 'train.py')).read()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train_defaults():
     defaults = {}
-    for node in ast.parse(source).body:  # train.py's module-level literal defaults
+    for node in ast.parse(open(os.path.join(ROOT, 'train.py')).read()).body:  # module-level literal defaults
         if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
             try:
                 defaults[node.targets[0].id] = ast.literal_eval(node.value)
             except ValueError:
                 pass
     defaults.update(device='cpu', dtype='float32', compile=False, backend='gloo')
-    configs = sorted(f for f in os.listdir(os.path.join(root, 'config')) if f.endswith('.py'))
-    assert 'gpt2_lisa_wor.py' in configs and 'shakespeare_lisa_wor.py' in configs
+    return defaults
+
+
+def shipped_config(name):
     cwd = os.getcwd()
-    os.chdir(root)
+    os.chdir(ROOT)
     try:
-        for name in configs:
-            configure(defaults, [os.path.join('config', name)])
+        return configure(train_defaults(), [os.path.join('config', name)])
     finally:
         os.chdir(cwd)
+
+
+def test_every_shipped_config_file_is_valid():
+    configs = sorted(f for f in os.listdir(os.path.join(ROOT, 'config')) if f.endswith('.py'))
+    assert 'gpt2_lisa_wor.py' in configs and 'shakespeare_lisa_wor.py' in configs
+    for name in configs:
+        shipped_config(name)
+
+
+def test_gpt2_configs_hold_the_papers_settings():
+    # appendix "Experimental Details", GPT-2 pre-training; the paper describes no cycling warm-up
+    paper = dict(preset='gpt2', block_size=1024, max_iters=100000, lr_decay_iters=100000, learning_rate=6e-4,
+                 min_lr=6e-5, warmup_iters=2000, weight_decay=0.1, beta1=0.9, beta2=0.95, omgd_gamma=3,
+                 omgd_period=100, omgd_warmup=0, dataset='openwebtext')
+    for name, method in (('gpt2_lisa_wor.py', 'lisa_wor'), ('gpt2_lisa.py', 'lisa'), ('gpt2_full.py', 'full')):
+        cfg = shipped_config(name)
+        assert {k: cfg[k] for k in paper} == paper and cfg['method'] == method
+        assert cfg['batch_size'] * cfg['block_size'] * cfg['gradient_accumulation_steps'] == 60 * 1024 * 8

@@ -1,4 +1,5 @@
-"""omgd.py: mask cycles, the LISA-wor pool, freezing, optimizer-state policies, scaling, resume."""
+"""omgd.py: mask cycles, the LISA-wor pool, freezing, optimizer-state policies and prefetch, scaling, resume."""
+import io
 import math
 import os
 import sys
@@ -22,9 +23,13 @@ def batch(seed=0, size=4):
     return x, torch.roll(x, -1, dims=1)
 
 
+def unit_params(n):
+    units = [[torch.nn.Parameter(torch.zeros(1))] for _ in range(n)]
+    return units, torch.optim.SGD([p for u in units for p in u], lr=0.1)
+
+
 def draws(method, n_units, gamma, periods, seed=0, ratio=0.5):
-    units = [[torch.nn.Parameter(torch.zeros(1))] for _ in range(n_units)]
-    opt = torch.optim.SGD([p for u in units for p in u], lr=0.1)
+    units, opt = unit_params(n_units)
     cycler = omgd.LayerCycler(units, opt, method, gamma=gamma, period=1, ratio=ratio, seed=seed)
     out = []
     for it in range(periods):
@@ -33,13 +38,38 @@ def draws(method, n_units, gamma, periods, seed=0, ratio=0.5):
     return out
 
 
-def test_lisa_wor_cycle_activates_every_block_once_when_gamma_divides():
-    seq = draws('lisa_wor', 12, 3, 40)
-    for cycle in range(1, 10):
-        groups = [active for c, active in seq if c == cycle]
-        assert len(groups) == 4
-        flat = [b for g in groups for b in g]
-        assert sorted(flat) == list(range(12))
+@pytest.mark.parametrize('method', ['lisa_wor', 'lisa_wor_noscale'])
+@pytest.mark.parametrize('n, gamma', [(12, 3), (12, 4), (6, 6), (12, 5), (7, 3), (5, 2), (7, 4)])
+def test_lisa_wor_cycle_masks_sum_to_M_ones_only_when_gamma_divides(method, n, gamma):
+    units, opt = unit_params(n)
+    cycler = omgd.LayerCycler(units, opt, method, gamma=gamma, period=1)
+    leftover, cycles = n % gamma, {}
+    for it in range(30 * (n // gamma)):
+        cycler.step(it)
+        mask = torch.zeros(n)
+        mask[cycler.active] = cycler.scaling()
+        cycles.setdefault(cycler.schedule.cycle, []).append(mask)
+    scale = n / gamma if method == 'lisa_wor' else 1.0
+    for masks in cycles.values():
+        assert len(masks) == n // gamma
+        total = sum(masks)
+        assert (total == 0).sum() == leftover  # exactly N_L mod gamma blocks sit out the cycle ...
+        assert torch.equal(total[total != 0], torch.full((n - leftover,), scale))  # ... the others train once
+    note = cycler.cycle_note()
+    if leftover == 0:
+        assert note is None
+    else:
+        s = 's sit' if leftover > 1 else ' sits'
+        assert note == (f"{method} with N_L={n}, gamma={gamma}: N_L mod gamma = {leftover} random block{s} out "
+                        f"each cycle, so a cycle's masks do not sum to M x 1 (Algorithm 1 holds only when gamma "
+                        f"divides N_L)")
+
+
+def test_cycle_note_only_for_lisa_wor_methods():
+    units, opt = unit_params(5)
+    for method in omgd.METHODS:
+        note = omgd.LayerCycler(units, opt, method, gamma=2).cycle_note()
+        assert (note is not None) == (method in ('lisa_wor', 'lisa_wor_noscale')), method
 
 
 def test_lisa_wor_reset_rule_when_gamma_does_not_divide():
@@ -95,19 +125,43 @@ def test_tensor_wor_groups_are_complementary_and_balanced():
     assert cycler.scaling() == 2.0
 
 
-def test_tensor_iid_draws_a_fresh_fraction_r_each_period():
+def test_tensor_iid_draws_fresh_nonempty_sets_each_period():
     model = tiny_gpt(n_layer=4)
     cycler = omgd.build_cycler(model, torch.optim.AdamW(model.parameters()), 'tensor_iid', ratio=0.3, period=1)
-    numels = [u[0].numel() for u in cycler.units]
-    total, largest = sum(numels), max(numels)
-    draws_ = []
+    n = len(cycler.units)
+    seen = set()
     for it in range(20):
         cycler.step(it)
-        active = sum(numels[i] for i in cycler.active)
-        assert 0.3 * total <= active < 0.3 * total + largest
-        draws_.append(tuple(cycler.active))
-    assert len(set(draws_)) > 10  # fresh draws, not a cycle of fixed groups
-    assert cycler.scaling() == pytest.approx(1 / 0.3)
+        assert 0 < len(cycler.active) <= n
+        seen.add(tuple(cycler.active))
+    assert len(seen) > 10  # fresh draws, not a cycle of fixed groups
+    assert cycler.scaling() == (1 - 0.7 ** n) / 0.3  # 1/r, corrected for the redrawn empty set
+
+
+def gpt2_tensor_sizes():
+    """numel of GPT-2 124M's 148 tensors; the head is tied to the 38.6M-element embedding."""
+    d = 768
+    block = [d, d, d * 3 * d, 3 * d, d * d, d, d, d, d * 4 * d, 4 * d, 4 * d * d, d]
+    return [50257 * d, 1024 * d] + block * 12 + [d, d]
+
+
+@pytest.mark.parametrize('sizes', [gpt2_tensor_sizes(), [5, 1, 1000]], ids=['gpt2', 'three'])
+def test_tensor_iid_mask_is_unbiased_for_every_tensor(sizes):
+    """E[S] = 1 for every tensor. The old shortest-prefix draw gave GPT-2's embedding 1.44 (and the
+    1000-element tensor of 'three' 2.0); redrawing empty sets but scaling by 1/r gives 'three' 8/7."""
+    ratio, n_draws = 0.5, 20000
+    units = [[torch.nn.Parameter(torch.empty(size, device='meta'))] for size in sizes]  # sizes, no memory
+    cycler = omgd.LayerCycler(units, torch.optim.SGD([u[0] for u in units]), 'tensor_iid', ratio=ratio)
+    cycler.step(0)
+    kept = list(cycler.active)
+    for _ in range(n_draws - 1):
+        kept += cycler.schedule.next()  # what step() applies, without touching 148 parameters a draw
+    mean_S = torch.bincount(torch.tensor(kept), minlength=len(sizes)) * cycler.scaling() / n_draws
+    # S is c * Bernoulli(q), q = P(kept | not empty), c q = 1 if unbiased: Var S = (1 - q) / q.
+    # 5 standard errors: a false alarm on any of 148 tensors has probability < 1e-4.
+    q = ratio / (1 - (1 - ratio) ** len(sizes))
+    tolerance = 5 * math.sqrt((1 - q) / q / n_draws)  # 0.035 for GPT-2
+    assert (mean_S - 1).abs().max().item() < tolerance, mean_S
 
 
 def test_frozen_parameters_bitwise_unchanged_and_without_grad():
@@ -202,6 +256,135 @@ def test_offload_keeps_state_of_frozen_blocks_through_optimizer_steps():
 def test_offload_parks_state_on_cpu_and_restores_it_to_cuda_bitwise():
     parked = offload_run('cuda')
     assert all(device == 'cpu' for keys in parked.values() for device in keys.values())
+
+
+@pytest.mark.parametrize('method', ['lisa', 'lisa_wor', 'tensor_wor', 'tensor_iid'])
+def test_prefetch_draws_the_same_groups_as_not_prefetching(method):
+    def run(prefetch):
+        units, opt = unit_params(7)  # lisa_wor: gamma=2 leaves one out, the pool empties every 3rd period
+        cycler = omgd.LayerCycler(units, opt, method, gamma=2, period=3, warmup=2, ratio=0.3, seed=1)
+        seq = []
+        for it in range(150):
+            cycler.step(it)
+            if prefetch:
+                cycler.prefetch(it)
+            seq.append((tuple(cycler.active), cycler.scaling(), cycler.describe()))
+        return seq
+    assert run(True) == run(False)
+
+
+def make_cycling(method, policy, n_layer=6, device='cpu'):
+    model = tiny_gpt(n_layer=n_layer).to(device)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
+    return model, opt, omgd.build_cycler(model, opt, method, gamma=2, period=2, ratio=0.5, state_policy=policy,
+                                         seed=3)
+
+
+def run_cycling(model, opt, cycler, iters, prefetch=True, check=None):
+    """train.py's loop: step, prefetch, forward/backward, scale, optimizer step."""
+    for it in iters:
+        cycler.step(it)
+        if prefetch:
+            cycler.prefetch(it)
+        if check:
+            check(it)
+        model(*(t.to(next(model.parameters()).device) for t in batch(it)))[1].backward()
+        cycler.scale_grads()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def assert_same_training(a, b):
+    (model_a, opt_a), (model_b, opt_b) = a, b
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb)
+        sa, sb = opt_a.state.get(pa, {}), opt_b.state.get(pb, {})
+        assert sa.keys() == sb.keys()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize('method', ['lisa_wor', 'lisa', 'tensor_iid'])
+def test_offload_with_prefetch_trains_bitwise_like_keep(method):
+    runs = []
+    for policy in ('keep', 'offload'):
+        model, opt, cycler = make_cycling(method, policy)
+        run_cycling(model, opt, cycler, range(15))  # 8 switches
+        runs.append((model, opt))
+    assert cycler.offloaded and len(opt.state) == len(list(model.parameters()))  # every unit trained and parked
+    assert_same_training(*runs)
+
+
+def test_offload_prefetch_moves_exactly_the_next_groups_state():
+    model, opt, cycler = make_cycling('lisa_wor', 'offload', n_layer=4)
+    blocks = {p: i for i, b in enumerate(model.blocks) for p in b.parameters()}
+    seen = {'copies': {}, 'checked': 0}
+
+    def check(it):
+        for p, copies in seen['copies'].items():  # the switch installed last iteration's copies ...
+            assert all(opt.state[p][k] is t for k, t in copies.items())
+            assert blocks[p] in cycler.active
+        frozen = {p for p, i in blocks.items() if i not in cycler.active}
+        assert set(cycler.offloaded) == {p for p in frozen if p in opt.state}  # ... parked: exactly the frozen
+        if it % 2 == 1:  # the last iteration of a period: copies of the next group's parked state
+            after_switch = set(cycler.schedule.peek())
+            assert set(cycler.prefetched) == {p for p in cycler.offloaded if blocks[p] in after_switch}
+            for p, copies in cycler.prefetched.items():
+                assert copies.keys() == {'exp_avg', 'exp_avg_sq'}  # the moments; 'step' is a scalar
+                for key, t in copies.items():
+                    assert torch.equal(t, opt.state[p][key]) and t.data_ptr() != opt.state[p][key].data_ptr()
+            seen['checked'] += bool(cycler.prefetched)
+        else:
+            assert not cycler.prefetched
+        seen['copies'] = dict(cycler.prefetched)
+
+    run_cycling(model, opt, cycler, range(40), check=check)
+    assert seen['checked'] >= 15  # after the first cycle, every switch brings back parked state
+
+
+@pytest.mark.parametrize('method', ['lisa_wor', 'lisa'])
+def test_state_dict_round_trip_after_the_pre_draw_resumes_bitwise(method):
+    straight = make_cycling(method, 'offload')
+    run_cycling(*straight, range(16))
+    first = make_cycling(method, 'offload')
+    run_cycling(*first, range(6))  # iteration 5 ends a period (and a lisa_wor cycle): the next group is drawn
+    assert first[2].schedule.ahead is not None
+    buffer = io.BytesIO()
+    torch.save({'model': first[0].state_dict(), 'opt': first[1].state_dict(), 'cycler': first[2].state_dict()},
+               buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+    resumed = make_cycling(method, 'offload')
+    resumed[0].load_state_dict(checkpoint['model'])
+    resumed[1].load_state_dict(checkpoint['opt'])
+    resumed[2].load_state_dict(checkpoint['cycler'])
+    run_cycling(*resumed, range(6, 16))
+    assert resumed[2].state_dict()['schedule']['cycle'] == straight[2].state_dict()['schedule']['cycle']
+    assert_same_training(straight[:2], resumed[:2])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA: copies on a side stream')
+def test_prefetch_copies_on_a_side_stream_and_the_switch_installs_them():
+    model, opt, cycler = make_cycling('lisa_wor', 'offload', n_layer=4, device='cuda')
+    device = next(model.parameters()).device
+    seen = {'copies': {}, 'checked': 0}
+
+    def check(it):
+        for p, copies in seen['copies'].items():
+            assert all(opt.state[p][k] is t and t.is_cuda for k, t in copies.items())
+        if cycler.prefetched:
+            assert cycler.streams[device] != torch.cuda.current_stream(device)
+            cycler.events[device].synchronize()  # only so this test can read them
+            for p, copies in cycler.prefetched.items():
+                for key, t in copies.items():
+                    parked = opt.state[p][key]
+                    assert t.is_cuda and parked.device.type == 'cpu' and parked.is_pinned()
+                    assert torch.equal(t.cpu(), parked)
+            seen['checked'] += 1
+        seen['copies'] = dict(cycler.prefetched)
+
+    run_cycling(model, opt, cycler, range(40), check=check)
+    torch.cuda.synchronize()
+    assert seen['checked'] >= 15
 
 
 def test_keep_policy_keeps_state():

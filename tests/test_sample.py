@@ -23,3 +23,20 @@ def test_sample_from_checkpoint_and_missing_checkpoint(tmp_path):
     cmd[2] = f'--out_dir={tmp_path / "none"}'
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and result.stderr.strip().startswith('error: no checkpoint at')
+
+
+def test_truncated_checkpoint_and_missing_start_file_are_one_line_errors(tmp_path):
+    run_train(f'--out_dir={tmp_path}', '--max_iters=2', '--eval_interval=2')
+    missing = subprocess.run([sys.executable, 'sample.py', f'--out_dir={tmp_path}', '--max_new_tokens=5',
+                              f'--start=FILE:{tmp_path / "missing.txt"}'], cwd=ROOT, capture_output=True, text=True)
+    assert missing.returncode != 0 and missing.stderr.strip() == (
+        f"error: --start=FILE:{tmp_path / 'missing.txt'}: cannot read it (No such file or directory); "
+        f"give an existing UTF-8 text file")
+    ckpt = tmp_path / 'ckpt.pt'
+    ckpt.write_bytes(ckpt.read_bytes()[:ckpt.stat().st_size // 2])
+    truncated = subprocess.run([sys.executable, 'sample.py', f'--out_dir={tmp_path}'], cwd=ROOT,
+                               capture_output=True, text=True)
+    assert truncated.returncode != 0 and len(truncated.stderr.strip().splitlines()) == 1, truncated.stderr
+    assert truncated.stderr.startswith(f"error: cannot read checkpoint {ckpt} (RuntimeError: PytorchStreamReader "
+                                       f"failed reading zip archive: failed finding central directory); it is "
+                                       f"corrupt, truncated or from another program: restore a backup"), truncated.stderr

@@ -89,7 +89,7 @@ def test_missing_data_names_the_prepare_command(tmp_path):
     ('--max_iters=ten', r"max_iters='ten' is not a valid int"),
     ('--max_iters=1.5', r'expected int'),
     ('--compile=maybe', r'not a valid bool'),
-    ('--method=lisa_wr', r"unknown method 'lisa_wr'"),
+    ('--method=lisa_wr', r"unknown method 'lisa_wr'; choose one of full, lisa, .*, tensor_iid, galore, golore$"),
     ('--omgd_gamma=9', r'omgd_gamma must be in 1\.\.4'),
     ('--n_head=3', r'n_embd=32 is not divisible by n_head=3'),
     ('--dtype=fp16', r"unknown dtype 'fp16'; choose one of float32, bfloat16, float16"),
@@ -99,6 +99,7 @@ def test_missing_data_names_the_prepare_command(tmp_path):
     ('--init_from=bert', r"init_from must be 'scratch', 'resume' or a GPT-2 name, got 'bert'"),
     ('--optimizer=lion', r"optimizer must be 'adamw' or 'sgd', got 'lion'"),
     ('--sampling=seq', r"sampling must be 'rr' or 'iid', got 'seq'"),
+    ('--golore_svd_fraction=1.5', r'golore_svd_fraction must be in \[0, 1\], got 1\.5'),
     ('--omgd_warmup=-1', r'omgd_warmup must be >= 0, got -1'),
     ('--omgd_always=embed,tail', r"unknown omgd_always part\(s\) \['tail'\]"),
     ('CONFIG_WITH_SYNTAX_ERROR', r"config file .*bad\.py', line 2: SyntaxError"),
@@ -115,7 +116,10 @@ def test_missing_and_corrupt_checkpoint_on_resume(tmp_path):
     assert_one_line_error(result, r'no checkpoint at .*ckpt\.pt')
     (tmp_path / 'ckpt.pt').write_bytes(b'not a checkpoint')
     result = run_train(f'--out_dir={tmp_path}', '--init_from=resume', expect_ok=False)
-    assert_one_line_error(result, r'cannot load checkpoint .*corrupt')
+    # the whole sentence: torch's own message used to be cut mid-sentence
+    assert_one_line_error(result, r"cannot read checkpoint .*ckpt\.pt \(UnpicklingError: Weights only load failed\); "
+                                  r"it is corrupt, truncated or from another program: restore a backup or train "
+                                  r"from scratch$")
     assert (tmp_path / 'ckpt.pt').read_bytes() == b'not a checkpoint'
 
 
@@ -124,8 +128,64 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     good = (tmp_path / 'ckpt.pt').read_bytes()
     result = run_train(f'--out_dir={tmp_path}', '--max_iters=8', '--eval_interval=2', '--init_from=resume',
                        '--learning_rate=1e400', expect_ok=False)  # 1e400 parses as inf
-    assert_one_line_error(result, r'loss is nan at iteration \d+; kept the last good checkpoint')
+    assert_one_line_error(result, rf"loss is nan at iteration \d+; kept the last good checkpoint "
+                                  rf"{tmp_path / 'ckpt.pt'} \(iteration 4\); lower learning_rate")
     assert (tmp_path / 'ckpt.pt').read_bytes() == good
+    # a run that saved nothing says so (the message used to name a checkpoint that did not exist)
+    result = run_train(f'--out_dir={tmp_path / "fresh"}', '--max_iters=8', '--eval_interval=2',
+                       '--learning_rate=1e400', expect_ok=False)
+    assert_one_line_error(result, r"loss is nan at iteration \d+; this run saved no checkpoint; lower learning_rate")
+    assert not (tmp_path / 'fresh' / 'ckpt.pt').exists()
+
+
+def test_new_run_does_not_silently_replace_a_checkpoint(tmp_path):
+    run_train(f'--out_dir={tmp_path}', '--max_iters=3', '--eval_interval=3')
+    first = (tmp_path / 'ckpt.pt').read_bytes()
+    result = run_train(f'--out_dir={tmp_path}', '--max_iters=2', '--eval_interval=2', expect_ok=False)
+    assert_one_line_error(result, rf"{tmp_path / 'ckpt.pt'} holds iteration 3 of an earlier run; continue it with "
+                                  rf"--init_from=resume, choose another --out_dir, or pass --overwrite=True")
+    assert (tmp_path / 'ckpt.pt').read_bytes() == first
+    out = run_train(f'--out_dir={tmp_path}', '--max_iters=2', '--eval_interval=2', '--overwrite=True').stdout
+    assert 'holds iteration 3 of an earlier run; this run\'s first save replaces it' in out
+    assert load(tmp_path)['iter_num'] == 2
+    out = run_train(f'--out_dir={tmp_path}', '--max_iters=3', '--eval_interval=3', '--init_from=resume').stdout
+    assert f"resuming from iteration 2 of {tmp_path / 'ckpt.pt'}" in out
+
+
+def test_sigterm_saves_and_exits_with_the_signal_status(tmp_path):
+    import signal
+    proc = subprocess.Popen([sys.executable, 'train.py', *TINY, f'--out_dir={tmp_path}', '--max_iters=100000',
+                             '--eval_interval=100000'], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith('iter 3: loss'):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = ''.join(lines) + proc.stdout.read()
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, out[-2000:]  # 143: not a finished run
+    stopped = int(re.search(r'rank 0: stop requested, stopping at iteration (\d+)', out).group(1))
+    assert load(tmp_path)['iter_num'] == stopped > 3
+
+
+def test_iid_sampling_on_a_split_smaller_than_one_batch(tmp_path):
+    data = tmp_path / 'small'
+    data.mkdir()
+    for split in ('train', 'val'):
+        np.arange(50, dtype=np.uint16).tofile(data / f'{split}.bin')  # 4 windows of 9 tokens, batch of 8
+    out = run_train(f'--out_dir={tmp_path}', f'--dataset={data}', '--block_size=8', '--vocab_size=64',
+                    '--sampling=iid', '--max_iters=3', '--eval_interval=3').stdout  # was a ZeroDivisionError
+    # 4 batches of 8 windows drawn (3 trained, 1 prefetched) from 4 windows of data
+    assert re.search(r'iter 2: loss [\d.]+, .* epoch 8\.00', out), out
+
+
+def test_llama_resume_refuses_another_block_size(tmp_path):
+    llama = ['--arch=llama', '--max_iters=2', '--eval_interval=2']
+    run_train(f'--out_dir={tmp_path}', *llama)
+    result = run_train(f'--out_dir={tmp_path}', *llama, '--init_from=resume', '--block_size=16', expect_ok=False)
+    assert_one_line_error(result, r"block_size=16 differs from the checkpoint's 32 \(the data position counts "
+                                  r"windows of block_size\+1 tokens\); resume with --block_size=32$")
 
 
 def test_block_size_larger_than_data(tmp_path):
@@ -144,3 +204,17 @@ def test_every_method_runs_from_config(tmp_path):
         out = run_train(f'--out_dir={tmp_path / method}', '--max_iters=4', f'--method={method}',
                         '--eval_interval=100', '--optimizer=sgd' if method == 'tensor_wor' else '--optimizer=adamw')
         assert 'step 4: train loss' in out.stdout
+
+
+def test_golore_svd_fraction_sets_the_svd_steps(tmp_path):
+    run_train(f'--out_dir={tmp_path}', '--method=golore', '--galore_rank=4', '--golore_svd_fraction=0.5',
+              '--max_iters=5', '--eval_interval=5')
+    groups = load(tmp_path)['optimizer']['param_groups']
+    assert [g['svd_steps'] for g in groups if 'rank' in g] == [3]  # ceil(0.5 x 5)
+
+
+def test_leftover_blocks_are_named_at_start(tmp_path):
+    out = run_train(f'--out_dir={tmp_path}', '--omgd_gamma=3', '--max_iters=1', '--eval_interval=1').stdout
+    assert ("lisa_wor with N_L=4, gamma=3: N_L mod gamma = 1 random block sits out each cycle, so a cycle's "
+            "masks do not sum to M x 1 (Algorithm 1 holds only when gamma divides N_L)\n") in out
+    assert 'sits out' not in run_train(f'--out_dir={tmp_path / "even"}', '--max_iters=1', '--eval_interval=1').stdout
