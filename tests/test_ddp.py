@@ -318,7 +318,8 @@ def stop_with_sigterm(out_dir, after, target, args=RESUME, max_iters=STRAIGHT):
     run.wait()
     # the workers exit 143 (a preempted run is not a finished one, README); torchrun then exits 1
     assert run.proc.returncode == 1, run.out[-3000:]
-    assert len(re.findall(r'exitcode\s*: 143', run.out)) >= (2 if target == 'rank1' else 0), run.out[-3000:]
+    if target == 'rank1':  # the first worker to exit reports 143; torchrun may stop the other before it exits
+        assert re.search(r'exitcode\s*: 143', run.out), run.out[-3000:]
     stops = re.findall(r'rank (\d): stop requested, stopping at iteration (\d+)', run.out)
     assert sorted(s[0] for s in stops) == ['0', '1'] and stops[0][1] == stops[1][1], run.out[-3000:]
     stopped = int(stops[0][1])
