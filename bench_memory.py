@@ -52,7 +52,7 @@ meta estimator against the measurement. (torch.distributed._tools.mem_tracker.Me
 used: it registers a gradient hook on every parameter it sees and fails on frozen ones.)
 
 Methods: full, galore, golore, and any layer-cycling method of omgd.py (lisa, lisa_wor, ...).
-A suffix changes where AdamW keeps its state (layer-cycling and full methods only):
+A suffix changes where AdamW keeps its state (layer-cycling and full methods only; optim.MasterAdamW):
   +master   bf16 weights on the GPU, fp32 master copy and fp32 moments of the parameters that
             train now (created when a block is activated, freed with its state when it is frozen)
   +offload  the same, with the fp32 master copies, the moments and the AdamW arithmetic on the
@@ -63,12 +63,11 @@ block has state, what 'keep' converges to.
 """
 import gc
 import json
-import math
 import os
 import sys
 import time
 import weakref
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -81,6 +80,7 @@ import galore
 import omgd
 from configurator import ConfigError, configure
 from model import GPT, GPTConfig, PRESETS, param_groups
+from optim import MasterAdamW
 
 # -----------------------------------------------------------------------------
 # defaults: the paper's LLaMA-7B memory experiment (see the module docstring)
@@ -259,53 +259,6 @@ class MetaAsCuda(TorchFunctionMode):
                 q, k, v, dropout_p, is_causal, False, scale=scale)[0]
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, False, dropout_p, is_causal, scale=scale)[0]
-
-
-# -----------------------------------------------------------------------------
-# AdamW with fp32 master weights for the trainable parameters only (the +master/+offload rows)
-
-
-class MasterAdamW(torch.optim.Optimizer):
-    """AdamW on fp32 master copies of the parameters that train; the model keeps bf16 weights.
-
-    A parameter's master copy and moments are made at its first step and are its optimizer state,
-    so LayerCycler's 'drop' policy frees them with the rest when its block is frozen (the bf16
-    weight already holds the rounded master). master_device='cpu' keeps masters, moments and the
-    AdamW arithmetic on the CPU (ZeRO-Offload style); host_scope marks those tensors for LiveBytes.
-    """
-
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                 master_device=None, host_scope=nullcontext):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.master_device, self.host_scope = master_device, host_scope
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            beta1, beta2 = group['betas']
-            for p in group['params']:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                with self.host_scope():
-                    if 'master' not in state:
-                        weight = p.detach().to(self.master_device or p.device)  # copy bf16 across, then widen
-                        state['master'] = weight.float() if weight.dtype != torch.float32 else weight.clone()
-                        state['exp_avg'] = torch.zeros_like(state['master'])
-                        state['exp_avg_sq'] = torch.zeros_like(state['master'])
-                        state['step'] = 0
-                    master, exp_avg, exp_avg_sq = state['master'], state['exp_avg'], state['exp_avg_sq']
-                    state['step'] += 1
-                    grad = p.grad.to(master.device).float()  # copy bf16 across, then widen
-                    master.mul_(1 - group['lr'] * group['weight_decay'])
-                    exp_avg.lerp_(grad, 1 - beta1)
-                    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** state['step'])).add_(group['eps'])
-                    master.addcdiv_(exp_avg, denom, value=-group['lr'] / (1 - beta1 ** state['step']))
-                    del grad, denom
-                with self.host_scope():
-                    rounded = master.to(p.dtype)
-                p.copy_(rounded)  # back to the GPU as bf16
 
 
 # -----------------------------------------------------------------------------

@@ -29,7 +29,8 @@ pkumelon/Golore peft_pretraining/golore_torch/{adamw,golore_projector}.py, GoLor
   moment is re-expressed in the new basis, exp_avg <- P_new^T P_old exp_avg (left) or
   exp_avg Q_old^T Q_new (right); the second moment and the step count are kept as they are.
 - The Adam arithmetic is torch.optim.AdamW's (decoupled weight decay on the whole matrix before the
-  update, eps added to the bias-corrected sqrt(v)), so a group without `rank` is exactly AdamW.
+  update, eps added to the bias-corrected sqrt(v)): optim.adamw_step_, shared with MasterAdamW, so a
+  group without `rank` is exactly (bitwise) torch.optim.AdamW(foreach=False).
 
 Remaining differences from the reference code, on purpose:
 - svd_steps defaults to 0 (random from the first refresh: the GoLore algorithm the paper analyses).
@@ -54,11 +55,10 @@ Remaining differences from the reference code, on purpose:
   read before it is replaced. It is not optimizer state in the GaLore papers' memory accounting:
   omgd.memory_bytes() leaves it out, projector_bytes() counts it.
 """
-import math
-
 import torch
 
 from model import param_groups
+from optim import adamw_step_, check_adamw_settings
 
 PROJECTIONS = ('svd', 'random')
 
@@ -73,9 +73,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, seed=0):
-        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"invalid AdamW settings lr={lr}, betas={betas}, eps={eps}, "
-                             f"weight_decay={weight_decay}")
+        check_adamw_settings(lr, betas, eps, weight_decay)
         self.seed = seed
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
@@ -121,8 +119,6 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 loss = closure()
         index = -1
         for group in self.param_groups:
-            beta1, beta2 = group['betas']
-            lr, wd, eps = group['lr'], group['weight_decay'], group['eps']
             for p in group['params']:
                 index += 1
                 if p.grad is None:
@@ -149,21 +145,13 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 if 'exp_avg' not in state:
                     state['exp_avg'] = torch.zeros_like(grad, memory_format=torch.preserve_format)
                     state['exp_avg_sq'] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-                exp_avg, exp_avg_sq = state['exp_avg'], state['exp_avg_sq']
                 step += 1
                 state['step'] = step  # a Python int: no .item() syncs, and works on meta tensors
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                bias_correction1 = 1 - beta1 ** step
-                bias_correction2 = 1 - beta2 ** step
-                denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
-                p.mul_(1 - lr * wd)
-                if projected:
-                    update = exp_avg / denom
-                    update = update @ proj.T if right else proj @ update
-                    p.add_(update, alpha=-lr * group['scale'] / bias_correction1)
-                else:
-                    p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+                back = None
+                if projected:  # the normalised low-rank update, mapped back to the matrix
+                    back = (lambda u: u @ proj.T) if right else (lambda u: proj @ u)
+                adamw_step_(p, grad, state['exp_avg'], state['exp_avg_sq'], step, group['lr'], group['betas'],
+                            group['eps'], group['weight_decay'], back=back, scale=group.get('scale', 1.0))
         return loss
 
 

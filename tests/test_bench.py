@@ -163,20 +163,20 @@ def test_bench_errors(argv, message):
         bench.main(['--device=cpu', *argv] if not argv[0].startswith('--device') else argv)
 
 
-def test_master_adamw_matches_fp32_adamw():
-    torch.manual_seed(0)
-    w = torch.randn(5, 3)
-    ref = torch.nn.Parameter(w.bfloat16().float())
-    p = torch.nn.Parameter(w.bfloat16())
-    ours = bench_memory.MasterAdamW([p], lr=0.01, betas=(0.9, 0.95), weight_decay=0.1)
-    adamw = torch.optim.AdamW([ref], lr=0.01, betas=(0.9, 0.95), weight_decay=0.1)
-    for _ in range(3):
-        g = torch.randn(5, 3).bfloat16()
-        p.grad, ref.grad = g.clone(), g.float()
-        ours.step()
-        adamw.step()
-    torch.testing.assert_close(ours.state[p]['master'], ref.detach())
-    assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), ref.detach().bfloat16())
+def test_master_variants_build_optim_master_adamw():
+    """+master/+offload use optim.MasterAdamW (tested in test_optim.py); off CUDA, +offload keeps the
+    state on the one device and marks it as host memory for LiveBytes."""
+    import contextlib
+    import optim
+    cfg = config(model='tiny', n_layer=2, n_embd=64, vocab_size=512, block_size=32)
+    net = bench_memory.build_model(bench_memory.model_config(cfg), torch.device('meta'), torch.bfloat16, False)
+    tracker = bench_memory.LiveBytes('meta')
+    master = bench_memory.build_optimizer(net, 'lisa_wor', 'master', cfg, torch.device('meta'), tracker)
+    offload = bench_memory.build_optimizer(net, 'lisa_wor', 'offload', cfg, torch.device('meta'), tracker)
+    assert type(master) is type(offload) is optim.MasterAdamW
+    assert master.master_device is None and offload.master_device is None
+    assert offload.host_scope == tracker.host and master.host_scope is contextlib.nullcontext
+    assert [g['weight_decay'] for g in master.param_groups] == [cfg['weight_decay'], 0.0]
 
 
 def gpu_script_commands():

@@ -108,18 +108,25 @@ def test_golore_matches_hand_computation_across_refreshes(shape):
 
 
 def test_group_without_rank_is_torch_adamw():
+    # bitwise: a group without `rank` runs optim.adamw_step_, torch's single-tensor arithmetic
     torch.manual_seed(1)
-    a = torch.nn.Parameter(torch.randn(5, 3))
-    b = torch.nn.Parameter(a.detach().clone())
-    ours = galore.GaLoreAdamW([a], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    ref = torch.optim.AdamW([b], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    a = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(3))]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    ours = galore.GaLoreAdamW([{'params': a[:1]}, {'params': a[1:], 'weight_decay': 0.0}],
+                              lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    ref = torch.optim.AdamW([{'params': b[:1]}, {'params': b[1:], 'weight_decay': 0.0}],
+                            lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
     for _ in range(4):
-        g = torch.randn(5, 3)
-        a.grad, b.grad = g.clone(), g.clone()
+        for p, q in zip(a, b):
+            p.grad = torch.randn(p.shape)
+            q.grad = p.grad.clone()
         ours.step()
         ref.step()
-    torch.testing.assert_close(a, b)
-    assert 'projector' not in ours.state[a]
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+        assert torch.equal(ours.state[p]['exp_avg'], ref.state[q]['exp_avg'])
+        assert torch.equal(ours.state[p]['exp_avg_sq'], ref.state[q]['exp_avg_sq'])
+        assert 'projector' not in ours.state[p]
 
 
 def test_projection_refreshed_every_gap_steps():
