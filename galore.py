@@ -54,27 +54,44 @@ Remaining differences from the reference code, on purpose:
   goes on in the same subspace; the previous basis needed by the re-projection is that same tensor,
   read before it is replaced. It is not optimizer state in the GaLore papers' memory accounting:
   omgd.memory_bytes() leaves it out, projector_bytes() counts it.
+- master=True (train.py's precision='bf16_master'): bf16 weights, an fp32 master per trained
+  parameter (optim.MasterWeights, shared with MasterAdamW), projector and moments computed from
+  the fp32-widened grad; with master_device='cpu' all of it, and the arithmetic, on the CPU.
 """
+from contextlib import nullcontext
+
 import torch
 
 from model import param_groups
-from optim import adamw_step_, check_adamw_settings
+from optim import MasterWeights, adamw_step_, check_adamw_settings
 
 PROJECTIONS = ('svd', 'random')
 
 
-class GaLoreAdamW(torch.optim.Optimizer):
+class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
     """AdamW; 2-D parameters in a group with `rank` get GaLore/GoLore projected moments.
 
     A projected group may carry rank, update_proj_gap (default 200), scale (default 0.25),
     projection ('svd' for GaLore, 'random' for GoLore) and svd_steps (GoLore only, default 0: a
     refresh at a parameter step below it uses SVD; the reference's rand_epoch). Parameters whose
     grad is None are skipped (they are frozen, e.g. by layer cycling).
+
+    master=True (optim.MasterWeights, as MasterAdamW): each parameter that trains gets an fp32
+    state['master'], made from the weight at its first step (again after 'drop'); projector and
+    moments are computed from the fp32-widened grad, the update goes to the master, which is
+    rounded into the parameter. master_device / host_scope: as MasterAdamW's (master, moments,
+    projector and the arithmetic on master_home(p)). master=False: the update acts on the
+    parameter in its own dtype, state in the grad's dtype, as before.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, seed=0):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, seed=0,
+                 master=False, master_device=None, host_scope=nullcontext):
         check_adamw_settings(lr, betas, eps, weight_decay)
+        if master_device is not None and not master:
+            raise ValueError(f"master_device={master_device!r} needs master=True")
         self.seed = seed
+        self.master = bool(master)
+        self._init_master(master_device, host_scope)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     def add_param_group(self, group):
@@ -125,34 +142,49 @@ class GaLoreAdamW(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("GaLoreAdamW does not support sparse gradients")
-                state = self.state[p]
-                step = state.get('step', 0)
-                grad = p.grad
-                projected = 'rank' in group and p.dim() == 2
-                if projected:
-                    right = grad.shape[0] >= grad.shape[1]  # project on the smaller side
-                    if step % group['update_proj_gap'] == 0 or 'projector' not in state:
-                        new = self._projector(grad, group, index, step, right)
-                        if group['projection'] == 'random' and 'projector' in state and 'exp_avg' in state:
-                            # GoLore: carry the first moment into the new basis (old coordinates would
-                            # be noise there); the second moment is kept as it is, as in the reference
-                            change = new.T @ state['projector']  # r x r: new coordinates of the old basis
-                            avg = state['exp_avg']
-                            avg.copy_(avg @ change.T if right else change @ avg)
-                        state['projector'] = new
-                    proj = state['projector']
-                    grad = grad @ proj if right else proj.T @ grad
-                if 'exp_avg' not in state:
-                    state['exp_avg'] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-                    state['exp_avg_sq'] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-                step += 1
-                state['step'] = step  # a Python int: no .item() syncs, and works on meta tensors
-                back = None
-                if projected:  # the normalised low-rank update, mapped back to the matrix
-                    back = (lambda u: u @ proj.T) if right else (lambda u: proj @ u)
-                adamw_step_(p, grad, state['exp_avg'], state['exp_avg_sq'], step, group['lr'], group['betas'],
-                            group['eps'], group['weight_decay'], back=back, scale=group.get('scale', 1.0))
+                with self.host_scope() if self.master else nullcontext():
+                    target = self._update(p, group, index)
+                if self.master:
+                    self._round_into(p, target)
         return loss
+
+    def _update(self, p, group, index):
+        """One step of p's state and of its target: the fp32 master, or p itself; returns the target."""
+        state = self.state[p]
+        step = state.get('step', 0)
+        if self.master:
+            target = self._master(p, state)
+            grad = self._widened_grad(p, target)  # projector and moments fp32, on master_home(p)
+        else:
+            target, grad = p, p.grad
+        projected = 'rank' in group and p.dim() == 2
+        if projected:
+            right = grad.shape[0] >= grad.shape[1]  # project on the smaller side
+            if step % group['update_proj_gap'] == 0 or 'projector' not in state:
+                new = self._projector(grad, group, index, step, right)
+                if group['projection'] == 'random' and 'projector' in state and 'exp_avg' in state:
+                    # GoLore: carry the first moment into the new basis (old coordinates would
+                    # be noise there); the second moment is kept as it is, as in the reference
+                    change = new.T @ state['projector']  # r x r: new coordinates of the old basis
+                    avg = state['exp_avg']
+                    avg.copy_(avg @ change.T if right else change @ avg)
+                state['projector'] = self._place(new, p) if self.master else new
+            proj = state['projector']
+            grad = grad @ proj if right else proj.T @ grad
+        if 'exp_avg' not in state:
+            if self.master:
+                state['exp_avg'], state['exp_avg_sq'] = self._state_zeros(p, grad.shape), self._state_zeros(p, grad.shape)
+            else:
+                state['exp_avg'] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                state['exp_avg_sq'] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        step += 1
+        state['step'] = step  # a Python int: no .item() syncs, and works on meta tensors
+        back = None
+        if projected:  # the normalised low-rank update, mapped back to the matrix
+            back = (lambda u: u @ proj.T) if right else (lambda u: proj @ u)
+        adamw_step_(target, grad, state['exp_avg'], state['exp_avg_sq'], step, group['lr'], group['betas'],
+                    group['eps'], group['weight_decay'], back=back, scale=group.get('scale', 1.0))
+        return target
 
 
 def projector_bytes(optimizer):
@@ -162,12 +194,13 @@ def projector_bytes(optimizer):
 
 
 def build_optimizer(model, weight_decay, lr, betas, rank=128, update_proj_gap=200, scale=0.25,
-                    projection='svd', eps=1e-8, seed=0, svd_steps=0):
+                    projection='svd', eps=1e-8, seed=0, svd_steps=0, master=False, master_device=None):
     """GaLore (projection='svd') or GoLore ('random') on every matrix inside model.blocks (the
     attention and MLP weights), plain AdamW with model.param_groups' decay split elsewhere
     (embeddings, head, norms, biases). Built over all parameters, frozen ones included.
     GoLore's reference switches from SVD to random projections after a fraction rand_ratio of
-    training: svd_steps = math.ceil(rand_ratio * total_steps) gives its `step >= rand_ratio * T`."""
+    training: svd_steps = math.ceil(rand_ratio * total_steps) gives its `step >= rand_ratio * T`.
+    master, master_device: fp32 master weights (GaLoreAdamW's), for train.py's precision='bf16_master'."""
     projected = [p for block in model.blocks for p in block.parameters() if p.dim() == 2]
     ids = {id(p) for p in projected}
     groups = []
@@ -179,4 +212,5 @@ def build_optimizer(model, weight_decay, lr, betas, rank=128, update_proj_gap=20
         groups.append({'params': projected, 'weight_decay': weight_decay, 'rank': rank,
                        'update_proj_gap': update_proj_gap, 'scale': scale, 'projection': projection,
                        'svd_steps': svd_steps})
-    return GaLoreAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, seed=seed)
+    return GaLoreAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, seed=seed,
+                       master=master, master_device=master_device)

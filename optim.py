@@ -1,5 +1,6 @@
 """
-AdamW's arithmetic, once, and MasterAdamW: AdamW on fp32 master weights of low-precision parameters.
+AdamW's arithmetic, once; MasterWeights, the fp32 master weights of low-precision parameters, once;
+and MasterAdamW: AdamW on those masters (GaLoreAdamW(master=True) in galore.py uses the same mixin).
 
 adamw_step_ is torch.optim.AdamW's single-tensor step (decoupled weight decay on the weight before
 the update, bias-corrected moments, eps added to sqrt(v_hat)), so every optimizer built on it is
@@ -46,7 +47,76 @@ def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_d
         param.add_(back(exp_avg / denom), alpha=-lr * scale / bias_correction1)
 
 
-class MasterAdamW(torch.optim.Optimizer):
+class MasterWeights:
+    """The fp32 master weights of MasterAdamW and GaLoreAdamW(master=True), in one place.
+
+    A mixin for torch.optim.Optimizer subclasses; call _init_master() before Optimizer.__init__.
+    state['master'] is made lazily from the weight as it is now (a parameter's first step with a
+    grad, or the first after omgd's 'drop' deleted its state), the grad is widened to fp32 where
+    the master lives, and the updated master is rounded into the parameter. Every state tensor
+    (master, moments, a GaLore projector) lives on master_home(p), pinned for CUDA parameters with
+    CPU masters. `master` False (GaLoreAdamW's default) leaves torch's state loading in charge.
+    """
+    master = True
+
+    def _init_master(self, master_device=None, host_scope=nullcontext):
+        self.master_device = None if master_device is None else torch.device(master_device)
+        self.host_scope = host_scope
+
+    def master_home(self, p):
+        """Where p's master and moments live: master_device, unless it is None or of p's own device
+        type ('cuda' for a parameter on cuda:1 means cuda:1, so one setting serves every rank)."""
+        if self.master_device is None or self.master_device.type == p.device.type:
+            return p.device
+        return self.master_device
+
+    def _pinned(self, p):
+        # pinned host memory makes the copies to and from a CUDA device DMA transfers
+        return p.is_cuda and self.master_home(p).type == 'cpu'
+
+    def _state_zeros(self, p, shape):
+        """fp32 zeros on master_home(p): a moment of p (shape: p's, or GaLore's projected one)."""
+        return torch.zeros(shape, dtype=torch.float32, device=self.master_home(p), pin_memory=self._pinned(p))
+
+    def _master(self, p, state):
+        """state['master'], first made as an fp32 copy of the weight as it is now."""
+        if 'master' not in state:  # first step, or the first after 'drop' freed the state
+            state['master'] = torch.empty(p.shape, dtype=torch.float32, device=self.master_home(p),
+                                          pin_memory=self._pinned(p)).copy_(p.detach())
+        return state['master']
+
+    @staticmethod
+    def _widened_grad(p, master):
+        return p.grad.to(master.device).float()  # across in the grad's dtype, then widen
+
+    def _round_into(self, p, master):
+        with self.host_scope():
+            rounded = master.to(p.dtype)  # rounded where the master is: fewer bytes to copy
+        p.copy_(rounded)  # outside the scope: the parameter stays device memory for LiveBytes
+
+    def _place(self, value, p):
+        value = value.to(self.master_home(p))  # no copy when already there, as torch's loading
+        return value.pin_memory() if self._pinned(p) and not value.is_pinned() else value
+
+    def load_state_dict(self, state_dict):
+        """torch's loading of the groups, with the state tensors kept in their saved dtype.
+
+        torch.optim.Optimizer.load_state_dict casts every floating state tensor but 'step' to the
+        parameter's dtype (fp32 masters and moments would come back bf16), and calls
+        Optimizer._process_value_according_to_param_policy by class name, so overriding that
+        does nothing. The groups go through torch's checks; the state goes to master_home(p)."""
+        if not self.master:
+            return super().load_state_dict(state_dict)
+        super().load_state_dict({**state_dict, 'state': {}})
+        saved_ids = [i for g in state_dict['param_groups'] for i in g['params']]
+        params = [p for g in self.param_groups for p in g['params']]
+        for i, p in zip(saved_ids, params):
+            if i in state_dict['state']:
+                self.state[p] = {key: self._place(value, p) if torch.is_tensor(value) else value
+                                 for key, value in state_dict['state'][i].items()}
+
+
+class MasterAdamW(MasterWeights, torch.optim.Optimizer):
     """AdamW on fp32 master copies of the parameters that train; the parameters keep their dtype.
 
     State per parameter with a gradient: 'master', 'exp_avg', 'exp_avg_sq' (fp32, on
@@ -61,27 +131,8 @@ class MasterAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  master_device=None, host_scope=nullcontext):
         check_adamw_settings(lr, betas, eps, weight_decay)
-        self.master_device = None if master_device is None else torch.device(master_device)
-        self.host_scope = host_scope
+        self._init_master(master_device, host_scope)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-
-    def master_home(self, p):
-        """Where p's master and moments live: master_device, unless it is None or of p's own device
-        type ('cuda' for a parameter on cuda:1 means cuda:1, so one setting serves every rank)."""
-        if self.master_device is None or self.master_device.type == p.device.type:
-            return p.device
-        return self.master_device
-
-    def _pinned(self, p):
-        # pinned host memory makes the copies to and from a CUDA device DMA transfers
-        return p.is_cuda and self.master_home(p).type == 'cpu'
-
-    def _new_state(self, p):
-        """fp32 master (a copy of the weight as it is now) and zero moments on master_home(p)."""
-        make = dict(dtype=torch.float32, device=self.master_home(p), pin_memory=self._pinned(p))
-        master = torch.empty(p.shape, **make).copy_(p.detach())
-        return dict(master=master, exp_avg=torch.zeros(p.shape, **make),
-                    exp_avg_sq=torch.zeros(p.shape, **make), step=0)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -97,33 +148,14 @@ class MasterAdamW(torch.optim.Optimizer):
                     raise RuntimeError("MasterAdamW does not support sparse gradients")
                 state = self.state[p]
                 with self.host_scope():
-                    if 'master' not in state:  # first step, or the first after 'drop' freed the state
-                        state.update(self._new_state(p))
-                    master = state['master']
+                    if 'master' not in state:
+                        state.update(exp_avg=self._state_zeros(p, p.shape),
+                                     exp_avg_sq=self._state_zeros(p, p.shape), step=0)
+                    master = self._master(p, state)
                     state['step'] += 1
-                    grad = p.grad.to(master.device).float()  # across in the grad's dtype, then widen
+                    grad = self._widened_grad(p, master)
                     adamw_step_(master, grad, state['exp_avg'], state['exp_avg_sq'], state['step'],
                                 group['lr'], group['betas'], group['eps'], group['weight_decay'])
                     del grad
-                    rounded = master.to(p.dtype)  # rounded where the master is: fewer bytes to copy
-                p.copy_(rounded)
+                self._round_into(p, master)
         return loss
-
-    def load_state_dict(self, state_dict):
-        """torch's loading of the groups, with the state tensors kept in their saved dtype.
-
-        torch.optim.Optimizer.load_state_dict casts every floating state tensor but 'step' to the
-        parameter's dtype (fp32 masters and moments would come back bf16), and calls
-        Optimizer._process_value_according_to_param_policy by class name, so overriding that
-        does nothing. The groups go through torch's checks; the state goes to master_home(p)."""
-        super().load_state_dict({**state_dict, 'state': {}})
-        saved_ids = [i for g in state_dict['param_groups'] for i in g['params']]
-        params = [p for g in self.param_groups for p in g['params']]
-        for i, p in zip(saved_ids, params):
-            if i in state_dict['state']:
-                self.state[p] = {key: self._place(value, p) if torch.is_tensor(value) else value
-                                 for key, value in state_dict['state'][i].items()}
-
-    def _place(self, value, p):
-        value = value.to(self.master_home(p))  # no copy when already there, as torch's loading
-        return value.pin_memory() if self._pinned(p) and not value.is_pinned() else value

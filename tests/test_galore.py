@@ -1,4 +1,5 @@
 import copy
+import io
 import math
 import os
 import sys
@@ -261,3 +262,185 @@ def test_invalid_settings(group, kwargs, message):
     p = torch.nn.Parameter(torch.zeros(3, 3))
     with pytest.raises(ValueError, match=message):
         galore.GaLoreAdamW([{'params': [p], **group}], **kwargs)
+
+
+# --- master=True: fp32 master weights of bf16 parameters (optim.MasterWeights, shared with MasterAdamW)
+
+MASTER_SHAPES = [(6, 4), (4, 6), (4,)]  # right and left projections, and a plain-AdamW bias
+
+
+def master_groups(params, projection):
+    # refreshes at steps 0, 2, 4; GoLore uses SVD at 0 and random bases (re-projecting exp_avg) after
+    return [{'params': params[:2], 'rank': 2, 'update_proj_gap': 2, 'scale': SCALE, 'projection': projection,
+             'svd_steps': 2}, {'params': params[2:], 'weight_decay': 0.0}]
+
+
+def master_params(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in MASTER_SHAPES]
+
+
+def master_grads(n_steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=gen).bfloat16() for s in MASTER_SHAPES] for _ in range(n_steps)]
+
+
+def run_steps(opt, params, steps):
+    for gs in steps:
+        for p, g in zip(params, gs):
+            p.grad = None if g is None else g.to(p.dtype)  # bf16 grads widened exactly for fp32 params
+        opt.step()
+
+
+def make_master(params, projection, **kwargs):
+    return galore.GaLoreAdamW(master_groups(params, projection), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                              seed=7, master=True, **kwargs)
+
+
+def assert_same_state(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert (torch.equal(a[key], b[key]) and a[key].dtype == b[key].dtype) if torch.is_tensor(a[key]) \
+            else a[key] == b[key], key
+
+
+@pytest.mark.parametrize('projection', ['svd', 'random'])
+def test_master_is_the_fp32_galore_trajectory(projection):
+    # the master follows GaLoreAdamW on fp32 weights (bf16 initial weights widened) fed the widened
+    # bf16 grads, bit for bit: same fp32 ops on the same inputs; the bf16 weight is its rounding
+    ours, ref = master_params(torch.bfloat16), master_params(torch.bfloat16)
+    ref = [torch.nn.Parameter(q.detach().float()) for q in ref]
+    opt = make_master(ours, projection)
+    fp32 = galore.GaLoreAdamW(master_groups(ref, projection), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, seed=7)
+    steps = master_grads(5)
+    run_steps(opt, ours, steps)
+    run_steps(fp32, ref, steps)
+    for p, q in zip(ours, ref):
+        state, kept = opt.state[p], fp32.state[q]
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(state['master'], q) and torch.equal(p, q.bfloat16())
+        assert_same_state({k: v for k, v in state.items() if k != 'master'}, kept)  # moments, projector fp32
+    assert not torch.equal(opt.state[ours[0]]['master'], ours[0].float())  # bits bf16 drops are kept
+
+
+def test_master_false_keeps_bf16_state():
+    # without masters nothing changes: pure bf16 state, updated in place on the bf16 weight
+    params = master_params(torch.bfloat16)
+    opt = galore.GaLoreAdamW(master_groups(params, 'svd'), lr=LR)
+    run_steps(opt, params, master_grads(2))
+    for state in opt.state.values():
+        assert 'master' not in state
+        assert {v.dtype for v in state.values() if torch.is_tensor(v)} == {torch.bfloat16}
+    with pytest.raises(ValueError, match='needs master=True'):
+        galore.GaLoreAdamW(master_groups(master_params(torch.bfloat16), 'svd'), master_device='cpu')
+
+
+def test_master_device_cpu_placement():
+    # on CPU parameters master_device='cpu' is their own device: same state as None, unpinned;
+    # where another device type would go is MasterWeights.master_home's rule, shared with MasterAdamW
+    params, same = master_params(torch.bfloat16), master_params(torch.bfloat16)
+    opt, ref = make_master(params, 'random', master_device='cpu'), make_master(same, 'random')
+    steps = master_grads(3)
+    run_steps(opt, params, steps)
+    run_steps(ref, same, steps)
+    for p, q in zip(params, same):
+        assert torch.equal(p, q)
+        assert_same_state(opt.state[p], ref.state[q])
+        tensors = [v for v in opt.state[p].values() if torch.is_tensor(v)]
+        assert all(v.device.type == 'cpu' and v.dtype == torch.float32 and not v.is_pinned() for v in tensors)
+    meta = torch.empty(2, 2, device='meta')
+    assert opt.master_home(meta) == torch.device('cpu') and ref.master_home(meta) == meta.device
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.parametrize('projection', ['svd', 'random'])
+def test_cpu_master_of_cuda_params(projection):
+    # CPU masters of CUDA weights: the CPU run's arithmetic bit for bit, every state tensor
+    # (projector included) pinned fp32 on the CPU, also after a checkpoint round trip
+    on_gpu, on_cpu = [torch.nn.Parameter(p.detach().cuda()) for p in master_params(torch.bfloat16)], \
+        master_params(torch.bfloat16)
+    opt, ref = make_master(on_gpu, projection, master_device='cpu'), make_master(on_cpu, projection)
+    steps = master_grads(5)
+    run_steps(opt, on_gpu, [[g.cuda() for g in gs] for gs in steps[:3]])
+    run_steps(ref, on_cpu, steps[:3])
+    opt.load_state_dict(torch.load(save(opt), weights_only=True, map_location='cuda'))
+    run_steps(opt, on_gpu, [[g.cuda() for g in gs] for gs in steps[3:]])
+    run_steps(ref, on_cpu, steps[3:])
+    for p, q in zip(on_gpu, on_cpu):
+        assert p.is_cuda and torch.equal(p.cpu(), q)
+        assert_same_state(opt.state[p], ref.state[q])
+        tensors = [v for v in opt.state[p].values() if torch.is_tensor(v)]
+        assert all(v.is_pinned() and v.dtype == torch.float32 for v in tensors)
+
+
+def save(opt):
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    return buf
+
+
+@pytest.mark.parametrize('projection', ['svd', 'random'])
+def test_master_state_dict_round_trip_is_exact(projection):
+    # torch's Optimizer.load_state_dict would cast fp32 masters, moments and projectors to bf16
+    steps = master_grads(6)
+    for s in steps[:3]:
+        s[2] = None  # a frozen parameter: no state, a gap in the saved numbering
+    a = master_params(torch.bfloat16)
+    opt_a = make_master(a, projection)
+    run_steps(opt_a, a, steps[:3])
+    saved = torch.load(save(opt_a), weights_only=True)
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt_b = make_master(b, projection)
+    opt_b.load_state_dict(saved)
+    assert b[2] not in opt_b.state
+    for p, q in zip(a[:2], b[:2]):
+        assert {v.dtype for v in opt_b.state[q].values() if torch.is_tensor(v)} == {torch.float32}
+        assert_same_state(opt_a.state[p], opt_b.state[q])
+    run_steps(opt_a, a, steps[3:])  # through a refresh (step 4) and the frozen parameter's first step
+    run_steps(opt_b, b, steps[3:])
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+        assert_same_state(opt_a.state[p], opt_b.state[q])
+
+
+@pytest.mark.parametrize('projection', ['svd', 'random'])
+def test_dropped_master_restarts_from_the_bf16_weight(projection):
+    # omgd's 'drop' deletes optimizer.state[p]; the next step starts from the bf16 weight widened:
+    # a fresh fp32 GaLoreAdamW on that weight, one step (SVD projector at step 0, zero moments)
+    params = master_params(torch.bfloat16)
+    opt = make_master(params, projection)
+    steps = master_grads(4)
+    run_steps(opt, params, steps[:3])
+    for i in (0, 2):
+        del opt.state[params[i]]
+    refs = [torch.nn.Parameter(p.detach().float()) for p in params]
+    fresh = galore.GaLoreAdamW(master_groups(refs, projection), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                               seed=7)
+    run_steps(fresh, refs, [[g if i in (0, 2) else None for i, g in enumerate(steps[3])]])
+    run_steps(opt, params, steps[3:])
+    for i in (0, 2):
+        p, q = params[i], refs[i]
+        assert opt.state[p]['step'] == 1 and torch.equal(opt.state[p]['master'], q)
+        assert_same_state({k: v for k, v in opt.state[p].items() if k != 'master'}, fresh.state[q])
+        assert torch.equal(p, q.bfloat16())
+    assert opt.state[params[1]]['step'] == 4
+
+
+def test_master_accounting_counts_master_and_moments_not_projector():
+    params = master_params(torch.bfloat16)
+    opt = make_master(params, 'svd')
+    run_steps(opt, params, [[g if i != 1 else None for i, g in enumerate(gs)] for gs in master_grads(2)])
+    # (6, 4): fp32 master 24 + moments 2 x (6 x 2); bias (4,): master 4 + moments 2 x 4; projector 4 x 2
+    sizes = omgd.memory_bytes(torch.nn.ParameterList(params), opt)
+    assert sizes['optimizer'] == 4 * (24 + 2 * 12 + 4 + 2 * 4)
+    assert sizes['params'] == 2 * (24 + 24 + 4)
+    assert sorted(k for _, k, _ in omgd.state_tensors(opt)) == sorted(['master', 'exp_avg', 'exp_avg_sq'] * 2)
+    assert galore.projector_bytes(opt) == 4 * 8
+
+
+def test_build_optimizer_master():
+    model = tiny_gpt()
+    opt = galore.build_optimizer(model, 0.1, 1e-3, (0.9, 0.95), rank=4, master=True, master_device='cpu')
+    assert opt.master and opt.master_device == torch.device('cpu')
+    assert not galore.build_optimizer(model, 0.1, 1e-3, (0.9, 0.95), rank=4).master
