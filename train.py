@@ -20,7 +20,6 @@ import os
 import sys
 import time
 import weakref
-from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -32,8 +31,8 @@ import checkpoint as ckpt_io
 from data.common import atomic_path
 from dataloader import TokenBatches
 import distributed
-from model import GPT, GPTConfig, PRESETS, param_groups, peak_bf16_flops
-import omgd
+from model import GPT, GPTConfig, PRESETS, peak_bf16_flops
+import training
 
 # -----------------------------------------------------------------------------
 # default config values: a small GPT on character-level Shakespeare with LISA-wor, minutes on CPU
@@ -101,7 +100,9 @@ galore_scale = 0.25
 golore_svd_fraction = 0.0  # golore: fraction of max_iters on SVD (GaLore) projections before random ones; GoLore's scripts use 0.8
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
-dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # autocast dtype: float32, bfloat16 or float16 (loss-scaled); CPU runs in float32
+precision = 'amp'  # 'amp' (fp32 weights, autocast), 'bf16' (all bf16) or 'bf16_master' (bf16 + fp32 masters of the active parameters); training.py
+master_device = ''  # bf16_master: '' keeps masters and moments on the weights' device, 'cpu' moves them and the AdamW step to the CPU
+dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # amp's autocast dtype: float32, bfloat16 or float16 (loss-scaled); CPU runs in float32
 compile = torch.cuda.is_available()  # torch.compile each block separately (regional compilation)
 backend = 'nccl' if torch.cuda.is_available() else 'gloo'
 parallel = 'ddp'  # under torchrun: 'ddp' (replicated weights) or 'fsdp' (FSDP2, weights sharded per block)
@@ -126,24 +127,16 @@ def fail(message):
 
 
 # values that need nothing built to check: refuse them before data, model and process group cost time
-PTDTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 if parallel not in ('ddp', 'fsdp'):
     fail(f"parallel must be 'ddp' or 'fsdp', got {parallel!r}")
-if optimizer not in ('adamw', 'sgd'):
-    fail(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
 if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2'):
     fail(f"init_from must be 'scratch', 'resume' or a GPT-2 name, got {init_from!r}")
-METHOD_NAMES = (*omgd.METHODS, 'galore', 'golore')  # galore.py's methods train every block
-if method not in METHOD_NAMES:
-    fail(f"unknown method {method!r}; choose one of {', '.join(METHOD_NAMES)}")
 if preset and preset not in PRESETS:
     fail(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-if not 0 <= golore_svd_fraction <= 1:
-    fail(f"golore_svd_fraction must be in [0, 1], got {golore_svd_fraction}")
-if dtype not in PTDTYPES:
-    fail(f"unknown dtype {dtype!r}; choose one of {', '.join(PTDTYPES)}")
-if gradient_accumulation_steps < 1:
-    fail(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
+try:
+    training.check_config(config)
+except ValueError as e:
+    fail(e)
 
 # distributed setup (distributed.py): torchrun sets RANK; every rank runs this same script.
 # `ddp` means launched by torchrun, whichever `parallel` (DDP or FSDP2) it then uses.
@@ -157,7 +150,10 @@ if fsdp and dtype == 'float16':
 if fsdp and omgd_state == 'offload':
     fail("omgd_state='offload' is not supported with parallel='fsdp' (the sharded optimizer state stays on its "
          "device); use --omgd_state=drop or --omgd_state=keep")
-if fsdp and method in ('galore', 'golore'):
+if fsdp and precision == 'bf16_master':
+    fail("precision='bf16_master' is not supported with parallel='fsdp' (FSDP2 keeps fp32 shards and computes "
+         "in bf16 under precision='amp', which is its own master-weight scheme); use --precision=amp")
+if fsdp and method in training.GALORE_METHODS:
     fail(f"method={method!r} is not supported with parallel='fsdp' (its projections need whole gradients); "
          f"use --parallel=ddp")
 if gradient_accumulation_steps % ddp_world_size:
@@ -189,11 +185,9 @@ torch.manual_seed(seed)  # same model init on every rank (DDP broadcasts rank 0'
 if device_type == 'cuda':
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-ptdtype = PTDTYPES[dtype]
-autocast = nullcontext() if device_type == 'cpu' else torch.amp.autocast(device_type=device_type, dtype=ptdtype)
-# float16 gradients underflow without loss scaling (nanoGPT's GradScaler); a no-op for other dtypes.
-# On CPU (float32 compute) it only scales by a power of two and back, and lets tests run this path.
-scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')
+ptdtype = training.PTDTYPES[dtype]
+autocast = training.autocast(config, device_type)
+scaler = training.grad_scaler(config, device_type)  # float16 gradients underflow without loss scaling
 
 # data: the embedded Shakespeare corpora are prepared on first use, anything else must exist
 data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
@@ -224,14 +218,7 @@ if vocab_size == 0 and os.path.exists(meta_path):
         print(f"found vocab_size = {vocab_size} (inside {meta_path})") if master_process else None
 
 # model
-arch_keys = ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias', 'vocab_size', 'norm_eps',
-             'rope_theta')
-model_args = dict(arch=arch, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
-                  mlp_hidden=mlp_hidden, bias=bias, block_size=block_size, dropout=dropout,
-                  vocab_size=vocab_size or 50304)
-if preset:
-    model_args.update({k: v for k, v in PRESETS[preset].items() if k in arch_keys})
-    model_args['vocab_size'] = vocab_size or PRESETS[preset]['vocab_size']
+model_args = training.model_args(config, vocab_size)
 iter_num, best_val_loss, checkpoint = 0, 1e9, None
 saved_iter = None  # the iteration of the checkpoint in out_dir that belongs to this run
 if init_from == 'scratch':
@@ -248,7 +235,7 @@ elif init_from == 'resume':
         fail(e)
     try:
         model_args = checkpoint['model_args']
-        for k in arch_keys:
+        for k in training.ARCH_KEYS:
             if k != 'vocab_size' and k in config and config[k] != defaults[k] and config[k] != model_args[k]:
                 fail(f"{k}={config[k]!r} conflicts with the checkpoint's {model_args[k]!r}; drop the override")
         # The data position counts windows of block_size+1 tokens, so another length would continue on
@@ -258,6 +245,10 @@ elif init_from == 'resume':
             fail(f"block_size={block_size} differs from the checkpoint's {model_args['block_size']} (the data "
                  f"position counts windows of block_size+1 tokens); resume with "
                  f"--block_size={model_args['block_size']}")
+        saved_precision = checkpoint['config'].get('precision', 'amp')  # older checkpoints: amp
+        if saved_precision != precision:
+            fail(f"precision={precision!r} differs from the checkpoint's {saved_precision!r} (its optimizer "
+                 f"state is kept in that precision); resume with --precision={saved_precision}")
         model_args['dropout'] = dropout
         raw_model = GPT(GPTConfig(**model_args))
         raw_model.load_state_dict(checkpoint['model'])
@@ -277,27 +268,15 @@ if block_size < raw_model.config.block_size:
     raw_model.crop_block_size(block_size)
 model_args = asdict(raw_model.config)  # what was built, after any crop: sample.py and resumes rebuild it
 raw_model.activation_checkpointing = activation_checkpointing
-raw_model.to(device)
+training.cast_model(raw_model, precision).to(device)
 if fsdp:
     # before the optimizer and the cycler (they must see the sharded parameters) and the compile
-    distributed.shard_fsdp(raw_model, ranks, device_type, ptdtype if device_type == 'cuda' and
-                           ptdtype != torch.float32 else None)
+    distributed.shard_fsdp(raw_model, ranks, device_type, ptdtype if device_type == 'cuda' and precision == 'amp'
+                           and ptdtype != torch.float32 else None)
 
-# optimizer over ALL parameters, built before anything is frozen, so every block can train later
-if method in ('galore', 'golore'):
-    import galore
-    opt = galore.build_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), rank=galore_rank,
-                                 update_proj_gap=galore_update_proj_gap, scale=galore_scale,
-                                 projection='svd' if method == 'galore' else 'random', seed=omgd_seed,
-                                 svd_steps=math.ceil(golore_svd_fraction * max_iters) if method == 'golore' else 0)
-elif optimizer == 'adamw':
-    opt = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
-else:  # 'sgd', checked above
-    opt = torch.optim.SGD(param_groups(raw_model, weight_decay), lr=learning_rate, momentum=momentum)
+opt = training.build_optimizer(raw_model, config, device_type)  # over ALL parameters
 try:
-    cycler = omgd.build_cycler(raw_model, opt, 'full' if method in ('galore', 'golore') else method,
-                               omgd_gamma, omgd_period, omgd_warmup, omgd_ratio, omgd_state, omgd_seed,
-                               always=[part for part in omgd_always.split(',') if part])
+    cycler = training.build_cycler(raw_model, opt, config)
 except ValueError as e:
     fail(e)
 if master_process and cycler.cycle_note():
@@ -419,6 +398,24 @@ def next_batch():
     return train_batches.next_batch(device)
 
 
+def gradient_sync(last):
+    """Reduce gradients only on the last micro-step; earlier ones accumulate locally."""
+    if fsdp:
+        model.set_requires_gradient_sync(last)
+    else:
+        model.require_backward_grad_sync = last
+
+
+def check_ranks():
+    """--ddp_check: every rank's invariants after the optimizer step, gradients still there."""
+    problems, summary = distributed.check(ranks, raw_model, model if ddp and not fsdp else None, opt, cycler,
+                                          omgd_state, old_wrapper, kept_by_cycle, frozen_snapshot, communication)
+    if problems:
+        fail(f"ddp check failed at iteration {iter_num}, not on every rank: {'; '.join(problems)}")
+    if master_process and (switched or iter_num == max_iters - 1):
+        print(f"iter {iter_num}: {summary}")
+
+
 peak_flops = peak_bf16_flops(device)
 # SIGTERM/SIGINT: all ranks finish the iteration, save and stop together (distributed.py). Installed
 # only now: during the setup above, Ctrl-C must stop the run at once, as there is nothing to save.
@@ -485,40 +482,14 @@ while True:
         print(f"iter {iter_num}: {cycler.describe()}" +
               (f", DDP rebuilt in {rebuild_ms:.1f} ms" if ddp and not fsdp else ""))
 
-    for micro_step in range(grad_accum):
-        # reduce gradients only on the last micro-step; earlier ones accumulate locally
-        if fsdp:
-            model.set_requires_gradient_sync(micro_step == grad_accum - 1)
-        elif ddp:
-            model.require_backward_grad_sync = micro_step == grad_accum - 1
-        with autocast:
-            _, loss = model(X, Y)
-            loss = loss / grad_accum
-        X, Y = next_batch()  # prefetch while the GPU works
-        scaler.scale(loss).backward()
-    scaler.unscale_(opt)  # the true gradients, for the clipping and the OMGD scale below
-    if not omgd_scale_after_clip:
-        cycler.scale_grads()
-    if grad_clip != 0.0:
-        # frozen parameters hold no gradient (None), which clip_grad_norm_ skips
-        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)
-    if omgd_scale_after_clip:
-        cycler.scale_grads()
-    scaler.step(opt)  # with float16: skipped when a gradient overflowed, and the scale lowered
-    scaler.update()
-    if ddp_check:
-        problems, summary = distributed.check(ranks, raw_model, model if ddp and not fsdp else None, opt, cycler,
-                                              omgd_state, old_wrapper, kept_by_cycle, frozen_snapshot, communication)
-        if problems:
-            fail(f"ddp check failed at iteration {iter_num}, not on every rank: {'; '.join(problems)}")
-        if master_process and (switched or iter_num == max_iters - 1):
-            print(f"iter {iter_num}: {summary}")
-    opt.zero_grad(set_to_none=True)
+    loss, (X, Y) = training.train_step(model, opt, cycler, (X, Y), next_batch, grad_accum, grad_clip,
+                                       omgd_scale_after_clip, autocast, scaler, gradient_sync if ddp else None,
+                                       before_zero_grad=check_ranks if ddp_check else None)
 
     t1 = time.time()
     dt, t0 = t1 - t0, t1
     if iter_num % log_interval == 0:
-        lossf = ranks.mean(loss.item() * grad_accum, device)
+        lossf = ranks.mean(loss.item(), device)
         check_finite({'train': lossf})
         if master_process:
             epoch = train_batches.epochs()

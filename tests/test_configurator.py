@@ -1,5 +1,4 @@
 """configurator.py: config files then --key=value, strict keys and types."""
-import ast
 import os
 import sys
 
@@ -7,6 +6,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configurator import ConfigError, configure  # noqa: E402
+from conftest import train_defaults  # noqa: E402
 
 DEFAULTS = dict(learning_rate=6e-4, max_iters=100, compile=True, method='lisa_wor', omgd_gamma=2)
 
@@ -65,18 +65,6 @@ def test_mistake_inside_config_file_names_file_and_line(tmp_path, text, message)
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def train_defaults():
-    defaults = {}
-    for node in ast.parse(open(os.path.join(ROOT, 'train.py')).read()).body:  # module-level literal defaults
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            try:
-                defaults[node.targets[0].id] = ast.literal_eval(node.value)
-            except ValueError:
-                pass
-    defaults.update(device='cpu', dtype='float32', compile=False, backend='gloo')
-    return defaults
 
 
 def shipped_config(name):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_ddp import assert_same_state
+from conftest import assert_same_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--n_layer=4', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=8', '--eval_iters=2',
@@ -44,9 +44,11 @@ def test_short_run_loss_falls_with_visible_switching(tmp_path):
     assert re.search(r'iter 10: loss [\d.]+, time [\d.]+ms, tok/s [\d,]+, epoch 0\.\d+', out)
 
 
-def test_resume_is_bitwise_exact(tmp_path):
+@pytest.mark.parametrize('precision', [[], ['--precision=bf16'], ['--precision=bf16_master', '--master_device=cpu',
+                                                                      '--omgd_state=offload']])
+def test_resume_is_bitwise_exact(tmp_path, precision):
     straight, split = tmp_path / 'straight', tmp_path / 'split'
-    common = ['--eval_interval=5', '--dropout=0.1', '--omgd_period=4']
+    common = ['--eval_interval=5', '--dropout=0.1', '--omgd_period=4', *precision]
     run_train(f'--out_dir={straight}', '--max_iters=12', *common)
     run_train(f'--out_dir={split}', '--max_iters=6', *common)
     first = load(split)
@@ -77,6 +79,8 @@ def test_float16_trains_with_loss_scaling_and_resumes(tmp_path):
     assert load(tmp_path)['scaler']['scale'] == 65536.0
     run_train(f'--out_dir={tmp_path}', '--max_iters=4', '--eval_interval=4', '--dtype=float16', '--init_from=resume')
     assert load(tmp_path)['iter_num'] == 4
+    result = run_train(f'--out_dir={tmp_path}', '--init_from=resume', '--precision=bf16', expect_ok=False)
+    assert_one_line_error(result, r"precision='bf16' differs from the checkpoint's 'amp' .*--precision=amp$")
 
 
 def test_missing_data_names_the_prepare_command(tmp_path):

@@ -1,0 +1,123 @@
+"""training.py: the one builder and the one step, under every precision, state policy and method."""
+import pytest
+import torch
+
+from conftest import train_defaults
+
+import omgd
+import training
+
+TINY = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64, omgd_gamma=2, omgd_period=2,
+            galore_rank=4, learning_rate=1e-2)
+
+
+def batches(seed=0, batch_size=4):
+    """Two fixed batches in turn: a tiny model learns them within a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    pool, count = [torch.randint(64, (batch_size, 17), generator=g) for _ in range(2)], [0]
+    def next_batch():
+        x = pool[count[0] % 2]
+        count[0] += 1
+        return x[:, :-1], x[:, 1:]
+    return next_batch
+
+
+def train(cfg, steps, model=None, opt=None, cycler=None, seed=0):
+    """`steps` iterations of train.py's loop body (switch, prefetch, step) on a fresh or given build."""
+    torch.manual_seed(0)
+    if model is None:
+        model, opt, cycler = training.build(cfg, 'cpu')
+    next_batch, losses = batches(seed), []
+    batch = next_batch()
+    for it in range(steps):
+        cycler.step(it)
+        cycler.prefetch(it)
+        loss, batch = training.train_step(model, opt, cycler, batch, next_batch, cfg['gradient_accumulation_steps'],
+                                          cfg['grad_clip'], cfg['omgd_scale_after_clip'])
+        losses.append(loss.item())
+    return model, opt, cycler, losses
+
+
+PRECISIONS = [('amp', ''), ('bf16', ''), ('bf16_master', ''), ('bf16_master', 'cpu')]
+
+
+@pytest.mark.parametrize('method', ['full', 'lisa_wor', 'galore'])
+@pytest.mark.parametrize('state', omgd.STATE_POLICIES)
+@pytest.mark.parametrize('precision, master_device', PRECISIONS)
+def test_every_precision_state_and_method_trains(precision, master_device, state, method):
+    cfg = train_defaults(**TINY, precision=precision, master_device=master_device, omgd_state=state, method=method,
+                         gradient_accumulation_steps=2)
+    model, opt, cycler, losses = train(cfg, 9)  # 4 switches under lisa_wor
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    weights = {p.dtype for p in model.parameters()}
+    assert weights == {torch.float32 if precision == 'amp' else torch.bfloat16}
+    active = {p for i in cycler.active for p in cycler.units[i]} | {
+        p for p in model.parameters() if p.requires_grad and not any(p is q for u in cycler.units for q in u)}
+    for p, state_of_p in opt.state.items():
+        moments = [v for k, v in state_of_p.items() if torch.is_tensor(v) and v.dim() > 0 and k != 'projector']
+        # fp32 state exactly where a master is kept; bf16 training keeps bf16 moments
+        assert {v.dtype for v in moments} == {torch.bfloat16 if precision == 'bf16' else torch.float32}
+        assert ('master' in state_of_p) == (precision == 'bf16_master')
+    with_state = {p for p in opt.state if any(torch.is_tensor(v) and v.dim() > 0 for v in opt.state[p].values())}
+    if state == 'drop':  # exactly the active parameters hold optimizer state
+        assert with_state == active
+    elif state == 'offload':  # the frozen ones' state is parked, the active ones' is not
+        assert set(cycler.offloaded) == with_state - active and not set(cycler.offloaded) & active
+    else:
+        assert active <= with_state
+
+
+@pytest.mark.parametrize('precision, master_device', PRECISIONS)
+def test_offload_trains_bitwise_like_keep(precision, master_device):
+    runs = {}
+    for state in ('keep', 'offload'):
+        cfg = train_defaults(**TINY, precision=precision, master_device=master_device, omgd_state=state)
+        model, opt, _, losses = train(cfg, 9)
+        runs[state] = (losses, [p.detach().clone() for p in model.parameters()])
+    assert runs['keep'][0] == runs['offload'][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs['keep'][1], runs['offload'][1]))
+
+
+@pytest.mark.parametrize('scale_after_clip', [True, False])
+def test_step_order_of_clip_and_scale(scale_after_clip):
+    """One step by hand: clip the gradient norm, then scale the active blocks (or the other way)."""
+    cfg = train_defaults(**TINY, grad_clip=0.05, optimizer='sgd', weight_decay=0.0,
+                         omgd_scale_after_clip=scale_after_clip)
+    torch.manual_seed(0)
+    model, opt, cycler = training.build(cfg, 'cpu')
+    cycler.step(0)
+    X, Y = batches()()
+    reference = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(X, Y)[1].backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    active = {n for n, p in model.named_parameters() if any(p is q for i in cycler.active for q in cycler.units[i])}
+    scale = torch.tensor(cycler.scaling())
+    def norm(g):
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(v) for v in g.values()]))
+    if not scale_after_clip:
+        grads = {n: g * scale if n in active else g for n, g in grads.items()}
+    clip = torch.clamp(0.05 / (norm(grads) + 1e-6), max=1.0)
+    grads = {n: g * clip for n, g in grads.items()}
+    if scale_after_clip:
+        grads = {n: g * scale if n in active else g for n, g in grads.items()}
+    training.train_step(model, opt, cycler, (X, Y), batches(1), 1, 0.05, scale_after_clip)
+    for n, p in model.named_parameters():
+        expected = reference[n] - cfg['learning_rate'] * grads[n] if n in grads else reference[n]
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize('cfg, message', [
+    (dict(precision='fp8'), "unknown precision 'fp8'; choose one of amp, bf16, bf16_master"),
+    (dict(master_device='cuda'), "master_device must be '' (the weights' device) or 'cpu', got 'cuda'"),
+    (dict(master_device='cpu'), "master_device='cpu' places fp32 master weights, which only "
+                                "precision='bf16_master' has; add --precision=bf16_master"),
+    (dict(precision='bf16', dtype='float16'), "dtype='float16' is the autocast dtype of precision='amp'"),
+    (dict(precision='bf16_master', optimizer='sgd'), "precision='bf16_master' keeps AdamW's fp32 master weights"),
+    (dict(method='lisa_wr'), "unknown method 'lisa_wr'; choose one of full, lisa, lisa_scale, lisa_wor, "
+                             "lisa_wor_noscale, tensor_wor, tensor_iid, galore, golore"),
+])
+def test_impossible_combinations_are_refused(cfg, message):
+    with pytest.raises(ValueError) as e:
+        training.check_config(train_defaults(**cfg))
+    assert str(e.value).startswith(message) and '\n' not in str(e.value)
