@@ -12,6 +12,8 @@ References:
 """
 
 import math
+import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +96,39 @@ def apply_rotary(x, cos, sin):
     return (xf * cos + rotate_half(xf) * sin).type_as(x)
 
 
+class FrozenLinear(torch.autograd.Function):
+    """F.linear of a frozen weight (and bias) under autocast. The input gradient needs only the
+    weight; autograd's own linear saves the low-precision copy autocast made of it, a weight-sized
+    tensor per matrix kept until the backward (13.5 MiB per GPT-2 block in bf16). This saves the
+    parameter itself and casts it again in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype):
+        ctx.save_for_backward(weight)
+        ctx.dtype = dtype
+        return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        weight, = ctx.saved_tensors
+        dx = torch.matmul(grad.to(ctx.dtype), weight.to(ctx.dtype)) if ctx.needs_input_grad[0] else None
+        return dx, None, None, None
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state_dict) that routes a frozen layer under autocast through
+    FrozenLinear."""
+
+    def forward(self, x):
+        device = x.device.type
+        if (not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
+                and torch.is_grad_enabled() and torch.amp.is_autocast_available(device)
+                and torch.is_autocast_enabled(device)):
+            return FrozenLinear.apply(x, self.weight, self.bias, torch.get_autocast_dtype(device))
+        return super().forward(x)
+
+
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
@@ -106,14 +141,14 @@ class CausalSelfAttention(nn.Module):
         if self.is_llama:
             # separate q/k/v: GQA makes k/v narrower, and GaLore projects each matrix
             kv_dim = self.n_kv_head * self.head_dim
-            self.q_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
-            self.k_proj = nn.Linear(config.n_embd, kv_dim, bias=False)
-            self.v_proj = nn.Linear(config.n_embd, kv_dim, bias=False)
-            self.o_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+            self.q_proj = Linear(config.n_embd, config.n_embd, bias=False)
+            self.k_proj = Linear(config.n_embd, kv_dim, bias=False)
+            self.v_proj = Linear(config.n_embd, kv_dim, bias=False)
+            self.o_proj = Linear(config.n_embd, config.n_embd, bias=False)
         else:
             # fused q/k/v matches GPT-2's checkpoint layout (from_pretrained)
-            self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-            self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+            self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+            self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, rope=None):
@@ -141,8 +176,8 @@ class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
-        self.c_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
+        self.c_fc = Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
+        self.c_proj = Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -154,9 +189,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.gate_proj = nn.Linear(config.n_embd, config.mlp_hidden, bias=False)
-        self.up_proj = nn.Linear(config.n_embd, config.mlp_hidden, bias=False)
-        self.down_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=False)
+        self.gate_proj = Linear(config.n_embd, config.mlp_hidden, bias=False)
+        self.up_proj = Linear(config.n_embd, config.mlp_hidden, bias=False)
+        self.down_proj = Linear(config.mlp_hidden, config.n_embd, bias=False)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -184,6 +219,120 @@ class Block(nn.Module):
         return x
 
 
+class ChunkedLinearCE(torch.autograd.Function):
+    """F.cross_entropy(F.linear(x, weight), targets, ignore_index=-1), `chunk` rows of x at a time,
+    so that at most one chunk of (chunk x vocab) logits exists, in forward and backward. Saves x,
+    weight and targets only; the backward recomputes each chunk's logits (one more head matmul),
+    turns them into their gradient in place and adds its dx and dW into one buffer each.
+    torch.utils.checkpoint per chunk recomputes the same, but autograd then sums one weight-sized
+    gradient per chunk: 3 weight-sized buffers at its peak (GPT-2's head, 512 tokens in chunks of
+    64: 444 MiB, against 173 MiB here and 295 MiB unchunked)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, chunk):
+        # the backward redoes the forward's matmuls, so under the autocast state the forward ran in;
+        # the weight is cast once, not per chunk (autocast caches no cast of a frozen weight)
+        device = x.device.type
+        available = torch.amp.is_autocast_available(device)  # meta has no autocast
+        ctx.cast = torch.get_autocast_dtype(device) if available and torch.is_autocast_enabled(device) else None
+        ctx.autocast = torch.autocast(device, ctx.cast, enabled=ctx.cast is not None) if available else nullcontext()
+        w = weight.to(ctx.cast) if ctx.cast else weight
+        total = 0
+        for i in range(0, x.size(0), chunk):
+            logits = F.linear(x[i:i + chunk], w)
+            total = total + F.cross_entropy(logits.float(), targets[i:i + chunk], ignore_index=-1, reduction='sum')
+        del logits
+        count = (targets != -1).sum()
+        ctx.save_for_backward(x, weight, targets, count)
+        ctx.chunk = chunk
+        return total / count  # the mean over counted tokens, as ignore_index=-1 does
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight, targets, count = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        dx = torch.empty_like(x) if need_x else None
+        dw = torch.zeros_like(weight) if need_w else None
+        scale = grad / count
+        with ctx.autocast:
+            w = weight.to(ctx.cast) if ctx.cast else weight
+            for i in range(0, x.size(0), ctx.chunk):
+                xc, yc = x[i:i + ctx.chunk], targets[i:i + ctx.chunk]
+                logits = F.linear(xc, w)
+                dtype = logits.dtype
+                # d(summed CE)/dlogits = softmax - one_hot(target), 0 on ignored rows; written in place
+                # so a chunk costs 2 (chunk x vocab) buffers at most (autograd's cross-entropy backward, 5)
+                dlogits = torch.softmax(logits, -1, dtype=torch.float32)
+                del logits
+                valid = (yc != -1).unsqueeze(1)
+                dlogits.scatter_add_(1, yc.clamp(min=0).unsqueeze(1), -valid.float())
+                dlogits = dlogits.mul_(valid * scale).to(dtype)
+                if need_x:
+                    dx[i:i + ctx.chunk] = dlogits.mm(w)
+                if need_w:
+                    if dlogits.dtype == xc.dtype == dw.dtype:
+                        dw.addmm_(dlogits.t(), xc)  # in place: no chunk-sized dW
+                    else:  # autocast: the product is in the compute dtype
+                        dw += dlogits.t().mm(xc)
+                del dlogits  # before the next chunk's logits exist
+        return dx, dw, None, None
+
+
+# grad_fn chains from a saved tensor back to a parameter through these are weights, not activations
+_WEIGHT_VIEWS = {'TBackward0', 'ToCopyBackward0', 'ViewBackward0', 'TransposeBackward0', 'PermuteBackward0',
+                 'ExpandBackward0', 'UnsafeViewBackward0', 'AliasBackward0'}
+
+
+def _is_weight(t):
+    """A parameter, a view of one, or (autocast) a cast of a trainable one: it outlives the backward
+    anyway, so offloading it would only copy every weight to the host and back each micro-batch."""
+    if isinstance(t._base if t._base is not None else t, nn.Parameter):
+        return True
+    fn = t.grad_fn
+    while fn is not None and fn.name() in _WEIGHT_VIEWS:
+        fn = fn.next_functions[0][0]
+    return fn is not None and fn.name() == 'torch::autograd::AccumulateGrad'
+
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    """torch.autograd.graph.save_on_cpu, less the weights and the duplicates: tensors saved for the
+    backward are copied to host memory (pinned and asynchronous from CUDA) and back when the backward
+    needs them. Weights stay where they are (save_on_cpu copies them all: 471.5 MiB of GPT-2's per
+    micro-batch, each way), and a view saved twice while its storage lives is copied once
+    (cross-entropy's log-probabilities are saved by log_softmax and nll_loss)."""
+
+    keep_on = ('cpu',)  # device types whose tensors are in host memory already
+
+    def __init__(self):
+        self.copies = {}  # (storage, view) -> (weak reference to the storage, host copy)
+        super().__init__(self.pack, self.unpack)
+
+    def pack(self, t):
+        if t.device.type in self.keep_on or _is_weight(t):
+            return t
+        st = t.untyped_storage()
+        key = (id(st), t.storage_offset(), t.shape, t.stride(), t.dtype)
+        hit = self.copies.get(key)
+        if hit is None or hit[0]() is not st:
+            # forgotten when the storage dies, so a later storage at the same id never matches
+            hit = weakref.ref(st, lambda _, key=key: self.copies.pop(key, None)), self.to_host(t)
+            self.copies[key] = hit
+        return t.device, hit[1]
+
+    @staticmethod
+    def to_host(t):
+        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=t.is_cuda)
+        return host.copy_(t, non_blocking=t.is_cuda)
+
+    @staticmethod
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=True)
+
+
 # weights that write into the residual stream get the GPT-2 1/sqrt(2L) scaling
 _RESIDUAL_PROJ = ('attn.c_proj.weight', 'mlp.c_proj.weight', 'o_proj.weight', 'down_proj.weight')
 
@@ -194,14 +343,20 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.is_llama = config.arch == 'llama'
+        # memory options, off by default (not in GPTConfig: they change no weight and a resume may flip them)
         self.activation_checkpointing: bool = False
+        # tensors saved for the backward go to host memory (OffloadActivations) during a forward with grad
+        self.activation_offload: bool = False
+        # >0: head + loss this many tokens at a time, each chunk's logits recomputed in the backward
+        # (ChunkedLinearCE), so the (tokens x vocab) logits never exist all at once
+        self.loss_chunk: int = 0
 
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = None if self.is_llama else nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = make_norm(config)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         if not self.is_llama:
             # weight tying as in GPT-2; LLaMA keeps a separate head
             self.wte.weight = self.lm_head.weight
@@ -267,6 +422,20 @@ class GPT(nn.Module):
         return n_params
 
     def forward(self, idx, targets=None):
+        """With targets (training/evaluation): (None, mean cross-entropy). The full logits are not
+        returned: a caller's `_, loss = model(X, Y)` would keep (tokens x vocab) floats alive until
+        its next forward. Without targets: (logits of the last position, None), as in nanoGPT;
+        `model.lm_head(model.hidden_states(idx))` gives every position's logits."""
+        offload = self.activation_offload and torch.is_grad_enabled()
+        with OffloadActivations() if offload else nullcontext():
+            x = self.hidden_states(idx)
+            if targets is None:
+                # inference-time mini-optimization: only forward the lm_head on the very last position
+                return self.lm_head(x[:, [-1], :]), None  # note: using list [-1] to preserve the time dim
+            return None, self.head_loss(x, targets)
+
+    def hidden_states(self, idx):
+        """The final-norm output (b, t, n_embd) that the head turns into logits."""
         b, t = idx.size()
         if t > self.config.block_size:
             raise ValueError(f"cannot forward a sequence of length {t}, "
@@ -284,17 +453,17 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, rope, use_reentrant=False)
             else:
                 x = block(x, rope)
-        x = self.ln_f(x)
+        return self.ln_f(x)
 
-        if targets is not None:
-            logits = self.lm_head(x)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
-                                   ignore_index=-1)
-        else:
-            # inference-time mini-optimization: only forward the lm_head on the very last position
-            logits = self.lm_head(x[:, [-1], :])  # note: using list [-1] to preserve the time dim
-            loss = None
-        return logits, loss
+    def head_loss(self, x, targets):
+        """Mean cross-entropy of the head on hidden states x against targets (-1 = ignored),
+        loss_chunk tokens at a time when loss_chunk > 0."""
+        x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
+        n, chunk = x.size(0), self.loss_chunk
+        if chunk <= 0 or chunk >= n:
+            # in fp32 also for bf16 weights: a bf16 loss is rounded to 3 significant digits
+            return F.cross_entropy(self.lm_head(x).float(), targets, ignore_index=-1)
+        return ChunkedLinearCE.apply(x, self.lm_head.weight, targets, chunk)
 
     def crop_block_size(self, block_size):
         # model surgery to decrease the block size if necessary

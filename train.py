@@ -68,7 +68,9 @@ mlp_hidden = 0  # 0: 4*n_embd for gpt2, LLaMA's rule for llama
 dropout = 0.0
 bias = False
 vocab_size = 0  # 0: from the dataset (meta.pkl), else GPT-2's 50304 (padded 50257)
-activation_checkpointing = False
+activation_checkpointing = False  # recompute each block's activations in the backward
+activation_offload = False  # keep the tensors saved for the backward in host memory (model.OffloadActivations)
+loss_chunk = 0  # >0: head and cross-entropy this many tokens at a time; the full logits never exist (slower)
 # optimizer
 optimizer = 'adamw'  # 'adamw' or 'sgd' (with momentum); method='galore'/'golore' use galore.py
 learning_rate = 2e-3
@@ -267,7 +269,7 @@ else:  # a GPT-2 name
 if block_size < raw_model.config.block_size:
     raw_model.crop_block_size(block_size)
 model_args = asdict(raw_model.config)  # what was built, after any crop: sample.py and resumes rebuild it
-raw_model.activation_checkpointing = activation_checkpointing
+training.configure_memory(raw_model, config)
 training.cast_model(raw_model, precision).to(device)
 if fsdp:
     # before the optimizer and the cycler (they must see the sharded parameters) and the compile

@@ -51,6 +51,8 @@ def check_config(cfg):
                          "or --precision=bf16 for SGD on bf16 weights")
     if not 0 <= cfg['golore_svd_fraction'] <= 1:
         raise ValueError(f"golore_svd_fraction must be in [0, 1], got {cfg['golore_svd_fraction']}")
+    if cfg['loss_chunk'] < 0:
+        raise ValueError(f"loss_chunk must be >= 0 tokens (0: the whole micro-batch at once), got {cfg['loss_chunk']}")
     if cfg['gradient_accumulation_steps'] < 1:
         raise ValueError(f"gradient_accumulation_steps must be >= 1, got {cfg['gradient_accumulation_steps']}")
 
@@ -66,6 +68,14 @@ def model_args(cfg, vocab_size=0):
         args.update({k: v for k, v in PRESETS[cfg['preset']].items() if k in ARCH_KEYS})
         args['vocab_size'] = vocab_size or PRESETS[cfg['preset']]['vocab_size']
     return args
+
+
+def configure_memory(model, cfg):
+    """The model's activation-memory options (model.py): checkpointing, offload to the host, chunked loss."""
+    model.activation_checkpointing = cfg['activation_checkpointing']
+    model.activation_offload = cfg['activation_offload']
+    model.loss_chunk = cfg['loss_chunk']
+    return model
 
 
 def cast_model(model, precision):
@@ -118,8 +128,7 @@ def build_cycler(model, optimizer, cfg):
 def build(cfg, device, vocab_size=0):
     """A scratch model, its optimizer and its cycler, as train.py builds them (one process)."""
     model = GPT(GPTConfig(**model_args(cfg, vocab_size)))
-    model.activation_checkpointing = cfg['activation_checkpointing']
-    cast_model(model, cfg['precision']).to(device)
+    cast_model(configure_memory(model, cfg), cfg['precision']).to(device)
     optimizer = build_optimizer(model, cfg, torch.device(device).type)
     return model, optimizer, build_cycler(model, optimizer, cfg)
 

@@ -107,7 +107,19 @@ def test_step_order_of_clip_and_scale(scale_after_clip):
         torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-7)
 
 
+def test_memory_options_train_the_same():
+    base = train_defaults(**TINY)
+    _, _, _, reference = train(base, 5)
+    for option in (dict(loss_chunk=24), dict(activation_offload=True), dict(activation_checkpointing=True)):
+        model, _, _, losses = train({**base, **option}, 5)
+        assert (model.loss_chunk, model.activation_offload, model.activation_checkpointing) == (
+            option.get('loss_chunk', 0), option.get('activation_offload', False),
+            option.get('activation_checkpointing', False))
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize('cfg, message', [
+    (dict(loss_chunk=-1), "loss_chunk must be >= 0 tokens"),
     (dict(precision='fp8'), "unknown precision 'fp8'; choose one of amp, bf16, bf16_master"),
     (dict(master_device='cuda'), "master_device must be '' (the weights' device) or 'cpu', got 'cuda'"),
     (dict(master_device='cpu'), "master_device='cpu' places fp32 master weights, which only "
