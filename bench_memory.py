@@ -1,37 +1,65 @@
 """
 GPU memory of a training iteration, split like the OMGD paper's LLaMA-7B table: model weights,
 gradients, optimizer state, and "others" (activations, temporaries, workspaces) = peak allocated
-minus the other three.
+minus the other three. It measures train.py's own iteration: the config is train.py's (its keys,
+or one of its config files), the model, optimizer and cycler come from training.build and the
+measured iteration is training.train_step, the function train.py's loop calls.
 
-$ python bench_memory.py --model=llama-7b --methods=full,galore,golore,lisa,lisa_wor --batch_size=16 --block_size=256
-$ python bench_memory.py --model=gpt2 --dtype=bf16_autocast --activation_checkpointing=False \
-      --batch_size=60 --block_size=1024 --gamma=3 --vocab_size=50304 --grad_accum=8
+$ python bench_memory.py config/llama7b_lisa_wor.py --vocab_size=32000 \
+      --methods=full,galore,golore,lisa,lisa_wor                     # the paper's table (LLaMA's vocabulary)
+$ python bench_memory.py config/llama7b_lisa_wor.py                  # the config you will train
+$ python bench_memory.py config/gpt2_lisa_wor.py --methods=full,lisa_wor --precisions=amp,bf16_master
 
-The defaults are the settings that make the paper's table consistent: pure bf16 weights, grads and
-AdamW states (no fp32 master), micro-batch 16 x 256 tokens, activation checkpointing per block,
-GaLore/GoLore rank 128 on every attention and MLP matrix (projectors not counted as optimizer
-state), LISA/LISA-wor with 2 of 32 blocks plus embedding, final norm and head trained.
+Every key of train.py is accepted with its meaning there (preset, n_layer, ..., batch_size,
+block_size, gradient_accumulation_steps, method, omgd_gamma, omgd_state, omgd_always, galore_*,
+learning_rate, weight_decay, beta1, beta2, grad_clip, omgd_scale_after_clip,
+activation_checkpointing, precision, master_device, dtype, compile, ...); keys that only concern
+data, evaluation or logging are accepted and unused. Keys of this script:
+  methods       comma-separated methods, one row each ('': the config's `method`)
+  precisions    comma-separated PRECISION or PRECISION:MASTER_DEVICE, e.g. bf16,bf16_master,
+                bf16_master:cpu: the rows of every method under each ('': the config's precision
+                and master_device). train.py's precision keys (training.py):
+                  amp          fp32 weights, gradients and AdamW state, forward under `dtype` autocast
+                  bf16         bf16 weights, gradients and AdamW state (the paper's table)
+                  bf16_master  bf16 weights and gradients, fp32 master copy and fp32 moments of the
+                               parameters that train now; :cpu keeps them, and the AdamW step, on
+                               the CPU (ZeRO-Offload style; the CPU state column, not GPU memory)
+  micro_batches micro-batches the measured iteration runs, of gradient_accumulation_steps
+                (0: all; the third and later allocate nothing the second did not)
+  device        auto (cuda if available, else meta), cuda, meta or cpu
+  out           output prefix for .md/.json/.png; '' -> out/memory_<preset> (git-ignored)
+The defaults are train.py's on a GPU machine (dtype bfloat16, compile True), so a config file
+or --key=value means here what it means to train.py.
 
-For every method: build the model, its optimizer over all parameters (torch AdamW, or
-galore.build_optimizer), and an omgd.LayerCycler (LISA methods: `gamma` blocks; `.step(0)` freezes
-the others exactly as in training). A warm-up step (zero gradients on the trainable parameters,
-no forward) creates the optimizer state and GaLore's projectors as step 0 of training does. The
-measured iteration is then the second one of a switching period, the costliest, since the state
-already exists during the forward/backward: `micro_batches` (>= 2) forward/backward passes that
-accumulate gradients, gradient clipping, the OMGD gradient scale, one optimizer step. Weights,
-gradients and optimizer state are exact tensor bytes (omgd.memory_bytes; the optimizer column
-leaves out GaLore's projectors and CPU-resident state, reported apart). Everything is freed
-between methods.
-
+The paper's setting is config/llama7b_lisa_wor.py (pure bf16, micro-batch 16 x 256 tokens of 32
+accumulation steps, activation checkpointing, 2 of 32 blocks plus embedding, final norm and head,
+GaLore/GoLore rank 128 on every attention and MLP matrix, projectors not counted as optimizer
+state) with LLaMA's vocabulary 32000 instead of the config's GPT-2 50304.
 The paper's 1.73 GiB for GaLore/GoLore comes out with GaLore's own convention: rank 128 on the
 smaller side of all 7 matrices of every block (moments of 4096 x 128 for q/k/v/o, 11008 x 128 for
 gate/up/down), full bf16 AdamW moments for the embedding, head and norms, projectors not counted:
 2 x 2 bytes x (32 x 6,332,416 + 262,148,096) = 1.7314 GiB. LISA's 1.24/2.48 GiB are 2 blocks +
 embedding + head + final norm (666,914,816 parameters) in bf16, times 1 and 2.
 
+For every row: training.build (the model is constructed directly on the device, on meta without
+memory), then train.py's loop body: cycler.step(it), cycler.prefetch(it), training.train_step.
+Iteration 0 (one micro-batch) is the warm-up: the switch freezes the other blocks and the step
+creates the optimizer state (and GaLore's projectors). Under omgd_state='keep' the warm-up runs
+one iteration at every switch of a full cycle, so every block holds state, what 'keep' converges
+to; 'drop' and 'offload' leave the same bytes on the GPU (frozen blocks' state is absent or in
+CPU memory). The measured iteration is the next one, the second of a switching period (with
+omgd_period=1 it is a switch itself), the costliest, since the state already exists during the
+forward/backward: `micro_batches` forward/backward passes that accumulate gradients, the gradient
+clipping and OMGD scale in train.py's order (omgd_scale_after_clip), the optimizer step.
+Weights, gradients and optimizer state are exact tensor bytes (omgd.memory_bytes, taken by
+train_step's before_zero_grad hook; the optimizer column leaves out GaLore's projectors and
+CPU-resident state, reported apart: the GaLore column counts the projectors on the device, the
+CPU state column the master copies, moments and projectors on the CPU). Everything is freed between rows.
+
 Where it runs (--device):
   cuda: measured. Peak = torch.cuda.max_memory_allocated over the measured iteration (after
-        reset_peak_memory_stats), reserved = max_memory_reserved.
+        reset_peak_memory_stats), reserved = max_memory_reserved. compile=True compiles every
+        block as train.py does (then LiveBytes does not run).
   meta (auto without a GPU): an ESTIMATE, labelled so in every output. The same code runs on
         meta tensors (shapes and dtypes, no data, no memory) in seconds, even for llama-7b.
         Weights, gradients and optimizer state are still exact: the real optimizer step runs on
@@ -40,34 +68,32 @@ Where it runs (--device):
         the measured iteration; "others" = that peak minus weights, grads and state.
         So that the forward/backward allocates what it would on a GPU, MetaAsCuda replaces
         scaled_dot_product_attention by FlashAttention (bf16) or memory-efficient attention
-        (fp32) kernels, which save the log-sum-exp, not T x T weights, and emulates CUDA bf16
-        autocast at the torch-function level (matmuls cast to bf16, norms, softmax and
-        cross-entropy to fp32, casts of trainable weights cached for the forward).
+        (fp32) kernels, which save the log-sum-exp, not T x T weights, and emulates CUDA
+        autocast (precision=amp) at the torch-function level (matmuls cast to `dtype`, norms,
+        softmax and cross-entropy to fp32, casts of trainable weights cached for the forward);
+        it is train_step's autocast, and its backward() is train_step's backward hook.
+        master_device='cpu' and activation_offload=True are emulated: masters, moments and
+        offloaded activations stay on the one device, marked as host memory for LiveBytes.
+        Eager only (compile is ignored), no loss scaling.
         Not modelled: the caching allocator's 512-byte rounding and fragmentation (hence no
         reserved figure), cuBLAS workspaces, and the fused AdamW kernel (meta runs the
         per-parameter AdamW, whose temporaries are one parameter's size at a time).
-  cpu:  runs for real on the CPU, counted by LiveBytes (for tests of the non-meta code path).
+  cpu:  runs for real on the CPU, as train.py on a CPU (fp32 compute), counted by LiveBytes
+        (for tests of the non-meta code path).
 On cuda LiveBytes runs too, and its peak is stored in the JSON ('tracked_peak') to check the
 meta estimator against the measurement. (torch.distributed._tools.mem_tracker.MemTracker is not
 used: it registers a gradient hook on every parameter it sees and fails on frozen ones.)
-
-Methods: full, galore, golore, and any layer-cycling method of omgd.py (lisa, lisa_wor, ...).
-A suffix changes where AdamW keeps its state (layer-cycling and full methods only; optim.MasterAdamW):
-  +master   bf16 weights on the GPU, fp32 master copy and fp32 moments of the parameters that
-            train now (created when a block is activated, freed with its state when it is frozen)
-  +offload  the same, with the fp32 master copies, the moments and the AdamW arithmetic on the
-            CPU (ZeRO-Offload style): the GPU keeps bf16 weights, bf16 grads and activations only.
---omgd_state: 'drop' and 'offload' leave the same bytes on the GPU in this measurement (frozen
-blocks' state is absent or in CPU memory); 'keep' first runs one full cycle of switches so every
-block has state, what 'keep' converges to.
 """
+import ast
 import gc
 import json
 import os
+import pickle
 import sys
 import time
+import types
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import torch
@@ -76,46 +102,50 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import galore
+import model
 import omgd
+import training
 from configurator import ConfigError, configure
-from model import GPT, GPTConfig, PRESETS, param_groups
-from optim import MasterAdamW
+from model import GPTConfig, PRESETS
 
-# -----------------------------------------------------------------------------
-# defaults: the paper's LLaMA-7B memory experiment (see the module docstring)
-model = 'llama-7b'  # a preset of model.py, or 'tiny' (8 blocks, n_embd 256, vocab 8192)
-methods = 'full,galore,golore,lisa,lisa_wor'  # comma-separated; suffixes +master, +offload
-batch_size = 16  # micro-batch size
-block_size = 256  # sequence length
-vocab_size = 0  # 0: the preset's
-grad_accum = 32  # gradient accumulation steps of the training run (the loss is divided by it)
-micro_batches = 2  # micro-batches the measured iteration runs (0: zero grads, no forward: bytes only)
-dtype = 'bf16_pure'  # bf16_pure: bf16 weights/grads/states; bf16_autocast: fp32 weights/grads/states + autocast
-activation_checkpointing = True  # recompute each block's activations in the backward
-gamma = 2  # LISA methods: active blocks
-omgd_state = 'drop'  # optimizer state of frozen blocks: drop, offload, keep
-omgd_always = 'embed,pos,norm,head'  # outer parts trained at every step by the LISA methods
-galore_rank = 128
-galore_update_proj_gap = 200
-galore_scale = 0.25
-learning_rate = 1e-4
-weight_decay = 0.1
-beta1 = 0.9
-beta2 = 0.95
-grad_clip = 1.0  # 0: no clipping
-device = 'auto'  # auto (cuda if available, else meta), cuda, meta, cpu
-out = ''  # output prefix for .md/.json/.png; '' -> out/memory_<model> (git-ignored; results/ only when named)
-seed = 0
-# -----------------------------------------------------------------------------
-DEFAULTS = {k: v for k, v in dict(globals()).items()
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def train_defaults(cuda=None):
+    """train.py's config keys and their defaults, as train.py computes them: its module-level
+    assignments up to `config_keys = ...`, run without the rest of the script, and of those the
+    bool/int/float/str values (train.py's own rule for its keys). cuda: True or False gives the
+    defaults train.py has on a machine with or without CUDA (device, dtype, compile, backend);
+    None, this machine's."""
+    path = os.path.join(ROOT, 'train.py')
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    assignments = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            if any(isinstance(t, ast.Name) and t.id == 'config_keys' for t in node.targets):
+                break
+            assignments.append(node)
+    else:
+        raise RuntimeError(f"{path} has no `config_keys = ...` line ending its defaults")
+    seen = types.SimpleNamespace(is_available=lambda: torch.cuda.is_available() if cuda is None else cuda)
+    view = type('TorchAsSeen', (), {'__getattr__': lambda self, name: seen if name == 'cuda' else getattr(torch, name)})
+    namespace = {'torch': view(), 'os': os}
+    exec(compile(ast.Module(body=assignments, type_ignores=[]), path, 'exec'), namespace)
+    return {k: v for k, v in namespace.items()
             if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
 
+
+TRAIN_DEFAULTS = train_defaults()  # on this machine: bench.py and experiments/compare.py
+# train.py's defaults on a GPU machine (bf16 autocast dtype, compile), the run this script measures or estimates
+GPU_DEFAULTS = train_defaults(cuda=True)
+# keys of this script only (train.py has none of these names); `device` has its own values here
+OWN_KEYS = dict(methods='', precisions='', micro_batches=2, out='')
+assert not set(OWN_KEYS) & set(TRAIN_DEFAULTS)
+DEFAULTS = {**GPU_DEFAULTS, 'device': 'auto', **OWN_KEYS}
+
 GIB = 2 ** 30
-TINY = dict(arch='llama', n_layer=8, n_head=8, n_embd=256, vocab_size=8192, block_size=256)
-LOW_RANK = ('galore', 'golore')
-VARIANTS = ('master', 'offload')
-# the paper's Table (GiB), for comparison when the model is llama-7b
+# the paper's Table (GiB), for comparison when the preset is llama-7b
 PAPER_LLAMA_7B = {'full': (12.55, 12.55, 25.10, 14.66, 64.86), 'galore': (12.55, 12.55, 1.73, 4.40, 31.23),
                   'golore': (12.55, 12.55, 1.73, 4.40, 31.23), 'lisa': (12.55, 1.24, 2.48, 3.29, 19.56),
                   'lisa_wor': (12.55, 1.24, 2.48, 3.29, 19.56)}
@@ -201,9 +231,9 @@ class MetaAsCuda(TorchFunctionMode):
     - scaled_dot_product_attention runs the FlashAttention kernel (bf16/fp16) or the memory-
       efficient one (fp32), which save a log-sum-exp per row, not the T x T attention weights
       that the math fallback used off-GPU would keep;
-    - with autocast=True, CUDA bf16 autocast's casts: matmuls to bf16, norms, softmax and
+    - with dtype (bf16 or fp16), CUDA autocast's casts: matmuls to dtype, norms, softmax and
       cross-entropy to fp32, and (cache=True, the forward) casts of leaf tensors that require
-      grad kept until the forward ends, like autocast's weight cache.
+      grad kept until the forward ends, like autocast's weight cache. None: no autocast.
     Run the backward with backward() below (cache=False): activation checkpointing recomputes there.
     """
     LOW = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
@@ -212,9 +242,9 @@ class MetaAsCuda(TorchFunctionMode):
             torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax, F.cross_entropy,
             F.nll_loss, torch.exp, torch.log, torch.rsqrt, torch.pow, torch.Tensor.pow, torch.sum}
 
-    def __init__(self, autocast=False, cache=False):
+    def __init__(self, dtype=None, cache=False):
         super().__init__()
-        self.autocast, self.cache = autocast, cache
+        self.dtype, self.cache = dtype, cache
         self.casts = {}
 
     def __exit__(self, *args):
@@ -241,8 +271,8 @@ class MetaAsCuda(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self._sdpa(*args, **kwargs)
-        if self.autocast and (func in self.LOW or func in self.FP32):
-            dtype = torch.bfloat16 if func in self.LOW else torch.float32
+        if self.dtype is not None and (func in self.LOW or func in self.FP32):
+            dtype = self.dtype if func in self.LOW else torch.float32
             args = tuple(self._cast(a, dtype) for a in args)
             kwargs = {k: self._cast(v, dtype) for k, v in kwargs.items()}
         return func(*args, **kwargs)
@@ -250,8 +280,8 @@ class MetaAsCuda(TorchFunctionMode):
     def _sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if attn_mask is not None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)
-        if self.autocast:
-            q, k, v = (self._cast(t, torch.bfloat16) for t in (q, k, v))
+        if self.dtype is not None:
+            q, k, v = (self._cast(t, self.dtype) for t in (q, k, v))
         if enable_gqa and k.size(1) != q.size(1):
             k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
         if q.dtype in (torch.bfloat16, torch.float16):
@@ -261,26 +291,98 @@ class MetaAsCuda(TorchFunctionMode):
             q, k, v, None, False, dropout_p, is_causal, scale=scale)[0]
 
 
+@contextmanager
+def offload_on_meta(tracker):
+    """model.OffloadActivations (activation_offload=True) on the meta device, which has no data to
+    copy: the host copy of a saved tensor is a meta tensor that LiveBytes counts as host memory, and
+    its copy back in the backward a new tensor on the device."""
+    cls = model.OffloadActivations
+    saved = cls.__dict__['to_host'], cls.__dict__['unpack']
+
+    def to_host(t):
+        with tracker.host():
+            return torch.empty_like(t)
+
+    def unpack(packed):
+        return packed if isinstance(packed, torch.Tensor) else torch.empty_like(packed[1])
+
+    cls.to_host, cls.unpack = staticmethod(to_host), staticmethod(unpack)
+    try:
+        yield
+    finally:
+        cls.to_host, cls.unpack = saved
+
+
 # -----------------------------------------------------------------------------
-# one method
+# the config: train.py's keys, one row per method x precision
 
 
-def parse_method(name):
-    base, _, variant = name.partition('+')
-    if base not in LOW_RANK and base not in omgd.METHODS:
-        raise ValueError(f"unknown method {base!r}; choose from {', '.join(LOW_RANK + tuple(omgd.METHODS))}")
-    if variant and variant not in VARIANTS:
-        raise ValueError(f"unknown suffix +{variant} in {name!r}; choose +master or +offload")
-    if variant and base in LOW_RANK:
-        raise ValueError(f"{name!r}: +{variant} applies to AdamW methods, not to {base}")
-    return base, variant
+def check_shape(cfg, defaults):
+    """A preset sets the architecture (training.model_args): a shape key changed next to it would be
+    silently ignored, so refuse it (vocab_size is the exception: the tokenizer's, it overrides)."""
+    if cfg['preset'] and cfg['preset'] not in PRESETS:
+        raise ValueError(f"unknown preset {cfg['preset']!r}; choose one of {', '.join(PRESETS)}, or '' and "
+                         f"the shape keys (arch, n_layer, n_head, n_embd, ...)")
+    if cfg['preset']:
+        changed = [k for k in training.ARCH_KEYS if k != 'vocab_size' and k in cfg and cfg[k] != defaults[k]]
+        if changed:
+            raise ValueError(f"preset={cfg['preset']!r} sets the architecture, so {changed[0]}={cfg[changed[0]]!r} "
+                             f"would be ignored; pass --preset='' to give the shape by its keys")
 
 
-def resolve_device(name):
+def dataset_vocab(cfg):
+    """The vocabulary train.py passes to training.build: vocab_size, else the one of the dataset's
+    meta.pkl when it is prepared, else 0 (training.model_args: the preset's, else 50304)."""
+    if cfg['vocab_size']:
+        return cfg['vocab_size']
+    meta = os.path.join(ROOT, 'data', cfg['dataset'], 'meta.pkl')
+    if not os.path.exists(meta):
+        return 0
+    with open(meta, 'rb') as f:
+        return pickle.load(f)['vocab_size']
+
+
+def model_config(cfg):
+    """The GPTConfig training.build makes of cfg (one-line error for an impossible shape)."""
+    try:
+        return GPTConfig(**training.model_args(cfg, dataset_vocab(cfg)))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"model shape: {e}") from None
+
+
+def parse_precision(spec):
+    """'bf16' -> ('bf16', ''); 'bf16_master:cpu' -> ('bf16_master', 'cpu'), train.py's precision
+    and master_device keys (checked by training.check_config)."""
+    precision, _, master_device = spec.partition(':')
+    return precision, master_device
+
+
+def precision_label(precision, master_device):
+    return f"{precision}:{master_device}" if master_device else precision
+
+
+def row_configs(cfg):
+    """One train.py config per row: every method of cfg['methods'] under every precision of
+    cfg['precisions'] (each '' means the config's own method / precision and master_device)."""
+    methods = list(dict.fromkeys(m for m in cfg['methods'].split(',') if m)) if cfg['methods'] else [cfg['method']]
+    precisions = list(dict.fromkeys(parse_precision(p) for p in cfg['precisions'].split(',') if p)) \
+        if cfg['precisions'] else [(cfg['precision'], cfg['master_device'])]
+    if not methods:
+        raise ValueError("methods lists no method; name at least one, e.g. --methods=full,lisa_wor")
+    if not precisions:
+        raise ValueError("precisions lists no precision; name at least one, e.g. --precisions=bf16,bf16_master")
+    rows = [{**cfg, 'method': m, 'precision': p, 'master_device': d} for p, d in precisions for m in methods]
+    for row in rows:
+        training.check_config(row)
+    return rows
+
+
+def resolve_device(name, allowed=('cuda', 'meta', 'cpu'), without_cuda='meta'):
+    """The torch.device of --device: auto is cuda when available, else `without_cuda`."""
     if name == 'auto':
-        name = 'cuda' if torch.cuda.is_available() else 'meta'
-    if name not in ('cuda', 'meta', 'cpu'):
-        raise ValueError(f"device must be auto, cuda, meta or cpu, got {name!r}")
+        name = 'cuda' if torch.cuda.is_available() else without_cuda
+    if name not in allowed:
+        raise ValueError(f"device must be auto, {', '.join(allowed)}, got {name!r}")
     if name == 'cuda' and not torch.cuda.is_available():
         raise ValueError("device=cuda but CUDA is not available; use device=meta for an estimate")
     if name == 'cuda':  # with its index: tensors report cuda:N, and LiveBytes compares devices
@@ -288,154 +390,94 @@ def resolve_device(name):
     return torch.device(name)
 
 
-def model_config(cfg):
-    """The GPTConfig of cfg['model'] at cfg['block_size']; optional n_layer/n_head/n_embd/vocab_size
-    keys of cfg (bench.py has them) override the preset when non-zero."""
-    if cfg['model'] == 'tiny':
-        args = dict(TINY)
-    elif cfg['model'] in PRESETS:
-        args = dict(PRESETS[cfg['model']])
-    else:
-        raise ValueError(f"unknown model {cfg['model']!r}; choose tiny or one of {', '.join(PRESETS)}")
-    args['block_size'] = cfg['block_size']
-    for key in ('n_layer', 'n_head', 'n_embd', 'vocab_size'):
-        if cfg.get(key):
-            args[key] = cfg[key]
-    if cfg.get('n_embd'):
-        args.pop('mlp_hidden', None)  # derive the MLP width from the new n_embd
-    try:
-        return GPTConfig(**args)
-    except ValueError as e:
-        raise ValueError(f"model shape: {e}") from None
+def build(cfg, device):
+    """training.build with the model constructed on `device` directly: no CPU copy of a 7B model,
+    and on meta no memory and no initialisation cost. (Model, optimizer, cycler.)"""
+    with torch.device(device):
+        return training.build(cfg, device, dataset_vocab(cfg))
 
 
-def tied_parameters(net):
-    """[[name, name, ...], ...]: the names under which each shared parameter of `net` is registered."""
-    names = {}
-    for name, p in net.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
+# -----------------------------------------------------------------------------
+# one row
 
 
-def build_model(config, device, param_dtype, activation_checkpointing):
-    """Built on meta (no memory, no init cost), then materialised and initialised off meta."""
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(param_dtype)  # parameters in param_dtype; rope tables stay fp32
-    try:
-        with torch.device('meta'):
-            net = GPT(config)
-    finally:
-        torch.set_default_dtype(default)
-    if device.type != 'meta':
-        ties = tied_parameters(net)
-        net.to_empty(device=device)  # one new tensor per module: it unties GPT-2's embedding and head
-        for first, *others in ties:
-            shared = net.get_parameter(first)
-            for name in others:
-                module, _, attr = name.rpartition('.')
-                setattr(net.get_submodule(module), attr, shared)
-        net.init_weights()
-    net.activation_checkpointing = activation_checkpointing
-    net.train()
-    return net
-
-
-def build_optimizer(net, base, variant, cfg, device, tracker=None):
-    betas, lr, wd = (cfg['beta1'], cfg['beta2']), cfg['learning_rate'], cfg['weight_decay']
-    if base in LOW_RANK:
-        return galore.build_optimizer(net, wd, lr, betas, rank=cfg['galore_rank'],
-                                      update_proj_gap=cfg['galore_update_proj_gap'], scale=cfg['galore_scale'],
-                                      projection='svd' if base == 'galore' else 'random', seed=cfg['seed'])
-    groups = param_groups(net, wd)
-    if variant == 'master':
-        return MasterAdamW(groups, lr=lr, betas=betas)
-    if variant == 'offload':
-        if device.type == 'cuda':
-            return MasterAdamW(groups, lr=lr, betas=betas, master_device=torch.device('cpu'))
-        return MasterAdamW(groups, lr=lr, betas=betas, host_scope=tracker.host)
-    # as train.py: fused on CUDA; elsewhere the per-parameter loop (fused and foreach are
-    # unavailable on meta, and foreach's temporaries span all parameters, unlike fused)
-    extra = dict(fused=True) if device.type == 'cuda' else dict(foreach=False)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, **extra)
-
-
-def build_cycler(net, opt, base, cfg, period):
-    """omgd.build_cycler for method `base` (AdamW and GaLore/GoLore get the 'full' cycler, which
-    trains everything), with cfg's gamma, omgd_state, omgd_always and seed."""
-    always = [part for part in cfg['omgd_always'].split(',') if part]
-    return omgd.build_cycler(net, opt, base if base in omgd.METHODS else 'full', cfg['gamma'], period, 0, 0.5,
-                             cfg['omgd_state'], cfg['seed'], always=always)
-
-
-def measure(cfg, method, device):
-    """Build, warm up, run one measured iteration; return the breakdown in bytes."""
-    base, variant = parse_method(method)
-    autocast = cfg['dtype'] == 'bf16_autocast'
-    param_dtype = torch.float32 if autocast and not variant else torch.bfloat16
-    config = model_config(cfg)
+def measure(cfg, device):
+    """Build cfg's model as train.py does, warm up, run one measured iteration through
+    training.train_step; return the breakdown in bytes. cfg: a train.py config (row_configs)."""
     cuda = device.type == 'cuda'
+    compiled = cuda and cfg['compile']
     if cuda:
         gc.collect()
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
     tracker = LiveBytes(device)
     torch.manual_seed(cfg['seed'])
-    net = build_model(config, device, param_dtype, cfg['activation_checkpointing'])
-    opt = build_optimizer(net, base, variant, cfg, device, tracker)
-    cycler = build_cycler(net, opt, base, cfg, period=1)
-    cycler.step(0)
-    shape = (cfg['batch_size'], cfg['block_size'])
-    batches = [(torch.randint(0, config.vocab_size, shape, device=device),
-                torch.randint(0, config.vocab_size, shape, device=device)) for _ in range(max(1, cfg['micro_batches']))]
-    if device.type != 'meta':
-        forward_ctx = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=autocast)
-        backward = torch.Tensor.backward
+    net, opt, cycler = build(cfg, device)
+    if cfg['master_device'] == 'cpu' and not cuda:
+        # no second memory to offload to: the masters stay on the one device, marked as host memory
+        opt.master_device, opt.host_scope = None, tracker.host
+    if compiled:
+        for block in net.blocks:  # train.py's regional compilation
+            block.compile()
+    if cuda:  # the fp32 copy a bf16 build went through is cached, not in use: give it back
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    vocab, shape = net.config.vocab_size, (cfg['batch_size'], cfg['block_size'])
+
+    def next_batch():  # a fresh batch per micro-step, on the device, as train.py's loader gives
+        return (torch.randint(0, vocab, shape, device=device), torch.randint(0, vocab, shape, device=device))
+
+    if device.type == 'meta':
+        dtype = training.PTDTYPES[cfg['dtype']] if cfg['precision'] == 'amp' and cfg['dtype'] != 'float32' else None
+        autocast, scaler = MetaAsCuda(dtype, cache=True), None
+        backward = MetaAsCuda(dtype, cache=False).backward
     else:
-        forward_ctx = partial(MetaAsCuda, autocast=autocast, cache=True)
-        backward = MetaAsCuda(autocast=autocast, cache=False).backward
+        autocast, scaler = training.autocast(cfg, device.type), training.grad_scaler(cfg, device.type)
+        backward = None
+    gas = cfg['gradient_accumulation_steps']
+    micro = min(cfg['micro_batches'] or gas, gas)
+    sizes = {}
 
-    def iteration(n_micro):
-        if n_micro == 0:  # bytes only: gradients of the trainable parameters, no activations
-            for p in net.parameters():
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-        for x, y in batches[:n_micro]:
-            with forward_ctx():
-                _, loss = net(x, y)
-                loss = loss / cfg['grad_accum']
-            backward(loss)
-            del loss
-        if cfg['grad_clip']:
-            torch.nn.utils.clip_grad_norm_([p for p in net.parameters() if p.requires_grad], cfg['grad_clip'])
-        cycler.scale_grads()
-        opt.step()
+    def at_zero_grad():  # train_step's before_zero_grad: the step is done, the gradients still held
+        if cuda:
+            torch.cuda.synchronize(device)
+        states = [v for _, _, v in omgd.state_tensors(opt)]
+        projectors = [s['projector'] for s in opt.state.values() if torch.is_tensor(s.get('projector'))]
+        host = [v for v in states + projectors if tracker.is_host(v)]
+        sizes.update(omgd.memory_bytes(net, opt),
+                     optimizer=sum(v.numel() * v.element_size() for v in states if not tracker.is_host(v)),
+                     cpu_state=sum(v.numel() * v.element_size() for v in host),
+                     projectors=sum(v.numel() * v.element_size() for v in projectors if not tracker.is_host(v)))
 
-    tracker.add(list(net.parameters()), list(net.buffers()), batches)
+    def iteration(it, micro_steps, hook=None):  # train.py's loop body
+        cycler.step(it)
+        cycler.prefetch(it)
+        training.train_step(net, opt, cycler, next_batch(), next_batch, micro_steps, cfg['grad_clip'],
+                            cfg['omgd_scale_after_clip'], autocast, scaler, backward=backward, before_zero_grad=hook)
+
+    tracker.add(list(net.parameters()), list(net.buffers()))
+    period, start = cfg['omgd_period'], cfg['omgd_warmup']
     t0 = time.time()
-    with tracker:
-        # warm-up: step 0 of training creates the optimizer state (and GaLore's projectors);
-        # under 'keep' one full cycle of switches leaves state on every block
-        switches = len(net.blocks) // cfg['gamma'] if cfg['omgd_state'] == 'keep' and cycler.schedule else 1
+    with tracker if not compiled else nullcontext(), \
+            offload_on_meta(tracker) if device.type == 'meta' else nullcontext():
+        # warm-up: the first switch and its step create the optimizer state (and GaLore's projectors);
+        # under 'keep' one iteration at every switch of a full cycle leaves state on every block
+        switches = len(net.blocks) // cfg['omgd_gamma'] if cfg['omgd_state'] == 'keep' and cycler.schedule else 1
         for i in range(switches):
-            if i:
-                cycler.step(i)
-            iteration(0)
-            opt.zero_grad(set_to_none=True)
-        # measured: the second iteration of a switching period
+            iteration(start + i * period, 1)
+        # measured: the next iteration, the second of a switching period
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         tracker.reset_peak()
-        iteration(cfg['micro_batches'])
+        iteration(start + (switches - 1) * period + 1, micro, at_zero_grad)
         if cuda:
             torch.cuda.synchronize(device)
     seconds = time.time() - t0
-    sizes = omgd.memory_bytes(net, opt)
-    states = [v for _, _, v in omgd.state_tensors(opt)]
-    row = dict(method=method, params=sizes['params'], grads=sizes['grads'],
-               optimizer=sum(v.numel() * v.element_size() for v in states if not tracker.is_host(v)),
-               cpu_state=sum(v.numel() * v.element_size() for v in states if tracker.is_host(v)),
-               projectors=galore.projector_bytes(opt), tracked_peak=tracker.peak, seconds=round(seconds, 2),
+    row = dict(method=cfg['method'], precision=cfg['precision'], master_device=cfg['master_device'],
+               params=sizes['params'], grads=sizes['grads'], optimizer=sizes['optimizer'],
+               cpu_state=sizes['cpu_state'], projectors=sizes['projectors'],
+               tracked_peak=None if compiled else tracker.peak, seconds=round(seconds, 2), micro_batches=micro,
                active_blocks=list(cycler.active) if cycler.schedule else 'all')
     if cuda:
         row['peak'] = torch.cuda.max_memory_allocated(device)
@@ -444,8 +486,7 @@ def measure(cfg, method, device):
         row['peak'], row['reserved'] = tracker.peak, None
     row['others'] = row['peak'] - row['params'] - row['grads'] - row['optimizer']
     row['n_params'] = sum(p.numel() for p in net.parameters())
-    del net, opt, cycler, batches, states
-    return row
+    return row  # the model, optimizer and cycler are freed with this frame
 
 
 # -----------------------------------------------------------------------------
@@ -456,11 +497,31 @@ def gib(n):
     return None if n is None else n / GIB
 
 
-def notes_for(cfg, device, estimate, n_params):
+def model_name(cfg):
+    return cfg['preset'] or 'custom'
+
+
+def row_label(row, result):
+    """The method, and its precision when the table has several."""
+    several = len({(r['precision'], r['master_device']) for r in result['rows']}) > 1
+    return f"{row['method']} ({precision_label(row['precision'], row['master_device'])})" if several else row['method']
+
+
+PRECISION_NOTES = {
+    'amp': "fp32 weights, gradients and AdamW state, forward under {dtype} autocast (nanoGPT's setting)",
+    'bf16': "bf16 weights, gradients and AdamW state, no fp32 master (the paper's table)",
+    'bf16_master': "bf16 weights and gradients, fp32 master copy and fp32 moments of the trainable parameters "
+                   "on the GPU (Optimizer column)",
+    'bf16_master:cpu': "bf16 weights and gradients on the GPU; fp32 master copy, fp32 moments and the AdamW step "
+                       "on the CPU (CPU state column, not GPU memory)",
+}
+
+
+def notes_for(cfg, device, estimate, n_params, precisions):
     lines = []
     if estimate:
         how = ("attention as FlashAttention/memory-efficient kernels, CUDA autocast emulated"
-               if device.type == 'meta' else "the CPU's own kernels")
+               if device.type == 'meta' else "the CPU's own kernels, fp32 compute as train.py on a CPU")
         lines.append(f"ESTIMATE on the {device.type} device, not a GPU measurement. Weights, gradients and "
                      "optimizer state are exact tensor bytes; Others = the peak of live tensor bytes counted op "
                      f"by op (LiveBytes in bench_memory.py; {how}) minus those three. Allocator "
@@ -470,46 +531,58 @@ def notes_for(cfg, device, estimate, n_params):
         lines.append("Measured on the GPU: Total = torch.cuda.max_memory_allocated over the measured iteration, "
                      "Reserved = max_memory_reserved; Others = Total - Model - Gradients - Optimizer.")
     config = model_config(cfg)
-    lines.append(f"Model {cfg['model']}: {config.arch}, {config.n_layer} blocks, n_embd {config.n_embd}, MLP "
+    lines.append(f"Model {model_name(cfg)}: {config.arch}, {config.n_layer} blocks, n_embd {config.n_embd}, MLP "
                  f"{config.mlp_hidden}, vocab {config.vocab_size}, {n_params:,} parameters.")
-    prec = {'bf16_pure': 'pure bf16 weights, gradients and AdamW states (no fp32 master)',
-            'bf16_autocast': 'fp32 weights, gradients and AdamW states with bf16 autocast (nanoGPT style)'}
-    lines.append(f"{prec[cfg['dtype']]}; micro-batch {cfg['batch_size']} x {cfg['block_size']} tokens "
-                 f"(of {cfg['grad_accum']} accumulation steps; the measured iteration runs {cfg['micro_batches']}); "
-                 f"activation checkpointing {'on' if cfg['activation_checkpointing'] else 'off'}.")
-    lines.append(f"LISA methods: {cfg['gamma']} active blocks plus {cfg['omgd_always']}, state policy "
-                 f"'{cfg['omgd_state']}'. GaLore/GoLore: rank {cfg['galore_rank']} on every attention and MLP "
+    for p, d in precisions:
+        lines.append(f"precision={precision_label(p, d)}: "
+                     + PRECISION_NOTES[precision_label(p, d)].format(dtype=cfg['dtype']) + '.')
+    lines.append(f"Micro-batch {cfg['batch_size']} x {cfg['block_size']} tokens (of "
+                 f"{cfg['gradient_accumulation_steps']} accumulation steps; the measured iteration runs "
+                 f"{min(cfg['micro_batches'] or cfg['gradient_accumulation_steps'], cfg['gradient_accumulation_steps'])}); "
+                 f"activation checkpointing {'on' if cfg['activation_checkpointing'] else 'off'}; "
+                 f"{'compiled per block' if cfg['compile'] and device.type == 'cuda' else 'eager'}; "
+                 f"grad_clip {cfg['grad_clip']:g}, OMGD scale {'after' if cfg['omgd_scale_after_clip'] else 'before'} "
+                 f"clipping.")
+    lines.append(f"State policy omgd_state='{cfg['omgd_state']}'. LISA methods: {cfg['omgd_gamma']} active blocks "
+                 f"plus {cfg['omgd_always']}. GaLore/GoLore: rank {cfg['galore_rank']} on every attention and MLP "
                  f"matrix, projected on the smaller side; embeddings, head and norms have full AdamW state. "
                  f"Projection matrices are not counted as optimizer state (they are inside Others).")
-    lines.append("+master: bf16 weights, fp32 master copy and moments for the trainable parameters on the GPU "
-                 "(counted as optimizer state). +offload: the same on the CPU, with the AdamW step on the CPU "
-                 "(CPU state column, not GPU memory).")
-    lines.append("Measured iteration = the second of a switching period (optimizer state already exists); "
-                 "the peak is over forward/backward of every micro-batch, clipping, scaling and the step.")
+    lines.append("Measured iteration = train.py's (training.train_step), the second of a switching period "
+                 "(optimizer state already exists); the peak is over forward/backward of every micro-batch, "
+                 "clipping, scaling and the step.")
     return lines
+
+
+def title(result):
+    cfg = result['config']
+    where = 'one device' if result['estimate'] else f"one {result['device']}"
+    precisions = ', '.join(precision_label(p, d) for p, d in result['precisions'])
+    return (f"Memory breakdown (GiB), {model_name(cfg)}, {where}, precision {precisions}, "
+            f"omgd_state {cfg['omgd_state']}")
 
 
 def markdown(result):
     cfg, rows, estimate = result['config'], result['rows'], result['estimate']
-    title = f"Memory breakdown (GiB), {cfg['model']}, one {'device' if estimate else result['device']}"
-    out = [f"# {title}" + (f" — ESTIMATE ({result['device']} device, no GPU)" if estimate else ''), '']
+    out = [f"# {title(result)}" + (f" — ESTIMATE ({result['device']} device, no GPU)" if estimate else ''), '']
     out += [f"- {line}" for line in result['notes']]
     out += ['', f"Command: `{result['command']}`", '']
     extra = [('projectors', 'GaLore proj. (in Others)'), ('cpu_state', 'CPU state')]
     extra = [(k, h) for k, h in extra if any(r[k] for r in rows)]
-    head = ['Method', 'Model', 'Gradients', 'Optimizer', 'Others', 'Total', 'Reserved'] + [h for _, h in extra]
+    head = ['Method', 'Precision', 'Model', 'Gradients', 'Optimizer', 'Others', 'Total', 'Reserved']
+    head += [h for _, h in extra]
     if estimate:
-        head[5] = 'Total (est.)'
+        head[6] = 'Total (est.)'
     out += ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
     for r in rows:
-        cells = [r['method']] + [f"{gib(r[k]):.2f}" for k in ('params', 'grads', 'optimizer', 'others', 'peak')]
+        cells = [r['method'], precision_label(r['precision'], r['master_device'])]
+        cells += [f"{gib(r[k]):.2f}" for k in ('params', 'grads', 'optimizer', 'others', 'peak')]
         cells.append('–' if r['reserved'] is None else f"{gib(r['reserved']):.2f}")
         cells += [f"{gib(r[k]):.2f}" for k, _ in extra]
         out.append('| ' + ' | '.join(cells) + ' |')
-    if cfg['model'] == 'llama-7b':
-        out += ['', "The paper's table (GiB), for comparison. Its Others/Total were measured on an RTX PRO 6000 "
-                "with its own code; a commented-out passage of the paper's source says the full-parameter row "
-                "was estimated from proportions after running out of memory.", '',
+    if cfg['preset'] == 'llama-7b' and model_config(cfg).vocab_size == 32000:
+        out += ['', "The paper's table (GiB, pure bf16, vocab 32000), for comparison. Its Others/Total were "
+                "measured on an RTX PRO 6000 with its own code; a commented-out passage of the paper's source says "
+                "the full-parameter row was estimated from proportions after running out of memory.", '',
                 '| Method | Model | Gradients | Optimizer | Others | Total |', '|---|---|---|---|---|---|']
         for name, values in PAPER_LLAMA_7B.items():
             out.append(f"| {name} | " + ' | '.join(f"{v:.2f}" for v in values) + ' |')
@@ -532,12 +605,10 @@ def plot(result, path):
         bottom = [b + v for b, v in zip(bottom, values)]
     for i, r in enumerate(rows):
         ax.text(i, bottom[i], f"{gib(r['peak']):.2f}", ha='center', va='bottom', fontsize=9)
-    ax.set_xticks(list(x), [r['method'] for r in rows], rotation=20)
+    ax.set_xticks(list(x), [row_label(r, result) for r in rows], rotation=20)
     ax.set_ylabel('GiB')
-    title = f"GPU memory, {result['config']['model']}"
-    if result['estimate']:
-        title += f" (ESTIMATE, {result['device']} device)"
-    ax.set_title(title)
+    ax.set_title(title(result).replace('Memory breakdown (GiB), ', 'GPU memory, ')
+                 + (f" (ESTIMATE, {result['device']} device)" if result['estimate'] else ''), fontsize=9)
     ax.set_ylim(0, max(bottom) * 1.12)
     ax.legend(loc='upper right', fontsize=8)
     fig.tight_layout()
@@ -545,23 +616,26 @@ def plot(result, path):
     plt.close(fig)
 
 
-def run(cfg, argv=()):
-    """Measure every method of cfg['methods']; return the result dict (nothing written)."""
-    if cfg['dtype'] not in ('bf16_pure', 'bf16_autocast'):
-        raise ValueError(f"dtype must be bf16_pure or bf16_autocast, got {cfg['dtype']!r}")
-    if cfg['micro_batches'] < 0 or cfg['batch_size'] < 1 or cfg['grad_accum'] < 1:
-        raise ValueError("batch_size and grad_accum must be >= 1 and micro_batches >= 0")
+def check(cfg):
+    """One-line ValueErrors for what no row can run with; returns (device, row configs)."""
+    if cfg['micro_batches'] < 0 or cfg['batch_size'] < 1 or cfg['block_size'] < 1:
+        raise ValueError("batch_size and block_size must be >= 1 and micro_batches >= 0")
     device = resolve_device(cfg['device'])
-    names = [m for m in cfg['methods'].split(',') if m]
-    if not names:
-        raise ValueError("methods is empty; name at least one, e.g. --methods=full,lisa_wor")
-    for name in names:
-        parse_method(name)
-    rows = [measure(cfg, name, device) for name in names]
+    check_shape(cfg, DEFAULTS)
+    model_config(cfg)
+    return device, row_configs(cfg)
+
+
+def run(cfg, argv=()):
+    """Measure every row of cfg (methods x precisions); return the result dict (nothing written)."""
+    device, row_cfgs = check(cfg)
+    rows = [measure(row, device) for row in row_cfgs]
     estimate = device.type != 'cuda'
+    precisions = list(dict.fromkeys((r['precision'], r['master_device']) for r in rows))
     return dict(estimate=estimate, device=device.type if estimate else torch.cuda.get_device_name(device),
-                torch=torch.__version__, config=cfg, command=' '.join(['python bench_memory.py', *argv]),
-                notes=notes_for(cfg, device, estimate, rows[0]['n_params']), rows=rows)
+                torch=torch.__version__, config=cfg, precisions=precisions,
+                command=' '.join(['python bench_memory.py', *argv]),
+                notes=notes_for(cfg, device, estimate, rows[0]['n_params'], precisions), rows=rows)
 
 
 def write(result, prefix):
@@ -579,8 +653,8 @@ def write(result, prefix):
 
 
 def output_prefix(cfg):
-    """Where main writes: --out, else out/memory_<model> (git-ignored), never results/ unless named."""
-    return cfg['out'] or os.path.join('out', f"memory_{cfg['model']}")
+    """Where main writes: --out, else out/memory_<preset> (git-ignored), never results/ unless named."""
+    return cfg['out'] or os.path.join('out', f"memory_{model_name(cfg)}")
 
 
 def main(argv):

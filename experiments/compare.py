@@ -11,11 +11,11 @@ order (for the same sampling) and is evaluated on the same windows: differences 
 one seed are paired.
 
 Memory: on CPU there is no allocator peak, so the table reports the exact bytes of gradients and
-optimizer state right after the first optimizer step following a switch, from the same model,
-optimizer and cycler built in this process (omgd.build_cycler, omgd.memory_bytes; galore.build_optimizer
-for galore/golore). Activations are not included. Of the --train_arg overrides, those that change
-what is measured (MEMORY_KEYS: the model's shape, omgd_always, omgd_ratio) are applied to it too;
-the table names any that are not.
+optimizer state right after the first optimizer step following a switch (omgd.memory_bytes, from
+train_step's before_zero_grad hook). The config is the runs' own: the train.py arguments of a run
+(train_command, --train_arg included) parsed by train.py's configurator; the model, optimizer and
+cycler come from training.build and every step is training.train_step, as in train.py.
+Activations are not included.
 
 Variants are METHOD or METHOD:SAMPLING (sampling rr by default), e.g.
 
@@ -28,7 +28,6 @@ NAME.json (everything, curves included) and NAME_loss.png (val loss vs iteration
 band = min..max over seeds); NAME is --name, 'compare' by default. `--replot` rewrites the table and plot from an existing NAME.json without training.
 """
 import argparse
-import ast
 import json
 import math
 import os
@@ -71,9 +70,6 @@ TRAIN_FLAGS = (
     ('galore_update_proj_gap', int, 50),
     ('galore_scale', float, 0.25),
 )
-# --train_arg keys that measure_memory applies (model shape, what the cycler trains); GPTConfig fields first
-MODEL_KEYS = ('arch', 'n_kv_head', 'mlp_hidden', 'bias', 'norm_eps', 'rope_theta')
-MEMORY_KEYS = MODEL_KEYS + ('omgd_always', 'omgd_ratio', 'beta1', 'beta2')
 STEP_RE = re.compile(r'^step (\d+): train loss ([-+\w.]+), val loss ([-+\w.]+)')
 ITER_RE = re.compile(r'^iter (\d+): loss ([-+\w.]+), time ([\d.]+)ms(?:.*epoch ([\d.]+))?')
 SWITCH_RE = re.compile(r'^iter (\d+): (cycle \d+: .*|full training|warm-up: .*)$')
@@ -159,86 +155,69 @@ def run_one(variant, seed, args, runs_dir):
 # memory: the same model / optimizer / cycler as train.py, built in this process
 
 
-def train_overrides(train_args):
-    """{key: value} of the `--key=value` items of --train_arg (values parsed as Python literals when
-    they are, as train.py's configurator does; strings otherwise)."""
-    out = {}
-    for arg in train_args:
-        key, eq, value = arg.lstrip('-').partition('=')
-        if eq:
-            try:
-                value = ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                pass
-            out[key] = value
-    return out
+def train_config(method, args):
+    """The config train.py runs `method` with under these flags: train_command's arguments (the
+    --train_arg ones included) parsed by train.py's configurator, and the vocabulary train.py
+    would use (vocab_size, else the dataset's meta.pkl, else 0: training.model_args' 50304)."""
+    from bench_memory import TRAIN_DEFAULTS, dataset_vocab
+    from configurator import configure
+    argv = train_command({'method': method, 'sampling': 'rr'}, 0, args, out_dir='out')[2:]  # less python train.py
+    cfg = configure(TRAIN_DEFAULTS, argv)
+    return cfg, dataset_vocab(cfg)
 
 
 def model_config(args):
-    """The GPTConfig train.py builds for these flags (vocabulary from the dataset's meta.pkl, else
-    50304, as train.py), with the model-shape keys of --train_arg applied."""
-    import pickle
-
-    from model import GPTConfig
-    meta = os.path.join(ROOT, 'data', args.dataset, 'meta.pkl')
-    vocab = 50304
-    if os.path.exists(meta):
-        with open(meta, 'rb') as f:
-            vocab = pickle.load(f)['vocab_size']
-    overrides = train_overrides(getattr(args, 'train_arg', []))
-    shape = {'arch': 'gpt2', 'bias': False, **{k: v for k, v in overrides.items() if k in MODEL_KEYS}}
-    return GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
-                     vocab_size=vocab, dropout=0.0, **shape)
+    """The GPTConfig train.py builds for these flags (a bad --train_arg key or model shape raises a
+    one-line ValueError)."""
+    import bench_memory
+    return bench_memory.model_config(train_config('full', args)[0])
 
 
-def measure_memory(method, args, config):
+def measure_memory(method, args):
     """Exact bytes of params, grads and optimizer state right after an optimizer step that follows
-    a switch (gradients still held), the largest over one cycle plus one switch (N_L / gamma + 1
-    periods, one step each). With omgd_state='drop' every period gives the same number (the
-    previous blocks' state was dropped, the new blocks' state has just been created); with 'keep'
-    the state grows to the full model's over the cycle. `config`: model_config(args).
-    Returns a dict, or {'error': ...}."""
+    a switch (gradients still held: train_step's before_zero_grad), the largest over one cycle plus
+    one switch (N_L / gamma + 1 periods, one step each). With omgd_state='drop' every period gives the
+    same number (the previous blocks' state was dropped, the new blocks' state has just been
+    created); with 'keep' the state grows to the full model's over the cycle. The model, optimizer,
+    cycler and step are train.py's (training.build, training.train_step) for the runs' own config
+    (train_config). Returns a dict, or {'error': ...}."""
     import torch
 
     import omgd
-    from model import GPT
+    import training
     try:
-        overrides = train_overrides(getattr(args, 'train_arg', []))
-        betas = (overrides.get('beta1', 0.9), overrides.get('beta2', 0.99))  # train.py's defaults
-        always = [part for part in str(overrides.get('omgd_always', 'embed,pos,norm,head')).split(',') if part]
-        vocab = config.vocab_size
+        cfg, vocab = train_config(method, args)
+        training.check_config(cfg)
         torch.manual_seed(0)
-        model = GPT(config)
-        galore_like = method in ('galore', 'golore')
-        if galore_like:
-            import galore
-            opt = galore.build_optimizer(model, args.weight_decay, args.learning_rate, betas,
-                                         rank=args.galore_rank, update_proj_gap=args.galore_update_proj_gap,
-                                         scale=args.galore_scale,
-                                         projection='svd' if method == 'galore' else 'random')
-        else:
-            opt = model.configure_optimizers(args.weight_decay, args.learning_rate, betas, 'cpu')
-        cycler = omgd.build_cycler(model, opt, 'full' if galore_like else method, args.omgd_gamma,
-                                   args.omgd_period, 0, overrides.get('omgd_ratio', 0.5), args.omgd_state, 0,
-                                   always=always)
+        model, opt, cycler = training.build(cfg, 'cpu', vocab)
         gen = torch.Generator().manual_seed(0)
-        mem, periods = None, args.n_layer // max(1, args.omgd_gamma) + 1
-        for k in range(periods):
-            cycler.step(k * args.omgd_period)
-            x = torch.randint(0, vocab, (args.batch_size, args.block_size), generator=gen)
-            _, loss = model(x, torch.roll(x, -1, dims=1))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], args.grad_clip)
-            cycler.scale_grads()
-            opt.step()
-            now = omgd.memory_bytes(model, opt)  # gradients still held: before zero_grad
+        shape = (cfg['batch_size'], cfg['block_size'])
+
+        def next_batch():
+            x = torch.randint(0, model.config.vocab_size, shape, generator=gen)
+            return x, torch.roll(x, -1, dims=1)
+
+        mem = {}
+
+        def record():  # the step is done, the gradients are still held
+            now = omgd.memory_bytes(model, opt)
             now['trainable_params'] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            if mem is None or now['grads'] + now['optimizer'] > mem['grads'] + mem['optimizer']:
-                mem = now
-            opt.zero_grad(set_to_none=True)
+            if not mem or now['grads'] + now['optimizer'] > mem['grads'] + mem['optimizer']:
+                mem.update(now)
+
+        periods = len(model.blocks) // max(1, cfg['omgd_gamma']) + 1
+        autocast, scaler = training.autocast(cfg, 'cpu'), training.grad_scaler(cfg, 'cpu')
+        for k in range(periods):
+            it = cfg['omgd_warmup'] + k * cfg['omgd_period']  # a switch (after any full-training warm-up)
+            cycler.step(it)
+            cycler.prefetch(it)
+            training.train_step(model, opt, cycler, next_batch(), next_batch, cfg['gradient_accumulation_steps'],
+                                cfg['grad_clip'], cfg['omgd_scale_after_clip'], autocast, scaler,
+                                before_zero_grad=record)
         mem['periods_measured'] = periods
         mem['n_params'] = sum(p.numel() for p in model.parameters())
-        if galore_like:
+        if method in training.GALORE_METHODS:
+            import galore
             mem['projector'] = galore.projector_bytes(opt)  # omgd.memory_bytes leaves projectors out
         mem['grads_plus_optimizer'] = mem['grads'] + mem['optimizer']
         return mem
@@ -346,13 +325,11 @@ def write_markdown(path, report):
             L.append(f"|  | | ({len(r['errors'])} failed seed(s): {'; '.join(r['errors'])[:200]}) | | | | | | |")
     L += ['', 'std: sample standard deviation over seeds. Memory: NOT an allocator peak (CPU has none); the exact '
           'bytes of gradients + optimizer state tensors right after an optimizer step that follows a switch '
-          '(largest over one cycle + 1 switch), from the same model/optimizer/cycler built in-process (omgd.build_cycler + '
-          'omgd.memory_bytes; galore.build_optimizer for galore/golore, whose projection matrices are not '
-          'counted as optimizer state but listed apart below, as in the GaLore paper). Parameters and activations excluded; identical for rr and iid. ms/iter is wall time on '
-          'a shared CPU and only indicative.', '']
-    ignored = [k for k in train_overrides(cfg.get('train_args', [])) if k not in MEMORY_KEYS]
-    if ignored and report['memory']:
-        L[-1:] = [f"The memory columns do not apply these --train_arg overrides of the runs: {', '.join(ignored)}.", '']
+          '(largest over one cycle + 1 switch), built in-process from the runs\' own train.py arguments '
+          '(--train_arg included) by training.build and stepped by training.train_step, as train.py does '
+          '(omgd.memory_bytes; GaLore/GoLore projection matrices are not counted as optimizer state but listed '
+          'apart below, as in the GaLore paper). Parameters and activations excluded; identical for rr and iid. '
+          'ms/iter is wall time on a shared CPU and only indicative.', '']
     if report['pairs']:
         L += ['## Paired differences (same seed)', '',
               'Final val loss of A minus B at each seed (negative: A is lower). t = mean / (std / sqrt(n)); '
@@ -482,9 +459,9 @@ def main(argv=None):
             report = json.load(f)
         if report['memory'] and not args.no_memory:  # cheap, no training: re-measure with the report's config
             cfg = argparse.Namespace(**{n: report['config'][n] for n, _, _ in TRAIN_FLAGS},
+                                     max_iters=report['config']['max_iters'],
                                      train_arg=report['config'].get('train_args', []))
-            config = model_config(cfg)
-            report['memory'] = {m: measure_memory(m, cfg, config) for m in report['memory']}
+            report['memory'] = {m: measure_memory(m, cfg) for m in report['memory']}
             for r in report['rows']:
                 r['memory'] = report['memory'].get(r['method'])
         report['name'] = args.name
@@ -500,9 +477,9 @@ def main(argv=None):
     seeds = list(range(int(args.seeds))) if args.seeds.strip().isdigit() else \
         [int(s) for s in args.seeds.split(',') if s.strip()]
     try:
-        config = model_config(args)  # before hours of training: a bad model shape fails now
-    except (ValueError, TypeError) as e:
-        sys.exit(f"error: model shape: {e}")
+        config = model_config(args)  # before hours of training: a bad model shape or train_arg fails now
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     os.makedirs(args.out_dir, exist_ok=True)
     tmp = None
     runs_dir = args.runs_dir
@@ -519,7 +496,7 @@ def main(argv=None):
     memory = {}
     if not args.no_memory:
         for m in dict.fromkeys(v['method'] for v in variants):
-            memory[m] = measure_memory(m, args, config)
+            memory[m] = measure_memory(m, args)
 
     rows = summarize(variants, runs, memory)
     pairs = [p for a, b in PAIRS if (p := paired(rows, a, b))]
@@ -532,7 +509,8 @@ def main(argv=None):
                    'variants': [v['name'] for v in variants]},
         'rows': rows, 'pairs': pairs, 'memory': memory, 'runs': runs,
         'memory_note': 'exact bytes of gradients + optimizer state after an optimizer step following a switch '
-                       '(largest over one cycle + 1 switch), rebuilt in-process on CPU (omgd.memory_bytes); not an allocator peak',
+                       '(largest over one cycle + 1 switch), built on CPU by training.build from the runs\' train.py '
+                       'arguments and stepped by training.train_step (omgd.memory_bytes); not an allocator peak',
     }
     with open(os.path.join(args.out_dir, f'{args.name}.json'), 'w') as f:
         json.dump(report, f, indent=1)

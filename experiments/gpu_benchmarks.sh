@@ -23,16 +23,18 @@ run() {  # run one command, echoing it into the log first
     "$@" 2>&1 | tee -a "$log"
 }
 
-# the paper's LLaMA-7B table: pure bf16, micro-batch 16 x 256, activation checkpointing
-run python bench_memory.py --model=llama-7b --methods=full,galore,golore,lisa,lisa_wor \
-    --batch_size=16 --block_size=256 --out="results/memory_llama-7b_$gpu"
-# LISA-wor with an fp32 master copy of the active blocks only: on the GPU (+master, above the paper's
-# 19.56 GiB) or on the CPU with the AdamW step there (+offload, the row below it)
-run python bench_memory.py --model=llama-7b --methods=lisa_wor,lisa_wor+master,lisa_wor+offload \
-    --batch_size=16 --block_size=256 --out="results/memory_llama-7b_lisa_wor_variants_$gpu"
-# GPT-2 124M at config/gpt2_lisa_wor.py's micro-batch, nanoGPT's precision (fp32 weights, bf16 autocast)
-run python bench_memory.py --model=gpt2 --methods=full,galore,golore,lisa,lisa_wor,lisa_wor+master \
-    --batch_size=60 --block_size=1024 --gamma=3 --dtype=bf16_autocast --activation_checkpointing=False \
-    --vocab_size=50304 --grad_accum=8 --out="results/memory_gpt2_$gpu"
+# the paper's LLaMA-7B table: config/llama7b_lisa_wor.py (pure bf16, micro-batch 16 x 256, activation
+# checkpointing, 2 of 32 blocks) with LLaMA's vocabulary instead of the config's GPT-2 one
+run python bench_memory.py config/llama7b_lisa_wor.py --vocab_size=32000 --methods=full,galore,golore,lisa,lisa_wor \
+    --out="results/memory_llama-7b_$gpu"
+# LISA-wor with an fp32 master copy of the active blocks only: on the GPU (bf16_master, above the paper's
+# 19.56 GiB) or on the CPU with the AdamW step there (bf16_master:cpu), next to pure bf16
+run python bench_memory.py config/llama7b_lisa_wor.py --vocab_size=32000 --methods=lisa_wor \
+    --precisions=bf16,bf16_master,bf16_master:cpu --out="results/memory_llama-7b_lisa_wor_variants_$gpu"
+# GPT-2 124M as config/gpt2_lisa_wor.py trains it (precision amp: fp32 weights, bf16 autocast; micro-batch
+# 60 x 1024; omgd_state keep), and under bf16_master
+run python bench_memory.py config/gpt2_lisa_wor.py --methods=full,galore,golore,lisa,lisa_wor \
+    --precisions=amp,bf16_master --out="results/memory_gpt2_$gpu"
 # speed: full AdamW, LISA, LISA-wor and GaLore on GPT-2 124M, compiled per block, one run
-run python bench.py --model=gpt2 --vocab_size=50304 --batch_size=12 --block_size=1024 --gamma=3 --out="results/bench_gpt2_$gpu.md"
+run python bench.py --methods=full,lisa,lisa_wor,galore --preset=gpt2 --vocab_size=50304 --batch_size=12 \
+    --block_size=1024 --omgd_gamma=3 --out="results/bench_gpt2_$gpu.md"

@@ -13,56 +13,102 @@ import bench_memory  # noqa: E402
 GIB = 2 ** 30
 
 
-def config(**overrides):
-    cfg = dict(bench_memory.DEFAULTS)
-    cfg.update(overrides)
-    return cfg
+def config(*argv, **overrides):
+    """bench_memory's config for `argv` (config files, --key=value), then overrides."""
+    from configurator import configure
+    return {**configure(bench_memory.DEFAULTS, list(argv)), **overrides}
+
+
+LLAMA_7B = os.path.join(ROOT, 'config', 'llama7b_lisa_wor.py')
+SMALL = dict(preset='', arch='llama', n_layer=4, n_head=4, n_embd=64, vocab_size=512, block_size=32, batch_size=2,
+             micro_batches=2, galore_rank=8)
 
 
 def test_llama_7b_breakdown_matches_paper():
-    """The paper's Model/Gradients/Optimizer columns, from the real optimizers' state on meta tensors."""
-    cfg = config(model='llama-7b', methods='full,galore,golore,lisa,lisa_wor', batch_size=16, block_size=256,
-                 device='meta', micro_batches=0)  # bytes only: no forward/backward, for speed
+    """The paper's Model/Gradients/Optimizer columns, from the real optimizers' state on meta tensors, for
+    config/llama7b_lisa_wor.py with LLaMA's vocabulary: the training config is the paper's setting."""
+    cfg = config(LLAMA_7B, '--vocab_size=32000', '--methods=full,galore,golore,lisa,lisa_wor', '--device=meta',
+                 '--micro_batches=1')
     result = bench_memory.run(cfg)
-    assert result['estimate']
+    assert result['estimate'] and result['precisions'] == [('bf16', '')]
     got = {r['method']: tuple(round(r[k] / GIB, 2) for k in ('params', 'grads', 'optimizer'))
            for r in result['rows']}
     assert got == {'full': (12.55, 12.55, 25.10), 'galore': (12.55, 12.55, 1.73), 'golore': (12.55, 12.55, 1.73),
                    'lisa': (12.55, 1.24, 2.48), 'lisa_wor': (12.55, 1.24, 2.48)}
     galore_row = next(r for r in result['rows'] if r['method'] == 'galore')
     assert galore_row['projectors'] > 0  # counted apart, not as optimizer state
+    text = bench_memory.markdown(result)
+    assert 'precision bf16, omgd_state drop' in text and "The paper's table" in text
 
 
 def test_meta_and_cpu_agree_on_exact_bytes():
-    common = dict(model='tiny', n_layer=2, n_embd=64, vocab_size=512, block_size=32, batch_size=2, micro_batches=2,
-                  galore_rank=8, methods='full,galore,lisa_wor,lisa_wor+master,lisa_wor+offload')
+    """Every precision on both devices; the CPU masters of bf16_master:cpu are host memory on both."""
+    common = dict(SMALL, methods='full,galore,lisa_wor', precisions='bf16,bf16_master,bf16_master:cpu')
     meta = bench_memory.run(config(device='meta', **common))['rows']
     cpu = bench_memory.run(config(device='cpu', **common))['rows']
+    assert [(r['method'], r['precision'], r['master_device']) for r in meta] == \
+        [(m, p, d) for p, d in (('bf16', ''), ('bf16_master', ''), ('bf16_master', 'cpu'))
+         for m in ('full', 'galore', 'lisa_wor')]
     for m, c in zip(meta, cpu):
         for key in ('params', 'grads', 'optimizer', 'cpu_state', 'projectors'):
-            assert m[key] == c[key], (m['method'], key)
+            assert m[key] == c[key], (m['method'], m['precision'], key)
         assert m['others'] > 0 and c['others'] > 0
-    offload = next(r for r in meta if r['method'] == 'lisa_wor+offload')
-    plain = next(r for r in meta if r['method'] == 'lisa_wor')
-    assert offload['optimizer'] == 0 and offload['cpu_state'] > 0 and offload['peak'] < plain['peak']
+    rows = {(r['method'], bench_memory.precision_label(r['precision'], r['master_device'])): r for r in meta}
+    plain, master, offload = (rows['lisa_wor', p] for p in ('bf16', 'bf16_master', 'bf16_master:cpu'))
+    assert plain['grads'] < rows['full', 'bf16']['grads']
+    # fp32 master + 2 fp32 moments (12 bytes) instead of 2 bf16 moments (4 bytes) per trainable parameter
+    assert master['optimizer'] == 3 * plain['optimizer'] and offload['optimizer'] == 0
+    assert offload['cpu_state'] == master['optimizer'] and offload['peak'] < plain['peak'] < master['peak']
 
 
 def test_cpu_build_keeps_gpt2_head_tied_to_embedding():
-    """to_empty gives each module its own tensor; build_model must re-tie GPT-2's head to its embedding
-    (untied, --device=cpu counted the 50304 x 768 head twice: 162.5M parameters instead of 123.9M)."""
-    cfg = config(model='gpt2', n_layer=2, n_head=4, n_embd=64, vocab_size=512, block_size=32)
-    counts = {}
-    for device in ('meta', 'cpu'):
-        net = bench_memory.build_model(bench_memory.model_config(cfg), torch.device(device), torch.float32, False)
-        assert bench_memory.tied_parameters(net) == [['wte.weight', 'lm_head.weight']], device
-        counts[device] = sum(p.numel() for p in net.parameters())
+    """GPT-2 ties its head to its embedding: built on meta or on the CPU, it is counted once."""
     from model import GPT
-    assert counts['meta'] == counts['cpu'] == sum(p.numel() for p in GPT(bench_memory.model_config(cfg)).parameters())
-    assert abs(net.wte.weight.std().item() - 0.02) < 0.002  # initialised after to_empty, not garbage
-    rows = {device: bench_memory.run(config(device=device, methods='full', micro_batches=0, **{
-        k: cfg[k] for k in ('model', 'n_layer', 'n_head', 'n_embd', 'vocab_size', 'block_size')}))['rows'][0]
-        for device in ('meta', 'cpu')}
-    assert all(rows['meta'][k] == rows['cpu'][k] for k in ('params', 'grads', 'optimizer', 'n_params'))
+    cfg = config(**dict(SMALL, arch='gpt2', methods='full', micro_batches=1))
+    rows = {device: bench_memory.run(config(**{**cfg, 'device': device}))['rows'][0] for device in ('meta', 'cpu')}
+    n_params = sum(p.numel() for p in GPT(bench_memory.model_config(cfg)).parameters())
+    assert rows['meta']['n_params'] == rows['cpu']['n_params'] == n_params
+    assert all(rows['meta'][k] == rows['cpu'][k] for k in ('params', 'grads', 'optimizer'))
+
+
+def test_train_py_memory_keys_reach_the_measurement():
+    """Keys that training.build applies change the estimate with no code here: loss_chunk, and
+    activation_offload, whose host copies the meta device emulates (and the emulation is undone)."""
+    import model
+    to_host = model.OffloadActivations.__dict__['to_host']
+    others = {name: bench_memory.run(config(**SMALL, device='meta', methods='lisa_wor', **kw))['rows'][0]['others']
+              for name, kw in dict(plain={}, offload=dict(activation_offload=True), chunk=dict(loss_chunk=8)).items()}
+    assert others['offload'] < others['plain'] and others['chunk'] < others['plain'], others
+    assert model.OffloadActivations.__dict__['to_host'] is to_host
+
+
+def test_vocabulary_as_train_py_reads_it(tmp_path):
+    """vocab_size, else the dataset's meta.pkl (train.py's rule), else the preset's / GPT-2's."""
+    import pickle
+
+    from model import GPT
+    with open(tmp_path / 'meta.pkl', 'wb') as f:
+        pickle.dump({'vocab_size': 77}, f)
+    prepared = {**SMALL, 'dataset': str(tmp_path), 'vocab_size': 0}
+    vocab = lambda **kw: bench_memory.model_config(config(**kw)).vocab_size  # noqa: E731
+    assert vocab(**prepared) == 77 and vocab(**{**prepared, 'vocab_size': 512}) == 512
+    assert vocab(dataset='no_such_dataset') == 50304 and vocab(dataset='no_such_dataset', preset='llama-60m') == 32000
+    row = bench_memory.run(config(**prepared, device='meta', methods='full'))['rows'][0]
+    assert row['n_params'] == sum(p.numel() for p in GPT(bench_memory.model_config(config(**prepared))).parameters())
+
+
+def test_defaults_are_train_py_keys():
+    """bench_memory.py and bench.py read train.py's keys, whatever train.py adds: every key, with
+    train.py's value (the device-dependent ones as on a GPU machine for bench_memory)."""
+    import bench
+    from conftest import train_defaults
+    train = {k: v for k, v in train_defaults().items() if isinstance(v, (int, float, bool, str))}  # its key rule
+    own = {'device', 'dtype', 'compile', 'backend'}  # train_defaults() sets these for CPU tests
+    for defaults in (bench_memory.DEFAULTS, bench.DEFAULTS):
+        assert set(train) <= set(defaults)
+        assert {k: defaults[k] for k in train if k not in own} == {k: train[k] for k in train if k not in own}
+    assert (bench_memory.DEFAULTS['dtype'], bench_memory.DEFAULTS['compile']) == ('bfloat16', True)
+    assert bench_memory.DEFAULTS['device'] == bench.DEFAULTS['device'] == 'auto'
 
 
 def test_live_bytes_counts_storages_once_and_frees():
@@ -95,13 +141,13 @@ def run_script(*args, timeout=120):
 
 def test_bench_memory_script_writes_outputs(tmp_path):
     prefix = str(tmp_path / 'mem')
-    proc = run_script('bench_memory.py', '--model=llama-60m', '--methods=full,lisa_wor', '--batch_size=4',
+    proc = run_script('bench_memory.py', '--preset=llama-60m', '--methods=full,lisa_wor', '--batch_size=4',
                       '--block_size=64', '--device=meta', f'--out={prefix}')
     assert proc.returncode == 0, proc.stderr
     for ext in ('.md', '.json', '.png'):
         assert os.path.getsize(prefix + ext) > 0
     text = open(prefix + '.md').read()
-    assert 'ESTIMATE' in text and '| lisa_wor |' in text
+    assert 'ESTIMATE' in text and '| lisa_wor | amp |' in text and 'precision amp, omgd_state drop' in text
     data = json.load(open(prefix + '.json'))
     assert data['estimate'] and [r['method'] for r in data['rows']] == ['full', 'lisa_wor']
     assert data['rows'][1]['grads'] < data['rows'][0]['grads']
@@ -110,95 +156,95 @@ def test_bench_memory_script_writes_outputs(tmp_path):
 def test_bench_memory_rejects_unknown_keys():
     proc = run_script('bench_memory.py', '--batchsize=4')
     assert proc.returncode != 0 and 'unknown config key' in proc.stderr and 'batch_size' in proc.stderr
-    with pytest.raises(ValueError, match=r'\+master or \+offload'):
-        bench_memory.parse_method('lisa_wor+gpu')
-    with pytest.raises(ValueError, match='AdamW methods'):
-        bench_memory.parse_method('galore+offload')
+    proc = run_script('bench_memory.py', '--methods=lisa_wor+master')  # the old suffixes are gone
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
+        "error: unknown method 'lisa_wor+master'; choose one of full, lisa, lisa_scale, lisa_wor, lisa_wor_noscale, "
+        "tensor_wor, tensor_iid, galore, golore"]
 
 
 def test_bench_script_runs(tmp_path):
     out = str(tmp_path / 'bench.md')
-    proc = run_script('bench.py', '--model=tiny', '--n_layer=2', '--n_embd=64', '--vocab_size=512', '--batch_size=2', '--block_size=32', '--steps=2',
-                      '--warmup_steps=1', '--methods=full,lisa_wor,galore', '--compile=False', f'--out={out}')
+    proc = run_script('bench.py', '--arch=llama', '--n_layer=2', '--n_embd=64', '--vocab_size=512', '--batch_size=2',
+                      '--block_size=32', '--steps=2', '--warmup_steps=1', '--methods=full,lisa_wor,galore',
+                      '--precisions=amp,bf16_master:cpu', '--compile=False', f'--out={out}')
     assert proc.returncode == 0, proc.stderr
     text = open(out).read()
     rows = [line.split('|')[1:-1] for line in text.splitlines() if line.startswith('| ')]
     header = [cell.strip() for cell in rows[0]]
-    speeds = {cells[0].strip(): float(cells[header.index('tokens/s')].replace(',', '')) for cells in rows[1:]}
-    assert list(speeds) == ['full', 'lisa_wor', 'galore'] and all(v > 0 for v in speeds.values()), speeds
-    cfg = config(model='tiny', n_layer=2, n_embd=64, vocab_size=512, block_size=32)
-    net = bench_memory.build_model(bench_memory.model_config(cfg), torch.device('meta'), torch.float32, False)
-    assert f"{sum(p.numel() for p in net.parameters()) / 1e6:.1f}M parameters" in text
+    speeds = {(cells[0].strip(), cells[1].strip()): float(cells[header.index('tokens/s')].replace(',', ''))
+              for cells in rows[1:]}
+    assert list(speeds) == [(m, p) for p in ('amp', 'bf16_master:cpu') for m in ('full', 'lisa_wor', 'galore')]
+    assert all(v > 0 for v in speeds.values()), speeds
+    from model import GPT
+    cfg = config(arch='llama', n_layer=2, n_embd=64, vocab_size=512)
+    n_params = sum(p.numel() for p in GPT(bench_memory.model_config(cfg)).parameters())
+    assert f"{n_params / 1e6:.1f}M parameters" in text
 
 
 @pytest.mark.parametrize('overrides,message', [
-    (dict(dtype='fp16'), 'dtype must be'),
-    (dict(batch_size=0), 'batch_size and grad_accum must be'),
-    (dict(grad_accum=0), 'batch_size and grad_accum must be'),
-    (dict(methods='adam'), 'unknown method'),
-    (dict(methods=','), 'methods is empty'),
-    (dict(device='tpu'), 'device must be auto'),
-    (dict(model='gpt5', micro_batches=0), 'unknown model'),
-    (dict(model='tiny', n_embd=100, n_head=3, micro_batches=0), 'model shape:'),
+    (dict(dtype='fp16'), "unknown dtype 'fp16'"),
+    (dict(batch_size=0), 'batch_size and block_size must be >= 1 and micro_batches >= 0'),
+    (dict(micro_batches=-1), 'batch_size and block_size must be >= 1 and micro_batches >= 0'),
+    (dict(gradient_accumulation_steps=0), 'gradient_accumulation_steps must be >= 1'),
+    (dict(methods='adam'), "unknown method 'adam'"),
+    (dict(methods=','), 'methods lists no method'),
+    (dict(precisions='fp8'), "unknown precision 'fp8'"),
+    (dict(precisions='bf16_master:gpu'), "master_device must be '' (the weights' device) or 'cpu', got 'gpu'"),
+    (dict(precisions='bf16:cpu'), "master_device='cpu' places fp32 master weights"),
+    (dict(device='tpu'), 'device must be auto, cuda, meta, cpu'),
+    (dict(preset='gpt5'), "unknown preset 'gpt5'"),
+    (dict(preset='gpt2', n_layer=2), "preset='gpt2' sets the architecture, so n_layer=2 would be ignored"),
+    (dict(n_embd=100, n_head=3), 'model shape:'),
 ])
 def test_bench_memory_errors(overrides, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError) as e:
         bench_memory.run(config(**{'device': 'meta', 'methods': 'full', **overrides}))
+    assert message in str(e.value) and '\n' not in str(e.value)
 
 
 @pytest.mark.parametrize('argv,message', [
-    (['--device=tpu'], 'device must be auto'),
-    (['--dtype=fp16'], 'dtype must be auto, float32 or bfloat16'),
+    (['--device=meta'], 'device must be auto, cuda, cpu'),
+    (['--dtype=fp16'], "unknown dtype 'fp16'"),
     (['--steps=0'], 'steps must be >= 1'),
-    (['--methods=lisa_wor+master'], 'has a suffix'),
-    (['--methods=adam'], 'unknown method'),
-    (['--methods='], 'methods is empty'),
-    (['--model=gpt5'], 'unknown model'),
+    (['--methods=lisa_wor+master'], "unknown method 'lisa_wor+master'"),
+    (['--precisions=bf16_master:gpu'], "master_device must be ''"),
+    (['--methods=,'], 'methods lists no method'),
+    (['--preset=gpt5'], "unknown preset 'gpt5'"),
     (['--n_embd=100', '--n_head=3'], 'model shape:'),
     (['--stepz=3'], 'unknown config key'),
 ])
 def test_bench_errors(argv, message):
     import bench
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(SystemExit) as e:
         bench.main(['--device=cpu', *argv] if not argv[0].startswith('--device') else argv)
-
-
-def test_master_variants_build_optim_master_adamw():
-    """+master/+offload use optim.MasterAdamW (tested in test_optim.py); off CUDA, +offload keeps the
-    state on the one device and marks it as host memory for LiveBytes."""
-    import contextlib
-    import optim
-    cfg = config(model='tiny', n_layer=2, n_embd=64, vocab_size=512, block_size=32)
-    net = bench_memory.build_model(bench_memory.model_config(cfg), torch.device('meta'), torch.bfloat16, False)
-    tracker = bench_memory.LiveBytes('meta')
-    master = bench_memory.build_optimizer(net, 'lisa_wor', 'master', cfg, torch.device('meta'), tracker)
-    offload = bench_memory.build_optimizer(net, 'lisa_wor', 'offload', cfg, torch.device('meta'), tracker)
-    assert type(master) is type(offload) is optim.MasterAdamW
-    assert master.master_device is None and offload.master_device is None
-    assert offload.host_scope == tracker.host and master.host_scope is contextlib.nullcontext
-    assert [g['weight_decay'] for g in master.param_groups] == [cfg['weight_decay'], 0.0]
+    assert str(e.value).startswith('error: ') and message in str(e.value) and '\n' not in str(e.value)
 
 
 def gpu_script_commands():
-    """The (script, [keys]) of every `run python SCRIPT.py --key=...` command of experiments/gpu_benchmarks.sh."""
+    """(script, [arguments]) of every `run python SCRIPT.py ...` command of experiments/gpu_benchmarks.sh."""
+    import shlex
     text = open(os.path.join(ROOT, 'experiments', 'gpu_benchmarks.sh')).read().replace('\\\n', ' ')
     commands = []
     for line in text.splitlines():
-        words = line.split()
-        if words[:2] == ['run', 'python']:
-            commands.append((words[2], [w[2:].split('=')[0] for w in words[3:] if w.startswith('--')]))
+        if line.split()[:2] == ['run', 'python']:
+            words = shlex.split(line.replace('$gpu', 'GPU'))
+            commands.append((words[2], words[3:]))
     return commands
 
 
 def test_gpu_script_uses_only_valid_keys():
-    """A mistyped key would only show on the GPU, after minutes of other benchmarks."""
+    """A mistyped key or an impossible combination would only show on the GPU, after minutes of other
+    benchmarks: every command's config (files included) must parse and pass the scripts' checks."""
     import bench
-    defaults = {'bench_memory.py': bench_memory.DEFAULTS, 'bench.py': bench.DEFAULTS}
+    from configurator import configure
+    scripts = {'bench_memory.py': bench_memory, 'bench.py': bench}
     commands = gpu_script_commands()
     assert [script for script, _ in commands] == ['bench_memory.py'] * 3 + ['bench.py']
-    for script, keys in commands:
-        assert keys and all(key in defaults[script] for key in keys), (script, keys)
-    assert all('out' in keys for _, keys in commands)  # results/ is written only when named
+    for script, argv in commands:
+        argv = [os.path.join(ROOT, a) if not a.startswith('--') else a for a in argv]
+        cfg = configure(scripts[script].DEFAULTS, argv)
+        scripts[script].check(cfg)
+        assert cfg['methods'] and cfg['out'].startswith('results/')  # results/ is written only when named
 
 
 def under(path, folder):
@@ -219,8 +265,8 @@ def test_default_outputs_stay_out_of_results():
     """Run as documented without --out, a benchmark must not overwrite the committed results/ files."""
     import bench
     from configurator import configure
-    for model in ('llama-7b', 'gpt2'):
-        prefix = bench_memory.output_prefix(configure(bench_memory.DEFAULTS, [f'--model={model}']))
+    for argv in ([], ['--preset=gpt2'], [LLAMA_7B]):
+        prefix = bench_memory.output_prefix(configure(bench_memory.DEFAULTS, argv))
         assert not under(prefix, 'results') and git_ignored(prefix), prefix
     assert bench_memory.output_prefix(configure(bench_memory.DEFAULTS, ['--out=results/x'])) == 'results/x'
     assert configure(bench.DEFAULTS, [])['out'] == ''  # bench.py writes a file only when --out names one

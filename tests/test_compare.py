@@ -70,23 +70,35 @@ def test_paired_differences():
     assert compare.paired(rows, 'lisa_wor', 'galore') is None
 
 
-def test_memory_applies_the_model_keys_of_train_arg():
-    """measure_memory describes the model the runs train: --train_arg's shape keys reach it, others are named."""
+def test_memory_builds_the_runs_own_config():
+    """measure_memory measures the config the runs train: train_command's arguments, --train_arg included
+    (any train.py key), parsed by train.py's configurator; a key train.py refuses is refused here too."""
     import argparse
 
+    import pytest
     import torch
 
     from model import GPT
     flags = {name: default for name, _, default in compare.TRAIN_FLAGS}
     flags.update(dataset='no_such_dataset', n_layer=2, n_embd=32, block_size=16, batch_size=2, omgd_gamma=1)
-    args = argparse.Namespace(**flags, train_arg=['--arch=llama', '--n_kv_head=2', '--omgd_warmup=5'])
-    assert compare.train_overrides(args.train_arg) == {'arch': 'llama', 'n_kv_head': 2, 'omgd_warmup': 5}
+    args = argparse.Namespace(**flags, max_iters=10, train_arg=['--arch=llama', '--n_kv_head=2', '--omgd_warmup=5'])
+    cfg, vocab = compare.train_config('lisa_wor', args)
+    assert (cfg['method'], cfg['omgd_warmup'], cfg['n_layer'], cfg['device'], vocab) == ('lisa_wor', 5, 2, 'cpu', 0)
     config = compare.model_config(args)
     assert (config.arch, config.n_kv_head, config.vocab_size) == ('llama', 2, 50304)
-    mem = compare.measure_memory('lisa_wor', args, config)
+    mem = compare.measure_memory('lisa_wor', args)
     with torch.device('meta'):
         assert 'error' not in mem and mem['n_params'] == sum(p.numel() for p in GPT(config).parameters())
     assert compare.n_params(config, {'lisa_wor': mem}) == compare.n_params(config, {}) == mem['n_params']
+    assert mem['params'] == 4 * mem['n_params']  # fp32: train.py's default precision='amp'
+    args.train_arg.append('--precision=bf16')  # a key that is no model shape applies too
+    bf16 = compare.measure_memory('lisa_wor', args)
+    assert (bf16['params'], bf16['grads'], bf16['optimizer']) == (mem['params'] // 2, mem['grads'] // 2,
+                                                                   mem['optimizer'] // 2)
+    args.train_arg = ['--omgd_gama=1']
+    assert compare.measure_memory('full', args)['error'].startswith("ConfigError: unknown config key 'omgd_gama'")
+    with pytest.raises(ValueError, match="unknown config key 'omgd_gama'"):
+        compare.model_config(args)
 
 
 def test_default_out_dir_is_not_results():
