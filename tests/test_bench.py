@@ -292,3 +292,14 @@ def test_gpu_script_refuses_without_cuda():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and 'error: no CUDA device' in proc.stderr
     assert sorted(os.listdir(os.path.join(ROOT, 'results'))) == before
+
+
+def test_meta_estimate_of_the_peak_within_one_percent_of_cpu_for_gpt2():
+    """The estimate's total (Others included) against LiveBytes on real CPU tensors, GPT-2 layout. amp is
+    left out: CPU runs it in fp32 without autocast, while meta emulates CUDA's bf16 autocast."""
+    common = dict(SMALL, arch='gpt2', bias=True, methods='full,lisa_wor', precisions='bf16,bf16_master')
+    meta = bench_memory.run(config(device='meta', **common))['rows']
+    cpu = bench_memory.run(config(device='cpu', **common))['rows']
+    for m, c in zip(meta, cpu):
+        assert (m['method'], m['precision']) == (c['method'], c['precision'])
+        assert abs(m['peak'] / c['peak'] - 1) < 0.01, (m['method'], m['precision'], m['peak'], c['peak'])
