@@ -35,11 +35,6 @@ The paper's setting is config/llama7b_lisa_wor.py (pure bf16, micro-batch 16 x 2
 accumulation steps, activation checkpointing, 2 of 32 blocks plus embedding, final norm and head,
 GaLore/GoLore rank 128 on every attention and MLP matrix, projectors not counted as optimizer
 state) with LLaMA's vocabulary 32000 instead of the config's GPT-2 50304.
-The paper's 1.73 GiB for GaLore/GoLore comes out with GaLore's own convention: rank 128 on the
-smaller side of all 7 matrices of every block (moments of 4096 x 128 for q/k/v/o, 11008 x 128 for
-gate/up/down), full bf16 AdamW moments for the embedding, head and norms, projectors not counted:
-2 x 2 bytes x (32 x 6,332,416 + 262,148,096) = 1.7314 GiB. LISA's 1.24/2.48 GiB are 2 blocks +
-embedding + head + final norm (666,914,816 parameters) in bf16, times 1 and 2.
 
 For every row: training.build (the model is constructed directly on the device, on meta without
 memory), then train.py's loop body: cycler.step(it), cycler.prefetch(it), training.train_step.
@@ -61,28 +56,20 @@ Where it runs (--device):
         reset_peak_memory_stats), reserved = max_memory_reserved. compile=True compiles every
         block as train.py does (then LiveBytes does not run).
   meta (auto without a GPU): an ESTIMATE, labelled so in every output. The same code runs on
-        meta tensors (shapes and dtypes, no data, no memory) in seconds, even for llama-7b.
-        Weights, gradients and optimizer state are still exact: the real optimizer step runs on
-        meta tensors and allocates its real state. The peak is counted by LiveBytes below, a
-        TorchDispatchMode that adds up the bytes of every live tensor storage op by op, over
-        the measured iteration; "others" = that peak minus weights, grads and state.
-        So that the forward/backward allocates what it would on a GPU, MetaAsCuda replaces
-        scaled_dot_product_attention by FlashAttention (bf16) or memory-efficient attention
-        (fp32) kernels, which save the log-sum-exp, not T x T weights, and emulates CUDA
-        autocast (precision=amp) at the torch-function level (matmuls cast to `dtype`, norms,
-        softmax and cross-entropy to fp32, casts of trainable weights cached for the forward);
-        it is train_step's autocast, and its backward() is train_step's backward hook.
-        master_device='cpu' and activation_offload=True are emulated: masters, moments and
-        offloaded activations stay on the one device, marked as host memory for LiveBytes.
-        Eager only (compile is ignored), no loss scaling.
-        Not modelled: the caching allocator's 512-byte rounding and fragmentation (hence no
-        reserved figure), cuBLAS workspaces, and the fused AdamW kernel (meta runs the
-        per-parameter AdamW, whose temporaries are one parameter's size at a time).
+        meta tensors (shapes and dtypes, no data, no memory). Weights, gradients and optimizer
+        state are still exact: the real optimizer step runs on meta tensors and allocates its
+        real state. The peak is memory_tools.LiveBytes' count of live tensor bytes over the
+        measured iteration; "others" = that peak minus weights, grads and state. The forward
+        and backward run under memory_tools.MetaAsCuda (GPU attention kernels, CUDA autocast
+        for precision=amp): it is train_step's autocast, and its backward() is train_step's
+        backward hook. master_device='cpu' and activation_offload=True are emulated: masters,
+        moments and offloaded activations stay on the one device, marked as host memory.
+        Eager only (compile is ignored), no loss scaling, no reserved figure; memory_tools.py
+        lists what is not modelled.
   cpu:  runs for real on the CPU, as train.py on a CPU (fp32 compute), counted by LiveBytes
         (for tests of the non-meta code path).
 On cuda LiveBytes runs too, and its peak is stored in the JSON ('tracked_peak') to check the
-meta estimator against the measurement. (torch.distributed._tools.mem_tracker.MemTracker is not
-used: it registers a gradient hook on every parameter it sees and fails on frozen ones.)
+meta estimator against the measurement.
 """
 import ast
 import gc
@@ -92,20 +79,14 @@ import pickle
 import sys
 import time
 import types
-import weakref
-from contextlib import contextmanager, nullcontext
-from functools import partial
+from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-import model
 import omgd
 import training
 from configurator import ConfigError, configure
+from memory_tools import LiveBytes, MetaAsCuda, offload_on_meta
 from model import GPTConfig, PRESETS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -149,168 +130,6 @@ GIB = 2 ** 30
 PAPER_LLAMA_7B = {'full': (12.55, 12.55, 25.10, 14.66, 64.86), 'galore': (12.55, 12.55, 1.73, 4.40, 31.23),
                   'golore': (12.55, 12.55, 1.73, 4.40, 31.23), 'lisa': (12.55, 1.24, 2.48, 3.29, 19.56),
                   'lisa_wor': (12.55, 1.24, 2.48, 3.29, 19.56)}
-
-
-# -----------------------------------------------------------------------------
-# counting live tensor memory, on any device
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the live tensor storages on `device`, and their peak, counted op by op.
-
-    Tensors made before entering must be registered with add(). A storage is counted once however
-    many views it has, and uncounted when it is freed (weak reference). Storages created inside
-    `with tracker.host():` stand for CPU memory (the meta device has no CPU) and are not counted.
-    """
-
-    def __init__(self, device):
-        super().__init__()
-        self.device = torch.device(device)
-        self.entries = {}  # id(storage) -> [weakref, nbytes, host]
-        self.current = self.peak = 0
-        self.host_depth = 0
-
-    def add(self, *tensors):
-        for t in tree_leaves(tensors):
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-
-    @contextmanager
-    def host(self):
-        self.host_depth += 1
-        try:
-            yield
-        finally:
-            self.host_depth -= 1
-
-    def is_host(self, t):
-        entry = self.entries.get(id(t.untyped_storage()))
-        return t.device != self.device or (entry is not None and entry[2])
-
-    def reset_peak(self):
-        self.peak = self.current
-
-    def _track(self, t):
-        if t.device != self.device:
-            return
-        st = t.untyped_storage()
-        key, nbytes = id(st), st.nbytes()
-        entry = self.entries.get(key)
-        if entry is not None:
-            if entry[1] != nbytes and not entry[2]:  # resized in place
-                self._count(nbytes - entry[1])
-            entry[1] = nbytes
-            return
-        host = self.host_depth > 0
-        self.entries[key] = [weakref.ref(st, partial(self._freed, key)), nbytes, host]
-        if not host:
-            self._count(nbytes)
-
-    def _count(self, delta):
-        self.current += delta
-        self.peak = max(self.peak, self.current)
-
-    def _freed(self, key, ref):
-        entry = self.entries.get(key)
-        if entry is not None and entry[0] is ref:
-            del self.entries[key]
-            if not entry[2]:
-                self.current -= entry[1]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-        return out
-
-
-class MetaAsCuda(TorchFunctionMode):
-    """Makes a forward/backward on meta (or CPU) tensors allocate what it would on a GPU.
-
-    - scaled_dot_product_attention runs the FlashAttention kernel (bf16/fp16) or the memory-
-      efficient one (fp32), which save a log-sum-exp per row, not the T x T attention weights
-      that the math fallback used off-GPU would keep;
-    - with dtype (bf16 or fp16), CUDA autocast's casts: matmuls to dtype, norms, softmax and
-      cross-entropy to fp32, and (cache=True, the forward) casts of leaf tensors that require
-      grad kept until the forward ends, like autocast's weight cache. None: no autocast.
-    Run the backward with backward() below (cache=False): activation checkpointing recomputes there.
-    """
-    LOW = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
-           torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.bmm}
-    FP32 = {F.layer_norm, F.rms_norm, F.group_norm, F.softmax, F.log_softmax, torch.softmax,
-            torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax, F.cross_entropy,
-            F.nll_loss, torch.exp, torch.log, torch.rsqrt, torch.pow, torch.Tensor.pow, torch.sum}
-
-    def __init__(self, dtype=None, cache=False):
-        super().__init__()
-        self.dtype, self.cache = dtype, cache
-        self.casts = {}
-
-    def __exit__(self, *args):
-        self.casts.clear()
-        return super().__exit__(*args)
-
-    def backward(self, loss):
-        """loss.backward() with this mode on. (Tensor.backward would hand itself to the mode, and a
-        mode is off while it handles a call, so call the autograd engine directly.)"""
-        with self:
-            torch.autograd.graph._engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (),
-                                                      allow_unreachable=True, accumulate_grad=True)
-
-    def _cast(self, x, dtype):
-        if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype):
-            return x
-        if self.cache and x.is_leaf and x.requires_grad:
-            if id(x) not in self.casts:
-                self.casts[id(x)] = x.to(dtype)
-            return self.casts[id(x)]
-        return x.to(dtype)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return self._sdpa(*args, **kwargs)
-        if self.dtype is not None and (func in self.LOW or func in self.FP32):
-            dtype = self.dtype if func in self.LOW else torch.float32
-            args = tuple(self._cast(a, dtype) for a in args)
-            kwargs = {k: self._cast(v, dtype) for k, v in kwargs.items()}
-        return func(*args, **kwargs)
-
-    def _sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if attn_mask is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)
-        if self.dtype is not None:
-            q, k, v = (self._cast(t, self.dtype) for t in (q, k, v))
-        if enable_gqa and k.size(1) != q.size(1):
-            k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
-        if q.dtype in (torch.bfloat16, torch.float16):
-            return torch.ops.aten._scaled_dot_product_flash_attention(
-                q, k, v, dropout_p, is_causal, False, scale=scale)[0]
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, False, dropout_p, is_causal, scale=scale)[0]
-
-
-@contextmanager
-def offload_on_meta(tracker):
-    """model.OffloadActivations (activation_offload=True) on the meta device, which has no data to
-    copy: the host copy of a saved tensor is a meta tensor that LiveBytes counts as host memory, and
-    its copy back in the backward a new tensor on the device."""
-    cls = model.OffloadActivations
-    saved = cls.__dict__['to_host'], cls.__dict__['unpack']
-
-    def to_host(t):
-        with tracker.host():
-            return torch.empty_like(t)
-
-    def unpack(packed):
-        return packed if isinstance(packed, torch.Tensor) else torch.empty_like(packed[1])
-
-    cls.to_host, cls.unpack = staticmethod(to_host), staticmethod(unpack)
-    try:
-        yield
-    finally:
-        cls.to_host, cls.unpack = saved
 
 
 # -----------------------------------------------------------------------------
@@ -524,7 +343,7 @@ def notes_for(cfg, device, estimate, n_params, precisions):
                if device.type == 'meta' else "the CPU's own kernels, fp32 compute as train.py on a CPU")
         lines.append(f"ESTIMATE on the {device.type} device, not a GPU measurement. Weights, gradients and "
                      "optimizer state are exact tensor bytes; Others = the peak of live tensor bytes counted op "
-                     f"by op (LiveBytes in bench_memory.py; {how}) minus those three. Allocator "
+                     f"by op (memory_tools.LiveBytes; {how}) minus those three. Allocator "
                      "rounding/fragmentation, cuBLAS workspaces and the CUDA context are not included; no "
                      "reserved figure.")
     else:

@@ -14,18 +14,25 @@ optimizer state. Blocks are chosen by their index in model.blocks, never by para
 so nothing changes under DDP or torch.compile.
 """
 import math
+from typing import NamedTuple
 
 import torch
 
-# method -> (what a unit is, drawn with replacement?, scale active gradients?)
+
+class Method(NamedTuple):
+    unit: str  # what is switched on and off together: 'block' (one of model.blocks) or 'tensor'
+    with_replacement: bool  # every period draws afresh (LISA, i.i.d. masks), or cycles (OMGD)
+    scaled: bool  # active gradients multiplied by the inverse keep ratio
+
+
 METHODS = {
     'full': None,
-    'lisa': ('block', True, False),
-    'lisa_scale': ('block', True, True),
-    'lisa_wor': ('block', False, True),
-    'lisa_wor_noscale': ('block', False, False),
-    'tensor_wor': ('tensor', False, True),
-    'tensor_iid': ('tensor', True, True),
+    'lisa': Method('block', with_replacement=True, scaled=False),
+    'lisa_scale': Method('block', with_replacement=True, scaled=True),
+    'lisa_wor': Method('block', with_replacement=False, scaled=True),
+    'lisa_wor_noscale': Method('block', with_replacement=False, scaled=False),
+    'tensor_wor': Method('tensor', with_replacement=False, scaled=True),
+    'tensor_iid': Method('tensor', with_replacement=True, scaled=True),
 }
 STATE_POLICIES = ('drop', 'offload', 'keep')
 OUTER_PARTS = ('embed', 'pos', 'norm', 'head')
@@ -82,7 +89,7 @@ def bernoulli_subset(n, ratio, generator):
     """The paper's i.i.d. mask on n items: each kept independently with probability `ratio`.
 
     An empty draw is redrawn: a period with nothing to train cannot run (backward reaches no
-    parameter). That raises P(kept) to r / (1 - (1-r)^n), so LayerCycler scales by
+    parameter). That raises P(kept) to r / (1 - (1-r)^n), so UnitMask scales by
     (1 - (1-r)^n) / r, not 1/r: E[S] = 1 exactly for every item (float64: P(u < r) = r to 2^-53).
     """
     while True:
@@ -100,17 +107,18 @@ class GroupSchedule:
     pool, whose leftover (< gamma blocks) is dropped by the reset. With replacement (LISA,
     i.i.d. masks) every period draws a fresh partition and uses only its first group.
     peek() tells the next group a period early (for prefetching) without changing the draws.
+    partitions_drawn: the cycle number without replacement, the period number with it (key 'cycle').
     """
 
     def __init__(self, partition, replacement, generator):
         self.partition, self.replacement, self.generator = partition, replacement, generator
-        self.pending, self.cycle = [], 0
+        self.pending, self.partitions_drawn = [], 0
         self.ahead = None  # the next partition, when peek() had to draw it early
 
     def next(self):
         if self.replacement or not self.pending:
             self.pending = self.ahead if self.ahead is not None else self.partition(self.generator)
-            self.ahead, self.cycle = None, self.cycle + 1
+            self.ahead, self.partitions_drawn = None, self.partitions_drawn + 1
         group = self.pending.pop(0)
         if self.replacement:
             self.pending = []
@@ -126,17 +134,17 @@ class GroupSchedule:
         return self.ahead[0]
 
     def state_dict(self):
-        return {'pending': self.pending, 'cycle': self.cycle, 'rng': self.generator.get_state(),
+        return {'pending': self.pending, 'cycle': self.partitions_drawn, 'rng': self.generator.get_state(),
                 'ahead': self.ahead}  # the generator has moved past it: a resume must not redraw
 
     def load_state_dict(self, state):
-        self.pending, self.cycle = [list(g) for g in state['pending']], state['cycle']
+        self.pending, self.partitions_drawn = [list(g) for g in state['pending']], state['cycle']
         self.ahead = [list(g) for g in state['ahead']] if state.get('ahead') else None  # older: absent
         self.generator.set_state(state['rng'])
 
 
 # -----------------------------------------------------------------------------
-# Layer cycling on a model and its optimizer
+# The mask on a model and its optimizer: freezing, state policies, gradient scale
 
 
 def check_config(method, gamma, period, warmup, ratio, state_policy, n_units):
@@ -151,14 +159,15 @@ def check_config(method, gamma, period, warmup, ratio, state_policy, n_units):
         raise ValueError(f"omgd_warmup must be >= 0, got {warmup}")
     if method == 'full':
         return
-    if METHODS[method][0] == 'block' and not 0 < gamma <= n_units:
+    if METHODS[method].unit == 'block' and not 0 < gamma <= n_units:
         raise ValueError(f"omgd_gamma must be in 1..{n_units} (the model's number of blocks), got {gamma}")
-    if METHODS[method][0] == 'tensor' and not 0 < ratio <= 1:
+    if METHODS[method].unit == 'tensor' and not 0 < ratio <= 1:
         raise ValueError(f"omgd_ratio must be in (0, 1], got {ratio}")
 
 
-class LayerCycler:
-    """Freezes and unfreezes units (blocks or tensors) of a model on an OMGD schedule.
+class UnitMask:
+    """The mask of a method over a model's units (blocks or tensors), drawn by a GroupSchedule:
+    freezes and unfreezes the units, sets their optimizer state policy, scales active gradients.
 
     units: list of parameter lists that are switched on and off together. Parameters in no
     unit are left alone (build_cycler sets which of them train).
@@ -169,29 +178,24 @@ class LayerCycler:
         check_config(method, gamma, period, warmup, ratio, state_policy, len(units))
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group['params']}
         if any(id(p) not in in_optimizer for unit in units for p in unit):
-            # LMFlow's bug: an optimizer built over trainable parameters only never trains a
-            # block that was frozen at that moment.
+            # else the blocks frozen when the optimizer was built would never train
             raise ValueError("every parameter layer cycling may activate must be in the optimizer; "
                              "build the optimizer over all parameters before freezing anything")
-        self.units, self.optimizer = units, optimizer
+        self.units, self.optimizer, self.state_policy = units, optimizer, state_policy
         self.method, self.gamma, self.period, self.warmup = method, gamma, period, warmup
-        self.state_policy = state_policy
         self.active = list(range(len(units)))  # everything trains until the first switch
-        self.last_switch = -1
-        self.scale = 1.0
+        self.last_switch, self.scale = -1, 1.0
         self.offloaded = {}  # param -> {state key: original device}
         self.prefetched = {}  # param -> {state key: its copy back, started by prefetch()}
         self.streams, self.events, self.sources = {}, {}, []  # CUDA: per device; pinned tensors being read
         if method == 'full':
             self.schedule = None
             return
-        unit_kind, replacement, scaled = METHODS[method]
-        generator = torch.Generator().manual_seed(seed)
-        n = len(units)
-        if unit_kind == 'block':
+        kind, n = METHODS[method], len(units)
+        if kind.unit == 'block':
             partition = lambda g: random_partition(n, [gamma] * (n // gamma), g)
-            self.scale = n / gamma if scaled else 1.0
-        elif replacement:  # tensor_iid: each tensor kept with probability r (see bernoulli_subset)
+            self.scale = n / gamma if kind.scaled else 1.0
+        elif kind.with_replacement:  # tensor_iid: each tensor kept with probability r (see bernoulli_subset)
             partition = lambda g: bernoulli_subset(n, ratio, g)
             self.scale = (1 - (1 - ratio) ** n) / ratio
         else:  # tensor_wor: M complementary groups; the masks sum to M * ones
@@ -199,16 +203,12 @@ class LayerCycler:
             numels = [sum(p.numel() for p in unit) for unit in units]
             partition = lambda g: balanced_partition(numels, M, g)
             self.scale = float(M)
-        self.schedule = GroupSchedule(partition, replacement, generator)
-
-    @property
-    def unit_kind(self):
-        return METHODS[self.method][0] if self.schedule else 'block'
+        self.schedule = GroupSchedule(partition, kind.with_replacement, torch.Generator().manual_seed(seed))
 
     def cycle_note(self):
         """A line for the log when LISA-wor's cycles leave blocks out, else None."""
-        k = len(self.units) % self.gamma
-        if self.schedule is None or METHODS[self.method][:2] != ('block', False) or k == 0:
+        k, kind = len(self.units) % self.gamma, METHODS[self.method]
+        if self.schedule is None or kind.unit != 'block' or kind.with_replacement or k == 0:
             return None
         return (f"{self.method} with N_L={len(self.units)}, gamma={self.gamma}: N_L mod gamma = {k} random "
                 f"block{'s sit' if k > 1 else ' sits'} out each cycle, so a cycle's masks do not sum to "
@@ -267,11 +267,10 @@ class LayerCycler:
         active_set = set(self.active)
         for i, unit in enumerate(self.units):
             for p in unit:
+                p.requires_grad_(i in active_set)
                 if i in active_set:
-                    p.requires_grad_(True)
                     self._restore_state(p)
                 else:
-                    p.requires_grad_(False)
                     p.grad = None
                     self._release_state(p)
         self.prefetched = {}  # copies of units left frozen (apply called by hand) are not needed
@@ -283,9 +282,8 @@ class LayerCycler:
         if self.state_policy == 'drop':
             del self.optimizer.state[p]
             return
-        # offload: park the moments (not scalar 'step's) in CPU memory, pinned under CUDA so the copy
-        # back can overlap compute; on CPU a plain copy, so the same path runs (and is tested) there.
-        # The copy out is blocking, so a checkpoint saved right after reads finished data.
+        # offload: park the moments (not scalar 'step's) in CPU memory, pinned under CUDA so the copy back
+        # overlaps compute; the copy out blocks, so a checkpoint saved right after reads finished data.
         devices = {}
         for key, value in state.items():
             if torch.is_tensor(value) and value.dim() > 0:
@@ -312,18 +310,17 @@ class LayerCycler:
         scale = self.scaling()
         if scale == 1.0:
             return
-        for i in self.active:
-            for p in self.units[i]:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+        for p in (p for i in self.active for p in self.units[i] if p.grad is not None):
+            p.grad.mul_(scale)
 
     def describe(self):
         if self.schedule is None:
             return 'full training'
+        unit = METHODS[self.method].unit
         if self.last_switch < self.warmup:
-            return f'warm-up: all {len(self.units)} {self.unit_kind}s train'
-        active = self.active if self.unit_kind == 'block' else f'{len(self.active)} of {len(self.units)}'
-        return f'cycle {self.schedule.cycle}: active {self.unit_kind}s {active}, grad scale {self.scaling():g}'
+            return f'warm-up: all {len(self.units)} {unit}s train'
+        active = self.active if unit == 'block' else f'{len(self.active)} of {len(self.units)}'
+        return f'cycle {self.schedule.partitions_drawn}: active {unit}s {active}, grad scale {self.scaling():g}'
 
     def state_dict(self):
         return {'method': self.method, 'active': self.active, 'last_switch': self.last_switch,
@@ -342,7 +339,7 @@ class LayerCycler:
 
 def build_cycler(model, optimizer, method='lisa_wor', gamma=1, period=1, warmup=0, ratio=0.5,
                  state_policy='drop', seed=0, always=OUTER_PARTS):
-    """A LayerCycler over model.blocks (LISA methods) or over every tensor (tensor methods).
+    """A UnitMask over model.blocks (LISA methods) or over every tensor (tensor methods).
 
     `always` names the outer parts that train at every step under the LISA methods; the
     parts it leaves out stay frozen for the whole run. Tensor methods cycle the outer parts
@@ -352,19 +349,19 @@ def build_cycler(model, optimizer, method='lisa_wor', gamma=1, period=1, warmup=
     if unknown:
         raise ValueError(f"unknown omgd_always part(s) {sorted(unknown)}; choose from {', '.join(OUTER_PARTS)}")
     outer = model.outer_modules()
-    if METHODS.get(method) and METHODS[method][0] == 'tensor':
+    if METHODS.get(method) and METHODS[method].unit == 'tensor':
         if not set(outer) <= set(always):
             raise ValueError(f"{method} cycles every tensor, outer parts included; omgd_always must be "
                              f"{','.join(outer)} (the default), got {','.join(always) or 'nothing'}")
         units = [[p] for p in model.parameters()]  # parameters() dedupes the tied head
-        return LayerCycler(units, optimizer, method, gamma, period, warmup, ratio, state_policy, seed)
+        return UnitMask(units, optimizer, method, gamma, period, warmup, ratio, state_policy, seed)
     units = [list(block.parameters()) for block in model.blocks]
     trained = {id(p) for part in always if part in outer for p in outer[part].parameters()}
     trained |= {id(p) for unit in units for p in unit}
     for p in model.parameters():
         if id(p) not in trained:
             p.requires_grad_(False)
-    return LayerCycler(units, optimizer, method, gamma, period, warmup, ratio, state_policy, seed)
+    return UnitMask(units, optimizer, method, gamma, period, warmup, ratio, state_policy, seed)
 
 
 def state_tensors(optimizer):

@@ -9,7 +9,7 @@ of its low-rank update to the weight's shape; MasterAdamW calls it on fp32 maste
 
 MasterAdamW keeps the model's weights in bf16 (or any dtype) and, for each parameter that trains,
 an fp32 master copy and fp32 moments as its optimizer state. The state is made lazily at a
-parameter's first step with a gradient, so frozen parameters get none, and omgd.LayerCycler's
+parameter's first step with a gradient, so frozen parameters get none, and omgd.UnitMask's
 policies act on it like on torch AdamW's: 'drop' deletes optimizer.state[p] and the next step
 after reactivation starts again from the bf16 weight (which holds the rounded master) with zero
 moments and step 0; 'offload' parks the tensors on the CPU and puts them back. omgd.memory_bytes
@@ -124,7 +124,7 @@ class MasterAdamW(MasterWeights, torch.optim.Optimizer):
     master is rounded into the parameter. master_device: None or the parameters' device type
     (e.g. 'cuda': on each parameter's own device) or 'cpu' (the update runs on the CPU; pinned
     memory for CUDA parameters). host_scope: a context manager entered around the state's
-    allocation and arithmetic (bench_memory's LiveBytes marks those tensors as host memory when
+    allocation and arithmetic (memory_tools.LiveBytes marks those tensors as host memory when
     it emulates offloading on a single device).
     """
 

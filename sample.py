@@ -23,7 +23,7 @@ def load_codec(data_dir):
                 raise ValueError(f"characters {''.join(unknown)!r} are not in the dataset's vocabulary")
             return [stoi[c] for c in text]
         return encode, (lambda ids: ''.join(itos[i] for i in ids))
-    from data.common import gpt2_encoding
+    from data.gpt2_bpe import gpt2_encoding
     enc = gpt2_encoding()
     return (lambda s: enc.encode(s, allowed_special={'<|endoftext|>'})), enc.decode
 

@@ -34,8 +34,7 @@ and D + R + C = e is checked.
 Speed: the only sequential part is the update itself; it runs as one tight numpy loop over steps
 whose vector dimension is every (method, seed) row at once (theta is augmented with a -1 so that
 the residual is one row-wise dot product). Schedules, gathers and the decomposition are
-vectorised per chunk. T = 1e6 with 5 methods x 10 seeds takes about 2 minutes on one core
-(0.6 GB of memory); --no_decompose roughly halves that.
+vectorised per chunk; --no_decompose skips the decomposition.
 
     python experiments/linreg.py --out_dir results    # T = 1e6, 10 seeds, all methods: results/linreg.*
     python experiments/linreg.py --T 100000 --seeds 4 # writes out/linreg.* (the default, git-ignored)
@@ -219,9 +218,9 @@ def run(methods=METHODS, T=DEFAULTS['T'], seeds=DEFAULTS['seeds'], *, n=DEFAULTS
 
     theta = np.zeros((B, d + 1))
     theta[:, d] = -1.0  # augmented: [theta, -1] . [x, y] = x^T theta - y
-    ZR = np.zeros((B, d))  # data-reshuffle term, eigen-coordinates
-    ZC = np.zeros((B, d))  # compression-error term, eigen-coordinates
-    D0 = Q.T @ (0.0 - ts)  # decay term, eigen-coordinates (theta_0 = 0)
+    reshuffle_term = np.zeros((B, d))  # data-reshuffle term, eigen-coordinates
+    compression_term = np.zeros((B, d))  # compression-error term, eigen-coordinates
+    decay_term = Q.T @ (0.0 - ts)  # decay term, eigen-coordinates (theta_0 = 0)
     sub = np.subtract
     for c0 in range(0, T, chunk):
         L = min(chunk, T - c0)
@@ -229,36 +228,37 @@ def run(methods=METHODS, T=DEFAULTS['T'], seeds=DEFAULTS['seeds'], *, n=DEFAULTS
         idx = np.stack([p[0] for p in parts], axis=1)  # (L, B)
         U = np.stack([p[1] for p in parts], axis=1)    # (L, B, d)
         eta = step_sizes(np.arange(c0, c0 + L), c, t0)
-        kk = 2.0 * eta
-        Xa = np.concatenate([X[idx], y[idx][..., None]], axis=2)  # (L, B, d+1)
-        V = np.zeros((L, B, d + 1))
-        V[:, :, :d] = kk[:, None, None] * U
-        Th = np.empty((L + 1, B, d + 1))
-        Th[0] = theta
-        Xl, Vl, Tl = list(Xa), list(V), list(Th)
+        two_eta = 2.0 * eta
+        xy = np.concatenate([X[idx], y[idx][..., None]], axis=2)  # (L, B, d+1)
+        step_vec = np.zeros((L, B, d + 1))  # 2 eta_s u_s, padded to the augmented theta
+        step_vec[:, :, :d] = two_eta[:, None, None] * U
+        thetas = np.empty((L + 1, B, d + 1))
+        thetas[0] = theta
+        # per-step views: a list index costs less than an array index in the sequential loop
+        xy_at, step_vec_at, theta_at = list(xy), list(step_vec), list(thetas)
         for s in range(L):  # the sequential part: theta_{s+1} = theta_s - 2 eta_s r_s u_s
-            th = Tl[s]
-            sub(th, (Xl[s] * th).sum(1, keepdims=True) * Vl[s], out=Tl[s + 1])
-        theta = Th[L].copy()
+            th = theta_at[s]
+            sub(th, (xy_at[s] * th).sum(1, keepdims=True) * step_vec_at[s], out=theta_at[s + 1])
+        theta = thetas[L].copy()
         if not np.all(np.isfinite(theta)):
             raise FloatingPointError(f"divergence before step {c0 + L}; lower c or raise t0")
 
         sel = (times > c0) & (times <= c0 + L)
-        s_log = times[sel] - c0  # positions in Th (1..L)
-        E = Th[s_log, :, :d] - ts  # (nl, B, d)
+        s_log = times[sel] - c0  # positions in thetas (1..L)
+        E = thetas[s_log, :, :d] - ts  # (nl, B, d)
         err[:, sel] = (E ** 2).sum(-1).T
         a = 1.0 - eta[:, None] * lam  # (L, d)
         P = np.concatenate([np.ones((1, d)), np.cumprod(a, axis=0)])  # prod_{u<s} (1 - eta_u lam)
-        decay[sel] = ((P[s_log] * D0) ** 2).sum(-1)
+        decay[sel] = ((P[s_log] * decay_term) ** 2).sum(-1)
         if decompose:
-            r = np.einsum('lbi,lbi->lb', Xa, Th[:L])        # residual x^T theta - y at theta_s
-            Et = (Th[:L, :, :d] - ts) @ Q                     # e_s, eigen-coordinates
+            r = np.einsum('lbi,lbi->lb', xy, thetas[:L])  # residual x^T theta - y at theta_s
+            Et = (thetas[:L, :, :d] - ts) @ Q  # e_s, eigen-coordinates
             Xt = X[idx] @ Q
-            FR = eta[:, None, None] * lam * Et - (kk[:, None] * r)[..., None] * Xt
-            FC = (kk[:, None] * r)[..., None] * (Xt - U @ Q)
+            reshuffle_input = eta[:, None, None] * lam * Et - (two_eta[:, None] * r)[..., None] * Xt
+            compression_input = (two_eta[:, None] * r)[..., None] * (Xt - U @ Q)
             zs = []
             cuts = np.concatenate([[0], s_log[s_log < L], [L]])  # segment ends: logged steps, L
-            for Z0, F in ((ZR, FR), (ZC, FC)):
+            for Z0, F in ((reshuffle_term, reshuffle_input), (compression_term, compression_input)):
                 # cs at s in cuts[1:]: sum_{u<s} F_u / prod_{i<=u} a_i, from segment sums
                 cs = np.cumsum(np.add.reduceat(F / P[1:, None, :], cuts[:-1], axis=0), axis=0)
                 zs.append(P[s_log, None, :] * (Z0 + cs[np.searchsorted(cuts[1:], s_log)]))
@@ -266,10 +266,10 @@ def run(methods=METHODS, T=DEFAULTS['T'], seeds=DEFAULTS['seeds'], *, n=DEFAULTS
             res_sq[:, sel] = (zs[0] ** 2).sum(-1).T
             cmp_sq[:, sel] = (zs[1] ** 2).sum(-1).T
             if s_log.size:
-                full = P[s_log, None, :] * D0 + zs[0] + zs[1]
+                full = P[s_log, None, :] * decay_term + zs[0] + zs[1]
                 gap = np.linalg.norm(full - E @ Q, axis=-1) / np.maximum(np.linalg.norm(E, axis=-1), 1e-300)
                 resid = max(resid, float(gap.max()))
-        D0 = P[L] * D0
+        decay_term = P[L] * decay_term
 
     out = dict(t=times, decay=decay, decomp_residual=resid if decompose else None,
                lambda_min=float(lam[0]), lambda_max=float(lam[-1]), theta_star=ts,

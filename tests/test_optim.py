@@ -156,7 +156,7 @@ def test_state_dict_round_trip_is_exact_and_keeps_fp32_masters():
 
 
 def test_dropped_state_restarts_from_the_bf16_weight():
-    # LayerCycler's 'drop' deletes optimizer.state[p]; on reactivation the master is the bf16
+    # UnitMask's 'drop' deletes optimizer.state[p]; on reactivation the master is the bf16
     # weight widened, with zero moments and step 1, as if the parameter were new
     net = Net(torch.bfloat16)
     opt = MasterAdamW(param_groups(net, WD), lr=LR, betas=BETAS)
@@ -175,13 +175,13 @@ def test_dropped_state_restarts_from_the_bf16_weight():
 
 
 @pytest.mark.parametrize('policy', ['drop', 'offload'])
-def test_layer_cycler_policies_act_on_masters(policy):
-    # through omgd.LayerCycler: frozen units keep no state on the device ('drop': none at all);
+def test_unit_mask_policies_act_on_masters(policy):
+    # through omgd.UnitMask: frozen units keep no state on the device ('drop': none at all);
     # 'offload' brings the master back and the trajectory goes on as if never frozen
     net = Net(torch.bfloat16)
     params = list(net.parameters())
     opt = MasterAdamW(param_groups(net, WD), lr=LR, betas=BETAS)
-    cycler = omgd.LayerCycler([[p] for p in params], opt, 'lisa_wor', gamma=1, state_policy=policy)
+    cycler = omgd.UnitMask([[p] for p in params], opt, 'lisa_wor', gamma=1, state_policy=policy)
     steps = grads(3, torch.bfloat16)
     alone = Net(torch.bfloat16)  # parameter 0 trained on its own for the same steps
     alone_opt = MasterAdamW([list(alone.parameters())[0]], lr=LR, betas=BETAS, weight_decay=WD)

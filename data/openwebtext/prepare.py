@@ -8,9 +8,6 @@ concatenated into train.bin / val.bin (uint16) by data.common.tokenize_dataset.
     python data/openwebtext/prepare.py [--num_proc 8]
     python data/openwebtext/prepare.py --dataset allenai/c4 --dataset_config en --max_docs 1000000 --out_dir data/c4
     python data/openwebtext/prepare.py --text_files 'corpus/*.txt' --out_dir data/mycorpus
-
-Sizes from nanoGPT for OpenWebText: train.bin ~17GB, val.bin ~8.5MB;
-train has ~9B tokens (9,035,582,198), val has ~4M tokens (4,434,897).
 """
 
 import glob
@@ -22,7 +19,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `data.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from data.common import EOT, gpt2_encode, gpt2_encoding, prepare_main, tokenize_dataset
+from data.common import prepare_main, tokenize_dataset
+from data.gpt2_bpe import EOT, gpt2_encode, gpt2_encoding
 
 HERE = Path(__file__).resolve().parent
 
@@ -38,7 +36,6 @@ def load_raw(dataset="openwebtext", dataset_config=None, text_files=None, sample
             raise FileNotFoundError(f"no files match --text_files {text_files!r}")
         raw = load_dataset("text", data_files={"train": files}, sample_by=sample_by, cache_dir=cache_dir)["train"]
     else:
-        # takes 54GB in huggingface .cache dir, about 8M documents (8,013,769)
         raw = load_dataset(dataset, dataset_config, split=split, num_proc=num_proc_load_dataset, cache_dir=cache_dir)
     if max_docs is not None:
         raw = raw.select(range(min(max_docs, len(raw))))

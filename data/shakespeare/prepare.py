@@ -18,7 +18,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `data.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from data.common import gpt2_encode_chunked, gpt2_encoding, prepare_main, read_corpus, split_text, write_splits
+from data.common import gpt2_encode_chunked, prepare_main, read_corpus, split_text, write_splits
+from data.gpt2_bpe import gpt2_encoding
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,0 +1,188 @@
+"""
+Counting the memory of a training iteration without a GPU: the tools of bench_memory.py's estimate.
+omgd.memory_bytes gives the exact bytes of weights, gradients and optimizer state; these count the
+rest, the temporaries and activations of the forward, backward and step.
+
+LiveBytes  a TorchDispatchMode that adds up the bytes of every live tensor storage op by op and
+           keeps the peak; on any device (meta, cpu, cuda).
+MetaAsCuda a TorchFunctionMode under which a forward/backward on meta (or CPU) tensors allocates
+           what it would on a GPU: scaled_dot_product_attention as the FlashAttention (bf16/fp16)
+           or memory-efficient (fp32) kernel, which save the log-sum-exp, not T x T weights; and
+           CUDA autocast emulated at the torch-function level (matmuls cast to `dtype`; norms,
+           softmax and cross-entropy to fp32; casts of trainable weights cached for the forward).
+offload_on_meta  model.OffloadActivations on the meta device: host copies counted as host memory.
+
+Not modelled: the caching allocator's 512-byte rounding and fragmentation, cuBLAS workspaces, the
+CUDA context, and the fused AdamW kernel (meta runs the per-parameter AdamW).
+torch.distributed._tools.mem_tracker.MemTracker is not used: it registers a gradient hook on every
+parameter it sees, which fails on frozen ones.
+"""
+import weakref
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import model
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the live tensor storages on `device`, and their peak, counted op by op.
+
+    Tensors made before entering must be registered with add(). A storage is counted once however
+    many views it has, and uncounted when it is freed (weak reference). Storages created inside
+    `with tracker.host():` stand for CPU memory (the meta device has no CPU) and are not counted.
+    """
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = torch.device(device)
+        self.entries = {}  # id(storage) -> [weakref, nbytes, host]
+        self.current = self.peak = 0
+        self.host_depth = 0
+
+    def add(self, *tensors):
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+
+    @contextmanager
+    def host(self):
+        self.host_depth += 1
+        try:
+            yield
+        finally:
+            self.host_depth -= 1
+
+    def is_host(self, t):
+        entry = self.entries.get(id(t.untyped_storage()))
+        return t.device != self.device or (entry is not None and entry[2])
+
+    def reset_peak(self):
+        self.peak = self.current
+
+    def _track(self, t):
+        if t.device != self.device:
+            return
+        st = t.untyped_storage()
+        key, nbytes = id(st), st.nbytes()
+        entry = self.entries.get(key)
+        if entry is not None:
+            if entry[1] != nbytes and not entry[2]:  # resized in place
+                self._count(nbytes - entry[1])
+            entry[1] = nbytes
+            return
+        host = self.host_depth > 0
+        self.entries[key] = [weakref.ref(st, partial(self._freed, key)), nbytes, host]
+        if not host:
+            self._count(nbytes)
+
+    def _count(self, delta):
+        self.current += delta
+        self.peak = max(self.peak, self.current)
+
+    def _freed(self, key, ref):
+        entry = self.entries.get(key)
+        if entry is not None and entry[0] is ref:
+            del self.entries[key]
+            if not entry[2]:
+                self.current -= entry[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+
+class MetaAsCuda(TorchFunctionMode):
+    """Makes a forward/backward on meta (or CPU) tensors allocate what it would on a GPU.
+
+    - scaled_dot_product_attention runs the FlashAttention kernel (bf16/fp16) or the memory-
+      efficient one (fp32), which save a log-sum-exp per row, not the T x T attention weights
+      that the math fallback used off-GPU would keep;
+    - with dtype (bf16 or fp16), CUDA autocast's casts: matmuls to dtype, norms, softmax and
+      cross-entropy to fp32, and (cache=True, the forward) casts of leaf tensors that require
+      grad kept until the forward ends, like autocast's weight cache. None: no autocast.
+    Run the backward with backward() below (cache=False): activation checkpointing recomputes there.
+    """
+    LOW = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+           torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.bmm}
+    FP32 = {F.layer_norm, F.rms_norm, F.group_norm, F.softmax, F.log_softmax, torch.softmax,
+            torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax, F.cross_entropy,
+            F.nll_loss, torch.exp, torch.log, torch.rsqrt, torch.pow, torch.Tensor.pow, torch.sum}
+
+    def __init__(self, dtype=None, cache=False):
+        super().__init__()
+        self.dtype, self.cache = dtype, cache
+        self.casts = {}
+
+    def __exit__(self, *args):
+        self.casts.clear()
+        return super().__exit__(*args)
+
+    def backward(self, loss):
+        """loss.backward() with this mode on. (Tensor.backward would hand itself to the mode, and a
+        mode is off while it handles a call, so call the autograd engine directly.)"""
+        with self:
+            torch.autograd.graph._engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (),
+                                                      allow_unreachable=True, accumulate_grad=True)
+
+    def _cast(self, x, dtype):
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype):
+            return x
+        if self.cache and x.is_leaf and x.requires_grad:
+            if id(x) not in self.casts:
+                self.casts[id(x)] = x.to(dtype)
+            return self.casts[id(x)]
+        return x.to(dtype)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._sdpa(*args, **kwargs)
+        if self.dtype is not None and (func in self.LOW or func in self.FP32):
+            dtype = self.dtype if func in self.LOW else torch.float32
+            args = tuple(self._cast(a, dtype) for a in args)
+            kwargs = {k: self._cast(v, dtype) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+    def _sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)
+        if self.dtype is not None:
+            q, k, v = (self._cast(t, self.dtype) for t in (q, k, v))
+        if enable_gqa and k.size(1) != q.size(1):
+            k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
+        if q.dtype in (torch.bfloat16, torch.float16):
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, False, dropout_p, is_causal, scale=scale)[0]
+
+
+@contextmanager
+def offload_on_meta(tracker):
+    """model.OffloadActivations (activation_offload=True) on the meta device, which has no data to
+    copy: the host copy of a saved tensor is a meta tensor that LiveBytes counts as host memory, and
+    its copy back in the backward a new tensor on the device."""
+    cls = model.OffloadActivations
+    saved = cls.__dict__['to_host'], cls.__dict__['unpack']
+
+    def to_host(t):
+        with tracker.host():
+            return torch.empty_like(t)
+
+    def unpack(packed):
+        return packed if isinstance(packed, torch.Tensor) else torch.empty_like(packed[1])
+
+    cls.to_host, cls.unpack = staticmethod(to_host), staticmethod(unpack)
+    try:
+        yield
+    finally:
+        cls.to_host, cls.unpack = saved
