@@ -42,7 +42,6 @@ import torch
 import bench_memory
 import training
 from configurator import ConfigError, configure
-from model import peak_bf16_flops
 
 # keys of this script only (train.py has none of these names); `device` has its own values here
 OWN_KEYS = dict(methods='', precisions='', steps=20, warmup_steps=5, interleave=False, out='')
@@ -87,7 +86,7 @@ class MethodRun:
         self.sync()
         if timed:
             self.times.append(time.perf_counter() - t0)
-            self.flops.append(self.net.estimate_flops_per_token() * self.tokens)
+            self.flops.append(self.net.estimate_flops_per_token())
             self.loss = loss.item()
 
     def row(self, peak_flops, memory):
@@ -95,7 +94,7 @@ class MethodRun:
         dt = statistics.median(self.times)
         row = dict(method=self.cfg['method'], precision=self.label, ms=1000 * dt,
                    mean_ms=1000 * sum(self.times) / len(self.times), tokens_per_s=self.tokens / dt, loss=self.loss,
-                   mfu=sum(self.flops) / len(self.flops) / dt / peak_flops if peak_flops else None,
+                   mfu=training.mfu(statistics.mean(self.flops), self.tokens, dt, peak_flops) if peak_flops else None,
                    peak_gib=None, reserved_gib=None, n_params=self.n_params)
         if memory:
             row['peak_gib'] = torch.cuda.max_memory_allocated(self.device) / 2**30
@@ -107,7 +106,7 @@ def bench(row_cfgs, device):
     """Time every row; one after the other (peak memory per row on CUDA), or interleaved."""
     cfg = row_cfgs[0]
     cuda = device.type == 'cuda'
-    peak_flops = peak_bf16_flops(device)
+    peak_flops = training.peak_bf16_flops(device)
     total = cfg['warmup_steps'] + cfg['steps']
     if cfg['interleave']:
         # round-robin: load from other processes on a shared machine hits every method alike

@@ -4,10 +4,13 @@ wrapper and the FSDP2 sharding, full-state checkpoints of a sharded model, and t
 checks of `--ddp_check=True`. train.py keeps the training loop; everything here is told what it
 needs through arguments (a `Ranks`, the model, the optimizer), never through globals.
 """
+import gc
 import hashlib
 import math
 import os
 import signal
+import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +67,30 @@ def setup(backend, device):
     # a flag back from a GPU tensor at every iteration would stall the GPU's queue of work.
     cpu_group = dist.new_group(backend='gloo') if backend != 'gloo' else dist.group.WORLD
     return Ranks(True, dist.get_rank(), local_rank, dist.get_world_size(), cpu_group), device
+
+
+_last_barrier = []  # teardown's barrier work, kept until the process exits
+
+
+def teardown(ranks):
+    """Leave the process group at the end of a run, on every rank (a collective: a barrier).
+
+    destroy_process_group alone can end a finished run in SIGABRT ("terminate called without an
+    active exception"): a gloo worker thread drops the last collective's work a moment after
+    that collective returns, and if the interpreter is finalizing by then, freeing its tensors
+    takes the GIL, Python ends the thread (pthread_exit) inside a noexcept C++ destructor, and
+    std::terminate aborts. destroy_process_group does not stop those threads: gloo joins them only
+    in its destructor, and torch keeps the group alive (torch.distributed.nn.functional, imported
+    by DDP/FSDP after init, binds group.WORLD as a default argument; DTensor caches meshes).
+    gloo's barrier holds weak references to the work its threads still hold, so that work is
+    freed only with the barrier's, which this module keeps until the interpreter clears it, on
+    the main thread; a thread that drops its reference later frees nothing."""
+    if not ranks.enabled:
+        return
+    work = dist.barrier(group=ranks.cpu_group, async_op=True)
+    work.wait()
+    _last_barrier[:] = [work]
+    dist.destroy_process_group()
 
 
 class StopRequest:
@@ -257,8 +284,8 @@ def local_shard(t):
     return t.to_local() if hasattr(t, 'to_local') else t
 
 
-def check(ranks, model, wrapper, optimizer, cycler, state_policy, old_wrapper, kept_by_cycle, frozen_snapshot,
-          comm):
+def check(ranks, model, wrapper, optimizer, cycler, state_policy, old_wrapper, wrapper_in_gc_cycle,
+          frozen_snapshot, comm):
     """ddp_check=True, after the optimizer step, gradients still in place: every rank reports what
     must hold after a switch, and every rank compares all reports. Returns (problems, summary).
 
@@ -275,7 +302,7 @@ def check(ranks, model, wrapper, optimizer, cycler, state_policy, old_wrapper, k
     in_state = {id(p) for p in optimizer.state}
     report = {'active': cycler.active, 'weights': weights.hexdigest(),
               'the previous DDP wrapper is freed': old_wrapper is None or old_wrapper() is None,
-              'by reference counting, without gc.collect()': not kept_by_cycle,
+              'by reference counting, without gc.collect()': not wrapper_in_gc_cycle,
               'frozen parameters are untouched': all(torch.equal(local_shard(p), copy) for p, copy in frozen_snapshot),
               'gradients exist exactly for the active parameters': all((p.grad is not None) == p.requires_grad
                                                                         for p in params),
@@ -319,3 +346,66 @@ def check(ranks, model, wrapper, optimizer, cycler, state_policy, old_wrapper, k
                    f"{report['comm elements']}; one all-reduce per bucket; frozen untouched, no frozen gradients, "
                    f"old wrapper freed")
     return problems, summary
+
+
+# -----------------------------------------------------------------------------
+# the training loop's view of all of the above
+
+
+class Replicas:
+    """What train.py's loop runs and syncs: `model` is the DDP wrapper over the parameters that
+    train now, rebuilt after every switch (a wrapper over all parameters would allocate the
+    full-size gradient buckets that layer cycling is meant to avoid), or the model itself, resharded
+    at every switch (FSDP2), or the model itself (one process).
+
+    on_switch(): at the first iteration and after every switch, before the next forward.
+    sync(last): gradient sync on the last micro-step only; earlier ones accumulate locally.
+    check(...): `--ddp_check=True`'s invariants (DDP or FSDP), after the optimizer step."""
+
+    def __init__(self, raw_model, ranks, device_type, fsdp, check):
+        self.raw_model, self.ranks, self.device_type = raw_model, ranks, device_type
+        self.fsdp, self.checking = fsdp, check
+        self.model = None
+        self.rebuild_ms = None  # the last DDP rebuild
+        self.old_wrapper, self.wrapper_in_gc_cycle = None, False
+        self.communication, self.frozen_snapshot = None, []
+
+    def on_switch(self):
+        self.old_wrapper, self.wrapper_in_gc_cycle = None, False
+        if self.fsdp:
+            # nothing to rebuild: FSDP2 reduce-scatters only the gradients that exist (ddp_check counts)
+            if self.model is None and self.checking:
+                self.communication = count_reduce_scatters(self.raw_model)
+            self.model = reshard_fsdp(self.raw_model)  # so the next forward sees the new requires_grad
+        else:
+            self.old_wrapper = weakref.ref(self.model) if self.ranks.enabled and self.model is not None else None
+            # `self.model` is the last reference to the old wrapper: dropping it frees its reducer, whose
+            # destructor removes its autograd hooks and frees its buckets before the new ones exist
+            self.model = None
+            # a wrapper that outlives its last reference sits in a garbage-collector reference cycle
+            self.wrapper_in_gc_cycle = self.old_wrapper is not None and self.old_wrapper() is not None
+            if self.wrapper_in_gc_cycle:
+                gc.collect()  # never needed with torch 2.13 (ddp_check verifies it); insurance
+            t = time.time()
+            # the first wrapper broadcasts rank 0's weights
+            self.model = wrap_ddp(self.raw_model, self.ranks, self.device_type, init_sync=self.old_wrapper is None)
+            self.rebuild_ms = (time.time() - t) * 1000
+            if self.checking:
+                self.communication = [0]  # all-reduces this step
+                if self.ranks.enabled:
+                    self.model.register_comm_hook(self.communication, counted_allreduce)
+        if self.checking:
+            self.frozen_snapshot = [(p, local_shard(p).detach().clone())
+                                    for p in self.raw_model.parameters() if not p.requires_grad]
+
+    def sync(self, last):
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(last)
+        else:
+            self.model.require_backward_grad_sync = last
+
+    def check(self, optimizer, cycler, state_policy):
+        """(problems, summary) of distributed.check for this step."""
+        wrapper = self.model if self.ranks.enabled and not self.fsdp else None
+        return check(self.ranks, self.raw_model, wrapper, optimizer, cycler, state_policy, self.old_wrapper,
+                     self.wrapper_in_gc_cycle, self.frozen_snapshot, self.communication)

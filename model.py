@@ -575,20 +575,6 @@ class GPT(nn.Module):
         return idx
 
 
-# peak dense bf16 tensor FLOP/s per GPU, matched in this order against torch.cuda.get_device_name()
-PEAK_BF16_FLOPS = {'H200': 989e12, 'H100 PCIe': 756e12, 'H100': 989e12, 'A100': 312e12,
-                   'B200': 2250e12, 'L40S': 362e12, 'A10G': 125e12, 'RTX 4090': 165e12}
-
-
-def peak_bf16_flops(device):
-    """The GPU's peak from PEAK_BF16_FLOPS, or None (CPU, unknown GPU: no MFU is reported)."""
-    device = torch.device(device)
-    if device.type != 'cuda':
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """nanoGPT's decay split: matrices and embeddings decay, biases and norm weights don't.
 

@@ -14,24 +14,20 @@ Several nodes (the same command on every node; HOST is one of them; the rendezvo
 $ torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
       --rdzv-id=gpt2 train.py config/gpt2_lisa_wor.py
 """
-import gc
 import math
 import os
 import sys
 import time
-import weakref
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from configurator import ConfigError, configure, format_config
 import checkpoint as ckpt_io
-from data.common import atomic_path
 from dataloader import TokenBatches
 import distributed
-from model import GPT, GPTConfig, PRESETS, peak_bf16_flops
+from model import GPT, GPTConfig
 import training
 
 # -----------------------------------------------------------------------------
@@ -109,7 +105,7 @@ compile = torch.cuda.is_available()  # torch.compile each block separately (regi
 backend = 'nccl' if torch.cuda.is_available() else 'gloo'
 parallel = 'ddp'  # under torchrun: 'ddp' (replicated weights) or 'fsdp' (FSDP2, weights sharded per block)
 seed = 1337
-ddp_check = False  # assert the DDP invariants at every iteration on every rank (tests; hashes all weights)
+ddp_check = False  # assert the DDP or FSDP invariants at every iteration on every rank (tests; hashes all weights)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 defaults = {k: globals()[k] for k in config_keys}
@@ -129,48 +125,25 @@ def fail(message):
 
 
 # values that need nothing built to check: refuse them before data, model and process group cost time
-if parallel not in ('ddp', 'fsdp'):
-    fail(f"parallel must be 'ddp' or 'fsdp', got {parallel!r}")
-if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2'):
-    fail(f"init_from must be 'scratch', 'resume' or a GPT-2 name, got {init_from!r}")
-if preset and preset not in PRESETS:
-    fail(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
 try:
     training.check_config(config)
 except ValueError as e:
     fail(e)
 
 # distributed setup (distributed.py): torchrun sets RANK; every rank runs this same script.
-# `ddp` means launched by torchrun, whichever `parallel` (DDP or FSDP2) it then uses.
+# `distributed_run`: launched by torchrun, whichever `parallel` (DDP or FSDP2) it then uses.
 ranks, device = distributed.setup(backend, device)
-ddp, ddp_rank, ddp_world_size, master_process = ranks.enabled, ranks.rank, ranks.world_size, ranks.master
-fsdp = ddp and parallel == 'fsdp'
-if fsdp and dtype == 'float16':
-    # GradScaler's overflow check would see only this rank's gradient shards, so ranks could disagree
-    fail("dtype='float16' is not supported with parallel='fsdp' (its loss scaling sees only local shards); "
-         "use --dtype=bfloat16")
-if fsdp and omgd_state == 'offload':
-    fail("omgd_state='offload' is not supported with parallel='fsdp' (the sharded optimizer state stays on its "
-         "device); use --omgd_state=drop or --omgd_state=keep")
-if fsdp and precision == 'bf16_master':
-    fail("precision='bf16_master' is not supported with parallel='fsdp' (FSDP2 keeps fp32 shards and computes "
-         "in bf16 under precision='amp', which is its own master-weight scheme); use --precision=amp")
-if fsdp and method in training.GALORE_METHODS:
-    fail(f"method={method!r} is not supported with parallel='fsdp' (its projections need whole gradients); "
-         f"use --parallel=ddp")
-if gradient_accumulation_steps % ddp_world_size:
-    fail(f"gradient_accumulation_steps={gradient_accumulation_steps} counts micro-steps summed over all ranks and "
-         f"must be a multiple of the {ddp_world_size} ranks, e.g. --gradient_accumulation_steps="
-         f"{ddp_world_size * math.ceil(gradient_accumulation_steps / ddp_world_size)} (tokens per iteration = "
-         f"gradient_accumulation_steps x batch_size x block_size)")
+distributed_run, ddp_rank, ddp_world_size, master_process = ranks.enabled, ranks.rank, ranks.world_size, ranks.master
+fsdp = distributed_run and parallel == 'fsdp'
+try:
+    training.check_parallel(config, ddp_world_size, fsdp)
+except ValueError as e:
+    fail(e)
 grad_accum = gradient_accumulation_steps // ddp_world_size
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 if init_from != 'resume' and not eval_only and os.path.exists(ckpt_path):
     # a new run saves over out_dir/ckpt.pt; losing a long run to a re-typed command must be asked for
-    try:
-        earlier = f"iteration {ckpt_io.read(ckpt_path, mmap=True)['iter_num']} of an earlier run"
-    except (ckpt_io.CheckpointError, KeyError):
-        earlier = "an unreadable checkpoint"
+    earlier = ckpt_io.earlier_run(ckpt_path)
     if not overwrite:
         fail(f"{ckpt_path} holds {earlier}; continue it with --init_from=resume, choose another --out_dir, "
              f"or pass --overwrite=True to replace it")
@@ -200,7 +173,7 @@ if missing and dataset in ('shakespeare', 'shakespeare_char'):
         print(f"preparing data/{dataset} (first run)")
         import importlib
         importlib.import_module(f'data.{dataset}.prepare').prepare(data_dir)
-    if ddp:
+    if distributed_run:
         dist.barrier()
 try:
     def token_batches(split, sampling, seed):
@@ -229,34 +202,10 @@ if init_from == 'scratch':
     except ValueError as e:
         fail(e)
 elif init_from == 'resume':
-    if not os.path.exists(ckpt_path):
-        fail(f"no checkpoint at {ckpt_path} to resume from; train with init_from='scratch' first")
-    try:
-        checkpoint = ckpt_io.read(ckpt_path, map_location=device)
-    except ckpt_io.CheckpointError as e:
+    try:  # the checks that the config can continue it included (checkpoint.py)
+        checkpoint, raw_model = ckpt_io.resume(ckpt_path, device, config, defaults)
+    except ValueError as e:
         fail(e)
-    try:
-        model_args = checkpoint['model_args']
-        for k in training.ARCH_KEYS:
-            if k != 'vocab_size' and k in config and config[k] != defaults[k] and config[k] != model_args[k]:
-                fail(f"{k}={config[k]!r} conflicts with the checkpoint's {model_args[k]!r}; drop the override")
-        # The data position counts windows of block_size+1 tokens, so another length would continue on
-        # another window grid (and gpt2's learned positions have the checkpoint's length in the
-        # weights and the optimizer state): an exact resume needs the same block_size.
-        if block_size != model_args['block_size']:
-            fail(f"block_size={block_size} differs from the checkpoint's {model_args['block_size']} (the data "
-                 f"position counts windows of block_size+1 tokens); resume with "
-                 f"--block_size={model_args['block_size']}")
-        saved_precision = checkpoint['config'].get('precision', 'amp')  # older checkpoints: amp
-        if saved_precision != precision:
-            fail(f"precision={precision!r} differs from the checkpoint's {saved_precision!r} (its optimizer "
-                 f"state is kept in that precision); resume with --precision={saved_precision}")
-        model_args['dropout'] = dropout
-        raw_model = GPT(GPTConfig(**model_args))
-        raw_model.load_state_dict(checkpoint['model'])
-    except Exception as e:
-        fail(f"cannot load checkpoint {ckpt_path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-             f"it is corrupt or from another version: start from scratch or restore a backup")
     iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
     saved_iter = iter_num
     if master_process:
@@ -286,30 +235,12 @@ if master_process and cycler.cycle_note():
 torch.manual_seed(seed + ddp_rank)  # from here on (dropout) each rank draws its own random numbers
 if checkpoint is not None:
     try:
-        if fsdp:  # the file holds full tensors; each rank keeps its shards
-            distributed.load_optimizer_state(raw_model, opt, checkpoint['optimizer'])
-        else:
-            opt.load_state_dict(checkpoint['optimizer'])
-        cycler.load_state_dict(checkpoint['cycler'])
-        train_batches.load_state_dict(checkpoint['data'])
-        if scaler.is_enabled() and checkpoint.get('scaler'):  # absent or empty: saved without float16
-            scaler.load_state_dict(checkpoint['scaler'])
+        ckpt_io.load_state(checkpoint, raw_model, opt, cycler, train_batches, scaler, fsdp)
     except (ValueError, KeyError) as e:
         fail(f"cannot resume from {ckpt_path}: {e}")
-    rank_rngs = checkpoint['rng'].get('ranks', [])
-    if len(rank_rngs) == ddp_world_size:
-        torch.set_rng_state(rank_rngs[ddp_rank]['torch'])
-        if device_type == 'cuda' and rank_rngs[ddp_rank]['cuda'] is not None:
-            torch.cuda.set_rng_state(rank_rngs[ddp_rank]['cuda'])
-    else:
-        # Another number of ranks (the data loader accepted the position, see dataloader.py):
-        # the run goes on from the same weights, schedule and windows, but the per-rank dropout
-        # streams cannot continue, and the gradient sum runs in another order, so it is not bitwise.
-        torch.manual_seed(seed + ddp_rank + 1_000_003 * iter_num)
-        if master_process:
-            print(f"resuming a {checkpoint.get('world_size', 1)}-rank checkpoint on {ddp_world_size} "
-                  f"rank{'s' * (ddp_world_size > 1)}: "
-                  f"same data position, not bitwise the run it would have been")
+    if not ckpt_io.restore_rng(checkpoint, ranks, device_type, seed, iter_num) and master_process:
+        print(f"resuming a {checkpoint.get('world_size', 1)}-rank checkpoint on {ddp_world_size} "
+              f"rank{'s' * (ddp_world_size > 1)}: same data position, not bitwise the run it would have been")
     checkpoint = None  # free memory
 
 if compile:
@@ -319,10 +250,9 @@ if compile:
     for block in raw_model.blocks:
         block.compile()
 
-# DDP: the wrapper (distributed.wrap_ddp) is rebuilt over the active parameters after every switch,
-# starting at the first iteration: a wrapper over all parameters would allocate full-size gradient
-# buckets that layer cycling is meant to avoid. FSDP and one process: `model` is raw_model.
-model = None
+# replicas.model, what the loop trains: the DDP wrapper, rebuilt over the active parameters at the
+# first iteration and after every switch (distributed.Replicas); FSDP and one process: raw_model
+replicas = distributed.Replicas(raw_model, ranks, device_type, fsdp, ddp_check)
 
 
 def get_lr(it):
@@ -354,28 +284,12 @@ def estimate_loss():
 
 
 def save_checkpoint():
-    """Called on every rank; rank 0 writes. Model, optimizer, schedule and data position are the
-    same on every rank; the dropout RNG is not, so each rank's state is gathered into the file.
-    Atomic (data/common.py's atomic_path): a crash never leaves a broken ckpt.pt or a stray temporary file."""
+    """Called on every rank; rank 0 writes (checkpoint.py)."""
     global saved_iter
-    rank_rngs = ranks.gather({'torch': torch.get_rng_state(),
-                              'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None})
-    if fsdp:  # gathered to rank 0 (a collective); the same file format as below
-        model_state, optimizer_state = distributed.full_state_dicts(raw_model, opt)
-    else:
-        model_state, optimizer_state = raw_model.state_dict(), opt.state_dict()
-    if not master_process:
-        return
-    checkpoint = {
-        'model': model_state, 'optimizer': optimizer_state, 'cycler': cycler.state_dict(),
-        'data': data_position, 'model_args': model_args, 'iter_num': iter_num,
-        'best_val_loss': best_val_loss, 'config': config, 'world_size': ddp_world_size,
-        'rng': {'ranks': rank_rngs}, 'scaler': scaler.state_dict(),
-    }
-    with atomic_path(Path(ckpt_path)) as tmp_path:
-        torch.save(checkpoint, tmp_path)
-    print(f"saved checkpoint to {ckpt_path}")
-    saved_iter = iter_num
+    if ckpt_io.save(ckpt_path, ranks, raw_model, opt, cycler, data_position, model_args, iter_num, best_val_loss,
+                    config, scaler, fsdp, device_type):
+        print(f"saved checkpoint to {ckpt_path}")
+        saved_iter = iter_num
 
 
 if wandb_log and master_process:
@@ -400,25 +314,16 @@ def next_batch():
     return train_batches.next_batch(device)
 
 
-def gradient_sync(last):
-    """Reduce gradients only on the last micro-step; earlier ones accumulate locally."""
-    if fsdp:
-        model.set_requires_gradient_sync(last)
-    else:
-        model.require_backward_grad_sync = last
-
-
 def check_ranks():
     """--ddp_check: every rank's invariants after the optimizer step, gradients still there."""
-    problems, summary = distributed.check(ranks, raw_model, model if ddp and not fsdp else None, opt, cycler,
-                                          omgd_state, old_wrapper, kept_by_cycle, frozen_snapshot, communication)
+    problems, summary = replicas.check(opt, cycler, omgd_state)
     if problems:
         fail(f"ddp check failed at iteration {iter_num}, not on every rank: {'; '.join(problems)}")
     if master_process and (switched or iter_num == max_iters - 1):
         print(f"iter {iter_num}: {summary}")
 
 
-peak_flops = peak_bf16_flops(device)
+peak_flops = training.peak_bf16_flops(device)
 # SIGTERM/SIGINT: all ranks finish the iteration, save and stop together (distributed.py). Installed
 # only now: during the setup above, Ctrl-C must stop the run at once, as there is nothing to save.
 stop_request = distributed.StopRequest()
@@ -434,7 +339,7 @@ while True:
         print(f"rank {ddp_rank}: stop requested, stopping at iteration {iter_num}", flush=True)
         if local_iter_num > 0:  # else nothing trained since the start or the resume
             save_checkpoint()
-        if ddp:  # rank 0 has written the file before any rank exits non-zero, when torchrun stops the rest
+        if distributed_run:  # rank 0 has written the file before any rank exits non-zero, when torchrun stops the rest
             dist.barrier(group=ranks.cpu_group)
         break
     if iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only:
@@ -454,38 +359,15 @@ while True:
 
     switched = cycler.step(iter_num)
     cycler.prefetch(iter_num)  # on a period's last iteration: draw the next group, start copying back its offloaded state
-    if switched or model is None:
-        old_wrapper, kept_by_cycle = None, False
-        if fsdp:
-            # nothing to rebuild: FSDP2 reduce-scatters only the gradients that exist (ddp_check counts)
-            if model is None and ddp_check:
-                communication = distributed.count_reduce_scatters(raw_model)
-            model = distributed.reshard_fsdp(raw_model)  # so the next forward sees the new requires_grad
-        else:
-            old_wrapper = weakref.ref(model) if ddp and model is not None else None
-            # `model` is the last reference to the old wrapper: dropping it frees its reducer, whose
-            # destructor removes its autograd hooks and frees its buckets before the new ones exist
-            model = None
-            kept_by_cycle = old_wrapper is not None and old_wrapper() is not None
-            if kept_by_cycle:
-                gc.collect()  # never needed with torch 2.13 (ddp_check verifies it); insurance
-            t = time.time()
-            # the first wrapper broadcasts rank 0's weights
-            model = distributed.wrap_ddp(raw_model, ranks, device_type, init_sync=old_wrapper is None)
-            rebuild_ms = (time.time() - t) * 1000
-            if ddp_check:
-                communication = [0]  # all-reduces this step
-                if ddp:
-                    model.register_comm_hook(communication, distributed.counted_allreduce)
-        if ddp_check:
-            frozen_snapshot = [(p, distributed.local_shard(p).detach().clone())
-                               for p in raw_model.parameters() if not p.requires_grad]
+    if switched or replicas.model is None:
+        replicas.on_switch()
     if switched and master_process:
         print(f"iter {iter_num}: {cycler.describe()}" +
-              (f", DDP rebuilt in {rebuild_ms:.1f} ms" if ddp and not fsdp else ""))
+              (f", DDP rebuilt in {replicas.rebuild_ms:.1f} ms" if distributed_run and not fsdp else ""))
 
-    loss, (X, Y) = training.train_step(model, opt, cycler, (X, Y), next_batch, grad_accum, grad_clip,
-                                       omgd_scale_after_clip, autocast, scaler, gradient_sync if ddp else None,
+    loss, (X, Y) = training.train_step(replicas.model, opt, cycler, (X, Y), next_batch, grad_accum, grad_clip,
+                                       omgd_scale_after_clip, autocast, scaler,
+                                       replicas.sync if distributed_run else None,
                                        before_zero_grad=check_ranks if ddp_check else None)
 
     t1 = time.time()
@@ -498,7 +380,8 @@ while True:
             line = (f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.1f}ms, "
                     f"tok/s {tokens_per_iter / dt:,.0f}, epoch {epoch:.2f}")
             if peak_flops and local_iter_num >= 5:
-                mfu = raw_model.estimate_flops_per_token() * tokens_per_iter / dt / (peak_flops * ddp_world_size)
+                mfu = training.mfu(raw_model.estimate_flops_per_token(), tokens_per_iter, dt, peak_flops,
+                                   ddp_world_size)
                 running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
                 line += f", mfu {running_mfu * 100:.2f}%"
             if device_type == 'cuda':
@@ -521,8 +404,7 @@ if (master_process or fsdp) and sample_tokens > 0 and not stop:
         y = raw_model.generate(start, sample_tokens, temperature=0.8, top_k=200)
     if master_process:
         print(f"sample:\n{decode(y[0].tolist())}")
-if ddp:
-    dist.destroy_process_group()
+distributed.teardown(ranks)  # a barrier, then destroy_process_group (distributed.py: why)
 if stop:
     # the run did not finish: exit as a process the signal ended would (128 + its number), so that
     # schedulers and requeue scripts do not take a preempted run for a finished one (README)

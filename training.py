@@ -30,6 +30,12 @@ ARCH_KEYS = ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', '
 
 def check_config(cfg):
     """Raise a one-line ValueError for values that cannot train together (nothing is built yet)."""
+    if cfg['parallel'] not in ('ddp', 'fsdp'):
+        raise ValueError(f"parallel must be 'ddp' or 'fsdp', got {cfg['parallel']!r}")
+    if cfg['init_from'] not in ('scratch', 'resume') and not cfg['init_from'].startswith('gpt2'):
+        raise ValueError(f"init_from must be 'scratch', 'resume' or a GPT-2 name, got {cfg['init_from']!r}")
+    if cfg['preset'] and cfg['preset'] not in PRESETS:
+        raise ValueError(f"unknown preset {cfg['preset']!r}; choose one of {', '.join(PRESETS)}")
     if cfg['method'] not in METHOD_NAMES:
         raise ValueError(f"unknown method {cfg['method']!r}; choose one of {', '.join(METHOD_NAMES)}")
     if cfg['optimizer'] not in ('adamw', 'sgd'):
@@ -55,6 +61,31 @@ def check_config(cfg):
         raise ValueError(f"loss_chunk must be >= 0 tokens (0: the whole micro-batch at once), got {cfg['loss_chunk']}")
     if cfg['gradient_accumulation_steps'] < 1:
         raise ValueError(f"gradient_accumulation_steps must be >= 1, got {cfg['gradient_accumulation_steps']}")
+
+
+def check_parallel(cfg, world_size, fsdp):
+    """Raise a one-line ValueError for values that cannot train on `world_size` ranks, sharded with
+    FSDP2 (fsdp=True) or not; known once the process group is up (distributed.setup)."""
+    if fsdp and cfg['dtype'] == 'float16':
+        # GradScaler's overflow check would see only this rank's gradient shards, so ranks could disagree
+        raise ValueError("dtype='float16' is not supported with parallel='fsdp' (its loss scaling sees only local "
+                         "shards); use --dtype=bfloat16")
+    if fsdp and cfg['omgd_state'] == 'offload':
+        raise ValueError("omgd_state='offload' is not supported with parallel='fsdp' (the sharded optimizer state "
+                         "stays on its device); use --omgd_state=drop or --omgd_state=keep")
+    if fsdp and cfg['precision'] == 'bf16_master':
+        raise ValueError("precision='bf16_master' is not supported with parallel='fsdp' (FSDP2 keeps fp32 shards and "
+                         "computes in bf16 under precision='amp', which is its own master-weight scheme); use "
+                         "--precision=amp")
+    if fsdp and cfg['method'] in GALORE_METHODS:
+        raise ValueError(f"method={cfg['method']!r} is not supported with parallel='fsdp' (its projections need "
+                         f"whole gradients); use --parallel=ddp")
+    steps = cfg['gradient_accumulation_steps']
+    if steps % world_size:
+        raise ValueError(f"gradient_accumulation_steps={steps} counts micro-steps summed over all ranks and must be "
+                         f"a multiple of the {world_size} ranks, e.g. --gradient_accumulation_steps="
+                         f"{world_size * math.ceil(steps / world_size)} (tokens per iteration = "
+                         f"gradient_accumulation_steps x batch_size x block_size)")
 
 
 def model_args(cfg, vocab_size=0):
@@ -168,3 +199,25 @@ def train_step(model, optimizer, cycler, batch, next_batch, grad_accum, grad_cli
         before_zero_grad()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach() * grad_accum, (X, Y)
+
+
+# -----------------------------------------------------------------------------
+# model FLOPs utilization (MFU), as in the log line of train.py and in bench.py
+
+# peak dense bf16 tensor FLOP/s per GPU, matched in this order against torch.cuda.get_device_name()
+PEAK_BF16_FLOPS = {'H200': 989e12, 'H100 PCIe': 756e12, 'H100': 989e12, 'A100': 312e12,
+                   'B200': 2250e12, 'L40S': 362e12, 'A10G': 125e12, 'RTX 4090': 165e12}
+
+
+def peak_bf16_flops(device):
+    """The GPU's peak from PEAK_BF16_FLOPS, or None (CPU, unknown GPU: no MFU is reported)."""
+    device = torch.device(device)
+    if device.type != 'cuda':
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def mfu(flops_per_token, tokens_per_iter, dt, peak_flops, world_size=1):
+    """The share of `world_size` GPUs' peak FLOP/s that an iteration of `dt` seconds used."""
+    return flops_per_token * tokens_per_iter / dt / (peak_flops * world_size)

@@ -1,6 +1,5 @@
 """Shared helpers for the dataset preparation scripts under ``data/`` (prepare time only:
-nothing that runs during training or sampling imports this module, except train.py's
-``atomic_path`` for now). The GPT-2 tokenizer lives in :mod:`data.gpt2_bpe`.
+nothing that runs during training or sampling imports this module). The GPT-2 tokenizer lives in :mod:`data.gpt2_bpe`.
 
 Everything that turns text into the ``train.bin`` / ``val.bin`` files read by
 training goes through :func:`write_bin`, the single writer used by every
@@ -22,12 +21,10 @@ tokenize_dataset(ds, encode_fn, out_dir, num_proc=None, ...) -> dict
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import sys
 import html
 import importlib.metadata
-import os
 import pickle
 import re
 from pathlib import Path
@@ -36,6 +33,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from checkpoint import atomic_path  # noqa: F401  (also data.common.atomic_path, as before)
 from data.gpt2_bpe import EOT, INSTALL_HINT, gpt2_encode, gpt2_encoding  # noqa: F401  (re-exported)
 
 UINT16_LIMIT = 1 << 16  # every id written must be < 65536
@@ -189,24 +187,6 @@ def _check_ids(a: np.ndarray, what: str) -> None:
             f"{what}: token id out of uint16 range [0, {UINT16_LIMIT}) "
             f"(min {int(a.min())}, max {int(a.max())})"
         )
-
-
-@contextlib.contextmanager
-def atomic_path(path: Path):
-    """Yield a hidden temporary path next to ``path``; on success it replaces ``path``.
-
-    On any error the temporary file is removed and ``path`` keeps its old content, so a failed
-    prepare never leaves a half-written file behind. The pid keeps parallel writers apart.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
-        if tmp.exists():
-            os.remove(tmp)
-        raise
 
 
 def write_bin(path, chunks: Iterable, total: int, desc: str | None = None, n_chunks: int | None = None) -> int:

@@ -22,107 +22,20 @@ method sweep runs train.py several times inside one torchrun launch (this file's
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
-import threading
-import time
 import weakref
+from functools import partial
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from conftest import (DDP_TINY as TINY, LINEAR, ONE_RANK, ROOT, TORCHRUN, TWO_RANKS, Launch,  # noqa: F401
+                      assert_same_state, load, stop_with_sigterm as _stop_with_sigterm, torchrun_train as train)
 import distributed  # noqa: E402
 import omgd  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-TINY = ['--n_layer=4', '--n_head=2', '--n_embd=32', '--block_size=32', '--eval_iters=2', '--log_interval=1',
-        '--sample_tokens=0', '--compile=False', '--omgd_gamma=2', '--omgd_period=3', '--warmup_iters=2',
-        '--lr_decay_iters=100', '--eval_interval=1000', '--backend=gloo']
-# 8 windows per iteration either way: 2 ranks x 2 micro-steps x 2 windows, or 1 rank x 2 x 4 (the
-# same windows, dataloader.py); under 2 ranks each rank accumulates 2 micro-steps before syncing
-TWO_RANKS = ['--batch_size=2', '--gradient_accumulation_steps=4']
-ONE_RANK = ['--batch_size=4', '--gradient_accumulation_steps=2']
-LINEAR = ['--optimizer=sgd', '--learning_rate=0.1', '--grad_clip=0']  # updates linear in the gradient
-TORCHRUN = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2']
-TIMEOUT = 150  # per launch; a hang fails the test instead of blocking CI
 
-
-def descendants(pid):
-    """Pids of all processes below `pid` (torchrun starts its workers in their own sessions)."""
-    parent = {}
-    for entry in os.listdir('/proc'):
-        if entry.isdigit():
-            try:
-                with open(f'/proc/{entry}/stat') as f:
-                    parent[int(entry)] = int(f.read().rsplit(')', 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    found, frontier = [], [pid]
-    while frontier:
-        kids = [p for p, pp in parent.items() if pp in frontier]
-        found += kids
-        frontier = kids
-    return found
-
-
-def kill_tree(proc):
-    for pid in descendants(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.kill()
-
-
-class Launch:
-    """A subprocess whose merged output is collected by a thread, so a test can watch it live."""
-
-    def __init__(self, cmd, env=None):
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
-        self.lines = []
-        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
-        self.reader.start()
-
-    @property
-    def out(self):
-        return ''.join(self.lines)
-
-    def wait(self, timeout=TIMEOUT):
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(self.proc)
-            self.proc.wait()
-            pytest.fail(f"timed out after {timeout} s (hang?):\n{self.out[-3000:]}")
-        self.reader.join(timeout=10)
-        return self
-
-    def wait_for(self, pattern, timeout=TIMEOUT):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            match = re.search(pattern, self.out)
-            if match:
-                return match
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        kill_tree(self.proc)
-        pytest.fail(f"never printed {pattern!r}:\n{self.out[-3000:]}")
-
-
-def train(*args, ranks=2, expect_ok=True):
-    cmd = (TORCHRUN if ranks == 2 else [sys.executable]) + ['train.py', *TINY, *args]
-    run = Launch(cmd).wait()
-    if expect_ok:
-        assert run.proc.returncode == 0, run.out[-3000:]
-    return run
-
-
-def load(out_dir):
-    return torch.load(os.path.join(out_dir, 'ckpt.pt'), weights_only=True)
+pytestmark = pytest.mark.torchrun  # launches torchrun (deselect with -m "not torchrun")
 
 
 def lisa_active_elements(ckpt, trained_blocks=2):
@@ -131,21 +44,6 @@ def lisa_active_elements(ckpt, trained_blocks=2):
     ref = GPT(GPTConfig(**ckpt['model_args']))
     total = sum(p.numel() for p in ref.parameters())  # parameters() dedupes the tied head
     return total, total - (len(ref.blocks) - trained_blocks) * sum(p.numel() for p in ref.blocks[0].parameters())
-
-
-def assert_same_state(a, b):
-    """Bitwise: model, optimizer, layer-cycling schedule and data position."""
-    assert a['iter_num'] == b['iter_num']
-    for k in a['model']:
-        assert torch.equal(a['model'][k], b['model'][k]), k
-    assert a['optimizer']['state'].keys() == b['optimizer']['state'].keys()
-    for s1, s2 in zip(a['optimizer']['state'].values(), b['optimizer']['state'].values()):
-        assert all(torch.equal(s1[k], s2[k]) for k in s1)
-    ca, cb = a['cycler'], b['cycler']
-    assert (ca['active'], ca['last_switch'], ca['schedule']['pending']) == \
-        (cb['active'], cb['last_switch'], cb['schedule']['pending'])
-    assert torch.equal(ca['schedule']['rng'], cb['schedule']['rng'])
-    assert a['data'] == b['data']
 
 
 @pytest.fixture(scope='module')
@@ -296,38 +194,7 @@ def test_check_names_every_broken_invariant_on_any_rank():
                                                 'ranks differ in weights']
 
 
-def worker_pids(launch):
-    """{rank: pid} of torchrun's workers, read from their environment."""
-    workers = {}
-    for pid in descendants(launch.proc.pid):
-        with open(f'/proc/{pid}/environ', 'rb') as f:
-            env = dict(kv.split(b'=', 1) for kv in f.read().split(b'\0') if b'=' in kv)
-        if b'RANK' in env:
-            workers[int(env[b'RANK'])] = pid
-    assert sorted(workers) == [0, 1]
-    return workers
-
-
-def stop_with_sigterm(out_dir, after, target, args=RESUME, max_iters=STRAIGHT):
-    """Resume in out_dir, send SIGTERM to `target` ('rank1' or 'torchrun') once iteration `after`
-    is logged; check that both ranks stopped at the same iteration and saved it. Returns it."""
-    run = Launch(TORCHRUN + ['train.py', *TINY, f'--out_dir={out_dir}', f'--max_iters={max_iters}',
-                             '--init_from=resume', *args])
-    run.wait_for(rf'iter {after}: loss')
-    os.kill(worker_pids(run)[1] if target == 'rank1' else run.proc.pid, signal.SIGTERM)
-    run.wait()
-    # the workers exit 143 (a preempted run is not a finished one, README); torchrun then exits 1
-    assert run.proc.returncode == 1, run.out[-3000:]
-    if target == 'rank1':  # the first worker to exit reports 143; torchrun may stop the other before it exits
-        assert re.search(r'exitcode\s*: 143', run.out), run.out[-3000:]
-    stops = re.findall(r'rank (\d): stop requested, stopping at iteration (\d+)', run.out)
-    assert sorted(s[0] for s in stops) == ['0', '1'] and stops[0][1] == stops[1][1], run.out[-3000:]
-    stopped = int(stops[0][1])
-    assert after < stopped < max_iters, run.out[-3000:]
-    assert re.search(rf'iter {stopped - 1}: loss', run.out) and not re.search(rf'iter {stopped}: loss', run.out)
-    ckpt = load(out_dir)
-    assert ckpt['iter_num'] == stopped and ckpt['world_size'] == 2
-    return stopped
+stop_with_sigterm = partial(_stop_with_sigterm, args=RESUME, max_iters=STRAIGHT)
 
 
 def test_resume_and_sigterm_continue_exactly(many_runs, tmp_path):

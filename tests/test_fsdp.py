@@ -1,6 +1,6 @@
 """train.py under FSDP2 (`--parallel=fsdp`): two gloo ranks on CPU, launched with torchrun.
 
-What is checked, and how (helpers and the tiny model come from tests/test_ddp.py):
+What is checked, and how (helpers and the tiny model come from tests/conftest.py):
 - `--ddp_check=True` under FSDP makes every rank, after every optimizer step, report its active
   set, a SHA-256 of the full (all-gathered) weights, whether its frozen shards are bitwise
   unchanged since the switch, whether gradients exist exactly for the active parameters, whether
@@ -23,10 +23,12 @@ import re
 
 import torch
 
-from test_ddp import (LINEAR, ONE_RANK, TORCHRUN, TWO_RANKS, Launch, assert_same_state, load,
-                      stop_with_sigterm, train)
-
 import pytest
+
+from conftest import (LINEAR, ONE_RANK, TORCHRUN, TWO_RANKS, Launch, assert_same_state, load, stop_with_sigterm,
+                      torchrun_train as train)
+
+pytestmark = pytest.mark.torchrun  # launches torchrun (deselect with -m "not torchrun")
 
 FSDP = ['--parallel=fsdp']
 CLIPPED = [*LINEAR[:-1], '--grad_clip=0.05']  # SGD with clipping (active: without it the weights end 0.18 away)

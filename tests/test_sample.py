@@ -1,11 +1,8 @@
 """sample.py: text from a checkpoint written by train.py."""
-import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from test_train import run_train  # noqa: E402
+from conftest import ROOT, run_train
 
 
 def test_sample_from_checkpoint_and_missing_checkpoint(tmp_path):

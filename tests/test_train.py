@@ -1,4 +1,5 @@
 """train.py end to end on CPU: falling loss, exact resume, and every bad input named in the issue."""
+import contextlib
 import os
 import re
 import subprocess
@@ -6,33 +7,11 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
-from conftest import assert_same_state
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ['--n_layer=4', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=8', '--eval_iters=2',
-        '--log_interval=1', '--sample_tokens=0', '--compile=False', '--omgd_gamma=2', '--omgd_period=3',
-        '--warmup_iters=2', '--lr_decay_iters=100']
-
-
-def run_train(*args, expect_ok=True, timeout=300):
-    result = subprocess.run([sys.executable, 'train.py', *TINY, *args], cwd=ROOT, capture_output=True,
-                            text=True, timeout=timeout)
-    if expect_ok:
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    return result
-
-
-def assert_one_line_error(result, pattern):
-    assert result.returncode != 0
-    assert 'Traceback' not in result.stderr, result.stderr
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith('error: ') and re.search(pattern, last), last
-
-
-def load(path):
-    return torch.load(os.path.join(path, 'ckpt.pt'), weights_only=True)
+import training
+from configurator import configure
+from conftest import ROOT, TINY, assert_one_line_error, assert_same_state, load, run_train, train_defaults
+from dataloader import TokenBatches
 
 
 def test_short_run_loss_falls_with_visible_switching(tmp_path):
@@ -88,6 +67,21 @@ def test_missing_data_names_the_prepare_command(tmp_path):
     assert_one_line_error(result, r'python data/openwebtext_missing/prepare.py')
 
 
+def refusal(*args, world_size=1, fsdp=False):
+    """The message of train.py's one-line error for these arguments, found in-process, in
+    train.py's order: the configurator, the checks that need nothing built (training.check_config),
+    those of the launch (training.check_parallel), the data loader's, the model's and the cycler's."""
+    try:
+        cfg = configure(train_defaults(), [*TINY, *args])
+        training.check_config(cfg)
+        training.check_parallel(cfg, world_size, fsdp)
+        with contextlib.suppress(FileNotFoundError):  # only the arguments are checked here, no data read
+            TokenBatches(os.path.join(ROOT, 'no such data.bin'), cfg['block_size'], cfg['batch_size'], cfg['sampling'])
+        training.build(cfg, 'cpu', vocab_size=65)
+    except ValueError as e:  # configurator.ConfigError is one
+        return str(e)
+
+
 @pytest.mark.parametrize('arg, pattern', [
     ('--lerning_rate=1e-3', r"unknown config key 'lerning_rate'.*learning_rate"),
     ('--max_iters=ten', r"max_iters='ten' is not a valid int"),
@@ -112,7 +106,32 @@ def test_bad_config_is_one_line_error(tmp_path, arg, pattern):
     if arg == 'CONFIG_WITH_SYNTAX_ERROR':
         arg = str(tmp_path / 'bad.py')
         (tmp_path / 'bad.py').write_text("max_iters = 10\nmethod = 'lisa\n")
-    assert_one_line_error(run_train(f'--out_dir={tmp_path}', arg, expect_ok=False), pattern)
+    message = refusal(arg)
+    assert message is not None and '\n' not in message and re.search(pattern, message), message
+    assert refusal() is None  # TINY itself trains
+
+
+@pytest.mark.parametrize('args, world_size, fsdp, pattern', [
+    (['--dtype=float16'], 2, True, r"dtype='float16' is not supported with parallel='fsdp'.*--dtype=bfloat16$"),
+    (['--omgd_state=offload'], 2, True, r"omgd_state='offload' is not supported with parallel='fsdp'"),
+    (['--precision=bf16_master'], 2, True, r"precision='bf16_master' is not supported with parallel='fsdp'.*"
+                                           r"--precision=amp$"),
+    (['--method=galore'], 2, True, r"method='galore' is not supported with parallel='fsdp'.*--parallel=ddp$"),
+    (['--gradient_accumulation_steps=3'], 2, False, r"gradient_accumulation_steps=3 counts micro-steps summed over "
+                                                    r"all ranks and must be a multiple of the 2 ranks, e\.g\. "
+                                                    r"--gradient_accumulation_steps=4 \(tokens per iteration"),
+])
+def test_launch_refuses_what_its_ranks_cannot_train(args, world_size, fsdp, pattern):
+    message = refusal(*args, world_size=world_size, fsdp=fsdp)
+    assert message is not None and '\n' not in message and re.search(pattern, message), message
+    assert refusal(*args) is None  # what one process trains
+
+
+def test_train_py_turns_a_refusal_into_one_line(tmp_path):
+    # the in-process checks above are what train.py prints, as `error: ...` with a non-zero exit
+    result = run_train(f'--out_dir={tmp_path}', '--method=lisa_wr', expect_ok=False)
+    assert_one_line_error(result, r"^error: unknown method 'lisa_wr'; choose one of full, lisa, .*, golore$")
+    assert not (tmp_path / 'ckpt.pt').exists()
 
 
 def test_missing_and_corrupt_checkpoint_on_resume(tmp_path):
