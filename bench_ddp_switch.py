@@ -104,4 +104,4 @@ if rank == 0:
     med = [statistics.median(r[k] for r in rows) for k in (2, 3, 4, 5)]
     print(f"| median | | {med[0]:.1f} | {med[1]:.1f} | {med[2]:.1f} | {med[3]:.1f} |")
     print(f"all_reduce of all {total / 1e6:.2f}M elements, as without layer cycling: {reduce_all:.1f} ms (median of 3)")
-dist.destroy_process_group()
+distributed.teardown(ranks)  # a barrier, then destroy_process_group (distributed.py: why)
