@@ -385,7 +385,7 @@ class Replicas:
             # a wrapper that outlives its last reference sits in a garbage-collector reference cycle
             self.wrapper_in_gc_cycle = self.old_wrapper is not None and self.old_wrapper() is not None
             if self.wrapper_in_gc_cycle:
-                gc.collect()  # never needed with torch 2.13 (ddp_check verifies it); insurance
+                gc.collect()  # free its buckets before the new wrapper allocates (ddp_check verifies this)
             t = time.time()
             # the first wrapper broadcasts rank 0's weights
             self.model = wrap_ddp(self.raw_model, self.ranks, self.device_type, init_sync=self.old_wrapper is None)
