@@ -75,7 +75,6 @@ import ast
 import gc
 import json
 import os
-import pickle
 import sys
 import time
 import types
@@ -83,6 +82,7 @@ from contextlib import nullcontext
 
 import torch
 
+import dataloader
 import omgd
 import training
 from configurator import ConfigError, configure
@@ -150,15 +150,8 @@ def check_shape(cfg, defaults):
 
 
 def dataset_vocab(cfg):
-    """The vocabulary train.py passes to training.build: vocab_size, else the one of the dataset's
-    meta.pkl when it is prepared, else 0 (training.model_args: the preset's, else 50304)."""
-    if cfg['vocab_size']:
-        return cfg['vocab_size']
-    meta = os.path.join(ROOT, 'data', cfg['dataset'], 'meta.pkl')
-    if not os.path.exists(meta):
-        return 0
-    with open(meta, 'rb') as f:
-        return pickle.load(f)['vocab_size']
+    """The vocabulary train.py passes to training.build for this config (dataloader.dataset_vocab)."""
+    return dataloader.dataset_vocab(cfg['dataset'], cfg['vocab_size'])
 
 
 def model_config(cfg):

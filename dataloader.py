@@ -15,7 +15,9 @@ resume on another number of ranks when the windows consumed are a whole number o
 always so when batch_size x ranks is unchanged (the epoch's dropped tail, fewer than
 batch_size x ranks windows, depends on that product too).
 """
+import importlib
 import os
+import pickle
 
 import numpy as np
 import torch
@@ -110,3 +112,44 @@ class TokenBatches:
                              f"multiple of batch_size x ranks = {self.batch_size} x {self.world_size}; resume with "
                              f"the same batch_size x ranks as the checkpoint ({saved}){hint}")
         self.epoch, self.step_in_epoch = state['epoch'], state['windows_consumed'] // per_step
+
+
+DATA_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
+EMBEDDED = ('shakespeare', 'shakespeare_char')  # corpora shipped in packages: prepared on first use
+
+
+def data_dir(dataset):
+    """data/<dataset>, or `dataset` itself when it is a path."""
+    return os.path.join(DATA_ROOT, dataset)
+
+
+def prepare_if_embedded(dataset, verbose=True):
+    """Prepare an embedded Shakespeare corpus on first use (call on one rank); any other dataset
+    must have been prepared (TokenBatches then names the command)."""
+    missing = [f for f in ('train.bin', 'val.bin') if not os.path.exists(os.path.join(data_dir(dataset), f))]
+    if missing and dataset in EMBEDDED:
+        if verbose:
+            print(f"preparing data/{dataset} (first run)")
+        importlib.import_module(f'data.{dataset}.prepare').prepare(data_dir(dataset))
+
+
+def dataset_vocab(dataset, vocab_size=0):
+    """The vocabulary a run uses: vocab_size, else the dataset's meta.pkl (character sets), else 0
+    (training.model_args then takes the preset's, else GPT-2's padded 50304)."""
+    meta = os.path.join(data_dir(dataset), 'meta.pkl')
+    if vocab_size or not os.path.exists(meta):
+        return vocab_size
+    with open(meta, 'rb') as f:
+        return pickle.load(f)['vocab_size']
+
+
+def open_splits(dataset, block_size, batch_size, sampling, seed, rank=0, world_size=1):
+    """(train batches in `sampling` order, {'train', 'val'}: evaluation batches). Evaluation draws
+    the same fixed windows at every evaluation: rewind each with load_state_dict(its .start)."""
+    def batches(split, order, seed):
+        return TokenBatches(os.path.join(data_dir(dataset), f'{split}.bin'), block_size, batch_size, order, seed,
+                            rank, world_size, f"python data/{dataset}/prepare.py")
+    evaluation = {split: batches(split, 'iid', seed + 1) for split in ('train', 'val')}
+    for split_batches in evaluation.values():
+        split_batches.start = split_batches.state_dict()
+    return batches('train', sampling, seed), evaluation

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from configurator import ConfigError, configure, format_config
 import checkpoint as ckpt_io
-from dataloader import TokenBatches
+from dataloader import data_dir, dataset_vocab, open_splits, prepare_if_embedded
 import distributed
 from model import GPT, GPTConfig
 import training
@@ -165,32 +165,19 @@ autocast = training.autocast(config, device_type)
 scaler = training.grad_scaler(config, device_type)  # float16 gradients underflow without loss scaling
 
 # data: the embedded Shakespeare corpora are prepared on first use, anything else must exist
-data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
-prepare_cmd = f"python data/{dataset}/prepare.py"
-missing = [f for f in ('train.bin', 'val.bin') if not os.path.exists(os.path.join(data_dir, f))]
-if missing and dataset in ('shakespeare', 'shakespeare_char'):
-    if master_process:
-        print(f"preparing data/{dataset} (first run)")
-        import importlib
-        importlib.import_module(f'data.{dataset}.prepare').prepare(data_dir)
-    if distributed_run:
-        dist.barrier()
+if master_process:
+    prepare_if_embedded(dataset)
+if distributed_run:
+    dist.barrier()
 try:
-    def token_batches(split, sampling, seed):
-        return TokenBatches(os.path.join(data_dir, f'{split}.bin'), block_size, batch_size, sampling, seed,
-                            ddp_rank, ddp_world_size, prepare_cmd)
-    train_batches = token_batches('train', sampling, data_seed)
-    # evaluation draws the same fixed windows every time, from generators of its own
-    eval_batches = {split: token_batches(split, 'iid', data_seed + 1) for split in ('train', 'val')}
-    eval_start = {split: batches.state_dict() for split, batches in eval_batches.items()}
+    train_batches, eval_batches = open_splits(dataset, block_size, batch_size, sampling, data_seed, ddp_rank,
+                                              ddp_world_size)
 except (FileNotFoundError, ValueError) as e:
     fail(e)
-meta_path = os.path.join(data_dir, 'meta.pkl')
-if vocab_size == 0 and os.path.exists(meta_path):
-    import pickle
-    with open(meta_path, 'rb') as f:
-        vocab_size = pickle.load(f)['vocab_size']
-        print(f"found vocab_size = {vocab_size} (inside {meta_path})") if master_process else None
+if not vocab_size:
+    vocab_size = dataset_vocab(dataset)
+    if vocab_size and master_process:
+        print(f"found vocab_size = {vocab_size} (inside {data_dir(dataset)}/meta.pkl)")
 
 # model
 model_args = training.model_args(config, vocab_size)
@@ -271,7 +258,7 @@ def estimate_loss():
     out = {}
     raw_model.eval()
     for split, batches in eval_batches.items():
-        batches.load_state_dict(eval_start[split])  # the same windows at every evaluation
+        batches.load_state_dict(batches.start)  # the same windows at every evaluation
         losses = torch.zeros(eval_iters, device=device)  # on the device: one sync per split, not per batch
         for k in range(eval_iters):
             X, Y = batches.next_batch(device)
@@ -397,7 +384,7 @@ stop_request.release()  # Ctrl-C during the sample below stops at once
 # under FSDP every rank runs the sample's forwards (each all-gathers the weights); rank 0 prints
 if (master_process or fsdp) and sample_tokens > 0 and not stop:
     from sample import load_codec
-    encode, decode = load_codec(data_dir)
+    encode, decode = load_codec(data_dir(dataset))
     start = torch.tensor([encode('\n')], dtype=torch.long, device=device)
     raw_model.eval()  # no dropout while generating (estimate_loss left it in training mode)
     with autocast:
