@@ -214,9 +214,14 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config) if config.arch == 'llama' else MLP(config)
 
     def forward(self, x, rope=None):
-        x = x + self.attn(self.ln_1(x), rope)
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        x = self.attention_part(x, rope)
+        return self.mlp_part(x)
+
+    def attention_part(self, x, rope=None):
+        return x + self.attn(self.ln_1(x), rope)
+
+    def mlp_part(self, x):
+        return x + self.mlp(self.ln_2(x))
 
 
 class ChunkedLinearCE(torch.autograd.Function):
@@ -345,6 +350,9 @@ class GPT(nn.Module):
         self.is_llama = config.arch == 'llama'
         # memory options, off by default (not in GPTConfig: they change no weight and a resume may flip them)
         self.activation_checkpointing: bool = False
+        # with checkpointing: recompute attention and MLP apart, so the backward holds half a block's
+        # activations at a time, at the cost of saving the input of each half (pair with activation_offload)
+        self.checkpoint_sublayers: bool = False
         # tensors saved for the backward go to host memory (OffloadActivations) during a forward with grad
         self.activation_offload: bool = False
         # >0: head + loss this many tokens at a time, each chunk's logits recomputed in the backward
@@ -448,7 +456,10 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(0, t, dtype=torch.long, device=idx.device))
         x = self.drop(x)
         for block in self.blocks:
-            if self.activation_checkpointing and self.training:
+            if self.activation_checkpointing and self.training and self.checkpoint_sublayers:
+                x = checkpoint(block.attention_part, x, rope, use_reentrant=False)
+                x = checkpoint(block.mlp_part, x, use_reentrant=False)
+            elif self.activation_checkpointing and self.training:
                 # recompute activations in backward: trades ~1/3 more compute for memory
                 x = checkpoint(block, x, rope, use_reentrant=False)
             else:

@@ -65,6 +65,7 @@ dropout = 0.0
 bias = False
 vocab_size = 0  # 0: from the dataset (meta.pkl), else GPT-2's 50304 (padded 50257)
 activation_checkpointing = False  # recompute each block's activations in the backward
+checkpoint_sublayers = False  # with activation_checkpointing: recompute attention and MLP apart (lower peak, more saved inputs)
 activation_offload = False  # keep the tensors saved for the backward in host memory (model.OffloadActivations)
 loss_chunk = 0  # >0: head and cross-entropy this many tokens at a time; the full logits never exist (slower)
 # optimizer

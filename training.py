@@ -104,6 +104,7 @@ def model_args(cfg, vocab_size=0):
 def configure_memory(model, cfg):
     """The model's activation-memory options (model.py): checkpointing, offload to the host, chunked loss."""
     model.activation_checkpointing = cfg['activation_checkpointing']
+    model.checkpoint_sublayers = cfg['checkpoint_sublayers']
     model.activation_offload = cfg['activation_offload']
     model.loss_chunk = cfg['loss_chunk']
     return model

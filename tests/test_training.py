@@ -110,11 +110,13 @@ def test_step_order_of_clip_and_scale(scale_after_clip):
 def test_memory_options_train_the_same():
     base = train_defaults(**TINY)
     _, _, _, reference = train(base, 5)
-    for option in (dict(loss_chunk=24), dict(activation_offload=True), dict(activation_checkpointing=True)):
+    for option in (dict(loss_chunk=24), dict(activation_offload=True), dict(activation_checkpointing=True),
+                   dict(activation_checkpointing=True, checkpoint_sublayers=True)):
         model, _, _, losses = train({**base, **option}, 5)
-        assert (model.loss_chunk, model.activation_offload, model.activation_checkpointing) == (
+        assert (model.loss_chunk, model.activation_offload, model.activation_checkpointing,
+                model.checkpoint_sublayers) == (
             option.get('loss_chunk', 0), option.get('activation_offload', False),
-            option.get('activation_checkpointing', False))
+            option.get('activation_checkpointing', False), option.get('checkpoint_sublayers', False))
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=0)
 
 
