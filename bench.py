@@ -2,7 +2,7 @@
 Training speed of full AdamW, LISA, LISA-wor and GaLore on the same model and batch, in one run,
 like nanoGPT's bench.py: time per iteration, tokens/s, MFU (on a GPU of known peak) and peak memory.
 It times train.py's own iteration: train.py's keys (and config files), the model, optimizer and
-cycler of training.build, and training.train_step, the function train.py's loop calls.
+cycler of training.build, and training.Trainer.step, the iteration train.py's loop runs.
 
 $ python bench.py --methods=full,lisa,lisa_wor,galore --preset=gpt2 --vocab_size=50304 --batch_size=12 \
       --block_size=1024 --omgd_gamma=3                                   # one GPU, compiled
@@ -19,9 +19,9 @@ or cuda or cpu. Keys of this script: methods and precisions (the rows, as in ben
 is the config's method / precision), steps, warmup_steps, interleave, out.
 
 Each row gets a fresh model (same seed), optimizer and cycler from training.build, and runs
-train.py's loop body: cycler.step(it), cycler.prefetch(it), training.train_step (micro-batches,
-clipping and OMGD scale in the order of omgd_scale_after_clip, optimizer step, zero_grad), under
-training.autocast and training.grad_scaler. With compile=True every block is compiled on its own
+train.py's iteration, training.Trainer.step (switch, prefetch, micro-batches, clipping and OMGD
+scale in the order of omgd_scale_after_clip, optimizer step, zero_grad, under the config's
+autocast and loss scaling). With compile=True every block is compiled on its own
 (regional compilation, as train.py does). The learning rate stays at learning_rate (no schedule).
 `warmup_steps` iterations (compilation included) are run before `steps` timed ones, whose median
 time gives ms/iter, tokens/s and MFU (the mean is shown too); the data is one random batch reused.
@@ -40,13 +40,15 @@ import time
 import torch
 
 import bench_memory
+import train_config
 import training
-from configurator import ConfigError, configure
+from configurator import ConfigError, at_least, configure
 
 # keys of this script only (train.py has none of these names); `device` has its own values here
 OWN_KEYS = dict(methods='', precisions='', steps=20, warmup_steps=5, interleave=False, out='')
-assert not set(OWN_KEYS) & set(bench_memory.TRAIN_DEFAULTS)
-DEFAULTS = {**bench_memory.TRAIN_DEFAULTS, 'device': 'auto', **OWN_KEYS}
+assert not set(OWN_KEYS) & set(train_config.DEFAULTS)
+DEFAULTS = {**train_config.DEFAULTS, 'device': 'auto', **OWN_KEYS}
+RULES = {**train_config.RULES, 'steps': at_least(1), 'warmup_steps': at_least(0)}
 
 
 class MethodRun:
@@ -65,8 +67,8 @@ class MethodRun:
         vocab = self.net.config.vocab_size
         x = torch.randint(0, vocab, (cfg['batch_size'], cfg['block_size']), generator=gen).to(device)
         self.batch = (x, torch.roll(x, -1, dims=1))
-        self.autocast = training.autocast(cfg, device.type)
-        self.scaler = training.grad_scaler(cfg, device.type)
+        # train.py's iteration; the learning rate stays at learning_rate (no schedule)
+        self.trainer = training.Trainer({**cfg, 'decay_lr': False}, self.net, self.opt, self.cycler, device.type)
         self.tokens = cfg['batch_size'] * cfg['block_size'] * cfg['gradient_accumulation_steps']
         self.times, self.flops, self.loss = [], [], None
 
@@ -75,14 +77,9 @@ class MethodRun:
             torch.cuda.synchronize(self.device)
 
     def step(self, it, timed):
-        cfg = self.cfg
         self.sync()
         t0 = time.perf_counter()
-        self.cycler.step(it)
-        self.cycler.prefetch(it)
-        loss, _ = training.train_step(self.net, self.opt, self.cycler, self.batch, lambda: self.batch,
-                                      cfg['gradient_accumulation_steps'], cfg['grad_clip'],
-                                      cfg['omgd_scale_after_clip'], self.autocast, self.scaler)
+        loss, _, _ = self.trainer.step(it, self.batch, lambda: self.batch)
         self.sync()
         if timed:
             self.times.append(time.perf_counter() - t0)
@@ -171,10 +168,6 @@ def markdown(cfg, rows, device, config, argv):
 def check(cfg):
     """One-line ValueErrors for bad input; returns (device, row configs, GPTConfig)."""
     device = bench_memory.resolve_device(cfg['device'], ('cuda', 'cpu'), without_cuda='cpu')
-    if cfg['steps'] < 1 or cfg['warmup_steps'] < 0:
-        raise ValueError("steps must be >= 1 and warmup_steps >= 0")
-    if cfg['batch_size'] < 1 or cfg['block_size'] < 1:
-        raise ValueError("batch_size and block_size must be >= 1")
     bench_memory.check_shape(cfg, DEFAULTS)
     config = bench_memory.model_config(cfg)
     return device, bench_memory.row_configs(cfg), config
@@ -182,7 +175,7 @@ def check(cfg):
 
 def main(argv):
     try:
-        cfg = configure(DEFAULTS, argv)
+        cfg = configure(DEFAULTS, argv, RULES)
         device, row_cfgs, config = check(cfg)
     except (ConfigError, ValueError) as e:
         sys.exit(f"error: {e}")

@@ -48,7 +48,7 @@ else:
     config = config_from_preset(args.preset, block_size=args.block_size, vocab_size=50304)
 model = GPT(config)
 opt = torch.optim.SGD(model.parameters(), lr=0.0)  # never stepped: only there for build_cycler's check
-cycler = omgd.build_cycler(model, opt, 'lisa_wor', gamma=args.gamma, period=1)
+cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig('lisa_wor', gamma=args.gamma, period=1))
 x = torch.randint(config.vocab_size, (args.batch_size, args.block_size))
 
 

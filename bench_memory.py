@@ -3,7 +3,7 @@ GPU memory of a training iteration, split like the OMGD paper's LLaMA-7B table: 
 gradients, optimizer state, and "others" (activations, temporaries, workspaces) = peak allocated
 minus the other three. It measures train.py's own iteration: the config is train.py's (its keys,
 or one of its config files), the model, optimizer and cycler come from training.build and the
-measured iteration is training.train_step, the function train.py's loop calls.
+measured iteration is training.Trainer.step, the iteration train.py's loop runs.
 
 $ python bench_memory.py config/llama7b_lisa_wor.py --vocab_size=32000 \
       --methods=full,galore,golore,lisa,lisa_wor                     # the paper's table (LLaMA's vocabulary)
@@ -37,7 +37,7 @@ GaLore/GoLore rank 128 on every attention and MLP matrix, projectors not counted
 state) with LLaMA's vocabulary 32000 instead of the config's GPT-2 50304.
 
 For every row: training.build (the model is constructed directly on the device, on meta without
-memory), then train.py's loop body: cycler.step(it), cycler.prefetch(it), training.train_step.
+memory), then train.py's iteration, training.Trainer.step (switch, prefetch, step).
 Iteration 0 (one micro-batch) is the warm-up: the switch freezes the other blocks and the step
 creates the optimizer state (and GaLore's projectors). Under omgd_state='keep' the warm-up runs
 one iteration at every switch of a full cycle, so every block holds state, what 'keep' converges
@@ -46,7 +46,7 @@ CPU memory). The measured iteration is the next one, the second of a switching p
 omgd_period=1 it is a switch itself), the costliest, since the state already exists during the
 forward/backward: `micro_batches` forward/backward passes that accumulate gradients, the gradient
 clipping and OMGD scale in train.py's order (omgd_scale_after_clip), the optimizer step.
-Weights, gradients and optimizer state are exact tensor bytes (omgd.memory_bytes, taken by
+Weights, gradients and optimizer state are exact tensor bytes (omgd_state.memory_bytes, taken by
 train_step's before_zero_grad hook; the optimizer column leaves out GaLore's projectors and
 CPU-resident state, reported apart: the GaLore column counts the projectors on the device, the
 CPU state column the master copies, moments and projectors on the CPU). Everything is freed between rows.
@@ -71,59 +71,34 @@ Where it runs (--device):
 On cuda LiveBytes runs too, and its peak is stored in the JSON ('tracked_peak') to check the
 meta estimator against the measurement.
 """
-import ast
 import gc
 import json
 import os
 import sys
 import time
-import types
 from contextlib import nullcontext
 
 import torch
 
 import dataloader
-import omgd
+import omgd_state
+import train_config
 import training
-from configurator import ConfigError, configure
+from configurator import ConfigError, at_least, check_rule, configure
 from memory_tools import LiveBytes, MetaAsCuda, offload_on_meta
 from model import GPTConfig, PRESETS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-def train_defaults(cuda=None):
-    """train.py's config keys and their defaults, as train.py computes them: its module-level
-    assignments up to `config_keys = ...`, run without the rest of the script, and of those the
-    bool/int/float/str values (train.py's own rule for its keys). cuda: True or False gives the
-    defaults train.py has on a machine with or without CUDA (device, dtype, compile, backend);
-    None, this machine's."""
-    path = os.path.join(ROOT, 'train.py')
-    with open(path) as f:
-        tree = ast.parse(f.read(), path)
-    assignments = []
-    for node in tree.body:
-        if isinstance(node, ast.Assign):
-            if any(isinstance(t, ast.Name) and t.id == 'config_keys' for t in node.targets):
-                break
-            assignments.append(node)
-    else:
-        raise RuntimeError(f"{path} has no `config_keys = ...` line ending its defaults")
-    seen = types.SimpleNamespace(is_available=lambda: torch.cuda.is_available() if cuda is None else cuda)
-    view = type('TorchAsSeen', (), {'__getattr__': lambda self, name: seen if name == 'cuda' else getattr(torch, name)})
-    namespace = {'torch': view(), 'os': os}
-    exec(compile(ast.Module(body=assignments, type_ignores=[]), path, 'exec'), namespace)
-    return {k: v for k, v in namespace.items()
-            if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
-
-
-TRAIN_DEFAULTS = train_defaults()  # on this machine: bench.py and experiments/compare.py
+TRAIN_DEFAULTS = train_config.DEFAULTS  # on this machine: bench.py and experiments/compare.py
 # train.py's defaults on a GPU machine (bf16 autocast dtype, compile), the run this script measures or estimates
-GPU_DEFAULTS = train_defaults(cuda=True)
+GPU_DEFAULTS = train_config.gpu_defaults()
 # keys of this script only (train.py has none of these names); `device` has its own values here
 OWN_KEYS = dict(methods='', precisions='', micro_batches=2, out='')
 assert not set(OWN_KEYS) & set(TRAIN_DEFAULTS)
 DEFAULTS = {**GPU_DEFAULTS, 'device': 'auto', **OWN_KEYS}
+RULES = {**train_config.RULES, 'micro_batches': at_least(0)}
 
 GIB = 2 ** 30
 # the paper's Table (GiB), for comparison when the preset is llama-7b
@@ -164,7 +139,7 @@ def model_config(cfg):
 
 def parse_precision(spec):
     """'bf16' -> ('bf16', ''); 'bf16_master:cpu' -> ('bf16_master', 'cpu'), train.py's precision
-    and master_device keys (checked by training.check_config)."""
+    and master_device keys (checked by train_config.check)."""
     precision, _, master_device = spec.partition(':')
     return precision, master_device
 
@@ -185,7 +160,7 @@ def row_configs(cfg):
         raise ValueError("precisions lists no precision; name at least one, e.g. --precisions=bf16,bf16_master")
     rows = [{**cfg, 'method': m, 'precision': p, 'master_device': d} for p, d in precisions for m in methods]
     for row in rows:
-        training.check_config(row)
+        train_config.check(row)
     return rows
 
 
@@ -215,7 +190,7 @@ def build(cfg, device):
 
 def measure(cfg, device):
     """Build cfg's model as train.py does, warm up, run one measured iteration through
-    training.train_step; return the breakdown in bytes. cfg: a train.py config (row_configs)."""
+    training.Trainer.step; return the breakdown in bytes. cfg: a train.py config (row_configs)."""
     cuda = device.type == 'cuda'
     compiled = cuda and cfg['compile']
     if cuda:
@@ -239,13 +214,12 @@ def measure(cfg, device):
     def next_batch():  # a fresh batch per micro-step, on the device, as train.py's loader gives
         return (torch.randint(0, vocab, shape, device=device), torch.randint(0, vocab, shape, device=device))
 
-    if device.type == 'meta':
-        dtype = training.PTDTYPES[cfg['dtype']] if cfg['precision'] == 'amp' and cfg['dtype'] != 'float32' else None
-        autocast, scaler = MetaAsCuda(dtype, cache=True), None
+    trainer = training.Trainer(cfg, net, opt, cycler, device.type)  # train.py's iteration
+    backward = None
+    if device.type == 'meta':  # the GPU's kernels and autocast, emulated on shapes (memory_tools.py)
+        dtype = train_config.PTDTYPES[cfg['dtype']] if cfg['precision'] == 'amp' and cfg['dtype'] != 'float32' else None
+        trainer.autocast, trainer.scaler = MetaAsCuda(dtype, cache=True), None
         backward = MetaAsCuda(dtype, cache=False).backward
-    else:
-        autocast, scaler = training.autocast(cfg, device.type), training.grad_scaler(cfg, device.type)
-        backward = None
     gas = cfg['gradient_accumulation_steps']
     micro = min(cfg['micro_batches'] or gas, gas)
     sizes = {}
@@ -253,19 +227,17 @@ def measure(cfg, device):
     def at_zero_grad():  # train_step's before_zero_grad: the step is done, the gradients still held
         if cuda:
             torch.cuda.synchronize(device)
-        states = [v for _, _, v in omgd.state_tensors(opt)]
+        states = [v for _, _, v in omgd_state.state_tensors(opt)]
         projectors = [s['projector'] for s in opt.state.values() if torch.is_tensor(s.get('projector'))]
         host = [v for v in states + projectors if tracker.is_host(v)]
-        sizes.update(omgd.memory_bytes(net, opt),
+        sizes.update(omgd_state.memory_bytes(net, opt),
                      optimizer=sum(v.numel() * v.element_size() for v in states if not tracker.is_host(v)),
                      cpu_state=sum(v.numel() * v.element_size() for v in host),
                      projectors=sum(v.numel() * v.element_size() for v in projectors if not tracker.is_host(v)))
 
-    def iteration(it, micro_steps, hook=None):  # train.py's loop body
-        cycler.step(it)
-        cycler.prefetch(it)
-        training.train_step(net, opt, cycler, next_batch(), next_batch, micro_steps, cfg['grad_clip'],
-                            cfg['omgd_scale_after_clip'], autocast, scaler, backward=backward, before_zero_grad=hook)
+    def iteration(it, micro_steps, hook=None):  # train.py's loop body, with this many micro-steps
+        trainer.grad_accum = micro_steps
+        trainer.step(it, next_batch(), next_batch, backward=backward, before_zero_grad=hook)
 
     tracker.add(list(net.parameters()), list(net.buffers()))
     period, start = cfg['omgd_period'], cfg['omgd_warmup']
@@ -366,11 +338,18 @@ def notes_for(cfg, device, estimate, n_params, precisions):
 
 
 def title(result):
+    """One line naming everything that sets the bars: model, micro-batch, precisions, state policy, memory options."""
     cfg = result['config']
     where = 'one device' if result['estimate'] else f"one {result['device']}"
     precisions = ', '.join(precision_label(p, d) for p, d in result['precisions'])
-    return (f"Memory breakdown (GiB), {model_name(cfg)}, {where}, precision {precisions}, "
-            f"omgd_state {cfg['omgd_state']}")
+    options = [name for name, on in (
+        ('activation_checkpointing', cfg['activation_checkpointing']),
+        ('checkpoint_sublayers', cfg.get('checkpoint_sublayers')),  # .get: absent from older results/*.json
+        (f"loss_chunk={cfg['loss_chunk']}", cfg['loss_chunk']),
+        ('activation_offload', cfg['activation_offload'])) if on]
+    return (f"Memory breakdown (GiB), {model_name(cfg)}, {where}, micro-batch {cfg['batch_size']} x "
+            f"{cfg['block_size']}, precision {precisions}, omgd_state {cfg['omgd_state']}, "
+            + (' + '.join(options) if options else 'no memory options'))
 
 
 def markdown(result):
@@ -405,10 +384,12 @@ def plot(result, path):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
+    import textwrap
     rows = result['rows']
     parts = [('params', 'Model'), ('grads', 'Gradients'), ('optimizer', 'Optimizer'), ('others', 'Others')]
     colors = ['#4c72b0', '#dd8452', '#55a868', '#c44e52']
-    fig, ax = plt.subplots(figsize=(1.3 * len(rows) + 2.5, 4.5))
+    width = 1.3 * len(rows) + 4.0  # room for the legend right of the bars
+    fig, ax = plt.subplots(figsize=(width, 5.0))
     x = range(len(rows))
     bottom = [0.0] * len(rows)
     for (key, label), color in zip(parts, colors):
@@ -419,10 +400,12 @@ def plot(result, path):
         ax.text(i, bottom[i], f"{gib(r['peak']):.2f}", ha='center', va='bottom', fontsize=9)
     ax.set_xticks(list(x), [row_label(r, result) for r in rows], rotation=20)
     ax.set_ylabel('GiB')
-    ax.set_title(title(result).replace('Memory breakdown (GiB), ', 'GPU memory, ')
-                 + (f" (ESTIMATE, {result['device']} device)" if result['estimate'] else ''), fontsize=9)
+    text = (title(result).replace('Memory breakdown (GiB), ', 'GPU memory, ')
+            + (f" (ESTIMATE, {result['device']} device)" if result['estimate'] else ''))
+    # wrapped to the figure's width (about 14 characters an inch at 9 pt), so that no title is clipped
+    ax.set_title(textwrap.fill(text, width=int(13 * width), break_on_hyphens=False), fontsize=9)
     ax.set_ylim(0, max(bottom) * 1.12)
-    ax.legend(loc='upper right', fontsize=8)
+    ax.legend(loc='upper left', bbox_to_anchor=(1.01, 1.0), fontsize=8)  # outside: never over a bar's total
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -430,8 +413,7 @@ def plot(result, path):
 
 def check(cfg):
     """One-line ValueErrors for what no row can run with; returns (device, row configs)."""
-    if cfg['micro_batches'] < 0 or cfg['batch_size'] < 1 or cfg['block_size'] < 1:
-        raise ValueError("batch_size and block_size must be >= 1 and micro_batches >= 0")
+    check_rule('micro_batches', cfg['micro_batches'], RULES['micro_batches'])
     device = resolve_device(cfg['device'])
     check_shape(cfg, DEFAULTS)
     model_config(cfg)
@@ -471,7 +453,7 @@ def output_prefix(cfg):
 
 def main(argv):
     try:
-        cfg = configure(DEFAULTS, argv)
+        cfg = configure(DEFAULTS, argv, RULES)
         result = run(cfg, argv)
     except (ConfigError, ValueError) as e:
         sys.exit(f"error: {e}")

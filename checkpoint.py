@@ -2,11 +2,14 @@
 The checkpoint that train.py writes (out_dir/ckpt.pt): saving it, reading it (train.py and
 sample.py alike), and resuming from it.
 
-A checkpoint is one torch.save'd dict: model, optimizer, cycler, data position, model_args,
-iter_num, best_val_loss, config, world_size, rng, scaler. It is written atomically and read with
-weights_only=True, so a file from elsewhere cannot run code.
+A checkpoint is one torch.save'd dict: the state_dict() of each object train.py hands over
+(model, optimizer, cycler, scaler), and plain values (data position, model_args, iter_num,
+best_val_loss, config), plus world_size and every rank's RNG. It is never written with a
+non-finite weight or optimizer state, goes to disk (fsync) before it atomically replaces the
+previous one, and is read with weights_only=True, so a file from elsewhere cannot run code.
 """
 import contextlib
+import glob
 import os
 from pathlib import Path
 
@@ -47,6 +50,8 @@ def atomic_path(path: Path):
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield tmp
+        with open(tmp, 'rb+') as f:  # on disk before it replaces the old file: a power cut leaves one of the two
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if tmp.exists():
@@ -60,28 +65,61 @@ def gather_rng(ranks, device_type):
                          'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None})
 
 
-def save(path, ranks, model, optimizer, cycler, data, model_args, iter_num, best_val_loss, config, scaler,
-         fsdp, device_type):
-    """Call on every rank (collectives: the RNG states, FSDP's full state dicts); rank 0 writes.
-    Model, optimizer, schedule and data position are the same on every rank; the dropout RNG is
-    not, so each rank's state is gathered into the file. Atomic (atomic_path): a crash never
-    leaves a broken ckpt.pt or a stray temporary file. Returns whether this rank wrote it."""
-    import distributed
+class NonFiniteState(CheckpointError):
+    """The weights or the optimizer state hold inf or NaN: such a state is never saved."""
+
+
+def all_finite(model, optimizer):
+    """Whether every weight and every optimizer-state tensor of this rank (its shards) is finite."""
+    tensors = [p for p in model.parameters()]
+    tensors += [t for state in optimizer.state.values() for t in state.values()
+                if torch.is_tensor(t) and t.is_floating_point()]
+    return all(bool(torch.isfinite(t.to_local() if hasattr(t, 'to_local') else t).all()) for t in tensors)
+
+
+def check_out_dir(out_dir):
+    """Refuse (CheckpointError) an out_dir that cannot hold a checkpoint, before any training; remove
+    the temporary files an interrupted save left there."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f'.write-test-{os.getpid()}')
+        with open(probe, 'wb'):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(f"out_dir={out_dir!r} cannot hold checkpoints ({e.strerror or e}); choose a writable "
+                              f"directory with --out_dir") from None
+    for stale in glob.glob(os.path.join(glob.escape(out_dir), '.ckpt.pt.tmp-*')):
+        os.remove(stale)
+
+
+def save(path, ranks, objects, values, fsdp=False, device_type='cpu'):
+    """Write {name: obj.state_dict() for objects} and `values` (plain data) to `path`.
+
+    Call on every rank (collectives: the finiteness vote, the RNG states, FSDP's full state
+    dicts); rank 0 writes. objects holds 'model' and 'optimizer' (gathered from their shards under
+    FSDP) and whatever else has a state_dict. Raises NonFiniteState, on every rank alike, before
+    anything is written; a failed write (disk full, read-only) raises CheckpointError and leaves
+    the previous file as it was (atomic_path). Returns whether this rank wrote the file."""
+    model, optimizer = objects['model'], objects['optimizer']
+    if ranks.any(not all_finite(model, optimizer)):
+        raise NonFiniteState(f"the weights or optimizer state hold inf or NaN; {path} was not written")
     rank_rngs = gather_rng(ranks, device_type)
-    if fsdp:  # gathered to rank 0 (a collective); the same file format as below
-        model_state, optimizer_state = distributed.full_state_dicts(model, optimizer)
+    if fsdp:  # gathered to rank 0 (a collective); the same file format as one process writes
+        import distributed
+        states = dict(zip(('model', 'optimizer'), distributed.full_state_dicts(model, optimizer)))
     else:
-        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
+        states = {'model': model.state_dict(), 'optimizer': optimizer.state_dict()}
     if not ranks.master:
         return False
-    checkpoint = {
-        'model': model_state, 'optimizer': optimizer_state, 'cycler': cycler.state_dict(),
-        'data': data, 'model_args': model_args, 'iter_num': iter_num,
-        'best_val_loss': best_val_loss, 'config': config, 'world_size': ranks.world_size,
-        'rng': {'ranks': rank_rngs}, 'scaler': scaler.state_dict(),
-    }
-    with atomic_path(Path(path)) as tmp_path:
-        torch.save(checkpoint, tmp_path)
+    states.update({name: obj.state_dict() for name, obj in objects.items() if name not in states})
+    checkpoint = {**states, **values, 'world_size': ranks.world_size, 'rng': {'ranks': rank_rngs}}
+    try:
+        with atomic_path(Path(path)) as tmp_path:
+            torch.save(checkpoint, tmp_path)
+    except OSError as e:
+        raise CheckpointError(f"cannot write {path} ({e.strerror or e}); the previous checkpoint is intact: free "
+                              f"space or choose another --out_dir, then resume") from None
     return True
 
 
@@ -105,6 +143,13 @@ def check_resume(checkpoint, config, defaults):
         raise ResumeRefused(f"block_size={config['block_size']} differs from the checkpoint's "
                             f"{model_args['block_size']} (the data position counts windows of block_size+1 "
                             f"tokens); resume with --block_size={model_args['block_size']}")
+    # the cycler's saved groups, scale and draw, and the data position, belong to these values
+    for key in ('dataset', 'method', 'omgd_gamma', 'omgd_ratio', 'omgd_always'):
+        saved = checkpoint['config'].get(key, config[key])
+        if saved != config[key]:
+            raise ResumeRefused(f"{key}={config[key]!r} differs from the checkpoint's {saved!r} (its layer schedule "
+                                f"and data position belong to it); resume with --{key}={saved}, or start a new "
+                                f"run with --init_from=scratch in another --out_dir")
     saved_precision = checkpoint['config'].get('precision', 'amp')  # older checkpoints: amp
     if saved_precision != config['precision']:
         raise ResumeRefused(f"precision={config['precision']!r} differs from the checkpoint's {saved_precision!r} "
@@ -147,18 +192,19 @@ def load_model(checkpoint, path, config, defaults):
     return model
 
 
-def load_state(checkpoint, model, optimizer, cycler, train_batches, scaler, fsdp):
-    """Load the training state (optimizer, cycler, data position, loss scale) of `checkpoint` into
-    what train.py built; ValueError or KeyError when it does not fit."""
-    if fsdp:  # the file holds full tensors; each rank keeps its shards
-        import distributed
-        distributed.load_optimizer_state(model, optimizer, checkpoint['optimizer'])
-    else:
-        optimizer.load_state_dict(checkpoint['optimizer'])
-    cycler.load_state_dict(checkpoint['cycler'])
-    train_batches.load_state_dict(checkpoint['data'])
-    if scaler.is_enabled() and checkpoint.get('scaler'):  # absent or empty: saved without float16
-        scaler.load_state_dict(checkpoint['scaler'])
+def load_state(checkpoint, objects, fsdp=False):
+    """Load each object's state from `checkpoint` (the model is loaded when it is built: not here).
+    ValueError or KeyError when it does not fit. A scaler loads only when loss scaling is on and
+    the checkpoint has its state (saved with float16)."""
+    for name, obj in objects.items():
+        if name == 'optimizer' and fsdp:  # the file holds full tensors; each rank keeps its shards
+            import distributed
+            distributed.load_optimizer_state(objects['model'], obj, checkpoint['optimizer'])
+        elif name == 'scaler':
+            if obj.is_enabled() and checkpoint.get('scaler'):
+                obj.load_state_dict(checkpoint['scaler'])
+        elif name != 'model':
+            obj.load_state_dict(checkpoint[name])
 
 
 def restore_rng(checkpoint, ranks, device_type, seed, iter_num):

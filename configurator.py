@@ -6,8 +6,10 @@ nanoGPT's configurator, made strict. Usage from a script with module-level defau
 Arguments without '--' are Python config files executed in order; '--key=value' overrides
 follow. Unlike nanoGPT's exec-into-globals, every key must already exist as a default
 (a typo fails with the closest valid names), values keep the default's type (an int is a
-valid float, booleans read True/False/true/false/1/0), and the resolved config is returned
-as a plain dict, which train.py also stores in its checkpoints.
+valid float, booleans read True/False/true/false/1/0), each value can follow a rule (a range or
+a set of choices: at_least, above, between, one_of), and the resolved config is returned as a
+plain dict, which train.py also stores in its checkpoints. Every script's keys go through here,
+so a bad value is the same one-line error everywhere.
 """
 import ast
 import difflib
@@ -55,13 +57,17 @@ def coerce(key, value, default):
 def load_config_file(path):
     """The public names a config file assigns (modules and functions it uses are skipped)."""
     try:
-        with open(path) as f:
+        with open(path, encoding='utf-8') as f:
             source = f.read()
     except OSError as e:
         raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text; save it as UTF-8 (a Python file)") from None
     namespace = {'__file__': path}  # lets a config file build on another one next to it
     try:
         exec(compile(source, path, 'exec'), namespace)
+    except SystemExit:
+        raise ConfigError(f"config file {path!r} calls exit(); a config file only assigns keys") from None
     except Exception as e:
         # a mistake inside the file (SyntaxError, NameError, ...): one line naming the file and line
         line = e.lineno if isinstance(e, SyntaxError) else \
@@ -72,8 +78,54 @@ def load_config_file(path):
             if not k.startswith('_') and not callable(v) and type(v).__name__ != 'module'}
 
 
-def configure(defaults, argv):
-    """Apply config files and --key=value overrides in argv to `defaults`; return the result."""
+# -----------------------------------------------------------------------------
+# rules: (test, requirement) pairs; the error names the key, the value and the requirement
+
+
+def at_least(low, requirement=None, measure=lambda v: v):
+    return (lambda v: measure(v) >= low), requirement or f">= {low}"
+
+
+def above(low, upper=None):
+    if upper is None:
+        return (lambda v: v > low), f"> {low}"
+    return (lambda v: low < v <= upper), f"in ({low}, {upper}]"
+
+
+def between(low, high, closed=False):
+    if closed:
+        return (lambda v: low <= v <= high), f"in [{low}, {high}]"
+    return (lambda v: low <= v < high), f"in [{low}, {high})"
+
+
+def one_of(*choices, label=None, described=None):
+    """label: say "unknown <label> 'x'; choose one of a, b, c" (long lists) instead of "must be 'a' or 'b'";
+    described: the requirement in words."""
+    if label:
+        return (lambda v: v in choices), ('choices', label, choices)
+    if described:
+        return (lambda v: v in choices), described
+    return (lambda v: v in choices), ' or '.join(map(repr, choices)) if len(choices) < 3 else \
+        f"one of {', '.join(map(repr, choices))}"
+
+
+def check_rule(key, value, rule):
+    test, requirement = rule
+    if test(value):
+        return
+    if isinstance(requirement, tuple):  # one_of with a label
+        _, label, choices = requirement
+        raise ConfigError(f"unknown {label} {value!r}; choose one of {', '.join(choices)}")
+    raise ConfigError(f"{key} must be {requirement}, got {value!r}")
+
+
+def wants_help(argv):
+    return any(arg in ('-h', '--help') for arg in argv)
+
+
+def configure(defaults, argv, rules=None):
+    """Apply config files and --key=value overrides in argv to `defaults`, check every value
+    against its rule in `rules` (key -> rule), and return the result."""
     config = dict(defaults)
     for arg in argv:
         if arg.startswith('--'):
@@ -87,6 +139,8 @@ def configure(defaults, argv):
             if key not in defaults:
                 raise _unknown_key(key, defaults)
             config[key] = coerce(key, value, defaults[key])
+    for key, rule in (rules or {}).items():
+        check_rule(key, config[key], rule)
     return config
 
 

@@ -1,6 +1,6 @@
 """
-Batches of token windows from a uint16 token file (train.bin / val.bin, as data/*/prepare.py
-write them), in one of two orders:
+Batches of token windows from a token file (train.bin / val.bin of uint16 or uint32 ids, as
+data/*/prepare.py write them and meta.pkl records them, data/tokenizer.py), in one of two orders:
 
 - 'rr' (random reshuffling, the default): each epoch cuts the token stream into windows of
   block_size+1 tokens starting at a fresh random offset, permutes the windows and visits each
@@ -14,31 +14,44 @@ a checkpoint needs to continue exactly. Because the position counts windows, not
 resume on another number of ranks when the windows consumed are a whole number of its steps,
 always so when batch_size x ranks is unchanged (the epoch's dropped tail, fewer than
 batch_size x ranks windows, depends on that product too).
+
+Every id must be below the model's vocabulary (an index error on the CPU, a device-side assert on
+CUDA otherwise): check_vocab refuses a dataset whose recorded vocabulary is larger, scans files
+of up to SCAN_LIMIT ids at once and has every later batch of larger ones checked as it is read.
 """
 import importlib
 import os
-import pickle
 
 import numpy as np
 import torch
 
+from data.tokenizer import read_meta
 
-def open_tokens(path, prepare_hint):
+SCAN_LIMIT = 1 << 28  # ids check_vocab scans at start (512 MiB of uint16, about a second)
+
+
+def open_tokens(path, prepare_hint, dtype='uint16'):
+    """The ids of a .bin file, memory-mapped; a one-line error for a missing, empty or cut file."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found; run `{prepare_hint}` first")
-    return np.memmap(path, dtype=np.uint16, mode='r')
+    size, itemsize = os.path.getsize(path), np.dtype(dtype).itemsize
+    if size == 0 or size % itemsize:
+        raise ValueError(f"{path} has {size} bytes, not a whole number of {dtype} ids ({itemsize} bytes each): "
+                         f"it is empty, cut short or of another dataset; run `{prepare_hint}` again")
+    return np.memmap(path, dtype=dtype, mode='r')
 
 
 class TokenBatches:
 
     def __init__(self, path, block_size, batch_size, sampling='rr', seed=1337, rank=0,
-                 world_size=1, prepare_hint='python data/<dataset>/prepare.py'):
+                 world_size=1, prepare_hint='python data/<dataset>/prepare.py', dtype='uint16'):
         if sampling not in ('rr', 'iid'):
             raise ValueError(f"sampling must be 'rr' or 'iid', got {sampling!r}")
-        self.path, self.prepare_hint = path, prepare_hint
+        self.path, self.prepare_hint, self.dtype = path, prepare_hint, dtype
         self.block_size, self.batch_size, self.sampling = block_size, batch_size, sampling
         self.seed, self.rank, self.world_size = seed, rank, world_size
-        n_tokens = len(open_tokens(path, prepare_hint))
+        self.vocab_size = None  # set by check_vocab when this file is too large to scan at start
+        n_tokens = len(open_tokens(path, prepare_hint, dtype))
         # every epoch has the same number of windows, whatever its offset in [0, block_size]
         self.windows_per_epoch = (n_tokens - block_size) // (block_size + 1)
         self.steps_per_epoch = self.windows_per_epoch // (batch_size * world_size)
@@ -79,8 +92,12 @@ class TokenBatches:
 
     def next_batch(self, device='cpu'):
         # a fresh memmap per batch avoids nanoGPT's leak; __init__ checked that the file exists
-        data = np.memmap(self.path, dtype=np.uint16, mode='r')
+        data = np.memmap(self.path, dtype=self.dtype, mode='r')
         windows = np.stack([data[s:s + self.block_size + 1] for s in self.next_starts().tolist()])
+        if self.vocab_size is not None and int(windows.max()) >= self.vocab_size:
+            raise ValueError(f"{self.path} holds token id {int(windows.max())}, not below the model's vocab_size="
+                             f"{self.vocab_size}: the file is corrupt or of another tokenizer; run "
+                             f"`{self.prepare_hint}` again")
         windows = torch.from_numpy(windows.astype(np.int64))
         x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
         if device.startswith('cuda'):
@@ -134,21 +151,47 @@ def prepare_if_embedded(dataset, verbose=True):
 
 
 def dataset_vocab(dataset, vocab_size=0):
-    """The vocabulary a run uses: vocab_size, else the dataset's meta.pkl (character sets), else 0
-    (training.model_args then takes the preset's, else GPT-2's padded 50304)."""
-    meta = os.path.join(data_dir(dataset), 'meta.pkl')
-    if vocab_size or not os.path.exists(meta):
+    """The vocabulary a run uses: vocab_size, else the one meta.pkl records for a character set or a
+    Hugging Face tokenizer, else 0 for GPT-2 BPE (training.model_args then takes the preset's, else
+    GPT-2's 50257 padded to 50304). A one-line ValueError for a meta.pkl that cannot be read."""
+    if vocab_size:
         return vocab_size
-    with open(meta, 'rb') as f:
-        return pickle.load(f)['vocab_size']
+    meta = read_meta(data_dir(dataset))
+    return 0 if meta['tokenizer'] == 'gpt2' else meta['vocab_size']
+
+
+def check_vocab(dataset, vocab_size, *batches):
+    """Refuse, in a one-line ValueError, data with ids the model's vocab_size cannot embed: a
+    dataset whose meta.pkl records a larger vocabulary, or an id >= vocab_size in a file of up to
+    SCAN_LIMIT ids; larger files (TokenBatches) check each batch as it is read."""
+    meta = read_meta(data_dir(dataset))
+    if meta['vocab_size'] > vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the vocabulary of {data_dir(dataset)} "
+                         f"({meta['vocab_size']} ids, tokenizer {meta['tokenizer']}): set --vocab_size={meta['vocab_size']} "
+                         f"or more, or train on a dataset prepared with a smaller tokenizer")
+    scanned = set()
+    for b in batches:
+        if b.n_tokens > SCAN_LIMIT:
+            b.vocab_size = vocab_size
+            continue
+        if b.path in scanned:  # the training order and the evaluation batches of train.bin
+            continue
+        scanned.add(b.path)
+        top = int(np.memmap(b.path, dtype=b.dtype, mode='r').max())
+        if top >= vocab_size:
+            raise ValueError(f"{b.path} holds token id {top}, not below vocab_size={vocab_size}: the file is "
+                             f"corrupt or of another tokenizer; run `{b.prepare_hint}` again")
 
 
 def open_splits(dataset, block_size, batch_size, sampling, seed, rank=0, world_size=1):
     """(train batches in `sampling` order, {'train', 'val'}: evaluation batches). Evaluation draws
-    the same fixed windows at every evaluation: rewind each with load_state_dict(its .start)."""
+    the same fixed windows at every evaluation: rewind each with load_state_dict(its .start).
+    A one-line ValueError for a meta.pkl or .bin file that cannot be read."""
+    dtype = read_meta(data_dir(dataset))['dtype']
+
     def batches(split, order, seed):
         return TokenBatches(os.path.join(data_dir(dataset), f'{split}.bin'), block_size, batch_size, order, seed,
-                            rank, world_size, f"python data/{dataset}/prepare.py")
+                            rank, world_size, f"python data/{dataset}/prepare.py", dtype)
     evaluation = {split: batches(split, 'iid', seed + 1) for split in ('train', 'val')}
     for split_batches in evaluation.values():
         split_batches.start = split_batches.state_dict()

@@ -1,12 +1,11 @@
 """
 Multi-process machinery for train.py: process groups, control messages between ranks, the DDP
-wrapper and the FSDP2 sharding, full-state checkpoints of a sharded model, and the invariant
-checks of `--ddp_check=True`. train.py keeps the training loop; everything here is told what it
-needs through arguments (a `Ranks`, the model, the optimizer), never through globals.
+wrapper and the FSDP2 sharding, full-state checkpoints of a sharded model, and Replicas, the
+training loop's view of them (the invariant checks of `--ddp_check=True` are ddp_check.py).
+train.py keeps the training loop; everything here is told what it needs through arguments
+(a `Ranks`, the model, the optimizer), never through globals.
 """
 import gc
-import hashlib
-import math
 import os
 import signal
 import time
@@ -15,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+import ddp_check
 
 
 @dataclass
@@ -147,14 +148,6 @@ def wrap_ddp(model, ranks, device_type, init_sync):
                forward_sync_buffers=False, gradient_as_bucket_view=True)
 
 
-def counted_allreduce(counter, bucket):
-    """ddp_check: DDP's default all-reduce (its documented reference hook, same result), counted,
-    to verify that gradient accumulation communicates on the last micro-step only."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    counter[0] += 1
-    return allreduce_hook(None, bucket)
-
-
 # -----------------------------------------------------------------------------
 # FSDP2
 
@@ -249,105 +242,6 @@ def load_optimizer_state(model, optimizer, state_dict):
             optimizer.state.pop(p, None)
 
 
-class CountedReduceScatter:
-    """ddp_check under FSDP: FSDP2's reduce-scatter (the same collective), counting calls and
-    elements, to verify that only active gradients, and only on the last micro-step, are sent."""
-
-    def __new__(cls, counter):
-        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-
-        class Counted(ReduceScatter):
-            def allocate(self, size, *, dtype, device):
-                return torch.empty(*size, dtype=dtype, device=device)
-
-            def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-                counter['calls'] += 1
-                counter['elements'] += input_tensor.numel()
-                return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, op=op, group=group,
-                                                  async_op=async_op)
-        return Counted()
-
-
-def count_reduce_scatters(model):
-    counter = {'calls': 0, 'elements': 0}
-    for unit in fsdp_units(model):
-        unit.set_custom_reduce_scatter(CountedReduceScatter(counter))
-    return counter
-
-
-# -----------------------------------------------------------------------------
-# ddp_check: the invariants of layer cycling under DDP or FSDP, compared across ranks
-
-
-def local_shard(t):
-    """This rank's part of a parameter (FSDP: its shard), or the tensor itself."""
-    return t.to_local() if hasattr(t, 'to_local') else t
-
-
-def check(ranks, model, wrapper, optimizer, cycler, state_policy, old_wrapper, wrapper_in_gc_cycle,
-          frozen_snapshot, comm):
-    """ddp_check=True, after the optimizer step, gradients still in place: every rank reports what
-    must hold after a switch, and every rank compares all reports. Returns (problems, summary).
-
-    wrapper: the DDP wrapper, or None (one process, or FSDP, where `model` itself is sharded).
-    comm: DDP: [all-reduces this step]; FSDP: count_reduce_scatters' counter. Both are reset.
-    """
-    params = list(model.parameters())  # deduplicated: the tied head is the embedding
-    active = [p for p in params if p.requires_grad]
-    fsdp = hasattr(model, 'set_requires_gradient_sync')
-    weights = hashlib.sha256()
-    for p in params:  # FSDP: the full weights, all-gathered (a collective, same order on every rank)
-        full = p.full_tensor() if fsdp else p
-        weights.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    in_state = {id(p) for p in optimizer.state}
-    report = {'active': cycler.active, 'weights': weights.hexdigest(),
-              'the previous DDP wrapper is freed': old_wrapper is None or old_wrapper() is None,
-              'by reference counting, without gc.collect()': not wrapper_in_gc_cycle,
-              'frozen parameters are untouched': all(torch.equal(local_shard(p), copy) for p, copy in frozen_snapshot),
-              'gradients exist exactly for the active parameters': all((p.grad is not None) == p.requires_grad
-                                                                        for p in params),
-              'optimizer state exists only for the active parameters':
-                  state_policy != 'drop' or in_state <= {id(p) for p in active},
-              'active elements': sum(p.numel() for p in active), 'comm elements': None}
-    if wrapper is not None:
-        # what the reducer holds: the parameters of its buckets and the buckets' flat buffers
-        buckets = wrapper.reducer._get_zeros_like_grad_buckets()
-        report['DDP buckets hold exactly the active parameters'] = \
-            {id(p) for b in buckets for p in b.parameters()} == {id(p) for p in active}
-        report['comm elements'] = sum(b.buffer().numel() for b in buckets)
-        report['bucket elements == active elements'] = report['comm elements'] == report['active elements']
-        report['one all-reduce per bucket per step'] = comm[0] == len(buckets)
-        comm[0] = 0
-    elif fsdp:
-        # FSDP2 pads each parameter's first dimension to a multiple of the world size
-        padded = sum(math.ceil(p.shape[0] / ranks.world_size) * ranks.world_size * p[0].numel() if p.dim() else 1
-                     for p in active)
-        seen, units_with_active = set(), 0
-        for unit in fsdp_units(model):  # the blocks first: the root's own parameters are those left
-            own = [p for p in unit.parameters() if id(p) not in seen]
-            seen.update(id(p) for p in own)
-            units_with_active += any(p.requires_grad for p in own)
-        report['comm elements'] = comm['elements']
-        report['reduce-scattered elements == padded active elements'] = comm['elements'] == padded
-        report['one reduce-scatter per FSDP unit with active parameters per step'] = \
-            comm['calls'] == units_with_active
-        comm['calls'] = comm['elements'] = 0
-    reports = ranks.gather(report)
-    problems = [k for k, v in report.items() if isinstance(v, bool) and not all(r[k] for r in reports)]
-    problems += [f"ranks differ in {k}" for k in ('active', 'weights') if any(r[k] != report[k] for r in reports)]
-    if fsdp:
-        summary = (f"fsdp check: {ranks.world_size} ranks agree on active {report['active']} and weights sha256 "
-                   f"{report['weights'][:16]}; {report['active elements']} active elements, reduce-scattered "
-                   f"{report['comm elements']} (padded); one reduce-scatter per unit with active parameters; "
-                   f"frozen untouched, no frozen gradients, optimizer state only for active parameters")
-    else:
-        summary = (f"ddp check: {ranks.world_size} ranks agree on active {report['active']} and weights sha256 "
-                   f"{report['weights'][:16]}; {report['active elements']} active elements, DDP buckets "
-                   f"{report['comm elements']}; one all-reduce per bucket; frozen untouched, no frozen gradients, "
-                   f"old wrapper freed")
-    return problems, summary
-
-
 # -----------------------------------------------------------------------------
 # the training loop's view of all of the above
 
@@ -363,19 +257,18 @@ class Replicas:
     check(...): `--ddp_check=True`'s invariants (DDP or FSDP), after the optimizer step."""
 
     def __init__(self, raw_model, ranks, device_type, fsdp, check):
-        self.raw_model, self.ranks, self.device_type = raw_model, ranks, device_type
-        self.fsdp, self.checking = fsdp, check
+        self.raw_model, self.ranks, self.device_type, self.fsdp = raw_model, ranks, device_type, fsdp
         self.model = None
         self.rebuild_ms = None  # the last DDP rebuild
         self.old_wrapper, self.wrapper_in_gc_cycle = None, False
-        self.communication, self.frozen_snapshot = None, []
+        self.checker = None  # ddp_check's state, with `check`
+        if check:
+            self.checker = ddp_check.Checker(ranks, raw_model, fsdp_units(raw_model) if fsdp else None)
 
     def on_switch(self):
         self.old_wrapper, self.wrapper_in_gc_cycle = None, False
         if self.fsdp:
             # nothing to rebuild: FSDP2 reduce-scatters only the gradients that exist (ddp_check counts)
-            if self.model is None and self.checking:
-                self.communication = count_reduce_scatters(self.raw_model)
             self.model = reshard_fsdp(self.raw_model)  # so the next forward sees the new requires_grad
         else:
             self.old_wrapper = weakref.ref(self.model) if self.ranks.enabled and self.model is not None else None
@@ -390,13 +283,8 @@ class Replicas:
             # the first wrapper broadcasts rank 0's weights
             self.model = wrap_ddp(self.raw_model, self.ranks, self.device_type, init_sync=self.old_wrapper is None)
             self.rebuild_ms = (time.time() - t) * 1000
-            if self.checking:
-                self.communication = [0]  # all-reduces this step
-                if self.ranks.enabled:
-                    self.model.register_comm_hook(self.communication, counted_allreduce)
-        if self.checking:
-            self.frozen_snapshot = [(p, local_shard(p).detach().clone())
-                                    for p in self.raw_model.parameters() if not p.requires_grad]
+        if self.checker is not None:
+            self.checker.on_switch(self._wrapper(), self.old_wrapper, self.wrapper_in_gc_cycle)
 
     def sync(self, last):
         if self.fsdp:
@@ -405,7 +293,9 @@ class Replicas:
             self.model.require_backward_grad_sync = last
 
     def check(self, optimizer, cycler, state_policy):
-        """(problems, summary) of distributed.check for this step."""
-        wrapper = self.model if self.ranks.enabled and not self.fsdp else None
-        return check(self.ranks, self.raw_model, wrapper, optimizer, cycler, state_policy, self.old_wrapper,
-                     self.wrapper_in_gc_cycle, self.frozen_snapshot, self.communication)
+        """(problems, summary) of ddp_check for this step."""
+        return self.checker.check(self._wrapper(), optimizer, cycler, state_policy)
+
+    def _wrapper(self):
+        """The DDP wrapper, or None (one process, or FSDP, where the model itself is sharded)."""
+        return self.model if self.ranks.enabled and not self.fsdp else None

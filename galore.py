@@ -28,17 +28,21 @@ pkumelon/Golore peft_pretraining/golore_torch/{adamw,golore_projector}.py, GoLor
   svd_steps = ceil(0.8 * total steps)). At every refresh after the first, SVD or random, the first
   moment is re-expressed in the new basis, exp_avg <- P_new^T P_old exp_avg (left) or
   exp_avg Q_old^T Q_new (right); the second moment and the step count are kept as they are.
-- The Adam arithmetic is torch.optim.AdamW's (decoupled weight decay on the whole matrix before the
-  update, eps added to the bias-corrected sqrt(v)): optim.adamw_step_, shared with MasterAdamW, so a
-  group without `rank` is exactly (bitwise) torch.optim.AdamW(foreach=False).
+- The Adam arithmetic is the references' (transformers' AdamW, which both copy), op for op:
+  galore_adamw_step_ below. eps (default 1e-6, as theirs and GaLore's training script) is added to
+  the uncorrected sqrt(v), both bias corrections go into the step size lr * sqrt(1 - b2^t) / (1 - b1^t),
+  and the decoupled weight decay p -= lr*wd*p comes after the update. Every group runs it, as in the
+  references, where one optimizer trains all parameters. convention='torch' runs torch.optim.AdamW's
+  arithmetic instead (optim.adamw_step_, shared with MasterAdamW: weight decay before the update, eps
+  added to the bias-corrected sqrt(v)): a group without `rank` is then exactly (bitwise)
+  torch.optim.AdamW(foreach=False), and GaLore can be set against an AdamW-trained method with
+  nothing but the projection between them. The two differ at the scale of eps against sqrt(v) (at
+  step 1 the uncorrected root is sqrt(1 - b2) times the corrected one) and of lr^2*wd.
 
 Remaining differences from the reference code, on purpose:
 - svd_steps defaults to 0 (random from the first refresh: the GoLore algorithm the paper analyses).
   The reference's group needs rand_epoch set, and its CLI default rand_ratio=2 never draws a random
   basis at all; a caller wanting the reference scripts' setting passes ceil(0.8 * total steps).
-- Both references use transformers' AdamW variant: eps is added to the uncorrected sqrt(v) and the
-  weight decay p -= lr*wd*p comes after the update. The results differ at the scale of eps and of
-  lr^2*wd; torch's arithmetic keeps a group without `rank` equal to torch.optim.AdamW.
 - GoLore's golore_torch/adamw.py re-projects into a local name (`exp_avg = ...`), so the stored
   exp_avg is never replaced: the re-projected moment serves that one step only, and the next step
   goes on from the old-basis moment without the refresh step's gradient. We store the re-projected
@@ -53,19 +57,37 @@ Remaining differences from the reference code, on purpose:
   object, and GoLore a second copy in state['matrix']), so state_dict() saves it and a resumed run
   goes on in the same subspace; the previous basis needed by the re-projection is that same tensor,
   read before it is replaced. It is not optimizer state in the GaLore papers' memory accounting:
-  omgd.memory_bytes() leaves it out, projector_bytes() counts it.
+  omgd_state.memory_bytes() leaves it out, projector_bytes() counts it.
 - master=True (train.py's precision='bf16_master'): bf16 weights, an fp32 master per trained
   parameter (optim.MasterWeights, shared with MasterAdamW), projector and moments computed from
   the fp32-widened grad; with master_device='cpu' all of it, and the arithmetic, on the CPU.
 """
+import math
 from contextlib import nullcontext
 
 import torch
 
-from model import param_groups
-from optim import MasterWeights, adamw_step_, check_adamw_settings
+from optim import MasterWeights, adamw_step_, check_adamw_settings, param_groups
 
 PROJECTIONS = ('svd', 'random')
+CONVENTIONS = ('galore', 'torch')  # whose AdamW arithmetic: the references' or torch.optim.AdamW's
+
+
+def galore_adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, back=None,
+                       scale=1.0):
+    """One AdamW step in place, galore_torch/adamw.py's arithmetic op for op (GoLore's is the same),
+    with optim.adamw_step_'s arguments: `back` maps the normalised low-rank update to param's shape."""
+    beta1, beta2 = betas
+    exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+    denom = exp_avg_sq.sqrt().add_(eps)  # eps against the uncorrected root
+    step_size = lr * math.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step)
+    update = exp_avg / denom
+    if back is not None:
+        update = back(update) * scale
+    param.add_(update, alpha=-step_size)
+    if weight_decay > 0.0:
+        param.add_(param, alpha=-lr * weight_decay)  # after the update
 
 
 class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
@@ -82,13 +104,20 @@ class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
     rounded into the parameter. master_device / host_scope: as MasterAdamW's (master, moments,
     projector and the arithmetic on master_home(p)). master=False: the update acts on the
     parameter in its own dtype, state in the grad's dtype, as before.
+
+    convention: 'galore' (galore_adamw_step_, the references' AdamW) or 'torch' (optim.adamw_step_,
+    torch.optim.AdamW's), for every group; see the module docstring.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, seed=0,
-                 master=False, master_device=None, host_scope=nullcontext):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, seed=0,
+                 master=False, master_device=None, host_scope=nullcontext, convention='galore'):
         check_adamw_settings(lr, betas, eps, weight_decay)
         if master_device is not None and not master:
             raise ValueError(f"master_device={master_device!r} needs master=True")
+        if convention not in CONVENTIONS:
+            raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+        self.convention = convention
+        self.adamw_step_ = galore_adamw_step_ if convention == 'galore' else adamw_step_
         self.seed = seed
         self.master = bool(master)
         self._init_master(master_device, host_scope)
@@ -182,8 +211,8 @@ class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
         back = None
         if projected:  # the normalised low-rank update, mapped back to the matrix
             back = (lambda u: u @ proj.T) if right else (lambda u: proj @ u)
-        adamw_step_(target, grad, state['exp_avg'], state['exp_avg_sq'], step, group['lr'], group['betas'],
-                    group['eps'], group['weight_decay'], back=back, scale=group.get('scale', 1.0))
+        self.adamw_step_(target, grad, state['exp_avg'], state['exp_avg_sq'], step, group['lr'], group['betas'],
+                         group['eps'], group['weight_decay'], back=back, scale=group.get('scale', 1.0))
         return target
 
 
@@ -194,9 +223,10 @@ def projector_bytes(optimizer):
 
 
 def build_optimizer(model, weight_decay, lr, betas, rank=128, update_proj_gap=200, scale=0.25,
-                    projection='svd', eps=1e-8, seed=0, svd_steps=0, master=False, master_device=None):
+                    projection='svd', eps=1e-6, seed=0, svd_steps=0, master=False, master_device=None,
+                    convention='galore'):
     """GaLore (projection='svd') or GoLore ('random') on every matrix inside model.blocks (the
-    attention and MLP weights), plain AdamW with model.param_groups' decay split elsewhere
+    attention and MLP weights), plain AdamW with optim.param_groups' decay split elsewhere
     (embeddings, head, norms, biases). Built over all parameters, frozen ones included.
     GoLore's reference switches from SVD to random projections after a fraction rand_ratio of
     training: svd_steps = math.ceil(rand_ratio * total_steps) gives its `step >= rand_ratio * T`.
@@ -213,4 +243,4 @@ def build_optimizer(model, weight_decay, lr, betas, rank=128, update_proj_gap=20
                        'update_proj_gap': update_proj_gap, 'scale': scale, 'projection': projection,
                        'svd_steps': svd_steps})
     return GaLoreAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, seed=seed,
-                       master=master, master_device=master_device)
+                       master=master, master_device=master_device, convention=convention)

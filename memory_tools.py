@@ -1,6 +1,6 @@
 """
 Counting the memory of a training iteration without a GPU: the tools of bench_memory.py's estimate.
-omgd.memory_bytes gives the exact bytes of weights, gradients and optimizer state; these count the
+omgd_state.memory_bytes gives the exact bytes of weights, gradients and optimizer state; these count the
 rest, the temporaries and activations of the forward, backward and step.
 
 LiveBytes  a TorchDispatchMode that adds up the bytes of every live tensor storage op by op and
@@ -10,7 +10,7 @@ MetaAsCuda a TorchFunctionMode under which a forward/backward on meta (or CPU) t
            or memory-efficient (fp32) kernel, which save the log-sum-exp, not T x T weights; and
            CUDA autocast emulated at the torch-function level (matmuls cast to `dtype`; norms,
            softmax and cross-entropy to fp32; casts of trainable weights cached for the forward).
-offload_on_meta  model.OffloadActivations on the meta device: host copies counted as host memory.
+offload_on_meta  memory.OffloadActivations on the meta device: host copies counted as host memory.
 
 Not modelled: the caching allocator's 512-byte rounding and fragmentation, cuBLAS workspaces, the
 CUDA context, and the fused AdamW kernel (meta runs the per-parameter AdamW).
@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import model
+import memory
 
 
 class LiveBytes(TorchDispatchMode):
@@ -168,10 +168,10 @@ class MetaAsCuda(TorchFunctionMode):
 
 @contextmanager
 def offload_on_meta(tracker):
-    """model.OffloadActivations (activation_offload=True) on the meta device, which has no data to
+    """memory.OffloadActivations (activation_offload=True) on the meta device, which has no data to
     copy: the host copy of a saved tensor is a meta tensor that LiveBytes counts as host memory, and
     its copy back in the backward a new tensor on the device."""
-    cls = model.OffloadActivations
+    cls = memory.OffloadActivations
     saved = cls.__dict__['to_host'], cls.__dict__['unpack']
 
     def to_host(t):

@@ -1,18 +1,21 @@
 """
-AdamW's arithmetic, once; MasterWeights, the fp32 master weights of low-precision parameters, once;
-and MasterAdamW: AdamW on those masters (GaLoreAdamW(master=True) in galore.py uses the same mixin).
+The optimizers of the model's parameters: nanoGPT's decay split (param_groups) and its AdamW
+(configure_optimizers); AdamW's arithmetic, once; MasterWeights, the fp32 master weights of
+low-precision parameters, once; and MasterAdamW: AdamW on those masters (GaLoreAdamW(master=True)
+in galore.py uses the same mixin).
 
 adamw_step_ is torch.optim.AdamW's single-tensor step (decoupled weight decay on the weight before
 the update, bias-corrected moments, eps added to sqrt(v_hat)), so every optimizer built on it is
-torch's AdamW wherever it does not project: GaLoreAdamW (galore.py) calls it with `back`, the map
-of its low-rank update to the weight's shape; MasterAdamW calls it on fp32 masters.
+torch's AdamW wherever it does not project: MasterAdamW calls it on fp32 masters, and
+GaLoreAdamW(convention='torch') (galore.py) with `back`, the map of its low-rank update to the
+weight's shape.
 
 MasterAdamW keeps the model's weights in bf16 (or any dtype) and, for each parameter that trains,
 an fp32 master copy and fp32 moments as its optimizer state. The state is made lazily at a
-parameter's first step with a gradient, so frozen parameters get none, and omgd.UnitMask's
+parameter's first step with a gradient, so frozen parameters get none, and omgd.Cycler's
 policies act on it like on torch AdamW's: 'drop' deletes optimizer.state[p] and the next step
 after reactivation starts again from the bf16 weight (which holds the rounded master) with zero
-moments and step 0; 'offload' parks the tensors on the CPU and puts them back. omgd.memory_bytes
+moments and step 0; 'offload' parks the tensors on the CPU and puts them back. omgd_state.memory_bytes
 counts master and moments (state tensors with dim > 0).
 master_device='cpu' keeps masters, moments and the AdamW arithmetic on the CPU (ZeRO-Offload
 style), in pinned memory when the parameters are on CUDA: the device holds bf16 weights and grads.
@@ -20,6 +23,30 @@ style), in pinned memory when the parameters are on CUDA: the device holds bf16 
 from contextlib import nullcontext
 
 import torch
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """nanoGPT's decay split: matrices and embeddings decay, biases and norm weights don't.
+
+    Every parameter is returned whether or not it currently requires grad
+    (parameters() already dedupes the tied embedding/head).
+    """
+    params = list(model.parameters())
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return [
+        {'params': decay, 'weight_decay': weight_decay},
+        {'params': no_decay, 'weight_decay': 0.0},
+    ]
+
+
+def configure_optimizers(model, weight_decay, learning_rate, betas, device_type):
+    """nanoGPT's AdamW over param_groups (fused on CUDA)."""
+    # frozen parameters are included on purpose: layer cycling unfreezes them later,
+    # and an optimizer that never saw them would silently skip those blocks
+    groups = param_groups(model, weight_decay)
+    extra_args = dict(fused=True) if device_type == 'cuda' else dict()
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra_args)
 
 
 def check_adamw_settings(lr, betas, eps, weight_decay):

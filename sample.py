@@ -4,28 +4,20 @@ Sample text from a trained checkpoint (char-level or GPT-2 BPE, picked from the 
 $ python sample.py --out_dir=out --start="ROMEO:" --num_samples=2 --max_new_tokens=200
 """
 import os
-import pickle
 import sys
 
 import torch
 
 
 def load_codec(data_dir):
-    """(encode, decode) for a dataset: its meta.pkl for characters, otherwise GPT-2 BPE."""
-    meta_path = os.path.join(data_dir, 'meta.pkl')
-    if os.path.exists(meta_path):
-        with open(meta_path, 'rb') as f:
-            meta = pickle.load(f)
-        stoi, itos = meta['stoi'], meta['itos']
-        def encode(text):
-            unknown = sorted(set(text) - set(stoi))
-            if unknown:
-                raise ValueError(f"characters {''.join(unknown)!r} are not in the dataset's vocabulary")
-            return [stoi[c] for c in text]
-        return encode, (lambda ids: ''.join(itos[i] for i in ids))
-    from data.gpt2_bpe import gpt2_encoding
-    enc = gpt2_encoding()
-    return (lambda s: enc.encode(s, allowed_special={'<|endoftext|>'})), enc.decode
+    """(encode, decode) with the tokenizer the dataset's meta.pkl records (data/tokenizer.py): GPT-2
+    BPE, characters or a local Hugging Face tokenizer; a one-line error when it cannot be loaded."""
+    from data.tokenizer import Tokenizer, read_meta
+    try:
+        tok = Tokenizer.from_meta(read_meta(data_dir))
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    return (lambda text: tok.encode(text, special=True)), tok.decode
 
 
 def main(argv):

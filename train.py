@@ -23,215 +23,132 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from configurator import ConfigError, configure, format_config
 import checkpoint as ckpt_io
-from dataloader import data_dir, dataset_vocab, open_splits, prepare_if_embedded
 import distributed
-from model import GPT, GPTConfig
+import train_config
 import training
+from configurator import ConfigError, format_config, wants_help
+from dataloader import check_vocab, data_dir, dataset_vocab, open_splits, prepare_if_embedded
+from model import GPT, GPTConfig
 
-# -----------------------------------------------------------------------------
-# default config values: a small GPT on character-level Shakespeare with LISA-wor, minutes on CPU
-# I/O
-out_dir = 'out'
-eval_interval = 100
-log_interval = 10
-eval_iters = 20
-eval_only = False  # evaluate once and exit
-always_save_checkpoint = True  # if False, save only when the val loss improves
-init_from = 'scratch'  # 'scratch', 'resume' (from out_dir) or a GPT-2 name ('gpt2', 'gpt2-medium', ...)
-overwrite = False  # let a run that does not resume replace the checkpoint already in out_dir
-sample_tokens = 300  # length of the sample printed at the end (0: none)
-# wandb logging (optional, off by default; never needed to run or test)
-wandb_log = False
-wandb_project = 'omgd'
-wandb_run_name = 'run'
-# data
-dataset = 'shakespeare_char'  # a folder of data/ (or a path) with train.bin and val.bin
-sampling = 'rr'  # 'rr': random reshuffling (each window once per epoch), 'iid': nanoGPT's sampling with replacement
-data_seed = 1337
-gradient_accumulation_steps = 1  # micro-steps per optimizer step, summed over all ranks
-batch_size = 32  # micro-batch size per rank
-block_size = 64
-# model: a preset name ('gpt2', 'gpt2-medium', 'llama-60m', ...) sets the architecture keys below
-preset = ''
-arch = 'gpt2'  # 'gpt2' or 'llama'
-n_layer = 6
-n_head = 4
-n_kv_head = 0  # llama grouped-query attention; 0 means n_head
-n_embd = 128
-mlp_hidden = 0  # 0: 4*n_embd for gpt2, LLaMA's rule for llama
-dropout = 0.0
-bias = False
-vocab_size = 0  # 0: from the dataset (meta.pkl), else GPT-2's 50304 (padded 50257)
-activation_checkpointing = False  # recompute each block's activations in the backward
-checkpoint_sublayers = False  # with activation_checkpointing: recompute attention and MLP apart (lower peak, more saved inputs)
-activation_offload = False  # keep the tensors saved for the backward in host memory (model.OffloadActivations)
-loss_chunk = 0  # >0: head and cross-entropy this many tokens at a time; the full logits never exist (slower)
-# optimizer
-optimizer = 'adamw'  # 'adamw' or 'sgd' (with momentum); method='galore'/'golore' use galore.py
-learning_rate = 2e-3
-max_iters = 1000
-weight_decay = 0.1
-beta1 = 0.9
-beta2 = 0.99
-momentum = 0.9  # sgd only
-grad_clip = 1.0  # 0 disables clipping
-# learning rate schedule: linear warm-up, then cosine decay to min_lr
-decay_lr = True
-warmup_iters = 50
-lr_decay_iters = 1000
-min_lr = 2e-4
-# layer cycling (omgd.py); see the README's table of methods
-method = 'lisa_wor'  # full, lisa, lisa_scale, lisa_wor, lisa_wor_noscale, tensor_wor, tensor_iid, galore, golore
-omgd_gamma = 2  # active middle blocks per period
-omgd_period = 25  # K: iterations between switches
-omgd_warmup = 0  # iterations of full training before cycling starts
-omgd_ratio = 0.5  # tensor_wor: 1/M, the share of each of the M groups; tensor_iid: each tensor's keep probability
-omgd_state = 'drop'  # optimizer state of frozen parameters: 'drop', 'offload' (to CPU) or 'keep'
-omgd_seed = 0  # seeds block selection (same on every rank), independent of the data order
-omgd_scale_after_clip = True  # the paper's code clips the gradient norm first, then scales
-omgd_always = 'embed,pos,norm,head'  # parts trained at every step
-# galore / golore (galore.py)
-galore_rank = 128
-galore_update_proj_gap = 200
-galore_scale = 0.25
-golore_svd_fraction = 0.0  # golore: fraction of max_iters on SVD (GaLore) projections before random ones; GoLore's scripts use 0.8
-# system
-device = 'cuda' if torch.cuda.is_available() else 'cpu'
-precision = 'amp'  # 'amp' (fp32 weights, autocast), 'bf16' (all bf16) or 'bf16_master' (bf16 + fp32 masters of the active parameters); training.py
-master_device = ''  # bf16_master: '' keeps masters and moments on the weights' device, 'cpu' moves them and the AdamW step to the CPU
-dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # amp's autocast dtype: float32, bfloat16 or float16 (loss-scaled); CPU runs in float32
-compile = torch.cuda.is_available()  # torch.compile each block separately (regional compilation)
-backend = 'nccl' if torch.cuda.is_available() else 'gloo'
-parallel = 'ddp'  # under torchrun: 'ddp' (replicated weights) or 'fsdp' (FSDP2, weights sharded per block)
-seed = 1337
-ddp_check = False  # assert the DDP or FSDP invariants at every iteration on every rank (tests; hashes all weights)
-# -----------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
-defaults = {k: globals()[k] for k in config_keys}
+# the config: train_config.py holds every key with its default and its rule; config files and
+# --key=value override them, in order, all checked before anything is built
+if wants_help(sys.argv[1:]):
+    print(f"usage: python train.py [config/FILE.py ...] [--key=value ...]\n\nkeys (default, meaning):\n"
+          f"{train_config.help_text()}")
+    sys.exit(0)
 try:
-    config = configure(defaults, sys.argv[1:])
-except ConfigError as e:
+    cfg = train_config.load(sys.argv[1:])
+except (ConfigError, ValueError) as e:
     sys.exit(f"error: {e}")
-globals().update(config)
 # -----------------------------------------------------------------------------
 
 def fail(message):
-    """One line on stderr and a non-zero exit; nothing has been saved by this run yet."""
+    """One line on stderr and a non-zero exit; the last good checkpoint, if any, stays as it was."""
     print(f"error: {message}", file=sys.stderr, flush=True)
+    if created_out_dir and os.path.isdir(cfg['out_dir']) and not os.listdir(cfg['out_dir']):
+        os.rmdir(cfg['out_dir'])  # a run that saved nothing leaves no empty out_dir behind
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.exit(1)
 
 
-# values that need nothing built to check: refuse them before data, model and process group cost time
-try:
-    training.check_config(config)
-except ValueError as e:
-    fail(e)
-
 # distributed setup (distributed.py): torchrun sets RANK; every rank runs this same script.
 # `distributed_run`: launched by torchrun, whichever `parallel` (DDP or FSDP2) it then uses.
-ranks, device = distributed.setup(backend, device)
+created_out_dir = False
+ranks, device = distributed.setup(cfg['backend'], cfg['device'])
 distributed_run, ddp_rank, ddp_world_size, master_process = ranks.enabled, ranks.rank, ranks.world_size, ranks.master
-fsdp = distributed_run and parallel == 'fsdp'
+fsdp = distributed_run and cfg['parallel'] == 'fsdp'
 try:
-    training.check_parallel(config, ddp_world_size, fsdp)
+    train_config.check_parallel(cfg, ddp_world_size, fsdp)
 except ValueError as e:
     fail(e)
-grad_accum = gradient_accumulation_steps // ddp_world_size
+grad_accum = cfg['gradient_accumulation_steps'] // ddp_world_size
+out_dir = cfg['out_dir']
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-if init_from != 'resume' and not eval_only and os.path.exists(ckpt_path):
+if cfg['init_from'] != 'resume' and not cfg['eval_only'] and os.path.exists(ckpt_path):
     # a new run saves over out_dir/ckpt.pt; losing a long run to a re-typed command must be asked for
     earlier = ckpt_io.earlier_run(ckpt_path)
-    if not overwrite:
+    if not cfg['overwrite']:
         fail(f"{ckpt_path} holds {earlier}; continue it with --init_from=resume, choose another --out_dir, "
              f"or pass --overwrite=True to replace it")
     if master_process:
         print(f"{ckpt_path} holds {earlier}; this run's first save replaces it (overwrite=True)")
+if master_process:  # the writer: an unusable out_dir is found now, not at the first save after hours of training
+    created_out_dir = not os.path.exists(out_dir)
+    try:
+        ckpt_io.check_out_dir(out_dir)
+    except ckpt_io.CheckpointError as e:
+        fail(e)
 
-tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
+tokens_per_iter = cfg['gradient_accumulation_steps'] * cfg['batch_size'] * cfg['block_size']
 if master_process:
-    print(f"config:\n{format_config(config)}")
+    print(f"config:\n{format_config(cfg)}")
     print(f"tokens per iteration: {tokens_per_iter:,} ({ddp_world_size} ranks)")
-    os.makedirs(out_dir, exist_ok=True)
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-torch.manual_seed(seed)  # same model init on every rank (DDP broadcasts rank 0's; FSDP needs it); data has its own seed
+torch.manual_seed(cfg['seed'])  # same model init on every rank (DDP broadcasts rank 0's; FSDP needs it); data has its own seed
 if device_type == 'cuda':
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-ptdtype = training.PTDTYPES[dtype]
-autocast = training.autocast(config, device_type)
-scaler = training.grad_scaler(config, device_type)  # float16 gradients underflow without loss scaling
 
 # data: the embedded Shakespeare corpora are prepared on first use, anything else must exist
 if master_process:
-    prepare_if_embedded(dataset)
+    prepare_if_embedded(cfg['dataset'])
 if distributed_run:
     dist.barrier()
 try:
-    train_batches, eval_batches = open_splits(dataset, block_size, batch_size, sampling, data_seed, ddp_rank,
-                                              ddp_world_size)
+    train_batches, eval_batches = open_splits(cfg['dataset'], cfg['block_size'], cfg['batch_size'], cfg['sampling'],
+                                              cfg['data_seed'], ddp_rank, ddp_world_size)
 except (FileNotFoundError, ValueError) as e:
     fail(e)
+vocab_size = cfg['vocab_size']
 if not vocab_size:
-    vocab_size = dataset_vocab(dataset)
+    vocab_size = dataset_vocab(cfg['dataset'])
     if vocab_size and master_process:
-        print(f"found vocab_size = {vocab_size} (inside {data_dir(dataset)}/meta.pkl)")
+        print(f"found vocab_size = {vocab_size} (inside {data_dir(cfg['dataset'])}/meta.pkl)")
 
-# model
-model_args = training.model_args(config, vocab_size)
+# model: from scratch, from out_dir's checkpoint, or a pretrained GPT-2
 iter_num, best_val_loss, checkpoint = 0, 1e9, None
 saved_iter = None  # the iteration of the checkpoint in out_dir that belongs to this run
-if init_from == 'scratch':
-    try:
-        raw_model = GPT(GPTConfig(**model_args))
-    except ValueError as e:
-        fail(e)
-elif init_from == 'resume':
-    try:  # the checks that the config can continue it included (checkpoint.py)
-        checkpoint, raw_model = ckpt_io.resume(ckpt_path, device, config, defaults)
-    except ValueError as e:
-        fail(e)
-    iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
-    saved_iter = iter_num
-    if master_process:
-        print(f"resuming from iteration {iter_num} of {ckpt_path}")
-else:  # a GPT-2 name
-    try:
-        raw_model = GPT.from_pretrained(init_from, dict(dropout=dropout))
-    except (RuntimeError, ValueError) as e:
-        fail(e)
-if block_size < raw_model.config.block_size:
-    raw_model.crop_block_size(block_size)
-model_args = asdict(raw_model.config)  # what was built, after any crop: sample.py and resumes rebuild it
-training.configure_memory(raw_model, config)
-training.cast_model(raw_model, precision).to(device)
-if fsdp:
-    # before the optimizer and the cycler (they must see the sharded parameters) and the compile
-    distributed.shard_fsdp(raw_model, ranks, device_type, ptdtype if device_type == 'cuda' and precision == 'amp'
-                           and ptdtype != torch.float32 else None)
-
-opt = training.build_optimizer(raw_model, config, device_type)  # over ALL parameters
 try:
-    cycler = training.build_cycler(raw_model, opt, config)
+    if cfg['init_from'] == 'scratch':
+        raw_model = GPT(GPTConfig(**training.model_args(cfg, vocab_size)))
+    elif cfg['init_from'] == 'resume':  # the checks that the config can continue it included (checkpoint.py)
+        checkpoint, raw_model = ckpt_io.resume(ckpt_path, device, cfg, train_config.DEFAULTS)
+        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+        saved_iter = iter_num
+        if master_process:
+            print(f"resuming from iteration {iter_num} of {ckpt_path}")
+    else:  # a GPT-2 name or a local Hugging Face model directory (hf.py)
+        import hf
+        raw_model = hf.from_pretrained(cfg['init_from'], cfg['dropout'])
+        hf.check_fit(raw_model, cfg['block_size'], vocab_size)
+except (RuntimeError, ValueError) as e:
+    fail(e)
+if cfg['block_size'] < raw_model.config.block_size:
+    raw_model.crop_block_size(cfg['block_size'])
+model_args = asdict(raw_model.config)  # what was built, after any crop: sample.py and resumes rebuild it
+try:  # every id of the data needs a row of the embedding
+    check_vocab(cfg['dataset'], raw_model.config.vocab_size, train_batches, *eval_batches.values())
+except ValueError as e:
+    fail(e)
+
+
+def shard(model):  # FSDP2, before the optimizer and the cycler (they must see the sharded parameters)
+    amp_dtype = train_config.PTDTYPES[cfg['dtype']]
+    distributed.shard_fsdp(model, ranks, device_type, amp_dtype if device_type == 'cuda' and cfg['precision'] == 'amp'
+                           and amp_dtype != torch.float32 else None)
+
+
+try:  # the one builder (training.py): memory options, precision, device, optimizer over ALL parameters, cycler
+    raw_model, opt, cycler = training.build(cfg, device, model=raw_model, shard=shard if fsdp else None)
 except ValueError as e:
     fail(e)
 if master_process and cycler.cycle_note():
     print(cycler.cycle_note())
-torch.manual_seed(seed + ddp_rank)  # from here on (dropout) each rank draws its own random numbers
-if checkpoint is not None:
-    try:
-        ckpt_io.load_state(checkpoint, raw_model, opt, cycler, train_batches, scaler, fsdp)
-    except (ValueError, KeyError) as e:
-        fail(f"cannot resume from {ckpt_path}: {e}")
-    if not ckpt_io.restore_rng(checkpoint, ranks, device_type, seed, iter_num) and master_process:
-        print(f"resuming a {checkpoint.get('world_size', 1)}-rank checkpoint on {ddp_world_size} "
-              f"rank{'s' * (ddp_world_size > 1)}: same data position, not bitwise the run it would have been")
-    checkpoint = None  # free memory
+torch.manual_seed(cfg['seed'] + ddp_rank)  # from here on (dropout) each rank draws its own random numbers
 
-if compile:
+if cfg['compile']:
     # Regional compilation: one compiled graph per block. A whole-model compile recompiles for
     # every new requires_grad pattern and gives up after 8; a block only ever sees two patterns
     # (trainable or frozen). nn.Module.compile keeps parameter names free of '_orig_mod.'.
@@ -240,18 +157,19 @@ if compile:
 
 # replicas.model, what the loop trains: the DDP wrapper, rebuilt over the active parameters at the
 # first iteration and after every switch (distributed.Replicas); FSDP and one process: raw_model
-replicas = distributed.Replicas(raw_model, ranks, device_type, fsdp, ddp_check)
-
-
-def get_lr(it):
-    if not decay_lr:
-        return learning_rate
-    if it < warmup_iters:
-        return learning_rate * (it + 1) / (warmup_iters + 1)
-    if it > lr_decay_iters:
-        return min_lr
-    decay_ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * decay_ratio)) * (learning_rate - min_lr)
+replicas = distributed.Replicas(raw_model, ranks, device_type, fsdp, cfg['ddp_check'])
+trainer = training.Trainer(cfg, raw_model, opt, cycler, device_type, grad_accum, replicas)
+# what a checkpoint holds the state_dict() of (checkpoint.py); the data position is saved as a value
+train_state = {'model': raw_model, 'optimizer': opt, 'cycler': cycler, 'scaler': trainer.scaler}
+if checkpoint is not None:
+    try:
+        ckpt_io.load_state(checkpoint, {**train_state, 'data': train_batches}, fsdp)
+    except (ValueError, KeyError) as e:
+        fail(f"cannot resume from {ckpt_path}: {e}")
+    if not ckpt_io.restore_rng(checkpoint, ranks, device_type, cfg['seed'], iter_num) and master_process:
+        print(f"resuming a {checkpoint.get('world_size', 1)}-rank checkpoint on {ddp_world_size} "
+              f"rank{'s' * (ddp_world_size > 1)}: same data position, not bitwise the run it would have been")
+    checkpoint = None  # free memory
 
 
 @torch.no_grad()
@@ -260,10 +178,10 @@ def estimate_loss():
     raw_model.eval()
     for split, batches in eval_batches.items():
         batches.load_state_dict(batches.start)  # the same windows at every evaluation
-        losses = torch.zeros(eval_iters, device=device)  # on the device: one sync per split, not per batch
-        for k in range(eval_iters):
+        losses = torch.zeros(cfg['eval_iters'], device=device)  # on the device: one sync per split, not per batch
+        for k in range(cfg['eval_iters']):
             X, Y = batches.next_batch(device)
-            with autocast:
+            with trainer.autocast:
                 _, loss = raw_model(X, Y)
             losses[k] = loss
         out[split] = ranks.mean(losses.mean().item(), device)
@@ -271,27 +189,42 @@ def estimate_loss():
     return out
 
 
+def last_good():
+    return (f"kept the last good checkpoint {ckpt_path} (iteration {saved_iter})" if saved_iter is not None
+            else "this run saved no checkpoint")
+
+
 def save_checkpoint():
-    """Called on every rank; rank 0 writes (checkpoint.py)."""
+    """Called on every rank; rank 0 writes (checkpoint.py). Never saves a non-finite state."""
     global saved_iter
-    if ckpt_io.save(ckpt_path, ranks, raw_model, opt, cycler, data_position, model_args, iter_num, best_val_loss,
-                    config, scaler, fsdp, device_type):
+    values = {'data': data_position, 'model_args': model_args, 'iter_num': iter_num, 'best_val_loss': best_val_loss,
+              'config': cfg}
+    try:
+        wrote = ckpt_io.save(ckpt_path, ranks, train_state, values, fsdp, device_type)
+    except ckpt_io.NonFiniteState:
+        fail(f"the weights or optimizer state are not finite at iteration {iter_num}; {last_good()}; lower "
+             f"learning_rate or raise warmup_iters")
+    except ckpt_io.CheckpointError as e:
+        fail(e)
+    if wrote:
         print(f"saved checkpoint to {ckpt_path}")
-        saved_iter = iter_num
+    saved_iter = iter_num
 
 
-if wandb_log and master_process:
-    import wandb
-    wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+if cfg['wandb_log'] and master_process:
+    try:
+        import wandb
+    except ImportError:
+        fail("wandb_log=True needs the wandb package: pip install wandb, or drop --wandb_log")
+    wandb.init(project=cfg['wandb_project'], name=cfg['wandb_run_name'], config=cfg)
 
 
 def check_finite(losses):
     """Stop at a non-finite loss; the values are all-reduced, so every rank stops here alike."""
     for split, value in losses.items():
         if not math.isfinite(value):
-            kept = (f"kept the last good checkpoint {ckpt_path} (iteration {saved_iter})" if saved_iter is not None
-                    else "this run saved no checkpoint")
-            fail(f"{split} loss is {value} at iteration {iter_num}; {kept}; lower learning_rate or raise warmup_iters")
+            fail(f"{split} loss is {value} at iteration {iter_num}; {last_good()}; lower learning_rate or raise "
+                 f"warmup_iters")
 
 
 def next_batch():
@@ -302,15 +235,18 @@ def next_batch():
     return train_batches.next_batch(device)
 
 
+ddp_summary = None
+
+
 def check_ranks():
     """--ddp_check: every rank's invariants after the optimizer step, gradients still there."""
-    problems, summary = replicas.check(opt, cycler, omgd_state)
+    global ddp_summary
+    problems, ddp_summary = replicas.check(opt, cycler, cfg['omgd_state'])
     if problems:
         fail(f"ddp check failed at iteration {iter_num}, not on every rank: {'; '.join(problems)}")
-    if master_process and (switched or iter_num == max_iters - 1):
-        print(f"iter {iter_num}: {summary}")
 
 
+max_iters, eval_interval, log_interval = cfg['max_iters'], cfg['eval_interval'], cfg['log_interval']
 peak_flops = training.peak_bf16_flops(device)
 # SIGTERM/SIGINT: all ranks finish the iteration, save and stop together (distributed.py). Installed
 # only now: during the setup above, Ctrl-C must stop the run at once, as there is nothing to save.
@@ -319,9 +255,6 @@ X, Y = next_batch()
 t0 = time.time()
 local_iter_num, running_mfu = 0, -1.0
 while True:
-    lr = get_lr(iter_num)
-    for group in opt.param_groups:
-        group['lr'] = lr
     stop = stop_request.agreed(ranks)
     if stop:
         print(f"rank {ddp_rank}: stop requested, stopping at iteration {iter_num}", flush=True)
@@ -330,33 +263,30 @@ while True:
         if distributed_run:  # rank 0 has written the file before any rank exits non-zero, when torchrun stops the rest
             dist.barrier(group=ranks.cpu_group)
         break
-    if iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only:
+    if iter_num % eval_interval == 0 or iter_num >= max_iters or cfg['eval_only']:
         losses = estimate_loss()
         if master_process:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         check_finite(losses)
-        if wandb_log and master_process:
-            wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
+        if cfg['wandb_log'] and master_process:
+            wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'],
+                       'lr': training.get_lr(iter_num, cfg)})
         improved = losses['val'] < best_val_loss
         best_val_loss = min(best_val_loss, losses['val'])
         # every rank decides alike: the losses are all-reduced, so identical on every rank
-        if local_iter_num > 0 and (improved or always_save_checkpoint):
+        if local_iter_num > 0 and (improved or cfg['always_save_checkpoint']):
             save_checkpoint()
-    if iter_num >= max_iters or eval_only:
+    if iter_num >= max_iters or cfg['eval_only']:
         break
 
-    switched = cycler.step(iter_num)
-    cycler.prefetch(iter_num)  # on a period's last iteration: draw the next group, start copying back its offloaded state
-    if switched or replicas.model is None:
-        replicas.on_switch()
+    # the one iteration (training.Trainer): learning rate, switch, prefetch, DDP rebuild, step
+    loss, (X, Y), switched = trainer.step(iter_num, (X, Y), next_batch,
+                                          before_zero_grad=check_ranks if cfg['ddp_check'] else None)
     if switched and master_process:
         print(f"iter {iter_num}: {cycler.describe()}" +
               (f", DDP rebuilt in {replicas.rebuild_ms:.1f} ms" if distributed_run and not fsdp else ""))
-
-    loss, (X, Y) = training.train_step(replicas.model, opt, cycler, (X, Y), next_batch, grad_accum, grad_clip,
-                                       omgd_scale_after_clip, autocast, scaler,
-                                       replicas.sync if distributed_run else None,
-                                       before_zero_grad=check_ranks if ddp_check else None)
+    if ddp_summary and master_process and (switched or iter_num == max_iters - 1):
+        print(f"iter {iter_num}: {ddp_summary}")
 
     t1 = time.time()
     dt, t0 = t1 - t0, t1
@@ -376,20 +306,20 @@ while True:
                 line += (f", mem {torch.cuda.max_memory_allocated() / 2**30:.2f}/"
                          f"{torch.cuda.max_memory_reserved() / 2**30:.2f} GiB alloc/reserved")
             print(line, flush=True)
-            if wandb_log:
+            if cfg['wandb_log']:
                 wandb.log({'iter': iter_num, 'train/loss_step': lossf, 'epoch': epoch})
     iter_num += 1
     local_iter_num += 1
 stop_request.release()  # Ctrl-C during the sample below stops at once
 
 # under FSDP every rank runs the sample's forwards (each all-gathers the weights); rank 0 prints
-if (master_process or fsdp) and sample_tokens > 0 and not stop:
+if (master_process or fsdp) and cfg['sample_tokens'] > 0 and not stop:
     from sample import load_codec
-    encode, decode = load_codec(data_dir(dataset))
+    encode, decode = load_codec(data_dir(cfg['dataset']))
     start = torch.tensor([encode('\n')], dtype=torch.long, device=device)
     raw_model.eval()  # no dropout while generating (estimate_loss left it in training mode)
-    with autocast:
-        y = raw_model.generate(start, sample_tokens, temperature=0.8, top_k=200)
+    with trainer.autocast:
+        y = raw_model.generate(start, cfg['sample_tokens'], temperature=0.8, top_k=200)
     if master_process:
         print(f"sample:\n{decode(y[0].tolist())}")
 distributed.teardown(ranks)  # a barrier, then destroy_process_group (distributed.py: why)

@@ -16,76 +16,26 @@ from contextlib import nullcontext
 import torch
 
 import galore
+import memory
 import omgd
-from model import GPT, GPTConfig, PRESETS, param_groups
-from optim import MasterAdamW
+from model import GPT, GPTConfig, PRESETS
+from optim import MasterAdamW, configure_optimizers, param_groups
+from train_config import GALORE_METHODS, PTDTYPES
 
-PRECISIONS = ('amp', 'bf16', 'bf16_master')
-GALORE_METHODS = ('galore', 'golore')  # galore.py's optimizers; every block trains
-METHOD_NAMES = (*omgd.METHODS, *GALORE_METHODS)
-PTDTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 ARCH_KEYS = ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias', 'vocab_size', 'norm_eps',
              'rope_theta')
 
 
-def check_config(cfg):
-    """Raise a one-line ValueError for values that cannot train together (nothing is built yet)."""
-    if cfg['parallel'] not in ('ddp', 'fsdp'):
-        raise ValueError(f"parallel must be 'ddp' or 'fsdp', got {cfg['parallel']!r}")
-    if cfg['init_from'] not in ('scratch', 'resume') and not cfg['init_from'].startswith('gpt2'):
-        raise ValueError(f"init_from must be 'scratch', 'resume' or a GPT-2 name, got {cfg['init_from']!r}")
-    if cfg['preset'] and cfg['preset'] not in PRESETS:
-        raise ValueError(f"unknown preset {cfg['preset']!r}; choose one of {', '.join(PRESETS)}")
-    if cfg['method'] not in METHOD_NAMES:
-        raise ValueError(f"unknown method {cfg['method']!r}; choose one of {', '.join(METHOD_NAMES)}")
-    if cfg['optimizer'] not in ('adamw', 'sgd'):
-        raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {cfg['optimizer']!r}")
-    if cfg['dtype'] not in PTDTYPES:
-        raise ValueError(f"unknown dtype {cfg['dtype']!r}; choose one of {', '.join(PTDTYPES)}")
-    if cfg['precision'] not in PRECISIONS:
-        raise ValueError(f"unknown precision {cfg['precision']!r}; choose one of {', '.join(PRECISIONS)}")
-    if cfg['master_device'] not in ('', 'cpu'):
-        raise ValueError(f"master_device must be '' (the weights' device) or 'cpu', got {cfg['master_device']!r}")
-    if cfg['master_device'] and cfg['precision'] != 'bf16_master':
-        raise ValueError(f"master_device={cfg['master_device']!r} places fp32 master weights, which only "
-                         f"precision='bf16_master' has; add --precision=bf16_master")
-    if cfg['precision'] != 'amp' and cfg['dtype'] == 'float16':
-        raise ValueError(f"dtype='float16' is the autocast dtype of precision='amp'; precision={cfg['precision']!r} "
-                         f"trains bf16 weights: drop --dtype or use --precision=amp")
-    if cfg['precision'] == 'bf16_master' and cfg['optimizer'] == 'sgd' and cfg['method'] not in GALORE_METHODS:
-        raise ValueError("precision='bf16_master' keeps AdamW's fp32 master weights; use --optimizer=adamw, "
-                         "or --precision=bf16 for SGD on bf16 weights")
-    if not 0 <= cfg['golore_svd_fraction'] <= 1:
-        raise ValueError(f"golore_svd_fraction must be in [0, 1], got {cfg['golore_svd_fraction']}")
-    if cfg['loss_chunk'] < 0:
-        raise ValueError(f"loss_chunk must be >= 0 tokens (0: the whole micro-batch at once), got {cfg['loss_chunk']}")
-    if cfg['gradient_accumulation_steps'] < 1:
-        raise ValueError(f"gradient_accumulation_steps must be >= 1, got {cfg['gradient_accumulation_steps']}")
-
-
-def check_parallel(cfg, world_size, fsdp):
-    """Raise a one-line ValueError for values that cannot train on `world_size` ranks, sharded with
-    FSDP2 (fsdp=True) or not; known once the process group is up (distributed.setup)."""
-    if fsdp and cfg['dtype'] == 'float16':
-        # GradScaler's overflow check would see only this rank's gradient shards, so ranks could disagree
-        raise ValueError("dtype='float16' is not supported with parallel='fsdp' (its loss scaling sees only local "
-                         "shards); use --dtype=bfloat16")
-    if fsdp and cfg['omgd_state'] == 'offload':
-        raise ValueError("omgd_state='offload' is not supported with parallel='fsdp' (the sharded optimizer state "
-                         "stays on its device); use --omgd_state=drop or --omgd_state=keep")
-    if fsdp and cfg['precision'] == 'bf16_master':
-        raise ValueError("precision='bf16_master' is not supported with parallel='fsdp' (FSDP2 keeps fp32 shards and "
-                         "computes in bf16 under precision='amp', which is its own master-weight scheme); use "
-                         "--precision=amp")
-    if fsdp and cfg['method'] in GALORE_METHODS:
-        raise ValueError(f"method={cfg['method']!r} is not supported with parallel='fsdp' (its projections need "
-                         f"whole gradients); use --parallel=ddp")
-    steps = cfg['gradient_accumulation_steps']
-    if steps % world_size:
-        raise ValueError(f"gradient_accumulation_steps={steps} counts micro-steps summed over all ranks and must be "
-                         f"a multiple of the {world_size} ranks, e.g. --gradient_accumulation_steps="
-                         f"{world_size * math.ceil(steps / world_size)} (tokens per iteration = "
-                         f"gradient_accumulation_steps x batch_size x block_size)")
+def get_lr(it, cfg):
+    """The learning rate of iteration `it`: linear warm-up, then cosine decay to min_lr (nanoGPT's)."""
+    if not cfg['decay_lr']:
+        return cfg['learning_rate']
+    if it < cfg['warmup_iters']:
+        return cfg['learning_rate'] * (it + 1) / (cfg['warmup_iters'] + 1)
+    if it > cfg['lr_decay_iters']:
+        return cfg['min_lr']
+    decay_ratio = (it - cfg['warmup_iters']) / max(1, cfg['lr_decay_iters'] - cfg['warmup_iters'])
+    return cfg['min_lr'] + 0.5 * (1.0 + math.cos(math.pi * decay_ratio)) * (cfg['learning_rate'] - cfg['min_lr'])
 
 
 def model_args(cfg, vocab_size=0):
@@ -102,12 +52,10 @@ def model_args(cfg, vocab_size=0):
 
 
 def configure_memory(model, cfg):
-    """The model's activation-memory options (model.py): checkpointing, offload to the host, chunked loss."""
-    model.activation_checkpointing = cfg['activation_checkpointing']
-    model.checkpoint_sublayers = cfg['checkpoint_sublayers']
-    model.activation_offload = cfg['activation_offload']
-    model.loss_chunk = cfg['loss_chunk']
-    return model
+    """The model's activation-memory options (memory.py): checkpointing, offload to the host, chunked loss."""
+    return memory.apply(model, activation_checkpointing=cfg['activation_checkpointing'],
+                        checkpoint_sublayers=cfg['checkpoint_sublayers'],
+                        activation_offload=cfg['activation_offload'], loss_chunk=cfg['loss_chunk'])
 
 
 def cast_model(model, precision):
@@ -118,8 +66,8 @@ def cast_model(model, precision):
 
 
 def autocast(cfg, device_type):
-    """'amp' on CUDA: autocast in cfg['dtype']. CPU, and the bf16 precisions: none."""
-    if cfg['precision'] != 'amp' or device_type == 'cpu' or cfg['dtype'] == 'float32':
+    """'amp' on CUDA: autocast in cfg['dtype']. CPU, meta (bench_memory emulates CUDA), the bf16 precisions: none."""
+    if cfg['precision'] != 'amp' or device_type != 'cuda' or cfg['dtype'] == 'float32':
         return nullcontext()
     return torch.amp.autocast(device_type=device_type, dtype=PTDTYPES[cfg['dtype']])
 
@@ -145,38 +93,77 @@ def build_optimizer(model, cfg, device_type):
     if master:
         return MasterAdamW(param_groups(model, wd), lr=lr, betas=betas, master_device=cfg['master_device'] or None)
     if cfg['optimizer'] == 'adamw':
-        return model.configure_optimizers(wd, lr, betas, device_type)
+        return configure_optimizers(model, wd, lr, betas, device_type)
     return torch.optim.SGD(param_groups(model, wd), lr=lr, momentum=cfg['momentum'])
 
 
 def build_cycler(model, optimizer, cfg):
     """omgd's layer cycler for the config's method ('full' for GaLore/GoLore: every block trains)."""
     method = 'full' if cfg['method'] in GALORE_METHODS else cfg['method']
-    return omgd.build_cycler(model, optimizer, method, cfg['omgd_gamma'], cfg['omgd_period'], cfg['omgd_warmup'],
-                             cfg['omgd_ratio'], cfg['omgd_state'], cfg['omgd_seed'],
-                             always=[part for part in cfg['omgd_always'].split(',') if part])
+    config = omgd.CyclerConfig(method, cfg['omgd_gamma'], cfg['omgd_period'], cfg['omgd_warmup'], cfg['omgd_ratio'],
+                               cfg['omgd_state'], cfg['omgd_seed'],
+                               tuple(part for part in cfg['omgd_always'].split(',') if part))
+    return omgd.build_cycler(model, optimizer, config)
 
 
-def build(cfg, device, vocab_size=0):
-    """A scratch model, its optimizer and its cycler, as train.py builds them (one process)."""
-    model = GPT(GPTConfig(**model_args(cfg, vocab_size)))
+def build(cfg, device, vocab_size=0, model=None, shard=None):
+    """The model, its optimizer and its cycler, as every script trains them.
+
+    model: an already built model (a resume, a pretrained import); None builds one from scratch
+    (seed the RNG before: the init draws from it). shard(model): a hook that runs after the model
+    is on its device and before the optimizer sees its parameters (train.py's FSDP2 sharding)."""
+    if model is None:
+        model = GPT(GPTConfig(**model_args(cfg, vocab_size)))
     cast_model(configure_memory(model, cfg), cfg['precision']).to(device)
-    optimizer = build_optimizer(model, cfg, torch.device(device).type)
+    if shard is not None:
+        shard(model)
+    optimizer = build_optimizer(model, cfg, torch.device(device).type)  # over ALL parameters
     return model, optimizer, build_cycler(model, optimizer, cfg)
 
 
-def train_step(model, optimizer, cycler, batch, next_batch, grad_accum, grad_clip, scale_after_clip,
-               autocast=nullcontext(), scaler=None, sync=None, backward=None, before_zero_grad=None):
+class Trainer:
+    """One training iteration, the same in train.py, the benchmarks and the experiments:
+    learning rate, cycler switch and prefetch, DDP rebuild after a switch, then train_step.
+
+    replicas: distributed.Replicas (DDP/FSDP: what the step trains and how gradients sync);
+    None trains `model` in this process. grad_accum: micro-steps of this rank per iteration.
+    """
+
+    def __init__(self, cfg, model, optimizer, cycler, device_type, grad_accum=None, replicas=None):
+        self.cfg, self.model, self.optimizer, self.cycler, self.replicas = cfg, model, optimizer, cycler, replicas
+        self.grad_accum = grad_accum or cfg['gradient_accumulation_steps']
+        self.autocast = autocast(cfg, device_type)
+        self.scaler = grad_scaler(cfg, device_type)  # float16 gradients underflow without loss scaling
+
+    def step(self, it, batch, next_batch, backward=None, before_zero_grad=None):
+        """Iteration `it`; returns (loss, the next batch, whether the cycler switched)."""
+        for group in self.optimizer.param_groups:
+            group['lr'] = get_lr(it, self.cfg)
+        switched = self.cycler.step(it)
+        self.cycler.prefetch(it)  # on a period's last iteration: start copying back the next group's offloaded state
+        model, sync = self.model, None
+        if self.replicas is not None:
+            if switched or self.replicas.model is None:
+                self.replicas.on_switch()
+            model, sync = self.replicas.model, self.replicas.sync if self.replicas.ranks.enabled else None
+        loss, batch = train_step(model, self.optimizer, self.cycler, batch, next_batch, self.grad_accum,
+                                 self.cfg, self.autocast, self.scaler, sync, backward, before_zero_grad)
+        return loss, batch, switched
+
+
+def train_step(model, optimizer, cycler, batch, next_batch, grad_accum, cfg, autocast=nullcontext(), scaler=None,
+               sync=None, backward=None, before_zero_grad=None):
     """One optimizer step over grad_accum micro-batches; returns (loss, the next batch).
 
     batch: this step's first (X, Y); next_batch() fetches the following one right after each
     forward, so the host prepares data while the GPU computes. The OMGD scale goes once per step,
-    after all micro-steps, before or after clipping (scale_after_clip: the paper's code clips
-    first). loss: the last micro-batch's, as a detached tensor (no sync here).
+    after all micro-steps, before or after clipping (cfg's omgd_scale_after_clip: the paper's code
+    clips first). loss: the last micro-batch's, as a detached tensor (no sync here).
     sync(last): DDP/FSDP gradient sync on the last micro-step only. backward(loss): replaces
     loss.backward() (bench_memory's meta device). before_zero_grad(): sees the gradients.
     """
     scaler = scaler or torch.amp.GradScaler(enabled=False)
+    grad_clip, scale_after_clip = cfg['grad_clip'], cfg['omgd_scale_after_clip']
     X, Y = batch
     for micro_step in range(grad_accum):
         if sync is not None:

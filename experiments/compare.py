@@ -1,17 +1,16 @@
 """
-Issue 6, part 2: the same small GPT on character-level Shakespeare, trained by train.py with every
-layer-cycling method (and GaLore/GoLore), under random reshuffling (rr) and i.i.d. sampling, over
-several seeds, with equal iterations and learning-rate schedule.
+Every layer-cycling method (and GaLore/GoLore) on the same small GPT on character-level
+Shakespeare, trained by train.py under random reshuffling (rr) and i.i.d. sampling, over several
+seeds, with equal iterations and learning-rate schedule.
 
-train.py is the only training code: every run is a `python train.py ... --compile=False
---sample_tokens=0 --out_dir=RUN` subprocess whose log is parsed (`step N: train loss X, val loss Y`,
-`iter N: loss X, time Tms, ...`, switch lines). A run's seed s sets --seed, --data_seed and
+train.py is the only training code: every run is a train.py subprocess started by
+experiments/runner.py, whose log is parsed into curves. A run's seed s sets --seed, --data_seed and
 --omgd_seed together, so for one s every method starts from the same weights, sees the same data
 order (for the same sampling) and is evaluated on the same windows: differences between methods at
-one seed are paired.
+one seed are paired (experiments/stats.py).
 
 Memory: on CPU there is no allocator peak, so the table reports the exact bytes of gradients and
-optimizer state right after the first optimizer step following a switch (omgd.memory_bytes, from
+optimizer state right after the first optimizer step following a switch (omgd_state.memory_bytes, from
 train_step's before_zero_grad hook). The config is the runs' own: the train.py arguments of a run
 (train_command, --train_arg included) parsed by train.py's configurator; the model, optimizer and
 cycler come from training.build and every step is training.train_step, as in train.py.
@@ -31,17 +30,17 @@ import argparse
 import json
 import math
 import os
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import runner  # noqa: E402
+import stats  # noqa: E402
 
 DEFAULT_VARIANTS = ('full', 'lisa', 'lisa_scale', 'lisa_wor', 'lisa_wor_noscale', 'galore', 'golore',
                     'full:iid', 'lisa_wor:iid')
@@ -70,11 +69,6 @@ TRAIN_FLAGS = (
     ('galore_update_proj_gap', int, 50),
     ('galore_scale', float, 0.25),
 )
-STEP_RE = re.compile(r'^step (\d+): train loss ([-+\w.]+), val loss ([-+\w.]+)')
-ITER_RE = re.compile(r'^iter (\d+): loss ([-+\w.]+), time ([\d.]+)ms(?:.*epoch ([\d.]+))?')
-SWITCH_RE = re.compile(r'^iter (\d+): (cycle \d+: .*|full training|warm-up: .*)$')
-
-
 def parse_variant(spec):
     method, _, sampling = spec.partition(':')
     sampling = sampling or 'rr'
@@ -83,72 +77,31 @@ def parse_variant(spec):
     return {'name': method if sampling == 'rr' else f'{method}:{sampling}', 'method': method, 'sampling': sampling}
 
 
-def parse_log(text):
-    """Curves and timings from a train.py log (master process output)."""
-    evals, iters, switches = [], [], []
-    for line in text.splitlines():
-        m = STEP_RE.match(line)
-        if m:
-            evals.append((int(m[1]), float(m[2]), float(m[3])))
-            continue
-        m = ITER_RE.match(line)
-        if m:
-            iters.append((int(m[1]), float(m[2]), float(m[3]), float(m[4]) if m[4] else None))
-            continue
-        m = SWITCH_RE.match(line)
-        if m:
-            switches.append((int(m[1]), m[2]))
-    # the first logged iterations include start-up work; time the rest
-    times = [i[2] for i in iters if i[0] > 0]
-    return {
-        'eval_iters': [e[0] for e in evals], 'train_loss': [e[1] for e in evals], 'val_loss': [e[2] for e in evals],
-        'log_iters': [i[0] for i in iters], 'step_loss': [i[1] for i in iters],
-        'median_ms_per_iter': statistics.median(times) if times else None,
-        'last_logged_epoch': iters[-1][3] if iters else None,  # fraction of the training set's windows seen
-        'switches': len(switches), 'first_switches': [f'iter {i}: {d}' for i, d in switches[:3]],
-    }
+def train_args(variant, seed, args):
+    """train.py's arguments for one run (runner.train_argv adds the CPU flags and the out_dir)."""
+    argv = [f'--method={variant["method"]}', f'--sampling={variant["sampling"]}',
+            f'--seed={seed}', f'--data_seed={seed}', f'--omgd_seed={seed}',
+            f'--max_iters={args.max_iters}', f'--lr_decay_iters={args.max_iters}', '--decay_lr=True']
+    argv += [f'--{name}={getattr(args, name)}' for name, _, _ in TRAIN_FLAGS]
+    return argv + list(args.train_arg)
 
 
-def train_command(variant, seed, args, out_dir):
-    cmd = [sys.executable, 'train.py', f'--method={variant["method"]}', f'--sampling={variant["sampling"]}',
-           f'--seed={seed}', f'--data_seed={seed}', f'--omgd_seed={seed}',
-           f'--max_iters={args.max_iters}', f'--lr_decay_iters={args.max_iters}', '--decay_lr=True',
-           '--compile=False', '--sample_tokens=0', '--always_save_checkpoint=False', '--device=cpu',
-           '--dtype=float32', f'--out_dir={out_dir}']
-    cmd += [f'--{name}={getattr(args, name)}' for name, _, _ in TRAIN_FLAGS]
-    return cmd + list(args.train_arg)
+def run_name(variant, seed):
+    return f'{variant["name"].replace(":", "_")}_s{seed}'
 
 
-def run_one(variant, seed, args, runs_dir):
-    out_dir = os.path.join(runs_dir, f'{variant["name"].replace(":", "_")}_s{seed}')
-    os.makedirs(out_dir, exist_ok=True)
-    cmd = train_command(variant, seed, args, out_dir)
-    env = dict(os.environ)
-    if args.threads:
-        env['OMP_NUM_THREADS'] = str(args.threads)
-    t0 = time.time()
-    with open(os.path.join(out_dir, 'train.log'), 'w') as log:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.PIPE, text=True, env=env)
-    wall = time.time() - t0
-    with open(os.path.join(out_dir, 'train.log')) as f:
-        text = f.read()
-    result = {'variant': variant['name'], 'method': variant['method'], 'sampling': variant['sampling'],
-              'seed': seed, 'returncode': proc.returncode, 'wall_s': round(wall, 1),
-              'command': ' '.join(cmd[1:]), **parse_log(text)}
-    if proc.returncode != 0:
-        lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
-        result['error'] = lines[-1][:300] if lines else f'exit code {proc.returncode}'
-        with open(os.path.join(out_dir, 'stderr.log'), 'w') as f:
-            f.write(proc.stderr)
-    elif not result['val_loss'] or result['eval_iters'][-1] != args.max_iters:
-        result['error'] = 'no final evaluation in the log'
-    if not args.keep_checkpoints:
-        for name in ('ckpt.pt', 'ckpt.pt.tmp'):
-            if os.path.exists(os.path.join(out_dir, name)):
-                os.remove(os.path.join(out_dir, name))
-    status = f"error: {result['error']}" if 'error' in result else f"final val {result['val_loss'][-1]:.4f}"
-    print(f"[{time.strftime('%H:%M:%S')}] {variant['name']} seed {seed}: {status} ({wall:.0f} s)", flush=True)
-    return result
+def run_all(variants, seeds, args, runs_dir):
+    """Every (variant, seed) run, seed-major (a partial batch still pairs methods), args.jobs at a
+    time; a run already finished in runs_dir is read back, not re-run. Returns the results."""
+    jobs = [{'name': run_name(v, s), 'variant': v['name'], 'method': v['method'], 'sampling': v['sampling'],
+             'seed': s} for s in seeds for v in variants]
+
+    def launch(job, out_dir):
+        variant = {'name': job['variant'], 'method': job['method'], 'sampling': job['sampling']}
+        return runner.run_train(train_args(variant, job['seed'], args), out_dir, args.max_iters, args.threads,
+                                args.keep_checkpoints)
+
+    return list(runner.run_all(jobs, runs_dir, launch, args.jobs).values())
 
 
 # -----------------------------------------------------------------------------
@@ -156,14 +109,12 @@ def run_one(variant, seed, args, runs_dir):
 
 
 def train_config(method, args):
-    """The config train.py runs `method` with under these flags: train_command's arguments (the
-    --train_arg ones included) parsed by train.py's configurator, and the vocabulary train.py
+    """The config train.py runs `method` with under these flags: train_args (the --train_arg ones
+    included) read as train.py reads them, and the vocabulary train.py
     would use (vocab_size, else the dataset's meta.pkl, else 0: training.model_args' 50304)."""
-    from bench_memory import TRAIN_DEFAULTS, dataset_vocab
-    from configurator import configure
-    argv = train_command({'method': method, 'sampling': 'rr'}, 0, args, out_dir='out')[2:]  # less python train.py
-    cfg = configure(TRAIN_DEFAULTS, argv)
-    return cfg, dataset_vocab(cfg)
+    from dataloader import dataset_vocab
+    cfg = runner.config_of(train_args({'method': method, 'sampling': 'rr'}, 0, args))
+    return cfg, dataset_vocab(cfg['dataset'], cfg['vocab_size'])
 
 
 def model_config(args):
@@ -183,11 +134,10 @@ def measure_memory(method, args):
     (train_config). Returns a dict, or {'error': ...}."""
     import torch
 
-    import omgd
+    import omgd_state
     import training
     try:
-        cfg, vocab = train_config(method, args)
-        training.check_config(cfg)
+        cfg, vocab = train_config(method, args)  # checked as train.py checks it
         torch.manual_seed(0)
         model, opt, cycler = training.build(cfg, 'cpu', vocab)
         gen = torch.Generator().manual_seed(0)
@@ -200,7 +150,7 @@ def measure_memory(method, args):
         mem = {}
 
         def record():  # the step is done, the gradients are still held
-            now = omgd.memory_bytes(model, opt)
+            now = omgd_state.memory_bytes(model, opt)
             now['trainable_params'] = sum(p.numel() for p in model.parameters() if p.requires_grad)
             if not mem or now['grads'] + now['optimizer'] > mem['grads'] + mem['optimizer']:
                 mem.update(now)
@@ -218,7 +168,7 @@ def measure_memory(method, args):
         mem['n_params'] = sum(p.numel() for p in model.parameters())
         if method in training.GALORE_METHODS:
             import galore
-            mem['projector'] = galore.projector_bytes(opt)  # omgd.memory_bytes leaves projectors out
+            mem['projector'] = galore.projector_bytes(opt)  # omgd_state.memory_bytes leaves projectors out
         mem['grads_plus_optimizer'] = mem['grads'] + mem['optimizer']
         return mem
     except Exception as e:  # noqa: BLE001  (report, never stop the comparison for this)
@@ -229,19 +179,13 @@ def measure_memory(method, args):
 # summary
 
 
-def mean_std(values):
-    if not values:
-        return None, None
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
 def summarize(variants, runs, memory):
     rows = []
     for v in variants:
         mine = [r for r in runs if r['variant'] == v['name']]
         ok = [r for r in mine if 'error' not in r and all(math.isfinite(x) for x in r['val_loss'])]
         finals = [r['val_loss'][-1] for r in ok]
-        mean, std = mean_std(finals)
+        mean, std = stats.mean_std(finals)
         curve = None
         if ok and all(r['eval_iters'] == ok[0]['eval_iters'] for r in ok):
             curve = {'iters': ok[0]['eval_iters'],
@@ -252,7 +196,7 @@ def summarize(variants, runs, memory):
         rows.append({**v, 'seeds_ok': [r['seed'] for r in ok], 'final_val': dict(zip([r['seed'] for r in ok], finals)),
                      'final_val_mean': mean, 'final_val_std': std,
                      'final_val_min': min(finals) if finals else None, 'final_val_max': max(finals) if finals else None,
-                     'final_train_mean': mean_std([r['train_loss'][-1] for r in ok])[0],
+                     'final_train_mean': stats.mean_std([r['train_loss'][-1] for r in ok])[0],
                      'median_ms_per_iter': statistics.median(ms) if ms else None,
                      'switches': ok[0]['switches'] if ok else None,
                      'errors': sorted({r['error'] for r in mine if 'error' in r}),
@@ -261,22 +205,13 @@ def summarize(variants, runs, memory):
 
 
 def paired(rows, a, b):
-    """Per-seed difference a - b of final val loss (negative: a is better)."""
+    """Per-seed difference a - b of final val loss (negative: a is better), stats.paired's fields."""
     ra = next((r for r in rows if r['name'] == a), None)
     rb = next((r for r in rows if r['name'] == b), None)
-    if not ra or not rb:
-        return None
-    seeds = [s for s in ra['final_val'] if s in rb['final_val']]
-    if not seeds:
-        return None
-    diffs = [ra['final_val'][s] - rb['final_val'][s] for s in seeds]
-    mean, std = mean_std(diffs)
-    return {'a': a, 'b': b, 'seeds': seeds, 'diffs': diffs, 'mean': mean, 'std': std,
-            'a_wins': sum(d < 0 for d in diffs),
-            't': mean / (std / math.sqrt(len(diffs))) if len(diffs) > 1 and std > 0 else None}
+    p = stats.paired(ra['final_val'], rb['final_val']) if ra and rb else None
+    return {'a': a, 'b': b, **p} if p else None
 
 
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # t_{0.975, df}
 PAIRS = (('lisa_wor', 'lisa'), ('lisa_wor', 'lisa_scale'), ('lisa_wor', 'lisa_wor_noscale'),
          ('lisa_scale', 'lisa'), ('lisa_wor_noscale', 'lisa'), ('lisa_wor', 'full'), ('lisa_wor', 'galore'),
          ('lisa_wor', 'golore'), ('golore', 'galore'), ('full', 'full:iid'), ('lisa_wor', 'lisa_wor:iid'))
@@ -292,7 +227,7 @@ def kib(n):
 
 def write_markdown(path, report):
     cfg, rows = report['config'], report['rows']
-    lines = ['# Method comparison on character-level Shakespeare (issue 6, part 2)', '',
+    lines = ['# Method comparison on character-level Shakespeare', '',
          f"Generated by `experiments/compare.py`. Command: `{report['command']}`", '',
          f"Machine: {report['machine']}. Wall time: {report['wall_s'] / 60:.1f} min "
          f"({len(report['runs'])} runs, {cfg['jobs']} at a time).", '',
@@ -327,18 +262,17 @@ def write_markdown(path, report):
           'bytes of gradients + optimizer state tensors right after an optimizer step that follows a switch '
           '(largest over one cycle + 1 switch), built in-process from the runs\' own train.py arguments '
           '(--train_arg included) by training.build and stepped by training.train_step, as train.py does '
-          '(omgd.memory_bytes; GaLore/GoLore projection matrices are not counted as optimizer state but listed '
+          '(omgd_state.memory_bytes; GaLore/GoLore projection matrices are not counted as optimizer state but listed '
           'apart below, as in the GaLore paper). Parameters and activations excluded; identical for rr and iid. '
           'ms/iter is wall time on a shared CPU and only indicative.', '']
     if report['pairs']:
         lines += ['## Paired differences (same seed)', '',
-              'Final val loss of A minus B at each seed (negative: A is lower). t = mean / (std / sqrt(n)); '
-              f'with n = {len(cfg["seeds"])} seeds, |t| > {T95.get(len(cfg["seeds"]) - 1, 2.0):g} is needed for '
-              'p < 0.05 (two-sided paired t-test).', '',
-              '| A | B | per-seed A - B | mean | std | A lower in | t |', '|---|---|---|---|---|---|---|']
+              'Final val loss of A minus B at each seed (negative: A is lower): mean [95% t interval] (* when it '
+              'excludes 0), sample std, t = mean / (std / sqrt(n)).', '',
+              '| A | B | per-seed A - B | mean [95% CI] | std | A lower in | t |', '|---|---|---|---|---|---|---|']
         for p in report['pairs']:
-            lines.append(f"| {p['a']} | {p['b']} | {', '.join(f'{d:+.4f}' for d in p['diffs'])} | {p['mean']:+.4f} | "
-                     f"{fmt(p['std'])} | {p['a_wins']}/{len(p['diffs'])} | {fmt(p['t'], 2)} |")
+            lines.append(f"| {p['a']} | {p['b']} | {', '.join(f'{d:+.4f}' for d in p['diffs'])} | {stats.fmt_pair(p)} | "
+                     f"{fmt(p['sd'])} | {p['a_wins']}/{len(p['diffs'])} | {fmt(p['t'], 2)} |")
         lines.append('')
     mem_rows = [(m, v) for m, v in report['memory'].items()]
     if mem_rows:
@@ -399,19 +333,6 @@ def plot(path, report):
     plt.close(fig)
 
 
-def machine():
-    import platform
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open('/proc/cpuinfo') as f:
-            names = [l.split(':', 1)[1].strip() for l in f if l.startswith('model name')]
-        if names:
-            cpu = names[0]
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores (shared), {platform.system()} {platform.release()}"
-
-
 def n_params(config, memory):
     """The model's parameter count: from a memory measurement when there is one, else counted on meta."""
     counted = [m['n_params'] for m in memory.values() if 'n_params' in m]
@@ -464,6 +385,7 @@ def main(argv=None):
             report['memory'] = {m: measure_memory(m, cfg) for m in report['memory']}
             for r in report['rows']:
                 r['memory'] = report['memory'].get(r['method'])
+        report['pairs'] = [p for a, b in PAIRS if (p := paired(report['rows'], a, b))]
         report['name'] = args.name
         report['replotted_with'] = ' '.join(['python', os.path.relpath(os.path.abspath(__file__), ROOT)] +
                                             (sys.argv[1:] if argv is None else list(argv)))
@@ -488,9 +410,7 @@ def main(argv=None):
     print(f"{len(variants)} variants x {len(seeds)} seeds, {args.max_iters} iterations, runs in {runs_dir}", flush=True)
 
     t0 = time.time()
-    jobs = [(v, s) for s in seeds for v in variants]  # seed-major: a partial run still pairs methods
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        runs = list(pool.map(lambda vs: run_one(vs[0], vs[1], args, runs_dir), jobs))
+    runs = run_all(variants, seeds, args, runs_dir)
     wall = time.time() - t0
 
     memory = {}
@@ -503,14 +423,14 @@ def main(argv=None):
     report = {
         'command': ' '.join(['python', os.path.relpath(os.path.abspath(__file__), ROOT)] +
                             (sys.argv[1:] if argv is None else list(argv))),
-        'name': args.name, 'machine': machine(), 'wall_s': round(wall, 1), 'n_params': n_params(config, memory),
+        'name': args.name, 'machine': runner.machine(), 'wall_s': round(wall, 1), 'n_params': n_params(config, memory),
         'config': {**{n: getattr(args, n) for n, _, _ in TRAIN_FLAGS}, 'max_iters': args.max_iters,
                    'seeds': seeds, 'jobs': args.jobs, 'threads': args.threads, 'train_args': args.train_arg,
                    'variants': [v['name'] for v in variants]},
         'rows': rows, 'pairs': pairs, 'memory': memory, 'runs': runs,
         'memory_note': 'exact bytes of gradients + optimizer state after an optimizer step following a switch '
                        '(largest over one cycle + 1 switch), built on CPU by training.build from the runs\' train.py '
-                       'arguments and stepped by training.train_step (omgd.memory_bytes); not an allocator peak',
+                       'arguments and stepped by training.train_step (omgd_state.memory_bytes); not an allocator peak',
     }
     with open(os.path.join(args.out_dir, f'{args.name}.json'), 'w') as f:
         json.dump(report, f, indent=1)

@@ -9,9 +9,9 @@ theta_0 = 0. Every update is theta_{t+1} = theta_t - eta_t g_t with g_t = 2 (x_t
 where u_t = C_t x_t is the sample's feature vector after the method's compression C_t:
 
   RR           u = x, samples in a fresh random order every epoch (no compression)
-  RR_mask_wor  OMGD, Algorithm 1: per cycle M = ceil(1/r) masks from omgd.mask_cycle (values M,
+  RR_mask_wor  OMGD, Algorithm 1: per cycle M = ceil(1/r) masks from mask_cycle (values M,
                summing to M * ones) and the order of the M*n (mask, sample) pairs from
-               omgd.pair_order; u = S^(j) * x^(i)
+               pair_order; u = S^(j) * x^(i)
   RR_mask_iid  RR samples; every step a fresh uniform mask of k = r*d coordinates with value d/k
   RR_proj      RR samples; every step a fresh P uniform on the Stiefel manifold St(d, k)
                (Gram-Schmidt of a Gaussian d x k matrix); u = (d/k) P P^T x
@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import omgd  # noqa: E402  (Algorithm 1's masks and pair order: use omgd.mask_cycle / omgd.pair_order)
+import omgd  # noqa: E402  (the random partition of layer cycling's pool also splits the coordinates)
 
 METHODS = ('RR', 'RR_mask_wor', 'RR_mask_iid', 'RR_proj', 'IID')
 COMPRESSED = ('RR_mask_wor', 'RR_mask_iid', 'RR_proj')
@@ -84,6 +84,26 @@ def step_sizes(t, c, t0):
 # sample and compression schedules
 
 
+def mask_cycle(d, ratio, generator):
+    """Algorithm 1's M = ceil(1/ratio) masks of one cycle as an (M, d) tensor.
+
+    Coordinates are split at random into M disjoint groups of near-equal size, and mask j
+    is M on group j and 0 elsewhere, so the masks sum to M * ones (the paper's eq. 3).
+    """
+    M = math.ceil(1 / ratio)
+    sizes = [len(c) for c in torch.arange(d).tensor_split(M)]
+    masks = torch.zeros(M, d)
+    for j, group in enumerate(omgd.random_partition(d, sizes, generator)):
+        masks[j, group] = M
+    return masks
+
+
+def pair_order(M, N, generator):
+    """Algorithm 1's RandomPermutation([M] x [N]) as an (M*N, 2) tensor of (mask j, sample i) rows."""
+    flat = torch.randperm(M * N, generator=generator)
+    return torch.stack([flat // N, flat % N], dim=1)
+
+
 def stiefel_project(Z, x):
     """P P^T x for P = Gram-Schmidt(Z), Z of shape (L, d, k): P is uniform on St(d, k) when Z is
     Gaussian (it is the Q of the QR decomposition with a positive diagonal R)."""
@@ -111,7 +131,7 @@ class Schedule:
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         self.method, self.X, self.ratio, self.gen = method, X, ratio, generator
-        # torch generator: RR permutations, IID draws and omgd's masks / pair order;
+        # torch generator: RR permutations, IID draws and Algorithm 1's masks / pair order;
         # numpy generator: the i.i.d. masks' and projections' random numbers (faster)
         self.rng = np.random.default_rng(generator.initial_seed())
         self.n, self.d = X.shape
@@ -132,8 +152,8 @@ class Schedule:
             idx = torch.randint(n, (n,), generator=gen).numpy()
             return idx, X[idx], np.ones((n, d))
         if self.method == 'RR_mask_wor':  # one cycle of Algorithm 1
-            masks = omgd.mask_cycle(d, self.ratio, gen).double().numpy()
-            order = omgd.pair_order(masks.shape[0], n, gen).numpy()
+            masks = mask_cycle(d, self.ratio, gen).double().numpy()
+            order = pair_order(masks.shape[0], n, gen).numpy()
             self.cycles += 1
             idx, mask = order[:, 1], masks[order[:, 0]]
             return idx, mask * X[idx], mask

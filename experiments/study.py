@@ -1,42 +1,61 @@
 """
-When does LISA-wor beat LISA? A paired, resumable study through train.py (issue: "Evidence: when
-does LISA-wor beat LISA?"), and the measurements that explain what it finds.
+When does LISA-wor beat LISA? A paired, resumable study through train.py, and the measurements
+that explain what it finds.
 
-Every training run is a `python train.py ...` subprocess started by experiments/compare.py's
-run_one (same command line, same log parsing); a run's seed s sets --seed, --data_seed and
---omgd_seed, so at one seed every configuration starts from the same weights, sees the same data
-order (for the same sampling) and is evaluated on the same fixed windows: differences are paired
-by seed. The metric the theory is about is the training loss; train.py's eval 'train' split draws
-the same fixed windows of the training set at every evaluation, so 'train loss' below is the loss
-on a fixed set of training windows (and 'val loss' the same on val.bin).
+Every training run is a `python train.py ...` subprocess (experiments/runner.py); a run's seed s
+sets --seed, --data_seed and --omgd_seed, so at one seed every configuration starts from the same
+weights, sees the same data order (for the same sampling) and is evaluated on the same fixed
+windows: differences are paired by seed (experiments/stats.py). The metric the theory is about is
+the training loss; train.py's eval 'train' split draws the same fixed windows of the training set
+at every evaluation, so 'train loss' below is the loss on a fixed set of training windows (and
+'val loss' the same on val.bin).
 
-Regimes:
+Models: GPT, n_embd 32, 2 heads, block_size 64, batch 32, N_L blocks; LISA and LISA-wor train gamma
+of them for K iterations, M = N_L / gamma periods make a LISA-wor cycle.
+
+Regimes (the dataset and the iterations of a run):
 - multi: a prefix of MULTI_TOKENS tokens of data/shakespeare_char/train.bin (written once to
-  RUNS/../data/shakespeare_char_100k with the full val.bin and meta.pkl), trained for >= 10 epochs.
-- sub: the whole corpus, a fraction of one epoch.
+  RUNS/../data/shakespeare_char_100k with the full val.bin and meta.pkl), 48 iterations per epoch
+  at batch 32.
+- sub: the whole corpus (about 2,100 iterations per epoch at batch 32), a fraction of one epoch.
+- pre: the whole corpus, full AdamW: the model the fine-tuning runs start from (checkpoint kept).
+- ft: fine-tuning the 'pre' model on another text in the same characters: CPython's own reference
+  documentation (pydoc_data.topics), characters outside Shakespeare's set dropped, written once to
+  RUNS/../data/pydoc_char (FT_TOKENS train, a tenth of that val). Each run starts from a checkpoint
+  at iteration 0 (the pre-trained weights, a fresh optimizer, cycler and data order for its own
+  config) that train.py resumes (--init_from=resume).
 
 Stages, in the order they run (a stage's runs go seed-major, so a stage stopped part-way still pairs):
+  M = 2 (4 blocks, gamma 2, K 10; multi 480 iterations = 10 epochs, sub 240):
   core_multi_adamw, core_multi_sgd, core_sub_adamw, core_sub_sgd: lisa, lisa_wor x keep, drop
          (+ full for AdamW)
-  aligned: the cycle aligned with the data, K = one epoch: every (block group, window) pair once per
-           cycle of M epochs; lisa at the same K for pairing (aligned_cycle: K = epoch / M, one cycle per epoch)
-  probe: in-process instrumented copies of train.py's loop (seed 0; schedule, Adam-state age at
-         reactivation, update norms after reactivation, clipping), also checked against train.py's log
+  aligned: K = one epoch (every (block group, window) pair once per cycle of M epochs); lisa at the
+           same K for pairing (aligned_cycle: K = epoch / M, one cycle per epoch)
+  probe: in-process instrumented copies of train.py's loop (seed 0; Adam-state age at reactivation,
+         update norms after reactivation, clipping), checked against train.py's log
   offload: lisa_wor with omgd_state=offload, to check it equals keep bitwise (seed 0)
   methods_sgd: lisa_scale, lisa_wor_noscale with SGD (multi): without replacement vs the N_L/gamma scale
   iid: lisa, lisa_wor with i.i.d. sampling (multi)
   methods: lisa_scale, lisa_wor_noscale, tensor_wor, tensor_iid (multi, AdamW)
   sweep: K in {1, 10, 50} x gamma in {1, 2} for lisa vs lisa_wor (multi, AdamW)
   k1_keep: the sweep's K=1, gamma=2 cell under the other state policy
+  M = 4 (8 blocks gamma 2, and 12 blocks gamma 3 as the paper's GPT-2; batch 16; K 3, 600
+  iterations = 50 cycles: multi 6.2 epochs, sub 0.14 epoch):
+  m4_multi_adamw, m4_sub_adamw: lisa, lisa_wor x keep, drop
+  m4_multi_sgd: lisa, lisa_scale, lisa_wor (SGD with momentum)
+  m4_pre, m4_ft: 12 blocks pre-trained on Shakespeare (full AdamW, 1,000 iterations, seed 0), fine-tuned
+         600 iterations (6.2 epochs) on pydoc_char: full, lisa, lisa_wor at gamma 3, K 3 (50 cycles)
+  m4_full: full AdamW for m4_multi_adamw's models (the reference)
+  m4_probe: the instrumented loop for 8 blocks, multi, AdamW (seed 0)
 'keep' for the later stages is the policy under which lisa_wor reached the lower mean train loss in
-core_multi_adamw (--policy=auto), or the one named.
+core_multi_adamw (M = 2 stages) or m4_multi_adamw (M = 4 stages) (--policy=auto), or the one named.
 
-    python experiments/study.py                     # everything, resumes: finished runs are skipped
-    python experiments/study.py --stages=core_multi_adamw,probe --seeds=5
-    python experiments/study.py --report_only --report_dir=results   # tables/plot from finished runs
+    python experiments/study.py --stages=m4_multi_adamw,m4_sub_adamw,m4_multi_sgd,m4_ft --name=study_m4
+    python experiments/study.py --stages=core_multi_adamw,probe --seeds=5 --name=study_m2
+    python experiments/study.py --report_only --name=study_m4 --report_dir=results
 
-Writes REPORT_DIR/study.json (every run's curves and the paired statistics), study_tables.md,
-study_loss.png and study_probe.md (default REPORT_DIR: out/study).
+Finished runs are skipped (resume). Writes REPORT_DIR/NAME.json (every run's curves and the paired
+statistics), NAME_tables.md, NAME_loss.png and NAME_probe.md (default REPORT_DIR: out/study).
 """
 import argparse
 import json
@@ -47,56 +66,82 @@ import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import compare  # noqa: E402
+import runner  # noqa: E402
+import stats  # noqa: E402
 
 MULTI_TOKENS = 100_000
-# model and schedule of every run (train.py keys); the optimizer's own values come from OPTIMIZERS
-BASE = dict(n_layer=4, n_head=2, n_embd=32, block_size=64, batch_size=32, dropout=0.0, learning_rate=3e-3,
+FT_TOKENS = 100_000
+# model and schedule of every run (train.py keys); the optimizer's and the regime's own values come
+# from OPTIMIZERS and REGIME_ARGS, the geometry (n_layer, gamma, K) and iterations from the spec
+BASE = dict(n_head=2, n_embd=32, block_size=64, batch_size=32, dropout=0.0, learning_rate=3e-3,
             min_lr=3e-4, warmup_iters=20, weight_decay=0.1, grad_clip=1.0, eval_iters=8, log_interval=12,
-            omgd_gamma=2, omgd_period=10, omgd_state='keep', galore_rank=16, galore_update_proj_gap=50,
-            galore_scale=0.25)
+            omgd_period=10, omgd_state='keep')
 OPTIMIZERS = {'adamw': {}, 'sgd': dict(learning_rate=0.1, min_lr=0.01)}
-# iterations and evaluation interval per regime; multi: 48 steps per epoch (100k tokens, 32 x 65-token windows)
-REGIMES = {'multi': dict(max_iters=480, eval_interval=48), 'sub': dict(max_iters=240, eval_interval=24)}
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093}
+REGIME_ARGS = {'ft': dict(learning_rate=1e-3, min_lr=1e-4)}  # fine-tuning: a third of the pre-training rate
+ITERS = {'multi': 480, 'sub': 240, 'pre': 1000, 'ft': 600}  # M = 2 stages' iterations, and pre / ft
+M4 = ((8, 2), (12, 3))  # (N_L, gamma) with N_L / gamma = 4
+DEPTH_ARGS = {8: dict(batch_size=16), 12: dict(batch_size=16)}  # the deeper models: half the batch (CPU time)
+M4_K, M4_ITERS = 3, 600  # 50 cycles of M * K = 12 iterations
+FT_GEOMETRY = dict(n_layer=12, gamma=3, K=3, iters=600)  # the paper's CoLA ablation: gamma, K in 1..6
+EVALS = 10  # evaluations per run (and one at iteration 0)
+PRETRAIN = dict(regime='pre', optimizer='adamw', method='full', n_layer=12, iters=1000, seed=0)
 
 
 # -----------------------------------------------------------------------------
 # run specifications
 
 
-def spec(regime, optimizer, method, state='keep', sampling='rr', K=None, gamma=None, seed=0, kind='train'):
+def spec(regime, optimizer, method, state='keep', sampling='rr', K=None, gamma=None, seed=0, kind='train',
+         n_layer=4, iters=None):
     full = method == 'full'
     return {'regime': regime, 'optimizer': optimizer, 'method': method, 'state': 'na' if full else state,
             'sampling': sampling, 'K': 0 if full else (K or BASE['omgd_period']),
-            'gamma': 0 if full else (gamma or BASE['omgd_gamma']), 'seed': seed, 'kind': kind}
+            'gamma': 0 if full else (gamma or 2), 'n_layer': n_layer, 'iters': iters or ITERS[regime],
+            'seed': seed, 'kind': kind}
+
+
+KEY_FIELDS = ('n_layer', 'regime', 'iters', 'optimizer', 'method', 'state', 'sampling', 'K', 'gamma')
 
 
 def config_key(s):
     """The configuration without the seed: runs with the same key and different seeds are a group."""
-    return f"{s['regime']}-{s['optimizer']}-{s['method']}-{s['state']}-{s['sampling']}-K{s['K']}-g{s['gamma']}"
+    return (f"L{s['n_layer']}-{s['regime']}{s['iters']}-{s['optimizer']}-{s['method']}-{s['state']}-{s['sampling']}"
+            f"-K{s['K']}-g{s['gamma']}")
 
 
 def run_name(s):
-    return f"{'probe-' if s['kind'] == 'probe' else ''}{config_key(s)}_s{s['seed']}"  # compare.run_one's folder
+    return f"{'probe-' if s['kind'] == 'probe' else ''}{config_key(s)}_s{s['seed']}"
+
+
+def data_root(runs_dir):
+    return os.path.join(os.path.dirname(os.path.abspath(runs_dir)), 'data')
 
 
 def multi_dataset(runs_dir):
-    return os.path.join(os.path.dirname(os.path.abspath(runs_dir)), 'data', f'shakespeare_char_{MULTI_TOKENS // 1000}k')
+    return os.path.join(data_root(runs_dir), f'shakespeare_char_{MULTI_TOKENS // 1000}k')
 
 
-def make_multi_dataset(runs_dir, n_tokens=MULTI_TOKENS, source=os.path.join(ROOT, 'data', 'shakespeare_char')):
+def ft_dataset(runs_dir):
+    return os.path.join(data_root(runs_dir), 'pydoc_char')
+
+
+def shakespeare_char():
+    from dataloader import data_dir, prepare_if_embedded
+    prepare_if_embedded('shakespeare_char')
+    return data_dir('shakespeare_char')
+
+
+def make_multi_dataset(runs_dir, n_tokens=MULTI_TOKENS):
     """The multi-epoch split: the first n_tokens tokens of train.bin, the full val.bin, the same meta.pkl."""
     import numpy as np
     dst = multi_dataset(runs_dir)
     if os.path.exists(os.path.join(dst, 'meta.pkl')):
         return dst
+    source = shakespeare_char()
     os.makedirs(dst, exist_ok=True)
     train = np.memmap(os.path.join(source, 'train.bin'), dtype=np.uint16, mode='r')
     np.array(train[:n_tokens]).tofile(os.path.join(dst, 'train.bin'))
@@ -105,24 +150,53 @@ def make_multi_dataset(runs_dir, n_tokens=MULTI_TOKENS, source=os.path.join(ROOT
     return dst
 
 
-def train_args(s, runs_dir, base=None, regimes=None):
-    """(variant, argparse.Namespace) for compare.run_one / compare.train_command."""
-    base, regimes = base or BASE, regimes or REGIMES
-    flags = {name: default for name, _, default in compare.TRAIN_FLAGS}
-    flags.update(base)
-    flags.update(OPTIMIZERS[s['optimizer']])
-    flags.update(regimes[s['regime']])
+def make_ft_dataset(runs_dir, n_tokens=FT_TOKENS):
+    """The fine-tuning text: CPython's reference documentation (pydoc_data.topics, in key order) in
+    shakespeare_char's characters (others dropped): n_tokens train, n_tokens // 10 val, same meta.pkl."""
+    import pickle
+
+    import numpy as np
+    from pydoc_data.topics import topics
+    dst = ft_dataset(runs_dir)
+    if os.path.exists(os.path.join(dst, 'meta.pkl')):
+        return dst
+    source = shakespeare_char()
+    with open(os.path.join(source, 'meta.pkl'), 'rb') as f:
+        stoi = pickle.load(f)['stoi']
+    ids = [stoi[c] for c in ''.join(topics[k] for k in sorted(topics)) if c in stoi]
+    n_val = n_tokens // 10
+    if len(ids) < n_tokens + n_val:
+        raise ValueError(f"pydoc_data.topics has {len(ids)} usable characters, fewer than {n_tokens + n_val}")
+    os.makedirs(dst, exist_ok=True)
+    np.array(ids[:n_tokens], dtype=np.uint16).tofile(os.path.join(dst, 'train.bin'))
+    np.array(ids[n_tokens:n_tokens + n_val], dtype=np.uint16).tofile(os.path.join(dst, 'val.bin'))
+    shutil.copyfile(os.path.join(source, 'meta.pkl'), os.path.join(dst, 'meta.pkl'))  # last: marks it complete
+    return dst
+
+
+def dataset(s, runs_dir):
+    return {'multi': multi_dataset(runs_dir), 'ft': ft_dataset(runs_dir)}.get(s['regime'], 'shakespeare_char')
+
+
+def train_args(s, runs_dir):
+    """train.py's arguments for spec s (runner.train_argv adds the CPU flags and the out_dir)."""
+    flags = dict(BASE, n_layer=s['n_layer'], **DEPTH_ARGS.get(s['n_layer'], {}), **OPTIMIZERS[s['optimizer']],
+                 **REGIME_ARGS.get(s['regime'], {}))
+    flags.update(max_iters=s['iters'], lr_decay_iters=s['iters'], eval_interval=s['iters'] // EVALS)
     if s['method'] != 'full':
         flags.update(omgd_period=s['K'], omgd_gamma=s['gamma'], omgd_state=s['state'])
-    flags['dataset'] = multi_dataset(runs_dir) if s['regime'] == 'multi' else 'shakespeare_char'
-    extra = [f'--optimizer={s["optimizer"]}', '--overwrite=True']
-    ns = argparse.Namespace(**flags, threads=1, train_arg=extra, keep_checkpoints=False)
-    variant = {'name': run_name(s)[:-len(f"_s{s['seed']}")], 'method': s['method'], 'sampling': s['sampling']}
-    return variant, ns
+    flags['dataset'] = dataset(s, runs_dir)
+    args = [f"--method={s['method']}", f"--sampling={s['sampling']}",
+            f"--seed={s['seed']}", f"--data_seed={s['seed']}", f"--omgd_seed={s['seed']}", '--decay_lr=True']
+    args += [f'--{k}={v}' for k, v in flags.items()]
+    args += [f"--optimizer={s['optimizer']}", '--overwrite=True']
+    return args + (['--init_from=resume'] if s['regime'] == 'ft' else [])
 
 
 def stage_specs(stage, seeds, policy='keep'):
     """The runs of one stage, seed-major."""
+    if stage == 'm4_pre':  # what every fine-tuning run starts from: one model
+        return [spec(**PRETRAIN)]
     out = []
     for seed in seeds:
         S = lambda *a, **k: spec(*a, seed=seed, **k)  # noqa: E731
@@ -130,14 +204,33 @@ def stage_specs(stage, seeds, policy='keep'):
             _, regime, opt = stage.split('_')
             out += [S(regime, opt, 'full')] if opt == 'adamw' else []  # the full-training reference: AdamW only (time)
             out += [S(regime, opt, m, st) for st in ('keep', 'drop') for m in ('lisa', 'lisa_wor')]
+        elif stage in ('m4_multi_adamw', 'm4_sub_adamw'):
+            regime = stage.split('_')[1]
+            for L, g in M4:
+                G = dict(n_layer=L, gamma=g, K=M4_K, iters=M4_ITERS)
+                out += [S(regime, 'adamw', m, st, **G) for st in ('keep', 'drop') for m in ('lisa', 'lisa_wor')]
+        elif stage == 'm4_full':  # the full-training reference of m4_multi_adamw
+            out += [S('multi', 'adamw', 'full', n_layer=L, iters=M4_ITERS) for L, _ in M4]
+        elif stage == 'm4_multi_sgd':  # SGD is not scale-invariant: lisa_scale separates the scale's share
+            for L, g in M4:
+                out += [S('multi', 'sgd', m, policy, n_layer=L, gamma=g, K=M4_K, iters=M4_ITERS)
+                        for m in ('lisa', 'lisa_scale', 'lisa_wor')]
+        elif stage == 'm4_ft':
+            G = dict(FT_GEOMETRY)
+            out += [S('ft', 'adamw', 'full', n_layer=G['n_layer'], iters=G['iters'])]
+            out += [S('ft', 'adamw', m, policy, **G) for m in ('lisa', 'lisa_wor')]
+        elif stage == 'm4_probe' and seed == seeds[0]:
+            L, g = M4[0]
+            out += [S('multi', 'adamw', m, st, kind='probe', n_layer=L, gamma=g, K=M4_K, iters=M4_ITERS)
+                    for st in ('keep', 'drop') for m in ('lisa', 'lisa_wor')]
         elif stage == 'probe' and seed == seeds[0]:
             out += [S('multi', 'adamw', m, st, kind='probe') for st in ('keep', 'drop') for m in ('lisa', 'lisa_wor')]
         elif stage in ('aligned', 'aligned_cycle'):
-            # 48 steps per epoch (eval once per epoch); aligned: K = one epoch, so a cycle of M = N_L / gamma
-            # periods is M epochs and every (block group, window) pair is visited once per cycle (up to each
-            # epoch's random window offset); aligned_cycle: K = epoch / M, one cycle per epoch
-            epoch = REGIMES['multi']['eval_interval']
-            K = epoch if stage == 'aligned' else epoch // (BASE['n_layer'] // BASE['omgd_gamma'])
+            # 48 steps per epoch: aligned: K = one epoch, so a cycle of M = N_L / gamma periods is M
+            # epochs and every (block group, window) pair is visited once per cycle (up to each epoch's
+            # random window offset); aligned_cycle: K = epoch / M, one cycle per epoch
+            epoch = ITERS['multi'] // 10
+            K = epoch if stage == 'aligned' else epoch // 2
             out += [S('multi', 'adamw', m, policy, K=K) for m in ('lisa', 'lisa_wor')]
         elif stage == 'offload' and seed == seeds[0]:
             out += [S('multi', 'adamw', 'lisa_wor', 'offload')]
@@ -156,35 +249,50 @@ def stage_specs(stage, seeds, policy='keep'):
 
 
 STAGES = ('core_multi_adamw', 'aligned', 'probe', 'core_multi_sgd', 'core_sub_adamw', 'core_sub_sgd', 'offload',
-          'methods_sgd', 'aligned_cycle', 'iid', 'methods', 'sweep', 'k1_keep')
+          'methods_sgd', 'aligned_cycle', 'iid', 'methods', 'sweep', 'k1_keep',
+          'm4_multi_adamw', 'm4_multi_sgd', 'm4_pre', 'm4_ft', 'm4_sub_adamw', 'm4_full', 'm4_probe')
 
 
 # -----------------------------------------------------------------------------
-# running, resumable
+# running, resumable (runner.run_all: a run with a result.json and no error is skipped)
 
 
-def result_path(runs_dir, s):
-    return os.path.join(runs_dir, run_name(s), 'result.json')
+def finetune_start(s, out_dir, runs_dir):
+    """RUN/ckpt.pt at iteration 0 for fine-tuning run s: the pre-trained weights, and the
+    optimizer, cycler, data position and RNG a fresh run of s's own config starts with, in
+    train.py's checkpoint format (resumed with --init_from=resume)."""
+    import torch
+
+    import training
+    pre = os.path.join(runs_dir, run_name(spec(**PRETRAIN)), 'ckpt.pt')
+    if not os.path.exists(pre):
+        raise FileNotFoundError(f"{pre} not found: the pre-training run must finish first")
+    pretrained = torch.load(pre, map_location='cpu', weights_only=False)
+    cfg = runner.config_of(train_args(s, runs_dir), out_dir)
+    torch.manual_seed(cfg['seed'])
+    model, opt, cycler = training.build(cfg, 'cpu', pretrained['model_args']['vocab_size'])
+    model.load_state_dict(pretrained['model'])
+    from dataloader import open_splits
+    train_batches, _ = open_splits(cfg['dataset'], cfg['block_size'], cfg['batch_size'], cfg['sampling'],
+                                   cfg['data_seed'])
+    os.makedirs(out_dir, exist_ok=True)
+    torch.save({'model': model.state_dict(), 'optimizer': opt.state_dict(), 'cycler': cycler.state_dict(),
+                'data': train_batches.state_dict(), 'model_args': pretrained['model_args'], 'iter_num': 0,
+                'best_val_loss': 1e9, 'config': cfg, 'world_size': 1,
+                'rng': {'ranks': [{'torch': torch.get_rng_state(), 'cuda': None}]},
+                'scaler': training.grad_scaler(cfg, 'cpu').state_dict()}, os.path.join(out_dir, 'ckpt.pt'))
 
 
-def load_result(runs_dir, s):
-    path = result_path(runs_dir, s)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        r = json.load(f)
-    return None if 'error' in r else r
+def train_launch(s, out_dir, runs_dir):
+    if s['regime'] == 'ft':
+        try:
+            finetune_start(s, out_dir, runs_dir)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            return {'error': f'fine-tuning start: {type(e).__name__}: {str(e)[:200]}'}
+    return runner.run_train(train_args(s, runs_dir), out_dir, s['iters'], keep_checkpoints=s['regime'] == 'pre')
 
 
-def train_runner(s, runs_dir):
-    variant, ns = train_args(s, runs_dir)
-    r = compare.run_one(variant, s['seed'], ns, runs_dir)
-    r.pop('variant', None)
-    return r
-
-
-def probe_runner(s, runs_dir):
-    out_dir = os.path.join(runs_dir, run_name(s))
+def probe_launch(s, out_dir, runs_dir):
     os.makedirs(out_dir, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS='1')
     t0 = time.time()
@@ -200,130 +308,86 @@ def probe_runner(s, runs_dir):
     return r
 
 
-def default_runner(s, runs_dir):
-    return probe_runner(s, runs_dir) if s['kind'] == 'probe' else train_runner(s, runs_dir)
+def default_launch(s, out_dir, runs_dir):
+    return probe_launch(s, out_dir, runs_dir) if s['kind'] == 'probe' else train_launch(s, out_dir, runs_dir)
 
 
-def run_specs(specs, runs_dir, jobs=2, runner=default_runner):
-    """Run the specs not finished yet (no result.json without an error), `jobs` at a time; returns
-    {run_name: result} for all specs, finished ones read from disk (resume)."""
-    todo = [s for s in specs if load_result(runs_dir, s) is None]
-
-    def one(s):
-        r = {**runner(s, runs_dir), **s}
-        path = result_path(runs_dir, s)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + '.tmp', 'w') as f:
-            json.dump(r, f)
-        os.replace(path + '.tmp', path)
-        return r
-
-    if todo:
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            list(pool.map(one, todo))
-    return {run_name(s): r for s in specs if (r := load_result(runs_dir, s)) is not None}
+def run_specs(specs, runs_dir, jobs=2, launch=default_launch):
+    """Run the specs not finished yet, `jobs` at a time; {run_name: result} for every saved result."""
+    return runner.run_all([{**s, 'name': run_name(s)} for s in specs], runs_dir,
+                          lambda job, out_dir: launch(job, out_dir, runs_dir), jobs)
 
 
-def all_results(runs_dir):
-    out = []
-    if not os.path.isdir(runs_dir):
-        return out
-    for name in sorted(os.listdir(runs_dir)):
-        path = os.path.join(runs_dir, name, 'result.json')
-        if os.path.exists(path):
-            with open(path) as f:
-                r = json.load(f)
-            if 'error' not in r:
-                out.append(r)
-    return out
+def result_path(runs_dir, s):
+    return runner.result_path(runs_dir, run_name(s))
 
 
 # -----------------------------------------------------------------------------
 # statistics
 
 
-def paired_stats(a, b):
-    """a, b: {seed: value}. Paired differences a - b over the common seeds: mean, sample std and a
-    95% t interval (df = n - 1); a_wins counts seeds where a is lower (better)."""
-    seeds = sorted(set(a) & set(b))
-    diffs = [a[s] - b[s] for s in seeds]
-    n = len(diffs)
-    if n == 0:
-        return None
-    mean = statistics.fmean(diffs)
-    sd = statistics.stdev(diffs) if n > 1 else None
-    half = T975[n - 1] * sd / math.sqrt(n) if n > 1 and n - 1 in T975 else None
-    return {'seeds': seeds, 'diffs': diffs, 'n': n, 'mean': mean, 'sd': sd,
-            'ci95': [mean - half, mean + half] if half is not None else None,
-            'a_wins': sum(d < 0 for d in diffs), 'significant': half is not None and (mean - half > 0 or mean + half < 0)}
-
-
 def groups(results):
-    """{config_key: {'spec': first run's spec, 'train': {seed: final}, 'val': {...}, 'runs': [...]}} (train runs)."""
+    """{config_key: {'spec': the configuration, 'train': {seed: final}, 'val': {...}, 'runs': [...]}} (train runs)."""
     out = {}
     for r in results:
-        if r.get('kind') != 'train' or not r.get('train_loss'):
+        if r.get('kind') != 'train' or not r.get('train_loss') or r.get('regime') == 'pre':
             continue
-        g = out.setdefault(config_key(r), {'spec': {k: r[k] for k in ('regime', 'optimizer', 'method', 'state',
-                                                                       'sampling', 'K', 'gamma')},
-                                           'train': {}, 'val': {}, 'runs': []})
+        g = out.setdefault(config_key(r), {'spec': {k: r[k] for k in KEY_FIELDS}, 'train': {}, 'val': {}, 'runs': []})
         g['train'][r['seed']] = r['train_loss'][-1]
         g['val'][r['seed']] = r['val_loss'][-1]
         g['runs'].append(r)
     return out
 
 
-def variant_key(key, **change):
-    regime, opt, method, state, sampling, K, g = key.split('-')
-    d = dict(regime=regime, optimizer=opt, method=method, state=state, sampling=sampling, K=K[1:], gamma=g[1:])
-    d.update({k: str(v) for k, v in change.items()})
+def other(s, **change):
+    """The key of s's configuration with some fields changed (a full run has no state, K or gamma)."""
+    d = {**s, **change, 'seed': 0, 'kind': 'train'}
     if d['method'] == 'full':
-        d.update(state='na', K='0', gamma='0')
-    return f"{d['regime']}-{d['optimizer']}-{d['method']}-{d['state']}-{d['sampling']}-K{d['K']}-g{d['gamma']}"
+        d.update(state='na', K=0, gamma=0)
+    return config_key(d)
 
 
 def comparisons(G):
     """(label, key a, key b) for every pair of configurations present that differ in one factor of interest."""
     out = []
     for key in sorted(G):
-        regime, opt, method, state, sampling, K, g = key.split('-')
+        s = G[key]['spec']
+        method, state = s['method'], s['state']
         cand = []
         if method == 'lisa_wor':
-            cand += [('lisa_wor - lisa', variant_key(key, method='lisa')),
-                     ('lisa_wor - lisa_scale', variant_key(key, method='lisa_scale')),  # both scaled: wor alone
-                     ('lisa_wor - lisa_wor_noscale', variant_key(key, method='lisa_wor_noscale')),
-                     ('lisa_wor - full', variant_key(key, method='full'))]
+            cand += [('lisa_wor - lisa', other(s, method='lisa')),
+                     ('lisa_wor - lisa_scale', other(s, method='lisa_scale')),  # both scaled: without replacement alone
+                     ('lisa_wor - lisa_wor_noscale', other(s, method='lisa_wor_noscale')),
+                     ('lisa_wor - full', other(s, method='full'))]
             if state == 'keep':
-                cand += [('keep - drop (lisa_wor)', variant_key(key, state='drop'))]
+                cand += [('keep - drop (lisa_wor)', other(s, state='drop'))]
             if state == 'offload':
-                cand += [('offload - keep (lisa_wor)', variant_key(key, state='keep'))]
-            if sampling == 'rr':
-                cand += [('rr - iid (lisa_wor)', variant_key(key, sampling='iid'))]
-            if K != 'K10' and g == 'g2':
-                cand += [(f'lisa_wor {K} - lisa K10', variant_key(key, method='lisa', K=10)),
-                         (f'lisa_wor {K} - lisa_wor K10', variant_key(key, K=10))]
+                cand += [('offload - keep (lisa_wor)', other(s, state='keep'))]
+            if s['sampling'] == 'rr':
+                cand += [('rr - iid (lisa_wor)', other(s, sampling='iid'))]
+            if s['n_layer'] == 4 and s['K'] != 10 and s['gamma'] == 2:
+                cand += [(f"lisa_wor K{s['K']} - lisa K10", other(s, method='lisa', K=10)),
+                         (f"lisa_wor K{s['K']} - lisa_wor K10", other(s, K=10))]
         if method == 'lisa':
-            cand += [('lisa - full', variant_key(key, method='full'))]
+            cand += [('lisa - full', other(s, method='full'))]
             if state == 'keep':
-                cand += [('keep - drop (lisa)', variant_key(key, state='drop'))]
-            if sampling == 'rr':
-                cand += [('rr - iid (lisa)', variant_key(key, sampling='iid'))]
+                cand += [('keep - drop (lisa)', other(s, state='drop'))]
+            if s['sampling'] == 'rr':
+                cand += [('rr - iid (lisa)', other(s, sampling='iid'))]
         if method == 'lisa_scale':
-            cand += [('lisa_scale - lisa', variant_key(key, method='lisa'))]
+            cand += [('lisa_scale - lisa', other(s, method='lisa'))]
         if method == 'lisa_wor_noscale':
-            cand += [('lisa_wor_noscale - lisa', variant_key(key, method='lisa'))]
+            cand += [('lisa_wor_noscale - lisa', other(s, method='lisa'))]
         if method == 'tensor_wor':
-            cand += [('tensor_wor - tensor_iid', variant_key(key, method='tensor_iid'))]
-        out += [(label, key, other) for label, other in cand if other in G]
+            cand += [('tensor_wor - tensor_iid', other(s, method='tensor_iid'))]
+        out += [(label, key, b) for label, b in cand if b in G]
     return out
 
 
 def summarize(results):
     G = groups(results)
-    pairs = []
-    for label, a, b in comparisons(G):
-        pairs.append({'label': label, 'a': a, 'b': b, 'train': paired_stats(G[a]['train'], G[b]['train']),
-                      'val': paired_stats(G[a]['val'], G[b]['val'])})
+    pairs = [{'label': label, 'a': a, 'b': b, 'train': stats.paired(G[a]['train'], G[b]['train']),
+              'val': stats.paired(G[a]['val'], G[b]['val'])} for label, a, b in comparisons(G)]
     rows = []
     for key, g in sorted(G.items()):
         rows.append({'key': key, **g['spec'], 'seeds': sorted(g['train']),
@@ -332,32 +396,19 @@ def summarize(results):
                      'epochs': g['runs'][0].get('last_logged_epoch'),
                      'max_iters': g['runs'][0]['eval_iters'][-1],
                      'ms_per_iter': statistics.median([r['median_ms_per_iter'] for r in g['runs'] if r.get('median_ms_per_iter')] or [0]),
+                     'wall_s': sum(r.get('wall_s') or 0 for r in g['runs']),
                      'curve': curve(g['runs'])})
     return rows, pairs
 
 
 def curve(runs):
     runs = [r for r in runs if r['eval_iters'] == runs[0]['eval_iters']]
-    out = {'iters': runs[0]['eval_iters']}
-    for split in ('train_loss', 'val_loss'):
-        cols = list(zip(*[r[split] for r in runs]))
-        out[split] = {'mean': [statistics.fmean(c) for c in cols], 'min': [min(c) for c in cols], 'max': [max(c) for c in cols]}
-    return out
+    return {'iters': runs[0]['eval_iters'], **{split: stats.band([r[split] for r in runs])
+                                               for split in ('train_loss', 'val_loss')}}
 
 
 # -----------------------------------------------------------------------------
 # report
-
-
-def f4(x):
-    return '-' if x is None else f'{x:+.4f}'
-
-
-def fmt_pair(p):
-    if p is None:
-        return '-'
-    ci = f"[{p['ci95'][0]:+.4f}, {p['ci95'][1]:+.4f}]" if p['ci95'] else '-'
-    return f"{p['mean']:+.4f} {ci}{' *' if p['significant'] else ''}"
 
 
 def per_seed(values, seeds):
@@ -376,16 +427,21 @@ def write_tables(path, rows, pairs, meta):
          '|---|---|---|---|---|---|---|---|']
     for p in pairs:
         t, v = p['train'], p['val']
-        L.append(f"| {p['label']} | {p['a']} | {p['b']} | {t['n']} | {fmt_pair(t)} | {t['a_wins']}/{t['n']} | "
-                 f"{fmt_pair(v)} | {', '.join(f'{d:+.4f}' for d in t['diffs'])} |")
+        L.append(f"| {p['label']} | {p['a']} | {p['b']} | {t['n']} | {stats.fmt_pair(t)} | {t['a_wins']}/{t['n']} | "
+                 f"{stats.fmt_pair(v)} | {', '.join(f'{d:+.4f}' for d in t['diffs'])} |")
     L += ['', '## Every configuration', '',
-          'key = regime-optimizer-method-state-sampling-K-gamma.', '',
-          '| configuration | iters | epochs (at the last logged iteration) | seeds | train mean | val mean | train per seed | val per seed | ms/iter |',
-          '|---|---|---|---|---|---|---|---|---|']
+          'key = L<blocks>-<regime><iterations>-optimizer-method-state-sampling-K-gamma.', '',
+          '| configuration | iters | epochs (at the last logged iteration) | seeds | train mean | val mean | '
+          'train per seed | val per seed | ms/iter | run time (s, all seeds) |',
+          '|---|---|---|---|---|---|---|---|---|---|']
     for r in rows:
         L.append(f"| {r['key']} | {r['max_iters']} | {r['epochs'] if r['epochs'] is not None else '-'} | {len(r['seeds'])} | "
                  f"{r['train_mean']:.4f} | {r['val_mean']:.4f} | "
-                 f"{per_seed(r['train'], r['seeds'])} | {per_seed(r['val'], r['seeds'])} | {r['ms_per_iter']:.0f} |")
+                 f"{per_seed(r['train'], r['seeds'])} | {per_seed(r['val'], r['seeds'])} | {r['ms_per_iter']:.0f} | "
+                 f"{r.get('wall_s', 0):.0f} |")
+    if meta.get('wall_s'):
+        L += ['', f"Sum of the runs' wall times: {meta['wall_s'] / 60:.1f} min ({meta['machine']}; "
+                  f"{meta.get('jobs', 2)} runs at a time, one thread each)."]
     with open(path, 'w') as f:
         f.write('\n'.join(L) + '\n')
 
@@ -394,29 +450,34 @@ def plot(path, rows):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    panels = [(reg, opt, st) for reg in ('multi', 'sub') for opt in ('adamw', 'sgd') for st in ('keep', 'drop')]
     by_key = {r['key']: r for r in rows}
-    fig, axes = plt.subplots(2, 4, figsize=(18, 8))
-    for ax, (reg, opt, st) in zip(axes.flat, panels):
-        for method, color in (('full', 'k'), ('lisa', 'tab:blue'), ('lisa_wor', 'tab:red')):
-            key = config_key(spec(reg, opt, method, st))
-            r = by_key.get(key)
+    panels = list(dict.fromkeys((r['n_layer'], r['regime'], r['iters'], r['optimizer'], r['state'], r['K'], r['gamma'])
+                                for r in rows if r['method'] == 'lisa_wor' and r['sampling'] == 'rr'))
+    cols = 4
+    nrows = max(1, math.ceil(len(panels) / cols))
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.8 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis('off')
+    for ax, (L, reg, iters, opt, st, K, g) in zip(axes.flat, panels):
+        base = dict(n_layer=L, regime=reg, iters=iters, optimizer=opt, state=st, sampling='rr', K=K, gamma=g)
+        for method, color in (('full', 'k'), ('lisa', 'tab:blue'), ('lisa_scale', 'tab:green'), ('lisa_wor', 'tab:red')):
+            r = by_key.get(other(base, method=method))
             if not r:
                 continue
             c = r['curve']
             ax.plot(c['iters'], c['train_loss']['mean'], color=color, label=f"{method} ({len(r['seeds'])} seeds)")
             ax.fill_between(c['iters'], c['train_loss']['min'], c['train_loss']['max'], color=color, alpha=0.2)
-        ax.set_title(f'{reg}-epoch, {opt}, state={st}')
+        ax.set_title(f'{L} blocks, gamma {g}, K {K}: {reg}, {opt}, {st}', fontsize=9)
         ax.set_xlabel('iteration')
         ax.set_ylabel('train loss (fixed windows)')
         if ax.get_lines():
-            ax.legend(fontsize=8)
-        ymin = [v for l in ax.get_lines() for v in l.get_ydata()]
-        if ymin:
-            ax.set_ylim(min(ymin) - 0.05, min(ymin) + 1.0)
+            ax.legend(fontsize=7)
+        ys = [v for l in ax.get_lines() for v in l.get_ydata()]
+        if ys:
+            ax.set_ylim(min(ys) - 0.05, min(ys) + 1.0)
     fig.suptitle('LISA vs LISA-wor: training loss on fixed windows, mean over seeds, band = min..max')
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=70)
     plt.close(fig)
 
 
@@ -424,16 +485,21 @@ def plot(path, rows):
 # cause: schedule statistics (no training) and an instrumented copy of train.py's loop
 
 
+def make_cycler(units, opt, method, gamma, K, seed):
+    import omgd
+    if hasattr(omgd, 'CyclerConfig'):
+        return omgd.Cycler(units, opt, omgd.CyclerConfig(method=method, gamma=gamma, period=K, state='keep', seed=seed))
+    return omgd.UnitMask(units, opt, method, gamma, K, 0, 0.5, 'keep', seed)
+
+
 def schedule_stats(method, n_blocks, gamma, K, iters, seed):
     """Which blocks omgd's cycler activates, run on dummy parameters: per-block steps trained over
     the run and per window of M*K steps (a LISA-wor cycle), activations that continue the previous
     period, and idle gaps (steps since a block's last update when it is reactivated)."""
     import torch
-    import omgd
     units = [[torch.nn.Parameter(torch.zeros(1))] for _ in range(n_blocks)]
     opt = torch.optim.SGD([p for u in units for p in u], lr=0.0)
-    cycler_class = getattr(omgd, 'UnitMask', None) or getattr(omgd, 'LayerCycler')  # the name omgd.py has
-    cyc = cycler_class(units, opt, method, gamma, K, 0, 0.5, 'keep', seed)
+    cyc = make_cycler(units, opt, method, gamma, K, seed)
     M = n_blocks // gamma
     steps = [0] * n_blocks
     window = [[0] * n_blocks for _ in range(math.ceil(iters / (M * K)))]
@@ -467,19 +533,16 @@ def probe(s, runs_dir):
     """train.py's loop for one run (same config, build, data, schedule and step; no evaluation),
     instrumented. Writes RUN/probe.json."""
     import torch
+
     import training
-    from bench_memory import TRAIN_DEFAULTS, dataset_vocab
-    from configurator import configure
-    from dataloader import TokenBatches
+    from dataloader import TokenBatches, data_dir, dataset_vocab
     out_dir = os.path.join(runs_dir, run_name(s))
-    variant, ns = train_args(s, runs_dir)
-    cfg = configure(TRAIN_DEFAULTS, compare.train_command(variant, s['seed'], ns, out_dir)[2:])
+    cfg = runner.config_of(train_args(s, runs_dir), out_dir)
     torch.manual_seed(cfg['seed'])
-    model, opt, cycler = training.build(cfg, 'cpu', dataset_vocab(cfg))
+    model, opt, cycler = training.build(cfg, 'cpu', dataset_vocab(cfg['dataset']))
     torch.manual_seed(cfg['seed'])
-    data_dir = os.path.join(ROOT, 'data', cfg['dataset'])
-    batches = TokenBatches(os.path.join(data_dir, 'train.bin'), cfg['block_size'], cfg['batch_size'], cfg['sampling'],
-                           cfg['data_seed'])
+    batches = TokenBatches(os.path.join(data_dir(cfg['dataset']), 'train.bin'), cfg['block_size'], cfg['batch_size'],
+                           cfg['sampling'], cfg['data_seed'])
 
     def get_lr(it):  # train.py's get_lr
         if it < cfg['warmup_iters']:
@@ -541,7 +604,7 @@ def probe(s, runs_dir):
     log_path = os.path.join(runs_dir, run_name({**s, 'kind': 'train'}), 'train.log')
     match = None
     if os.path.exists(log_path):
-        parsed = compare.parse_log(open(log_path).read())
+        parsed = runner.parse_log(open(log_path).read())
         diffs = [abs(round(losses[i], 4) - l) for i, l in zip(parsed['log_iters'], parsed['step_loss']) if i < len(losses)]
         match = {'logged_iters_compared': len(diffs), 'max_abs_diff': max(diffs) if diffs else None}
     by_since = {}
@@ -557,7 +620,8 @@ def probe(s, runs_dir):
         'cos_stale_m_new_g_mean': statistics.fmean(c) if (c := [e['cos_stale_m_new_g'] for e in reacts
                                                               if 'cos_stale_m_new_g' in e]) else None,
         'rel_update_by_steps_since_activation': {str(k): statistics.fmean(v) for k, v in sorted(by_since.items())},
-        'clipped_fraction': statistics.fmean(clipped), 'final_step_loss_mean_last_48': statistics.fmean(losses[-48:]),
+        'clipped_fraction': statistics.fmean(clipped),
+        'final_step_loss_mean_last_48': statistics.fmean(losses[-48:]),
         'train_log_match': match, 'events': events[:400],
     }
     os.makedirs(out_dir, exist_ok=True)
@@ -572,22 +636,27 @@ def match_text(m):
     return f"{m['max_abs_diff']:.4f} ({m['logged_iters_compared']} iters)"
 
 
-def write_probe(path, results, seeds, iters):
+# (blocks, gamma, K, iterations) of the schedules tabulated: the M = 2 study's, then the M = 4 runs'
+SCHEDULES = ((4, 2, 10, 480), (4, 2, 48, 480), (4, 2, 24, 480), (4, 2, 1, 480), (4, 2, 50, 480), (4, 1, 10, 480),
+             (8, 2, 3, 600), (12, 3, 3, 600))
+
+
+def write_probe(path, results, seeds, schedules=SCHEDULES):
     L = ['# Cause measurements', '',
-         '## Block schedule (omgd.LayerCycler on dummy parameters, no training)', '',
-         f'4 blocks, {iters} iterations, seeds {seeds[0]}..{seeds[-1]}; per seed, then averaged. "spread per cycle": '
+         '## Block schedule (omgd\'s cycler on dummy parameters, no training)', '',
+         f'Seeds {seeds[0]}..{seeds[-1]}; per seed, then averaged. "spread per cycle": '
          'mean over windows of M*K steps (one LISA-wor cycle) of (most - fewest steps a block trained in it); '
-         '"blocks idle a whole cycle": windows in which some block never trained; "continued": activations where '
+         '"windows with an idle block": windows in which some block never trained; "continued": activations where '
          'the block was already active in the previous period (its optimizer state survives even under drop); '
          '"gap": steps since a block\'s last update when it is reactivated (the age of its Adam moments under keep).', '',
-         '| method | K | gamma | steps per block (min..max over blocks, mean over seeds) | spread per cycle | '
-         'windows with an idle block | activations | continued | reactivated | mean gap | max gap |',
-         '|---|---|---|---|---|---|---|---|---|---|---|']
-    for method in ('lisa', 'lisa_wor'):
-        for K, g in ((10, 2), (48, 2), (24, 2), (1, 2), (50, 2), (10, 1)):
-            st = [schedule_stats(method, 4, g, K, iters, s) for s in seeds]
+         '| method | blocks | gamma | M | K | iters | steps per block (min..max over blocks, mean over seeds) | '
+         'spread per cycle | windows with an idle block | activations | continued | reactivated | mean gap | max gap |',
+         '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+    for n, g, K, iters in schedules:
+        for method in ('lisa', 'lisa_wor'):
+            st = [schedule_stats(method, n, g, K, iters, s) for s in seeds]
             mean = lambda k: statistics.fmean(x[k] for x in st if x[k] is not None) if any(x[k] is not None for x in st) else float('nan')  # noqa: E731
-            L.append(f"| {method} | {K} | {g} | {mean('steps_min'):.0f}..{mean('steps_max'):.0f} | "
+            L.append(f"| {method} | {n} | {g} | {n // g} | {K} | {iters} | {mean('steps_min'):.0f}..{mean('steps_max'):.0f} | "
                      f"{mean('window_spread_mean'):.1f} | {mean('never_in_window'):.1f} | {mean('activations'):.0f} | "
                      f"{mean('continued'):.0f} | {mean('reactivated'):.0f} | {mean('gap_mean'):.1f} | {mean('gap_max'):.0f} |")
     probes = [r for r in results if r.get('kind') == 'probe']
@@ -598,14 +667,14 @@ def write_probe(path, results, seeds, iters):
               'first moment kept at reactivation and the first new gradient (keep only); clipped = fraction of steps '
               'whose gradient norm reached grad_clip; match = max |probe loss - train.py logged loss| at the logged '
               'iterations (4 decimals).', '',
-              '| method | state | steps per block | reactivations | fresh state | mean age (steps) | cos(stale m, new g) | '
-              'rel. update step 0 | step 1 | steps >= 10 | clipped | mean loss last epoch | match |',
-              '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
-        for r in sorted(probes, key=lambda r: (r['state'], r['method'])):
+              '| blocks | method | state | steps per block | reactivations | fresh state | mean age (steps) | '
+              'cos(stale m, new g) | rel. update step 0 | step 1 | steps >= 10 | clipped | mean loss last 48 steps | match |',
+              '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+        for r in sorted(probes, key=lambda r: (r.get('n_layer', 4), r['state'], r['method'])):
             u = r['rel_update_by_steps_since_activation']
             m = r.get('train_log_match') or {}
-            L.append(f"| {r['method']} | {r['state']} | {r['steps_per_block']} | {r['reactivations']} | "
-                     f"{r['fresh_state_at_reactivation']} | {r['age_mean']:.1f} | "
+            L.append(f"| {r.get('n_layer', 4)} | {r['method']} | {r['state']} | {r['steps_per_block']} | "
+                     f"{r['reactivations']} | {r['fresh_state_at_reactivation']} | {r['age_mean']:.1f} | "
                      f"{'-' if r['cos_stale_m_new_g_mean'] is None else format(r['cos_stale_m_new_g_mean'], '.3f')} | "
                      f"{u.get('0', float('nan')):.2e} | {u.get('1', float('nan')):.2e} | {u.get('10', float('nan')):.2e} | "
                      f"{r['clipped_fraction']:.2f} | {r['final_step_loss_mean_last_48']:.4f} | "
@@ -617,35 +686,40 @@ def write_probe(path, results, seeds, iters):
 # -----------------------------------------------------------------------------
 
 
-def resolve_policy(policy, runs_dir):
+def resolve_policy(policy, runs_dir, stage=''):
+    """'keep' or 'drop': the named one, or (auto) the one under which lisa_wor had the lower mean
+    train loss in the multi-epoch AdamW stage of the same M (keep until it has run)."""
     if policy != 'auto':
         return policy
-    G = groups(all_results(runs_dir))
+    G = groups(runner.all_results(runs_dir))
+    geoms = [dict(n_layer=L, gamma=g, K=M4_K, iters=M4_ITERS) for L, g in M4] if stage.startswith('m4') else [{}]
     means = {}
     for st in ('keep', 'drop'):
-        g = G.get(config_key(spec('multi', 'adamw', 'lisa_wor', st)))
-        if g and g['train']:
-            means[st] = statistics.fmean(g['train'].values())
+        vals = [v for geo in geoms for v in G.get(config_key(spec('multi', 'adamw', 'lisa_wor', st, **geo)),
+                                                  {'train': {}})['train'].values()]
+        if vals:
+            means[st] = statistics.fmean(vals)
     return min(means, key=means.get) if len(means) == 2 else 'keep'
 
 
-def report(runs_dir, report_dir, seeds, command):
-    results = all_results(runs_dir)
+def report(runs_dir, report_dir, seeds, command, name='study', jobs=2):
+    results = runner.all_results(runs_dir)
     rows, pairs = summarize(results)
     os.makedirs(report_dir, exist_ok=True)
     meta = {'command': command, 'runs_dir': os.path.relpath(runs_dir, ROOT), 'base': BASE, 'optimizers': OPTIMIZERS,
-            'regimes': REGIMES, 'multi_tokens': MULTI_TOKENS, 'machine': compare.machine(),
-            'policy_auto': resolve_policy('auto', runs_dir)}
-    with open(os.path.join(report_dir, 'study.json'), 'w') as f:
+            'iters': ITERS, 'm4': M4, 'm4_K': M4_K, 'm4_iters': M4_ITERS, 'ft': FT_GEOMETRY, 'pretrain': PRETRAIN,
+            'multi_tokens': MULTI_TOKENS, 'ft_tokens': FT_TOKENS, 'machine': runner.machine(), 'jobs': jobs,
+            'wall_s': sum(r.get('wall_s') or 0 for r in results),
+            'policy_auto': {'m2': resolve_policy('auto', runs_dir), 'm4': resolve_policy('auto', runs_dir, 'm4')}}
+    with open(os.path.join(report_dir, f'{name}.json'), 'w') as f:
         json.dump({'meta': meta, 'rows': rows, 'pairs': pairs,
                    'probes': [{k: v for k, v in r.items() if k != 'events'} for r in results if r.get('kind') == 'probe'],
-                   'runs': [{k: r.get(k) for k in ('regime', 'optimizer', 'method', 'state', 'sampling', 'K', 'gamma',
-                                                  'seed', 'wall_s', 'command', 'median_ms_per_iter')}
+                   'runs': [{k: r.get(k) for k in (*KEY_FIELDS, 'seed', 'wall_s', 'command', 'median_ms_per_iter')}
                             for r in results if r.get('kind') == 'train']}, f, indent=1)
-    write_tables(os.path.join(report_dir, 'study_tables.md'), rows, pairs, meta)
-    write_probe(os.path.join(report_dir, 'study_probe.md'), results, seeds, REGIMES['multi']['max_iters'])
+    write_tables(os.path.join(report_dir, f'{name}_tables.md'), rows, pairs, meta)
+    write_probe(os.path.join(report_dir, f'{name}_probe.md'), results, seeds)
     if rows:
-        plot(os.path.join(report_dir, 'study_loss.png'), rows)
+        plot(os.path.join(report_dir, f'{name}_loss.png'), rows)
     return rows, pairs
 
 
@@ -657,6 +731,7 @@ def build_parser():
     ap.add_argument('--policy', default='auto', help="state policy of the later stages: keep, drop or auto")
     ap.add_argument('--runs_dir', default=os.path.join(ROOT, 'out', 'study', 'runs'))
     ap.add_argument('--report_dir', default=os.path.join(ROOT, 'out', 'study'))
+    ap.add_argument('--name', default='study', help='report file stem: NAME.json, NAME_tables.md, ...')
     ap.add_argument('--report_only', action='store_true')
     ap.add_argument('--probe_spec', default='', help=argparse.SUPPRESS)
     return ap
@@ -670,19 +745,24 @@ def main(argv=None):
         return 0
     seeds = list(range(args.seeds))
     command = ' '.join(['python experiments/study.py'] + (sys.argv[1:] if argv is None else list(argv)))
+    stages = [s.strip() for s in args.stages.split(',') if s.strip()]
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        sys.exit(f'error: unknown stage {unknown[0]!r}; choose from {", ".join(STAGES)}')
     if not args.report_only:
         make_multi_dataset(runs_dir)
-        for stage in [s.strip() for s in args.stages.split(',') if s.strip()]:
-            if stage not in STAGES:
-                sys.exit(f'error: unknown stage {stage!r}; choose from {", ".join(STAGES)}')
-            specs = stage_specs(stage, seeds, resolve_policy(args.policy, runs_dir))
+        if 'm4_ft' in stages:
+            make_ft_dataset(runs_dir)
+        for stage in stages:
+            specs = stage_specs(stage, seeds, resolve_policy(args.policy, runs_dir, stage))
             t0 = time.time()
             print(f"[{time.strftime('%H:%M:%S')}] stage {stage}: {len(specs)} runs", flush=True)
             run_specs(specs, runs_dir, args.jobs)
             print(f"[{time.strftime('%H:%M:%S')}] stage {stage} done in {time.time() - t0:.0f} s", flush=True)
-            report(runs_dir, args.report_dir, seeds, command)
-    report(runs_dir, args.report_dir, seeds, command)
-    print(f"wrote study.json, study_tables.md, study_probe.md, study_loss.png in {args.report_dir}")
+            report(runs_dir, args.report_dir, seeds, command, args.name, args.jobs)
+    report(runs_dir, args.report_dir, seeds, command, args.name, args.jobs)
+    print(f"wrote {args.name}.json, {args.name}_tables.md, {args.name}_probe.md, {args.name}_loss.png "
+          f"in {args.report_dir}")
     return 0
 
 

@@ -1,5 +1,6 @@
 """Helpers shared by several test files (no test file imports another)."""
-import ast
+import contextlib
+import io
 import os
 import re
 import signal
@@ -7,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 import pytest
 
@@ -21,9 +23,38 @@ TINY = ['--n_layer=4', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_
         '--warmup_iters=2', '--lr_decay_iters=100']
 
 
-def run_train(*args, expect_ok=True, timeout=300):
-    result = subprocess.run([sys.executable, 'train.py', *TINY, *args], cwd=ROOT, capture_output=True,
-                            text=True, timeout=timeout)
+def run_script(script, argv):
+    """Run a script of the repository in this process, as `python script *argv` would, and return
+    a CompletedProcess (exit status, stdout, stderr). In-process saves starting Python and torch
+    for each run; where the process itself is under test (signals, torchrun), tests start one."""
+    import runpy
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    saved_argv, cwd = sys.argv, os.getcwd()
+    sys.argv = [script, *argv]
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                runpy.run_path(os.path.join(ROOT, script), run_name='__main__')
+            except SystemExit as e:  # what the interpreter would print and return
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:
+                traceback.print_exc()  # a traceback, as the process would print it: tests assert there is none
+                code = 1
+    finally:
+        sys.argv = saved_argv
+        os.chdir(cwd)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    return subprocess.CompletedProcess([script, *argv], code, out.getvalue(), err.getvalue())
+
+
+def run_train(*args, expect_ok=True):
+    """train.py with TINY and args, in this process (run_script)."""
+    result = run_script('train.py', [*TINY, *args])
     if expect_ok:
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return result
@@ -43,16 +74,9 @@ def load(out_dir):
 
 
 def train_defaults(**overrides):
-    """train.py's module-level literal defaults (its config keys), on CPU, with overrides."""
-    defaults = {}
-    for node in ast.parse(open(os.path.join(ROOT, 'train.py')).read()).body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            try:
-                defaults[node.targets[0].id] = ast.literal_eval(node.value)
-            except ValueError:
-                pass
-    defaults.update(device='cpu', dtype='float32', compile=False, backend='gloo')
-    return {**defaults, **overrides}
+    """train.py's defaults (train_config.py), on CPU, with overrides."""
+    import train_config
+    return {**train_config.DEFAULTS, **train_config.machine_defaults(cuda=False), **overrides}
 
 
 def assert_same_state(a, b):

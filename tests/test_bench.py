@@ -75,12 +75,12 @@ def test_cpu_build_keeps_gpt2_head_tied_to_embedding():
 def test_train_py_memory_keys_reach_the_measurement():
     """Keys that training.build applies change the estimate with no code here: loss_chunk, and
     activation_offload, whose host copies the meta device emulates (and the emulation is undone)."""
-    import model
-    to_host = model.OffloadActivations.__dict__['to_host']
+    import memory
+    to_host = memory.OffloadActivations.__dict__['to_host']
     others = {name: bench_memory.run(config(**SMALL, device='meta', methods='lisa_wor', **kw))['rows'][0]['others']
               for name, kw in dict(plain={}, offload=dict(activation_offload=True), chunk=dict(loss_chunk=8)).items()}
     assert others['offload'] < others['plain'] and others['chunk'] < others['plain'], others
-    assert model.OffloadActivations.__dict__['to_host'] is to_host
+    assert memory.OffloadActivations.__dict__['to_host'] is to_host
 
 
 def test_vocabulary_as_train_py_reads_it(tmp_path):
@@ -184,8 +184,8 @@ def test_bench_script_runs(tmp_path):
 
 @pytest.mark.parametrize('overrides,message', [
     (dict(dtype='fp16'), "unknown dtype 'fp16'"),
-    (dict(batch_size=0), 'batch_size and block_size must be >= 1 and micro_batches >= 0'),
-    (dict(micro_batches=-1), 'batch_size and block_size must be >= 1 and micro_batches >= 0'),
+    (dict(batch_size=0), 'batch_size must be >= 1, got 0'),
+    (dict(micro_batches=-1), 'micro_batches must be >= 0, got -1'),
     (dict(gradient_accumulation_steps=0), 'gradient_accumulation_steps must be >= 1'),
     (dict(methods='adam'), "unknown method 'adam'"),
     (dict(methods=','), 'methods lists no method'),
@@ -273,17 +273,25 @@ def test_default_outputs_stay_out_of_results():
     assert configure(bench.DEFAULTS, [])['out'] == ''  # bench.py writes a file only when --out names one
 
 
-def test_readme_commands_that_write_results_name_their_output():
-    """The README's commands behind the committed results/ files say where they write."""
-    flags = {'bench_memory.py': '--out=results/', 'experiments/compare.py': '--out_dir=results',
-             'experiments/linreg.py': '--out_dir=results'}
-    found = set()
-    for line in open(os.path.join(ROOT, 'README.md')):
-        for script, flag in flags.items():
-            if f'python {script}' in line:
-                found.add(script)
-                assert flag in line, line
-    assert found == set(flags)
+def test_readme_commands_leave_results_alone():
+    """A command copied from the README or docs/ writes to out/, never over the committed results/ files;
+    each results/memory_*.md records the command that wrote it, naming its own prefix."""
+    import glob
+    import re
+    writes_results = re.compile(r'--(out|out_dir|report_dir)[= ]results\b')
+    scripts = ('bench_memory.py', 'bench.py', 'experiments/compare.py', 'experiments/linreg.py', 'experiments/study.py')
+    shown = set()
+    for path in [os.path.join(ROOT, 'README.md')] + sorted(glob.glob(os.path.join(ROOT, 'docs', '*.md'))):
+        for line in open(path):
+            for script in scripts:
+                if f'python {script}' in line:
+                    shown.add(script)
+                    assert not writes_results.search(line), (path, line)
+    assert 'bench_memory.py' in shown  # the README shows the memory command
+    for md in glob.glob(os.path.join(ROOT, 'results', 'memory_*.md')):
+        prefix = os.path.relpath(md, ROOT)[:-len('.md')]
+        command = next(line for line in open(md) if line.startswith('Command: `python bench_memory.py'))
+        assert re.search(rf'--out={re.escape(prefix)}[` ]', command), (md, command)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='on a GPU the script would run the benchmarks')

@@ -1,5 +1,5 @@
 """bench_memory.py, bench.py and experiments/compare.py measure train.py's iteration: they build through
-training.build and step through training.train_step with the config's keys (issue "Train what you measure")."""
+training.build and step through training.Trainer, whose train_step gets the config's keys."""
 import argparse
 import os
 import sys
@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.join(ROOT, 'experiments'))
 import bench  # noqa: E402
 import bench_memory  # noqa: E402
 import compare  # noqa: E402
+import train_config  # noqa: E402
 import training  # noqa: E402
 from configurator import configure  # noqa: E402
 
@@ -24,9 +25,10 @@ def steps(monkeypatch):
     """Every call of training.train_step, by its arguments; the step itself still runs."""
     calls, step = [], training.train_step
 
-    def recorded(model, optimizer, cycler, batch, next_batch, grad_accum, grad_clip, scale_after_clip, *args, **kw):
-        calls.append(dict(grad_accum=grad_accum, grad_clip=grad_clip, scale_after_clip=scale_after_clip))
-        return step(model, optimizer, cycler, batch, next_batch, grad_accum, grad_clip, scale_after_clip, *args, **kw)
+    def recorded(model, optimizer, cycler, batch, next_batch, grad_accum, cfg, *args, **kw):
+        calls.append(dict(grad_accum=grad_accum, grad_clip=cfg['grad_clip'],
+                          scale_after_clip=cfg['omgd_scale_after_clip']))
+        return step(model, optimizer, cycler, batch, next_batch, grad_accum, cfg, *args, **kw)
     monkeypatch.setattr(training, 'train_step', recorded)
     return calls
 
@@ -71,7 +73,7 @@ def test_llama7b_config_trains_one_step_on_meta(steps):
     device and trained one real step by training.train_step; its bytes follow from the shapes."""
     path = os.path.join(ROOT, 'config', 'llama7b_lisa_wor.py')
     train_cfg = configure(bench_memory.TRAIN_DEFAULTS, [path])  # a valid train.py config
-    training.check_config(train_cfg)
+    train_config.check(train_cfg)
     cfg = configure(bench_memory.DEFAULTS, [path, '--device=meta', '--micro_batches=1'])
     assert {k: cfg[k] for k in train_cfg if k not in ('device', 'dtype', 'compile', 'backend')} == \
         {k: train_cfg[k] for k in train_cfg if k not in ('device', 'dtype', 'compile', 'backend')}

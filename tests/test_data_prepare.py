@@ -1,6 +1,8 @@
 """Tests for data/common.py, data/gpt2_bpe.py and the prepare scripts (offline, CPU, fast)."""
 
+import gzip
 import importlib
+import json
 import pickle
 import subprocess
 import sys
@@ -23,6 +25,7 @@ from data.common import (  # noqa: E402
     write_splits,
 )
 from data.gpt2_bpe import EOT, gpt2_encode, gpt2_encoding  # noqa: E402
+from data.tokenizer import Tokenizer, read_meta  # noqa: E402
 
 SAMPLE = (
     "First Citizen:\n"
@@ -109,14 +112,19 @@ def test_markdown_to_text_rules():
 # --------------------------------------------------------------------------- writer
 
 
+U16 = {"tokenizer": "gpt2", "vocab_size": 65536, "dtype": "uint16"}
+
+
 def test_write_splits_atomic_and_range_checked(tmp_path):
-    stats = write_splits([1, 2, 65535], [0], tmp_path)
+    stats = write_splits([1, 2, 65535], [0], tmp_path, U16)
     assert stats == {"train_tokens": 3, "val_tokens": 1}
     assert np.fromfile(tmp_path / "train.bin", dtype=np.uint16).tolist() == [1, 2, 65535]
     assert _no_temp_files(tmp_path) == []
-    # an id >= 65536 is rejected before anything is written; old files stay intact
-    with pytest.raises(ValueError, match="uint16"):
-        write_splits([1, 65536], [0], tmp_path)
+    # an id >= vocab_size is rejected before anything is written; old files stay intact
+    with pytest.raises(ValueError, match=r"out of vocab_size range \[0, 65536\)"):
+        write_splits([1, 65536], [0], tmp_path, U16)
+    with pytest.raises(ValueError, match=r"out of vocab_size range \[0, 100\)"):
+        write_splits([1, 2], [100], tmp_path, {**U16, "vocab_size": 100})
     with pytest.raises(ValueError, match="uint16"):
         write_bin(tmp_path / "train.bin", iter([np.array([5, 6]), np.array([70000])]), 3)
     assert np.fromfile(tmp_path / "train.bin", dtype=np.uint16).tolist() == [1, 2, 65535]
@@ -132,6 +140,29 @@ def test_write_splits_atomic_and_range_checked(tmp_path):
     # empty split
     assert write_bin(tmp_path / "empty.bin", [np.array([], dtype=np.int64)], 0) == 0
     assert (tmp_path / "empty.bin").stat().st_size == 0
+    # uint32: ids above 65535, 4 bytes each
+    assert write_bin(tmp_path / "u32.bin", [np.array([0, 70000]), np.array([2**32 - 1])], dtype="uint32") == 3
+    assert np.fromfile(tmp_path / "u32.bin", dtype=np.uint32).tolist() == [0, 70000, 2**32 - 1]
+
+
+def test_write_dataset_replaces_all_files_together(tmp_path):
+    """A failure in the last split leaves the previous .bin files and meta.pkl as they were."""
+    meta = {"tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16"}
+    assert common.write_dataset(tmp_path, {"train": [np.arange(5)], "val": [np.arange(3)]}, meta) == \
+        {"train": 5, "val": 3}
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(before) == ["meta.pkl", "train.bin", "val.bin"]
+
+    def failing():
+        yield np.arange(4)
+        raise OSError("disk full")
+
+    big = {"tokenizer": "/tok", "vocab_size": 70000, "dtype": "uint32"}
+    with pytest.raises(OSError, match="disk full"):
+        common.write_dataset(tmp_path, {"train": [np.array([69999])], "val": failing()}, big)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temp files either
+    with pytest.raises(ValueError, match="dtype='uint16' is not the dtype of vocab_size=70000"):
+        common.write_dataset(tmp_path, {"train": [np.arange(3)]}, {**big, "dtype": "uint16"})
 
 
 def test_missing_play_files_are_one_clear_error(monkeypatch):
@@ -188,7 +219,8 @@ def test_bpe_prepare_roundtrip(tmp_path, sample_file):
     assert enc.decode(train.tolist()) == train_txt
     assert enc.decode(val.tolist()) == val_txt
     assert stats["train_tokens"] == len(train) and stats["val_tokens"] == len(val)
-    assert sorted(p.name for p in out.iterdir()) == ["train.bin", "val.bin"]
+    assert sorted(p.name for p in out.iterdir()) == ["meta.pkl", "train.bin", "val.bin"]
+    assert read_meta(out) == {"tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16"}
 
 
 @pytest.mark.parametrize("script", ["data/shakespeare_char/prepare.py", "data/shakespeare/prepare.py"])
@@ -239,7 +271,7 @@ def _local_text_dataset(tmp_path, sample_by="line"):
 def test_tokenize_dataset_local_files(tmp_path, sample_by, num_proc, total_batches):
     ds = _local_text_dataset(tmp_path, sample_by)
     out = tmp_path / "owt"
-    counts = tokenize_dataset(ds, gpt2_encode, out, num_proc=num_proc, total_batches=total_batches)
+    counts = tokenize_dataset(ds, Tokenizer("gpt2"), out, num_proc=num_proc, total_batches=total_batches)
     enc = gpt2_encoding()
     for split in ("train", "val"):
         texts = list(ds[split]["text"])
@@ -247,18 +279,20 @@ def test_tokenize_dataset_local_files(tmp_path, sample_by, num_proc, total_batch
         assert counts[split] == len(expected) == sum(len(enc.encode_ordinary(t)) for t in texts) + len(texts)
         got = np.fromfile(out / f"{split}.bin", dtype=np.uint16)
         assert got.tolist() == expected
-    assert sorted(p.name for p in out.iterdir()) == ["train.bin", "val.bin"]
+    assert sorted(p.name for p in out.iterdir()) == ["meta.pkl", "train.bin", "val.bin"]
 
 
 def test_tokenize_dataset_without_eot_char_level(tmp_path):
     ds = _local_text_dataset(tmp_path, "document")
-    # ord() of the emoji in SAMPLE is > 65535: rejected, and no partial/temp files remain
-    with pytest.raises(ValueError, match="uint16"):
-        tokenize_dataset(ds, lambda s: [ord(c) for c in s], tmp_path / "bad", eot=None)
-    assert not (tmp_path / "bad" / "train.bin").exists() and _no_temp_files(tmp_path / "bad") == []
     chars = sorted(set("".join(list(ds["train"]["text"]) + list(ds["val"]["text"]))))
-    stoi = {c: i for i, c in enumerate(chars)}
-    counts = tokenize_dataset(ds, lambda s: [stoi[c] for c in s], tmp_path / "c", eot=None)
+    # a character set that misses the emoji of SAMPLE: its ids would exceed vocab_size; rejected,
+    # and no partial/temp files remain
+    short = Tokenizer("char", dict(enumerate(chars[:-1])))
+    short.encode = lambda s: [short.stoi.get(c, len(chars) - 1) for c in s]
+    with pytest.raises(ValueError, match="vocab_size"):
+        tokenize_dataset(ds, short, tmp_path / "bad", eot=False)
+    assert not (tmp_path / "bad" / "train.bin").exists() and _no_temp_files(tmp_path / "bad") == []
+    counts = tokenize_dataset(ds, Tokenizer("char", dict(enumerate(chars))), tmp_path / "c", eot=False)
     got = np.fromfile(tmp_path / "c" / "train.bin", dtype=np.uint16)
     assert counts["train"] == len(got) and "".join(chars[i] for i in got) == "".join(list(ds["train"]["text"]))
 
@@ -287,7 +321,160 @@ def test_openwebtext_prepare_on_local_text_files(tmp_path, capsys):
             doc.append(t)
     assert sorted(docs) == sorted(lines)
     assert f"wrote {out}" in capsys.readouterr().out
-    assert sorted(p.name for p in out.iterdir()) == ["train.bin", "val.bin"]
+    assert sorted(p.name for p in out.iterdir()) == ["meta.pkl", "train.bin", "val.bin"]
     # no file matches: one line on stderr, exit status 2
     assert mod.main(["--text_files", str(tmp_path / "none*.txt"), "--out_dir", str(tmp_path / "o")]) == 2
     assert "no files match --text_files" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- Hugging Face tokenizers, C4
+
+
+def hf_tokenizer_dir(path, n_words, eos="</s>"):
+    """A local Hugging Face tokenizer: words w0..w{n-1} (ids 0..n-1), then [UNK] and </s>."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"w{i}": i for i in range(n_words)}
+    vocab.update({"[UNK]": n_words, "</s>": n_words + 1})
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["</s>"])
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    if eos is not None:
+        (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": eos}}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def big_tokenizer(tmp_path_factory):
+    """70,002 ids: its datasets need uint32."""
+    return hf_tokenizer_dir(tmp_path_factory.mktemp("tok") / "big", 70_000)
+
+
+def c4_docs(n, seed):
+    rng = np.random.default_rng(seed)
+    # word ids above 65,535 in every document, and some words the vocabulary does not have ([UNK])
+    return [" ".join(f"w{i}" for i in rng.integers(60_000, 70_010, size=int(rng.integers(1, 40))))
+            for _ in range(n)]
+
+
+@pytest.fixture()
+def c4_shards(tmp_path):
+    """C4's layout: c4-{split}.{k}-of-{n}.json.gz, one JSON object per line."""
+    shards = {"c4-train.00000-of-00002.json.gz": c4_docs(30, 0), "c4-train.00001-of-00002.json.gz": c4_docs(25, 1),
+              "c4-validation.00000-of-00001.json.gz": c4_docs(10, 2)}
+    d = tmp_path / "c4"
+    d.mkdir()
+    for name, docs in shards.items():
+        with gzip.open(d / name, "wt", encoding="utf-8") as f:
+            for i, text in enumerate(docs):
+                f.write(json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z",
+                                    "url": f"https://example.invalid/{i}"}) + "\n")
+    train = shards["c4-train.00000-of-00002.json.gz"] + shards["c4-train.00001-of-00002.json.gz"]
+    return d, train, shards["c4-validation.00000-of-00001.json.gz"]
+
+
+def _ids(tok, docs):
+    return [i for d in docs for i in tok.encode(d) + [tok.eot]]
+
+
+def test_hf_tokenizer_record_and_round_trip(tmp_path, big_tokenizer):
+    tok = Tokenizer(str(big_tokenizer))
+    assert (tok.vocab_size, tok.eot, tok.dtype) == (70_002, 70_001, "uint32")
+    assert tok.record() == {"tokenizer": str(big_tokenizer), "vocab_size": 70_002, "dtype": "uint32"}
+    assert tok.encode("w0 w69999 nope") == [0, 69_999, 70_000]
+    assert tok.decode([5, 69_999]) == "w5 w69999"
+    assert pickle.loads(pickle.dumps(tok)).encode("w7") == [7]  # workers get it without the loaded library
+    small = Tokenizer(str(hf_tokenizer_dir(tmp_path / "small", 100, eos=None)))
+    assert (small.vocab_size, small.eot, small.dtype) == (102, 101, "uint16")  # '</s>' by its name
+    # no end-of-text token, not a tokenizer directory, a broken tokenizer.json: one line each
+    bare = hf_tokenizer_dir(tmp_path / "bare", 10, eos="<end>")
+    with pytest.raises(ValueError, match=r"has no end-of-text token .* \(none of <end>\); name it as eos_token"):
+        Tokenizer(str(bare))
+    with pytest.raises(ValueError, match="no tokenizer.json there; give a local Hugging Face tokenizer directory"):
+        Tokenizer(str(tmp_path))
+    (bare / "tokenizer.json").write_text("{")
+    with pytest.raises(ValueError, match="is not a Hugging Face tokenizer"):
+        Tokenizer(str(bare))
+
+
+def test_bpe_prepare_with_hf_tokenizer_writes_uint32(tmp_path, big_tokenizer):
+    text = " ".join(c4_docs(40, 3))
+    (tmp_path / "in.txt").write_text(text, encoding="utf-8")
+    mod = importlib.import_module("data.shakespeare_char.prepare")  # delegates to data/shakespeare for --tokenizer
+    stats = mod.prepare(tmp_path / "o", tmp_path / "in.txt", tokenizer=str(big_tokenizer), verbose=False)
+    tok = Tokenizer(str(big_tokenizer))
+    train_txt, val_txt = split_text(text)
+    train = np.fromfile(tmp_path / "o" / "train.bin", dtype=np.uint32)
+    assert train.tolist() == tok.encode(train_txt) and train.max() > 65_535
+    assert np.fromfile(tmp_path / "o" / "val.bin", dtype=np.uint32).tolist() == tok.encode(val_txt)
+    assert stats["vocab_size"] == 70_002 and read_meta(tmp_path / "o")["dtype"] == "uint32"
+
+
+@pytest.mark.parametrize("num_proc,streaming", [(1, True), (2, False)])
+def test_c4_prepare_local_shards(tmp_path, c4_shards, big_tokenizer, num_proc, streaming):
+    mod = importlib.import_module("data.c4.prepare")
+    shard_dir, train_docs, val_docs = c4_shards
+    out = tmp_path / "out"
+    argv = [f"--json_files={shard_dir}/c4-train.*.json.gz,{shard_dir}/c4-validation.*.json.gz",
+            f"--tokenizer={big_tokenizer}", f"--num_proc={num_proc}", f"--streaming={streaming}",
+            "--batch_docs=7", f"--cache_dir={tmp_path / 'hf'}", f"--out_dir={out}"]
+    assert mod.main(argv) == 0
+    tok = Tokenizer(str(big_tokenizer))
+    train = np.fromfile(out / "train.bin", dtype=np.uint32)
+    assert train.tolist() == _ids(tok, train_docs)  # both shards, in file order, </s> after each document
+    assert np.fromfile(out / "val.bin", dtype=np.uint32).tolist() == _ids(tok, val_docs)
+    assert train.max() > 65_535 and (train == 70_000).any()  # above uint16, and [UNK]
+    assert read_meta(out) == {"tokenizer": str(big_tokenizer), "vocab_size": 70_002, "dtype": "uint32"}
+    assert sorted(p.name for p in out.iterdir()) == ["meta.pkl", "train.bin", "val.bin"]
+
+
+def test_c4_prepare_caps_and_gpt2(tmp_path, c4_shards):
+    mod = importlib.import_module("data.c4.prepare")
+    shard_dir, train_docs, val_docs = c4_shards
+    common_args = dict(json_files=str(shard_dir / "*.json.gz"), num_proc=1, batch_docs=4, verbose=False)
+    stats = mod.prepare(tmp_path / "docs", max_docs=9, max_val_docs=2, **common_args)
+    enc = gpt2_encoding()
+    expected = [i for d in train_docs[:9] for i in enc.encode_ordinary(d) + [EOT]]
+    assert np.fromfile(tmp_path / "docs" / "train.bin", dtype=np.uint16).tolist() == expected
+    assert stats["val_tokens"] == len([i for d in val_docs[:2] for i in enc.encode_ordinary(d) + [EOT]])
+    assert read_meta(tmp_path / "docs") == {"tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16"}
+    # a token cap cuts the last document: exactly the first N ids of the whole split
+    whole = [i for d in train_docs for i in enc.encode_ordinary(d) + [EOT]]
+    for n in (1, 101, len(whole) + 10):
+        stats = mod.prepare(tmp_path / f"tok{n}", max_tokens=n, max_val_tokens=5, **common_args)
+        assert np.fromfile(tmp_path / f"tok{n}" / "train.bin", dtype=np.uint16).tolist() == whole[:n]
+        assert stats["val_tokens"] == 5
+
+
+def test_c4_prepare_bad_input_is_one_line_and_keeps_the_old_dataset(tmp_path, c4_shards, capsys):
+    mod = importlib.import_module("data.c4.prepare")
+    shard_dir, _, _ = c4_shards
+    out = tmp_path / "out"
+    base = [f"--json_files={shard_dir}/*.json.gz", "--num_proc=1", f"--out_dir={out}"]
+    assert mod.main(base + ["--max_docs=3"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    cases = [
+        ([f"--json_files={tmp_path}/none*.json.gz"], 2, "no files match --json_files="),
+        ([f"--json_files={shard_dir}/c4-train.*"], 1, "no validation shard among its 2 files"),
+        ([f"--tokenizer={tmp_path}"], 1, "no tokenizer.json there"),
+        (["--tokenizer=char"], 1, "characters are read from the text by data/shakespeare_char/prepare.py"),
+        (["--max_tokens=-1"], 1, "--max_tokens=-1: give a number of at least 0"),
+        (["--num_proc=0"], 1, "give numbers of at least 1"),
+    ]
+    for bad, train_line, message in [("bad_json", '{"text": "w1"}\n{not json\n',
+                                      "the train shards of --json_files cannot be read: JSON parse error"),
+                                     ("no_text", '{"text": "w1"}\n',
+                                      'the validation shards of --json_files: document 0 has no "text" string')]:
+        (tmp_path / bad).mkdir()
+        (tmp_path / bad / "c4-train.0.json.gz").write_bytes(gzip.compress(train_line.encode()))
+        (tmp_path / bad / "c4-validation.0.json.gz").write_bytes(gzip.compress(b'{"url": "x"}\n'))
+        cases.append(([f"--json_files={tmp_path / bad}/*.gz"], 1, message))
+    for args, status, message in cases:
+        assert mod.main(base + args) == status, args
+        err = capsys.readouterr().err.strip().splitlines()
+        err = [line for line in err if line.strip() and "tokenizing" not in line  # progress bars
+               and "Failed to load JSON" not in line]  # the datasets library's log
+        assert len(err) == 1 and "error: " in err[0] and message in err[0], (args, err)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

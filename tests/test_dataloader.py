@@ -1,5 +1,7 @@
 """dataloader.py: random reshuffling visits each window once per epoch, disjointly across ranks."""
 import os
+import pickle
+import subprocess
 import sys
 
 import numpy as np
@@ -7,7 +9,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dataloader import TokenBatches  # noqa: E402
+import dataloader  # noqa: E402
+from data.tokenizer import read_meta  # noqa: E402
+from dataloader import TokenBatches, check_vocab, dataset_vocab, open_splits  # noqa: E402
 
 
 @pytest.fixture
@@ -79,3 +83,137 @@ def test_missing_file_and_too_little_data(tmp_path, tokens):
         TokenBatches(str(tmp_path / 'nope.bin'), 16, 4, prepare_hint='python data/x/prepare.py')
     with pytest.raises(ValueError, match='too few for block_size=20000'):
         TokenBatches(tokens, 20_000, 4)
+
+
+# --------------------------------------------------------------------------- datasets: meta.pkl, widths, vocabularies
+
+
+def dataset(tmp_path, ids, meta, name='ds'):
+    """A prepared dataset folder: ids in train.bin and val.bin, and meta.pkl (None: none)."""
+    d = tmp_path / name
+    d.mkdir()
+    dtype = (meta or {}).get('dtype', 'uint16')
+    for split in ('train', 'val'):
+        np.asarray(ids, dtype=dtype).tofile(d / f'{split}.bin')
+    if meta is not None:
+        with open(d / 'meta.pkl', 'wb') as f:
+            pickle.dump(meta, f)
+    return str(d)
+
+
+def test_uint32_dataset_reads_ids_above_65535(tmp_path):
+    ids = np.arange(70_000, 70_000 + 4_000)
+    d = dataset(tmp_path, ids, {'tokenizer': '/tok', 'vocab_size': 75_000, 'dtype': 'uint32'})
+    train, evaluation = open_splits(d, 15, 4, 'rr', 1)
+    x, y = train.next_batch()
+    assert x.dtype == torch.int64 and int(x.min()) >= 70_000 and torch.equal(y[:, :-1], x[:, 1:])
+    assert train.n_tokens == len(ids)  # not twice as many uint16 halves
+    assert dataset_vocab(d) == 75_000 and dataset_vocab(d, 80_000) == 80_000
+    check_vocab(d, 75_000, train, *evaluation.values())
+    with pytest.raises(ValueError, match=r"vocab_size=50304 is smaller than the vocabulary of .*ds \(75000 ids, "
+                                         r"tokenizer /tok\): set --vocab_size=75000 or more"):
+        check_vocab(d, 50_304, train)
+
+
+def test_datasets_prepared_before_meta_keys_still_read(tmp_path):
+    chars = {'vocab_size': 3, 'stoi': {'a': 0, 'b': 1, 'c': 2}, 'itos': {0: 'a', 1: 'b', 2: 'c'}}
+    d = dataset(tmp_path, [0, 1, 2] * 100, chars, 'chars')
+    assert read_meta(d) == {'tokenizer': 'char', 'dtype': 'uint16', **chars}
+    assert dataset_vocab(d) == 3
+    bpe = dataset(tmp_path, np.arange(3000), None, 'bpe')  # GPT-2 BPE folders had no meta.pkl
+    assert read_meta(bpe) == {'tokenizer': 'gpt2', 'vocab_size': 50257, 'dtype': 'uint16'}
+    assert dataset_vocab(bpe) == 0  # the preset's, else GPT-2's padded 50304 (training.model_args)
+    check_vocab(bpe, 50_304, open_splits(bpe, 15, 4, 'rr', 1)[0])
+    with pytest.raises(ValueError, match=r'vocab_size=32000 is smaller .*\(50257 ids, tokenizer gpt2\)'):
+        check_vocab(bpe, 32_000)
+
+
+def test_ids_beyond_the_vocabulary_are_refused_at_start_or_when_read(tmp_path, monkeypatch):
+    d = dataset(tmp_path, [1, 2, 3, 99] * 50, {'tokenizer': 'char', 'vocab_size': 50, 'stoi': {}, 'itos': {}})
+    train, evaluation = open_splits(d, 7, 2, 'rr', 1)
+    with pytest.raises(ValueError, match=r"train.bin holds token id 99, not below vocab_size=64: the file is "
+                                         r"corrupt or of another tokenizer; run `python data/.*/prepare.py` again"):
+        check_vocab(d, 64, train, *evaluation.values())
+    monkeypatch.setattr(dataloader, 'SCAN_LIMIT', 100)  # too large to scan: checked batch by batch
+    check_vocab(d, 64, train)
+    with pytest.raises(ValueError, match=r"train.bin holds token id 99, not below the model's vocab_size=64"):
+        for _ in range(train.steps_per_epoch):
+            train.next_batch()
+    check_vocab(d, 100, train)
+    train.next_batch()
+
+
+@pytest.mark.parametrize('meta,message', [
+    (b'not a pickle', r"meta.pkl cannot be read \(UnpicklingError: .*\); prepare the dataset again"),
+    (pickle.dumps([1, 2]), "meta.pkl holds a list, not a dict; prepare the dataset again"),
+    (pickle.dumps({'stoi': {}, 'itos': {}}), "meta.pkl: vocab_size=None is not a positive integer"),
+    (pickle.dumps({'tokenizer': 'gpt2', 'vocab_size': 70_000}), "vocab_size=70000 does not fit dtype=uint16"),
+    (pickle.dumps({'tokenizer': 'gpt2', 'vocab_size': 9, 'dtype': 'int8'}), "dtype='int8' is not one of uint16"),
+    (pickle.dumps({'tokenizer': 'char', 'vocab_size': 9}), "tokenizer='char' without its stoi and itos"),
+])
+def test_meta_that_does_not_load_is_one_line(tmp_path, meta, message):
+    d = dataset(tmp_path, np.arange(100), None)
+    (tmp_path / 'ds' / 'meta.pkl').write_bytes(meta)
+    with pytest.raises(ValueError, match=message) as e:
+        open_splits(d, 7, 2, 'rr', 1)
+    assert '\n' not in str(e.value)
+
+
+def test_bin_files_of_the_wrong_size(tmp_path):
+    d = dataset(tmp_path, np.arange(1000), {'tokenizer': '/t', 'vocab_size': 70_000, 'dtype': 'uint32'})
+    with open(os.path.join(d, 'val.bin'), 'ab') as f:
+        f.write(b'\0\0')  # a uint16 id appended to a uint32 file
+    with pytest.raises(ValueError, match=r"val.bin has 4002 bytes, not a whole number of uint32 ids \(4 bytes each\)"
+                                         r": it is empty, cut short or of another dataset; run `python data/"):
+        open_splits(d, 7, 2, 'rr', 1)
+    open(os.path.join(d, 'val.bin'), 'wb').close()
+    with pytest.raises(ValueError, match="val.bin has 0 bytes"):
+        open_splits(d, 7, 2, 'rr', 1)
+
+
+def test_sample_decodes_with_the_recorded_tokenizer(tmp_path):
+    """sample.py's load_codec: a Hugging Face tokenizer directory; a gone tokenizer or a bad meta.pkl is one line."""
+    tokenizers = pytest.importorskip('tokenizers')
+    from sample import load_codec
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({'[UNK]': 0, 'hello': 1, 'world': 70_000, '</s>': 70_001},
+                                                           unk_token='[UNK]'))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    (tmp_path / 'tok').mkdir()
+    tok.save(str(tmp_path / 'tok' / 'tokenizer.json'))
+    d = dataset(tmp_path, [1, 70_000] * 100, {'tokenizer': str(tmp_path / 'tok'), 'vocab_size': 70_002,
+                                              'dtype': 'uint32'})
+    encode, decode = load_codec(d)
+    assert encode('hello world') == [1, 70_000] and decode([70_000, 1]) == 'world hello'
+    os.rename(tmp_path / 'tok', tmp_path / 'moved')
+    with pytest.raises(SystemExit, match=f"error: the dataset's tokenizer {tmp_path / 'tok'} \\(recorded in its "
+                                         f"meta.pkl\\) has no tokenizer.json any more"):
+        load_codec(d)
+    (tmp_path / 'ds' / 'meta.pkl').write_bytes(b'\x80')
+    with pytest.raises(SystemExit, match='error: .*meta.pkl cannot be read'):
+        load_codec(d)
+
+
+def test_train_and_sample_on_a_uint32_dataset(tmp_path):
+    """train.py on a dataset of a 70,002-id Hugging Face tokenizer (the model takes meta.pkl's
+    vocabulary), sample.py decodes with it; a model vocabulary too small is one line at start."""
+    tokenizers = pytest.importorskip('tokenizers')
+    from conftest import ROOT, assert_one_line_error, run_train
+    words = {'[UNK]': 0, **{f'w{i}': i for i in range(1, 70_000)}, '</s>': 70_000, 'top': 70_001}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token='[UNK]'))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    (tmp_path / 'tok').mkdir()
+    tok.save(str(tmp_path / 'tok' / 'tokenizer.json'))
+    ids = np.random.default_rng(0).choice([5, 65_536, 69_999, 70_001], size=5_000)
+    d = dataset(tmp_path, ids, {'tokenizer': str(tmp_path / 'tok'), 'vocab_size': 70_002, 'dtype': 'uint32'})
+    out = tmp_path / 'out'
+    result = run_train(f'--dataset={d}', f'--out_dir={out}', '--max_iters=2', '--eval_interval=2', '--n_embd=8',
+                       '--n_head=1')
+    assert f'found vocab_size = 70002 (inside {d}/meta.pkl)' in result.stdout
+    sample = subprocess.run([sys.executable, 'sample.py', f'--out_dir={out}', '--start=w5 top', '--max_new_tokens=6',
+                             '--device=cpu'], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert sample.returncode == 0, sample.stderr
+    words_out = sample.stdout.split('---------------')[0].split()
+    assert words_out[:2] == ['w5', 'top'] and len(words_out) == 8 and set(words_out) <= set(words)
+    assert_one_line_error(run_train(f'--dataset={d}', f'--out_dir={tmp_path / "small"}', '--vocab_size=50304',
+                                    expect_ok=False), r'vocab_size=50304 is smaller than the vocabulary of .* \(70002 '
+                                                      r'ids, tokenizer .*tok\): set --vocab_size=70002 or more')

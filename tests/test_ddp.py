@@ -31,6 +31,7 @@ import torch
 
 from conftest import (DDP_TINY as TINY, LINEAR, ONE_RANK, ROOT, TORCHRUN, TWO_RANKS, Launch,  # noqa: F401
                       assert_same_state, load, stop_with_sigterm as _stop_with_sigterm, torchrun_train as train)
+import ddp_check  # noqa: E402
 import distributed  # noqa: E402
 import omgd  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -150,22 +151,24 @@ def test_every_method_under_two_ranks(many_runs, method):
 
 
 def test_check_names_every_broken_invariant_on_any_rank():
-    """distributed.check in one process, each invariant broken in turn, then a second rank's
+    """ddp_check's Checker in one process, each invariant broken in turn, then a second rank's
     report faked: the problems name what failed, on whichever rank, and ranks that disagree."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=32, bias=False))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    cycler = omgd.build_cycler(model, opt, 'lisa_wor', gamma=2, period=3)
+    cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig('lisa_wor', gamma=2, period=3))
     cycler.step(0)
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    snapshot = [(p, p.detach().clone()) for p in frozen]
+    checker = ddp_check.Checker(distributed.Ranks(), model)
+    checker.on_switch(None)  # snapshots the frozen weights
+    assert [p for p, _ in checker.frozen_snapshot] == frozen
     x = torch.randint(0, 32, (2, 8))
     model(x, x)[1].backward()
     opt.step()
 
     def problems(ranks=distributed.Ranks(), old_wrapper=None, kept_by_cycle=False):
-        return distributed.check(ranks, model, None, opt, cycler, 'drop', old_wrapper, kept_by_cycle, snapshot,
-                                 [0])[0]
+        checker.ranks, checker.old_wrapper, checker.wrapper_in_gc_cycle = ranks, old_wrapper, kept_by_cycle
+        return checker.check(None, opt, cycler, 'drop')[0]
 
     assert problems() == []
     alive = torch.nn.Module()

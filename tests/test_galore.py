@@ -9,22 +9,27 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import galore
-import omgd  # noqa: E402
+import omgd_state  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 LR, BETAS, EPS, WD, SCALE = 0.1, (0.9, 0.95), 1e-8, 0.1, 0.5
 
 
-def galore_by_hand(w, grads, rank, gap, scale, lr=LR, betas=BETAS, eps=EPS, wd=WD, golore_bases=None):
-    """GaLore-AdamW written out step by step from its definition, for one matrix. With golore_bases
-    (refresh step -> the random basis drawn there; other refreshes use SVD) it is GoLore as in its
-    reference code: at each refresh the first moment is mapped back to m x n and onto the new basis."""
+def galore_by_hand(w, grads, rank, gap, scale, lr=LR, betas=BETAS, eps=EPS, wd=WD, golore_bases=None,
+                   convention='galore'):
+    """GaLore-AdamW written out step by step from its definition, for one matrix (rank=None: a plain
+    AdamW parameter of any shape). With golore_bases (refresh step -> the random basis drawn there;
+    other refreshes use SVD) it is GoLore as in its reference code: at each refresh the first moment
+    is mapped back to m x n and onto the new basis. convention 'galore': galore_torch/adamw.py's
+    formulas (eps added to sqrt(v), the bias corrections in the step size, weight decay after the
+    update); 'torch': torch.optim.AdamW's (weight decay first, eps added to sqrt(v_hat))."""
     w = w.clone()
-    m, n = w.shape
-    right = m >= n
+    right = w.dim() == 2 and w.shape[0] >= w.shape[1]
     exp_avg = exp_avg_sq = proj = None
     for t, g in enumerate(grads, start=1):
-        if (t - 1) % gap == 0:
+        if rank is None:
+            pass
+        elif (t - 1) % gap == 0:
             if golore_bases is not None and t - 1 in golore_bases:
                 new = golore_bases[t - 1]
             else:
@@ -34,30 +39,36 @@ def galore_by_hand(w, grads, rank, gap, scale, lr=LR, betas=BETAS, eps=EPS, wd=W
                 full = exp_avg @ proj.T if right else proj @ exp_avg  # old coordinates -> m x n
                 exp_avg = full @ new if right else new.T @ full
             proj = new
-        r = g @ proj if right else proj.T @ g
+        back = (lambda u: u) if rank is None else (lambda u: u @ proj.T) if right else (lambda u: proj @ u)
+        r = g if rank is None else g @ proj if right else proj.T @ g
         if exp_avg is None:
             exp_avg, exp_avg_sq = torch.zeros_like(r), torch.zeros_like(r)
         exp_avg = betas[0] * exp_avg + (1 - betas[0]) * r
         exp_avg_sq = betas[1] * exp_avg_sq + (1 - betas[1]) * r * r
-        m_hat = exp_avg / (1 - betas[0] ** t)
-        v_hat = exp_avg_sq / (1 - betas[1] ** t)
-        n_low = m_hat / (v_hat.sqrt() + eps)
-        n_full = n_low @ proj.T if right else proj @ n_low
-        w = w * (1 - lr * wd) - lr * scale * n_full
+        if convention == 'galore':
+            step_size = lr * math.sqrt(1 - betas[1] ** t) / (1 - betas[0] ** t)
+            w = w - step_size * scale * back(exp_avg / (exp_avg_sq.sqrt() + eps))
+            w = w - lr * wd * w
+        else:
+            m_hat = exp_avg / (1 - betas[0] ** t)
+            v_hat = exp_avg_sq / (1 - betas[1] ** t)
+            w = w * (1 - lr * wd) - lr * scale * back(m_hat / (v_hat.sqrt() + eps))
     return w, exp_avg, exp_avg_sq, proj
 
 
+@pytest.mark.parametrize('convention', galore.CONVENTIONS)
 @pytest.mark.parametrize('gap', [200, 2])  # 2: a refresh at step 2, where GaLore keeps its moments
 @pytest.mark.parametrize('shape', [(6, 4), (4, 6)])
-def test_step_matches_hand_computation(shape, gap):
+def test_step_matches_hand_computation(shape, gap, convention):
     torch.manual_seed(0)
     w0 = torch.randn(shape, dtype=torch.float64)
     grads = [torch.randn(shape, dtype=torch.float64) for _ in range(3)]
-    expected, exp_avg, exp_avg_sq, proj = galore_by_hand(w0, grads, rank=2, gap=gap, scale=SCALE)
+    expected, exp_avg, exp_avg_sq, proj = galore_by_hand(w0, grads, rank=2, gap=gap, scale=SCALE,
+                                                         convention=convention)
 
     p = torch.nn.Parameter(w0.clone())
     opt = galore.GaLoreAdamW([{'params': [p], 'rank': 2, 'update_proj_gap': gap, 'scale': SCALE}],
-                             lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+                             lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, convention=convention)
     for g in grads:
         p.grad = g.clone()
         opt.step()
@@ -71,8 +82,9 @@ def test_step_matches_hand_computation(shape, gap):
     assert state['step'] == 3
 
 
+@pytest.mark.parametrize('convention', galore.CONVENTIONS)
 @pytest.mark.parametrize('shape', [(6, 4), (4, 6)])
-def test_golore_matches_hand_computation_across_refreshes(shape):
+def test_golore_matches_hand_computation_across_refreshes(shape, convention):
     # refreshes at steps 0 and 2 use SVD (step < svd_steps = 4), at 4 and 6 random bases
     torch.manual_seed(4)
     w0 = torch.randn(shape, dtype=torch.float64)
@@ -80,7 +92,7 @@ def test_golore_matches_hand_computation_across_refreshes(shape):
     p = torch.nn.Parameter(w0.clone())
     opt = galore.GaLoreAdamW([{'params': [p], 'rank': 2, 'update_proj_gap': 2, 'scale': SCALE,
                                'projection': 'random', 'svd_steps': 4}],
-                             lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, seed=5)
+                             lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, seed=5, convention=convention)
     bases = []
     for g in grads:
         p.grad = g.clone()
@@ -95,7 +107,7 @@ def test_golore_matches_hand_computation_across_refreshes(shape):
         top = Vh[:2].T if right else U[:, :2]
         assert (top.T @ q).abs().max() < 0.999  # not spanning the top singular directions
     expected, exp_avg, exp_avg_sq, proj = galore_by_hand(w0, grads, rank=2, gap=2, scale=SCALE,
-                                                         golore_bases=drawn)
+                                                         golore_bases=drawn, convention=convention)
     state = opt.state[p]
     torch.testing.assert_close(p.detach(), expected)
     torch.testing.assert_close(state['exp_avg'], exp_avg)
@@ -108,13 +120,43 @@ def test_golore_matches_hand_computation_across_refreshes(shape):
     assert not torch.allclose(kept, moved)
 
 
+def test_default_follows_galore_torch_over_20_steps():
+    """The defaults (convention 'galore', eps 1e-6) follow galore_torch/adamw.py's formulas, written
+    out by hand, over 20 steps with refreshes every 5, for both projection sides and a plain-AdamW
+    vector. Gradients of 1e-3 put sqrt(v) near eps, where the two conventions part: torch's
+    arithmetic misses the reference by far more than the tolerance."""
+    torch.manual_seed(6)
+    shapes, steps, gap, wd = [(6, 4), (4, 6), (5,)], 20, 5, 0.1
+    w0 = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    grads = [[1e-3 * torch.randn(s, dtype=torch.float64) for s in shapes] for _ in range(steps)]
+    params = [torch.nn.Parameter(w.clone()) for w in w0]
+    opt = galore.GaLoreAdamW([{'params': params[:2], 'rank': 2, 'update_proj_gap': gap, 'scale': SCALE},
+                              {'params': params[2:]}], lr=LR, betas=BETAS, weight_decay=wd)
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+    for i, (p, w) in enumerate(zip(params, w0)):
+        rank = 2 if i < 2 else None
+        per_param = [gs[i] for gs in grads]
+        expected, exp_avg, exp_avg_sq, _ = galore_by_hand(w, per_param, rank, gap, SCALE if rank else 1.0,
+                                                          eps=1e-6, wd=wd)
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-12, atol=0)
+        torch.testing.assert_close(opt.state[p]['exp_avg'], exp_avg, rtol=1e-12, atol=1e-20)
+        torch.testing.assert_close(opt.state[p]['exp_avg_sq'], exp_avg_sq, rtol=1e-12, atol=1e-20)
+        other, *_ = galore_by_hand(w, per_param, rank, gap, SCALE if rank else 1.0, eps=1e-6, wd=wd,
+                                   convention='torch')
+        assert (other - expected).abs().max() > 1e-6 * expected.abs().max(), i
+
+
 def test_group_without_rank_is_torch_adamw():
-    # bitwise: a group without `rank` runs optim.adamw_step_, torch's single-tensor arithmetic
+    # bitwise: with convention='torch' a group without `rank` runs optim.adamw_step_, torch's
+    # single-tensor arithmetic
     torch.manual_seed(1)
     a = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(3))]
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
     ours = galore.GaLoreAdamW([{'params': a[:1]}, {'params': a[1:], 'weight_decay': 0.0}],
-                              lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+                              lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, convention='torch')
     ref = torch.optim.AdamW([{'params': b[:1]}, {'params': b[1:], 'weight_decay': 0.0}],
                             lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
     for _ in range(4):
@@ -174,8 +216,8 @@ def test_none_grads_skipped_and_accounting_excludes_projector():
     assert frozen not in opt.state
     # moments: 2 x (6 x 2) for p, 2 x 4 for the bias; the 4 x 2 projector counted apart
     holder = torch.nn.ParameterList([frozen, p, bias])
-    assert omgd.memory_bytes(holder, opt)['optimizer'] == 4 * (2 * 12 + 2 * 4)
-    assert sorted(k for _, k, _ in omgd.state_tensors(opt)) == ['exp_avg', 'exp_avg', 'exp_avg_sq', 'exp_avg_sq']
+    assert omgd_state.memory_bytes(holder, opt)['optimizer'] == 4 * (2 * 12 + 2 * 4)
+    assert sorted(k for _, k, _ in omgd_state.state_tensors(opt)) == ['exp_avg', 'exp_avg', 'exp_avg_sq', 'exp_avg_sq']
     assert galore.projector_bytes(opt) == 4 * 8
 
 
@@ -257,6 +299,7 @@ def test_tiny_gpt_training_lowers_loss(arch, projection):
     ({}, dict(lr=-1.0), 'invalid AdamW settings'),
     ({}, dict(betas=(0.9, 1.0)), 'invalid AdamW settings'),
     ({}, dict(weight_decay=-0.1), 'invalid AdamW settings'),
+    ({}, dict(convention='transformers'), 'convention must be one of'),
 ])
 def test_invalid_settings(group, kwargs, message):
     p = torch.nn.Parameter(torch.zeros(3, 3))
@@ -432,10 +475,10 @@ def test_master_accounting_counts_master_and_moments_not_projector():
     opt = make_master(params, 'svd')
     run_steps(opt, params, [[g if i != 1 else None for i, g in enumerate(gs)] for gs in master_grads(2)])
     # (6, 4): fp32 master 24 + moments 2 x (6 x 2); bias (4,): master 4 + moments 2 x 4; projector 4 x 2
-    sizes = omgd.memory_bytes(torch.nn.ParameterList(params), opt)
+    sizes = omgd_state.memory_bytes(torch.nn.ParameterList(params), opt)
     assert sizes['optimizer'] == 4 * (24 + 2 * 12 + 4 + 2 * 4)
     assert sizes['params'] == 2 * (24 + 24 + 4)
-    assert sorted(k for _, k, _ in omgd.state_tensors(opt)) == sorted(['master', 'exp_avg', 'exp_avg_sq'] * 2)
+    assert sorted(k for _, k, _ in omgd_state.state_tensors(opt)) == sorted(['master', 'exp_avg', 'exp_avg_sq'] * 2)
     assert galore.projector_bytes(opt) == 4 * 8
 
 

@@ -10,7 +10,6 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, 'experiments'))
-import omgd  # noqa: E402
 import linreg  # noqa: E402
 
 torch.set_num_threads(1)
@@ -30,10 +29,23 @@ def test_theta_star_solves_normal_equations(prob):
     assert prob['lam'][0] > 0 and np.allclose(prob['Q'] @ np.diag(prob['lam']) @ prob['Q'].T, A)
 
 
+def test_mask_cycle_sums_to_M_ones_and_pair_order_covers_product_once():
+    g = torch.Generator().manual_seed(0)
+    for d, ratio in [(10, 0.5), (10, 0.3), (7, 1.0), (13, 0.25)]:
+        masks = linreg.mask_cycle(d, ratio, g)
+        M = math.ceil(1 / ratio)
+        assert masks.shape == (M, d)
+        assert torch.equal(masks.sum(0), torch.full((d,), float(M)))
+        assert torch.equal((masks > 0).sum(0), torch.ones(d, dtype=torch.long))  # disjoint
+    order = linreg.pair_order(3, 5, g)
+    assert order.shape == (15, 2)
+    assert sorted(map(tuple, order.tolist())) == [(j, i) for j in range(3) for i in range(5)]
+
+
 def test_wor_schedule_is_algorithm_1(prob, monkeypatch):
-    """RR_mask_wor's steps are exactly omgd.mask_cycle's masks in omgd.pair_order's order."""
+    """RR_mask_wor's steps are exactly mask_cycle's masks in pair_order's order."""
     made = {'masks': [], 'orders': []}
-    real_mask_cycle, real_pair_order = omgd.mask_cycle, omgd.pair_order
+    real_mask_cycle, real_pair_order = linreg.mask_cycle, linreg.pair_order
 
     def mask_cycle(d, ratio, generator):
         made['masks'].append(real_mask_cycle(d, ratio, generator))
@@ -43,15 +55,15 @@ def test_wor_schedule_is_algorithm_1(prob, monkeypatch):
         made['orders'].append(real_pair_order(M, N, generator))
         return made['orders'][-1]
 
-    monkeypatch.setattr(omgd, 'mask_cycle', mask_cycle)
-    monkeypatch.setattr(omgd, 'pair_order', pair_order)
+    monkeypatch.setattr(linreg, 'mask_cycle', mask_cycle)
+    monkeypatch.setattr(linreg, 'pair_order', pair_order)
     X = prob['X']
     n, d = X.shape
     ratio, warmup = 0.5, 100
     M = math.ceil(1 / ratio)
     sched = linreg.make_schedules(['RR_mask_wor'], [3], X, ratio, warmup)[0]
     idx, U, mask = sched.take(warmup + 2 * M * n)
-    assert len(made['masks']) == len(made['orders']) == 2  # two cycles, each from omgd
+    assert len(made['masks']) == len(made['orders']) == 2  # two cycles, each from mask_cycle and pair_order
     assert np.allclose(U, mask * X[idx])  # u_t = S_t * x_t: the update direction uses the mask
 
     # warm-up: plain SGD on distinct samples (a partial RR epoch)
@@ -74,7 +86,7 @@ def test_wor_schedule_is_algorithm_1(prob, monkeypatch):
         assert np.array_equal(per_sample, np.full((n, d), float(M)))
     assert sched.cycles == 2
 
-    # run() draws its RR_mask_wor cycles from omgd too: ceil((T - warmup) / (M n)) per seed
+    # run() draws its RR_mask_wor cycles from mask_cycle too: ceil((T - warmup) / (M n)) per seed
     made['masks'].clear()
     linreg.run(['RR_mask_wor'], T=warmup + 2 * M * n + 1, seeds=2, warmup=warmup, problem=prob,
                decompose=False)

@@ -1,4 +1,5 @@
-"""omgd.py: mask cycles, the LISA-wor pool, freezing, optimizer-state policies and prefetch, scaling, resume."""
+"""omgd.py and omgd_state.py: the LISA-wor pool, tensor masks, freezing, optimizer-state policies and prefetch,
+scaling, resume."""
 import io
 import math
 import os
@@ -9,7 +10,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import omgd  # noqa: E402
-from model import GPT, GPTConfig, param_groups  # noqa: E402
+import omgd_state  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from optim import param_groups  # noqa: E402
 
 
 def tiny_gpt(n_layer=6, seed=0):
@@ -30,7 +33,7 @@ def unit_params(n):
 
 def draws(method, n_units, gamma, periods, seed=0, ratio=0.5):
     units, opt = unit_params(n_units)
-    cycler = omgd.UnitMask(units, opt, method, gamma=gamma, period=1, ratio=ratio, seed=seed)
+    cycler = omgd.Cycler(units, opt, omgd.CyclerConfig(method, gamma=gamma, period=1, ratio=ratio, seed=seed))
     out = []
     for it in range(periods):
         cycler.step(it)
@@ -42,7 +45,7 @@ def draws(method, n_units, gamma, periods, seed=0, ratio=0.5):
 @pytest.mark.parametrize('n, gamma', [(12, 3), (12, 4), (6, 6), (12, 5), (7, 3), (5, 2), (7, 4)])
 def test_lisa_wor_cycle_masks_sum_to_M_ones_only_when_gamma_divides(method, n, gamma):
     units, opt = unit_params(n)
-    cycler = omgd.UnitMask(units, opt, method, gamma=gamma, period=1)
+    cycler = omgd.Cycler(units, opt, omgd.CyclerConfig(method, gamma=gamma, period=1))
     leftover, cycles = n % gamma, {}
     for it in range(30 * (n // gamma)):
         cycler.step(it)
@@ -68,7 +71,7 @@ def test_lisa_wor_cycle_masks_sum_to_M_ones_only_when_gamma_divides(method, n, g
 def test_cycle_note_only_for_lisa_wor_methods():
     units, opt = unit_params(5)
     for method in omgd.METHODS:
-        note = omgd.UnitMask(units, opt, method, gamma=2).cycle_note()
+        note = omgd.Cycler(units, opt, omgd.CyclerConfig(method, gamma=2)).cycle_note()
         assert (note is not None) == (method in ('lisa_wor', 'lisa_wor_noscale')), method
 
 
@@ -97,23 +100,10 @@ def test_lisa_draws_are_iid_and_repeat_within_a_cycle_length():
     assert counts.min() > 20  # every block is drawn, roughly uniformly (mean 50)
 
 
-def test_mask_cycle_sums_to_M_ones_and_pair_order_covers_product_once():
-    g = torch.Generator().manual_seed(0)
-    for d, ratio in [(10, 0.5), (10, 0.3), (7, 1.0), (13, 0.25)]:
-        masks = omgd.mask_cycle(d, ratio, g)
-        M = math.ceil(1 / ratio)
-        assert masks.shape == (M, d)
-        assert torch.equal(masks.sum(0), torch.full((d,), float(M)))
-        assert torch.equal((masks > 0).sum(0), torch.ones(d, dtype=torch.long))  # disjoint
-    order = omgd.pair_order(3, 5, g)
-    assert order.shape == (15, 2)
-    assert sorted(map(tuple, order.tolist())) == [(j, i) for j in range(3) for i in range(5)]
-
-
 def test_tensor_wor_groups_are_complementary_and_balanced():
     model = tiny_gpt(n_layer=4)
     opt = torch.optim.AdamW(model.parameters())
-    cycler = omgd.build_cycler(model, opt, 'tensor_wor', ratio=0.5, period=1)
+    cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig('tensor_wor', ratio=0.5, period=1))
     n = len(cycler.units)
     cycler.step(0)
     first = set(cycler.active)
@@ -127,7 +117,8 @@ def test_tensor_wor_groups_are_complementary_and_balanced():
 
 def test_tensor_iid_draws_fresh_nonempty_sets_each_period():
     model = tiny_gpt(n_layer=4)
-    cycler = omgd.build_cycler(model, torch.optim.AdamW(model.parameters()), 'tensor_iid', ratio=0.3, period=1)
+    config = omgd.CyclerConfig('tensor_iid', ratio=0.3, period=1)
+    cycler = omgd.build_cycler(model, torch.optim.AdamW(model.parameters()), config)
     n = len(cycler.units)
     seen = set()
     for it in range(20):
@@ -151,7 +142,7 @@ def test_tensor_iid_mask_is_unbiased_for_every_tensor(sizes):
     1000-element tensor of 'three' 2.0); redrawing empty sets but scaling by 1/r gives 'three' 8/7."""
     ratio, n_draws = 0.5, 20000
     units = [[torch.nn.Parameter(torch.empty(size, device='meta'))] for size in sizes]  # sizes, no memory
-    cycler = omgd.UnitMask(units, torch.optim.SGD([u[0] for u in units]), 'tensor_iid', ratio=ratio)
+    cycler = omgd.Cycler(units, torch.optim.SGD([u[0] for u in units]), omgd.CyclerConfig('tensor_iid', ratio=ratio))
     cycler.step(0)
     kept = list(cycler.active)
     for _ in range(n_draws - 1):
@@ -167,7 +158,7 @@ def test_tensor_iid_mask_is_unbiased_for_every_tensor(sizes):
 def test_frozen_parameters_bitwise_unchanged_and_without_grad():
     model = tiny_gpt()
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
-    cycler = omgd.build_cycler(model, opt, 'lisa_wor', gamma=2, period=1)
+    cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig('lisa_wor', gamma=2, period=1))
     for it in range(3):
         cycler.step(it)
         frozen = [i for i in range(6) if i not in cycler.active]
@@ -200,7 +191,7 @@ def test_drop_holds_state_only_for_active_and_memory_does_not_grow(optim):
         opt = torch.optim.SGD(param_groups(model, 0.1), lr=1e-2, momentum=0.9)
         keys = ('momentum_buffer',)
     per_param = len(keys)
-    cycler = omgd.build_cycler(model, opt, 'lisa_wor', gamma=2, period=1, state_policy='drop')
+    cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig('lisa_wor', gamma=2, period=1, state='drop'))
     for it in range(50):
         cycler.step(it)
         x, y = batch(it)
@@ -209,9 +200,9 @@ def test_drop_holds_state_only_for_active_and_memory_does_not_grow(optim):
         active = active_param_ids(model, cycler)
         assert {id(p) for p in opt.state} == active
         need = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) in active)
-        used = omgd.memory_bytes(model, opt)
+        used = omgd_state.memory_bytes(model, opt)
         assert used['grads'] == need and used['optimizer'] == per_param * need
-        counted = [(id(p), key) for p, key, _ in omgd.state_tensors(opt)]  # 'step' is left out
+        counted = [(id(p), key) for p, key, _ in omgd_state.state_tensors(opt)]  # 'step' is left out
         assert sorted(counted) == sorted((i, k) for i in active for k in keys)
         opt.zero_grad(set_to_none=True)
 
@@ -220,7 +211,7 @@ def offload_run(device):
     """Warm every block's AdamW state, freeze blocks 2 and 3 for three steps, then swap."""
     model = tiny_gpt(n_layer=4).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cycler = omgd.build_cycler(model, opt, 'lisa_wor', gamma=2, period=1, state_policy='offload')
+    cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig('lisa_wor', gamma=2, period=1, state='offload'))
     x, y = (t.to(device) for t in batch())
     model(x, y)[1].backward()
     opt.step()  # warm state for every block (nothing is frozen before the first switch)
@@ -235,14 +226,14 @@ def offload_run(device):
         opt.step()
         opt.zero_grad(set_to_none=True)
     for p, w in zip(frozen, weights):
-        assert p in cycler.offloaded and not p.requires_grad
+        assert p in cycler.optimizer_state.offloaded and not p.requires_grad
         assert torch.equal(p, w)  # neither the weight ...
         assert all(torch.equal(opt.state[p][k].cpu(), saved[p][k].cpu()) for k in saved[p])  # ... nor its state moved
     cycler.apply([2, 3])
     if device == 'cuda':
         torch.cuda.synchronize()  # the copy back is non_blocking
     for p in frozen:
-        assert p not in cycler.offloaded and p.requires_grad
+        assert p not in cycler.optimizer_state.offloaded and p.requires_grad
         assert all(opt.state[p][k].device == saved[p][k].device for k in saved[p])
         assert all(torch.equal(opt.state[p][k], saved[p][k]) for k in saved[p])
     return parked
@@ -262,7 +253,7 @@ def test_offload_parks_state_on_cpu_and_restores_it_to_cuda_bitwise():
 def test_prefetch_draws_the_same_groups_as_not_prefetching(method):
     def run(prefetch):
         units, opt = unit_params(7)  # lisa_wor: gamma=2 leaves one out, the pool empties every 3rd period
-        cycler = omgd.UnitMask(units, opt, method, gamma=2, period=3, warmup=2, ratio=0.3, seed=1)
+        cycler = omgd.Cycler(units, opt, omgd.CyclerConfig(method, gamma=2, period=3, warmup=2, ratio=0.3, seed=1))
         seq = []
         for it in range(150):
             cycler.step(it)
@@ -276,8 +267,8 @@ def test_prefetch_draws_the_same_groups_as_not_prefetching(method):
 def make_cycling(method, policy, n_layer=6, device='cpu'):
     model = tiny_gpt(n_layer=n_layer).to(device)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
-    return model, opt, omgd.build_cycler(model, opt, method, gamma=2, period=2, ratio=0.5, state_policy=policy,
-                                         seed=3)
+    config = omgd.CyclerConfig(method, gamma=2, period=2, ratio=0.5, state=policy, seed=3)
+    return model, opt, omgd.build_cycler(model, opt, config)
 
 
 def run_cycling(model, opt, cycler, iters, prefetch=True, check=None):
@@ -310,7 +301,8 @@ def test_offload_with_prefetch_trains_bitwise_like_keep(method):
         model, opt, cycler = make_cycling(method, policy)
         run_cycling(model, opt, cycler, range(15))  # 8 switches
         runs.append((model, opt))
-    assert cycler.offloaded and len(opt.state) == len(list(model.parameters()))  # every unit trained and parked
+    # every unit trained and parked
+    assert cycler.optimizer_state.offloaded and len(opt.state) == len(list(model.parameters()))
     assert_same_training(*runs)
 
 
@@ -319,23 +311,25 @@ def test_offload_prefetch_moves_exactly_the_next_groups_state():
     blocks = {p: i for i, b in enumerate(model.blocks) for p in b.parameters()}
     seen = {'copies': {}, 'checked': 0}
 
+    states = cycler.optimizer_state
+
     def check(it):
         for p, copies in seen['copies'].items():  # the switch installed last iteration's copies ...
             assert all(opt.state[p][k] is t for k, t in copies.items())
             assert blocks[p] in cycler.active
         frozen = {p for p, i in blocks.items() if i not in cycler.active}
-        assert set(cycler.offloaded) == {p for p in frozen if p in opt.state}  # ... parked: exactly the frozen
+        assert set(states.offloaded) == {p for p in frozen if p in opt.state}  # ... parked: exactly the frozen
         if it % 2 == 1:  # the last iteration of a period: copies of the next group's parked state
             after_switch = set(cycler.schedule.peek())
-            assert set(cycler.prefetched) == {p for p in cycler.offloaded if blocks[p] in after_switch}
-            for p, copies in cycler.prefetched.items():
+            assert set(states.prefetched) == {p for p in states.offloaded if blocks[p] in after_switch}
+            for p, copies in states.prefetched.items():
                 assert copies.keys() == {'exp_avg', 'exp_avg_sq'}  # the moments; 'step' is a scalar
                 for key, t in copies.items():
                     assert torch.equal(t, opt.state[p][key]) and t.data_ptr() != opt.state[p][key].data_ptr()
-            seen['checked'] += bool(cycler.prefetched)
+            seen['checked'] += bool(states.prefetched)
         else:
-            assert not cycler.prefetched
-        seen['copies'] = dict(cycler.prefetched)
+            assert not states.prefetched
+        seen['copies'] = dict(states.prefetched)
 
     run_cycling(model, opt, cycler, range(40), check=check)
     assert seen['checked'] >= 15  # after the first cycle, every switch brings back parked state
@@ -368,19 +362,21 @@ def test_prefetch_copies_on_a_side_stream_and_the_switch_installs_them():
     device = next(model.parameters()).device
     seen = {'copies': {}, 'checked': 0}
 
+    states = cycler.optimizer_state
+
     def check(it):
         for p, copies in seen['copies'].items():
             assert all(opt.state[p][k] is t and t.is_cuda for k, t in copies.items())
-        if cycler.prefetched:
-            assert cycler.streams[device] != torch.cuda.current_stream(device)
-            cycler.events[device].synchronize()  # only so this test can read them
-            for p, copies in cycler.prefetched.items():
+        if states.prefetched:
+            assert states.streams[device] != torch.cuda.current_stream(device)
+            states.events[device].synchronize()  # only so this test can read them
+            for p, copies in states.prefetched.items():
                 for key, t in copies.items():
                     parked = opt.state[p][key]
                     assert t.is_cuda and parked.device.type == 'cpu' and parked.is_pinned()
                     assert torch.equal(t.cpu(), parked)
             seen['checked'] += 1
-        seen['copies'] = dict(cycler.prefetched)
+        seen['copies'] = dict(states.prefetched)
 
     run_cycling(model, opt, cycler, range(40), check=check)
     torch.cuda.synchronize()
@@ -390,7 +386,7 @@ def test_prefetch_copies_on_a_side_stream_and_the_switch_installs_them():
 def test_keep_policy_keeps_state():
     model = tiny_gpt(n_layer=4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cycler = omgd.build_cycler(model, opt, 'lisa_wor', gamma=1, period=1, state_policy='keep')
+    cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig('lisa_wor', gamma=1, period=1, state='keep'))
     model(*batch())[1].backward()
     opt.step()
     cycler.step(0)
@@ -403,7 +399,7 @@ def test_parameters_frozen_when_the_optimizer_was_built_still_train():
     for p in model.blocks[3].parameters():
         p.requires_grad_(False)
     opt = torch.optim.AdamW(param_groups(model, 0.0), lr=1e-2)
-    cycler = omgd.build_cycler(model, opt, 'lisa_wor', gamma=1, period=1)
+    cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig('lisa_wor', gamma=1, period=1))
     cycler.apply([3])
     before = [p.detach().clone() for p in model.blocks[3].parameters()]
     model(*batch())[1].backward()
@@ -411,13 +407,13 @@ def test_parameters_frozen_when_the_optimizer_was_built_still_train():
     assert all(not torch.equal(a, p) for a, p in zip(before, model.blocks[3].parameters()))
     trainable_only = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     with pytest.raises(ValueError, match='must be in the optimizer'):
-        omgd.build_cycler(model, trainable_only, 'lisa_wor', gamma=1, period=1)
+        omgd.build_cycler(model, trainable_only, omgd.CyclerConfig('lisa_wor', gamma=1, period=1))
 
 
 def test_active_gradients_are_scaled_by_NL_over_gamma():
     model = tiny_gpt()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    cycler = omgd.build_cycler(model, opt, 'lisa_wor', gamma=2, period=1)
+    cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig('lisa_wor', gamma=2, period=1))
     cycler.step(0)
     model(*batch())[1].backward()
     raw = {p: p.grad.clone() for p in model.parameters() if p.grad is not None}
@@ -428,7 +424,7 @@ def test_active_gradients_are_scaled_by_NL_over_gamma():
         expected = g * 3.0 if id(p) in active else g  # outer parts are not scaled
         assert torch.equal(p.grad, expected)
     other = tiny_gpt()
-    noscale = omgd.build_cycler(other, torch.optim.SGD(other.parameters()), 'lisa_wor_noscale', gamma=2)
+    noscale = omgd.build_cycler(other, torch.optim.SGD(other.parameters()), omgd.CyclerConfig('lisa_wor_noscale', 2))
     noscale.step(0)
     assert noscale.scaling() == 1.0
 
@@ -439,7 +435,7 @@ def test_gradient_accumulation_matches_one_large_batch_and_scale_does_not_compou
     for accum in (1, 4):
         model = tiny_gpt()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        cycler = omgd.build_cycler(model, opt, 'lisa_wor', gamma=2, period=1, seed=3)
+        cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig('lisa_wor', gamma=2, period=1, seed=3))
         cycler.step(0)
         chunks = list(zip(x.chunk(accum), y.chunk(accum)))
         micro = []  # each micro-step's gradient on its own, unscaled
@@ -468,7 +464,8 @@ def test_gradient_accumulation_matches_one_large_batch_and_scale_does_not_compou
 
 def test_warmup_trains_everything_then_cycles():
     model = tiny_gpt()
-    cycler = omgd.build_cycler(model, torch.optim.AdamW(model.parameters()), 'lisa_wor', gamma=2, period=5, warmup=10)
+    config = omgd.CyclerConfig('lisa_wor', gamma=2, period=5, warmup=10)
+    cycler = omgd.build_cycler(model, torch.optim.AdamW(model.parameters()), config)
     switches = [it for it in range(30) if cycler.step(it)]
     assert switches == [10, 15, 20, 25]
     assert len(cycler.active) == 2
@@ -477,8 +474,8 @@ def test_warmup_trains_everything_then_cycles():
 def test_state_dict_round_trip_resumes_the_same_sequence():
     def make():
         model = tiny_gpt()
-        return omgd.build_cycler(model, torch.optim.AdamW(model.parameters()), 'lisa_wor', gamma=2, period=3,
-                                 seed=7)
+        config = omgd.CyclerConfig('lisa_wor', gamma=2, period=3, seed=7)
+        return omgd.build_cycler(model, torch.optim.AdamW(model.parameters()), config)
     straight = make()
     seq = []
     for it in range(40):
@@ -496,7 +493,8 @@ def test_state_dict_round_trip_resumes_the_same_sequence():
         assert tuple(resumed.active) == seq[it]
     with pytest.raises(ValueError, match='method'):
         other = tiny_gpt()
-        omgd.build_cycler(other, torch.optim.AdamW(other.parameters()), 'lisa', gamma=2).load_state_dict(state)
+        lisa = omgd.build_cycler(other, torch.optim.AdamW(other.parameters()), omgd.CyclerConfig('lisa', gamma=2))
+        lisa.load_state_dict(state)
 
 
 def test_same_seed_same_draws_different_seed_different_draws():
@@ -516,7 +514,7 @@ def test_same_seed_same_draws_different_seed_different_draws():
     (dict(method='tensor_wor', ratio=0.0), 'omgd_ratio'),
     (dict(method='tensor_iid', ratio=1.5), 'omgd_ratio'),
     (dict(method='lisa_wr'), 'unknown method'),
-    (dict(method='lisa', gamma=1, state_policy='free'), 'omgd_state'),
+    (dict(method='lisa', gamma=1, state='free'), 'omgd_state'),
     (dict(method='lisa_wor', gamma=2, warmup=-1), 'omgd_warmup must be >= 0'),
     (dict(method='lisa_wor', gamma=2, always=('embed', 'lm_head')), r'unknown omgd_always part\(s\)'),
     (dict(method='tensor_wor', always=('embed', 'pos', 'norm')), 'omgd_always must be'),
@@ -524,16 +522,17 @@ def test_same_seed_same_draws_different_seed_different_draws():
 def test_bad_config_gives_clear_error(kwargs, message):
     model = tiny_gpt()
     with pytest.raises(ValueError, match=message):
-        omgd.build_cycler(model, torch.optim.AdamW(model.parameters()), **kwargs)
+        omgd.build_cycler(model, torch.optim.AdamW(model.parameters()), omgd.CyclerConfig(**kwargs))
 
 
 def test_tensor_methods_accept_every_outer_part_of_the_model():
     model = GPT(GPTConfig(arch='llama', n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32))
     opt = torch.optim.AdamW(model.parameters())
-    cycler = omgd.build_cycler(model, opt, 'tensor_iid', always=('embed', 'norm', 'head'))  # no 'pos' in llama
+    # no 'pos' in llama
+    cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig('tensor_iid', always=('embed', 'norm', 'head')))
     assert len(cycler.units) == len(list(model.parameters()))
     with pytest.raises(ValueError, match='omgd_always must be embed,norm,head'):
-        omgd.build_cycler(model, opt, 'tensor_iid', always=('embed', 'norm'))
+        omgd.build_cycler(model, opt, omgd.CyclerConfig('tensor_iid', always=('embed', 'norm')))
 
 
 def test_per_block_compile_no_recompile_storm_and_matches_eager():
@@ -544,7 +543,7 @@ def test_per_block_compile_no_recompile_storm_and_matches_eager():
     for compiled in (False, True):
         model = tiny_gpt(n_layer=12)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        cycler = omgd.build_cycler(model, opt, 'lisa_wor', gamma=3, period=1)
+        cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig('lisa_wor', gamma=3, period=1))
         if compiled:
             for block in model.blocks:
                 block.compile(backend='aot_eager')  # dynamo's guards do not depend on the backend

@@ -8,11 +8,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import omgd  # noqa: E402
-from model import param_groups  # noqa: E402
-from optim import MasterAdamW  # noqa: E402
+import omgd_state  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from optim import MasterAdamW, configure_optimizers, param_groups  # noqa: E402
 
 LR, BETAS, EPS, WD = 0.01, (0.9, 0.95), 1e-8, 0.1
-SHAPES = [(6, 4), (4,), (3, 5), (5,)]  # matrices decay, vectors do not (model.param_groups' split)
+SHAPES = [(6, 4), (4,), (3, 5), (5,)]  # matrices decay, vectors do not (param_groups' split)
 
 
 class Net(torch.nn.Module):
@@ -156,7 +157,7 @@ def test_state_dict_round_trip_is_exact_and_keeps_fp32_masters():
 
 
 def test_dropped_state_restarts_from_the_bf16_weight():
-    # UnitMask's 'drop' deletes optimizer.state[p]; on reactivation the master is the bf16
+    # the Cycler's 'drop' deletes optimizer.state[p]; on reactivation the master is the bf16
     # weight widened, with zero moments and step 1, as if the parameter were new
     net = Net(torch.bfloat16)
     opt = MasterAdamW(param_groups(net, WD), lr=LR, betas=BETAS)
@@ -175,13 +176,13 @@ def test_dropped_state_restarts_from_the_bf16_weight():
 
 
 @pytest.mark.parametrize('policy', ['drop', 'offload'])
-def test_unit_mask_policies_act_on_masters(policy):
-    # through omgd.UnitMask: frozen units keep no state on the device ('drop': none at all);
+def test_cycler_policies_act_on_masters(policy):
+    # through omgd.Cycler: frozen units keep no state on the device ('drop': none at all);
     # 'offload' brings the master back and the trajectory goes on as if never frozen
     net = Net(torch.bfloat16)
     params = list(net.parameters())
     opt = MasterAdamW(param_groups(net, WD), lr=LR, betas=BETAS)
-    cycler = omgd.UnitMask([[p] for p in params], opt, 'lisa_wor', gamma=1, state_policy=policy)
+    cycler = omgd.Cycler([[p] for p in params], opt, omgd.CyclerConfig('lisa_wor', gamma=1, state=policy))
     steps = grads(3, torch.bfloat16)
     alone = Net(torch.bfloat16)  # parameter 0 trained on its own for the same steps
     alone_opt = MasterAdamW([list(alone.parameters())[0]], lr=LR, betas=BETAS, weight_decay=WD)
@@ -189,7 +190,7 @@ def test_unit_mask_policies_act_on_masters(policy):
     run(opt, net, [[g if p.requires_grad else None for p, g in zip(params, steps[0])]])
     run(alone_opt, alone, [steps[0][:1]])
     assert set(opt.state) == {params[0]}
-    assert omgd.memory_bytes(net, opt)['optimizer'] == 3 * 4 * params[0].numel()  # master + 2 moments, fp32
+    assert omgd_state.memory_bytes(net, opt)['optimizer'] == 3 * 4 * params[0].numel()  # master + 2 moments, fp32
     cycler.apply([1])
     run(opt, net, [[g if p.requires_grad else None for p, g in zip(params, steps[1])]])
     assert (params[0] in opt.state) == (policy == 'offload')
@@ -212,9 +213,9 @@ def test_frozen_params_get_no_state_and_accounting_counts_masters():
     assert set(opt.state) == {params[0], params[3]}
     assert torch.equal(params[1], Net(torch.bfloat16).ws[1])  # untouched, weight decay included
     n = params[0].numel() + params[3].numel()
-    sizes = omgd.memory_bytes(net, opt)
+    sizes = omgd_state.memory_bytes(net, opt)
     assert sizes['optimizer'] == 3 * 4 * n and sizes['params'] == 2 * sum(p.numel() for p in params)
-    assert sorted(k for _, k, _ in omgd.state_tensors(opt)) == sorted(['master', 'exp_avg', 'exp_avg_sq'] * 2)
+    assert sorted(k for _, k, _ in omgd_state.state_tensors(opt)) == sorted(['master', 'exp_avg', 'exp_avg_sq'] * 2)
 
 
 @pytest.mark.parametrize('kwargs, message', [
@@ -234,3 +235,30 @@ def test_sparse_grads_refused():
     p.grad = torch.zeros(3).to_sparse()
     with pytest.raises(RuntimeError, match='does not support sparse gradients'):
         opt.step()
+
+
+# --- the model's optimizer groups
+
+TINY = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
+
+
+def test_configure_optimizers_keeps_frozen_params():
+    model = GPT(GPTConfig(arch='llama', **TINY))
+    for p in model.blocks[1].parameters():
+        p.requires_grad_(False)
+    opt = configure_optimizers(model, 0.1, 1e-3, (0.9, 0.95), 'cpu')
+    in_opt = {id(p) for g in opt.param_groups for p in g['params']}
+    assert in_opt == {id(p) for p in model.parameters()}
+    assert any(not p.requires_grad for g in opt.param_groups for p in g['params'])
+    decay, no_decay = opt.param_groups
+    assert decay['weight_decay'] == 0.1 and no_decay['weight_decay'] == 0.0
+    assert all(p.dim() >= 2 for p in decay['params'])
+    assert all(p.dim() < 2 for p in no_decay['params'])
+
+
+def test_param_groups_dedupes_tied_weights():
+    model = GPT(GPTConfig(arch='gpt2', **TINY))
+    groups = param_groups(model, 0.1)
+    ps = [p for g in groups for p in g['params']]
+    assert len(ps) == len({id(p) for p in ps}) == len(list(model.parameters()))
+    torch.optim.SGD(groups, lr=0.1)  # reusable by other optimizers

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+import train_config
 import training
 from configurator import configure
 from conftest import ROOT, TINY, assert_one_line_error, assert_same_state, load, run_train, train_defaults
@@ -69,12 +70,11 @@ def test_missing_data_names_the_prepare_command(tmp_path):
 
 def refusal(*args, world_size=1, fsdp=False):
     """The message of train.py's one-line error for these arguments, found in-process, in
-    train.py's order: the configurator, the checks that need nothing built (training.check_config),
-    those of the launch (training.check_parallel), the data loader's, the model's and the cycler's."""
+    train.py's order: the config (train_config.load: types, rules, combinations), those of the
+    launch (train_config.check_parallel), the data loader's, the model's and the cycler's."""
     try:
-        cfg = configure(train_defaults(), [*TINY, *args])
-        training.check_config(cfg)
-        training.check_parallel(cfg, world_size, fsdp)
+        cfg = train_config.load([*TINY, *args], defaults=train_defaults())
+        train_config.check_parallel(cfg, world_size, fsdp)
         with contextlib.suppress(FileNotFoundError):  # only the arguments are checked here, no data read
             TokenBatches(os.path.join(ROOT, 'no such data.bin'), cfg['block_size'], cfg['batch_size'], cfg['sampling'])
         training.build(cfg, 'cpu', vocab_size=65)
@@ -94,7 +94,8 @@ def refusal(*args, world_size=1, fsdp=False):
     ('--gradient_accumulation_steps=0', r'gradient_accumulation_steps must be >= 1, got 0'),
     ('--parallel=zero', r"parallel must be 'ddp' or 'fsdp', got 'zero'"),
     ('--preset=gpt5', r"unknown preset 'gpt5'; choose one of .*gpt2"),
-    ('--init_from=bert', r"init_from must be 'scratch', 'resume' or a GPT-2 name, got 'bert'"),
+    ('--init_from=bert', r"init_from must be 'scratch', 'resume', a GPT-2 name or a Hugging Face model directory, "
+                         r"got 'bert'"),
     ('--optimizer=lion', r"optimizer must be 'adamw' or 'sgd', got 'lion'"),
     ('--sampling=seq', r"sampling must be 'rr' or 'iid', got 'seq'"),
     ('--golore_svd_fraction=1.5', r'golore_svd_fraction must be in \[0, 1\], got 1\.5'),

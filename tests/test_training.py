@@ -5,6 +5,7 @@ import torch
 from conftest import train_defaults
 
 import omgd
+import train_config
 import training
 
 TINY = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64, omgd_gamma=2, omgd_period=2,
@@ -23,17 +24,15 @@ def batches(seed=0, batch_size=4):
 
 
 def train(cfg, steps, model=None, opt=None, cycler=None, seed=0):
-    """`steps` iterations of train.py's loop body (switch, prefetch, step) on a fresh or given build."""
+    """`steps` iterations of train.py's iteration (training.Trainer: switch, prefetch, step) on a fresh or given build."""
     torch.manual_seed(0)
     if model is None:
         model, opt, cycler = training.build(cfg, 'cpu')
     next_batch, losses = batches(seed), []
     batch = next_batch()
+    trainer = training.Trainer({**cfg, 'decay_lr': False}, model, opt, cycler, 'cpu')  # at learning_rate throughout
     for it in range(steps):
-        cycler.step(it)
-        cycler.prefetch(it)
-        loss, batch = training.train_step(model, opt, cycler, batch, next_batch, cfg['gradient_accumulation_steps'],
-                                          cfg['grad_clip'], cfg['omgd_scale_after_clip'])
+        loss, batch, _ = trainer.step(it, batch, next_batch)
         losses.append(loss.item())
     return model, opt, cycler, losses
 
@@ -62,7 +61,8 @@ def test_every_precision_state_and_method_trains(precision, master_device, state
     if state == 'drop':  # exactly the active parameters hold optimizer state
         assert with_state == active
     elif state == 'offload':  # the frozen ones' state is parked, the active ones' is not
-        assert set(cycler.offloaded) == with_state - active and not set(cycler.offloaded) & active
+        parked = set(cycler.optimizer_state.offloaded)
+        assert parked == with_state - active and not parked & active
     else:
         assert active <= with_state
 
@@ -101,7 +101,7 @@ def test_step_order_of_clip_and_scale(scale_after_clip):
     grads = {n: g * clip for n, g in grads.items()}
     if scale_after_clip:
         grads = {n: g * scale if n in active else g for n, g in grads.items()}
-    training.train_step(model, opt, cycler, (X, Y), batches(1), 1, 0.05, scale_after_clip)
+    training.train_step(model, opt, cycler, (X, Y), batches(1), 1, {**cfg, 'grad_clip': 0.05, 'omgd_scale_after_clip': scale_after_clip})
     for n, p in model.named_parameters():
         expected = reference[n] - cfg['learning_rate'] * grads[n] if n in grads else reference[n]
         torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-7)
@@ -113,8 +113,9 @@ def test_memory_options_train_the_same():
     for option in (dict(loss_chunk=24), dict(activation_offload=True), dict(activation_checkpointing=True),
                    dict(activation_checkpointing=True, checkpoint_sublayers=True)):
         model, _, _, losses = train({**base, **option}, 5)
-        assert (model.loss_chunk, model.activation_offload, model.activation_checkpointing,
-                model.checkpoint_sublayers) == (
+        options = model.memory_options  # memory.apply's record of what it applied
+        assert (options['loss_chunk'], options['activation_offload'], options['activation_checkpointing'],
+                options['checkpoint_sublayers']) == (
             option.get('loss_chunk', 0), option.get('activation_offload', False),
             option.get('activation_checkpointing', False), option.get('checkpoint_sublayers', False))
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=0)
@@ -133,5 +134,5 @@ def test_memory_options_train_the_same():
 ])
 def test_impossible_combinations_are_refused(cfg, message):
     with pytest.raises(ValueError) as e:
-        training.check_config(train_defaults(**cfg))
+        train_config.check(train_defaults(**cfg))
     assert str(e.value).startswith(message) and '\n' not in str(e.value)

@@ -3,10 +3,12 @@ Prepare OpenWebText (or another Hugging Face text dataset, or local text files)
 with the GPT-2 BPE, following nanoGPT's data/openwebtext/prepare.py:
 load_dataset(..., num_proc=...), a 0.0005 validation split with seed 2357,
 ds.map() to GPT-2 ids + <|endoftext|> per document, then everything is
-concatenated into train.bin / val.bin (uint16) by data.common.tokenize_dataset.
+concatenated into train.bin / val.bin (uint16) and meta.pkl by
+data.common.tokenize_dataset. --tokenizer=DIR: a local Hugging Face tokenizer
+instead (its end-of-text token per document; uint32 above 65,536 ids).
+C4, the paper's LLaMA corpus, has its own script with streaming: data/c4/prepare.py.
 
     python data/openwebtext/prepare.py [--num_proc 8]
-    python data/openwebtext/prepare.py --dataset allenai/c4 --dataset_config en --max_docs 1000000 --out_dir data/c4
     python data/openwebtext/prepare.py --text_files 'corpus/*.txt' --out_dir data/mycorpus
 """
 
@@ -19,8 +21,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `data.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from data.common import prepare_main, tokenize_dataset
-from data.gpt2_bpe import EOT, gpt2_encode, gpt2_encoding
+from data.common import prepare_main, tokenize_dataset, tokenizer_argument
+from data.tokenizer import Tokenizer
 
 HERE = Path(__file__).resolve().parent
 
@@ -44,12 +46,13 @@ def load_raw(dataset="openwebtext", dataset_config=None, text_files=None, sample
 
 def prepare(out_dir=None, dataset="openwebtext", dataset_config=None, text_files=None, sample_by="document",
             num_proc=None, num_proc_load_dataset=None, test_size=0.0005, seed=2357, max_docs=None,
-            text_field="text", cache_dir=None):
-    """Download/load, split and tokenize; writes out_dir/train.bin and out_dir/val.bin. Returns stats."""
+            text_field="text", cache_dir=None, tokenizer="gpt2"):
+    """Download/load, split and tokenize; writes train.bin, val.bin and meta.pkl into out_dir. Returns stats."""
     t0 = time.time()
     out_dir = Path(out_dir) if out_dir is not None else HERE
     num_proc = num_proc or max(1, (os.cpu_count() or 2) // 2)
-    gpt2_encoding()  # build the tokenizer once in the parent (workers inherit it on fork)
+    tok = Tokenizer(tokenizer)
+    tok.encode("")  # load it once in the parent (workers inherit it on fork)
     raw = load_raw(dataset, dataset_config, text_files, sample_by, num_proc_load_dataset or num_proc,
                    max_docs=max_docs, cache_dir=cache_dir)
 
@@ -58,9 +61,8 @@ def prepare(out_dir=None, dataset="openwebtext", dataset_config=None, text_files
     split_dataset["val"] = split_dataset.pop("test")  # rename the test split to val
     print(split_dataset)
 
-    # tokenize (gpt2 bpe + <|endoftext|> per document) and write the .bin files
-    counts = tokenize_dataset(split_dataset, gpt2_encode, out_dir, num_proc=num_proc,
-                              text_field=text_field, eot=EOT)
+    # tokenize (gpt2 bpe + <|endoftext|> per document) and write the .bin files and meta.pkl
+    counts = tokenize_dataset(split_dataset, tok, out_dir, num_proc=num_proc, text_field=text_field)
     for split, n in counts.items():
         print(f"{split} has {n:,} tokens")
     return {"out_dir": str(out_dir), **{f"{k}_tokens": v for k, v in counts.items()},
@@ -82,6 +84,7 @@ def add_arguments(p):
     p.add_argument("--max_docs", type=int, default=None, help="only use the first N documents")
     p.add_argument("--text_field", default="text")
     p.add_argument("--cache_dir", default=None, help="Hugging Face datasets cache dir")
+    tokenizer_argument(p)
 
 
 def main(argv=None):

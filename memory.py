@@ -1,0 +1,227 @@
+"""
+The memory options of the model (model.py), in one file. None changes a parameter, a module name,
+the state_dict or what the model computes (up to the order of sums in the chunked loss); each trades
+compute, or copies to host memory, for device memory of the training step.
+
+Linear      nn.Linear that keeps no low-precision copy of a frozen weight under autocast; model.py
+            builds every matrix with it, so it is always on.
+apply       the options a config chooses, applied from outside the model (training.configure_memory):
+            activation_checkpointing  each block's activations recomputed in the backward
+            checkpoint_sublayers      with it: attention and MLP recomputed apart
+            activation_offload        tensors saved for the backward kept in host memory (OffloadActivations)
+            loss_chunk                head and cross-entropy this many tokens at a time (ChunkedLinearCE)
+is_weight   whether a tensor saved for the backward is a weight (offloading leaves weights alone).
+"""
+import weakref
+from contextlib import nullcontext
+from functools import partial
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def apply(model, activation_checkpointing=False, checkpoint_sublayers=False, activation_offload=False,
+          loss_chunk=0):
+    """Set the memory options of a GPT, replacing any earlier choice (a resume may flip them); returns
+    the model. Each option wraps one method, the forward of every block, the model's forward or its
+    head_loss, by an attribute of that instance which shadows its class's method and calls it:
+    parameters, module names and the state_dict stay as they are, and DDP, FSDP2's fully_shard and a
+    per-block torch.compile applied afterwards wrap an ordinary module. All off: the model's own methods."""
+    if loss_chunk < 0:
+        raise ValueError(f"loss_chunk must be >= 0 tokens (0: the whole micro-batch at once), got {loss_chunk}")
+    for block in model.blocks:
+        _shadow(block, 'forward', partial(checkpointed_forward, block, checkpoint_sublayers)
+                if activation_checkpointing else None)
+    _shadow(model, 'forward', partial(offloaded_forward, model) if activation_offload else None)
+    _shadow(model, 'head_loss', partial(chunked_head_loss, model, loss_chunk) if loss_chunk > 0 else None)
+    model.memory_options = dict(activation_checkpointing=activation_checkpointing,
+                                checkpoint_sublayers=checkpoint_sublayers, activation_offload=activation_offload,
+                                loss_chunk=loss_chunk)
+    return model
+
+
+def _shadow(module, name, method):
+    """module.<name> = method over the class's method; None removes a shadow set before."""
+    vars(module).pop(name, None)
+    if method is not None:
+        setattr(module, name, method)
+
+
+def checkpointed_forward(block, sublayers, x, rope=None):
+    """The block's forward with its activations recomputed in the backward: about 1/3 more compute,
+    and only the block's input is kept. sublayers: attention and MLP are recomputed apart, so the
+    backward holds half a block's activations at a time, at the cost of keeping the input of each half
+    (pair with activation_offload). Evaluation and generation (block.eval()) run the plain forward."""
+    if not block.training:
+        return type(block).forward(block, x, rope)
+    if sublayers:
+        x = checkpoint(block.attention_part, x, rope, use_reentrant=False)
+        return checkpoint(block.mlp_part, x, use_reentrant=False)
+    return checkpoint(type(block).forward, block, x, rope, use_reentrant=False)
+
+
+def offloaded_forward(model, idx, targets=None):
+    """The model's forward with the tensors saved for the backward in host memory (OffloadActivations);
+    a forward without grad saves none."""
+    with OffloadActivations() if torch.is_grad_enabled() else nullcontext():
+        return type(model).forward(model, idx, targets)
+
+
+def chunked_head_loss(model, chunk, x, targets):
+    """The model's head_loss `chunk` tokens at a time (ChunkedLinearCE): the (tokens x vocab) logits
+    never exist all at once; each chunk's are recomputed in the backward."""
+    x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
+    if chunk >= x.size(0):
+        return type(model).head_loss(model, x, targets)
+    return ChunkedLinearCE.apply(x, model.lm_head.weight, targets, chunk)
+
+
+class FrozenLinear(torch.autograd.Function):
+    """F.linear of a frozen weight (and bias) under autocast. The input gradient needs only the
+    weight; autograd's own linear saves the low-precision copy autocast made of it, a weight-sized
+    tensor per matrix kept until the backward (13.5 MiB per GPT-2 block in bf16). This saves the
+    parameter itself and casts it again in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype):
+        ctx.save_for_backward(weight)
+        ctx.dtype = dtype
+        return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        weight, = ctx.saved_tensors
+        dx = torch.matmul(grad.to(ctx.dtype), weight.to(ctx.dtype)) if ctx.needs_input_grad[0] else None
+        return dx, None, None, None
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state_dict) that routes a frozen layer under autocast through
+    FrozenLinear."""
+
+    def forward(self, x):
+        device = x.device.type
+        if (not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
+                and torch.is_grad_enabled() and torch.amp.is_autocast_available(device)
+                and torch.is_autocast_enabled(device)):
+            return FrozenLinear.apply(x, self.weight, self.bias, torch.get_autocast_dtype(device))
+        return super().forward(x)
+
+
+class ChunkedLinearCE(torch.autograd.Function):
+    """F.cross_entropy(F.linear(x, weight), targets, ignore_index=-1), `chunk` rows of x at a time,
+    so that at most one chunk of (chunk x vocab) logits exists, in forward and backward. Saves x,
+    weight and targets only; the backward recomputes each chunk's logits (one more head matmul),
+    turns them into their gradient in place and adds its dx and dW into one buffer each. dW is summed
+    in fp32 whatever the weight's dtype and rounded once at the end: summed in bf16, each chunk would
+    round the running sum, an error that grows with the number of chunks.
+    torch.utils.checkpoint per chunk recomputes the same, but autograd then sums one weight-sized
+    gradient per chunk: 3 weight-sized buffers at its peak (GPT-2's head, 512 tokens in chunks of
+    64: 444 MiB, against 173 MiB here and 295 MiB unchunked)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, chunk):
+        # the backward redoes the forward's matmuls, so under the autocast state the forward ran in;
+        # the weight is cast once, not per chunk (autocast caches no cast of a frozen weight)
+        device = x.device.type
+        available = torch.amp.is_autocast_available(device)  # meta has no autocast
+        ctx.cast = torch.get_autocast_dtype(device) if available and torch.is_autocast_enabled(device) else None
+        ctx.autocast = torch.autocast(device, ctx.cast, enabled=ctx.cast is not None) if available else nullcontext()
+        w = weight.to(ctx.cast) if ctx.cast else weight
+        total = 0
+        for i in range(0, x.size(0), chunk):
+            logits = F.linear(x[i:i + chunk], w)
+            total = total + F.cross_entropy(logits.float(), targets[i:i + chunk], ignore_index=-1, reduction='sum')
+        del logits
+        count = (targets != -1).sum()
+        ctx.save_for_backward(x, weight, targets, count)
+        ctx.chunk = chunk
+        return total / count  # the mean over counted tokens, as ignore_index=-1 does
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight, targets, count = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        dx = torch.empty_like(x) if need_x else None
+        dw = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if need_w else None
+        scale = grad / count
+        with ctx.autocast:
+            w = weight.to(ctx.cast) if ctx.cast else weight
+            for i in range(0, x.size(0), ctx.chunk):
+                xc, yc = x[i:i + ctx.chunk], targets[i:i + ctx.chunk]
+                logits = F.linear(xc, w)
+                dtype = logits.dtype
+                # d(summed CE)/dlogits = softmax - one_hot(target), 0 on ignored rows; written in place
+                # so a chunk costs 2 (chunk x vocab) buffers at most (autograd's cross-entropy backward, 5)
+                dlogits = torch.softmax(logits, -1, dtype=torch.float32)
+                del logits
+                valid = (yc != -1).unsqueeze(1)
+                dlogits.scatter_add_(1, yc.clamp(min=0).unsqueeze(1), -valid.float())
+                dlogits = dlogits.mul_(valid * scale).to(dtype)
+                if need_x:
+                    dx[i:i + ctx.chunk] = dlogits.mm(w)
+                if need_w:
+                    if dlogits.dtype == xc.dtype == dw.dtype:
+                        dw.addmm_(dlogits.t(), xc)  # in place: no weight-sized product
+                    else:  # bf16 weights or autocast: the chunk's product in bf16, its sum in fp32
+                        dw += dlogits.t().mm(xc)
+                del dlogits  # before the next chunk's logits exist
+        return dx, None if dw is None else dw.to(weight.dtype), None, None
+
+
+# grad_fn chains from a saved tensor back to a parameter through these are weights, not activations
+_WEIGHT_VIEWS = {'TBackward0', 'ToCopyBackward0', 'ViewBackward0', 'TransposeBackward0', 'PermuteBackward0',
+                 'ExpandBackward0', 'UnsafeViewBackward0', 'AliasBackward0'}
+
+
+def is_weight(t):
+    """A parameter, a view of one, or (autocast) a cast of a trainable one: it outlives the backward
+    anyway, so offloading it would only copy every weight to the host and back each micro-batch."""
+    if isinstance(t._base if t._base is not None else t, nn.Parameter):
+        return True
+    fn = t.grad_fn
+    while fn is not None and fn.name() in _WEIGHT_VIEWS:
+        fn = fn.next_functions[0][0]
+    return fn is not None and fn.name() == 'torch::autograd::AccumulateGrad'
+
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    """torch.autograd.graph.save_on_cpu, less the weights and the duplicates: tensors saved for the
+    backward are copied to host memory (pinned and asynchronous from CUDA) and back when the backward
+    needs them. Weights stay where they are (save_on_cpu copies them all: 471.5 MiB of GPT-2's per
+    micro-batch, each way), and a view saved twice while its storage lives is copied once
+    (cross-entropy's log-probabilities are saved by log_softmax and nll_loss)."""
+
+    keep_on = ('cpu',)  # device types whose tensors are in host memory already
+
+    def __init__(self):
+        self.copies = {}  # (storage, view) -> (weak reference to the storage, host copy)
+        super().__init__(self.pack, self.unpack)
+
+    def pack(self, t):
+        if t.device.type in self.keep_on or is_weight(t):
+            return t
+        st = t.untyped_storage()
+        key = (id(st), t.storage_offset(), t.shape, t.stride(), t.dtype)
+        hit = self.copies.get(key)
+        if hit is None or hit[0]() is not st:
+            # forgotten when the storage dies, so a later storage at the same id never matches
+            hit = weakref.ref(st, lambda _, key=key: self.copies.pop(key, None)), self.to_host(t)
+            self.copies[key] = hit
+        return t.device, hit[1]
+
+    @staticmethod
+    def to_host(t):
+        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=t.is_cuda)
+        return host.copy_(t, non_blocking=t.is_cuda)
+
+    @staticmethod
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=True)

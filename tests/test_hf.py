@@ -1,0 +1,391 @@
+"""Hugging Face import and export (hf.py, export.py) against transformers itself, offline: tiny random
+GPT2LMHeadModel / LlamaForCausalLM models are built and saved inside each test."""
+import contextlib
+import io
+import json
+import os
+import pickle
+import runpy
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import export  # noqa: E402
+import hf  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+transformers = pytest.importorskip('transformers')
+VOCAB, POSITIONS = 96, 16  # >= the 80 characters of data/shakespeare_char, which train.py reads
+
+
+def randomize(model, seed=0):
+    """Weights far from the 0.02 init (norm gains around 1), so that a wrong layout, transpose or GELU
+    moves the logits by much more than the tolerance."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.1 if 'norm' in name or 'ln' in name else 0.3)
+                    + (1.0 if name.endswith('weight') and p.dim() == 1 else 0.0))
+    return model
+
+
+def hf_model(kind):
+    """A random transformers model of one of the cases below."""
+    torch.manual_seed(0)
+    if kind.startswith('gpt2'):
+        cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=POSITIONS, vocab_size=VOCAB,
+                                      tie_word_embeddings=kind == 'gpt2', bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        heads, kv = (4, 2) if kind == 'llama-gqa' else (4, 4)
+        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                       num_attention_heads=heads, num_key_value_heads=kv, vocab_size=VOCAB,
+                                       max_position_embeddings=POSITIONS, rope_theta=5000.0, rms_norm_eps=1e-5,
+                                       tie_word_embeddings=kind == 'llama-tied', bos_token_id=1, eos_token_id=2)
+        model = transformers.LlamaForCausalLM(cfg)
+    return randomize(model).eval()
+
+
+CASES = ['gpt2', 'gpt2-untied', 'llama-gqa', 'llama-tied']
+
+
+def save_hf(kind, path):
+    model = hf_model(kind)
+    model.save_pretrained(path)
+    return model
+
+
+def our_logits(model, idx):
+    return model.lm_head(model.hidden_states(idx))
+
+
+def tokens(n=2, t=POSITIONS, seed=1, vocab=VOCAB):
+    return torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize('kind', CASES)
+def test_import_gives_transformers_logits(tmp_path, kind):
+    ref = save_hf(kind, tmp_path)
+    model = hf.load(str(tmp_path)).eval()
+    assert model.config.tie_embeddings == (kind in ('gpt2', 'llama-tied'))
+    assert (model.lm_head.weight is model.wte.weight) == model.config.tie_embeddings
+    idx = tokens()
+    expected = ref(idx).logits
+    assert (our_logits(model, idx) - expected).abs().max() < 1e-5
+    _, loss = model(idx[:, :-1], idx[:, 1:])
+    assert abs(loss.item() - ref(idx, labels=idx).loss.item()) < 1e-5  # HF shifts the labels itself
+    if kind.startswith('gpt2'):
+        # the check can fail: GPT-2 with exact GELU is far off (why the tanh option exists)
+        assert model.config.gelu == 'tanh'
+        exact = GPT(GPTConfig(**{**vars(model.config), 'gelu': 'exact'})).eval()
+        exact.load_state_dict(model.state_dict())
+        assert (our_logits(exact, idx) - expected).abs().max() > 1e-4
+
+
+@torch.no_grad()
+@pytest.mark.parametrize('args', [
+    dict(arch='gpt2', bias=False),  # train.py's default: exact GELU, no biases (exported as zeros)
+    dict(arch='gpt2', gelu='tanh', tie_embeddings=False, mlp_hidden=40, norm_eps=1e-4),
+    dict(arch='llama', n_kv_head=2, rope_theta=500.0, norm_eps=1e-4),
+    dict(arch='llama', tie_embeddings=True, mlp_hidden=40),
+])
+def test_export_gives_transformers_logits(tmp_path, args):
+    model = randomize(GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=POSITIONS, vocab_size=VOCAB,
+                                    **args))).eval()
+    hf.save(model, str(tmp_path))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    # every tensor transformers has is in the file (none left to its initialisation); a tied head is stored once
+    expected = set(theirs.state_dict()) - ({'lm_head.weight'} if model.config.tie_embeddings else set())
+    assert set(load_file(tmp_path / 'model.safetensors')) == expected
+    idx = tokens()
+    ours = our_logits(model, idx)
+    assert (ours - theirs(idx).logits).abs().max() < 1e-5
+    if args['arch'] == 'gpt2':  # the check can fail: the other GELU is far off on these weights
+        other = GPT(GPTConfig(**{**vars(model.config), 'gelu': 'exact' if model.config.gelu == 'tanh' else 'tanh'}))
+        other.load_state_dict(model.state_dict())
+        assert (our_logits(other.eval(), idx) - ours).abs().max() > 1e-4
+
+
+def test_old_checkpoints_keep_exact_gelu_and_their_tying():
+    """model_args saved before the gelu and tie_embeddings fields existed build what they built then."""
+    old = dict(arch='gpt2', block_size=16, vocab_size=65, n_layer=1, n_head=2, n_kv_head=2, n_embd=16,
+               mlp_hidden=64, dropout=0.0, bias=False, rope_theta=10000.0, norm_eps=1e-5)
+    gpt2 = GPT(GPTConfig(**old))
+    assert gpt2.config.gelu == 'exact' and gpt2.blocks[0].mlp.approximate == 'none'
+    assert gpt2.lm_head.weight is gpt2.wte.weight
+    llama = GPT(GPTConfig(**dict(old, arch='llama')))
+    assert llama.lm_head.weight is not llama.wte.weight and not llama.config.tie_embeddings
+
+
+# -----------------------------------------------------------------------------
+# weight files: sharded safetensors, pytorch_model.bin, GPT2Model-style names
+
+
+def assert_same_model(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_sharded_safetensors_and_pytorch_bin_read_alike(tmp_path):
+    ref = save_hf('llama-gqa', tmp_path / 'single')
+    ref.save_pretrained(tmp_path / 'sharded', max_shard_size='20KB')
+    assert os.path.exists(tmp_path / 'sharded' / 'model.safetensors.index.json')
+    assert len([f for f in os.listdir(tmp_path / 'sharded') if f.endswith('.safetensors')]) > 2
+    (tmp_path / 'bin').mkdir()
+    (tmp_path / 'bin' / 'config.json').write_text((tmp_path / 'single' / 'config.json').read_text())
+    torch.save(ref.state_dict(), tmp_path / 'bin' / 'pytorch_model.bin')
+    single = hf.load(str(tmp_path / 'single'))
+    assert_same_model(single, hf.load(str(tmp_path / 'sharded')))
+    assert_same_model(single, hf.load(str(tmp_path / 'bin')))
+
+
+def test_gpt2_hub_layout_without_prefix_and_with_mask_buffers(tmp_path):
+    """The hub's GPT-2 files were saved from GPT2Model: no 'transformer.' prefix, causal-mask buffers."""
+    ref = save_hf('gpt2', tmp_path / 'hf')
+    state = {k.removeprefix('transformer.'): v.contiguous() for k, v in ref.state_dict().items()
+             if k != 'lm_head.weight'}
+    state['h.0.attn.bias'] = torch.ones(1, 1, POSITIONS, POSITIONS)
+    (tmp_path / 'hub').mkdir()
+    save_file(state, tmp_path / 'hub' / 'model.safetensors', metadata={'format': 'pt'})
+    (tmp_path / 'hub' / 'config.json').write_text((tmp_path / 'hf' / 'config.json').read_text())
+    assert_same_model(hf.load(str(tmp_path / 'hf')), hf.load(str(tmp_path / 'hub')))
+
+
+def test_hub_name_goes_through_transformers(monkeypatch):
+    import types
+    ref = hf_model('gpt2')
+    fake = types.SimpleNamespace(GPT2LMHeadModel=types.SimpleNamespace(from_pretrained=lambda name: ref))
+    monkeypatch.setitem(sys.modules, 'transformers', fake)
+    model = hf.from_pretrained('gpt2', dropout=0.1)
+    assert model.config.dropout == 0.1 and model.config.gelu == 'tanh'
+    with torch.no_grad():
+        idx = tokens()
+        assert (our_logits(model.eval(), idx) - ref(idx).logits).abs().max() < 1e-5
+    monkeypatch.setitem(sys.modules, 'transformers', None)  # not installed
+    with pytest.raises(hf.HFError, match=r"pip install transformers, or pass a downloaded directory"):
+        hf.from_pretrained('gpt2')
+
+
+# -----------------------------------------------------------------------------
+# refusals: one line naming what cannot be mapped
+
+
+def edit_config(path, **changes):
+    config = json.loads((path / 'config.json').read_text())
+    config.update(changes)
+    (path / 'config.json').write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize('kind, changes, pattern', [
+    ('llama-gqa', dict(architectures=['MistralForCausalLM'], model_type='mistral'),
+     r"MistralForCausalLM cannot be mapped; this repository imports GPT2LMHeadModel and LlamaForCausalLM"),
+    ('llama-gqa', dict(rope_parameters={'rope_type': 'llama3', 'factor': 8.0, 'rope_theta': 5e5}),
+     r"rope scaling 'llama3' cannot be mapped"),
+    ('llama-gqa', dict(rope_scaling={'type': 'linear', 'factor': 2.0}), r"rope scaling 'linear' cannot be mapped"),
+    ('llama-gqa', dict(attention_bias=True), r"LLaMA with biases \(attention_bias=true\) cannot be mapped"),
+    ('llama-gqa', dict(mlp_bias=True), r"LLaMA with biases \(mlp_bias=true\) cannot be mapped"),
+    ('llama-gqa', dict(hidden_act='gelu'), r"hidden_act 'gelu' cannot be mapped"),
+    ('llama-gqa', dict(head_dim=16), r"head_dim=16 x num_attention_heads=4 != hidden_size=32"),
+    ('gpt2', dict(activation_function='relu'), r"GPT-2 with activation_function 'relu' cannot be mapped"),
+    ('gpt2', dict(scale_attn_by_inverse_layer_idx=True), r"scale_attn_by_inverse_layer_idx=true cannot be mapped"),
+    ('llama-gqa', dict(num_key_value_heads=4), r"'model.layers.0.self_attn.k_proj.weight' has shape \(16, 32\), "
+                                               r"the config gives \(32, 32\)"),
+    ('llama-gqa', dict(tie_word_embeddings=True), r"tie_word_embeddings is true but lm_head.weight differs"),
+    ('gpt2-untied', dict(tie_word_embeddings=True), r"tie_word_embeddings is true but lm_head.weight differs"),
+])
+def test_what_cannot_be_mapped_is_refused_in_one_line(tmp_path, kind, changes, pattern):
+    import re
+    save_hf(kind, tmp_path)
+    hf.load(str(tmp_path))  # loads before the edit
+    edit_config(tmp_path, **changes)
+    with pytest.raises(hf.HFError) as e:
+        hf.load(str(tmp_path))
+    assert '\n' not in str(e.value) and re.search(pattern, str(e.value)), str(e.value)
+    assert str(tmp_path) in str(e.value)  # names the file
+
+
+def test_biases_and_missing_tensors_in_the_weights_are_refused(tmp_path):
+    """A LLaMA whose config denies biases the weights have, and weights short of a tensor."""
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=POSITIONS, attention_bias=True)).save_pretrained(tmp_path)
+    with pytest.raises(hf.HFError, match=r"attention_bias=true"):
+        hf.load(str(tmp_path))
+    edit_config(tmp_path, attention_bias=False)
+    with pytest.raises(hf.HFError, match=r"tensor 'model\.layers\.0\.self_attn\.[qkvo]_proj\.bias' cannot be mapped"):
+        hf.load(str(tmp_path))
+    state = load_file(tmp_path / 'model.safetensors')
+    state = {k: v for k, v in state.items() if not k.endswith('.bias') and 'norm' not in k}
+    save_file(state, tmp_path / 'model.safetensors', metadata={'format': 'pt'})
+    with pytest.raises(hf.HFError, match=r"the weights lack 3 tensor\(s\) the config needs, e\.g\. "
+                                         r"'model\.layers\.0\.input_layernorm\.weight'"):
+        hf.load(str(tmp_path))
+    os.remove(tmp_path / 'model.safetensors')
+    with pytest.raises(hf.HFError, match=r"holds no weights: expected model\.safetensors"):
+        hf.load(str(tmp_path))
+    with pytest.raises(hf.HFError, match=r"holds no config\.json"):
+        hf.load(str(tmp_path / 'nothing'))
+
+
+# -----------------------------------------------------------------------------
+# through train.py and export.py
+
+
+def train(*args):
+    """train.py in this process (its module-level script), tiny and quick; returns its stdout."""
+    argv = ['train.py', '--n_layer=2', '--n_head=2', '--n_embd=32', f'--block_size={POSITIONS}', '--batch_size=4',
+            '--max_iters=3', '--eval_interval=3', '--eval_iters=1', '--log_interval=1', '--sample_tokens=0',
+            '--compile=False', '--omgd_gamma=1', '--omgd_period=1', '--warmup_iters=1', '--lr_decay_iters=3',
+            '--device=cpu', '--dtype=float32', *args]
+    out, old_argv, cwd = io.StringIO(), sys.argv, os.getcwd()
+    try:
+        sys.argv = argv
+        os.chdir(ROOT)
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(os.path.join(ROOT, 'train.py'), run_name='__main__')
+    finally:
+        sys.argv = old_argv
+        os.chdir(cwd)
+    return out.getvalue()
+
+
+def export_dir(out_dir, hf_dir):
+    lines = []
+    export.export(str(out_dir), str(hf_dir), log=lines.append)
+    return '\n'.join(lines)
+
+
+def checkpoint_model(out_dir):
+    checkpoint = torch.load(out_dir / 'ckpt.pt', weights_only=True)
+    model = GPT(GPTConfig(**checkpoint['model_args']))
+    model.load_state_dict(checkpoint['model'])
+    return model.eval()
+
+
+@pytest.mark.parametrize('kind', ['gpt2', 'llama-gqa'])
+def test_init_from_hf_then_export_gives_the_same_tensors(tmp_path, kind):
+    save_hf(kind, tmp_path / 'in')
+    # a learning rate of 1e-30 makes every AdamW step and weight decay smaller than half a unit in the last
+    # place of every weight (|w| > 1e-5 here), so training leaves the weights bitwise as imported
+    train(f'--init_from={tmp_path / "in"}', f'--out_dir={tmp_path / "run"}', '--learning_rate=1e-30', '--min_lr=0')
+    export_dir(tmp_path / 'run', tmp_path / 'out')
+    before, after = load_file(tmp_path / 'in' / 'model.safetensors'), load_file(tmp_path / 'out' / 'model.safetensors')
+    assert before.keys() == after.keys()
+    for k in before:
+        assert before[k].dtype == after[k].dtype and torch.equal(before[k], after[k]), k
+    hf_in = json.loads((tmp_path / 'in' / 'config.json').read_text())
+    hf_out = json.loads((tmp_path / 'out' / 'config.json').read_text())
+    assert GPTConfig(**hf.config_from_hf(hf_in)) == GPTConfig(**hf.config_from_hf(hf_out))
+
+
+@pytest.mark.parametrize('start', ['scratch-gpt2', 'scratch-llama', 'hf-gpt2-untied', 'hf-llama-tied'])
+def test_trained_here_and_exported_gives_the_same_logits_in_transformers(tmp_path, start):
+    if start == 'scratch-gpt2':  # train.py's default architecture: exact GELU, no biases (exported as zeros)
+        args = []
+    elif start == 'scratch-llama':
+        args = ['--arch=llama', '--n_head=4', '--n_kv_head=2']
+    else:
+        save_hf(start.removeprefix('hf-'), tmp_path / 'in')
+        args = [f'--init_from={tmp_path / "in"}']
+    train(f'--out_dir={tmp_path / "run"}', *args)
+    note = export_dir(tmp_path / 'run', tmp_path / 'out')
+    assert 'character-level' in note and 'meta.pkl' in note
+    assert not os.path.exists(tmp_path / 'out' / 'vocab.json')
+    ours = checkpoint_model(tmp_path / 'run')
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'out').eval()
+    idx = tokens(vocab=ours.config.vocab_size)
+    with torch.no_grad():
+        assert (our_logits(ours, idx) - theirs(idx).logits).abs().max() < 1e-5
+    if start.startswith('hf-'):  # trained: the weights moved away from the import
+        assert not torch.equal(ours.blocks[0].ln_1.weight, hf.load(str(tmp_path / 'in')).blocks[0].ln_1.weight)
+
+
+def train_error(*args):
+    """The one-line error of a train.py run that must fail (printed, or the message of its exit)."""
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(io.StringIO()) as err:
+        train(*args)
+    message = e.value.code if isinstance(e.value.code, str) else err.getvalue().strip()
+    assert e.value.code != 0 and message.startswith('error: ') and '\n' not in message, message
+    return message
+
+
+def test_train_refuses_what_does_not_fit_the_pretrained_model(tmp_path):
+    save_hf('llama-gqa', tmp_path / 'in')
+    run = f'--out_dir={tmp_path / "run"}'
+    assert "block_size=32 is longer than the pretrained model's 16 positions; use --block_size=16" in \
+        train_error(f'--init_from={tmp_path / "in"}', run, '--block_size=32')
+    assert "init_from must be 'scratch', 'resume', a GPT-2 name or a Hugging Face model directory, got" in \
+        train_error(f'--init_from={tmp_path / "nowhere"}', run)
+    edit_config(tmp_path / 'in', rope_scaling={'rope_type': 'yarn', 'factor': 4.0})
+    assert "rope scaling 'yarn' cannot be mapped" in train_error(f'--init_from={tmp_path / "in"}', run)
+    assert not os.path.exists(tmp_path / 'run' / 'ckpt.pt')
+
+
+# -----------------------------------------------------------------------------
+# tokenizers in the export
+
+
+def fake_checkpoint(out_dir, dataset, arch='gpt2', vocab_size=VOCAB):
+    model = GPT(GPTConfig(arch=arch, n_layer=1, n_head=2, n_embd=16, block_size=POSITIONS, vocab_size=vocab_size))
+    out_dir.mkdir()
+    torch.save({'model': model.state_dict(), 'model_args': vars(model.config), 'iter_num': 0,
+                'config': {'dataset': str(dataset)}}, out_dir / 'ckpt.pt')
+
+
+def test_gpt2_bpe_dataset_exports_gpt2s_tokenizer(tmp_path):
+    from data.gpt2_bpe import gpt2_encoding
+    (tmp_path / 'data').mkdir()  # no meta.pkl: GPT-2 BPE
+    fake_checkpoint(tmp_path / 'run', tmp_path / 'data', vocab_size=50304)
+    note = export_dir(tmp_path / 'run', tmp_path / 'out')
+    assert 'GPT-2 BPE' in note
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / 'out')
+    text = "ROMEO: But soft, what light through yonder window breaks?\n  It is the east, and Juliet is the sun."
+    assert tok(text)['input_ids'] == gpt2_encoding().encode_ordinary(text)
+    assert tok.eos_token_id == 50256
+    config = json.loads((tmp_path / 'out' / 'config.json').read_text())
+    assert config['eos_token_id'] == config['bos_token_id'] == 50256
+    assert json.loads((tmp_path / 'out' / 'generation_config.json').read_text())['eos_token_id'] == 50256
+    with pytest.raises(export.ExportError, match=r"already holds config\.json; .* --overwrite=True"):
+        export_dir(tmp_path / 'run', tmp_path / 'out')
+
+
+def test_hf_tokenizer_dataset_exports_its_tokenizer_files(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok_dir = tmp_path / 'tok'
+    tok_dir.mkdir()
+    vocab = {'<s>': 0, '</s>': 1, '<unk>': 2, **{w: i + 3 for i, w in enumerate('to be or not that is the question'
+                                                                             .split())}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token='<unk>'))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(['<s>', '</s>'])
+    tokenizer.save(str(tok_dir / 'tokenizer.json'))
+    (tok_dir / 'tokenizer_config.json').write_text(json.dumps(
+        {'tokenizer_class': 'PreTrainedTokenizerFast', 'bos_token': '<s>', 'eos_token': '</s>', 'unk_token': '<unk>'}))
+    (tmp_path / 'data').mkdir()
+    with open(tmp_path / 'data' / 'meta.pkl', 'wb') as f:
+        pickle.dump({'tokenizer': str(tok_dir), 'vocab_size': len(vocab)}, f)
+    fake_checkpoint(tmp_path / 'run', tmp_path / 'data', arch='llama')
+    note = export_dir(tmp_path / 'run', tmp_path / 'out')
+    assert 'tokenizer.json, tokenizer_config.json' in note
+    assert (tmp_path / 'out' / 'tokenizer.json').read_bytes() == (tok_dir / 'tokenizer.json').read_bytes()
+    config = json.loads((tmp_path / 'out' / 'config.json').read_text())
+    assert (config['bos_token_id'], config['eos_token_id']) == (0, 1)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / 'out')
+    assert tok('to be or not to be')['input_ids'] == [3, 4, 5, 6, 3, 4]
+
+
+def test_export_refusals_are_one_line(tmp_path, capsys):
+    for argv, pattern in ((['--out_dir=' + str(tmp_path)], r"--hf_dir is required"),
+                          ([f'--out_dir={tmp_path}', f'--hf_dir={tmp_path / "hf"}'], r"no checkpoint at"),
+                          ([f'--out_dir={tmp_path}', '--hf_dir=x', '--dtype=fp8'], r"dtype must be '' .* got 'fp8'")):
+        with pytest.raises(SystemExit) as e:
+            export.main(argv)
+        import re
+        assert str(e.value.code).startswith('error: ') and '\n' not in str(e.value.code)
+        assert re.search(pattern, str(e.value.code)), e.value.code

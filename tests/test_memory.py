@@ -1,0 +1,385 @@
+"""memory.py: the memory options (activation checkpointing, offload, chunked loss) and the frozen
+Linear; each must leave the numbers as they are and keep less."""
+import math
+import os
+import sys
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import memory  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+torch.set_num_threads(1)  # the CPU is shared; tiny models don't need more
+
+
+def tiny(arch, **kw):
+    base = dict(arch=arch, block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32,
+                dropout=0.0)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+TINY = {
+    'gpt2': lambda: tiny('gpt2'),
+    'llama': lambda: tiny('llama', n_kv_head=2),  # grouped-query attention
+}
+
+
+def batch(cfg, b=2, t=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = t or cfg.block_size
+    x = torch.randint(0, cfg.vocab_size, (b, t), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (b, t), generator=g)
+    return x, y
+
+
+@pytest.mark.parametrize('arch', ['gpt2', 'llama'])
+def test_activation_checkpointing_matches(arch):
+    torch.manual_seed(0)
+    cfg = TINY[arch]()
+    model = GPT(cfg).train()
+    x, y = batch(cfg)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss_ref, grads_ref = run()
+    memory.apply(model, activation_checkpointing=True)
+    loss_ckpt, grads_ckpt = run()
+    assert torch.allclose(loss_ref, loss_ckpt)
+    for n in grads_ref:
+        assert torch.allclose(grads_ref[n], grads_ckpt[n], atol=1e-6), n
+
+
+# -----------------------------------------------------------------------------
+# memory: logits, chunked loss, frozen blocks, activation offload
+
+
+class LiveStorages(TorchDispatchMode):
+    """The storages that ops under it create and that are still alive (weak references), and the
+    peak of their bytes, op by op: a CPU run's allocations without an allocator to ask. Storages of
+    the tensors passed in existed before and are not counted (nor are views of them)."""
+
+    def __init__(self, *before):
+        super().__init__()
+        self.before = [t.untyped_storage() for t in tree_leaves(before) if isinstance(t, torch.Tensor)]
+        self.live, self.current, self.peak = {}, 0, 0
+
+    def _freed(self, key, _):
+        self.current -= self.live.pop(key)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = id(st)
+                if key not in self.live and not any(st is b for b in self.before):
+                    self.live[key] = (weakref.ref(st, lambda ref, key=key: self._freed(key, ref)), st.nbytes())
+                    self.current += st.nbytes()
+                    self.peak = max(self.peak, self.current)
+        return out
+
+    def sizes(self):
+        return [nbytes for _, nbytes in self.live.values()]
+
+
+@pytest.mark.parametrize('arch', ['gpt2', 'llama'])
+def test_training_forward_holds_no_logits(arch):
+    """train.py's `_, loss = model(X, Y)` keeps `_` until its next forward: it must not be the logits."""
+    torch.manual_seed(0)
+    # the vocabulary is wider than the MLP and there are more tokens than n_embd, so only the
+    # logits (and the log-probabilities) reach tokens x vocab floats, not a weight gradient
+    cfg = tiny(arch, vocab_size=512, block_size=32)
+    model = GPT(cfg).train()
+    x, y = batch(cfg)
+    logits_bytes = x.numel() * cfg.vocab_size * 4
+    tracker = LiveStorages(list(model.parameters()), list(model.buffers()), x, y)
+    with tracker:
+        _, loss = model(x, y)
+        loss.backward()
+        del loss
+    assert tracker.peak >= logits_bytes  # they did exist, in the forward
+    assert max(tracker.sizes()) < logits_bytes, 'a tokens x vocab tensor outlives the backward'
+    assert sum(tracker.sizes()) == sum(p.grad.untyped_storage().nbytes() for p in model.parameters())  # all else freed
+
+
+def run_grads(model, x, y):
+    model.zero_grad(set_to_none=True)
+    _, loss = model(x, y)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize('arch', ['gpt2', 'llama'])
+@pytest.mark.parametrize('chunk', [7, 16])  # 32 tokens: a remainder chunk; two even ones
+def test_chunked_loss_matches_full(arch, chunk):
+    torch.manual_seed(0)
+    cfg = TINY[arch]()
+    model = GPT(cfg).train()
+    x, y = batch(cfg)
+    y[0, 3:] = -1  # ignored targets, across chunk boundaries and filling whole chunks
+    # each case against the unchunked loss: all trainable, frozen head (no dW), only the head (no dx)
+    for case in ('all', 'head frozen', 'head only'):
+        if case == 'head frozen':
+            model.lm_head.requires_grad_(False)
+        elif case == 'head only':
+            model.requires_grad_(False)
+            model.lm_head.requires_grad_(True)
+        memory.apply(model)
+        loss_ref, grads_ref = run_grads(model, x, y)
+        memory.apply(model, loss_chunk=chunk)
+        loss, grads = run_grads(model, x, y)
+        # not bitwise: the chunks' losses and dW are summed in another order than one big reduction
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=0)
+        assert grads.keys() == grads_ref.keys() and grads
+        for n in grads:
+            torch.testing.assert_close(grads[n], grads_ref[n], rtol=1e-5, atol=1e-7, msg=f'{case}: {n}')
+        with torch.no_grad():  # evaluation runs the chunks too
+            torch.testing.assert_close(model(x, y)[1], loss_ref, rtol=1e-6, atol=0)
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """The dtypes of the operands of every matmul run under it (dtypes: a set, count: how many)."""
+
+    def __enter__(self):
+        self.dtypes, self.count = set(), 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+            self.count += 1
+            self.dtypes |= {a.dtype for a in args if isinstance(a, torch.Tensor)}
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('arch', ['gpt2', 'llama'])
+def test_chunked_loss_under_autocast(arch):
+    """Under bf16 autocast the chunks' matmuls run in bf16 as the unchunked head's do, the weight
+    gradient accumulates in the weight's fp32: within bf16 rounding of the unchunked result
+    (bf16 against fp32 differs by up to 1.5% here)."""
+    torch.manual_seed(0)
+    cfg = tiny(arch, vocab_size=512, block_size=32)
+    model = GPT(cfg).train()
+    x, y = batch(cfg)
+    y[0, 3:] = -1
+    with torch.autocast('cpu', torch.bfloat16):
+        loss_ref, grads_ref = run_grads(model, x, y)
+        memory.apply(model, loss_chunk=7)
+        model.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+    with MatmulDtypes() as backward:  # the backward runs outside autocast, as train.py's does
+        loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    # every matmul of the backward is in bf16, the head's recomputation and products included
+    assert backward.count >= 3 * math.ceil(x.numel() / 7) and backward.dtypes == {torch.bfloat16}
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)
+    for n in grads_ref:
+        assert grads[n].dtype == torch.float32
+        assert (grads[n] - grads_ref[n]).abs().max() <= 1e-2 * grads_ref[n].abs().max(), n
+
+
+def test_chunked_loss_keeps_one_chunk_of_logits():
+    """The head on given hidden states, forward and backward: unchunked, tokens x vocab floats are
+    saved; chunked, nothing of that size is saved, and beyond dx and dW at most two chunk x vocab
+    buffers exist at once (the chunk's logits and their gradient)."""
+    torch.manual_seed(0)
+    cfg = tiny('llama', vocab_size=512)
+    model = GPT(cfg)
+    n, chunk, C, V = 64, 16, cfg.n_embd, cfg.vocab_size
+    x = torch.randn(n, C, requires_grad=True)
+    y = torch.randint(0, V, (n,))
+    grads = (n + V) * C * 4  # dx and dW
+    chunk_bytes = chunk * V * 4
+
+    def measure(loss_chunk):
+        memory.apply(model, loss_chunk=loss_chunk)
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        tracker = LiveStorages(x, y, list(model.parameters()))
+        with tracker:
+            loss = model.head_loss(x, y)
+            after_forward = tracker.current
+            loss.backward()
+        return after_forward, tracker.peak
+
+    after_forward, peak = measure(0)
+    assert after_forward >= n * V * 4 and peak >= grads + 2 * n * V * 4
+    after_forward, peak = measure(chunk)
+    assert after_forward < 64  # a few scalars: the token count, the loss
+    # slack: the chunk's dx (chunk x n_embd) and its target masks
+    assert grads + chunk_bytes < peak <= grads + 2 * chunk_bytes + chunk * C * 4 + 1024
+
+
+def saved_activation_bytes(module, *args):
+    """Bytes of the distinct storages autograd saves for the backward in module(*args); storages of
+    parameters and of the tensors in args (inputs, rotary tables) are not activations of the block."""
+    exclude = {t.untyped_storage().data_ptr() for t in tree_leaves((list(module.parameters()), args))
+               if isinstance(t, torch.Tensor)}
+    saved = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in exclude:
+            saved[st.data_ptr()] = st.nbytes()  # storages stay alive while `out` holds the graph
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(*args)
+    del out
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize('arch', ['gpt2', 'llama'])
+def test_frozen_block_saves_only_what_its_input_gradient_needs(arch):
+    """A frozen block above a trainable part (its input needs a gradient) must not keep the inputs
+    of its linear layers, which only serve their weight gradients; PyTorch's mm saves an operand
+    only for the other operand's gradient."""
+    torch.manual_seed(0)
+    cfg = TINY[arch]()
+    model = GPT(cfg)
+    block = model.blocks[0]
+    T = cfg.block_size
+    x = torch.randn(2, T, cfg.n_embd, requires_grad=True)
+    rope = model.rotary(T) if arch == 'llama' else None
+    trainable = saved_activation_bytes(block, x, rope)
+    block.requires_grad_(False)
+    frozen = saved_activation_bytes(block, x, rope)
+    C, H = cfg.n_embd, cfg.mlp_hidden
+    # per token, saved only for weight gradients: the inputs of the attention's and the MLP's first
+    # linears (the norms' outputs, C each) and of the MLP's last one (H). The output projection's
+    # input is the attention output, which SDPA saves anyway. LLaMA's RMSNorm also saves its
+    # normalised input (C each) for its weight's gradient; LayerNorm recomputes it from mean and rstd.
+    weight_grad_only = 2 * C + H if arch == 'gpt2' else 4 * C + H
+    assert trainable - frozen == x.numel() // C * weight_grad_only * 4
+
+
+@pytest.mark.parametrize('arch', ['gpt2', 'llama'])
+def test_frozen_block_under_autocast_keeps_no_weight_copies(arch, monkeypatch):
+    """Under bf16 autocast, autograd's own linear keeps the bf16 copy of a frozen weight until the
+    backward; memory.Linear saves the parameter instead: a frozen block saves exactly the bf16 bytes
+    of its matrices less, with the same input gradient bitwise."""
+    torch.manual_seed(0)
+    cfg = TINY[arch]()
+    model = GPT(cfg)
+    block = model.blocks[0].requires_grad_(False)
+    T = cfg.block_size
+    x = torch.randn(2, T, cfg.n_embd, requires_grad=True)
+    rope = model.rotary(T) if arch == 'llama' else None
+
+    def run():
+        x.grad = None
+        with torch.autocast('cpu', torch.bfloat16):
+            saved = saved_activation_bytes(block, x, rope)
+            out = block(x, rope)
+        out.float().square().sum().backward()
+        return saved, x.grad
+
+    saved, dx = run()
+    monkeypatch.setattr(memory.Linear, 'forward', torch.nn.Linear.forward)  # autograd's own linear
+    saved_ref, dx_ref = run()
+    matrices = sum(p.numel() for p in block.parameters() if p.dim() == 2)
+    assert saved_ref - saved == matrices * 2
+    assert torch.equal(dx, dx_ref)
+
+
+@pytest.mark.parametrize('arch', ['gpt2', 'llama'])
+def test_activation_offload(arch, monkeypatch):
+    """On CPU the offload keeps tensors where they are: the gradients are the same bitwise, with
+    activation checkpointing and the chunked loss too. Then CPU tensors are offloaded as if from a
+    device (keep_on emptied): every saved activation is copied to a new host tensor, each distinct
+    view once, and the backward on those copies still gives the same gradients bitwise."""
+    torch.manual_seed(0)
+    cfg = TINY[arch]()
+    model = GPT(cfg).train()
+    x, y = batch(cfg)
+    for ckpt, chunk in ((False, 0), (True, 0), (False, 7), (True, 7)):
+        memory.apply(model, activation_checkpointing=ckpt, loss_chunk=chunk)
+        loss_ref, grads_ref = run_grads(model, x, y)
+        memory.apply(model, activation_checkpointing=ckpt, loss_chunk=chunk, activation_offload=True)
+        loss, grads = run_grads(model, x, y)
+        assert torch.equal(loss, loss_ref)
+        assert grads.keys() == grads_ref.keys()
+        assert all(torch.equal(grads[n], grads_ref[n]) for n in grads), (ckpt, chunk)
+
+    memory.apply(model)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss_ref, grads_ref = run_grads(model, x, y)
+    activations = [t for t in saved if not memory.is_weight(t)]
+    views = {(id(t.untyped_storage()), t.storage_offset(), t.shape, t.stride()) for t in activations}
+
+    monkeypatch.setattr(memory.OffloadActivations, 'keep_on', ())
+    copies = []
+    to_host = memory.OffloadActivations.to_host
+    monkeypatch.setattr(memory.OffloadActivations, 'to_host', staticmethod(
+        lambda t: copies.append(to_host(t)) or copies[-1]))
+    memory.apply(model, activation_offload=True)
+    loss, grads = run_grads(model, x, y)
+    assert len(copies) == len(views) > 0
+    assert all(c.device.type == 'cpu' for c in copies)
+    assert torch.equal(loss, loss_ref) and all(torch.equal(grads[n], grads_ref[n]) for n in grads_ref)
+    with torch.no_grad():
+        model(x, y)  # nothing is saved without grad: no hooks, no copies
+    assert len(copies) == len(views)
+
+
+@pytest.mark.parametrize('autocast', [False, True])
+def test_offload_leaves_weights_in_place(autocast):
+    """Offloading copies activations, not weights: a parameter, a view of it (the transposed weight
+    that mm saves) and, under autocast, the cached low-precision copy of a trainable one stay on the
+    device. Here a saved tensor is a weight iff it has a parameter's shape (24 tokens: no activation
+    does)."""
+    torch.manual_seed(0)
+    cfg = tiny('llama', n_kv_head=2, block_size=12)
+    model = GPT(cfg).train()
+    model.blocks[1].requires_grad_(False)  # frozen weights are saved too (for the input gradient)
+    x, y = batch(cfg)
+    shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape[::-1]) for p in model.parameters()}
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast('cpu', torch.bfloat16, enabled=autocast):
+            model(x, y)
+    labels = [(tuple(t.shape), tuple(t.shape) in shapes, memory.is_weight(t)) for t in saved]
+    assert [l for l in labels if l[1] != l[2]] == []
+    assert any(l[1] for l in labels) and not all(l[1] for l in labels)
+    if autocast:
+        assert any(t.dtype == torch.bfloat16 and tuple(t.shape) in shapes for t in saved)
+
+
+def test_chunked_loss_sums_a_bf16_weight_gradient_in_fp32():
+    """Pure bf16 (no autocast): the head's weight gradient is summed over the chunks in fp32 and
+    rounded to bf16 once, so its error against fp32 arithmetic on the same bf16 numbers stays that
+    of the unchunked head however many chunks there are (summed in bf16, every chunk would round the
+    running sum: the error grows with their number)."""
+    torch.manual_seed(0)
+    n, C, V = 2048, 32, 256
+    x = torch.randn(n, C).bfloat16()
+    weight = (0.1 * torch.randn(V, C)).bfloat16()
+    y = torch.randint(0, V, (n,))
+    ref = weight.float().requires_grad_()
+    torch.nn.functional.cross_entropy(torch.nn.functional.linear(x.float(), ref), y).backward()
+
+    def error(chunks):
+        w = weight.clone().requires_grad_()
+        if chunks == 1:  # the unchunked head, as GPT.head_loss computes it
+            loss = torch.nn.functional.cross_entropy(torch.nn.functional.linear(x, w).float(), y)
+        else:
+            loss = memory.ChunkedLinearCE.apply(x, w, y, n // chunks)
+        loss.backward()
+        assert w.grad.dtype == torch.bfloat16
+        return ((w.grad.float() - ref.grad).norm() / ref.grad.norm()).item()
+
+    errors = {chunks: error(chunks) for chunks in (1, 16, 128)}
+    assert errors[1] > 0  # bf16 rounding is there to be compared
+    # each chunk's product is still rounded to bf16 before the fp32 sum: a bounded extra error, the
+    # same for 16 chunks as for 128 (bf16 sums: 0.0132 at 128 chunks, 6.6 times the unchunked error)
+    assert errors[128] <= 1.2 * errors[16] and errors[128] <= 2 * errors[1], errors

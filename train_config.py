@@ -1,0 +1,231 @@
+"""
+train.py's config: every key with its default (the data, read top to bottom as in nanoGPT's
+train.py), the rule each value must follow, and the checks of values that cannot train together.
+train.py, sample.py's resume of a run, the benchmarks and the experiments all start from here:
+
+    cfg = train_config.load(sys.argv[1:])    # defaults <- config files <- --key=value, all checked
+
+A config is a plain dict (what checkpoints store). `python train.py --help` lists the keys with
+the comments below.
+"""
+import math
+import os
+
+import torch
+
+import omgd
+from configurator import above, at_least, between, check_rule, configure, one_of
+
+CUDA = torch.cuda.is_available()
+
+
+def machine_defaults(cuda):
+    """The keys whose default depends on whether the machine has CUDA."""
+    return dict(device='cuda' if cuda else 'cpu', dtype='bfloat16' if cuda else 'float32', compile=cuda,
+                backend='nccl' if cuda else 'gloo')
+
+
+# -----------------------------------------------------------------------------
+# default config values: a small GPT on character-level Shakespeare with LISA-wor, minutes on CPU
+# I/O
+out_dir = 'out'  # where ckpt.pt goes
+eval_interval = 100  # iterations between evaluations (and checkpoint saves)
+log_interval = 10  # iterations between log lines
+eval_iters = 20  # batches per split and evaluation
+eval_only = False  # evaluate once and exit
+always_save_checkpoint = True  # if False, save only when the val loss improves
+init_from = 'scratch'  # 'scratch', 'resume' (from out_dir), a GPT-2 name ('gpt2', ...) or a Hugging Face model directory
+overwrite = False  # let a run that does not resume replace the checkpoint already in out_dir
+sample_tokens = 300  # length of the sample printed at the end (0: none)
+# wandb logging (optional, off by default; never needed to run or test)
+wandb_log = False  # log to Weights & Biases (needs `pip install wandb`)
+wandb_project = 'omgd'  # wandb project
+wandb_run_name = 'run'  # wandb run name
+# data
+dataset = 'shakespeare_char'  # a folder of data/ (or a path) with train.bin and val.bin
+sampling = 'rr'  # 'rr': random reshuffling (each window once per epoch), 'iid': nanoGPT's sampling with replacement
+data_seed = 1337  # seeds the data order, independent of the model's init
+gradient_accumulation_steps = 1  # micro-steps per optimizer step, summed over all ranks
+batch_size = 32  # micro-batch size per rank
+block_size = 64  # tokens per sequence
+# model: a preset name ('gpt2', 'gpt2-medium', 'llama-60m', ...) sets the architecture keys below
+preset = ''  # a preset of model.py's PRESETS, or '' for the keys below
+arch = 'gpt2'  # 'gpt2' or 'llama'
+n_layer = 6  # transformer blocks
+n_head = 4  # attention heads
+n_kv_head = 0  # llama grouped-query attention; 0 means n_head
+n_embd = 128  # model width
+mlp_hidden = 0  # 0: 4*n_embd for gpt2, LLaMA's rule for llama
+dropout = 0.0  # dropout probability
+bias = False  # biases in linears and LayerNorms (gpt2)
+vocab_size = 0  # 0: from the dataset (meta.pkl), else GPT-2's 50304 (padded 50257)
+activation_checkpointing = False  # recompute each block's activations in the backward
+checkpoint_sublayers = False  # with activation_checkpointing: recompute attention and MLP apart (lower peak, more saved inputs)
+activation_offload = False  # keep the tensors saved for the backward in host memory
+loss_chunk = 0  # >0: head and cross-entropy this many tokens at a time; the full logits never exist (slower)
+# optimizer
+optimizer = 'adamw'  # 'adamw' or 'sgd' (with momentum); method='galore'/'golore' use galore.py
+learning_rate = 2e-3  # peak learning rate
+max_iters = 1000  # optimizer steps of the run
+weight_decay = 0.1  # decoupled weight decay of matrices (norms, biases and embeddings of LLaMA excluded)
+beta1 = 0.9  # AdamW's first-moment decay
+beta2 = 0.99  # AdamW's second-moment decay
+momentum = 0.9  # sgd only
+grad_clip = 1.0  # clip the gradient norm to this; 0 disables clipping
+# learning rate schedule: linear warm-up, then cosine decay to min_lr
+decay_lr = True  # False: constant learning_rate
+warmup_iters = 50  # linear warm-up iterations
+lr_decay_iters = 1000  # iterations of the cosine decay (then min_lr)
+min_lr = 2e-4  # the learning rate at the end of the decay
+# layer cycling (omgd.py); see the README's table of methods
+method = 'lisa_wor'  # full, lisa, lisa_scale, lisa_wor, lisa_wor_noscale, tensor_wor, tensor_iid, galore, golore
+omgd_gamma = 2  # active middle blocks per period
+omgd_period = 25  # K: iterations between switches
+omgd_warmup = 0  # iterations of full training before cycling starts
+omgd_ratio = 0.5  # tensor_wor: 1/M, the share of each of the M groups; tensor_iid: each tensor's keep probability
+omgd_state = 'drop'  # optimizer state of frozen parameters: 'drop', 'offload' (to CPU) or 'keep'
+omgd_seed = 0  # seeds block selection (same on every rank), independent of the data order
+omgd_scale_after_clip = True  # the paper's code clips the gradient norm first, then scales
+omgd_always = 'embed,pos,norm,head'  # parts trained at every step
+# galore / golore (galore.py)
+galore_rank = 128  # rank of the gradient projection
+galore_update_proj_gap = 200  # iterations between projection refreshes
+galore_scale = 0.25  # scale of the projected update
+golore_svd_fraction = 0.0  # golore: fraction of max_iters on SVD (GaLore) projections before random ones; GoLore's scripts use 0.8
+# system
+device = machine_defaults(CUDA)['device']  # 'cpu', 'cuda' or 'cuda:N' (torchrun picks the GPU of each rank)
+precision = 'amp'  # 'amp' (fp32 weights, autocast), 'bf16' (all bf16) or 'bf16_master' (bf16 + fp32 masters of the active parameters)
+master_device = ''  # bf16_master: '' keeps masters and moments on the weights' device, 'cpu' moves them and the AdamW step to the CPU
+dtype = machine_defaults(CUDA)['dtype']  # amp's autocast dtype: float32, bfloat16 or float16 (loss-scaled); CPU runs in float32
+compile = machine_defaults(CUDA)['compile']  # torch.compile each block separately (regional compilation)
+backend = machine_defaults(CUDA)['backend']  # torch.distributed backend under torchrun: 'nccl' or 'gloo'
+parallel = 'ddp'  # under torchrun: 'ddp' (replicated weights) or 'fsdp' (FSDP2, weights sharded per block)
+seed = 1337  # seeds the model's init (and dropout)
+ddp_check = False  # assert the DDP or FSDP invariants at every iteration on every rank (tests; hashes all weights)
+# -----------------------------------------------------------------------------
+DEFAULTS = {k: v for k, v in dict(globals()).items()
+            if not k.startswith('_') and k not in ('CUDA',) and isinstance(v, (int, float, bool, str))}
+
+PRECISIONS = ('amp', 'bf16', 'bf16_master')
+GALORE_METHODS = ('galore', 'golore')  # galore.py's optimizers; every block trains
+METHOD_NAMES = (*omgd.METHODS, *GALORE_METHODS)
+ALWAYS_PARTS = ('embed', 'pos', 'norm', 'head')
+PTDTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+
+# the rule each value follows on its own (configurator.py checks them with the types);
+# combinations are check()'s
+RULES = {
+    'out_dir': at_least(1, 'a non-empty path', len), 'eval_interval': at_least(1), 'log_interval': at_least(1),
+    'eval_iters': at_least(1), 'sample_tokens': at_least(0), 'dataset': at_least(1, 'a non-empty name', len),
+    'sampling': one_of('rr', 'iid'), 'gradient_accumulation_steps': at_least(1), 'batch_size': at_least(1),
+    'block_size': at_least(1), 'arch': one_of('gpt2', 'llama'), 'n_layer': at_least(1), 'n_head': at_least(1),
+    'n_kv_head': at_least(0), 'n_embd': at_least(1), 'mlp_hidden': at_least(0), 'dropout': between(0, 1),
+    'vocab_size': at_least(0), 'loss_chunk': at_least(0, '>= 0 tokens (0: the whole micro-batch at once)'), 'optimizer': one_of('adamw', 'sgd'),
+    'learning_rate': above(0), 'max_iters': at_least(0), 'weight_decay': at_least(0),
+    'beta1': between(0, 1), 'beta2': between(0, 1), 'momentum': between(0, 1),
+    'grad_clip': at_least(0), 'warmup_iters': at_least(0), 'lr_decay_iters': at_least(0), 'min_lr': at_least(0),
+    'method': one_of(*METHOD_NAMES, label='method'), 'omgd_gamma': at_least(1), 'omgd_period': at_least(1),
+    'omgd_warmup': at_least(0), 'omgd_ratio': above(0, upper=1),
+    'omgd_state': one_of('drop', 'offload', 'keep'), 'galore_rank': at_least(1),
+    'galore_update_proj_gap': at_least(1), 'galore_scale': above(0),
+    'golore_svd_fraction': between(0, 1, closed=True), 'precision': one_of(*PRECISIONS, label='precision'),
+    'master_device': one_of('', 'cpu', described="'' (the weights' device) or 'cpu'"), 'dtype': one_of(*PTDTYPES, label='dtype'), 'backend': one_of('nccl', 'gloo'),
+    'parallel': one_of('ddp', 'fsdp'),
+}
+
+
+def load(argv, defaults=None):
+    """The config of these command-line arguments: defaults, then config files and --key=value in
+    order, type-checked (configurator.py); then every value's rule and the combinations (check),
+    and the device. Raises a one-line ConfigError/ValueError."""
+    cfg = configure(defaults or DEFAULTS, argv)
+    check(cfg)
+    check_device(cfg['device'])
+    return cfg
+
+
+def check(cfg):
+    """Raise a one-line ValueError for a value that breaks its rule, or values that cannot train
+    together (nothing is built yet)."""
+    from model import PRESETS
+    for key, rule in RULES.items():
+        check_rule(key, cfg[key], rule)
+    if cfg['init_from'] not in ('scratch', 'resume') and not cfg['init_from'].startswith('gpt2') \
+            and not os.path.isdir(cfg['init_from']):
+        raise ValueError(f"init_from must be 'scratch', 'resume', a GPT-2 name or a Hugging Face model directory, "
+                         f"got {cfg['init_from']!r}")
+    if cfg['preset'] and cfg['preset'] not in PRESETS:
+        raise ValueError(f"unknown preset {cfg['preset']!r}; choose one of {', '.join(PRESETS)}")
+    unknown = [p for p in cfg['omgd_always'].split(',') if p and p not in ALWAYS_PARTS]
+    if unknown:
+        raise ValueError(f"unknown omgd_always part(s) {unknown}; choose from {','.join(ALWAYS_PARTS)}")
+    if cfg['min_lr'] > cfg['learning_rate']:
+        raise ValueError(f"min_lr={cfg['min_lr']} is above learning_rate={cfg['learning_rate']}; the schedule decays "
+                         f"to min_lr: lower --min_lr")
+    if cfg['decay_lr'] and cfg['lr_decay_iters'] < cfg['warmup_iters']:
+        raise ValueError(f"lr_decay_iters={cfg['lr_decay_iters']} ends before warmup_iters={cfg['warmup_iters']}; "
+                         f"raise --lr_decay_iters (usually max_iters)")
+    if not cfg['preset'] and cfg['n_embd'] % cfg['n_head']:
+        raise ValueError(f"n_embd={cfg['n_embd']} is not divisible by n_head={cfg['n_head']}; choose n_head among "
+                         f"the divisors of n_embd")
+    if cfg['master_device'] and cfg['precision'] != 'bf16_master':
+        raise ValueError(f"master_device={cfg['master_device']!r} places fp32 master weights, which only "
+                         f"precision='bf16_master' has; add --precision=bf16_master")
+    if cfg['precision'] != 'amp' and cfg['dtype'] == 'float16':
+        raise ValueError(f"dtype='float16' is the autocast dtype of precision='amp'; precision={cfg['precision']!r} "
+                         f"trains bf16 weights: drop --dtype or use --precision=amp")
+    if cfg['precision'] == 'bf16_master' and cfg['optimizer'] == 'sgd' and cfg['method'] not in GALORE_METHODS:
+        raise ValueError("precision='bf16_master' keeps AdamW's fp32 master weights; use --optimizer=adamw, "
+                         "or --precision=bf16 for SGD on bf16 weights")
+    if cfg['checkpoint_sublayers'] and not cfg['activation_checkpointing']:
+        raise ValueError("checkpoint_sublayers=True splits activation checkpointing per sublayer; add "
+                         "--activation_checkpointing=True or drop --checkpoint_sublayers")
+
+
+def check_device(device):
+    """Refuse a device train.py cannot train on (the benchmarks have their own: meta, auto)."""
+    if device.split(':')[0] not in ('cpu', 'cuda'):
+        raise ValueError(f"device={device!r} is not a training device; use 'cpu', 'cuda' or 'cuda:N'")
+    if device.startswith('cuda') and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but this machine has no CUDA GPU (torch {torch.__version__}); "
+                         f"use --device=cpu or install a CUDA build of torch")
+
+
+def check_parallel(cfg, world_size, fsdp):
+    """Raise a one-line ValueError for values that cannot train on `world_size` ranks, sharded with
+    FSDP2 (fsdp=True) or not; known once the process group is up (distributed.setup)."""
+    if fsdp and cfg['dtype'] == 'float16':
+        # GradScaler's overflow check would see only this rank's gradient shards, so ranks could disagree
+        raise ValueError("dtype='float16' is not supported with parallel='fsdp' (its loss scaling sees only local "
+                         "shards); use --dtype=bfloat16")
+    if fsdp and cfg['omgd_state'] == 'offload':
+        raise ValueError("omgd_state='offload' is not supported with parallel='fsdp' (the sharded optimizer state "
+                         "stays on its device); use --omgd_state=drop or --omgd_state=keep")
+    if fsdp and cfg['precision'] == 'bf16_master':
+        raise ValueError("precision='bf16_master' is not supported with parallel='fsdp' (FSDP2 keeps fp32 shards and "
+                         "computes in bf16 under precision='amp', which is its own master-weight scheme); use "
+                         "--precision=amp")
+    if fsdp and cfg['method'] in GALORE_METHODS:
+        raise ValueError(f"method={cfg['method']!r} is not supported with parallel='fsdp' (its projections need "
+                         f"whole gradients); use --parallel=ddp")
+    steps = cfg['gradient_accumulation_steps']
+    if steps % world_size:
+        raise ValueError(f"gradient_accumulation_steps={steps} counts micro-steps summed over all ranks and must be "
+                         f"a multiple of the {world_size} ranks, e.g. --gradient_accumulation_steps="
+                         f"{world_size * math.ceil(steps / world_size)} (tokens per iteration = "
+                         f"gradient_accumulation_steps x batch_size x block_size)")
+
+
+def gpu_defaults():
+    """train.py's defaults on a machine with CUDA (what the memory benchmark estimates anywhere)."""
+    return {**DEFAULTS, **machine_defaults(True)}
+
+
+def help_text(path=__file__):
+    """`--help`: every key with its default and the comment of its line above."""
+    lines = []
+    for line in open(path, encoding='utf-8'):
+        name = line.split(' = ', 1)[0]
+        if name in DEFAULTS and '  # ' in line:
+            lines.append(f"  {f'--{name}={DEFAULTS[name]!r}':<36} {line.split('  # ', 1)[1].rstrip()}")
+    return '\n'.join(lines)
