@@ -43,6 +43,7 @@ import bench_memory
 import train_config
 import training
 from configurator import ConfigError, at_least, configure
+from memory_tools import check_fits
 
 # keys of this script only (train.py has none of these names); `device` has its own values here
 OWN_KEYS = dict(methods='', precisions='', steps=20, warmup_steps=5, interleave=False, out='')
@@ -170,6 +171,7 @@ def check(cfg):
     device = bench_memory.resolve_device(cfg['device'], ('cuda', 'cpu'), without_cuda='cpu')
     bench_memory.check_shape(cfg, DEFAULTS)
     config = bench_memory.model_config(cfg)
+    check_fits(config, device, cfg['precision'], built_on=device)  # before a row allocates it
     return device, bench_memory.row_configs(cfg), config
 
 

@@ -85,7 +85,7 @@ import omgd_state
 import train_config
 import training
 from configurator import ConfigError, at_least, check_rule, configure
-from memory_tools import LiveBytes, MetaAsCuda, offload_on_meta
+from memory_tools import LiveBytes, MetaAsCuda, check_fits, offload_on_meta
 from model import GPTConfig, PRESETS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -416,7 +416,7 @@ def check(cfg):
     check_rule('micro_batches', cfg['micro_batches'], RULES['micro_batches'])
     device = resolve_device(cfg['device'])
     check_shape(cfg, DEFAULTS)
-    model_config(cfg)
+    check_fits(model_config(cfg), device, cfg['precision'], built_on=device)  # before a row allocates it
     return device, row_configs(cfg)
 
 

@@ -26,7 +26,8 @@ def read(path, map_location='cpu', mmap=False):
     mmap=True maps the tensors instead of reading them: cheap enough to look at iter_num of a
     multi-GB checkpoint."""
     if not os.path.exists(path):
-        raise CheckpointError(f"no checkpoint at {path}; train first (python train.py)")
+        raise CheckpointError(f"no checkpoint at {path}; train one first: python train.py "
+                              f"--out_dir={os.path.dirname(path) or '.'}")
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:
@@ -127,13 +128,13 @@ class ResumeRefused(ValueError):
     """The config cannot continue the checkpoint; the message is one line and says what to pass."""
 
 
-def check_resume(checkpoint, config, defaults):
+def check_resume(checkpoint, config, given):
     """Refuse (ResumeRefused) a config that cannot continue `checkpoint`: architecture overrides
     that conflict with it, another block_size, another precision."""
     from training import ARCH_KEYS
     model_args = checkpoint['model_args']
     for k in ARCH_KEYS:
-        if k != 'vocab_size' and k in config and config[k] != defaults[k] and config[k] != model_args[k]:
+        if k != 'vocab_size' and k in given and config[k] != model_args[k]:
             raise ResumeRefused(f"{k}={config[k]!r} conflicts with the checkpoint's {model_args[k]!r}; "
                                 f"drop the override")
     # The data position counts windows of block_size+1 tokens, so another length would continue on
@@ -165,21 +166,21 @@ def earlier_run(path):
         return "an unreadable checkpoint"
 
 
-def resume(path, map_location, config, defaults):
+def resume(path, map_location, config, given):
     """(checkpoint, model) to resume from `path`; a one-line ValueError when there is none, it does
     not load, or the config cannot continue it (load_model)."""
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path} to resume from; train with init_from='scratch' first")
     checkpoint = read(path, map_location=map_location)
-    return checkpoint, load_model(checkpoint, path, config, defaults)
+    return checkpoint, load_model(checkpoint, path, config, given)
 
 
-def load_model(checkpoint, path, config, defaults):
+def load_model(checkpoint, path, config, given):
     """The GPT saved in `checkpoint`, with the config's dropout, after check_resume: ResumeRefused,
     or a one-line CheckpointError for a checkpoint that does not load."""
     from model import GPT, GPTConfig
     try:
-        check_resume(checkpoint, config, defaults)
+        check_resume(checkpoint, config, given)
         model_args = checkpoint['model_args']
         model_args['dropout'] = config['dropout']
         model = GPT(GPTConfig(**model_args))

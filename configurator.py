@@ -123,9 +123,10 @@ def wants_help(argv):
     return any(arg in ('-h', '--help') for arg in argv)
 
 
-def configure(defaults, argv, rules=None):
+def configure(defaults, argv, rules=None, given=None):
     """Apply config files and --key=value overrides in argv to `defaults`, check every value
-    against its rule in `rules` (key -> rule), and return the result."""
+    against its rule in `rules` (key -> rule), and return the result. given: a set that receives
+    the keys argv sets (a resume tells an override from a default by it)."""
     config = dict(defaults)
     for arg in argv:
         if arg.startswith('--'):
@@ -139,6 +140,8 @@ def configure(defaults, argv, rules=None):
             if key not in defaults:
                 raise _unknown_key(key, defaults)
             config[key] = coerce(key, value, defaults[key])
+            if given is not None:
+                given.add(key)
     for key, rule in (rules or {}).items():
         check_rule(key, config[key], rule)
     return config

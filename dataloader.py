@@ -163,9 +163,10 @@ def dataset_vocab(dataset, vocab_size=0):
 def check_vocab(dataset, vocab_size, *batches):
     """Refuse, in a one-line ValueError, data with ids the model's vocab_size cannot embed: a
     dataset whose meta.pkl records a larger vocabulary, or an id >= vocab_size in a file of up to
-    SCAN_LIMIT ids; larger files (TokenBatches) check each batch as it is read."""
+    SCAN_LIMIT ids; larger files (TokenBatches) check each batch as it is read. (A folder without
+    meta.pkl records no vocabulary: GPT-2's is only how it is decoded.)"""
     meta = read_meta(data_dir(dataset))
-    if meta['vocab_size'] > vocab_size:
+    if os.path.exists(os.path.join(data_dir(dataset), 'meta.pkl')) and meta['vocab_size'] > vocab_size:
         raise ValueError(f"vocab_size={vocab_size} is smaller than the vocabulary of {data_dir(dataset)} "
                          f"({meta['vocab_size']} ids, tokenizer {meta['tokenizer']}): set --vocab_size={meta['vocab_size']} "
                          f"or more, or train on a dataset prepared with a smaller tokenizer")

@@ -16,7 +16,6 @@ Keys: out_dir, hf_dir, dtype ('' keeps the checkpoint's; float32, bfloat16, floa
 """
 import json
 import os
-import pickle
 import shutil
 import sys
 
@@ -33,20 +32,21 @@ class ExportError(ValueError):
 
 
 def dataset_tokenizer(dataset):
-    """('gpt2', None), ('char', meta.pkl's path) or ('hf', tokenizer directory) for a dataset of train.py."""
+    """('gpt2' | 'char' | 'hf' | None, where) of a dataset of train.py, as its meta.pkl records it
+    (data/tokenizer.py): 'char' comes with meta.pkl's path, 'hf' with the tokenizer directory."""
+    from data.tokenizer import read_meta
     from dataloader import data_dir
+    try:
+        name = read_meta(data_dir(dataset))['tokenizer']
+    except ValueError as e:
+        raise ExportError(str(e)) from None
     meta_path = os.path.join(data_dir(dataset), 'meta.pkl')
-    if not os.path.exists(meta_path):
-        return 'gpt2', None  # datasets without meta.pkl are GPT-2 BPE
-    with open(meta_path, 'rb') as f:
-        meta = pickle.load(f)
-    tokenizer = meta.get('tokenizer', 'char' if 'stoi' in meta else 'gpt2')
-    if tokenizer in ('gpt2', 'char'):
-        return tokenizer, meta_path if tokenizer == 'char' else None
-    if not os.path.isdir(tokenizer):
-        raise ExportError(f"{meta_path} names the tokenizer directory {tokenizer!r}, which does not exist here; "
-                          f"make it available at that path")
-    return 'hf', tokenizer
+    if name in ('gpt2', 'char', None):
+        return name, meta_path
+    if not os.path.isdir(name):
+        raise ExportError(f"{meta_path} names the tokenizer directory {name}, which does not exist here; restore it "
+                          f"at that path")
+    return 'hf', name
 
 
 def write_gpt2_tokenizer(hf_dir, block_size):
@@ -124,10 +124,13 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, log=print):
     elif kind == 'hf':
         (bos, eos), copied = copy_hf_tokenizer(where, hf_dir)
         note = f"{', '.join(copied)} of {where}"
-    else:
+    elif kind == 'char':
         bos = eos = None
         note = (f"none: the dataset is character-level, its vocabulary is {where} (stoi/itos), which "
                 f"Hugging Face tokenizers cannot read; only the weights are exported")
+    else:
+        bos = eos = None
+        note = f"none: {where} records a vocabulary but no tokenizer; only the weights are exported"
     hf.save(model, hf_dir, stored, bos, eos)
     log(f"wrote {hf_dir}: config.json ({hf.ARCHITECTURES[model.config.arch]}), model.safetensors "
         f"({str(stored).removeprefix('torch.')}, iteration {checkpoint['iter_num']} of {out_dir}), "

@@ -240,8 +240,18 @@ def load(hf_dir, dropout=0.0):
     return from_state(read_config(hf_dir), read_tensors(hf_dir), dropout, where)
 
 
-def from_pretrained(name, dropout=0.0):
-    """load() for a directory; a GPT-2 hub name goes through transformers (its cache or the network)."""
+def from_pretrained(name, dropout=0.0, block_size=0):
+    """load() for a directory; a GPT-2 hub name goes through transformers (its cache or the network).
+    block_size: the length of the training windows, refused when longer than the model's positions
+    (train.py crops the model to a shorter one)."""
+    model = _from_pretrained(name, dropout)
+    if block_size > model.config.block_size:
+        raise HFError(f"block_size={block_size} is longer than the {model.config.block_size} positions of "
+                      f"{name}; use --block_size={model.config.block_size} or less")
+    return model
+
+
+def _from_pretrained(name, dropout):
     if os.path.isdir(name):
         return load(name, dropout)
     if name not in GPT2_NAMES:
@@ -258,17 +268,6 @@ def from_pretrained(name, dropout=0.0):
                       f"({str(e).splitlines()[0][:200]})") from None
     return from_state(hf.config.to_dict(), hf.state_dict().items(), dropout, where=name)
 
-
-def check_fit(model, block_size, vocab_size=0):
-    """ValueError (one line) when training windows or the dataset's token ids do not fit a pretrained model;
-    a shorter block_size is fine (train.py crops it)."""
-    config = model.config
-    if block_size > config.block_size:
-        raise HFError(f"block_size={block_size} is longer than the pretrained model's {config.block_size} positions; "
-                      f"use --block_size={config.block_size} or less")
-    if vocab_size > config.vocab_size:
-        raise HFError(f"the dataset's vocabulary ({vocab_size} ids, meta.pkl) is larger than the pretrained model's "
-                      f"{config.vocab_size}; prepare the data with the model's tokenizer (docs/models.md)")
 
 
 # -----------------------------------------------------------------------------

@@ -186,3 +186,43 @@ def offload_on_meta(tracker):
         yield
     finally:
         cls.to_host, cls.unpack = saved
+
+
+# -----------------------------------------------------------------------------
+# refusing a model that cannot fit, before it is allocated
+
+
+def available_bytes(device):
+    """Free memory of `device`: the GPU's (cudaMemGetInfo) or the host's MemAvailable (Linux)."""
+    device = torch.device(device)
+    if device.type == 'cuda':
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open('/proc/meminfo') as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
+    except (OSError, StopIteration):
+        return None  # not Linux: no check
+
+
+def check_fits(config, device, precision, built_on='cpu'):
+    """Refuse (ValueError, one line) a model whose weights alone exceed the free memory where they
+    are made: `built_on`, where the model is initialised in fp32 (train.py: the host; the
+    benchmarks: the device itself), and the device, where its weights go in the precision's dtype. Else the OOM killer ends the process, or an allocation fails deep inside.
+    The parameter count comes from a build on the meta device (no memory). A lower bound:
+    gradients, optimizer state and activations come on top (bench_memory.py estimates them)."""
+    from model import GPT
+    device = torch.device(device)
+    if device.type == 'meta':
+        return
+    with torch.device('meta'):
+        n_params = sum(p.numel() for p in GPT(config).parameters())
+    needs = [(torch.device(built_on), 4 * n_params, 'fp32 weights while it is built')]
+    if device != needs[0][0]:
+        bytes_per_weight = 4 if precision == 'amp' else 2
+        needs.append((device, bytes_per_weight * n_params, f"{'fp32' if precision == 'amp' else 'bf16'} weights"))
+    for where, need, what in needs:
+        free = available_bytes(where)
+        if free is not None and need > free:
+            raise ValueError(f"the model has {n_params / 1e9:.2f}B parameters: {need / 2**30:.1f} GiB of {what}, more "
+                             f"than the {free / 2**30:.1f} GiB free on {torch.device(where).type}; choose a smaller "
+                             f"model or a machine with more memory (bench_memory.py --device=meta estimates any size)")

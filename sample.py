@@ -20,25 +20,44 @@ def load_codec(data_dir):
     return (lambda text: tok.encode(text, special=True)), tok.decode
 
 
+# keys (--key=value) and their rules; configurator.py checks both, as for train.py
+DEFAULTS = dict(out_dir='out', start='\n', num_samples=1, max_new_tokens=300, temperature=0.8, top_k=200, seed=1337,
+                device='cuda' if torch.cuda.is_available() else 'cpu')
+HELP = dict(out_dir='the run whose ckpt.pt to sample from', start="the prompt, or FILE:path to read it from a file",
+            num_samples='how many samples', max_new_tokens='tokens generated per sample',
+            temperature='> 0; lower is more predictable', top_k='sample among the k likeliest tokens (0: all)',
+            seed='seeds the sampling', device="'cpu', 'cuda' or 'cuda:N'")
+
+
+def rules():
+    from configurator import above, at_least
+    return dict(out_dir=at_least(1, 'a non-empty path', len), start=at_least(1, 'a non-empty prompt', len),
+                num_samples=at_least(1), max_new_tokens=at_least(1), temperature=above(0), top_k=at_least(0))
+
+
 def main(argv):
     from checkpoint import CheckpointError, read as read_checkpoint
-    from configurator import ConfigError, configure
+    from configurator import ConfigError, configure, wants_help
+    from dataloader import data_dir
     from model import GPT, GPTConfig
-    defaults = dict(out_dir='out', start='\n', num_samples=1, max_new_tokens=300, temperature=0.8,
-                    top_k=200, seed=1337, device='cuda' if torch.cuda.is_available() else 'cpu')
+    from train_config import check_device
+    if wants_help(argv):
+        print("usage: python sample.py [--key=value ...]\n\nkeys (default, meaning):\n" +
+              '\n'.join(f"  {f'--{k}={v!r}':<28} {HELP[k]}" for k, v in DEFAULTS.items()))
+        return
     try:
-        cfg = configure(defaults, argv)
-    except ConfigError as e:
-        sys.exit(f"error: {e}")
-    try:
+        cfg = configure(DEFAULTS, argv, rules())
+        check_device(cfg['device'])
         checkpoint = read_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'), map_location=cfg['device'])
-    except CheckpointError as e:
+        model = GPT(GPTConfig(**checkpoint['model_args']))
+        model.load_state_dict(checkpoint['model'])
+    except (ConfigError, CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
-    model = GPT(GPTConfig(**checkpoint['model_args']))
-    model.load_state_dict(checkpoint['model'])
+    except (RuntimeError, KeyError, TypeError) as e:  # a readable file that is not one of train.py's checkpoints
+        sys.exit(f"error: {cfg['out_dir']}/ckpt.pt is not a checkpoint of train.py ({type(e).__name__}); give the "
+                 f"out_dir of a train.py run")
     model.eval().to(cfg['device'])
-    data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', checkpoint['config']['dataset'])
-    encode, decode = load_codec(data_dir)
+    encode, decode = load_codec(data_dir(checkpoint['config']['dataset']))
     torch.manual_seed(cfg['seed'])
     start = cfg['start']
     if start.startswith('FILE:'):
@@ -46,14 +65,17 @@ def main(argv):
             with open(start[5:], encoding='utf-8') as f:
                 start = f.read()
         except (OSError, UnicodeDecodeError) as e:
-            sys.exit(f"error: --start=FILE:{start[5:]}: cannot read it ({e.strerror or e}); give an existing "
-                     f"UTF-8 text file")
+            reason = 'not UTF-8 text' if isinstance(e, UnicodeDecodeError) else e.strerror
+            sys.exit(f"error: --start=FILE:{start[5:]}: cannot read it ({reason}); give an existing UTF-8 text file")
     try:
-        x = torch.tensor([encode(start)], dtype=torch.long, device=cfg['device'])
+        ids = encode(start)
     except ValueError as e:
         sys.exit(f"error: --start: {e}")
+    if not ids:
+        sys.exit("error: --start encodes to no tokens; give a non-empty prompt")
+    x = torch.tensor([ids], dtype=torch.long, device=cfg['device'])
     for _ in range(cfg['num_samples']):
-        y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'], top_k=cfg['top_k'])
+        y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'], top_k=cfg['top_k'] or None)
         print(decode(y[0].tolist()))
         print('---------------')
 

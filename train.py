@@ -29,6 +29,7 @@ import train_config
 import training
 from configurator import ConfigError, format_config, wants_help
 from dataloader import check_vocab, data_dir, dataset_vocab, open_splits, prepare_if_embedded
+from memory_tools import check_fits
 from model import GPT, GPTConfig
 
 # the config: train_config.py holds every key with its default and its rule; config files and
@@ -37,8 +38,9 @@ if wants_help(sys.argv[1:]):
     print(f"usage: python train.py [config/FILE.py ...] [--key=value ...]\n\nkeys (default, meaning):\n"
           f"{train_config.help_text()}")
     sys.exit(0)
+given_keys = set()  # the keys the command line and config files set: a resume refuses architecture overrides
 try:
-    cfg = train_config.load(sys.argv[1:])
+    cfg = train_config.load(sys.argv[1:], given=given_keys)
 except (ConfigError, ValueError) as e:
     sys.exit(f"error: {e}")
 # -----------------------------------------------------------------------------
@@ -112,17 +114,18 @@ iter_num, best_val_loss, checkpoint = 0, 1e9, None
 saved_iter = None  # the iteration of the checkpoint in out_dir that belongs to this run
 try:
     if cfg['init_from'] == 'scratch':
-        raw_model = GPT(GPTConfig(**training.model_args(cfg, vocab_size)))
+        model_config = GPTConfig(**training.model_args(cfg, vocab_size))
+        check_fits(model_config, device, cfg['precision'])  # before it is allocated: a one-line refusal, not the OOM killer
+        raw_model = GPT(model_config)
     elif cfg['init_from'] == 'resume':  # the checks that the config can continue it included (checkpoint.py)
-        checkpoint, raw_model = ckpt_io.resume(ckpt_path, device, cfg, train_config.DEFAULTS)
+        checkpoint, raw_model = ckpt_io.resume(ckpt_path, device, cfg, given_keys)
         iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
         saved_iter = iter_num
         if master_process:
             print(f"resuming from iteration {iter_num} of {ckpt_path}")
     else:  # a GPT-2 name or a local Hugging Face model directory (hf.py)
         import hf
-        raw_model = hf.from_pretrained(cfg['init_from'], cfg['dropout'])
-        hf.check_fit(raw_model, cfg['block_size'], vocab_size)
+        raw_model = hf.from_pretrained(cfg['init_from'], cfg['dropout'], cfg['block_size'])
 except (RuntimeError, ValueError) as e:
     fail(e)
 if cfg['block_size'] < raw_model.config.block_size:

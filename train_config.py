@@ -134,11 +134,11 @@ RULES = {
 }
 
 
-def load(argv, defaults=None):
+def load(argv, defaults=None, given=None):
     """The config of these command-line arguments: defaults, then config files and --key=value in
     order, type-checked (configurator.py); then every value's rule and the combinations (check),
-    and the device. Raises a one-line ConfigError/ValueError."""
-    cfg = configure(defaults or DEFAULTS, argv)
+    and the device. Raises a one-line ConfigError/ValueError. given: see configurator.configure."""
+    cfg = configure(defaults or DEFAULTS, argv, given=given)
     check(cfg)
     check_device(cfg['device'])
     return cfg

@@ -8,7 +8,8 @@ meta.pkl, written by every data/*/prepare.py next to train.bin and val.bin:
     dtype       the width of the ids: 'uint16' while they fit (vocab_size <= 65,536), else 'uint32'
     stoi, itos  'char' only: character -> id, id -> character
 Datasets prepared before these keys existed still read: a meta.pkl with vocab_size, stoi and itos
-only is 'char', a folder without meta.pkl is GPT-2 BPE; both are uint16.
+only is 'char', a folder without meta.pkl is GPT-2 BPE; both are uint16. A meta.pkl with only a
+vocab_size gives the vocabulary (tokenizer None) but nothing to decode with.
 
 Importing this module imports neither numpy nor a tokenizer library; each is loaded on first use.
 """
@@ -55,7 +56,7 @@ def _meta_problem(meta):
         return f"dtype={dtype!r} is not one of {', '.join(DTYPES)}"
     if vocab > DTYPES[dtype]:
         return f"vocab_size={vocab} does not fit dtype={dtype}"
-    if not isinstance(name, str) or not name:
+    if name is not None and (not isinstance(name, str) or not name):  # None: a bare vocabulary, no tokenizer
         return f"tokenizer={name!r} names no tokenizer ('gpt2', 'char' or a directory)"
     if name == 'char' and not (isinstance(meta.get('stoi'), dict) and isinstance(meta.get('itos'), dict)):
         return "tokenizer='char' without its stoi and itos"
@@ -91,6 +92,9 @@ class Tokenizer:
     def from_meta(cls, meta):
         """The tokenizer a read_meta() dict records; ValueError when it is gone or has changed."""
         name = meta['tokenizer']
+        if name is None:
+            raise ValueError("the dataset's meta.pkl records a vocab_size but no tokenizer to decode with; prepare "
+                             "the dataset again")
         if name not in ('char', 'gpt2') and not os.path.isfile(os.path.join(name, 'tokenizer.json')):
             raise ValueError(f"the dataset's tokenizer {name} (recorded in its meta.pkl) has no tokenizer.json any "
                              f"more; restore that directory or prepare the dataset again")

@@ -161,9 +161,8 @@ def measure_memory(method, args):
             it = cfg['omgd_warmup'] + k * cfg['omgd_period']  # a switch (after any full-training warm-up)
             cycler.step(it)
             cycler.prefetch(it)
-            training.train_step(model, opt, cycler, next_batch(), next_batch, cfg['gradient_accumulation_steps'],
-                                cfg['grad_clip'], cfg['omgd_scale_after_clip'], autocast, scaler,
-                                before_zero_grad=record)
+            training.train_step(model, opt, cycler, next_batch(), next_batch, cfg['gradient_accumulation_steps'], cfg,
+                                autocast, scaler, before_zero_grad=record)
         mem['periods_measured'] = periods
         mem['n_params'] = sum(p.numel() for p in model.parameters())
         if method in training.GALORE_METHODS:

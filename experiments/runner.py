@@ -14,6 +14,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -111,16 +112,30 @@ def load_result(runs_dir, name):
     return None if r is None or 'error' in r else r
 
 
-def run_all(jobs, runs_dir, launch, n_jobs=2):
+def run_all(jobs, runs_dir, launch, n_jobs=2, max_load=None):
     """Run every job (a dict with a unique 'name') that has no finished result yet, n_jobs at a
     time: launch(job, out_dir) returns the run's result, saved with the job's fields as
     RUNS/NAME/result.json (atomically; an error is saved too and retried next time). Returns
-    {name: result} for every job with a saved result (failed ones included), in job order."""
+    {name: result} for every job with a saved result (failed ones included), in job order.
+    max_load: a run starts beside another of these only while the machine's 1-minute load
+    average is below it (on a shared machine, one run at a time when it is busy)."""
     todo = [j for j in jobs if load_result(runs_dir, j['name']) is None]
+    running = [0]
+    lock = threading.Lock()
 
     def one(job):
-        out_dir = os.path.join(runs_dir, job['name'])
-        r = {**launch(job, out_dir), **job}
+        while True:
+            with lock:
+                if running[0] == 0 or max_load is None or os.getloadavg()[0] < max_load:
+                    running[0] += 1
+                    break
+            time.sleep(5)
+        try:
+            out_dir = os.path.join(runs_dir, job['name'])
+            r = {**launch(job, out_dir), **job}
+        finally:
+            with lock:
+                running[0] -= 1
         path = result_path(runs_dir, job['name'])
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + '.tmp', 'w') as f:

@@ -74,7 +74,7 @@ import runner  # noqa: E402
 import stats  # noqa: E402
 
 MULTI_TOKENS = 100_000
-FT_TOKENS = 100_000
+FT_TOKENS = 20_000
 # model and schedule of every run (train.py keys); the optimizer's and the regime's own values come
 # from OPTIMIZERS and REGIME_ARGS, the geometry (n_layer, gamma, K) and iterations from the spec
 BASE = dict(n_head=2, n_embd=32, block_size=64, batch_size=32, dropout=0.0, learning_rate=3e-3,
@@ -82,13 +82,16 @@ BASE = dict(n_head=2, n_embd=32, block_size=64, batch_size=32, dropout=0.0, lear
             omgd_period=10, omgd_state='keep')
 OPTIMIZERS = {'adamw': {}, 'sgd': dict(learning_rate=0.1, min_lr=0.01)}
 REGIME_ARGS = {'ft': dict(learning_rate=1e-3, min_lr=1e-4)}  # fine-tuning: a third of the pre-training rate
-ITERS = {'multi': 480, 'sub': 240, 'pre': 1000, 'ft': 600}  # M = 2 stages' iterations, and pre / ft
+ITERS = {'multi': 480, 'sub': 240, 'pre': 2000, 'ft': 600}  # M = 2 stages' iterations, and pre / ft
 M4 = ((8, 2), (12, 3))  # (N_L, gamma) with N_L / gamma = 4
-DEPTH_ARGS = {8: dict(batch_size=16), 12: dict(batch_size=16)}  # the deeper models: half the batch (CPU time)
+# the deeper models see 8 x 32 tokens per step (a quarter of the 4-block study's: CPU time), on a
+# multi-epoch prefix as many steps long per epoch as the 4-block study's
+DEPTH_ARGS = {L: dict(batch_size=8, block_size=32) for L in (8, 12)}
+M4_MULTI_TOKENS = 20_000
 M4_K, M4_ITERS = 3, 600  # 50 cycles of M * K = 12 iterations
 FT_GEOMETRY = dict(n_layer=12, gamma=3, K=3, iters=600)  # the paper's CoLA ablation: gamma, K in 1..6
 EVALS = 10  # evaluations per run (and one at iteration 0)
-PRETRAIN = dict(regime='pre', optimizer='adamw', method='full', n_layer=12, iters=1000, seed=0)
+PRETRAIN = dict(regime='pre', optimizer='adamw', method='full', n_layer=12, iters=2000, seed=0)
 
 
 # -----------------------------------------------------------------------------
@@ -121,8 +124,8 @@ def data_root(runs_dir):
     return os.path.join(os.path.dirname(os.path.abspath(runs_dir)), 'data')
 
 
-def multi_dataset(runs_dir):
-    return os.path.join(data_root(runs_dir), f'shakespeare_char_{MULTI_TOKENS // 1000}k')
+def multi_dataset(runs_dir, n_tokens=None):
+    return os.path.join(data_root(runs_dir), f'shakespeare_char_{(n_tokens or MULTI_TOKENS) // 1000}k')
 
 
 def ft_dataset(runs_dir):
@@ -135,22 +138,22 @@ def shakespeare_char():
     return data_dir('shakespeare_char')
 
 
-def make_multi_dataset(runs_dir, n_tokens=MULTI_TOKENS):
+def make_multi_dataset(runs_dir, n_tokens=None):
     """The multi-epoch split: the first n_tokens tokens of train.bin, the full val.bin, the same meta.pkl."""
     import numpy as np
-    dst = multi_dataset(runs_dir)
+    dst = multi_dataset(runs_dir, n_tokens)
     if os.path.exists(os.path.join(dst, 'meta.pkl')):
         return dst
     source = shakespeare_char()
     os.makedirs(dst, exist_ok=True)
     train = np.memmap(os.path.join(source, 'train.bin'), dtype=np.uint16, mode='r')
-    np.array(train[:n_tokens]).tofile(os.path.join(dst, 'train.bin'))
+    np.array(train[:n_tokens or MULTI_TOKENS]).tofile(os.path.join(dst, 'train.bin'))
     shutil.copyfile(os.path.join(source, 'val.bin'), os.path.join(dst, 'val.bin'))
     shutil.copyfile(os.path.join(source, 'meta.pkl'), os.path.join(dst, 'meta.pkl'))  # last: marks it complete
     return dst
 
 
-def make_ft_dataset(runs_dir, n_tokens=FT_TOKENS):
+def make_ft_dataset(runs_dir, n_tokens=None):
     """The fine-tuning text: CPython's reference documentation (pydoc_data.topics, in key order) in
     shakespeare_char's characters (others dropped): n_tokens train, n_tokens // 10 val, same meta.pkl."""
     import pickle
@@ -163,6 +166,7 @@ def make_ft_dataset(runs_dir, n_tokens=FT_TOKENS):
     source = shakespeare_char()
     with open(os.path.join(source, 'meta.pkl'), 'rb') as f:
         stoi = pickle.load(f)['stoi']
+    n_tokens = n_tokens or FT_TOKENS
     ids = [stoi[c] for c in ''.join(topics[k] for k in sorted(topics)) if c in stoi]
     n_val = n_tokens // 10
     if len(ids) < n_tokens + n_val:
@@ -175,7 +179,10 @@ def make_ft_dataset(runs_dir, n_tokens=FT_TOKENS):
 
 
 def dataset(s, runs_dir):
-    return {'multi': multi_dataset(runs_dir), 'ft': ft_dataset(runs_dir)}.get(s['regime'], 'shakespeare_char')
+    if s['regime'] == 'multi':
+        return multi_dataset(runs_dir, M4_MULTI_TOKENS if s['n_layer'] in DEPTH_ARGS else MULTI_TOKENS)
+    return ft_dataset(runs_dir) if s['regime'] == 'ft' else 'shakespeare_char'
+
 
 
 def train_args(s, runs_dir):
@@ -312,10 +319,11 @@ def default_launch(s, out_dir, runs_dir):
     return probe_launch(s, out_dir, runs_dir) if s['kind'] == 'probe' else train_launch(s, out_dir, runs_dir)
 
 
-def run_specs(specs, runs_dir, jobs=2, launch=default_launch):
-    """Run the specs not finished yet, `jobs` at a time; {run_name: result} for every saved result."""
+def run_specs(specs, runs_dir, jobs=2, launch=default_launch, max_load=None):
+    """Run the specs not finished yet, `jobs` at a time (runner.run_all); {run_name: result} for
+    every saved result."""
     return runner.run_all([{**s, 'name': run_name(s)} for s in specs], runs_dir,
-                          lambda job, out_dir: launch(job, out_dir, runs_dir), jobs)
+                          lambda job, out_dir: launch(job, out_dir, runs_dir), jobs, max_load)
 
 
 def result_path(runs_dir, s):
@@ -544,14 +552,6 @@ def probe(s, runs_dir):
     batches = TokenBatches(os.path.join(data_dir(cfg['dataset']), 'train.bin'), cfg['block_size'], cfg['batch_size'],
                            cfg['sampling'], cfg['data_seed'])
 
-    def get_lr(it):  # train.py's get_lr
-        if it < cfg['warmup_iters']:
-            return cfg['learning_rate'] * (it + 1) / (cfg['warmup_iters'] + 1)
-        if it > cfg['lr_decay_iters']:
-            return cfg['min_lr']
-        ratio = (it - cfg['warmup_iters']) / max(1, cfg['lr_decay_iters'] - cfg['warmup_iters'])
-        return cfg['min_lr'] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg['learning_rate'] - cfg['min_lr'])
-
     blocks = [list(b.parameters()) for b in model.blocks]
     outer = [p for p in model.parameters() if p.requires_grad and not any(p is q for b in blocks for q in b)]
     flat = lambda ps: torch.cat([p.detach().reshape(-1) for p in ps])  # noqa: E731
@@ -562,7 +562,7 @@ def probe(s, runs_dir):
     stale_m = {}
     X, Y = batches.next_batch()
     for it in range(cfg['max_iters']):
-        lr = get_lr(it)
+        lr = training.get_lr(it, cfg)
         for group in opt.param_groups:
             group['lr'] = lr
         if cycler.step(it):
@@ -590,8 +590,8 @@ def probe(s, runs_dir):
                 cos[i] = float(torch.nn.functional.cosine_similarity(m, g, dim=0))
             stale_m.clear()
 
-        loss, (X, Y) = training.train_step(model, opt, cycler, (X, Y), batches.next_batch, 1, cfg['grad_clip'],
-                                           cfg['omgd_scale_after_clip'], before_zero_grad=hook)
+        loss, (X, Y) = training.train_step(model, opt, cycler, (X, Y), batches.next_batch, 1, cfg,
+                                           before_zero_grad=hook)
         losses.append(float(loss))
         for i in cycler.active:
             after = flat(blocks[i])
@@ -728,6 +728,8 @@ def build_parser():
     ap.add_argument('--stages', default=','.join(STAGES), help=f'comma-separated, in order; of {",".join(STAGES)}')
     ap.add_argument('--seeds', type=int, default=5, help='seeds 0..N-1')
     ap.add_argument('--jobs', type=int, default=2, help='runs at a time (each OMP_NUM_THREADS=1)')
+    ap.add_argument('--max_load', type=float, default=None,
+                    help='start a second run beside the first only while the 1-minute load average is below this')
     ap.add_argument('--policy', default='auto', help="state policy of the later stages: keep, drop or auto")
     ap.add_argument('--runs_dir', default=os.path.join(ROOT, 'out', 'study', 'runs'))
     ap.add_argument('--report_dir', default=os.path.join(ROOT, 'out', 'study'))
@@ -751,13 +753,15 @@ def main(argv=None):
         sys.exit(f'error: unknown stage {unknown[0]!r}; choose from {", ".join(STAGES)}')
     if not args.report_only:
         make_multi_dataset(runs_dir)
+        if any(s.startswith('m4') for s in stages):
+            make_multi_dataset(runs_dir, M4_MULTI_TOKENS)
         if 'm4_ft' in stages:
             make_ft_dataset(runs_dir)
         for stage in stages:
             specs = stage_specs(stage, seeds, resolve_policy(args.policy, runs_dir, stage))
             t0 = time.time()
             print(f"[{time.strftime('%H:%M:%S')}] stage {stage}: {len(specs)} runs", flush=True)
-            run_specs(specs, runs_dir, args.jobs)
+            run_specs(specs, runs_dir, args.jobs, max_load=args.max_load)
             print(f"[{time.strftime('%H:%M:%S')}] stage {stage} done in {time.time() - t0:.0f} s", flush=True)
             report(runs_dir, args.report_dir, seeds, command, args.name, args.jobs)
     report(runs_dir, args.report_dir, seeds, command, args.name, args.jobs)

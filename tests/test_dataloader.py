@@ -123,9 +123,13 @@ def test_datasets_prepared_before_meta_keys_still_read(tmp_path):
     bpe = dataset(tmp_path, np.arange(3000), None, 'bpe')  # GPT-2 BPE folders had no meta.pkl
     assert read_meta(bpe) == {'tokenizer': 'gpt2', 'vocab_size': 50257, 'dtype': 'uint16'}
     assert dataset_vocab(bpe) == 0  # the preset's, else GPT-2's padded 50304 (training.model_args)
-    check_vocab(bpe, 50_304, open_splits(bpe, 15, 4, 'rr', 1)[0])
-    with pytest.raises(ValueError, match=r'vocab_size=32000 is smaller .*\(50257 ids, tokenizer gpt2\)'):
-        check_vocab(bpe, 32_000)
+    check_vocab(bpe, 3000, open_splits(bpe, 15, 4, 'rr', 1)[0])  # no recorded vocabulary: the ids decide
+    with pytest.raises(ValueError, match=r"train.bin holds token id 2999, not below vocab_size=2048"):
+        check_vocab(bpe, 2048, open_splits(bpe, 15, 4, 'rr', 1)[0])
+    bare = dataset(tmp_path, np.arange(30), {'vocab_size': 77}, 'bare')  # a vocabulary only
+    assert read_meta(bare) == {'tokenizer': None, 'vocab_size': 77, 'dtype': 'uint16'} and dataset_vocab(bare) == 77
+    with pytest.raises(ValueError, match=r'vocab_size=64 is smaller .*bare \(77 ids, tokenizer None\)'):
+        check_vocab(bare, 64)
 
 
 def test_ids_beyond_the_vocabulary_are_refused_at_start_or_when_read(tmp_path, monkeypatch):

@@ -318,7 +318,7 @@ def train_error(*args):
 def test_train_refuses_what_does_not_fit_the_pretrained_model(tmp_path):
     save_hf('llama-gqa', tmp_path / 'in')
     run = f'--out_dir={tmp_path / "run"}'
-    assert "block_size=32 is longer than the pretrained model's 16 positions; use --block_size=16" in \
+    assert f"block_size=32 is longer than the 16 positions of {tmp_path / 'in'}; use --block_size=16" in \
         train_error(f'--init_from={tmp_path / "in"}', run, '--block_size=32')
     assert "init_from must be 'scratch', 'resume', a GPT-2 name or a Hugging Face model directory, got" in \
         train_error(f'--init_from={tmp_path / "nowhere"}', run)
@@ -347,7 +347,7 @@ def test_gpt2_bpe_dataset_exports_gpt2s_tokenizer(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / 'out')
     text = "ROMEO: But soft, what light through yonder window breaks?\n  It is the east, and Juliet is the sun."
     assert tok(text)['input_ids'] == gpt2_encoding().encode_ordinary(text)
-    assert tok.eos_token_id == 50256
+    assert tok.eos_token_id == 50256 and tok('a<|endoftext|>b')['input_ids'] == [64, 50256, 65]
     config = json.loads((tmp_path / 'out' / 'config.json').read_text())
     assert config['eos_token_id'] == config['bos_token_id'] == 50256
     assert json.loads((tmp_path / 'out' / 'generation_config.json').read_text())['eos_token_id'] == 50256

@@ -66,7 +66,8 @@ def test_train_args_per_regime(tmp_path):
     args = study.train_args(ft, runs)
     assert '--init_from=resume' in args and f'--dataset={study.ft_dataset(runs)}' in args
     assert '--learning_rate=0.001' in args and '--omgd_gamma=3' in args and '--omgd_period=3' in args
-    assert '--n_layer=12' in args and '--batch_size=16' in args and '--omgd_state=drop' in args
+    assert '--n_layer=12' in args and '--batch_size=8' in args and '--block_size=32' in args
+    assert '--omgd_state=drop' in args
     assert '--seed=3 --data_seed=3 --omgd_seed=3' in ' '.join(args) and '--eval_interval=60' in args
     sgd = study.train_args(study.spec('sub', 'sgd', 'lisa', n_layer=4), runs)
     assert '--dataset=shakespeare_char' in sgd and '--learning_rate=0.1' in sgd and '--batch_size=32' in sgd
@@ -117,10 +118,12 @@ def test_smoke_runs_resume_probe_and_finetune(tmp_path, monkeypatch):
     monkeypatch.setattr(study, 'ITERS', {'multi': 6, 'pre': 6, 'ft': 4})
     monkeypatch.setattr(study, 'EVALS', 2)
     monkeypatch.setattr(study, 'PRETRAIN', dict(study.PRETRAIN, n_layer=4, iters=6))
+    monkeypatch.setattr(study, 'MULTI_TOKENS', 3000)
+    monkeypatch.setattr(study, 'FT_TOKENS', 2000)
     runs = str(tmp_path / 'runs')
-    data = study.make_multi_dataset(runs, n_tokens=3000)
+    data = study.make_multi_dataset(runs)
     assert os.path.getsize(os.path.join(data, 'train.bin')) == 6000
-    ft_data = study.make_ft_dataset(runs, n_tokens=2000)
+    ft_data = study.make_ft_dataset(runs)
     assert (os.path.getsize(os.path.join(ft_data, 'train.bin')), os.path.getsize(os.path.join(ft_data, 'val.bin'))) \
         == (4000, 400)
     wor = study.spec('multi', 'adamw', 'lisa_wor', 'keep', seed=0)

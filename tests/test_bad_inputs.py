@@ -1,0 +1,232 @@
+"""Every entry point, given bad input or a fault: a non-zero exit, one `error:` line naming what to
+do, no traceback, and an existing checkpoint and existing reports left byte for byte as they were.
+In-process (conftest.run_script): the scripts' own checks are under test, not Python's start-up."""
+import hashlib
+import os
+import shutil
+
+import pytest
+
+from conftest import ROOT, TINY, run_script
+
+
+def digest(folder):
+    """{file name: sha256} of every file in `folder`."""
+    return {name: hashlib.sha256(open(os.path.join(folder, name), 'rb').read()).hexdigest()
+            for name in sorted(os.listdir(folder))}
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+    """A finished tiny run: out_dir with its ckpt.pt."""
+    out = tmp_path_factory.mktemp('trained')
+    result = run_script('train.py', [*TINY, f'--out_dir={out}', '--max_iters=4', '--eval_interval=2'])
+    assert result.returncode == 0, result.stderr[-2000:]
+    return out
+
+
+@pytest.fixture(scope='module')
+def files(tmp_path_factory):
+    """Bad files the probes name: config files, a plain file where a folder is expected, ..."""
+    d = tmp_path_factory.mktemp('files')
+    (d / 'syntax.py').write_text("max_iters = 10\nmethod = 'lisa\n")
+    (d / 'latin1.py').write_bytes("method = 'lisa'  # caf\xe9\n".encode('latin-1'))
+    (d / 'exits.py').write_text("import sys\nsys.exit(0)\n")
+    (d / 'unknown_key.py').write_text("lerning_rate = 1e-3\n")
+    (d / 'wrong_type.py').write_text("max_iters = 'many'\n")
+    (d / 'a_file').write_text('not a folder')
+    (d / 'reports').mkdir()
+    (d / 'reports' / 'report.md').write_text('an earlier report\n')
+    (d / 'start.bin').write_bytes(b'\xff\xfe\x00bad')
+    return d
+
+
+# (argv after the script, pattern of the error line); {out} is the trained run, {files} the bad files
+TRAIN = [
+    ('--batch_size=0', r'batch_size must be >= 1, got 0'),
+    ('--batch_size=-3', r'batch_size must be >= 1, got -3'),
+    ('--eval_interval=0', r'eval_interval must be >= 1, got 0'),
+    ('--log_interval=0', r'log_interval must be >= 1'),
+    ('--eval_iters=0', r'eval_iters must be >= 1'),
+    ('--n_head=0', r'n_head must be >= 1'),
+    ('--n_layer=0', r'n_layer must be >= 1'),
+    ('--n_embd=0', r'n_embd must be >= 1'),
+    ('--n_kv_head=-1', r'n_kv_head must be >= 0'),
+    ('--block_size=0', r'block_size must be >= 1'),
+    ('--max_iters=-5', r'max_iters must be >= 0, got -5'),
+    ('--grad_clip=-1', r'grad_clip must be >= 0, got -1\.0'),
+    ('--weight_decay=-0.1', r'weight_decay must be >= 0'),
+    ('--learning_rate=0', r'learning_rate must be > 0'),
+    ('--learning_rate=-1e-3', r'learning_rate must be > 0'),
+    ('--beta1=1.0', r'beta1 must be in \[0, 1\)'),
+    ('--beta2=-0.5', r'beta2 must be in \[0, 1\)'),
+    ('--momentum=1.5', r'momentum must be in \[0, 1\)'),
+    ('--dropout=1.0', r'dropout must be in \[0, 1\)'),
+    ('--dropout=-0.1', r'dropout must be in \[0, 1\)'),
+    ('--min_lr=1.0', r'min_lr=1\.0 is above learning_rate'),
+    ('--warmup_iters=-1', r'warmup_iters must be >= 0'),
+    ('--warmup_iters=20 --lr_decay_iters=10', r'lr_decay_iters=10 ends before warmup_iters=20'),
+    ('--omgd_gamma=0', r'omgd_gamma must be >= 1'),
+    ('--omgd_gamma=99', r'omgd_gamma must be in 1\.\.4'),
+    ('--omgd_period=0', r'omgd_period must be >= 1'),
+    ('--omgd_ratio=0', r'omgd_ratio must be in \(0, 1\]'),
+    ('--omgd_ratio=1.5', r'omgd_ratio must be in \(0, 1\]'),
+    ('--omgd_state=cpu', r"omgd_state must be one of 'drop', 'offload', 'keep', got 'cpu'"),
+    ('--omgd_always=embed,tail', r"unknown omgd_always part\(s\) \['tail'\]"),
+    ('--method=lisa_wr', r"unknown method 'lisa_wr'; choose one of full, "),
+    ('--optimizer=lion', r"optimizer must be 'adamw' or 'sgd', got 'lion'"),
+    ('--precision=fp8', r"unknown precision 'fp8'"),
+    ('--dtype=fp16', r"unknown dtype 'fp16'"),
+    ('--master_device=gpu', r"master_device must be '' \(the weights' device\) or 'cpu', got 'gpu'"),
+    ('--master_device=cpu', r"master_device='cpu' places fp32 master weights.*--precision=bf16_master"),
+    ('--precision=bf16 --dtype=float16', r"dtype='float16' is the autocast dtype of precision='amp'"),
+    ('--precision=bf16_master --optimizer=sgd', r"precision='bf16_master' keeps AdamW's fp32 master weights"),
+    ('--checkpoint_sublayers=True', r'checkpoint_sublayers=True .*--activation_checkpointing=True'),
+    ('--loss_chunk=-1', r'loss_chunk must be >= 0 tokens'),
+    ('--galore_rank=0', r'galore_rank must be >= 1'),
+    ('--galore_update_proj_gap=0', r'galore_update_proj_gap must be >= 1'),
+    ('--galore_scale=0', r'galore_scale must be > 0'),
+    ('--golore_svd_fraction=1.5', r'golore_svd_fraction must be in \[0, 1\]'),
+    ('--device=cuda', r"device='cuda' but this machine has no CUDA GPU"),
+    ('--device=tpu', r"device='tpu' is not a training device"),
+    ('--device=meta', r"device='meta' is not a training device"),
+    ('--backend=mpi', r"backend must be 'nccl' or 'gloo', got 'mpi'"),
+    ('--parallel=zero', r"parallel must be 'ddp' or 'fsdp', got 'zero'"),
+    ('--sampling=seq', r"sampling must be 'rr' or 'iid', got 'seq'"),
+    ('--arch=bert', r"arch must be 'gpt2' or 'llama', got 'bert'"),
+    ('--preset=gpt5', r"unknown preset 'gpt5'"),
+    ('--vocab_size=-1', r'vocab_size must be >= 0'),
+    ('--vocab_size=10', r'vocab_size=10'),
+    ('--n_embd=31', r'n_embd=31 is not divisible by n_head=2'),
+    ('--mlp_hidden=-1', r'mlp_hidden must be >= 0'),
+    ('--sample_tokens=-1', r'sample_tokens must be >= 0'),
+    ('--gradient_accumulation_steps=0', r'gradient_accumulation_steps must be >= 1, got 0'),
+    ('--lerning_rate=1e-3', r"unknown config key 'lerning_rate'; did you mean learning_rate"),
+    ('--max_iters=ten', r"max_iters='ten' is not a valid int"),
+    ('--max_iters=1.5', r'expected int'),
+    ('--compile=maybe', r'not a valid bool'),
+    ('--max_iters', r"expected --key=value, got '--max_iters'"),
+    ('--dataset=', r'dataset must be a non-empty name'),
+    ('--dataset=no_such_dataset', r'python data/no_such_dataset/prepare\.py'),
+    ('{files}/syntax.py', r"syntax\.py', line 2: SyntaxError"),
+    ('{files}/latin1.py', r'latin1\.py.* is not UTF-8 text'),
+    ('{files}/exits.py', r'exits\.py.* calls exit\(\); a config file only assigns keys'),
+    ('{files}/unknown_key.py', r"unknown config key 'lerning_rate'"),
+    ('{files}/wrong_type.py', r"max_iters='many' is not a valid int"),
+    ('{files}/missing.py', r"cannot read config file .*missing\.py'"),
+]
+# the probes that name an out_dir of their own (the others train into {out}: refused before they save)
+OUT_DIR = [
+    ('--out_dir=', r'out_dir must be a non-empty path'),
+    ('--out_dir={files}/a_file', r"out_dir=.*a_file' cannot hold checkpoints"),
+    ('--out_dir={files}/a_file/sub', r"out_dir=.*a_file/sub' cannot hold checkpoints"),
+    ('--out_dir={files}/empty --init_from=resume', r'no checkpoint at .*empty/ckpt\.pt to resume from'),
+]
+# against the trained run in {out}
+RESUME = [
+    ('', r'holds iteration 4 of an earlier run; continue it with --init_from=resume'),
+    ('--init_from=resume --omgd_gamma=1', r"omgd_gamma=1 differs from the checkpoint's 2"),
+    ('--init_from=resume --method=lisa', r"method='lisa' differs from the checkpoint's 'lisa_wor'"),
+    ('--init_from=resume --dataset=shakespeare', r"dataset='shakespeare' differs from the checkpoint's"),
+    ('--init_from=resume --precision=bf16', r"precision='bf16' differs from the checkpoint's 'amp'"),
+    ('--init_from=resume --block_size=16', r"block_size=16 differs from the checkpoint's 32"),
+    ('--init_from=resume --n_layer=6', r"n_layer=6 conflicts with the checkpoint's 4"),  # 6 is the default: given all the same
+    ('--init_from=resume --n_embd=64', r"n_embd=64 conflicts with the checkpoint's 32"),
+    ('--init_from=resume --omgd_always=embed', r"omgd_always='embed' differs from the checkpoint's"),
+    ('--wandb_log=True --init_from=resume --max_iters=6', r'wandb_log=True needs the wandb package'),
+]
+SAMPLE = [
+    ('--temperature=0', r'temperature must be > 0, got 0'),
+    ('--temperature=-1', r'temperature must be > 0'),
+    ('--top_k=-1', r'top_k must be >= 0'),
+    ('--start=', r'start must be a non-empty prompt'),
+    ('--num_samples=0', r'num_samples must be >= 1'),
+    ('--max_new_tokens=0', r'max_new_tokens must be >= 1'),
+    ('--device=cuda', r"device='cuda' but this machine has no CUDA GPU"),
+    ('--tmperature=1', r"unknown config key 'tmperature'; did you mean temperature"),
+    ('--start=FILE:{files}/nothing.txt', r'cannot read it'),
+    ('--start=FILE:{files}/start.bin', r'cannot read it .*UTF-8'),
+    ('--start=ROMEO{{}}', r'--start: characters'),
+    ('--out_dir={files}/empty', r'no checkpoint at .*; train one first: python train\.py --out_dir='),
+    ('--out_dir={files}/a_file', r'no checkpoint at'),
+]
+BENCH = [
+    ('--methods=adam', r"unknown method 'adam'"),
+    ('--methods=,', r'methods lists no method'),
+    ('--steps=0', r'steps must be >= 1'),
+    ('--warmup_steps=-1', r'warmup_steps must be >= 0'),
+    ('--device=meta', r'device must be auto, cuda, cpu'),
+    ('--batch_size=0', r'batch_size must be >= 1'),
+    ('--precisions=fp8', r"unknown precision 'fp8'"),
+    ('--preset=llama-7b', r'the model has 6\.\d+B parameters: .* GiB free on cpu'),
+    ('--preset=gpt2 --n_layer=2', r"preset='gpt2' sets the architecture"),
+    ('--stepz=3', r"unknown config key 'stepz'"),
+]
+BENCH_MEMORY = [
+    ('--micro_batches=-1', r'micro_batches must be >= 0'),
+    ('--device=tpu', r'device must be auto, cuda, meta, cpu'),
+    ('--methods=,', r'methods lists no method'),
+    ('--preset=llama-7b --device=cpu', r'the model has 6\.\d+B parameters: .* GiB free on cpu'),
+    ('--precisions=bf16:cpu', r"master_device='cpu' places fp32 master weights"),
+    ('--precisions=bf16_master:gpu', r"master_device must be ''"),
+    ('--omgd_gamma=0', r'omgd_gamma must be >= 1'),
+    ('{files}/exits.py', r'calls exit\(\)'),
+]
+SMALL_BENCH = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=16', '--vocab_size=64', '--batch_size=2',
+               '--steps=1', '--warmup_steps=0', '--compile=False']
+SHAPE = ('n_layer', 'n_head', 'n_embd', 'vocab_size')  # a preset sets them
+# TRAIN's probes run with --overwrite=True against the trained run: even then, a refused run loses nothing
+PROBES = ([('train.py', f'--overwrite=True {a}', p) for a, p in TRAIN] + [('train.py', *p) for p in OUT_DIR + RESUME] + [('sample.py', *p) for p in SAMPLE] +
+          [('bench.py', *p) for p in BENCH] + [('bench_memory.py', *p) for p in BENCH_MEMORY])
+
+
+def argv_of(script, args, out, files):
+    argv = args.format(out=out, files=files).split()
+    if script == 'train.py':
+        named = any(a.startswith('--out_dir=') for a in argv)
+        return [*TINY, *([] if named else [f'--out_dir={out}']), *argv]
+    if script == 'sample.py':
+        named = any(a.startswith('--out_dir=') for a in argv)
+        return [*([] if named else [f'--out_dir={out}']), '--max_new_tokens=2', *argv]
+    small = [a for a in SMALL_BENCH if not any(a.startswith(f'--{k}=') for k in SHAPE)] \
+        if any(a.startswith('--preset=') for a in argv) else SMALL_BENCH
+    if script == 'bench.py':
+        return [*small, f'--out={files}/reports/report.md', *argv]
+    return [*small[:-3], '--device=meta', f'--out={files}/reports/report', *argv]
+
+
+def test_there_are_over_a_hundred_probes():
+    assert len(PROBES) >= 100, len(PROBES)
+
+
+@pytest.mark.parametrize('script, args, pattern', PROBES, ids=[f'{s} {a}' for s, a, _ in PROBES])
+def test_bad_input_is_one_line_error_and_loses_nothing(script, args, pattern, trained, files):
+    import re
+    before, reports = digest(trained), digest(files / 'reports')
+    if '{files}/empty' in args:
+        (files / 'empty').mkdir(exist_ok=True)
+    result = run_script(script, argv_of(script, args, trained, files))
+    assert result.returncode != 0, result.stdout[-1500:]
+    assert 'Traceback' not in result.stderr, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith('error: ') and re.search(pattern, lines[-1]), result.stderr[-1500:]
+    assert digest(trained) == before  # the checkpoint of the earlier run is untouched
+    assert digest(files / 'reports') == reports  # and so are earlier reports
+    assert not os.path.exists(os.path.join(str(files), 'a_file', 'sub'))
+
+
+def test_a_run_that_fails_before_saving_leaves_no_empty_out_dir(tmp_path):
+    out = tmp_path / 'new_run'
+    result = run_script('train.py', [*TINY, f'--out_dir={out}', '--vocab_size=10'])
+    assert result.returncode == 1 and result.stderr.strip().splitlines()[-1].startswith('error: ')
+    assert not out.exists()
+
+
+def test_stale_temporary_files_of_an_interrupted_save_are_removed(trained, tmp_path):
+    out = tmp_path / 'run'
+    shutil.copytree(trained, out)
+    (out / '.ckpt.pt.tmp-12345').write_bytes(b'half a checkpoint')
+    result = run_script('train.py', [*TINY, f'--out_dir={out}', '--init_from=resume', '--max_iters=5',
+                                     '--eval_interval=5'])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(os.listdir(out)) == ['ckpt.pt']
