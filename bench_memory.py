@@ -331,7 +331,7 @@ def notes_for(cfg, device, estimate, n_params, precisions):
                  f"plus {cfg['omgd_always']}. GaLore/GoLore: rank {cfg['galore_rank']} on every attention and MLP "
                  f"matrix, projected on the smaller side; embeddings, head and norms have full AdamW state. "
                  f"Projection matrices are not counted as optimizer state (they are inside Others).")
-    lines.append("Measured iteration = train.py's (training.train_step), the second of a switching period "
+    lines.append("Measured iteration = train.py's (training.Trainer.step), the second of a switching period "
                  "(optimizer state already exists); the peak is over forward/backward of every micro-batch, "
                  "clipping, scaling and the step.")
     return lines

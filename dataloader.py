@@ -168,8 +168,9 @@ def check_vocab(dataset, vocab_size, *batches):
     meta = read_meta(data_dir(dataset))
     if os.path.exists(os.path.join(data_dir(dataset), 'meta.pkl')) and meta['vocab_size'] > vocab_size:
         raise ValueError(f"vocab_size={vocab_size} is smaller than the vocabulary of {data_dir(dataset)} "
-                         f"({meta['vocab_size']} ids, tokenizer {meta['tokenizer']}): set --vocab_size={meta['vocab_size']} "
-                         f"or more, or train on a dataset prepared with a smaller tokenizer")
+                         f"({meta['vocab_size']} ids, tokenizer {meta['tokenizer']}): set "
+                         f"--vocab_size={meta['vocab_size']} or more, or train on a dataset prepared with a smaller "
+                         f"tokenizer")
     scanned = set()
     for b in batches:
         if b.n_tokens > SCAN_LIMIT:

@@ -111,13 +111,20 @@ class Linear(nn.Linear):
         return super().forward(x)
 
 
+VOCAB_SLICES = 8  # a low-precision head's dW is summed in fp32 an eighth of the vocabulary at a time
+
+
 class ChunkedLinearCE(torch.autograd.Function):
     """F.cross_entropy(F.linear(x, weight), targets, ignore_index=-1), `chunk` rows of x at a time,
     so that at most one chunk of (chunk x vocab) logits exists, in forward and backward. Saves x,
-    weight and targets only; the backward recomputes each chunk's logits (one more head matmul),
-    turns them into their gradient in place and adds its dx and dW into one buffer each. dW is summed
-    in fp32 whatever the weight's dtype and rounded once at the end: summed in bf16, each chunk would
-    round the running sum, an error that grows with the number of chunks.
+    weight and targets; the backward recomputes each chunk's logits (one more head matmul), turns
+    them into their gradient in place and adds its dx and dW into one buffer each.
+    dW is summed in fp32 and rounded once. A low-precision weight that trains (pure bf16) would need
+    a weight-sized fp32 buffer for that, so its backward goes over the vocabulary in VOCAB_SLICES
+    slices: each slice's dW is summed over every chunk in an fp32 buffer of the slice's size and
+    rounded into dW, the slice's share of the softmax taken from each token's log-sum-exp (saved by
+    the forward), and dx summed over the slices in fp32. Summed in bf16, every chunk would round the
+    running sum, an error that grows with the number of chunks.
     torch.utils.checkpoint per chunk recomputes the same, but autograd then sums one weight-sized
     gradient per chunk: 3 weight-sized buffers at its peak (GPT-2's head, 512 tokens in chunks of
     64: 444 MiB, against 173 MiB here and 295 MiB unchunked)."""
@@ -130,47 +137,70 @@ class ChunkedLinearCE(torch.autograd.Function):
         available = torch.amp.is_autocast_available(device)  # meta has no autocast
         ctx.cast = torch.get_autocast_dtype(device) if available and torch.is_autocast_enabled(device) else None
         ctx.autocast = torch.autocast(device, ctx.cast, enabled=ctx.cast is not None) if available else nullcontext()
+        vocab = weight.size(0)
+        sliced = ctx.needs_input_grad[1] and weight.element_size() < 4
+        ctx.rows = -(-vocab // VOCAB_SLICES) if sliced else vocab  # vocabulary rows per backward slice
         w = weight.to(ctx.cast) if ctx.cast else weight
-        total = 0
+        total, lse = 0, []
         for i in range(0, x.size(0), chunk):
-            logits = F.linear(x[i:i + chunk], w)
-            total = total + F.cross_entropy(logits.float(), targets[i:i + chunk], ignore_index=-1, reduction='sum')
+            logits = F.linear(x[i:i + chunk], w).float()
+            total = total + F.cross_entropy(logits, targets[i:i + chunk], ignore_index=-1, reduction='sum')
+            if sliced:
+                lse.append(torch.logsumexp(logits, -1))
         del logits
         count = (targets != -1).sum()
-        ctx.save_for_backward(x, weight, targets, count)
+        ctx.save_for_backward(x, weight, targets, count, torch.cat(lse) if sliced else None)
         ctx.chunk = chunk
         return total / count  # the mean over counted tokens, as ignore_index=-1 does
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        x, weight, targets, count = ctx.saved_tensors
+        x, weight, targets, count, lse = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]
-        dx = torch.empty_like(x) if need_x else None
-        dw = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if need_w else None
+        chunk, rows = ctx.chunk, ctx.rows
+        sliced = lse is not None
+        if need_x:  # summed over the slices in fp32 too
+            dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if sliced else torch.empty_like(x)
+        if need_w:
+            dw = torch.empty_like(weight) if sliced else torch.zeros_like(weight)
         scale = grad / count
         with ctx.autocast:
             w = weight.to(ctx.cast) if ctx.cast else weight
-            for i in range(0, x.size(0), ctx.chunk):
-                xc, yc = x[i:i + ctx.chunk], targets[i:i + ctx.chunk]
-                logits = F.linear(xc, w)
-                dtype = logits.dtype
-                # d(summed CE)/dlogits = softmax - one_hot(target), 0 on ignored rows; written in place
-                # so a chunk costs 2 (chunk x vocab) buffers at most (autograd's cross-entropy backward, 5)
-                dlogits = torch.softmax(logits, -1, dtype=torch.float32)
-                del logits
-                valid = (yc != -1).unsqueeze(1)
-                dlogits.scatter_add_(1, yc.clamp(min=0).unsqueeze(1), -valid.float())
-                dlogits = dlogits.mul_(valid * scale).to(dtype)
-                if need_x:
-                    dx[i:i + ctx.chunk] = dlogits.mm(w)
-                if need_w:
-                    if dlogits.dtype == xc.dtype == dw.dtype:
-                        dw.addmm_(dlogits.t(), xc)  # in place: no weight-sized product
-                    else:  # bf16 weights or autocast: the chunk's product in bf16, its sum in fp32
-                        dw += dlogits.t().mm(xc)
-                del dlogits  # before the next chunk's logits exist
-        return dx, None if dw is None else dw.to(weight.dtype), None, None
+            for r in range(0, w.size(0), rows):
+                w_r = w[r:r + rows]
+                if need_w:  # sliced: this slice's dW, in fp32 until it is complete
+                    dw_r = torch.zeros(w_r.shape, dtype=torch.float32, device=w.device) if sliced else dw
+                for i in range(0, x.size(0), chunk):
+                    xc, yc = x[i:i + chunk], targets[i:i + chunk]
+                    logits = F.linear(xc, w_r)
+                    dtype = logits.dtype
+                    # d(summed CE)/dlogits = softmax - one_hot(target), 0 on ignored rows; written in place
+                    # so a chunk costs 2 (chunk x vocab) buffers at most (autograd's cross-entropy backward, 5)
+                    if sliced:  # the slice's columns of the softmax
+                        dlogits = logits.float().sub_(lse[i:i + chunk, None]).exp_()
+                    else:
+                        dlogits = torch.softmax(logits, -1, dtype=torch.float32)
+                    del logits
+                    valid = (yc != -1).unsqueeze(1)
+                    col = yc - r  # the target's column in this slice, if it is in it
+                    hit = valid & ((col >= 0) & (col < w_r.size(0))).unsqueeze(1)
+                    dlogits.scatter_add_(1, col.clamp(0, w_r.size(0) - 1).unsqueeze(1), -hit.float())
+                    dlogits = dlogits.mul_(valid * scale).to(dtype)
+                    if need_x:
+                        if sliced:
+                            dx[i:i + chunk] += dlogits.mm(w_r)
+                        else:
+                            dx[i:i + chunk] = dlogits.mm(w_r)
+                    if need_w:
+                        if dlogits.dtype == xc.dtype == dw_r.dtype:
+                            dw_r.addmm_(dlogits.t(), xc)  # in place: no weight-sized product
+                        else:  # autocast or sliced: the product in bf16, its sum in fp32
+                            dw_r += dlogits.t().mm(xc)
+                    del dlogits  # before the next chunk's logits exist
+                if need_w and sliced:
+                    dw[r:r + rows] = dw_r  # the one rounding of this slice of dW
+        return (dx.to(x.dtype) if need_x else None), (dw if need_w else None), None, None
 
 
 # grad_fn chains from a saved tensor back to a parameter through these are weights, not activations

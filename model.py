@@ -3,9 +3,9 @@ GPT-2 and LLaMA language models in one file, in the spirit of nanoGPT.
 
 The two architectures differ in their parts, chosen per architecture in Block and GPT:
 GPT-2: learned position embeddings, fused q/k/v attention (GPT2Attention), GELU MLP, LayerNorm,
-       head tied to the token embedding;
+       head tied to the token embedding (config.tie_embeddings' default);
 LLaMA: rotary positions (Rotary), grouped-query attention (LlamaAttention), SwiGLU, RMSNorm,
-       no biases, separate head.
+       no biases, a separate head by default.
 The layout is what layer cycling (OMGD / LISA-wor) relies on: the transformer
 blocks live in `model.blocks` so a sampler can freeze/unfreeze them by index,
 and everything outside the blocks is reachable through `model.outer_modules()`.

@@ -10,18 +10,19 @@ the training loss; train.py's eval 'train' split draws the same fixed windows of
 at every evaluation, so 'train loss' below is the loss on a fixed set of training windows (and
 'val loss' the same on val.bin).
 
-Models: GPT, n_embd 32, 2 heads, block_size 64, batch 32, N_L blocks; LISA and LISA-wor train gamma
-of them for K iterations, M = N_L / gamma periods make a LISA-wor cycle.
+Models: GPT, n_embd 32, 2 heads, N_L blocks; 4 blocks: block_size 64, batch 32; 8 and 12 blocks:
+block_size 32, batch 8 (DEPTH_ARGS). LISA and LISA-wor train gamma blocks for K iterations; M =
+N_L / gamma periods make a LISA-wor cycle.
 
 Regimes (the dataset and the iterations of a run):
-- multi: a prefix of MULTI_TOKENS tokens of data/shakespeare_char/train.bin (written once to
-  RUNS/../data/shakespeare_char_100k with the full val.bin and meta.pkl), 48 iterations per epoch
-  at batch 32.
-- sub: the whole corpus (about 2,100 iterations per epoch at batch 32), a fraction of one epoch.
+- multi: a prefix of data/shakespeare_char/train.bin (written once to RUNS/../data/
+  shakespeare_char_<N>k with the full val.bin and meta.pkl): MULTI_TOKENS for 4 blocks (48
+  iterations per epoch), M4_MULTI_TOKENS for 8 and 12 (75 iterations per epoch).
+- sub: the whole corpus (4.46M tokens), a fraction of one epoch.
 - pre: the whole corpus, full AdamW: the model the fine-tuning runs start from (checkpoint kept).
 - ft: fine-tuning the 'pre' model on another text in the same characters: CPython's own reference
-  documentation (pydoc_data.topics), characters outside Shakespeare's set dropped, written once to
-  RUNS/../data/pydoc_char (FT_TOKENS train, a tenth of that val). Each run starts from a checkpoint
+  documentation (pydoc_data.topics, shipped with Python), characters outside Shakespeare's set
+  dropped, written once to RUNS/../data/pydoc_char (FT_TOKENS train, a tenth of that val). Each run starts from a checkpoint
   at iteration 0 (the pre-trained weights, a fresh optimizer, cycler and data order for its own
   config) that train.py resumes (--init_from=resume).
 
@@ -39,18 +40,20 @@ Stages, in the order they run (a stage's runs go seed-major, so a stage stopped 
   methods: lisa_scale, lisa_wor_noscale, tensor_wor, tensor_iid (multi, AdamW)
   sweep: K in {1, 10, 50} x gamma in {1, 2} for lisa vs lisa_wor (multi, AdamW)
   k1_keep: the sweep's K=1, gamma=2 cell under the other state policy
-  M = 4 (8 blocks gamma 2, and 12 blocks gamma 3 as the paper's GPT-2; batch 16; K 3, 600
-  iterations = 50 cycles: multi 6.2 epochs, sub 0.14 epoch):
-  m4_multi_adamw, m4_sub_adamw: lisa, lisa_wor x keep, drop
+  M = 4 (8 blocks gamma 2, and 12 blocks gamma 3 as the paper's GPT-2; K 3, 600 iterations = 50
+  cycles: multi 8 epochs, sub 0.04 epoch):
+  m4_multi_adamw: lisa, lisa_wor x keep, drop
   m4_multi_sgd: lisa, lisa_scale, lisa_wor (SGD with momentum)
-  m4_pre, m4_ft: 12 blocks pre-trained on Shakespeare (full AdamW, 1,000 iterations, seed 0), fine-tuned
-         600 iterations (6.2 epochs) on pydoc_char: full, lisa, lisa_wor at gamma 3, K 3 (50 cycles)
+  m4_pre, m4_ft: 12 blocks pre-trained on Shakespeare (full AdamW, 2,000 iterations, seed 0), fine-tuned
+         600 iterations (8 epochs) on pydoc_char: full, lisa, lisa_wor at gamma 3, K 3 (50 cycles)
+  m4_sub_adamw: m4_multi_adamw's runs, sub-epoch
   m4_full: full AdamW for m4_multi_adamw's models (the reference)
   m4_probe: the instrumented loop for 8 blocks, multi, AdamW (seed 0)
 'keep' for the later stages is the policy under which lisa_wor reached the lower mean train loss in
 core_multi_adamw (M = 2 stages) or m4_multi_adamw (M = 4 stages) (--policy=auto), or the one named.
 
-    python experiments/study.py --stages=m4_multi_adamw,m4_sub_adamw,m4_multi_sgd,m4_ft --name=study_m4
+    python experiments/study.py --stages=m4_multi_adamw,m4_multi_sgd,m4_pre,m4_ft --name=study_m4 --max_load=5
+    python experiments/study.py --stages=m4_multi_sgd --layers=8 --name=study_m4   # the 8-block runs only
     python experiments/study.py --stages=core_multi_adamw,probe --seeds=5 --name=study_m2
     python experiments/study.py --report_only --name=study_m4 --report_dir=results
 
@@ -730,6 +733,7 @@ def build_parser():
     ap.add_argument('--jobs', type=int, default=2, help='runs at a time (each OMP_NUM_THREADS=1)')
     ap.add_argument('--max_load', type=float, default=None,
                     help='start a second run beside the first only while the 1-minute load average is below this')
+    ap.add_argument('--layers', default='', help='only the runs of models with these numbers of blocks, e.g. 8,12')
     ap.add_argument('--policy', default='auto', help="state policy of the later stages: keep, drop or auto")
     ap.add_argument('--runs_dir', default=os.path.join(ROOT, 'out', 'study', 'runs'))
     ap.add_argument('--report_dir', default=os.path.join(ROOT, 'out', 'study'))
@@ -748,6 +752,10 @@ def main(argv=None):
     seeds = list(range(args.seeds))
     command = ' '.join(['python experiments/study.py'] + (sys.argv[1:] if argv is None else list(argv)))
     stages = [s.strip() for s in args.stages.split(',') if s.strip()]
+    try:
+        layers = {int(n) for n in args.layers.split(',') if n.strip()}
+    except ValueError:
+        sys.exit(f'error: --layers={args.layers!r}: give numbers of blocks, e.g. --layers=8,12')
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         sys.exit(f'error: unknown stage {unknown[0]!r}; choose from {", ".join(STAGES)}')
@@ -759,6 +767,7 @@ def main(argv=None):
             make_ft_dataset(runs_dir)
         for stage in stages:
             specs = stage_specs(stage, seeds, resolve_policy(args.policy, runs_dir, stage))
+            specs = [s for s in specs if not layers or s['n_layer'] in layers]
             t0 = time.time()
             print(f"[{time.strftime('%H:%M:%S')}] stage {stage}: {len(specs)} runs", flush=True)
             run_specs(specs, runs_dir, args.jobs, max_load=args.max_load)

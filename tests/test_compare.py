@@ -5,15 +5,18 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'experiments'))
 import compare  # noqa: E402
+import runner  # noqa: E402
 
 TINY = ['--n_layer=4', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=8', '--eval_iters=2',
         '--eval_interval=3', '--log_interval=1', '--warmup_iters=2', '--omgd_gamma=2', '--omgd_period=2']
 
 
-def test_smoke_two_methods_one_seed(tmp_path):
+def test_smoke_two_methods_one_seed(tmp_path, monkeypatch):
     out = tmp_path / 'results'
     result = subprocess.run([sys.executable, 'experiments/compare.py', '--methods=full,lisa_wor:iid', '--seeds=1',
                              '--max_iters=6', f'--out_dir={out}', f'--runs_dir={tmp_path / "runs"}', *TINY],
@@ -48,6 +51,13 @@ def test_smoke_two_methods_one_seed(tmp_path):
     assert replot.returncode == 0, replot.stderr[-3000:]
     assert (out / 'compare_loss.png').stat().st_size > 0
     assert '| lisa_wor:iid | iid |' in (out / 'compare.md').read_text()
+    # the finished runs in runs_dir are read back, not trained again (runner.run_all)
+    monkeypatch.setattr(runner, 'run_train', lambda *a, **k: pytest.fail('a finished run was trained again'))
+    args = compare.build_parser().parse_args(['--methods=full,lisa_wor:iid', '--seeds=1', '--max_iters=6', *TINY])
+    again = compare.run_all([compare.parse_variant('full'), compare.parse_variant('lisa_wor:iid')], [0], args,
+                            str(tmp_path / 'runs'))
+    assert [r['variant'] for r in again] == ['full', 'lisa_wor:iid']
+    assert [r['val_loss'] for r in again] == [rows['full']['val_curve']['mean'], rows['lisa_wor:iid']['val_curve']['mean']]
 
 
 def test_parse_log_and_variants():
@@ -55,7 +65,7 @@ def test_parse_log_and_variants():
                      'iter 0: loss 4.1000, time 900.0ms, tok/s 100, epoch 0.00',
                      'iter 10: loss 3.0000, time 50.0ms, tok/s 2,000, epoch 0.01',
                      'step 20: train loss 2.9000, val loss 2.9500'])
-    parsed = compare.parse_log(log)
+    parsed = runner.parse_log(log)
     assert parsed['eval_iters'] == [0, 20] and parsed['val_loss'] == [4.3, 2.95] and parsed['train_loss'] == [4.2, 2.9]
     assert parsed['median_ms_per_iter'] == 50.0 and parsed['switches'] == 1 and parsed['last_logged_epoch'] == 0.01
     assert compare.parse_variant('full:iid') == {'name': 'full:iid', 'method': 'full', 'sampling': 'iid'}
@@ -67,6 +77,9 @@ def test_paired_differences():
             {'name': 'lisa', 'final_val': {0: 2.1, 1: 2.3, 2: 2.2}}]
     p = compare.paired(rows, 'lisa_wor', 'lisa')
     assert p['a_wins'] == 2 and math.isclose(p['mean'], -0.1) and p['seeds'] == [0, 1, 2]
+    assert (p['a'], p['b'], p['n']) == ('lisa_wor', 'lisa', 3) and math.isclose(p['sd'], 0.1)
+    half = 4.303 * 0.1 / math.sqrt(3)  # t_{0.975, 2}
+    assert p['ci95'] == pytest.approx([p['mean'] - half, p['mean'] + half]) and not p['significant']
     assert compare.paired(rows, 'lisa_wor', 'galore') is None
 
 
@@ -75,13 +88,12 @@ def test_memory_builds_the_runs_own_config():
     (any train.py key), parsed by train.py's configurator; a key train.py refuses is refused here too."""
     import argparse
 
-    import pytest
     import torch
 
     from model import GPT
     flags = {name: default for name, _, default in compare.TRAIN_FLAGS}
     flags.update(dataset='no_such_dataset', n_layer=2, n_embd=32, block_size=16, batch_size=2, omgd_gamma=1)
-    args = argparse.Namespace(**flags, max_iters=10, train_arg=['--arch=llama', '--n_kv_head=2', '--omgd_warmup=5'])
+    args = argparse.Namespace(**flags, max_iters=40, train_arg=['--arch=llama', '--n_kv_head=2', '--omgd_warmup=5'])
     cfg, vocab = compare.train_config('lisa_wor', args)
     assert (cfg['method'], cfg['omgd_warmup'], cfg['n_layer'], cfg['device'], vocab) == ('lisa_wor', 5, 2, 'cpu', 0)
     config = compare.model_config(args)

@@ -92,3 +92,21 @@ def test_gpt2_configs_hold_the_papers_settings():
         cfg = shipped_config(name)
         assert {k: cfg[k] for k in paper} == paper and cfg['method'] == method
         assert cfg['batch_size'] * cfg['block_size'] * cfg['gradient_accumulation_steps'] == 60 * 1024 * 8
+
+
+def test_help_lists_every_key_with_its_default_and_meaning():
+    from conftest import run_script
+    import train_config
+    result = run_script('train.py', ['--help'])
+    assert result.returncode == 0 and result.stderr == ''
+    lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith('  --')}
+    assert sorted(lines) == sorted(f'--{k}={v!r}' for k, v in train_config.DEFAULTS.items())
+    assert all(len(line.split(None, 1)) == 2 for line in lines.values())  # each with its comment
+    sample = run_script('sample.py', ['-h'])
+    assert sample.returncode == 0 and '--temperature=0.8' in sample.stdout
+
+
+def test_defaults_are_data_importable_without_running_a_script():
+    import train_config
+    assert train_config.DEFAULTS['method'] == 'lisa_wor' and train_config.DEFAULTS['omgd_gamma'] == 2
+    assert train_config.gpu_defaults()['dtype'] == 'bfloat16' and train_config.gpu_defaults()['compile'] is True

@@ -471,6 +471,12 @@ def test_c4_prepare_bad_input_is_one_line_and_keeps_the_old_dataset(tmp_path, c4
         (tmp_path / bad / "c4-train.0.json.gz").write_bytes(gzip.compress(train_line.encode()))
         (tmp_path / bad / "c4-validation.0.json.gz").write_bytes(gzip.compress(b'{"url": "x"}\n'))
         cases.append(([f"--json_files={tmp_path / bad}/*.gz"], 1, message))
+    for empty, content, message in [("empty", b"", "the train shards of --json_files cannot be read: a shard is empty"),
+                                    ("blank", b"\n", "the train split has no documents")]:
+        (tmp_path / empty).mkdir()
+        (tmp_path / empty / "c4-train.0.json.gz").write_bytes(gzip.compress(content))
+        (tmp_path / empty / "c4-validation.0.json.gz").write_bytes(gzip.compress(b'{"text": "w1"}\n'))
+        cases.append(([f"--json_files={tmp_path / empty}/*.gz"], 1, message))
     for args, status, message in cases:
         assert mod.main(base + args) == status, args
         err = capsys.readouterr().err.strip().splitlines()

@@ -1,38 +1,33 @@
 """sample.py: text from a checkpoint written by train.py."""
-import subprocess
-import sys
-
-from conftest import ROOT, run_train
+from conftest import run_script, run_train
 
 
 def test_sample_from_checkpoint_and_missing_checkpoint(tmp_path):
     run_train(f'--out_dir={tmp_path}', '--max_iters=4', '--eval_interval=4')
-    cmd = [sys.executable, 'sample.py', f'--out_dir={tmp_path}', '--start=ROMEO:', '--max_new_tokens=40',
-           '--num_samples=2']
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    cmd = [f'--out_dir={tmp_path}', '--start=ROMEO:', '--max_new_tokens=40', '--num_samples=2']
+    result = run_script('sample.py', cmd)
     assert result.returncode == 0, result.stderr
     samples = result.stdout.split('---------------')
     assert len(samples) == 3 and all(s.strip().startswith('ROMEO:') for s in samples[:2])
     assert len(samples[0].strip()) == len('ROMEO:') + 40
-    bad = subprocess.run(cmd[:3] + ['--start=ROMEO{}'], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = run_script('sample.py', cmd[:1] + ['--start=ROMEO{}'])
     assert bad.returncode != 0 and bad.stderr.strip() == "error: --start: characters '{}' are not in the " \
         "dataset's vocabulary"
-    cmd[2] = f'--out_dir={tmp_path / "none"}'
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    cmd[0] = f'--out_dir={tmp_path / "none"}'
+    result = run_script('sample.py', cmd)
     assert result.returncode != 0 and result.stderr.strip().startswith('error: no checkpoint at')
 
 
 def test_truncated_checkpoint_and_missing_start_file_are_one_line_errors(tmp_path):
     run_train(f'--out_dir={tmp_path}', '--max_iters=2', '--eval_interval=2')
-    missing = subprocess.run([sys.executable, 'sample.py', f'--out_dir={tmp_path}', '--max_new_tokens=5',
-                              f'--start=FILE:{tmp_path / "missing.txt"}'], cwd=ROOT, capture_output=True, text=True)
+    missing = run_script('sample.py', [f'--out_dir={tmp_path}', '--max_new_tokens=5',
+                                       f'--start=FILE:{tmp_path / "missing.txt"}'])
     assert missing.returncode != 0 and missing.stderr.strip() == (
         f"error: --start=FILE:{tmp_path / 'missing.txt'}: cannot read it (No such file or directory); "
         f"give an existing UTF-8 text file")
     ckpt = tmp_path / 'ckpt.pt'
     ckpt.write_bytes(ckpt.read_bytes()[:ckpt.stat().st_size // 2])
-    truncated = subprocess.run([sys.executable, 'sample.py', f'--out_dir={tmp_path}'], cwd=ROOT,
-                               capture_output=True, text=True)
+    truncated = run_script('sample.py', [f'--out_dir={tmp_path}'])
     assert truncated.returncode != 0 and len(truncated.stderr.strip().splitlines()) == 1, truncated.stderr
     assert truncated.stderr.startswith(f"error: cannot read checkpoint {ckpt} (RuntimeError: PytorchStreamReader "
                                        f"failed reading zip archive: failed finding central directory); it is "

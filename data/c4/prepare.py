@@ -76,6 +76,8 @@ def _rows(source, split, json_files, streaming, cache_dir, num_proc):
             ds = load_dataset("allenai/c4", "en", split=split, streaming=streaming, cache_dir=cache_dir,
                               **({} if streaming else {"num_proc": num_proc}))
         yield from ds
+    except StopIteration:  # the json reader's way of saying that a shard is empty
+        raise ValueError(f"{source} cannot be read: a shard is empty") from None
     except (DatasetGenerationError, ValueError) as e:  # a generation error's cause is the reader's error
         raise ValueError(f"{source} cannot be read: {e.__cause__ or e}") from None
 
@@ -107,19 +109,23 @@ def in_order(pool, batches, ahead):
         yield pending.popleft().get()
 
 
-def tokenized(texts, tok, pool, num_proc, batch_docs, max_tokens, bar):
-    """Arrays of ids of consecutive batches of texts, cut at max_tokens (0: no cap)."""
+def tokenized(split, texts, tok, pool, num_proc, batch_docs, max_tokens, verbose):
+    """Arrays of ids of consecutive batches of texts, cut at max_tokens (0: no cap), with a progress bar."""
     batches = iter(lambda: list(itertools.islice(texts, batch_docs)), [])
     arrays = in_order(pool, batches, 4 * num_proc) if pool else (encode_docs(b, tok) for b in batches)
     n = 0
-    for a in arrays:
-        if max_tokens and n + len(a) >= max_tokens:
-            a = a[: max_tokens - n]
-        n += len(a)
-        bar.update(len(a))
-        yield a
-        if max_tokens and n >= max_tokens:
-            return
+    with tqdm(total=max_tokens or None, unit="tok", unit_scale=True, desc=f"tokenizing {split}",
+              disable=not verbose) as bar:
+        for a in arrays:
+            if max_tokens and n + len(a) >= max_tokens:
+                a = a[: max_tokens - n]
+            n += len(a)
+            bar.update(len(a))
+            yield a
+            if max_tokens and n >= max_tokens:
+                return
+    if n == 0:
+        raise ValueError(f"the {split} split has no documents; give shards with some")
 
 
 def prepare(out_dir=None, json_files=None, tokenizer="gpt2", streaming=True, num_proc=None, max_docs=0,
@@ -135,8 +141,6 @@ def prepare(out_dir=None, json_files=None, tokenizer="gpt2", streaming=True, num
         raise ValueError(f"--batch_docs={batch_docs} --num_proc={num_proc}: give numbers of at least 1")
     num_proc = num_proc or max(1, (os.cpu_count() or 2) // 2)
     tok = Tokenizer(tokenizer)
-    if tok.eot is None:
-        raise ValueError("--tokenizer=char: documents need an end-of-text token; give 'gpt2' or a tokenizer directory")
     if json_files is not None:
         json_splits(json_files)  # a missing file fails before anything is read
     tok.encode("")  # load it in the parent: a forked worker inherits it
@@ -147,22 +151,17 @@ def prepare(out_dir=None, json_files=None, tokenizer="gpt2", streaming=True, num
 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # parallel in processes, not also in threads
         pool = multiprocessing.Pool(num_proc, initializer=_init_worker, initargs=(tok,))
-    bars, splits = [], {}
+    splits = {}
     try:
         for ours, c4_split in SPLITS.items():
             n_docs, n_tokens = caps[ours]
             texts = documents(c4_split, json_files, streaming, cache_dir, num_proc)
             if n_docs:
                 texts = itertools.islice(texts, n_docs)
-            bar = tqdm(total=n_tokens or None, unit="tok", unit_scale=True, desc=f"tokenizing {c4_split}",
-                       disable=not verbose)
-            bars.append(bar)
-            splits[ours] = tokenized(texts, tok, pool, num_proc, batch_docs, n_tokens, bar)
+            splits[ours] = tokenized(c4_split, texts, tok, pool, num_proc, batch_docs, n_tokens, verbose)
         # the splits are read one after the other as write_dataset writes them
         counts = write_dataset(out_dir, splits, tok.record(), progress=False)
     finally:
-        for bar in bars:
-            bar.close()
         if pool is not None:
             pool.terminate()
     if verbose:
