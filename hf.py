@@ -269,7 +269,6 @@ def _from_pretrained(name, dropout):
     return from_state(hf.config.to_dict(), hf.state_dict().items(), dropout, where=name)
 
 
-
 # -----------------------------------------------------------------------------
 # out
 

@@ -235,7 +235,10 @@ def next_batch():
     is what a checkpoint must store, since the loop prefetches one micro-batch ahead."""
     global data_position
     data_position = train_batches.state_dict()
-    return train_batches.next_batch(device)
+    try:
+        return train_batches.next_batch(device)
+    except ValueError as e:  # a token id the model cannot embed, found as a large file is read
+        fail(f"{e}; {last_good()}")
 
 
 ddp_summary = None

@@ -48,7 +48,9 @@ Stages, in the order they run (a stage's runs go seed-major, so a stage stopped 
          600 iterations (8 epochs) on pydoc_char: full, lisa, lisa_wor at gamma 3, K 3 (50 cycles)
   m4_sub_adamw: m4_multi_adamw's runs, sub-epoch
   m4_full: full AdamW for m4_multi_adamw's models (the reference)
-  m4_probe: the instrumented loop for 8 blocks, multi, AdamW (seed 0)
+  m4_probe: the instrumented loop for m4_multi_adamw's runs (seed 0)
+  ft_sweep: lisa, lisa_wor fine-tuning at K 1 and 6 (gamma 3), and gamma 1 and 6 (K 3)
+  m8_multi_adamw: M = 8 (8 blocks, gamma 1, K 2, 800 iterations = 50 cycles): lisa, lisa_wor x keep, drop
 'keep' for the later stages is the policy under which lisa_wor reached the lower mean train loss in
 core_multi_adamw (M = 2 stages) or m4_multi_adamw (M = 4 stages) (--policy=auto), or the one named.
 
@@ -93,6 +95,7 @@ DEPTH_ARGS = {L: dict(batch_size=8, block_size=32) for L in (8, 12)}
 M4_MULTI_TOKENS = 20_000
 M4_K, M4_ITERS = 3, 600  # 50 cycles of M * K = 12 iterations
 FT_GEOMETRY = dict(n_layer=12, gamma=3, K=3, iters=600)  # the paper's CoLA ablation: gamma, K in 1..6
+FT_SWEEP = (dict(K=1), dict(K=6), dict(gamma=1), dict(gamma=6))  # M = 12 at gamma 1, 2 at gamma 6
 EVALS = 10  # evaluations per run (and one at iteration 0)
 PRETRAIN = dict(regime='pre', optimizer='adamw', method='full', n_layer=12, iters=2000, seed=0)
 
@@ -229,10 +232,15 @@ def stage_specs(stage, seeds, policy='keep'):
             G = dict(FT_GEOMETRY)
             out += [S('ft', 'adamw', 'full', n_layer=G['n_layer'], iters=G['iters'])]
             out += [S('ft', 'adamw', m, policy, **G) for m in ('lisa', 'lisa_wor')]
+        elif stage == 'm8_multi_adamw':  # M = 8: one block of 8 at a time, 50 cycles of 16 steps
+            G = dict(n_layer=8, gamma=1, K=2, iters=800)
+            out += [S('multi', 'adamw', m, st, **G) for st in ('keep', 'drop') for m in ('lisa', 'lisa_wor')]
+        elif stage == 'ft_sweep':  # the CoLA ablation's axes around m4_ft's cell: K at gamma 3, gamma at K 3
+            G = dict(FT_GEOMETRY)
+            out += [S('ft', 'adamw', m, policy, **{**G, **change}) for change in FT_SWEEP for m in ('lisa', 'lisa_wor')]
         elif stage == 'm4_probe' and seed == seeds[0]:
-            L, g = M4[0]
             out += [S('multi', 'adamw', m, st, kind='probe', n_layer=L, gamma=g, K=M4_K, iters=M4_ITERS)
-                    for st in ('keep', 'drop') for m in ('lisa', 'lisa_wor')]
+                    for L, g in M4[::-1] for st in ('keep', 'drop') for m in ('lisa', 'lisa_wor')]
         elif stage == 'probe' and seed == seeds[0]:
             out += [S('multi', 'adamw', m, st, kind='probe') for st in ('keep', 'drop') for m in ('lisa', 'lisa_wor')]
         elif stage in ('aligned', 'aligned_cycle'):
@@ -260,7 +268,8 @@ def stage_specs(stage, seeds, policy='keep'):
 
 STAGES = ('core_multi_adamw', 'aligned', 'probe', 'core_multi_sgd', 'core_sub_adamw', 'core_sub_sgd', 'offload',
           'methods_sgd', 'aligned_cycle', 'iid', 'methods', 'sweep', 'k1_keep',
-          'm4_multi_adamw', 'm4_multi_sgd', 'm4_pre', 'm4_ft', 'm4_sub_adamw', 'm4_full', 'm4_probe')
+          'm4_multi_adamw', 'm4_multi_sgd', 'm4_pre', 'm4_ft', 'm4_sub_adamw', 'm4_full', 'm4_probe', 'ft_sweep',
+          'm8_multi_adamw')
 
 
 # -----------------------------------------------------------------------------
@@ -641,7 +650,8 @@ def match_text(m):
 
 # (blocks, gamma, K, iterations) of the schedules tabulated: the M = 2 study's, then the M = 4 runs'
 SCHEDULES = ((4, 2, 10, 480), (4, 2, 48, 480), (4, 2, 24, 480), (4, 2, 1, 480), (4, 2, 50, 480), (4, 1, 10, 480),
-             (8, 2, 3, 600), (12, 3, 3, 600))
+             (8, 2, 3, 600), (12, 3, 3, 600), (8, 1, 2, 800), (12, 3, 1, 600), (12, 3, 6, 600), (12, 1, 3, 600),
+             (12, 6, 3, 600))
 
 
 def write_probe(path, results, seeds, schedules=SCHEDULES):
@@ -671,15 +681,17 @@ def write_probe(path, results, seeds, schedules=SCHEDULES):
               'whose gradient norm reached grad_clip; match = max |probe loss - train.py logged loss| at the logged '
               'iterations (4 decimals).', '',
               '| blocks | method | state | steps per block | reactivations | fresh state | mean age (steps) | '
-              'cos(stale m, new g) | rel. update step 0 | step 1 | steps >= 10 | clipped | mean loss last 48 steps | match |',
-              '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+              'cos(stale m, new g) | rel. update step 0 | step 1 | step 2 | steps >= 10 | clipped | mean loss last 48 steps | '
+              'match |',
+              '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
         for r in sorted(probes, key=lambda r: (r.get('n_layer', 4), r['state'], r['method'])):
             u = r['rel_update_by_steps_since_activation']
             m = r.get('train_log_match') or {}
             L.append(f"| {r.get('n_layer', 4)} | {r['method']} | {r['state']} | {r['steps_per_block']} | "
                      f"{r['reactivations']} | {r['fresh_state_at_reactivation']} | {r['age_mean']:.1f} | "
                      f"{'-' if r['cos_stale_m_new_g_mean'] is None else format(r['cos_stale_m_new_g_mean'], '.3f')} | "
-                     f"{u.get('0', float('nan')):.2e} | {u.get('1', float('nan')):.2e} | {u.get('10', float('nan')):.2e} | "
+                     f"{u.get('0', float('nan')):.2e} | {u.get('1', float('nan')):.2e} | {u.get('2', float('nan')):.2e} | "
+                     f"{u.get('10', float('nan')):.2e} | "
                      f"{r['clipped_fraction']:.2f} | {r['final_step_loss_mean_last_48']:.4f} | "
                      f"{match_text(m)} |")
     with open(path, 'w') as f:
@@ -695,7 +707,7 @@ def resolve_policy(policy, runs_dir, stage=''):
     if policy != 'auto':
         return policy
     G = groups(runner.all_results(runs_dir))
-    geoms = [dict(n_layer=L, gamma=g, K=M4_K, iters=M4_ITERS) for L, g in M4] if stage.startswith('m4') else [{}]
+    geoms = [dict(n_layer=L, gamma=g, K=M4_K, iters=M4_ITERS) for L, g in M4] if stage.startswith(('m4', 'ft')) else [{}]
     means = {}
     for st in ('keep', 'drop'):
         vals = [v for geo in geoms for v in G.get(config_key(spec('multi', 'adamw', 'lisa_wor', st, **geo)),
@@ -761,9 +773,9 @@ def main(argv=None):
         sys.exit(f'error: unknown stage {unknown[0]!r}; choose from {", ".join(STAGES)}')
     if not args.report_only:
         make_multi_dataset(runs_dir)
-        if any(s.startswith('m4') for s in stages):
+        if any(s.startswith(('m4', 'm8')) for s in stages):
             make_multi_dataset(runs_dir, M4_MULTI_TOKENS)
-        if 'm4_ft' in stages:
+        if {'m4_ft', 'ft_sweep'} & set(stages):
             make_ft_dataset(runs_dir)
         for stage in stages:
             specs = stage_specs(stage, seeds, resolve_policy(args.policy, runs_dir, stage))

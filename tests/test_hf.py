@@ -5,6 +5,7 @@ import io
 import json
 import os
 import pickle
+import re
 import runpy
 import sys
 
@@ -200,7 +201,6 @@ def edit_config(path, **changes):
     ('gpt2-untied', dict(tie_word_embeddings=True), r"tie_word_embeddings is true but lm_head.weight differs"),
 ])
 def test_what_cannot_be_mapped_is_refused_in_one_line(tmp_path, kind, changes, pattern):
-    import re
     save_hf(kind, tmp_path)
     hf.load(str(tmp_path))  # loads before the edit
     edit_config(tmp_path, **changes)
@@ -386,6 +386,5 @@ def test_export_refusals_are_one_line(tmp_path, capsys):
                           ([f'--out_dir={tmp_path}', '--hf_dir=x', '--dtype=fp8'], r"dtype must be '' .* got 'fp8'")):
         with pytest.raises(SystemExit) as e:
             export.main(argv)
-        import re
         assert str(e.value.code).startswith('error: ') and '\n' not in str(e.value.code)
         assert re.search(pattern, str(e.value.code)), e.value.code
