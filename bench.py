@@ -171,7 +171,7 @@ def check(cfg):
     device = bench_memory.resolve_device(cfg['device'], ('cuda', 'cpu'), without_cuda='cpu')
     bench_memory.check_shape(cfg, DEFAULTS)
     config = bench_memory.model_config(cfg)
-    check_fits(config, device, cfg['precision'], built_on=device)  # before a row allocates it
+    check_fits(config, device, training.weight_dtype(cfg['precision']).itemsize)  # before a row allocates it
     return device, bench_memory.row_configs(cfg), config
 
 

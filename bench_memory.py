@@ -178,10 +178,9 @@ def resolve_device(name, allowed=('cuda', 'meta', 'cpu'), without_cuda='meta'):
 
 
 def build(cfg, device):
-    """training.build with the model constructed on `device` directly: no CPU copy of a 7B model,
-    and on meta no memory and no initialisation cost. (Model, optimizer, cycler.)"""
-    with torch.device(device):
-        return training.build(cfg, device, dataset_vocab(cfg))
+    """training.build, whose model is made directly on `device` (on meta: no memory, no
+    initialisation cost). (Model, optimizer, cycler.)"""
+    return training.build(cfg, device, dataset_vocab(cfg))
 
 
 # -----------------------------------------------------------------------------
@@ -416,7 +415,7 @@ def check(cfg):
     check_rule('micro_batches', cfg['micro_batches'], RULES['micro_batches'])
     device = resolve_device(cfg['device'])
     check_shape(cfg, DEFAULTS)
-    check_fits(model_config(cfg), device, cfg['precision'], built_on=device)  # before a row allocates it
+    check_fits(model_config(cfg), device, training.weight_dtype(cfg['precision']).itemsize)  # before a row allocates it
     return device, row_configs(cfg)
 
 

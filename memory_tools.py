@@ -204,25 +204,29 @@ def available_bytes(device):
         return None  # not Linux: no check
 
 
-def check_fits(config, device, precision, built_on='cpu'):
-    """Refuse (ValueError, one line) a model whose weights alone exceed the free memory where they
-    are made: `built_on`, where the model is initialised in fp32 (train.py: the host; the
-    benchmarks: the device itself), and the device, where its weights go in the precision's dtype. Else the OOM killer ends the process, or an allocation fails deep inside.
-    The parameter count comes from a build on the meta device (no memory). A lower bound:
-    gradients, optimizer state and activations come on top (bench_memory.py estimates them)."""
+def check_fits(config, device, bytes_per_weight, estimate_peak=None):
+    """Refuse (ValueError, one line) a model whose weights alone exceed the free memory of `device`
+    (training.new_model builds them there directly, `bytes_per_weight` each): else the OOM killer
+    ends the process, or an allocation fails deep inside. The parameter count comes from a build
+    on the meta device (no memory). A lower bound: gradients, optimizer state and activations come
+    on top: when the weights take over a quarter of the free memory, estimate_peak() (bench_memory's
+    meta-device estimate of an iteration, seconds for a 7B model) is compared too."""
     from model import GPT
     device = torch.device(device)
     if device.type == 'meta':
         return
     with torch.device('meta'):
         n_params = sum(p.numel() for p in GPT(config).parameters())
-    needs = [(torch.device(built_on), 4 * n_params, 'fp32 weights while it is built')]
-    if device != needs[0][0]:
-        bytes_per_weight = 4 if precision == 'amp' else 2
-        needs.append((device, bytes_per_weight * n_params, f"{'fp32' if precision == 'amp' else 'bf16'} weights"))
-    for where, need, what in needs:
-        free = available_bytes(where)
-        if free is not None and need > free:
-            raise ValueError(f"the model has {n_params / 1e9:.2f}B parameters: {need / 2**30:.1f} GiB of {what}, more "
-                             f"than the {free / 2**30:.1f} GiB free on {torch.device(where).type}; choose a smaller "
-                             f"model or a machine with more memory (bench_memory.py --device=meta estimates any size)")
+    need, free = bytes_per_weight * n_params, available_bytes(device)
+    if free is not None and need <= free and estimate_peak is not None and need > free / 4:
+        peak = estimate_peak()
+        if peak > free:
+            raise ValueError(f"the model has {n_params / 1e9:.2f}B parameters and an iteration needs about "
+                             f"{peak / 2**30:.1f} GiB (meta-device estimate), more than the {free / 2**30:.1f} GiB free "
+                             f"on {device.type}; choose a smaller model or batch, a memory option (docs/memory.md), "
+                             f"or a machine with more memory")
+    if free is not None and need > free:
+        raise ValueError(f"the model has {n_params / 1e9:.2f}B parameters: {need / 2**30:.1f} GiB of weights "
+                         f"({bytes_per_weight} bytes each), more than the {free / 2**30:.1f} GiB free on {device.type}; "
+                         f"choose a smaller model or a machine with more memory (bench_memory.py --device=meta "
+                         f"estimates any size)")

@@ -45,6 +45,14 @@ except (ConfigError, ValueError) as e:
     sys.exit(f"error: {e}")
 # -----------------------------------------------------------------------------
 
+def estimate_peak(cfg, vocab_size):
+    """Peak bytes of an iteration of this config, estimated on the meta device (bench_memory.py)."""
+    import bench_memory
+    row = bench_memory.measure({**cfg, 'vocab_size': vocab_size, 'micro_batches': 0, 'compile': False},
+                               torch.device('meta'))
+    return row['peak']
+
+
 def fail(message):
     """One line on stderr and a non-zero exit; the last good checkpoint, if any, stays as it was."""
     print(f"error: {message}", file=sys.stderr, flush=True)
@@ -115,8 +123,10 @@ saved_iter = None  # the iteration of the checkpoint in out_dir that belongs to 
 try:
     if cfg['init_from'] == 'scratch':
         model_config = GPTConfig(**training.model_args(cfg, vocab_size))
-        check_fits(model_config, device, cfg['precision'])  # before it is allocated: a one-line refusal, not the OOM killer
-        raw_model = GPT(model_config)
+        dtype = training.weight_dtype(cfg['precision'])
+        # before it is allocated: a one-line refusal, not the OOM killer
+        check_fits(model_config, device, dtype.itemsize, estimate_peak=lambda: estimate_peak(cfg, vocab_size))
+        raw_model = training.new_model(model_config, device, dtype)  # on the device, in its dtype: no fp32 host copy
     elif cfg['init_from'] == 'resume':  # the checks that the config can continue it included (checkpoint.py)
         checkpoint, raw_model = ckpt_io.resume(ckpt_path, device, cfg, given_keys)
         iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']

@@ -14,6 +14,8 @@ import math
 from contextlib import nullcontext
 
 import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import galore
 import memory
@@ -51,11 +53,52 @@ def model_args(cfg, vocab_size=0):
     return args
 
 
+class RandomOnCPU(TorchDispatchMode):
+    """In-place random fills (normal_, uniform_) of tensors that are not fp32 on the CPU are drawn
+    on the CPU in fp32 from torch's default generator, then copied (cast) into the tensor: a model
+    initialised on a GPU, or in bf16, gets bitwise the weights of a CPU fp32 build then cast, for
+    the same seed, one tensor of host memory at a time."""
+    FILLS = (torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else None
+        if func in self.FILLS and (target.device.type != 'cpu' or target.dtype != torch.float32):
+            drawn = func(torch.empty(target.shape, dtype=torch.float32, device='cpu'), *args[1:], **kwargs)
+            return target.copy_(drawn)
+        return func(*args, **kwargs)
+
+
+def new_model(config, device, dtype=torch.float32):
+    """A freshly initialised GPT built directly on `device` with `dtype` weights: never a full fp32
+    copy on the host (LLaMA-7B: 27 GB before it reached the GPU). Built on meta, then filled with
+    the random draws of a CPU build in their order (the modules' constructors, then init_weights),
+    so the weights are bitwise those of GPT(config) cast to `dtype`, whatever the device."""
+    with torch.device('meta'):
+        model = GPT(config)
+    if torch.device(device).type == 'meta':  # shapes only (bench_memory's estimate): nothing to draw
+        return model.to(dtype)
+    model.to(dtype).to_empty(device=device)
+    if config.tie_embeddings:  # to_empty gives every parameter its own storage
+        model.wte.weight = model.lm_head.weight
+    with torch.no_grad(), RandomOnCPU():
+        for module in model.modules():  # what the constructors drew, in their order
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.reset_parameters()
+        model.init_weights()
+    return model.to(dtype)  # the buffers init_weights recomputed in fp32 (LLaMA's rotary tables)
+
+
 def configure_memory(model, cfg):
     """The model's activation-memory options (memory.py): checkpointing, offload to the host, chunked loss."""
     return memory.apply(model, activation_checkpointing=cfg['activation_checkpointing'],
                         checkpoint_sublayers=cfg['checkpoint_sublayers'],
                         activation_offload=cfg['activation_offload'], loss_chunk=cfg['loss_chunk'])
+
+
+def weight_dtype(precision):
+    """The dtype of the weights: fp32 under 'amp', bf16 under 'bf16' and 'bf16_master'."""
+    return torch.float32 if precision == 'amp' else torch.bfloat16
 
 
 def cast_model(model, precision):
@@ -109,11 +152,11 @@ def build_cycler(model, optimizer, cfg):
 def build(cfg, device, vocab_size=0, model=None, shard=None):
     """The model, its optimizer and its cycler, as every script trains them.
 
-    model: an already built model (a resume, a pretrained import); None builds one from scratch
-    (seed the RNG before: the init draws from it). shard(model): a hook that runs after the model
+    model: an already built model (a resume, a pretrained import); None builds one from scratch,
+    directly on `device` in its weight dtype (new_model; seed the RNG before: the init draws from it). shard(model): a hook that runs after the model
     is on its device and before the optimizer sees its parameters (train.py's FSDP2 sharding)."""
     if model is None:
-        model = GPT(GPTConfig(**model_args(cfg, vocab_size)))
+        model = new_model(GPTConfig(**model_args(cfg, vocab_size)), device, weight_dtype(cfg['precision']))
     cast_model(configure_memory(model, cfg), cfg['precision']).to(device)
     if shard is not None:
         shard(model)

@@ -50,6 +50,7 @@ Stages, in the order they run (a stage's runs go seed-major, so a stage stopped 
   m4_full: full AdamW for m4_multi_adamw's models (the reference)
   m4_probe: the instrumented loop for m4_multi_adamw's runs (seed 0)
   ft_sweep: lisa, lisa_wor fine-tuning at K 1 and 6 (gamma 3), and gamma 1 and 6 (K 3)
+  k6_keep: the 12-block keep cells of m4_multi_adamw and m4_sub_adamw at K 6 (lisa, lisa_wor)
   m8_multi_adamw: M = 8 (8 blocks, gamma 1, K 2, 800 iterations = 50 cycles): lisa, lisa_wor x keep, drop
 'keep' for the later stages is the policy under which lisa_wor reached the lower mean train loss in
 core_multi_adamw (M = 2 stages) or m4_multi_adamw (M = 4 stages) (--policy=auto), or the one named.
@@ -235,6 +236,10 @@ def stage_specs(stage, seeds, policy='keep'):
         elif stage == 'm8_multi_adamw':  # M = 8: one block of 8 at a time, 50 cycles of 16 steps
             G = dict(n_layer=8, gamma=1, K=2, iters=800)
             out += [S('multi', 'adamw', m, st, **G) for st in ('keep', 'drop') for m in ('lisa', 'lisa_wor')]
+        elif stage == 'k6_keep':  # m4's 12-block keep cells with periods twice as long (25 cycles)
+            L, g = M4[1]
+            out += [S(regime, 'adamw', m, 'keep', n_layer=L, gamma=g, K=2 * M4_K, iters=M4_ITERS)
+                    for regime in ('multi', 'sub') for m in ('lisa', 'lisa_wor')]
         elif stage == 'ft_sweep':  # the CoLA ablation's axes around m4_ft's cell: K at gamma 3, gamma at K 3
             G = dict(FT_GEOMETRY)
             out += [S('ft', 'adamw', m, policy, **{**G, **change}) for change in FT_SWEEP for m in ('lisa', 'lisa_wor')]
@@ -269,7 +274,7 @@ def stage_specs(stage, seeds, policy='keep'):
 STAGES = ('core_multi_adamw', 'aligned', 'probe', 'core_multi_sgd', 'core_sub_adamw', 'core_sub_sgd', 'offload',
           'methods_sgd', 'aligned_cycle', 'iid', 'methods', 'sweep', 'k1_keep',
           'm4_multi_adamw', 'm4_multi_sgd', 'm4_pre', 'm4_ft', 'm4_sub_adamw', 'm4_full', 'm4_probe', 'ft_sweep',
-          'm8_multi_adamw')
+          'm8_multi_adamw', 'k6_keep')
 
 
 # -----------------------------------------------------------------------------
@@ -773,7 +778,7 @@ def main(argv=None):
         sys.exit(f'error: unknown stage {unknown[0]!r}; choose from {", ".join(STAGES)}')
     if not args.report_only:
         make_multi_dataset(runs_dir)
-        if any(s.startswith(('m4', 'm8')) for s in stages):
+        if any(s.startswith(('m4', 'm8', 'k6')) for s in stages):
             make_multi_dataset(runs_dir, M4_MULTI_TOKENS)
         if {'m4_ft', 'ft_sweep'} & set(stages):
             make_ft_dataset(runs_dir)

@@ -136,3 +136,25 @@ def test_impossible_combinations_are_refused(cfg, message):
     with pytest.raises(ValueError) as e:
         train_config.check(train_defaults(**cfg))
     assert str(e.value).startswith(message) and '\n' not in str(e.value)
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('arch_args', [dict(arch='gpt2', bias=True), dict(arch='llama', n_head=4, n_kv_head=2),
+                                       dict(arch='gpt2', tie_embeddings=False)], ids=['gpt2', 'llama-gqa', 'untied'])
+def test_new_model_has_the_weights_of_a_cpu_fp32_build(arch_args, dtype):
+    """training.new_model builds on meta and fills the tensors where they live, in their dtype;
+    the weights, buffers and the RNG state after it are those of GPT(config) on the CPU, cast."""
+    from model import GPT, GPTConfig
+    config = GPTConfig(**{**dict(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=50), **arch_args})
+    torch.manual_seed(3)
+    reference = GPT(config).to(dtype)
+    rng_after_reference = torch.get_rng_state()
+    torch.manual_seed(3)
+    model = training.new_model(config, 'cpu', dtype)
+    assert torch.equal(torch.get_rng_state(), rng_after_reference)
+    a, b = reference.state_dict(), model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    assert all(torch.equal(x, y) for x, y in zip(reference.buffers(), model.buffers()))
+    assert (model.wte.weight is model.lm_head.weight) == config.tie_embeddings
+    meta = training.new_model(config, 'meta', dtype)  # shapes only
+    assert {p.device.type for p in meta.parameters()} == {'meta'}
