@@ -178,8 +178,9 @@ class Trainer:
         self.autocast = autocast(cfg, device_type)
         self.scaler = grad_scaler(cfg, device_type)  # float16 gradients underflow without loss scaling
 
-    def step(self, it, batch, next_batch, backward=None, before_zero_grad=None):
-        """Iteration `it`; returns (loss, the next batch, whether the cycler switched)."""
+    def step(self, it, batch, next_batch, backward=None, before_zero_grad=None, after_switch=None):
+        """Iteration `it`; returns (loss, the next batch, whether the cycler switched).
+        after_switch(switched): sees the iteration's active set before its step (instrumentation)."""
         for group in self.optimizer.param_groups:
             group['lr'] = get_lr(it, self.cfg)
         switched = self.cycler.step(it)
@@ -189,6 +190,8 @@ class Trainer:
             if switched or self.replicas.model is None:
                 self.replicas.on_switch()
             model, sync = self.replicas.model, self.replicas.sync if self.replicas.ranks.enabled else None
+        if after_switch is not None:
+            after_switch(switched)
         loss, batch = train_step(model, self.optimizer, self.cycler, batch, next_batch, self.grad_accum,
                                  self.cfg, self.autocast, self.scaler, sync, backward, before_zero_grad)
         return loss, batch, switched

@@ -13,7 +13,7 @@ Memory: on CPU there is no allocator peak, so the table reports the exact bytes 
 optimizer state right after the first optimizer step following a switch (omgd_state.memory_bytes, from
 train_step's before_zero_grad hook). The config is the runs' own: the train.py arguments of a run
 (train_command, --train_arg included) parsed by train.py's configurator; the model, optimizer and
-cycler come from training.build and every step is training.train_step, as in train.py.
+cycler come from training.build and every iteration is training.Trainer.step, as in train.py.
 Activations are not included.
 
 Variants are METHOD or METHOD:SAMPLING (sampling rr by default), e.g.
@@ -130,7 +130,7 @@ def measure_memory(method, args):
     one switch (N_L / gamma + 1 periods, one step each). With omgd_state='drop' every period gives the
     same number (the previous blocks' state was dropped, the new blocks' state has just been
     created); with 'keep' the state grows to the full model's over the cycle. The model, optimizer,
-    cycler and step are train.py's (training.build, training.train_step) for the runs' own config
+    cycler and iteration are train.py's (training.build, training.Trainer.step) for the runs' own config
     (train_config). Returns a dict, or {'error': ...}."""
     import torch
 
@@ -156,13 +156,10 @@ def measure_memory(method, args):
                 mem.update(now)
 
         periods = len(model.blocks) // max(1, cfg['omgd_gamma']) + 1
-        autocast, scaler = training.autocast(cfg, 'cpu'), training.grad_scaler(cfg, 'cpu')
+        trainer = training.Trainer(cfg, model, opt, cycler, 'cpu')  # train.py's iteration
         for k in range(periods):
             it = cfg['omgd_warmup'] + k * cfg['omgd_period']  # a switch (after any full-training warm-up)
-            cycler.step(it)
-            cycler.prefetch(it)
-            training.train_step(model, opt, cycler, next_batch(), next_batch, cfg['gradient_accumulation_steps'], cfg,
-                                autocast, scaler, before_zero_grad=record)
+            trainer.step(it, next_batch(), next_batch, before_zero_grad=record)
         mem['periods_measured'] = periods
         mem['n_params'] = sum(p.numel() for p in model.parameters())
         if method in training.GALORE_METHODS:
@@ -260,7 +257,7 @@ def write_markdown(path, report):
     lines += ['', 'std: sample standard deviation over seeds. Memory: NOT an allocator peak (CPU has none); the exact '
           'bytes of gradients + optimizer state tensors right after an optimizer step that follows a switch '
           '(largest over one cycle + 1 switch), built in-process from the runs\' own train.py arguments '
-          '(--train_arg included) by training.build and stepped by training.train_step, as train.py does '
+          '(--train_arg included) by training.build and stepped by training.Trainer.step, as train.py does '
           '(omgd_state.memory_bytes; GaLore/GoLore projection matrices are not counted as optimizer state but listed '
           'apart below, as in the GaLore paper). Parameters and activations excluded; identical for rr and iid. '
           'ms/iter is wall time on a shared CPU and only indicative.', '']
@@ -429,7 +426,7 @@ def main(argv=None):
         'rows': rows, 'pairs': pairs, 'memory': memory, 'runs': runs,
         'memory_note': 'exact bytes of gradients + optimizer state after an optimizer step following a switch '
                        '(largest over one cycle + 1 switch), built on CPU by training.build from the runs\' train.py '
-                       'arguments and stepped by training.train_step (omgd_state.memory_bytes); not an allocator peak',
+                       'arguments and stepped by training.Trainer.step (omgd_state.memory_bytes); not an allocator peak',
     }
     with open(os.path.join(args.out_dir, f'{args.name}.json'), 'w') as f:
         json.dump(report, f, indent=1)

@@ -51,6 +51,7 @@ Stages, in the order they run (a stage's runs go seed-major, so a stage stopped 
   m4_probe: the instrumented loop for m4_multi_adamw's runs (seed 0)
   ft_sweep: lisa, lisa_wor fine-tuning at K 1 and 6 (gamma 3), and gamma 1 and 6 (K 3)
   k6_keep: the 12-block keep cells of m4_multi_adamw and m4_sub_adamw at K 6 (lisa, lisa_wor)
+  k6_more: K 6, multi-epoch: 8 blocks under keep, 12 blocks under drop (lisa, lisa_wor)
   m8_multi_adamw: M = 8 (8 blocks, gamma 1, K 2, 800 iterations = 50 cycles): lisa, lisa_wor x keep, drop
 'keep' for the later stages is the policy under which lisa_wor reached the lower mean train loss in
 core_multi_adamw (M = 2 stages) or m4_multi_adamw (M = 4 stages) (--policy=auto), or the one named.
@@ -240,6 +241,9 @@ def stage_specs(stage, seeds, policy='keep'):
             L, g = M4[1]
             out += [S(regime, 'adamw', m, 'keep', n_layer=L, gamma=g, K=2 * M4_K, iters=M4_ITERS)
                     for regime in ('multi', 'sub') for m in ('lisa', 'lisa_wor')]
+        elif stage == 'k6_more':  # k6_keep's K = 6 at 8 blocks under keep, and at 12 blocks under drop
+            out += [S('multi', 'adamw', m, st, n_layer=L, gamma=g, K=2 * M4_K, iters=M4_ITERS)
+                    for (L, g), st in ((M4[0], 'keep'), (M4[1], 'drop')) for m in ('lisa', 'lisa_wor')]
         elif stage == 'ft_sweep':  # the CoLA ablation's axes around m4_ft's cell: K at gamma 3, gamma at K 3
             G = dict(FT_GEOMETRY)
             out += [S('ft', 'adamw', m, policy, **{**G, **change}) for change in FT_SWEEP for m in ('lisa', 'lisa_wor')]
@@ -274,7 +278,7 @@ def stage_specs(stage, seeds, policy='keep'):
 STAGES = ('core_multi_adamw', 'aligned', 'probe', 'core_multi_sgd', 'core_sub_adamw', 'core_sub_sgd', 'offload',
           'methods_sgd', 'aligned_cycle', 'iid', 'methods', 'sweep', 'k1_keep',
           'm4_multi_adamw', 'm4_multi_sgd', 'm4_pre', 'm4_ft', 'm4_sub_adamw', 'm4_full', 'm4_probe', 'ft_sweep',
-          'm8_multi_adamw', 'k6_keep')
+          'm8_multi_adamw', 'k6_keep', 'k6_more')
 
 
 # -----------------------------------------------------------------------------
@@ -512,9 +516,7 @@ def plot(path, rows):
 
 def make_cycler(units, opt, method, gamma, K, seed):
     import omgd
-    if hasattr(omgd, 'CyclerConfig'):
-        return omgd.Cycler(units, opt, omgd.CyclerConfig(method=method, gamma=gamma, period=K, state='keep', seed=seed))
-    return omgd.UnitMask(units, opt, method, gamma, K, 0, 0.5, 'keep', seed)
+    return omgd.Cycler(units, opt, omgd.CyclerConfig(method=method, gamma=gamma, period=K, state='keep', seed=seed))
 
 
 def schedule_stats(method, n_blocks, gamma, K, iters, seed):
@@ -578,24 +580,24 @@ def probe(s, runs_dir):
     events, updates, losses, clipped = [], [], [], []
     stale_m = {}
     X, Y = batches.next_batch()
+    trainer = training.Trainer(cfg, model, opt, cycler, 'cpu')  # train.py's iteration, with the probes' hooks
     for it in range(cfg['max_iters']):
-        lr = training.get_lr(it, cfg)
-        for group in opt.param_groups:
-            group['lr'] = lr
-        if cycler.step(it):
-            for i in cycler.active:
-                if i in prev:
-                    continue
-                st = opt.state.get(blocks[i][0], {})
-                events.append({'iter': it, 'block': i, 'age': None if last[i] is None else it - last[i],
-                               'has_state': bool(st), 'adam_step': float(st['step']) if 'step' in st else None})
-                since[i] = 0
-                if st and 'exp_avg' in st:
-                    stale_m[i] = flat([opt.state[p]['exp_avg'] for p in blocks[i]]).clone()
-            prev = set(cycler.active)
-        cycler.prefetch(it)
-        before = {i: flat(blocks[i]).clone() for i in cycler.active}
-        cos = {}
+        before, cos = {}, {}
+
+        def after_switch(switched):  # the iteration's active set, before its step
+            nonlocal prev
+            if switched:
+                for i in cycler.active:
+                    if i in prev:
+                        continue
+                    st = opt.state.get(blocks[i][0], {})
+                    events.append({'iter': it, 'block': i, 'age': None if last[i] is None else it - last[i],
+                                   'has_state': bool(st), 'adam_step': float(st['step']) if 'step' in st else None})
+                    since[i] = 0
+                    if st and 'exp_avg' in st:
+                        stale_m[i] = flat([opt.state[p]['exp_avg'] for p in blocks[i]]).clone()
+                prev = set(cycler.active)
+            before.update({i: flat(blocks[i]).clone() for i in cycler.active})
 
         def hook():
             scale = cycler.scaling()
@@ -607,8 +609,7 @@ def probe(s, runs_dir):
                 cos[i] = float(torch.nn.functional.cosine_similarity(m, g, dim=0))
             stale_m.clear()
 
-        loss, (X, Y) = training.train_step(model, opt, cycler, (X, Y), batches.next_batch, 1, cfg,
-                                           before_zero_grad=hook)
+        loss, (X, Y), _ = trainer.step(it, (X, Y), batches.next_batch, before_zero_grad=hook, after_switch=after_switch)
         losses.append(float(loss))
         for i in cycler.active:
             after = flat(blocks[i])
@@ -778,7 +779,7 @@ def main(argv=None):
         sys.exit(f'error: unknown stage {unknown[0]!r}; choose from {", ".join(STAGES)}')
     if not args.report_only:
         make_multi_dataset(runs_dir)
-        if any(s.startswith(('m4', 'm8', 'k6')) for s in stages):
+        if any(s.startswith(('m4', 'm8', 'k6')) for s in stages):  # the deeper models' multi-epoch prefix
             make_multi_dataset(runs_dir, M4_MULTI_TOKENS)
         if {'m4_ft', 'ft_sweep'} & set(stages):
             make_ft_dataset(runs_dir)
