@@ -109,6 +109,8 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, log=print):
         raise ExportError("--hf_dir is required: the directory to write, e.g. --hf_dir=out/hf")
     if dtype and dtype not in DTYPES:
         raise ExportError(f"dtype must be '' (the checkpoint's) or one of {', '.join(DTYPES)}, got {dtype!r}")
+    if os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
+        raise ExportError(f"--hf_dir={hf_dir} is a file; give a directory to write the model into")
     held = [n for n in ('config.json', 'model.safetensors') if os.path.exists(os.path.join(hf_dir, n))]
     if held and not overwrite:
         raise ExportError(f"{hf_dir} already holds {held[0]}; choose another --hf_dir or pass --overwrite=True")
@@ -118,7 +120,10 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, log=print):
     stored = dtype and DTYPES[dtype] or next(iter(checkpoint['model'].values())).dtype
     dataset = checkpoint['config']['dataset']
     kind, where = dataset_tokenizer(dataset)
-    os.makedirs(hf_dir, exist_ok=True)
+    try:
+        os.makedirs(hf_dir, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"cannot create --hf_dir={hf_dir} ({e.strerror}); give a writable directory") from None
     if kind == 'gpt2':
         (bos, eos), note = write_gpt2_tokenizer(hf_dir, model.config.block_size), "GPT-2 BPE (vocab.json, merges.txt)"
     elif kind == 'hf':

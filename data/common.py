@@ -144,6 +144,13 @@ def read_corpus(input_path=None) -> tuple[str, str]:
     return input_path.read_text(encoding="utf-8"), str(input_path)
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse whose bad arguments end in the repository's one `error: ...` line (exit 2)."""
+
+    def error(self, message):
+        sys.exit(f"error: {Path(sys.argv[0]).name}: {message} (see --help)")
+
+
 def tokenizer_argument(p: argparse.ArgumentParser, default: str = "gpt2") -> None:
     """The ``--tokenizer`` option every prepare script takes."""
     p.add_argument("--tokenizer", default=default,
@@ -168,7 +175,7 @@ def prepare_main(prepare: Callable, description: str, default_out_dir: Path, arg
     ``--tokenizer``); ``prepare(**options)`` is called, ``out_dir`` included. A missing file exits
     with 2, other known failures with 1, each as one line on stderr.
     """
-    p = argparse.ArgumentParser(description=description)
+    p = OneLineErrors(description=description)
     add_arguments(p)
     p.add_argument("--out_dir", default=str(default_out_dir), help="output folder (default: the script's folder)")
     args = p.parse_args(argv)
@@ -176,10 +183,10 @@ def prepare_main(prepare: Callable, description: str, default_out_dir: Path, arg
     try:
         stats = prepare(**vars(args))
     except FileNotFoundError as e:
-        print(f"{name}: error: {e}", file=sys.stderr)
+        print(f"error: {name}: {e}", file=sys.stderr)
         return 2
     except (OSError, RuntimeError, UnicodeDecodeError, ValueError) as e:
-        print(f"{name}: error: {e}", file=sys.stderr)
+        print(f"error: {name}: {e}", file=sys.stderr)
         return 1
     print(f"wrote {stats['out_dir']} in {stats['seconds']:.1f}s")
     return 0

@@ -342,7 +342,7 @@ def n_params(config, memory):
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+    ap = runner.ArgumentParser(description=__doc__.split('\n\n')[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--methods', default=','.join(DEFAULT_VARIANTS),
                     help='comma-separated METHOD or METHOD:SAMPLING (rr|iid; default rr)')
@@ -391,11 +391,21 @@ def main(argv=None):
         plot(os.path.join(args.out_dir, f'{args.name}_loss.png'), report)
         print(f"rewrote {args.out_dir}/{args.name}.md and {args.name}_loss.png from {args.name}.json")
         return 0
-    variants = [parse_variant(s.strip()) for s in args.methods.split(',') if s.strip()]
-    seeds = list(range(int(args.seeds))) if args.seeds.strip().isdigit() else \
-        [int(s) for s in args.seeds.split(',') if s.strip()]
+    # every argument checked before hours of training: methods, seeds, each run's train.py config
     try:
-        config = model_config(args)  # before hours of training: a bad model shape or train_arg fails now
+        variants = [parse_variant(s.strip()) for s in args.methods.split(',') if s.strip()]
+        if not variants:
+            raise ValueError("--methods names no method, e.g. --methods=lisa,lisa_wor")
+        try:
+            seeds = list(range(int(args.seeds))) if args.seeds.strip().isdigit() else \
+                [int(s) for s in args.seeds.split(',') if s.strip()]
+        except ValueError:
+            raise ValueError(f"--seeds={args.seeds!r}: give a count N or a list, e.g. --seeds=0,1,2") from None
+        if not seeds or args.max_iters < 1 or args.jobs < 1 or args.threads < 0:
+            raise ValueError("--seeds needs at least one seed, --max_iters and --jobs must be >= 1, --threads >= 0")
+        for v in variants:
+            train_config(v['method'], args)  # a mistyped method or train_arg fails now, not after the others ran
+        config = model_config(args)
     except ValueError as e:
         sys.exit(f"error: {e}")
     os.makedirs(args.out_dir, exist_ok=True)
@@ -428,6 +438,14 @@ def main(argv=None):
                        '(largest over one cycle + 1 switch), built on CPU by training.build from the runs\' train.py '
                        'arguments and stepped by training.Trainer.step (omgd_state.memory_bytes); not an allocator peak',
     }
+    failed = [r for r in runs if 'error' in r]
+    if failed:  # the reports of an earlier, complete comparison stay as they were
+        stem = os.path.join(args.out_dir, f'{args.name}.failed.json')
+        with open(stem, 'w') as f:
+            json.dump(report, f, indent=1)
+        print(f"error: {len(failed)} of {len(runs)} runs failed (first: {failed[0]['error']}); {args.name}.md/.json "
+              f"left as they were; this comparison is in {stem}, the runs' logs in {runs_dir}", file=sys.stderr)
+        return 1
     with open(os.path.join(args.out_dir, f'{args.name}.json'), 'w') as f:
         json.dump(report, f, indent=1)
     write_markdown(os.path.join(args.out_dir, f'{args.name}.md'), report)
@@ -436,8 +454,7 @@ def main(argv=None):
         shutil.rmtree(tmp, ignore_errors=True)
     print(open(os.path.join(args.out_dir, f'{args.name}.md')).read())
     print(f"wall time {wall / 60:.1f} min; wrote {args.name}.md, {args.name}.json, {args.name}_loss.png in {args.out_dir}")
-    failed = [r for r in runs if 'error' in r]
-    return 1 if failed and len(failed) == len(runs) else 0
+    return 0
 
 
 if __name__ == '__main__':

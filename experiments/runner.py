@@ -8,6 +8,7 @@ train loss X, val loss Y`, `iter N: loss X, time Tms, ...`, switch lines) into R
 run_all runs a list of jobs N at a time and skips every job whose result.json exists without an
 error, so an interrupted batch resumes where it stopped.
 """
+import argparse
 import json
 import os
 import re
@@ -178,3 +179,10 @@ def config_of(args, out_dir='out'):
     train.py reads them); a bad key or value raises a one-line ValueError."""
     import train_config
     return train_config.load(train_argv(args, out_dir))
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the repository's one-line `error: ...` (argparse prints its usage first)."""
+
+    def error(self, message):
+        sys.exit(f"error: {message} (see --help)")

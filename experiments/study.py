@@ -745,7 +745,7 @@ def report(runs_dir, report_dir, seeds, command, name='study', jobs=2):
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = runner.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--stages', default=','.join(STAGES), help=f'comma-separated, in order; of {",".join(STAGES)}')
     ap.add_argument('--seeds', type=int, default=5, help='seeds 0..N-1')
     ap.add_argument('--jobs', type=int, default=2, help='runs at a time (each OMP_NUM_THREADS=1)')
@@ -777,7 +777,17 @@ def main(argv=None):
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         sys.exit(f'error: unknown stage {unknown[0]!r}; choose from {", ".join(STAGES)}')
+    if args.seeds < 1 or args.jobs < 1:
+        sys.exit(f"error: --seeds={args.seeds} and --jobs={args.jobs} must be >= 1")
     if not args.report_only:
+        # every run's train.py config checked before the first run starts (a bad one fails now, in one line)
+        for stage in stages:
+            for s in stage_specs(stage, seeds, resolve_policy(args.policy, runs_dir, stage)):
+                try:
+                    runner.config_of(train_args(s, runs_dir))
+                except ValueError as e:
+                    sys.exit(f"error: stage {stage}, run {run_name(s)}: {e}")
+        failed = []
         make_multi_dataset(runs_dir)
         if any(s.startswith(('m4', 'm8', 'k6')) for s in stages):  # the deeper models' multi-epoch prefix
             make_multi_dataset(runs_dir, M4_MULTI_TOKENS)
@@ -788,9 +798,15 @@ def main(argv=None):
             specs = [s for s in specs if not layers or s['n_layer'] in layers]
             t0 = time.time()
             print(f"[{time.strftime('%H:%M:%S')}] stage {stage}: {len(specs)} runs", flush=True)
-            run_specs(specs, runs_dir, args.jobs, max_load=args.max_load)
+            results = run_specs(specs, runs_dir, args.jobs, max_load=args.max_load)
+            failed += [name for name, r in results.items() if 'error' in r]
             print(f"[{time.strftime('%H:%M:%S')}] stage {stage} done in {time.time() - t0:.0f} s", flush=True)
-            report(runs_dir, args.report_dir, seeds, command, args.name, args.jobs)
+            if not failed:
+                report(runs_dir, args.report_dir, seeds, command, args.name, args.jobs)
+        if failed:  # earlier reports stay as they were; finished runs are kept, and rerun failures resume
+            print(f"error: {len(failed)} runs failed (first: {failed[0]}: see {runs_dir}/{failed[0]}); reports "
+                  f"not rewritten; run the same command again to retry them", file=sys.stderr)
+            return 1
     report(runs_dir, args.report_dir, seeds, command, args.name, args.jobs)
     print(f"wrote {args.name}.json, {args.name}_tables.md, {args.name}_probe.md, {args.name}_loss.png "
           f"in {args.report_dir}")

@@ -172,12 +172,53 @@ BENCH_MEMORY = [
     ('--omgd_gamma=0', r'omgd_gamma must be >= 1'),
     ('{files}/exits.py', r'calls exit\(\)'),
 ]
+COMPARE = [
+    ('--methods=lisa_wr', r"unknown method 'lisa_wr'"),
+    ('--methods=lisa:seq', r"sampling must be one of"),
+    ('--methods=,', r'--methods names no method'),
+    ('--seeds=x', r"--seeds='x': give a count N or a list"),
+    ('--max_iters=0', r'--max_iters and --jobs must be >= 1'),
+    ('--jobs=0', r'--max_iters and --jobs must be >= 1'),
+    ('--max_iters=ten', r"argument --max_iters: invalid int value: 'ten'"),
+    ('--bogus=1', r'unrecognized arguments: --bogus=1'),
+    ('--train_arg=--lerning_rate=1', r"unknown config key 'lerning_rate'"),
+    ('--train_arg=--batch_size=0', r'batch_size must be >= 1'),
+]
+STUDY = [
+    ('--stages=bogus', r"unknown stage 'bogus'; choose from"),
+    ('--layers=x', r"--layers='x': give numbers of blocks"),
+    ('--seeds=0', r'--seeds=0 and --jobs=2 must be >= 1'),
+    ('--jobs=0', r'must be >= 1'),
+    ('--bogus', r'unrecognized arguments: --bogus'),
+]
+EXPORT = [
+    ('--hf_dir=', r'--hf_dir is required'),
+    ('--hf_dir={files}/a_file', r'is a file; give a directory'),
+    ('--hf_dir={files}/a_file/sub', r'cannot create --hf_dir=.*a_file/sub'),
+    ('--hf_dir={files}/hf --dtype=fp8', r"dtype must be '' \(the checkpoint's\) or one of"),
+    ('--hf_dir={files}/hf --out_dir={files}/empty', r'no checkpoint at'),
+    ('--hf_dir={files}/hf --bogus=1', r"unknown config key 'bogus'"),
+]
+PREPARE = [
+    ('data/shakespeare_char/prepare.py', '--input={files}/missing.txt', r'input file not found'),
+    ('data/shakespeare_char/prepare.py', '--input={files}/start.bin', r'UTF-8|utf-8'),
+    ('data/shakespeare_char/prepare.py', '--tokenizer={files}/empty', r'no tokenizer\.json there'),
+    ('data/shakespeare/prepare.py', '--tokenizer=bogus', r'no tokenizer\.json there'),
+    ('data/shakespeare/prepare.py', '--bogus=1', r'unrecognized arguments: --bogus=1'),
+    ('data/c4/prepare.py', '--json_files={files}/none*.json.gz', r"no files match --json_files="),
+    ('data/c4/prepare.py', '--json_files={files}/a_file', r'no validation shard'),
+    ('data/c4/prepare.py', '--json_files={files}/a_file --max_docs=-1', r'--max_docs=-1: give a number of at least 0'),
+    ('data/c4/prepare.py', '--json_files={files}/a_file --num_proc=0', r'give numbers of at least 1'),
+    ('data/c4/prepare.py', '--max_tokens=many', r"argument --max_tokens: invalid int value"),
+]
 SMALL_BENCH = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=16', '--vocab_size=64', '--batch_size=2',
                '--steps=1', '--warmup_steps=0', '--compile=False']
 SHAPE = ('n_layer', 'n_head', 'n_embd', 'vocab_size')  # a preset sets them
 # TRAIN's probes run with --overwrite=True against the trained run: even then, a refused run loses nothing
 PROBES = ([('train.py', f'--overwrite=True {a}', p) for a, p in TRAIN] + [('train.py', *p) for p in OUT_DIR + RESUME] + [('sample.py', *p) for p in SAMPLE] +
-          [('bench.py', *p) for p in BENCH] + [('bench_memory.py', *p) for p in BENCH_MEMORY])
+          [('bench.py', *p) for p in BENCH] + [('bench_memory.py', *p) for p in BENCH_MEMORY] +
+          [('experiments/compare.py', *p) for p in COMPARE] + [('experiments/study.py', *p) for p in STUDY] +
+          [('export.py', *p) for p in EXPORT] + PREPARE)
 
 
 def argv_of(script, args, out, files):
@@ -190,6 +231,15 @@ def argv_of(script, args, out, files):
         return [*([] if named else [f'--out_dir={out}']), '--max_new_tokens=2', *argv]
     small = [a for a in SMALL_BENCH if not any(a.startswith(f'--{k}=') for k in SHAPE)] \
         if any(a.startswith('--preset=') for a in argv) else SMALL_BENCH
+    if script == 'experiments/compare.py':
+        return ['--seeds=1', '--max_iters=4', '--no_memory', f'--out_dir={files}/reports', '--name=report', *argv]
+    if script == 'experiments/study.py':
+        return [f'--runs_dir={files}/study_runs', f'--report_dir={files}/reports', '--name=report', *argv]
+    if script == 'export.py':
+        named = any(a.startswith('--out_dir=') for a in argv)
+        return [*([] if named else [f'--out_dir={out}']), *argv]
+    if script.startswith('data/'):
+        return [f'--out_dir={files}/reports', *argv]
     if script == 'bench.py':
         return [*small, f'--out={files}/reports/report.md', *argv]
     return [*small[:-3], '--device=meta', f'--out={files}/reports/report', *argv]
