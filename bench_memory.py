@@ -91,13 +91,11 @@ from model import GPTConfig, PRESETS
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-TRAIN_DEFAULTS = train_config.DEFAULTS  # on this machine: bench.py and experiments/compare.py
-# train.py's defaults on a GPU machine (bf16 autocast dtype, compile), the run this script measures or estimates
-GPU_DEFAULTS = train_config.gpu_defaults()
 # keys of this script only (train.py has none of these names); `device` has its own values here
 OWN_KEYS = dict(methods='', precisions='', micro_batches=2, out='')
-assert not set(OWN_KEYS) & set(TRAIN_DEFAULTS)
-DEFAULTS = {**GPU_DEFAULTS, 'device': 'auto', **OWN_KEYS}
+assert not set(OWN_KEYS) & set(train_config.DEFAULTS)
+# train.py's defaults on a GPU machine (bf16 autocast dtype, compile): the run this script measures or estimates
+DEFAULTS = {**train_config.gpu_defaults(), 'device': 'auto', **OWN_KEYS}
 RULES = {**train_config.RULES, 'micro_batches': at_least(0)}
 
 GIB = 2 ** 30

@@ -79,6 +79,29 @@ def train_defaults(**overrides):
     return {**train_config.DEFAULTS, **train_config.machine_defaults(cuda=False), **overrides}
 
 
+def tiny_model_config(arch, **kw):
+    """A GPTConfig of a tiny model of `arch` (tests/test_model.py, tests/test_memory.py)."""
+    from model import GPTConfig
+    return GPTConfig(**{**dict(arch=arch, block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.0),
+                        **kw})
+
+
+TINY_MODELS = {
+    'gpt2': lambda: tiny_model_config('gpt2'),
+    'llama': lambda: tiny_model_config('llama', n_kv_head=2),  # grouped-query attention
+}
+
+
+def random_batch(cfg, b=2, t=None, seed=0):
+    """(x, y) of random token ids for a model config."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    t = t or cfg.block_size
+    x = torch.randint(0, cfg.vocab_size, (b, t), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (b, t), generator=g)
+    return x, y
+
+
 def assert_same_state(a, b):
     """Two train.py checkpoints hold bitwise the same model, optimizer, schedule and data position."""
     import torch

@@ -12,30 +12,11 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import memory  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import GPT  # noqa: E402
 
 torch.set_num_threads(1)  # the CPU is shared; tiny models don't need more
 
-
-def tiny(arch, **kw):
-    base = dict(arch=arch, block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32,
-                dropout=0.0)
-    base.update(kw)
-    return GPTConfig(**base)
-
-
-TINY = {
-    'gpt2': lambda: tiny('gpt2'),
-    'llama': lambda: tiny('llama', n_kv_head=2),  # grouped-query attention
-}
-
-
-def batch(cfg, b=2, t=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    t = t or cfg.block_size
-    x = torch.randint(0, cfg.vocab_size, (b, t), generator=g)
-    y = torch.randint(0, cfg.vocab_size, (b, t), generator=g)
-    return x, y
+from conftest import TINY_MODELS as TINY, random_batch as batch, tiny_model_config as tiny  # noqa: E402
 
 
 @pytest.mark.parametrize('arch', ['gpt2', 'llama'])

@@ -12,26 +12,7 @@ from model import GPT, GPTConfig, PRESETS, config_from_preset  # noqa: E402
 
 torch.set_num_threads(1)  # the CPU is shared; tiny models don't need more
 
-
-def tiny(arch, **kw):
-    base = dict(arch=arch, block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32,
-                dropout=0.0)
-    base.update(kw)
-    return GPTConfig(**base)
-
-
-TINY = {
-    'gpt2': lambda: tiny('gpt2'),
-    'llama': lambda: tiny('llama', n_kv_head=2),  # grouped-query attention
-}
-
-
-def batch(cfg, b=2, t=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    t = t or cfg.block_size
-    x = torch.randint(0, cfg.vocab_size, (b, t), generator=g)
-    y = torch.randint(0, cfg.vocab_size, (b, t), generator=g)
-    return x, y
+from conftest import TINY_MODELS as TINY, random_batch as batch, tiny_model_config as tiny  # noqa: E402
 
 
 @pytest.mark.parametrize('name,expected', [('gpt2', 124_439_808), ('llama-7b', 6_738_415_616)])
