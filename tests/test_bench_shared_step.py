@@ -69,7 +69,7 @@ def test_every_caller_steps_through_training_train_step(caller, scale_after_clip
 
 
 def test_llama7b_config_trains_one_step_on_meta(steps):
-    """config/llama7b_lisa_wor.py (issue item 8), as train.py reads it, built by training.build on the meta
+    """config/llama7b_lisa_wor.py, as train.py reads it, built by training.build on the meta
     device and trained one real step by training.train_step; its bytes follow from the shapes."""
     path = os.path.join(ROOT, 'config', 'llama7b_lisa_wor.py')
     train_cfg = train_config.load([path], defaults=train_config.DEFAULTS | train_config.machine_defaults(False))  # a valid train.py config

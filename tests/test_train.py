@@ -1,4 +1,4 @@
-"""train.py end to end on CPU: falling loss, exact resume, and every bad input named in the issue."""
+"""train.py end to end on CPU: falling loss, exact resume, and its one-line refusals."""
 import contextlib
 import os
 import re
