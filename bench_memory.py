@@ -169,7 +169,8 @@ def resolve_device(name, allowed=('cuda', 'meta', 'cpu'), without_cuda='meta'):
     if name not in allowed:
         raise ValueError(f"device must be auto, {', '.join(allowed)}, got {name!r}")
     if name == 'cuda' and not torch.cuda.is_available():
-        raise ValueError("device=cuda but CUDA is not available; use device=meta for an estimate")
+        raise ValueError(f"device=cuda but CUDA is not available; use --device={without_cuda}"
+                         + (" for an estimate" if without_cuda == 'meta' else ""))
     if name == 'cuda':  # with its index: tensors report cuda:N, and LiveBytes compares devices
         return torch.device('cuda', torch.cuda.current_device())
     return torch.device(name)

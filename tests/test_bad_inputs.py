@@ -156,6 +156,7 @@ BENCH = [
     ('--steps=0', r'steps must be >= 1'),
     ('--warmup_steps=-1', r'warmup_steps must be >= 0'),
     ('--device=meta', r'device must be auto, cuda, cpu'),
+    ('--device=cuda', r'device=cuda but CUDA is not available; use --device=cpu$'),
     ('--batch_size=0', r'batch_size must be >= 1'),
     ('--precisions=fp8', r"unknown precision 'fp8'"),
     ('--preset=llama-7b', r'the model has 6\.\d+B parameters: .* GiB free on cpu'),
@@ -165,6 +166,7 @@ BENCH = [
 BENCH_MEMORY = [
     ('--micro_batches=-1', r'micro_batches must be >= 0'),
     ('--device=tpu', r'device must be auto, cuda, meta, cpu'),
+    ('--device=cuda', r'device=cuda but CUDA is not available; use --device=meta for an estimate$'),
     ('--methods=,', r'methods lists no method'),
     ('--preset=llama-7b --device=cpu', r'the model has 6\.\d+B parameters: .* GiB free on cpu'),
     ('--precisions=bf16:cpu', r"master_device='cpu' places fp32 master weights"),
