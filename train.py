@@ -45,10 +45,10 @@ except (ConfigError, ValueError) as e:
     sys.exit(f"error: {e}")
 # -----------------------------------------------------------------------------
 
-def estimate_peak(cfg, vocab_size):
+def estimate_peak(config, vocab_size):
     """Peak bytes of an iteration of this config, estimated on the meta device (bench_memory.py)."""
     import bench_memory
-    row = bench_memory.measure({**cfg, 'vocab_size': vocab_size, 'micro_batches': 0, 'compile': False},
+    row = bench_memory.measure({**config, 'vocab_size': vocab_size, 'micro_batches': 0, 'compile': False},
                                torch.device('meta'))
     return row['peak']
 

@@ -165,9 +165,6 @@ def check(cfg):
     if cfg['decay_lr'] and cfg['lr_decay_iters'] < cfg['warmup_iters']:
         raise ValueError(f"lr_decay_iters={cfg['lr_decay_iters']} ends before warmup_iters={cfg['warmup_iters']}; "
                          f"raise --lr_decay_iters (usually max_iters)")
-    if not cfg['preset'] and cfg['n_embd'] % cfg['n_head']:
-        raise ValueError(f"n_embd={cfg['n_embd']} is not divisible by n_head={cfg['n_head']}; choose n_head among "
-                         f"the divisors of n_embd")
     if cfg['master_device'] and cfg['precision'] != 'bf16_master':
         raise ValueError(f"master_device={cfg['master_device']!r} places fp32 master weights, which only "
                          f"precision='bf16_master' has; add --precision=bf16_master")

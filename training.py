@@ -104,7 +104,7 @@ def weight_dtype(precision):
 def cast_model(model, precision):
     """bf16 weights for 'bf16' and 'bf16_master' (in place: the Parameter objects stay the same)."""
     if precision != 'amp':
-        model.to(torch.bfloat16)
+        model.to(weight_dtype(precision))
     return model
 
 
