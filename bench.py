@@ -31,6 +31,7 @@ trainable matrices, 4N for frozen blocks (no weight-gradient GEMMs), 2N for froz
 every trainable parameter (forward only), plus attention.
 """
 import gc
+import itertools
 import os
 import platform
 import statistics
@@ -67,9 +68,10 @@ class MethodRun:
         gen = torch.Generator().manual_seed(cfg['seed'])
         vocab = self.net.config.vocab_size
         x = torch.randint(0, vocab, (cfg['batch_size'], cfg['block_size']), generator=gen).to(device)
-        self.batch = (x, torch.roll(x, -1, dims=1))
+        batches = itertools.repeat((x, torch.roll(x, -1, dims=1), None))  # the same batch every micro-step
         # train.py's iteration; the learning rate stays at learning_rate (no schedule)
-        self.trainer = training.Trainer({**cfg, 'decay_lr': False}, self.net, self.opt, self.cycler, device.type)
+        self.trainer = training.Trainer({**cfg, 'decay_lr': False}, self.net, self.opt, self.cycler, batches,
+                                        device.type)
         self.tokens = cfg['batch_size'] * cfg['block_size'] * cfg['gradient_accumulation_steps']
         self.times, self.flops, self.loss = [], [], None
 
@@ -80,7 +82,8 @@ class MethodRun:
     def step(self, it, timed):
         self.sync()
         t0 = time.perf_counter()
-        loss, _, _ = self.trainer.step(it, self.batch, lambda: self.batch)
+        self.trainer.iter_num = it
+        loss, _ = self.trainer.step()
         self.sync()
         if timed:
             self.times.append(time.perf_counter() - t0)
@@ -139,7 +142,7 @@ def describe_machine(device):
 
 def markdown(cfg, rows, device, config, argv):
     n_params = rows[0]['n_params']
-    amp = ''  # what precision=amp computes in (training.autocast)
+    amp = ''  # what precision=amp computes in (training.autocast_context)
     if any(r['precision'] == 'amp' for r in rows):
         amp = f" (amp: {cfg['dtype']} autocast)" if device.type == 'cuda' and cfg['dtype'] != 'float32' else \
             " (amp: fp32 compute)"

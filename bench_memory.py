@@ -77,6 +77,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import torch
 
@@ -209,20 +210,18 @@ def measure(cfg, device):
         torch.cuda.reset_peak_memory_stats(device)
     vocab, shape = net.config.vocab_size, (cfg['batch_size'], cfg['block_size'])
 
-    def next_batch():  # a fresh batch per micro-step, on the device, as train.py's loader gives
-        return (torch.randint(0, vocab, shape, device=device), torch.randint(0, vocab, shape, device=device))
-
-    trainer = training.Trainer(cfg, net, opt, cycler, device.type)  # train.py's iteration
-    backward = None
+    autocast = backward = None
     if device.type == 'meta':  # the GPU's kernels and autocast, emulated on shapes (memory_tools.py)
         dtype = train_config.PTDTYPES[cfg['dtype']] if cfg['precision'] == 'amp' and cfg['dtype'] != 'float32' else None
-        trainer.autocast, trainer.scaler = MetaAsCuda(dtype, cache=True), None
-        backward = MetaAsCuda(dtype, cache=False).backward
+        autocast, backward = MetaAsCuda(dtype, cache=True), MetaAsCuda(dtype, cache=False).backward
+    # train.py's iteration, on a fresh batch per micro-step, on the device, as train.py's loader gives
+    trainer = training.Trainer(cfg, net, opt, cycler, training.random_batches(vocab, shape, device), device.type,
+                               autocast=autocast, backward=backward, observer=SimpleNamespace())
     gas = cfg['gradient_accumulation_steps']
     micro = min(cfg['micro_batches'] or gas, gas)
     sizes = {}
 
-    def at_zero_grad():  # train_step's before_zero_grad: the step is done, the gradients still held
+    def at_zero_grad(trainer):  # the observer's before_zero_grad: the step is done, the gradients still held
         if cuda:
             torch.cuda.synchronize(device)
         states = [v for _, _, v in omgd_state.state_tensors(opt)]
@@ -234,8 +233,8 @@ def measure(cfg, device):
                      projectors=sum(v.numel() * v.element_size() for v in projectors if not tracker.is_host(v)))
 
     def iteration(it, micro_steps, hook=None):  # train.py's loop body, with this many micro-steps
-        trainer.grad_accum = micro_steps
-        trainer.step(it, next_batch(), next_batch, backward=backward, before_zero_grad=hook)
+        trainer.iter_num, trainer.grad_accum, trainer.observer.before_zero_grad = it, micro_steps, hook
+        trainer.step()
 
     tracker.add(list(net.parameters()), list(net.buffers()))
     period, start = cfg['omgd_period'], cfg['omgd_warmup']

@@ -11,6 +11,7 @@ previous one, and is read with weights_only=True, so a file from elsewhere canno
 import contextlib
 import glob
 import os
+import zipfile
 from pathlib import Path
 
 import torch
@@ -28,6 +29,8 @@ def read(path, map_location='cpu', mmap=False):
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path}; train one first: python train.py "
                               f"--out_dir={os.path.dirname(path) or '.'}")
+    if mmap and not zipfile.is_zipfile(path):  # not torch.save's format (nothing to map): torch's error names it
+        mmap = False
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:
@@ -166,13 +169,27 @@ def earlier_run(path):
         return "an unreadable checkpoint"
 
 
-def resume(path, map_location, config, given):
-    """(checkpoint, model) to resume from `path`; a one-line ValueError when there is none, it does
-    not load, or the config cannot continue it (load_model)."""
+def resume(path, device, config, given):
+    """(checkpoint, model) to resume from `path`, the model on `device` in the checkpoint's weight dtype;
+    a one-line ValueError when there is none, it does not load, or the config cannot continue it
+    (load_model).
+
+    The checkpoint is read into host memory, mapped (mmap: the ranks of a node share the pages of
+    one file), never onto `device`: the RNG states must stay CPU tensors (torch.set_rng_state and
+    torch.cuda.set_rng_state take nothing else), the optimizer state goes where its parameters are
+    when load_state loads it (torch's loading, and optim.MasterWeights' for master_device='cpu',
+    which keeps its masters in host memory), and no rank holds the whole file on its GPU. So a
+    file written on one device type resumes on any other, through this same path."""
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path} to resume from; train with init_from='scratch' first")
-    checkpoint = read(path, map_location=map_location)
-    return checkpoint, load_model(checkpoint, path, config, given)
+    checkpoint = read(path, map_location='cpu', mmap=True)
+    model = load_model(checkpoint, path, config, given)
+    from training import weight_dtype
+    # cast where it was read, then moved once: a bf16 run never holds fp32 weights on the device
+    model.to(weight_dtype(config['precision'])).to(device)  # check_resume: the saved precision
+    if model.config.tie_embeddings:  # a move to a device of another kind (meta) gives each module its own
+        model.wte.weight = model.lm_head.weight
+    return checkpoint, model
 
 
 def load_model(checkpoint, path, config, given):
@@ -222,3 +239,46 @@ def restore_rng(checkpoint, ranks, device_type, seed, iter_num):
     if device_type == 'cuda' and rank_rngs[ranks.rank]['cuda'] is not None:
         torch.cuda.set_rng_state(rank_rngs[ranks.rank]['cuda'])
     return True
+
+
+class OutDirLock:
+    """One writer per out_dir: rank 0 of a run holds an exclusive flock on out_dir/.lock until it
+    exits. The kernel releases it when the process dies, however it dies, so a crash never leaves
+    the folder locked. The file names the holder for the message that refuses a second writer."""
+
+    def __init__(self, out_dir):
+        self.out_dir, self.path, self.file = out_dir, os.path.join(out_dir, '.lock'), None
+
+    def acquire(self):
+        """Take the lock, or raise CheckpointError naming the run that holds it."""
+        import fcntl
+        import socket
+        import time
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+            self.file = open(self.path, 'a+')
+        except OSError as e:
+            raise CheckpointError(f"out_dir={self.out_dir!r} cannot hold checkpoints ({e.strerror or e}); choose a "
+                                  f"writable directory with --out_dir") from None
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or 'another process'
+            self.file.close()
+            raise CheckpointError(f"out_dir={self.out_dir!r} is in use by {holder}; wait for that run to end or stop "
+                                  f"it, or choose another --out_dir") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"the run of pid {os.getpid()} on {socket.gethostname()}, started "
+                        f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
+        self.file.flush()
+        return self
+
+    def release(self, remove=False):
+        """Let go (remove=True also deletes the file: only for an out_dir the run leaves empty)."""
+        if self.file is not None:
+            if remove:
+                os.remove(self.path)
+            self.file.close()
+            self.file = None

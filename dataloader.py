@@ -104,6 +104,13 @@ class TokenBatches:
             return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
         return x, y
 
+    def iterate(self, device='cpu'):
+        """Endless (x, y, position) micro-batches; position is this loader's state_dict() before the
+        batch was read, so load_state_dict(position) continues with that batch (nanochat's loader)."""
+        while True:
+            position = self.state_dict()
+            yield (*self.next_batch(device), position)
+
     def epochs(self):
         """Epochs of data consumed so far, as a fraction (iid: windows drawn / windows in the split)."""
         if self.sampling == 'rr':
@@ -131,7 +138,9 @@ class TokenBatches:
         self.epoch, self.step_in_epoch = state['epoch'], state['windows_consumed'] // per_step
 
 
-DATA_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
+# where dataset names are looked up: the checkout's data/, or OMGD_DATA_ROOT (a shared data disk;
+# the tests point it at a temporary folder so that they never rewrite a user's prepared data)
+DATA_ROOT = os.environ.get('OMGD_DATA_ROOT') or os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
 EMBEDDED = ('shakespeare', 'shakespeare_char')  # corpora shipped in packages: prepared on first use
 
 
@@ -144,10 +153,11 @@ def prepare_if_embedded(dataset, verbose=True):
     """Prepare an embedded Shakespeare corpus on first use (call on one rank); any other dataset
     must have been prepared (TokenBatches then names the command)."""
     missing = [f for f in ('train.bin', 'val.bin') if not os.path.exists(os.path.join(data_dir(dataset), f))]
-    if missing and dataset in EMBEDDED:
+    name = os.path.basename(os.path.normpath(dataset))
+    if missing and name in EMBEDDED:
         if verbose:
-            print(f"preparing data/{dataset} (first run)")
-        importlib.import_module(f'data.{dataset}.prepare').prepare(data_dir(dataset))
+            print(f"preparing {data_dir(dataset)} (first run)")
+        importlib.import_module(f'data.{name}.prepare').prepare(data_dir(dataset))
 
 
 def dataset_vocab(dataset, vocab_size=0):

@@ -124,9 +124,15 @@ class CountedReduceScatter:
             def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
                 counter['calls'] += 1
                 counter['elements'] += input_tensor.numel()
-                return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, op=op, group=group,
-                                                  async_op=async_op)
+                return reduce_scatter_single()(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         return Counted()
+
+
+def reduce_scatter_single():
+    """The reduce-scatter of one tensor into one shard that FSDP2 calls, in the installed torch:
+    dist.reduce_scatter_single from torch 2.13 (which deprecates reduce_scatter_tensor), the same
+    collective under its older name reduce_scatter_tensor before (torch 2.11 and 2.12 have only it)."""
+    return getattr(dist, 'reduce_scatter_single', None) or dist.reduce_scatter_tensor
 
 
 def count_reduce_scatters(fsdp_units):
@@ -139,3 +145,21 @@ def count_reduce_scatters(fsdp_units):
 def local_shard(t):
     """This rank's part of a parameter (FSDP: its shard), or the tensor itself."""
     return t.to_local() if hasattr(t, 'to_local') else t
+
+
+class CheckFailed(RuntimeError):
+    """An invariant did not hold on every rank; the message lists what failed."""
+
+
+class RankCheck:
+    """The Trainer's observer for `--ddp_check=True`: after every optimizer step, gradients still in
+    place, run the Checker that `replicas` owns; raise CheckFailed, on every rank alike, when a
+    report differs. `summary` holds the last step's one-line summary."""
+
+    def __init__(self, replicas):
+        self.replicas, self.summary = replicas, None
+
+    def before_zero_grad(self, trainer):
+        problems, self.summary = self.replicas.check(trainer.optimizer, trainer.cycler, trainer.cfg['omgd_state'])
+        if problems:
+            raise CheckFailed('; '.join(problems))

@@ -34,7 +34,7 @@ log_interval = 10  # iterations between log lines
 eval_iters = 20  # batches per split and evaluation
 eval_only = False  # evaluate once and exit
 always_save_checkpoint = True  # if False, save only when the val loss improves
-init_from = 'scratch'  # 'scratch', 'resume' (from out_dir), a GPT-2 name ('gpt2', ...) or a Hugging Face model directory
+init_from = 'scratch'  # 'scratch', 'resume' (from out_dir), 'auto' (resume when out_dir holds a checkpoint, else scratch: restarts), a GPT-2 name or a Hugging Face model directory
 overwrite = False  # let a run that does not resume replace the checkpoint already in out_dir
 sample_tokens = 300  # length of the sample printed at the end (0: none)
 # wandb logging (optional, off by default; never needed to run or test)
@@ -150,9 +150,9 @@ def check(cfg):
     from model import PRESETS
     for key, rule in RULES.items():
         check_rule(key, cfg[key], rule)
-    if cfg['init_from'] not in ('scratch', 'resume') and not cfg['init_from'].startswith('gpt2') \
+    if cfg['init_from'] not in ('scratch', 'resume', 'auto') and not cfg['init_from'].startswith('gpt2') \
             and not os.path.isdir(cfg['init_from']):
-        raise ValueError(f"init_from must be 'scratch', 'resume', a GPT-2 name or a Hugging Face model directory, "
+        raise ValueError(f"init_from must be 'scratch', 'resume', 'auto', a GPT-2 name or a Hugging Face model directory, "
                          f"got {cfg['init_from']!r}")
     if cfg['preset'] and cfg['preset'] not in PRESETS:
         raise ValueError(f"unknown preset {cfg['preset']!r}; choose one of {', '.join(PRESETS)}")

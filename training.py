@@ -108,7 +108,7 @@ def cast_model(model, precision):
     return model
 
 
-def autocast(cfg, device_type):
+def autocast_context(cfg, device_type):
     """'amp' on CUDA: autocast in cfg['dtype']. CPU, meta (bench_memory emulates CUDA), the bf16 precisions: none."""
     if cfg['precision'] != 'amp' or device_type != 'cuda' or cfg['dtype'] == 'float32':
         return nullcontext()
@@ -118,7 +118,8 @@ def autocast(cfg, device_type):
 def grad_scaler(cfg, device_type):
     """nanoGPT's loss scaling for float16 autocast, a no-op otherwise. On CPU (fp32 compute) it
     only scales by a power of two and back, which lets tests run this path."""
-    return torch.amp.GradScaler(device_type, enabled=cfg['precision'] == 'amp' and cfg['dtype'] == 'float16')
+    enabled = cfg['precision'] == 'amp' and cfg['dtype'] == 'float16' and device_type != 'meta'  # meta: shapes only
+    return torch.amp.GradScaler(device_type, enabled=enabled)
 
 
 def build_optimizer(model, cfg, device_type):
@@ -165,22 +166,43 @@ def build(cfg, device, vocab_size=0, model=None, shard=None):
 
 
 class Trainer:
-    """One training iteration, the same in train.py, the benchmarks and the experiments:
-    learning rate, cycler switch and prefetch, DDP rebuild after a switch, then train_step.
+    """One run's iteration and everything it touches: config, model, optimizer, layer cycler, the
+    replicas that sync gradients, loss scaler, the training batches and their position, and the
+    iteration counter. train.py, the benchmarks and the experiments drive the same object.
 
-    replicas: distributed.Replicas (DDP/FSDP: what the step trains and how gradients sync);
-    None trains `model` in this process. grad_accum: micro-steps of this rank per iteration.
+    batches: an iterator of (x, y, position) micro-batches (dataloader.TokenBatches.iterate; the
+    benchmarks yield random ones with position None). The step fetches one micro-batch ahead, so
+    `data_position` is the position of the batch held for the next step: what a checkpoint stores.
+    replicas: distributed.Replicas (DDP/FSDP); None trains `model` in this process.
+    grad_accum: micro-steps of this rank per iteration (default: the config's).
+    autocast, backward: replace the config's autocast and loss.backward() (bench_memory's meta device).
+    observer: an object with after_switch(trainer, switched) and/or before_zero_grad(trainer),
+    called inside each step (--ddp_check, the experiments' probes); None in a plain run.
     """
 
-    def __init__(self, cfg, model, optimizer, cycler, device_type, grad_accum=None, replicas=None):
+    def __init__(self, cfg, model, optimizer, cycler, batches, device_type='cpu', grad_accum=None, replicas=None,
+                 autocast=None, backward=None, observer=None):
         self.cfg, self.model, self.optimizer, self.cycler, self.replicas = cfg, model, optimizer, cycler, replicas
+        self.batches, self.batch = batches, None
         self.grad_accum = grad_accum or cfg['gradient_accumulation_steps']
-        self.autocast = autocast(cfg, device_type)
+        self.autocast = autocast if autocast is not None else autocast_context(cfg, device_type)
         self.scaler = grad_scaler(cfg, device_type)  # float16 gradients underflow without loss scaling
+        self.backward, self.observer = backward, observer
+        self.iter_num = 0
 
-    def step(self, it, batch, next_batch, backward=None, before_zero_grad=None, after_switch=None):
-        """Iteration `it`; returns (loss, the next batch, whether the cycler switched).
-        after_switch(switched): sees the iteration's active set before its step (instrumentation)."""
+    @property
+    def data_position(self):
+        """Where the training data continues: the position of the batch fetched for the next step."""
+        return self.batch[2] if self.batch is not None else None
+
+    def next_batch(self):
+        x, y, position = self.batch = next(self.batches)
+        return x, y
+
+    def step(self):
+        """Iteration `iter_num`: learning rate, switch, prefetch, DDP rebuild, then train_step.
+        Returns (the loss as a detached tensor, whether the cycler switched)."""
+        it = self.iter_num
         for group in self.optimizer.param_groups:
             group['lr'] = get_lr(it, self.cfg)
         switched = self.cycler.step(it)
@@ -190,57 +212,114 @@ class Trainer:
             if switched or self.replicas.model is None:
                 self.replicas.on_switch()
             model, sync = self.replicas.model, self.replicas.sync if self.replicas.ranks.enabled else None
+        after_switch = getattr(self.observer, 'after_switch', None)
         if after_switch is not None:
-            after_switch(switched)
-        loss, batch = train_step(model, self.optimizer, self.cycler, batch, next_batch, self.grad_accum,
-                                 self.cfg, self.autocast, self.scaler, sync, backward, before_zero_grad)
-        return loss, batch, switched
+            after_switch(self, switched)
+        loss = self.train_step(model, sync)
+        self.iter_num += 1
+        return loss, switched
+
+    def train_step(self, model, sync=None):
+        """One optimizer step over grad_accum micro-batches; returns the loss (detached tensor).
+
+        The next micro-batch is fetched right after each forward, so the host prepares data while
+        the GPU computes. The OMGD scale goes once per step, after all micro-steps, before or after
+        clipping (cfg's omgd_scale_after_clip: the paper's code clips first). loss: the last
+        micro-batch's (no sync here). sync(last): DDP/FSDP gradient sync on the last micro-step only.
+        """
+        grad_accum, scaler = self.grad_accum, self.scaler or torch.amp.GradScaler(enabled=False)
+        grad_clip, scale_after_clip = self.cfg['grad_clip'], self.cfg['omgd_scale_after_clip']
+        if self.batch is None:
+            self.next_batch()
+        X, Y = self.batch[:2]
+        for micro_step in range(grad_accum):
+            if sync is not None:
+                sync(micro_step == grad_accum - 1)
+            with self.autocast:
+                loss = model(X, Y)[1] / grad_accum  # [1]: keep no reference to the logits
+            X, Y = self.next_batch()
+            scaled = scaler.scale(loss)
+            scaled.backward() if self.backward is None else self.backward(scaled)
+        scaler.unscale_(self.optimizer)  # the true gradients, for the clipping and the OMGD scale
+        if not scale_after_clip:
+            self.cycler.scale_grads()
+        if grad_clip != 0.0:
+            # frozen parameters hold no gradient (None), which clip_grad_norm_ skips
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        if scale_after_clip:
+            self.cycler.scale_grads()
+        scaler.step(self.optimizer)  # with float16: skipped when a gradient overflowed, and the scale lowered
+        scaler.update()
+        before_zero_grad = getattr(self.observer, 'before_zero_grad', None)
+        if before_zero_grad is not None:
+            before_zero_grad(self)
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach() * grad_accum
+
+    @torch.no_grad()
+    def evaluate(self, eval_batches, eval_iters, ranks=None, device='cpu'):
+        """{split: mean loss} over eval_iters fixed batches of each split (the same windows at
+        every evaluation), averaged over ranks; the model is left in training mode."""
+        out = {}
+        self.model.eval()
+        for split, batches in eval_batches.items():
+            batches.load_state_dict(batches.start)
+            losses = torch.zeros(eval_iters, device=device)  # on the device: one sync per split, not per batch
+            for k in range(eval_iters):
+                X, Y = batches.next_batch(device)
+                with self.autocast:
+                    _, loss = self.model(X, Y)
+                losses[k] = loss
+            value = losses.mean().item()
+            out[split] = ranks.mean(value, device) if ranks is not None else value
+        self.model.train()
+        return out
+
+    def state_objects(self):
+        """The objects whose state_dict() a checkpoint holds (checkpoint.py)."""
+        return {'model': self.model, 'optimizer': self.optimizer, 'cycler': self.cycler, 'scaler': self.scaler}
 
 
-def train_step(model, optimizer, cycler, batch, next_batch, grad_accum, cfg, autocast=nullcontext(), scaler=None,
-               sync=None, backward=None, before_zero_grad=None):
-    """One optimizer step over grad_accum micro-batches; returns (loss, the next batch).
-
-    batch: this step's first (X, Y); next_batch() fetches the following one right after each
-    forward, so the host prepares data while the GPU computes. The OMGD scale goes once per step,
-    after all micro-steps, before or after clipping (cfg's omgd_scale_after_clip: the paper's code
-    clips first). loss: the last micro-batch's, as a detached tensor (no sync here).
-    sync(last): DDP/FSDP gradient sync on the last micro-step only. backward(loss): replaces
-    loss.backward() (bench_memory's meta device). before_zero_grad(): sees the gradients.
-    """
-    scaler = scaler or torch.amp.GradScaler(enabled=False)
-    grad_clip, scale_after_clip = cfg['grad_clip'], cfg['omgd_scale_after_clip']
-    X, Y = batch
-    for micro_step in range(grad_accum):
-        if sync is not None:
-            sync(micro_step == grad_accum - 1)
-        with autocast:
-            loss = model(X, Y)[1] / grad_accum  # [1]: keep no reference to the logits
-        X, Y = next_batch()
-        scaled = scaler.scale(loss)
-        scaled.backward() if backward is None else backward(scaled)
-    scaler.unscale_(optimizer)  # the true gradients, for the clipping and the OMGD scale
-    if not scale_after_clip:
-        cycler.scale_grads()
-    if grad_clip != 0.0:
-        # frozen parameters hold no gradient (None), which clip_grad_norm_ skips
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    if scale_after_clip:
-        cycler.scale_grads()
-    scaler.step(optimizer)  # with float16: skipped when a gradient overflowed, and the scale lowered
-    scaler.update()
-    if before_zero_grad is not None:
-        before_zero_grad()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.detach() * grad_accum, (X, Y)
+def random_batches(vocab_size, shape, device):
+    """Endless random (x, y, None) micro-batches on `device`: the benchmarks' data."""
+    while True:
+        yield (torch.randint(0, vocab_size, shape, device=device), torch.randint(0, vocab_size, shape, device=device),
+               None)
 
 
 # -----------------------------------------------------------------------------
 # model FLOPs utilization (MFU), as in the log line of train.py and in bench.py
 
-# peak dense bf16 tensor FLOP/s per GPU, matched in this order against torch.cuda.get_device_name()
-PEAK_BF16_FLOPS = {'H200': 989e12, 'H100 PCIe': 756e12, 'H100': 989e12, 'A100': 312e12,
-                   'B200': 2250e12, 'L40S': 362e12, 'A10G': 125e12, 'RTX 4090': 165e12}
+# peak dense bf16 tensor FLOP/s per GPU, from NVIDIA's datasheets (their "with sparsity" figures
+# halved). An entry matches a GPU when each of its words is a word of torch.cuda.get_device_name()
+# (case-insensitive, in any order, whole words: 'H100' is not a word of 'GH100'), and the matching
+# entry with the most words wins, so a variant's entry beats its family's: 'NVIDIA H100 NVL' gets
+# 'H100 NVL', 'NVIDIA H100 80GB HBM3' (the SXM part) gets 'H100'. Two best matches of the same
+# length are ambiguous: no MFU, rather than a wrong one.
+PEAK_BF16_FLOPS = {
+    'H100': 989.4e12,  # SXM5; its name has no variant word ('NVIDIA H100 80GB HBM3')
+    'H100 PCIe': 756e12, 'H100 NVL': 835e12,
+    'H200': 989e12,  # SXM ('NVIDIA H200')
+    'H200 NVL': 835e12, 'GH200': 989e12,
+    'A100': 312e12,  # SXM4 and PCIe alike
+    'B200': 2250e12, 'L40S': 362e12, 'L4': 121e12, 'A10': 125e12, 'A10G': 125e12, 'RTX 4090': 165e12,
+}
+
+
+def _words(name):
+    import re
+    return re.findall(r'[a-z0-9]+', name.lower())
+
+
+def peak_for_name(name):
+    """PEAK_BF16_FLOPS' figure for a GPU named `name`, or None (no entry, or an ambiguous name)."""
+    words = set(_words(name))
+    matches = [(len(_words(key)), flops) for key, flops in PEAK_BF16_FLOPS.items() if set(_words(key)) <= words]
+    if not matches:
+        return None
+    best = max(n for n, _ in matches)
+    flops = {f for n, f in matches if n == best}
+    return flops.pop() if len(flops) == 1 else None
 
 
 def peak_bf16_flops(device):
@@ -248,8 +327,7 @@ def peak_bf16_flops(device):
     device = torch.device(device)
     if device.type != 'cuda':
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+    return peak_for_name(torch.cuda.get_device_name(device))
 
 
 def mfu(flops_per_token, tokens_per_iter, dt, peak_flops, world_size=1):

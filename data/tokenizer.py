@@ -28,6 +28,15 @@ def token_dtype(vocab_size):
     return 'uint16' if vocab_size <= DTYPES['uint16'] else 'uint32'
 
 
+class DataOnlyUnpickler(pickle.Unpickler):
+    """meta.pkl holds plain data (dicts, strings, numbers, lists), which unpickles without naming
+    any class; a file that names one (a crafted meta.pkl calling os.system) is refused, so a data
+    folder from elsewhere can never run code."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"it names {module}.{name}, and a meta.pkl holds only plain data")
+
+
 def read_meta(data_dir):
     """The meta.pkl of a prepared dataset with every key above; a one-line ValueError when it
     cannot be read or does not describe a dataset."""
@@ -36,8 +45,8 @@ def read_meta(data_dir):
         return {'tokenizer': 'gpt2', 'vocab_size': GPT2_VOCAB, 'dtype': 'uint16'}
     try:
         with open(path, 'rb') as f:
-            meta = pickle.load(f)
-    except Exception as e:  # truncated, not a pickle, or pickled objects this code does not have
+            meta = DataOnlyUnpickler(f).load()
+    except Exception as e:  # truncated, not a pickle, or pickled objects: never loaded
         raise ValueError(f"{path} cannot be read ({type(e).__name__}: {e}); prepare the dataset again") from None
     if not isinstance(meta, dict):
         raise ValueError(f"{path} holds a {type(meta).__name__}, not a dict; prepare the dataset again")

@@ -35,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -143,23 +144,25 @@ def measure_memory(method, args):
         gen = torch.Generator().manual_seed(0)
         shape = (cfg['batch_size'], cfg['block_size'])
 
-        def next_batch():
-            x = torch.randint(0, model.config.vocab_size, shape, generator=gen)
-            return x, torch.roll(x, -1, dims=1)
+        def batches():
+            while True:
+                x = torch.randint(0, model.config.vocab_size, shape, generator=gen)
+                yield x, torch.roll(x, -1, dims=1), None
 
         mem = {}
 
-        def record():  # the step is done, the gradients are still held
+        def record(trainer):  # before_zero_grad: the step is done, the gradients are still held
             now = omgd_state.memory_bytes(model, opt)
             now['trainable_params'] = sum(p.numel() for p in model.parameters() if p.requires_grad)
             if not mem or now['grads'] + now['optimizer'] > mem['grads'] + mem['optimizer']:
                 mem.update(now)
 
         periods = len(model.blocks) // max(1, cfg['omgd_gamma']) + 1
-        trainer = training.Trainer(cfg, model, opt, cycler, 'cpu')  # train.py's iteration
+        trainer = training.Trainer(cfg, model, opt, cycler, batches(), 'cpu',  # train.py's iteration
+                                   observer=SimpleNamespace(before_zero_grad=record))
         for k in range(periods):
-            it = cfg['omgd_warmup'] + k * cfg['omgd_period']  # a switch (after any full-training warm-up)
-            trainer.step(it, next_batch(), next_batch, before_zero_grad=record)
+            trainer.iter_num = cfg['omgd_warmup'] + k * cfg['omgd_period']  # a switch (after any full-training warm-up)
+            trainer.step()
         mem['periods_measured'] = periods
         mem['n_params'] = sum(p.numel() for p in model.parameters())
         if method in training.GALORE_METHODS:

@@ -3,15 +3,14 @@ Launch train.py runs and collect what they logged: the one runner of experiments
 experiments/study.py.
 
 A run is a `python train.py ARGS` subprocess on the CPU (one OMP thread by default) in its own
-folder RUNS/NAME, logging to RUNS/NAME/train.log; its curves are parsed from the log (`step N:
-train loss X, val loss Y`, `iter N: loss X, time Tms, ...`, switch lines) into RUNS/NAME/result.json.
+folder RUNS/NAME, logging to RUNS/NAME/train.log; its curves are read from the records train.py
+writes (RUNS/NAME/metrics.jsonl: evaluations, logged iterations, switches) into RUNS/NAME/result.json.
 run_all runs a list of jobs N at a time and skips every job whose result.json exists without an
 error, so an interrupted batch resumes where it stopped.
 """
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -24,33 +23,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # every run: eager CPU float32, no sample, a checkpoint only at the end (removed unless kept)
 CPU_ARGS = ('--compile=False', '--sample_tokens=0', '--always_save_checkpoint=False', '--device=cpu',
             '--dtype=float32')
-STEP_RE = re.compile(r'^step (\d+): train loss ([-+\w.]+), val loss ([-+\w.]+)')
-ITER_RE = re.compile(r'^iter (\d+): loss ([-+\w.]+), time ([\d.]+)ms(?:.*epoch ([\d.]+))?')
-SWITCH_RE = re.compile(r'^iter (\d+): (cycle \d+: .*|full training|warm-up: .*)$')
 
 
-def parse_log(text):
-    """Curves and timings from a train.py log (master process output)."""
+def read_records(out_dir):
+    """Curves and timings of a run from the records train.py wrote (out_dir/metrics.jsonl)."""
     evals, iters, switches = [], [], []
-    for line in text.splitlines():
-        m = STEP_RE.match(line)
-        if m:
-            evals.append((int(m[1]), float(m[2]), float(m[3])))
-            continue
-        m = ITER_RE.match(line)
-        if m:
-            iters.append((int(m[1]), float(m[2]), float(m[3]), float(m[4]) if m[4] else None))
-            continue
-        m = SWITCH_RE.match(line)
-        if m:
-            switches.append((int(m[1]), m[2]))
-    times = [i[2] for i in iters if i[0] > 0]  # the first logged iteration includes start-up work
+    path = os.path.join(out_dir, 'metrics.jsonl')
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                {'eval': evals, 'iter': iters, 'switch': switches}.get(rec['kind'], []).append(rec)
+    times = [r['ms'] for r in iters if r['iter'] > 0]  # the first logged iteration includes start-up work
     return {
-        'eval_iters': [e[0] for e in evals], 'train_loss': [e[1] for e in evals], 'val_loss': [e[2] for e in evals],
-        'log_iters': [i[0] for i in iters], 'step_loss': [i[1] for i in iters],
+        'eval_iters': [r['iter'] for r in evals], 'train_loss': [r['train_loss'] for r in evals],
+        'val_loss': [r['val_loss'] for r in evals],
+        'log_iters': [r['iter'] for r in iters], 'step_loss': [r['loss'] for r in iters],
         'median_ms_per_iter': statistics.median(times) if times else None,
-        'last_logged_epoch': iters[-1][3] if iters else None,  # fraction of the training set's windows seen
-        'switches': len(switches), 'first_switches': [f'iter {i}: {d}' for i, d in switches[:3]],
+        'last_logged_epoch': iters[-1]['epoch'] if iters else None,  # fraction of the training set's windows seen
+        'switches': len(switches), 'first_switches': [f"iter {r['iter']}: {r['description']}" for r in switches[:3]],
     }
 
 
@@ -71,16 +62,15 @@ def run_train(args, out_dir, max_iters, threads=1, keep_checkpoints=False):
     with open(os.path.join(out_dir, 'train.log'), 'w') as log:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.PIPE, text=True, env=env)
     wall = time.time() - t0
-    with open(os.path.join(out_dir, 'train.log')) as f:
-        result = {'returncode': proc.returncode, 'wall_s': round(wall, 1), 'command': ' '.join(cmd[1:]),
-                  **parse_log(f.read())}
+    result = {'returncode': proc.returncode, 'wall_s': round(wall, 1), 'command': ' '.join(cmd[1:]),
+              **read_records(out_dir)}
     if proc.returncode != 0:
         lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
         result['error'] = lines[-1][:300] if lines else f'exit code {proc.returncode}'
         with open(os.path.join(out_dir, 'stderr.log'), 'w') as f:
             f.write(proc.stderr)
     elif not result['val_loss'] or result['eval_iters'][-1] != max_iters:
-        result['error'] = 'no final evaluation in the log'
+        result['error'] = 'no final evaluation in the records'
     if not keep_checkpoints:
         for name in ('ckpt.pt', 'ckpt.pt.tmp'):
             if os.path.exists(os.path.join(out_dir, name)):

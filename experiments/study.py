@@ -53,6 +53,12 @@ Stages, in the order they run (a stage's runs go seed-major, so a stage stopped 
   k6_keep: the 12-block keep cells of m4_multi_adamw and m4_sub_adamw at K 6 (lisa, lisa_wor)
   k6_more: K 6, multi-epoch: 8 blocks under keep, 12 blocks under drop (lisa, lisa_wor)
   m8_multi_adamw: M = 8 (8 blocks, gamma 1, K 2, 800 iterations = 50 cycles): lisa, lisa_wor x keep, drop
+  Issue 31, "does the period K decide?" (K31_STAGES; 12 blocks, gamma 3, AdamW, lisa and lisa_wor;
+  pre-registered in experiments/README.md with seeds 100-109: --first_seed=100 --seeds=10):
+  k31_keep: multi, 600 iterations, keep: K in {3, 6, 12, 25}, and K 3 with beta1 0.5 and 0
+  k31_k100: the paper's K = 100, keep: 10,000 iterations (25 cycles) on the 'paper' prefix (5.4 epochs)
+  k31_drop, k31_k100_drop: the same under drop
+  Their report adds NAME_tests.md (the five confirmatory tests, the exploratory contrasts, every cell).
 'keep' for the later stages is the policy under which lisa_wor reached the lower mean train loss in
 core_multi_adamw (M = 2 stages) or m4_multi_adamw (M = 4 stages) (--policy=auto), or the one named.
 
@@ -60,11 +66,15 @@ core_multi_adamw (M = 2 stages) or m4_multi_adamw (M = 4 stages) (--policy=auto)
     python experiments/study.py --stages=m4_multi_sgd --layers=8 --name=study_m4   # the 8-block runs only
     python experiments/study.py --stages=core_multi_adamw,probe --seeds=5 --name=study_m2
     python experiments/study.py --report_only --name=study_m4 --report_dir=results
+    python experiments/study.py --stages=k31_keep,k31_k100 --first_seed=100 --seeds=10 --jobs=1 --stop_at=10:42 --name=study_k31
+
+--stop_at=HH:MM (UTC) starts no seed group after that time (a stopped stage keeps complete pairs).
 
 Finished runs are skipped (resume). Writes REPORT_DIR/NAME.json (every run's curves and the paired
 statistics), NAME_tables.md, NAME_loss.png and NAME_probe.md (default REPORT_DIR: out/study).
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -73,6 +83,7 @@ import statistics
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -99,6 +110,23 @@ M4_K, M4_ITERS = 3, 600  # 50 cycles of M * K = 12 iterations
 FT_GEOMETRY = dict(n_layer=12, gamma=3, K=3, iters=600)  # the paper's CoLA ablation: gamma, K in 1..6
 FT_SWEEP = (dict(K=1), dict(K=6), dict(gamma=1), dict(gamma=6))  # M = 12 at gamma 1, 2 at gamma 6
 EVALS = 10  # evaluations per run (and one at iteration 0)
+# the 'paper' regime: a prefix of train.bin that 10,000 iterations of the deeper models' 8 x 32 tokens
+# pass over 5.4 times, as the paper's GPT-2 run (100k iterations x 491,520 tokens) passes over
+# OpenWebText's ~9B tokens (experiments/README.md, "Does the period K decide?")
+PAPER_TOKENS = 470_000
+# Issue 31, "does the period K decide?": the pre-registered cells (experiments/README.md), 12 blocks,
+# gamma 3, AdamW, lisa and lisa_wor at each, seed-major; run with --first_seed=100 --seeds=10.
+# A cell changes spec()'s fields; beta1 None is train.py's 0.9.
+K31_GEOMETRY = dict(n_layer=12, gamma=3)
+K31_AXIS = (3, 6, 12, 25)  # K at 600 iterations (the same iterations for every K, not the same cycles)
+K31_BETA1 = (0.5, 0.0)  # the K = 3 keep cell without most / all of the momentum (0.9 is the axis' own run)
+K31_STAGES = {
+    'k31_keep': [dict(regime='multi', iters=M4_ITERS, state='keep', K=K) for K in K31_AXIS]
+                + [dict(regime='multi', iters=M4_ITERS, state='keep', K=3, beta1=b) for b in K31_BETA1],
+    'k31_k100': [dict(regime='paper', iters=10_000, state='keep', K=100)],  # 25 cycles of 4 periods
+    'k31_drop': [dict(regime='multi', iters=M4_ITERS, state='drop', K=K) for K in K31_AXIS],
+    'k31_k100_drop': [dict(regime='paper', iters=10_000, state='drop', K=100)],
+}
 PRETRAIN = dict(regime='pre', optimizer='adamw', method='full', n_layer=12, iters=2000, seed=0)
 
 
@@ -107,21 +135,23 @@ PRETRAIN = dict(regime='pre', optimizer='adamw', method='full', n_layer=12, iter
 
 
 def spec(regime, optimizer, method, state='keep', sampling='rr', K=None, gamma=None, seed=0, kind='train',
-         n_layer=4, iters=None):
+         n_layer=4, iters=None, beta1=None):
     full = method == 'full'
     return {'regime': regime, 'optimizer': optimizer, 'method': method, 'state': 'na' if full else state,
             'sampling': sampling, 'K': 0 if full else (K or BASE['omgd_period']),
             'gamma': 0 if full else (gamma or 2), 'n_layer': n_layer, 'iters': iters or ITERS[regime],
-            'seed': seed, 'kind': kind}
+            'seed': seed, 'kind': kind, 'beta1': beta1}
 
 
-KEY_FIELDS = ('n_layer', 'regime', 'iters', 'optimizer', 'method', 'state', 'sampling', 'K', 'gamma')
+KEY_FIELDS = ('n_layer', 'regime', 'iters', 'optimizer', 'method', 'state', 'sampling', 'K', 'gamma', 'beta1')
 
 
 def config_key(s):
-    """The configuration without the seed: runs with the same key and different seeds are a group."""
+    """The configuration without the seed: runs with the same key and different seeds are a group
+    (a beta1 other than train.py's is appended; runs from before beta1 was a field have none)."""
+    beta1 = s.get('beta1')
     return (f"L{s['n_layer']}-{s['regime']}{s['iters']}-{s['optimizer']}-{s['method']}-{s['state']}-{s['sampling']}"
-            f"-K{s['K']}-g{s['gamma']}")
+            f"-K{s['K']}-g{s['gamma']}" + ('' if beta1 is None else f'-beta{beta1}'))
 
 
 def run_name(s):
@@ -187,6 +217,8 @@ def make_ft_dataset(runs_dir, n_tokens=None):
 
 
 def dataset(s, runs_dir):
+    if s['regime'] == 'paper':
+        return multi_dataset(runs_dir, PAPER_TOKENS)
     if s['regime'] == 'multi':
         return multi_dataset(runs_dir, M4_MULTI_TOKENS if s['n_layer'] in DEPTH_ARGS else MULTI_TOKENS)
     return ft_dataset(runs_dir) if s['regime'] == 'ft' else 'shakespeare_char'
@@ -200,6 +232,8 @@ def train_args(s, runs_dir):
     flags.update(max_iters=s['iters'], lr_decay_iters=s['iters'], eval_interval=s['iters'] // EVALS)
     if s['method'] != 'full':
         flags.update(omgd_period=s['K'], omgd_gamma=s['gamma'], omgd_state=s['state'])
+    if s.get('beta1') is not None:
+        flags['beta1'] = s['beta1']
     flags['dataset'] = dataset(s, runs_dir)
     args = [f"--method={s['method']}", f"--sampling={s['sampling']}",
             f"--seed={s['seed']}", f"--data_seed={s['seed']}", f"--omgd_seed={s['seed']}", '--decay_lr=True']
@@ -215,7 +249,10 @@ def stage_specs(stage, seeds, policy='keep'):
     out = []
     for seed in seeds:
         S = lambda *a, **k: spec(*a, seed=seed, **k)  # noqa: E731
-        if stage.startswith('core_'):
+        if stage in K31_STAGES:
+            out += [S(optimizer='adamw', method=m, **K31_GEOMETRY, **cell) for cell in K31_STAGES[stage]
+                    for m in ('lisa', 'lisa_wor')]
+        elif stage.startswith('core_'):
             _, regime, opt = stage.split('_')
             out += [S(regime, opt, 'full')] if opt == 'adamw' else []  # the full-training reference: AdamW only (time)
             out += [S(regime, opt, m, st) for st in ('keep', 'drop') for m in ('lisa', 'lisa_wor')]
@@ -278,7 +315,7 @@ def stage_specs(stage, seeds, policy='keep'):
 STAGES = ('core_multi_adamw', 'aligned', 'probe', 'core_multi_sgd', 'core_sub_adamw', 'core_sub_sgd', 'offload',
           'methods_sgd', 'aligned_cycle', 'iid', 'methods', 'sweep', 'k1_keep',
           'm4_multi_adamw', 'm4_multi_sgd', 'm4_pre', 'm4_ft', 'm4_sub_adamw', 'm4_full', 'm4_probe', 'ft_sweep',
-          'm8_multi_adamw', 'k6_keep', 'k6_more')
+          'm8_multi_adamw', 'k6_keep', 'k6_more', *K31_STAGES)
 
 
 # -----------------------------------------------------------------------------
@@ -351,6 +388,31 @@ def result_path(runs_dir, s):
     return runner.result_path(runs_dir, run_name(s))
 
 
+def seed_groups(specs):
+    """specs split into consecutive runs of one seed (a seed-major stage: one group per seed)."""
+    out = []
+    for s in specs:
+        if out and out[-1][0]['seed'] == s['seed']:
+            out[-1].append(s)
+        else:
+            out.append([s])
+    return out
+
+
+def stop_time(hhmm, now=None):
+    """The epoch time of the next HH:MM UTC at or after `now` (today's, or tomorrow's once it has passed
+    by more than 12 hours: a deadline set just after midnight for the evening before is past)."""
+    import datetime
+    h, m = (int(x) for x in hhmm.split(':'))
+    if not (0 <= h < 24 and 0 <= m < 60):
+        raise ValueError(hhmm)
+    now = datetime.datetime.now(datetime.timezone.utc) if now is None else now
+    t = now.replace(hour=h, minute=m, second=0, microsecond=0)
+    if (now - t).total_seconds() > 12 * 3600:
+        t += datetime.timedelta(days=1)
+    return t.timestamp()
+
+
 # -----------------------------------------------------------------------------
 # statistics
 
@@ -361,7 +423,7 @@ def groups(results):
     for r in results:
         if r.get('kind') != 'train' or not r.get('train_loss') or r.get('regime') == 'pre':
             continue
-        g = out.setdefault(config_key(r), {'spec': {k: r[k] for k in KEY_FIELDS}, 'train': {}, 'val': {}, 'runs': []})
+        g = out.setdefault(config_key(r), {'spec': {k: r.get(k) for k in KEY_FIELDS}, 'train': {}, 'val': {}, 'runs': []})
         g['train'][r['seed']] = r['train_loss'][-1]
         g['val'][r['seed']] = r['val_loss'][-1]
         g['runs'].append(r)
@@ -434,6 +496,174 @@ def curve(runs):
     runs = [r for r in runs if r['eval_iters'] == runs[0]['eval_iters']]
     return {'iters': runs[0]['eval_iters'], **{split: stats.band([r[split] for r in runs])
                                                for split in ('train_loss', 'val_loss')}}
+
+
+# -----------------------------------------------------------------------------
+# issue 31: the pre-registered tests (experiments/README.md, "Does the period K decide?")
+
+K31_MARGIN = 0.01  # an interval inside (-margin, +margin) refutes a predicted effect: "none that matters"
+K31_MIN_SEEDS = 3  # a test with fewer complete seeds is reported as not run
+
+
+def k31_cell(**change):
+    """A k31 cell's fields (12 blocks, gamma 3, AdamW; the K axis' regime unless changed)."""
+    return {**dict(regime='multi', iters=M4_ITERS, state='keep', K=3, beta1=None), **change}
+
+
+def k31_d(G, cell, split='train'):
+    """{seed: LISA-wor - LISA} of one cell, over the seeds that have both runs."""
+    key = lambda m: config_key(spec(optimizer='adamw', method=m, **K31_GEOMETRY, **cell))  # noqa: E731
+    a, b = G.get(key('lisa_wor'), {}).get(split, {}), G.get(key('lisa'), {}).get(split, {})
+    return {seed: a[seed] - b[seed] for seed in sorted(set(a) & set(b))}
+
+
+def slope(xs, ys):
+    """The least-squares slope of ys on xs."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def contrast(G, kind, cells, split='train'):
+    """Per-seed values of a contrast over the seeds every cell has: 'd' (one cell's D), 'dd' (D of
+    the first cell - D of the second), 'slope' (the slope of D on log2 K over the cells)."""
+    ds = [k31_d(G, c, split) for c in cells]
+    seeds = sorted(set.intersection(*(set(d) for d in ds))) if ds else []
+    if kind == 'd':
+        return {s: ds[0][s] for s in seeds}
+    if kind == 'dd':
+        return {s: ds[0][s] - ds[1][s] for s in seeds}
+    xs = [math.log2(c['K']) for c in cells]
+    return {s: slope(xs, [d[s] for d in ds]) for s in seeds}
+
+
+def verdict(lo, hi, sign, margin=K31_MARGIN):
+    """The plan's rule: confirmed when the interval excludes 0 on the predicted side (sign -1: below,
+    +1: above), refuted when it excludes 0 on the other side or lies inside (-margin, +margin),
+    inconclusive otherwise."""
+    if lo is None:
+        return 'not run'
+    if (sign < 0 and hi < 0) or (sign > 0 and lo > 0):
+        return 'confirmed'
+    if (sign < 0 and lo > 0) or (sign > 0 and hi < 0) or (-margin < lo and hi < margin):
+        return 'refuted'
+    return 'inconclusive'
+
+
+AXIS_KEEP = [k31_cell(K=K) for K in K31_AXIS]
+AXIS_DROP = [k31_cell(K=K, state='drop') for K in K31_AXIS]
+# (id, claim, kind, cells, predicted sign of the contrast): the five confirmatory tests, in the plan's words
+K31_TESTS = (
+    ('H1a', 'the K = 3 loss replicates: D(K 3, keep) > 0', 'd', [k31_cell(K=3)], +1),
+    ('H1b', 'the K = 6 win replicates: D(K 6, keep) < 0', 'd', [k31_cell(K=6)], -1),
+    ('H1c', 'D falls as K grows (keep): slope of D on log2 K over K 3, 6, 12, 25 < 0', 'slope', AXIS_KEEP, -1),
+    ('H2', 'the momentum horizon: D(K 3, keep, beta1 0.9) - D(beta1 0) > 0', 'dd',
+     [k31_cell(K=3), k31_cell(K=3, beta1=0.0)], +1),
+    ('H3', "the paper's K = 100 (keep, 10,000 iterations): D < 0", 'd',
+     [k31_cell(regime='paper', iters=10_000, K=100)], -1),
+)
+# exploratory (labelled so in every table): the same contrasts elsewhere
+K31_EXPLORE = (
+    ('E1', 'D falls as K grows (drop): slope of D on log2 K over K 3, 6, 12, 25', 'slope', AXIS_DROP, 0),
+    ('E2', 'D(K 3, keep, beta1 0.9) - D(beta1 0.5)', 'dd', [k31_cell(K=3), k31_cell(K=3, beta1=0.5)], 0),
+    ('E3', "K = 100 under drop: D", 'd', [k31_cell(regime='paper', iters=10_000, K=100, state='drop')], 0),
+    ('E4', 'D(K 6, keep) - D(K 3, keep)', 'dd', [k31_cell(K=6), k31_cell(K=3)], 0),
+)
+
+
+def k31_cells():
+    """Every k31 cell once, in stage order."""
+    out = []
+    for cells in K31_STAGES.values():
+        out += [c for c in (k31_cell(**c) for c in cells) if c not in out]
+    return out
+
+
+def k31_tests(results):
+    """The confirmatory tests and the exploratory contrasts (train loss, val beside), and every
+    cell's D, from the runs present."""
+    G = groups(results)
+
+    def one(tid, claim, kind, cells, sign):
+        row = {'id': tid, 'claim': claim, 'kind': kind, 'predicted': {-1: '< 0', 1: '> 0', 0: '-'}[sign]}
+        for split in ('train', 'val'):
+            v = contrast(G, kind, cells, split)
+            n = len(v)
+            ci = stats.interval(v.values()) if n >= K31_MIN_SEEDS else None
+            ci99 = stats.interval(v.values(), 0.99) if n >= K31_MIN_SEEDS else None
+            row[split] = {'n': n, 'seeds': sorted(v), 'values': [v[s] for s in sorted(v)],
+                          'mean': ci[0] if ci else None, 'ci95': list(ci[1:]) if ci else None,
+                          'ci99': list(ci99[1:]) if ci99 else None}
+        ci = row['train']['ci95']
+        row['verdict'] = verdict(*(ci or (None, None)), sign) if sign else 'exploratory'
+        ci = row['train']['ci99']
+        row['verdict_99'] = verdict(*(ci or (None, None)), sign) if sign else 'exploratory'
+        return row
+
+    tests = [one(*t) for t in K31_TESTS]
+    explore = [one(*t) for t in K31_EXPLORE]
+    cells = []
+    for c in k31_cells():
+        key = lambda m: config_key(spec(optimizer='adamw', method=m, **K31_GEOMETRY, **c))  # noqa: E731
+        row = {'cell': c, 'lisa': key('lisa'), 'lisa_wor': key('lisa_wor')}
+        for split in ('train', 'val'):
+            row[split] = stats.paired(G.get(key('lisa_wor'), {}).get(split, {}), G.get(key('lisa'), {}).get(split, {}))
+            row[f'{split}_means'] = {m: statistics.fmean(G[key(m)][split].values()) if key(m) in G else None
+                                     for m in ('lisa', 'lisa_wor')}
+        cells.append(row)
+    return {'margin': K31_MARGIN, 'min_seeds': K31_MIN_SEEDS, 'tests': tests, 'exploratory': explore, 'cells': cells}
+
+
+def fmt_ci(r, nd=4):
+    if r['mean'] is None:
+        return f"not run ({r['n']} complete seeds)" if r['n'] else 'not run'
+    return f"{r['mean']:+.{nd}f} [{r['ci95'][0]:+.{nd}f}, {r['ci95'][1]:+.{nd}f}]"
+
+
+def cell_name(c):
+    return (f"K {c['K']}, {c['state']}" + ('' if c['beta1'] is None else f", beta1 {c['beta1']}")
+            + (f", {c['regime']} {c['iters']}" if (c['regime'], c['iters']) != ('multi', M4_ITERS) else ''))
+
+
+def write_k31(path, k31, meta):
+    L = ['# Does the period K decide? Pre-registered tests (issue 31)', '',
+         f"Generated by `experiments/study.py` ({meta.get('command', '')}); runs in `{meta.get('runs_dir', '')}`; "
+         f"{meta.get('machine', '')}, one run at a time, one thread each (OMP_NUM_THREADS=1), torch "
+         f"{meta.get('torch', '?')} CPU. The plan, hypotheses and decision rule: experiments/README.md, "
+         '"Does the period K decide?".', '',
+         '12 blocks, gamma 3 (M = 4), AdamW; D = LISA-wor - LISA of the final loss on the fixed train windows, '
+         'per seed (negative: LISA-wor better); seeds 100-109. A test\'s value is its per-seed contrast; '
+         '[95% t interval, df = n - 1]; 99% = Bonferroni over the 5 confirmatory tests. Verdict (95%): '
+         f"confirmed = the interval excludes 0 on the predicted side; refuted = it excludes 0 on the other side or "
+         f"lies inside (-{K31_MARGIN}, +{K31_MARGIN}); inconclusive otherwise; fewer than {K31_MIN_SEEDS} complete "
+         'seeds = not run.', '',
+         '## Confirmatory', '',
+         '| test | claim | n | train: mean [95% CI] | 99% CI | verdict (95%) | verdict (99%) | val: mean [95% CI] | '
+         'per-seed train values |', '|---|---|---|---|---|---|---|---|---|']
+
+    def line(r):
+        t, v = r['train'], r['val']
+        c99 = f"[{t['ci99'][0]:+.4f}, {t['ci99'][1]:+.4f}]" if t['ci99'] else '-'
+        return (f"| {r['id']} | {r['claim']} | {t['n']} | {fmt_ci(t)} | {c99} | **{r['verdict']}** | {r['verdict_99']} | "
+                f"{fmt_ci(v)} | {', '.join(f'{x:+.4f}' for x in t['values'])} |")
+    L += [line(r) for r in k31['tests']]
+    L += ['', '## Exploratory (not part of the decision)', '',
+          '| contrast | claim | n | train: mean [95% CI] | 99% CI | - | - | val: mean [95% CI] | per-seed train values |',
+          '|---|---|---|---|---|---|---|---|---|']
+    L += [line(r) for r in k31['exploratory']]
+    L += ['', '## Every cell: D = LISA-wor - LISA', '',
+          '| cell | n | train D: mean [95% CI] | LISA-wor wins | LISA train | LISA-wor train | val D: mean [95% CI] | '
+          'LISA val | LISA-wor val |', '|---|---|---|---|---|---|---|---|---|']
+    for r in k31['cells']:
+        t, tm, vm = r['train'], r['train_means'], r['val_means']
+        f = lambda x: '-' if x is None else f'{x:.4f}'  # noqa: E731
+        wins = f"{t['a_wins']}/{t['n']}" if t else '-'
+        L.append(f"| {cell_name(r['cell'])} | {t['n'] if t else 0} | {stats.fmt_pair(t)} | "
+                 f"{wins} | {f(tm['lisa'])} | {f(tm['lisa_wor'])} | "
+                 f"{stats.fmt_pair(r['val'])} | {f(vm['lisa'])} | {f(vm['lisa_wor'])} |")
+    if meta.get('k31_wall_s'):
+        L += ['', f"Runs' own wall times, summed: {meta['k31_wall_s'] / 60:.1f} min for {meta['k31_runs']} runs."]
+    with open(path, 'w') as f:
+        f.write('\n'.join(L) + '\n')
 
 
 # -----------------------------------------------------------------------------
@@ -519,6 +749,7 @@ def make_cycler(units, opt, method, gamma, K, seed):
     return omgd.Cycler(units, opt, omgd.CyclerConfig(method=method, gamma=gamma, period=K, state='keep', seed=seed))
 
 
+@functools.lru_cache(maxsize=None)  # a study writes its report after every stage: the schedules once
 def schedule_stats(method, n_blocks, gamma, K, iters, seed):
     """Which blocks omgd's cycler activates, run on dummy parameters: per-block steps trained over
     the run and per window of M*K steps (a LISA-wor cycle), activations that continue the previous
@@ -579,12 +810,12 @@ def probe(s, runs_dir):
     prev = set()
     events, updates, losses, clipped = [], [], [], []
     stale_m = {}
-    X, Y = batches.next_batch()
-    trainer = training.Trainer(cfg, model, opt, cycler, 'cpu')  # train.py's iteration, with the probes' hooks
+    probe = SimpleNamespace()  # the trainer's observer: this iteration's after_switch and before_zero_grad
+    trainer = training.Trainer(cfg, model, opt, cycler, batches.iterate(), 'cpu', observer=probe)  # train.py's iteration
     for it in range(cfg['max_iters']):
         before, cos = {}, {}
 
-        def after_switch(switched):  # the iteration's active set, before its step
+        def after_switch(trainer, switched):  # the iteration's active set, before its step
             nonlocal prev
             if switched:
                 for i in cycler.active:
@@ -599,7 +830,7 @@ def probe(s, runs_dir):
                 prev = set(cycler.active)
             before.update({i: flat(blocks[i]).clone() for i in cycler.active})
 
-        def hook():
+        def hook(trainer):  # the step is done, the gradients are still held
             scale = cycler.scaling()
             sq = sum(float(p.grad.pow(2).sum()) for p in outer if p.grad is not None)
             sq += sum(float(p.grad.pow(2).sum()) / scale ** 2 for i in cycler.active for p in blocks[i] if p.grad is not None)
@@ -609,7 +840,8 @@ def probe(s, runs_dir):
                 cos[i] = float(torch.nn.functional.cosine_similarity(m, g, dim=0))
             stale_m.clear()
 
-        loss, (X, Y), _ = trainer.step(it, (X, Y), batches.next_batch, before_zero_grad=hook, after_switch=after_switch)
+        probe.after_switch, probe.before_zero_grad = after_switch, hook
+        loss, _ = trainer.step()
         losses.append(float(loss))
         for i in cycler.active:
             after = flat(blocks[i])
@@ -618,13 +850,10 @@ def probe(s, runs_dir):
                 events[-1 - [e['block'] for e in reversed(events)].index(i)]['cos_stale_m_new_g'] = cos[i]
             since[i] += 1
             last[i] = it
-    # agreement with train.py's log of the same run (its step losses at the logged iterations)
-    log_path = os.path.join(runs_dir, run_name({**s, 'kind': 'train'}), 'train.log')
-    match = None
-    if os.path.exists(log_path):
-        parsed = runner.parse_log(open(log_path).read())
-        diffs = [abs(round(losses[i], 4) - l) for i, l in zip(parsed['log_iters'], parsed['step_loss']) if i < len(losses)]
-        match = {'logged_iters_compared': len(diffs), 'max_abs_diff': max(diffs) if diffs else None}
+    # agreement with train.py's records of the same run (its step losses at the logged iterations)
+    parsed = runner.read_records(os.path.join(runs_dir, run_name({**s, 'kind': 'train'})))
+    diffs = [abs(losses[i] - l) for i, l in zip(parsed['log_iters'], parsed['step_loss']) if i < len(losses)]
+    match = {'logged_iters_compared': len(diffs), 'max_abs_diff': max(diffs) if diffs else None} if diffs else None
     by_since = {}
     for _, _, k, u in updates:
         by_since.setdefault(min(k, 10), []).append(u)
@@ -657,7 +886,7 @@ def match_text(m):
 # (blocks, gamma, K, iterations) of the schedules tabulated: the M = 2 study's, then the M = 4 runs'
 SCHEDULES = ((4, 2, 10, 480), (4, 2, 48, 480), (4, 2, 24, 480), (4, 2, 1, 480), (4, 2, 50, 480), (4, 1, 10, 480),
              (8, 2, 3, 600), (12, 3, 3, 600), (8, 1, 2, 800), (12, 3, 1, 600), (12, 3, 6, 600), (12, 1, 3, 600),
-             (12, 6, 3, 600))
+             (12, 6, 3, 600), (12, 3, 12, 600), (12, 3, 25, 600))
 
 
 def write_probe(path, results, seeds, schedules=SCHEDULES):
@@ -738,7 +967,21 @@ def report(runs_dir, report_dir, seeds, command, name='study', jobs=2):
                    'runs': [{k: r.get(k) for k in (*KEY_FIELDS, 'seed', 'wall_s', 'command', 'median_ms_per_iter')}
                             for r in results if r.get('kind') == 'train']}, f, indent=1)
     write_tables(os.path.join(report_dir, f'{name}_tables.md'), rows, pairs, meta)
-    write_probe(os.path.join(report_dir, f'{name}_probe.md'), results, seeds)
+    write_probe(os.path.join(report_dir, f'{name}_probe.md'), results, seeds, SCHEDULES)
+    k31_runs = [r for r in results if r.get('kind') == 'train' and r.get('n_layer') == K31_GEOMETRY['n_layer']
+                and r.get('gamma') == K31_GEOMETRY['gamma'] and r.get('seed', 0) >= 100]
+    if k31_runs:  # issue 31's pre-registered tests
+        import torch
+        k31 = k31_tests(results)
+        meta.update(torch=torch.__version__, k31_wall_s=sum(r.get('wall_s') or 0 for r in k31_runs),
+                    k31_runs=len(k31_runs))
+        write_k31(os.path.join(report_dir, f'{name}_tests.md'), k31, meta)
+        with open(os.path.join(report_dir, f'{name}.json')) as f:
+            data = json.load(f)
+        data['k31'] = k31
+        data['meta'] = meta
+        with open(os.path.join(report_dir, f'{name}.json'), 'w') as f:
+            json.dump(data, f, indent=1)
     if rows:
         plot(os.path.join(report_dir, f'{name}_loss.png'), rows)
     return rows, pairs
@@ -747,7 +990,10 @@ def report(runs_dir, report_dir, seeds, command, name='study', jobs=2):
 def build_parser():
     ap = runner.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--stages', default=','.join(STAGES), help=f'comma-separated, in order; of {",".join(STAGES)}')
-    ap.add_argument('--seeds', type=int, default=5, help='seeds 0..N-1')
+    ap.add_argument('--seeds', type=int, default=5, help='how many seeds: FIRST_SEED..FIRST_SEED+N-1')
+    ap.add_argument('--first_seed', type=int, default=0, help='the first seed (the k31 stages: 100)')
+    ap.add_argument('--stop_at', default='', help='HH:MM (UTC): start no seed group after it (the runs '
+                    'that started finish; the rest are reported as not run, and a rerun resumes them)')
     ap.add_argument('--jobs', type=int, default=2, help='runs at a time (each OMP_NUM_THREADS=1)')
     ap.add_argument('--max_load', type=float, default=None,
                     help='start a second run beside the first only while the 1-minute load average is below this')
@@ -767,7 +1013,11 @@ def main(argv=None):
     if args.probe_spec:
         probe(json.loads(args.probe_spec), runs_dir)
         return 0
-    seeds = list(range(args.seeds))
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    try:
+        deadline = stop_time(args.stop_at) if args.stop_at else None
+    except ValueError:
+        sys.exit(f'error: --stop_at={args.stop_at!r}: give a UTC time as HH:MM, e.g. --stop_at=10:42')
     command = ' '.join(['python experiments/study.py'] + (sys.argv[1:] if argv is None else list(argv)))
     stages = [s.strip() for s in args.stages.split(',') if s.strip()]
     try:
@@ -789,24 +1039,36 @@ def main(argv=None):
                     sys.exit(f"error: stage {stage}, run {run_name(s)}: {e}")
         failed = []
         make_multi_dataset(runs_dir)
-        if any(s.startswith(('m4', 'm8', 'k6')) for s in stages):  # the deeper models' multi-epoch prefix
+        if any(s.startswith(('m4', 'm8', 'k6', 'k31')) for s in stages):  # the deeper models' multi-epoch prefix
             make_multi_dataset(runs_dir, M4_MULTI_TOKENS)
+        if any(c['regime'] == 'paper' for s in stages for c in K31_STAGES.get(s, ())):
+            make_multi_dataset(runs_dir, PAPER_TOKENS)
         if {'m4_ft', 'ft_sweep'} & set(stages):
             make_ft_dataset(runs_dir)
+        not_started = 0
         for stage in stages:
             specs = stage_specs(stage, seeds, resolve_policy(args.policy, runs_dir, stage))
             specs = [s for s in specs if not layers or s['n_layer'] in layers]
             t0 = time.time()
             print(f"[{time.strftime('%H:%M:%S')}] stage {stage}: {len(specs)} runs", flush=True)
-            results = run_specs(specs, runs_dir, args.jobs, max_load=args.max_load)
+            results, started = {}, sum(runner.load_result(runs_dir, run_name(s)) is None for s in specs)
+            for group in seed_groups(specs) if deadline else [specs]:  # a seed's runs: complete pairs
+                if deadline and time.time() >= deadline and any(runner.load_result(runs_dir, run_name(s)) is None
+                                                                for s in group):
+                    not_started += sum(runner.load_result(runs_dir, run_name(s)) is None for s in group)
+                    continue
+                results.update(run_specs(group, runs_dir, args.jobs, max_load=args.max_load))
             failed += [name for name, r in results.items() if 'error' in r]
             print(f"[{time.strftime('%H:%M:%S')}] stage {stage} done in {time.time() - t0:.0f} s", flush=True)
-            if not failed:
+            if not failed and started and (not deadline or time.time() < deadline):  # the last one: below
                 report(runs_dir, args.report_dir, seeds, command, args.name, args.jobs)
         if failed:  # earlier reports stay as they were; finished runs are kept, and rerun failures resume
             print(f"error: {len(failed)} runs failed (first: {failed[0]}: see {runs_dir}/{failed[0]}); reports "
                   f"not rewritten; run the same command again to retry them", file=sys.stderr)
             return 1
+        if not_started:
+            print(f"[{time.strftime('%H:%M:%S')}] --stop_at={args.stop_at}: {not_started} runs not started "
+                  f"(the same command resumes them)", flush=True)
     report(runs_dir, args.report_dir, seeds, command, args.name, args.jobs)
     print(f"wrote {args.name}.json, {args.name}_tables.md, {args.name}_probe.md, {args.name}_loss.png "
           f"in {args.report_dir}")

@@ -3,9 +3,11 @@ import contextlib
 import io
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -14,6 +16,36 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+# Datasets are prepared in a temporary folder (dataloader.DATA_ROOT), never in the checkout's data/:
+# a user's data/shakespeare prepared from their own text must survive the tests. Set before any
+# project module is imported; subprocesses (torchrun, signals) inherit it.
+# (A torchrun worker that imports this file keeps the folder of the pytest process that started it.)
+TEST_DATA_ROOT = os.environ.get('OMGD_TEST_DATA_ROOT') or tempfile.mkdtemp(prefix='omgd-test-data-')
+os.environ['OMGD_DATA_ROOT'] = os.environ['OMGD_TEST_DATA_ROOT'] = TEST_DATA_ROOT
+
+
+def data_files():
+    """{path: (size, mtime)} of what the prepare scripts write into the checkout's data/."""
+    found = {}
+    for folder, _, names in os.walk(os.path.join(ROOT, 'data')):
+        for name in names:
+            if name.endswith(('.bin', '.pkl')):
+                path = os.path.join(folder, name)
+                found[path] = (os.path.getsize(path), os.path.getmtime(path))
+    return found
+
+
+_DATA_BEFORE = data_files()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run when a test wrote into the checkout's data/ (then remove the temporary data)."""
+    shutil.rmtree(TEST_DATA_ROOT, ignore_errors=True)
+    changed = sorted(set(data_files().items()) ^ set(_DATA_BEFORE.items()))
+    if changed:
+        print(f"\nerror: the tests changed the checkout's data/: {sorted({p for p, _ in changed})}", file=sys.stderr)
+        session.exitstatus = 1
 
 # -----------------------------------------------------------------------------
 # train.py in one process (tests/test_train.py, tests/test_sample.py)

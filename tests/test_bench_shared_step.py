@@ -22,14 +22,14 @@ SMALL = ['--arch=llama', '--n_layer=4', '--n_head=4', '--n_embd=64', '--vocab_si
 
 @pytest.fixture
 def steps(monkeypatch):
-    """Every call of training.train_step, by its arguments; the step itself still runs."""
-    calls, step = [], training.train_step
+    """Every call of training.Trainer.train_step, by the values it steps with; the step itself still runs."""
+    calls, step = [], training.Trainer.train_step
 
-    def recorded(model, optimizer, cycler, batch, next_batch, grad_accum, cfg, *args, **kw):
-        calls.append(dict(grad_accum=grad_accum, grad_clip=cfg['grad_clip'],
-                          scale_after_clip=cfg['omgd_scale_after_clip']))
-        return step(model, optimizer, cycler, batch, next_batch, grad_accum, cfg, *args, **kw)
-    monkeypatch.setattr(training, 'train_step', recorded)
+    def recorded(trainer, *args, **kw):
+        calls.append(dict(grad_accum=trainer.grad_accum, grad_clip=trainer.cfg['grad_clip'],
+                          scale_after_clip=trainer.cfg['omgd_scale_after_clip']))
+        return step(trainer, *args, **kw)
+    monkeypatch.setattr(training.Trainer, 'train_step', recorded)
     return calls
 
 

@@ -1,6 +1,7 @@
 """checkpoint.py: what is saved, what is never saved (a non-finite state), and a failed write that
 leaves the previous checkpoint as it was; in-process, on a tiny model."""
 import errno
+import itertools
 import os
 
 import pytest
@@ -17,10 +18,10 @@ CFG = train_defaults(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32
 def build():
     torch.manual_seed(0)
     model, optimizer, cycler = training.build(CFG, 'cpu')
-    trainer = training.Trainer(CFG, model, optimizer, cycler, 'cpu')
     x = torch.randint(32, (2, 8))
-    trainer.step(0, (x, x), lambda: (x, x))  # optimizer state exists
-    return {'model': model, 'optimizer': optimizer, 'cycler': cycler, 'scaler': trainer.scaler}
+    trainer = training.Trainer(CFG, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu')
+    trainer.step()  # optimizer state exists
+    return trainer.state_objects()
 
 
 def save(path, objects, iter_num=1):
@@ -96,3 +97,39 @@ def test_out_dir_checked_and_stale_temporaries_removed(tmp_path):
     (tmp_path / 'file').write_text('x')
     with pytest.raises(checkpoint.CheckpointError, match="cannot hold checkpoints"):
         checkpoint.check_out_dir(str(tmp_path / 'file'))
+
+
+@pytest.mark.parametrize('precision', ['amp', 'bf16_master'])
+def test_a_checkpoint_resumes_on_another_device_type(tmp_path, precision):
+    """Written on the CPU, resumed with the model on another device (meta stands in for a GPU: a load
+    that put the file's tensors there, as map_location=device did, fails as it does on a GPU): the
+    file is read into host memory, the RNG states stay CPU tensors (torch.set_rng_state takes
+    nothing else), the optimizer state follows its parameters, and CPU masters (master_device='cpu')
+    stay in host memory, bitwise what was saved."""
+    cfg = {**CFG, 'precision': precision, 'master_device': 'cpu' if precision == 'bf16_master' else ''}
+    torch.manual_seed(0)
+    model, optimizer, cycler = training.build(cfg, 'cpu')
+    x = torch.randint(32, (2, 8))
+    training.Trainer(cfg, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu').step()
+    path = str(tmp_path / 'ckpt.pt')
+    checkpoint.save(path, Ranks(), {'model': model, 'optimizer': optimizer, 'cycler': cycler},
+                    {'iter_num': 1, 'config': cfg, 'data': {}, 'model_args': training.model_args(cfg, 32)})
+    rng = torch.get_rng_state()
+    torch.manual_seed(123)  # another state, which the resume must replace
+
+    saved, resumed = checkpoint.resume(path, 'meta', cfg, set())
+    assert all(p.device.type == 'meta' and p.dtype == training.weight_dtype(precision) for p in resumed.parameters())
+    assert all(t.device.type == 'cpu' for t in torch.utils._pytree.tree_leaves(saved) if torch.is_tensor(t))
+    resumed, opt, cyc = training.build(cfg, 'meta', model=resumed)
+    checkpoint.load_state(saved, {'model': resumed, 'optimizer': opt, 'cycler': cyc})
+    assert checkpoint.restore_rng(saved, Ranks(), 'meta', cfg['seed'], 1)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert len(opt.state) == len(optimizer.state) > 0
+    for p, q in zip(resumed.parameters(), model.parameters()):
+        if q not in optimizer.state:
+            continue
+        for key, value in opt.state[p].items():
+            if key == 'master':  # on the CPU, as saved
+                assert value.device.type == 'cpu' and torch.equal(value, optimizer.state[q]['master'])
+            elif torch.is_tensor(value) and value.dim() > 0:
+                assert value.device == (torch.device('cpu') if precision == 'bf16_master' else p.device), key

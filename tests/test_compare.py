@@ -60,14 +60,17 @@ def test_smoke_two_methods_one_seed(tmp_path, monkeypatch):
     assert [r['val_loss'] for r in again] == [rows['full']['val_curve']['mean'], rows['lisa_wor:iid']['val_curve']['mean']]
 
 
-def test_parse_log_and_variants():
-    log = '\n'.join(['step 0: train loss 4.2000, val loss 4.3000', 'iter 0: cycle 1: active blocks [1, 4], grad scale 4',
-                     'iter 0: loss 4.1000, time 900.0ms, tok/s 100, epoch 0.00',
-                     'iter 10: loss 3.0000, time 50.0ms, tok/s 2,000, epoch 0.01',
-                     'step 20: train loss 2.9000, val loss 2.9500'])
-    parsed = runner.parse_log(log)
+def test_read_records_and_variants(tmp_path):
+    records = [dict(kind='eval', iter=0, train_loss=4.2, val_loss=4.3),
+               dict(kind='switch', iter=0, active=[1, 4], description='cycle 1: active blocks [1, 4], grad scale 4'),
+               dict(kind='iter', iter=0, loss=4.1, ms=900.0, epoch=0.0),
+               dict(kind='iter', iter=10, loss=3.0, ms=50.0, epoch=0.01),
+               dict(kind='save', iter=20), dict(kind='eval', iter=20, train_loss=2.9, val_loss=2.95)]
+    (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
+    parsed = runner.read_records(tmp_path)
     assert parsed['eval_iters'] == [0, 20] and parsed['val_loss'] == [4.3, 2.95] and parsed['train_loss'] == [4.2, 2.9]
     assert parsed['median_ms_per_iter'] == 50.0 and parsed['switches'] == 1 and parsed['last_logged_epoch'] == 0.01
+    assert parsed['first_switches'] == ['iter 0: cycle 1: active blocks [1, 4], grad scale 4']
     assert compare.parse_variant('full:iid') == {'name': 'full:iid', 'method': 'full', 'sampling': 'iid'}
     assert compare.parse_variant('lisa') == {'name': 'lisa', 'method': 'lisa', 'sampling': 'rr'}
 
@@ -78,7 +81,7 @@ def test_paired_differences():
     p = compare.paired(rows, 'lisa_wor', 'lisa')
     assert p['a_wins'] == 2 and math.isclose(p['mean'], -0.1) and p['seeds'] == [0, 1, 2]
     assert (p['a'], p['b'], p['n']) == ('lisa_wor', 'lisa', 3) and math.isclose(p['sd'], 0.1)
-    half = 4.303 * 0.1 / math.sqrt(3)  # t_{0.975, 2}
+    half = 4.302653 * 0.1 / math.sqrt(3)  # t_{0.975, 2} (the exact quantile; tables round it to 4.303)
     assert p['ci95'] == pytest.approx([p['mean'] - half, p['mean'] + half]) and not p['significant']
     assert compare.paired(rows, 'lisa_wor', 'galore') is None
 

@@ -163,6 +163,25 @@ def test_meta_that_does_not_load_is_one_line(tmp_path, meta, message):
     assert '\n' not in str(e.value)
 
 
+class RunsCode:
+    """Unpickles as a call of os.system: what a crafted meta.pkl carries."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_a_meta_pkl_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / 'code_ran'
+    dataset(tmp_path, np.arange(3000), {'vocab_size': 3000, 'hook': RunsCode(f'touch {marker}')})
+    with pytest.raises(ValueError, match=r"meta.pkl cannot be read \(UnpicklingError: it names posix.system, and a "
+                                         r"meta.pkl holds only plain data\); prepare the dataset again"):
+        read_meta(str(tmp_path / 'ds'))
+    assert not marker.exists()
+
+
 def test_bin_files_of_the_wrong_size(tmp_path):
     d = dataset(tmp_path, np.arange(1000), {'tokenizer': '/t', 'vocab_size': 70_000, 'dtype': 'uint32'})
     with open(os.path.join(d, 'val.bin'), 'ab') as f:

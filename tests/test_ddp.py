@@ -216,13 +216,14 @@ if __name__ == '__main__':
     # $DDP_TEST_RUNS, in this same process. Re-creating the process group between runs races
     # (a rank that finishes first would join the next group on stale rendezvous keys), so the
     # runs share one group, created here; train.py's own init and destroy become no-ops.
-    import runpy
     import torch.distributed as dist
     sys.path.insert(0, ROOT)
+    import train as train_script
     dist.init_process_group(backend='gloo')
     dist.init_process_group = dist.destroy_process_group = lambda *args, **kwargs: None
     for name, args in json.loads(os.environ['DDP_TEST_RUNS']):
         if os.environ.get('RANK') == '0':
             print(f"=== {name}", flush=True)
-        sys.argv = ['train.py', *TINY, *args]
-        runpy.run_path(os.path.join(ROOT, 'train.py'), run_name='__main__')
+        status = train_script.main([*TINY, *args])
+        if status:
+            sys.exit(status)

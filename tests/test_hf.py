@@ -248,7 +248,11 @@ def train(*args):
         sys.argv = argv
         os.chdir(ROOT)
         with contextlib.redirect_stdout(out):
-            runpy.run_path(os.path.join(ROOT, 'train.py'), run_name='__main__')
+            try:
+                runpy.run_path(os.path.join(ROOT, 'train.py'), run_name='__main__')
+            except SystemExit as e:  # train.py ends in sys.exit(main(...)): 0 is a finished run
+                if e.code:
+                    raise
     finally:
         sys.argv = old_argv
         os.chdir(cwd)
@@ -320,7 +324,7 @@ def test_train_refuses_what_does_not_fit_the_pretrained_model(tmp_path):
     run = f'--out_dir={tmp_path / "run"}'
     assert f"block_size=32 is longer than the 16 positions of {tmp_path / 'in'}; use --block_size=16" in \
         train_error(f'--init_from={tmp_path / "in"}', run, '--block_size=32')
-    assert "init_from must be 'scratch', 'resume', a GPT-2 name or a Hugging Face model directory, got" in \
+    assert "init_from must be 'scratch', 'resume', 'auto', a GPT-2 name or a Hugging Face model directory, got" in \
         train_error(f'--init_from={tmp_path / "nowhere"}', run)
     edit_config(tmp_path / 'in', rope_scaling={'rope_type': 'yarn', 'factor': 4.0})
     assert "rope scaling 'yarn' cannot be mapped" in train_error(f'--init_from={tmp_path / "in"}', run)

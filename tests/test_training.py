@@ -1,4 +1,6 @@
 """training.py: the one builder and the one step, under every precision, state policy and method."""
+import itertools
+
 import pytest
 import torch
 
@@ -13,14 +15,12 @@ TINY = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64, omgd_g
 
 
 def batches(seed=0, batch_size=4):
-    """Two fixed batches in turn: a tiny model learns them within a few steps."""
+    """Two fixed batches in turn, as (x, y, position): a tiny model learns them within a few steps."""
     g = torch.Generator().manual_seed(seed)
-    pool, count = [torch.randint(64, (batch_size, 17), generator=g) for _ in range(2)], [0]
-    def next_batch():
-        x = pool[count[0] % 2]
-        count[0] += 1
-        return x[:, :-1], x[:, 1:]
-    return next_batch
+    pool = [torch.randint(64, (batch_size, 17), generator=g) for _ in range(2)]
+    for count in itertools.count():
+        x = pool[count % 2]
+        yield x[:, :-1], x[:, 1:], count
 
 
 def train(cfg, steps, model=None, opt=None, cycler=None, seed=0):
@@ -28,11 +28,10 @@ def train(cfg, steps, model=None, opt=None, cycler=None, seed=0):
     torch.manual_seed(0)
     if model is None:
         model, opt, cycler = training.build(cfg, 'cpu')
-    next_batch, losses = batches(seed), []
-    batch = next_batch()
-    trainer = training.Trainer({**cfg, 'decay_lr': False}, model, opt, cycler, 'cpu')  # at learning_rate throughout
+    losses = []
+    trainer = training.Trainer({**cfg, 'decay_lr': False}, model, opt, cycler, batches(seed), 'cpu')  # at learning_rate throughout
     for it in range(steps):
-        loss, batch, _ = trainer.step(it, batch, next_batch)
+        loss, _ = trainer.step()
         losses.append(loss.item())
     return model, opt, cycler, losses
 
@@ -86,7 +85,7 @@ def test_step_order_of_clip_and_scale(scale_after_clip):
     torch.manual_seed(0)
     model, opt, cycler = training.build(cfg, 'cpu')
     cycler.step(0)
-    X, Y = batches()()
+    X, Y, _ = next(batches())
     reference = {n: p.detach().clone() for n, p in model.named_parameters()}
     model(X, Y)[1].backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -101,7 +100,8 @@ def test_step_order_of_clip_and_scale(scale_after_clip):
     grads = {n: g * clip for n, g in grads.items()}
     if scale_after_clip:
         grads = {n: g * scale if n in active else g for n, g in grads.items()}
-    training.train_step(model, opt, cycler, (X, Y), batches(1), 1, {**cfg, 'grad_clip': 0.05, 'omgd_scale_after_clip': scale_after_clip})
+    step_cfg = {**cfg, 'grad_clip': 0.05, 'omgd_scale_after_clip': scale_after_clip, 'gradient_accumulation_steps': 1}
+    training.Trainer(step_cfg, model, opt, cycler, batches(), 'cpu').train_step(model)
     for n, p in model.named_parameters():
         expected = reference[n] - cfg['learning_rate'] * grads[n] if n in grads else reference[n]
         torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-7)
