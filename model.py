@@ -10,7 +10,8 @@ The layout is what layer cycling (OMGD / LISA-wor) relies on: the transformer
 blocks live in `model.blocks` so a sampler can freeze/unfreeze them by index,
 and everything outside the blocks is reachable through `model.outer_modules()`.
 The memory options (activation checkpointing, offload, chunked loss) are applied from outside
-by memory.apply; optimizers are built in optim.py.
+by memory.apply; optimizers are built in optim.py. generate() keeps the keys and values of past
+positions in a KVCache, so each step runs the model on the new token only.
 
 References:
 1) nanoGPT: https://github.com/karpathy/nanoGPT/blob/master/model.py
@@ -100,10 +101,15 @@ def config_from_preset(name: str, **overrides) -> GPTConfig:
 
 def causal_attention(q, k, v, dropout):
     """Causal scaled dot-product attention of (B, heads, T, head_dim) queries, keys and values, the
-    heads concatenated back to (B, T, C). Keys and values may have fewer heads (grouped-query)."""
+    heads concatenated back to (B, T, C). Keys and values may have fewer heads (grouped-query).
+    With a KV cache the keys and values hold S >= T positions, the queries the last T of them."""
     # only ask for GQA when needed, so plain MHA keeps every SDPA backend available
     gqa = {'enable_gqa': True} if k.size(1) != q.size(1) else {}
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=dropout, is_causal=True, **gqa)
+    T, S = q.size(2), k.size(2)
+    mask = None  # T == S: is_causal; T == 1 (a generated token): it sees every key
+    if 1 < T < S:  # query i is position S - T + i: it sees keys 0 .. S - T + i (is_causal would align to the top)
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=T == S, **gqa)
     B, n_head, T, head_dim = y.size()
     return y.transpose(1, 2).contiguous().view(B, T, n_head * head_dim)
 
@@ -119,10 +125,12 @@ class GPT2Attention(nn.Module):
         self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, rope=None):  # rope: unused, GPT-2's positions are in its embeddings
+    def forward(self, x, rope=None, cache=None):  # rope: unused, GPT-2's positions are in its embeddings
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if cache is not None:  # generation: the keys and values of the earlier positions too
+            k, v = cache.append(k, v)
         y = causal_attention(q, k, v, self.dropout if self.training else 0.0)
         return self.resid_dropout(self.c_proj(y))
 
@@ -161,8 +169,9 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()  # registered names: they stay buffers
 
-    def forward(self, T):
-        return self.cos[:T], self.sin[:T]
+    def forward(self, T, start=0):
+        """The tables of positions start .. start + T - 1 (start > 0: generation with a KV cache)."""
+        return self.cos[start:start + T], self.sin[start:start + T]
 
 
 class LlamaAttention(nn.Module):
@@ -182,13 +191,15 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(config.n_embd, config.n_embd, bias=False)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, rope):
+    def forward(self, x, rope, cache=None):
         B, T, C = x.size()
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:  # generation: the keys and values of the earlier positions too (rotated already)
+            k, v = cache.append(k, v)
         y = causal_attention(q, k, v, self.dropout if self.training else 0.0)
         return self.resid_dropout(self.o_proj(y))
 
@@ -244,11 +255,44 @@ class Block(nn.Module):
         x = self.attention_part(x, rope)
         return self.mlp_part(x)
 
-    def attention_part(self, x, rope=None):
-        return x + self.attn(self.ln_1(x), rope)
+    def attention_part(self, x, rope=None, cache=None):
+        return x + self.attn(self.ln_1(x), rope, cache)
 
     def mlp_part(self, x):
         return x + self.mlp(self.ln_2(x))
+
+
+class KVCache:
+    """The keys and values every attention layer computed for the positions seen so far, so that a
+    generation step runs the model on its new token only (GPT.generate). One per generate call: it
+    holds max_len positions of one batch."""
+
+    def __init__(self, n_layer, max_len):
+        self.max_len = max_len
+        self.layers = [LayerCache(max_len) for _ in range(n_layer)]
+
+    @property
+    def length(self):
+        """Positions held (by every layer, between forwards)."""
+        return self.layers[0].length
+
+
+class LayerCache:
+    """One attention layer's keys and values, (B, kv_heads, max_len, head_dim) buffers filled from the left."""
+
+    def __init__(self, max_len):
+        self.max_len, self.length, self.k, self.v = max_len, 0, None, None
+
+    def append(self, k, v):
+        """Store the keys and values (B, kv_heads, T, head_dim) of T new positions; return those of all
+        positions so far. GQA keeps its n_kv_head heads: the cache is n_head / n_kv_head times smaller."""
+        if self.k is None:  # allocated at the first write: the batch, heads, dtype (autocast) and device of k
+            B, H, _, D = k.shape
+            self.k, self.v = k.new_empty(B, H, self.max_len, D), v.new_empty(B, H, self.max_len, D)
+        end = self.length + k.size(2)
+        self.k[:, :, self.length:end], self.v[:, :, self.length:end] = k, v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 # weights that write into the residual stream get the GPT-2 1/sqrt(2L) scaling
@@ -329,19 +373,27 @@ class GPT(nn.Module):
             return self.lm_head(x[:, [-1], :]), None  # note: using list [-1] to preserve the time dim
         return None, self.head_loss(x, targets)
 
-    def hidden_states(self, idx):
-        """The final-norm output (b, t, n_embd) that the head turns into logits."""
+    def hidden_states(self, idx, cache=None):
+        """The final-norm output (b, t, n_embd) that the head turns into logits. With a KVCache
+        (generate), idx holds the t positions that follow the cache's, and their keys and values join it."""
         b, t = idx.size()
-        if t > self.config.block_size:
-            raise ValueError(f"cannot forward a sequence of length {t}, "
+        start = 0 if cache is None else cache.length  # the position of idx[:, 0]
+        if start + t > self.config.block_size:
+            raise ValueError(f"cannot forward a sequence of length {start + t}, "
                              f"block size is only {self.config.block_size}")
+        if cache is not None and start + t > cache.max_len:
+            raise ValueError(f"cannot forward a sequence of length {start + t}, the KV cache holds {cache.max_len}")
         x = self.wte(idx)  # (b, t, n_embd)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(0, t, dtype=torch.long, device=idx.device))
-        rope = self.rotary(t) if self.rotary is not None else None
+            x = x + self.wpe(torch.arange(start, start + t, dtype=torch.long, device=idx.device))
+        rope = self.rotary(t, start) if self.rotary is not None else None
         x = self.drop(x)
-        for block in self.blocks:
-            x = block(x, rope)
+        if cache is None:
+            for block in self.blocks:
+                x = block(x, rope)
+        else:  # the blocks' halves, called directly: a block's forward may be wrapped for training (memory.py)
+            for block, layer_cache in zip(self.blocks, cache.layers):
+                x = block.mlp_part(block.attention_part(x, rope, layer_cache))
         return self.ln_f(x)
 
     def head_loss(self, x, targets):
@@ -386,17 +438,41 @@ class GPT(nn.Module):
         head = self.lm_head.weight
         return flops + (6 if head.requires_grad else 4 if backward else 2) * head.numel()
 
+    def fsdp_sharded(self):
+        """Whether FSDP2 shards the blocks (distributed.shard_fsdp): their weights are then gathered by
+        hooks on their forward, which the cached generation (it calls the blocks' halves) would skip."""
+        if not torch.distributed.is_available():
+            return False
+        from torch.distributed.fsdp import FSDPModule
+        return isinstance(self.blocks[0], FSDPModule)
+
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
         """
         Take a conditioning sequence of indices idx (LongTensor of shape (b,t)) and complete
         the sequence max_new_tokens times, feeding the predictions back into the model each time.
         Most likely you'll want to make sure to be in model.eval() mode of operation for this.
+
+        use_cache: keep the keys and values of past positions (KVCache) and run the model on the
+        new token only, the same tokens as without (greedy decoding, top_k=1, picks them alike; see
+        tests/test_generate.py). Once the sequence outgrows block_size each step runs the last
+        block_size tokens afresh, as without a cache: the window then slides at every step, changing
+        each kept token's position and context, which cached keys cannot follow. FSDP-sharded models
+        generate without a cache.
         """
+        block_size = self.config.block_size
+        cache = None
+        if use_cache and idx.size(1) <= block_size and not self.fsdp_sharded():
+            cache = KVCache(self.config.n_layer, min(block_size, idx.size(1) + max_new_tokens))
         for _ in range(max_new_tokens):
-            # if the sequence context is growing too long we must crop it at block_size
-            idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
-            logits, _ = self(idx_cond)
+            if cache is not None and idx.size(1) <= block_size:
+                # the cache holds every position but the newest token's (at the first step: none, the prompt)
+                x = self.hidden_states(idx[:, cache.length:], cache)
+                logits = self.lm_head(x[:, [-1], :])
+            else:
+                # if the sequence context is growing too long we must crop it at block_size
+                idx_cond = idx if idx.size(1) <= block_size else idx[:, -block_size:]
+                logits, _ = self(idx_cond)
             logits = logits[:, -1, :] / temperature
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))

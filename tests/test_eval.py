@@ -1,0 +1,272 @@
+"""eval.py: the loss on a split (train.py's windows, and a full pass), multiple choice scored as
+lm-evaluation-harness scores HellaSwag (its own run when lm_eval is installed), and one-line errors."""
+import importlib.util
+import json
+import math
+import os
+import re
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+from conftest import assert_one_line_error, run_script, run_train, tiny_model_config
+from eval import (continuation_logprobs, full_loss, mc_accuracy, mc_example, read_mc, window_loss,
+                  write_mc_task, MC_TASK)
+from model import GPT
+
+HAS_LM_EVAL = importlib.util.find_spec('lm_eval') is not None
+
+# HellaSwag's fields (hellaswag_val.jsonl); the texts use only characters of shakespeare_char's vocabulary
+EXAMPLES = [
+    dict(ind=1, activity_label='Fencing', ctx_a='Two men hold swords.', ctx_b='they',
+         endings=['run away from the hall and go home.', 'bow and begin to fence.', 'eat.', 'sing a song of love.'],
+         label=1, split='val', split_type='indomain', source_id='x'),
+    dict(ind=2, activity_label='Cooking', ctx_a='A woman cuts bread on a board.', ctx_b='she',
+         endings=['puts the bread in a bag.', 'flies.', 'reads the paper in the garden by the sea.', 'smiles.'],
+         label='0', split='val', split_type='zeroshot', source_id='y'),
+    dict(ind=3, activity_label='Running', ctx_a='A man runs on a track.', ctx_b='he',
+         endings=['stops and drinks water.', 'swims.', 'jumps over the bar and lands.', 'sleeps on the grass.'],
+         label=2, split='val', split_type='indomain', source_id='z'),
+]
+
+
+def write_jsonl(path, docs):
+    path.write_text(''.join((d if isinstance(d, str) else json.dumps(d)) + '\n' for d in docs))
+    return str(path)
+
+
+def uniform(model):
+    """Every weight zero: the head's logits are all 0, each token has probability 1 / vocab_size."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model
+
+
+# -----------------------------------------------------------------------------
+# scoring
+
+
+def test_continuation_logprob_sums_the_continuation_tokens():
+    torch.manual_seed(0)
+    model = GPT(tiny_model_config('gpt2')).eval()  # vocab 64, block_size 16
+    # the third is 18 tokens: the first is dropped (lm-eval's truncation on the left)
+    requests = [([1, 2, 3], [4, 5]), ([7], [8, 9, 10]), ([1] * 14, [2, 3, 4, 5])]
+    expected = []
+    for ctx, cont in requests:  # one full forward each: the log-prob of each continuation token at its position
+        row = (ctx + cont)[-17:]
+        logprobs = F.log_softmax(model.lm_head(model.hidden_states(torch.tensor([row[:-1]]))), dim=-1)[0]
+        expected.append(sum(logprobs[i - 1, row[i]].item() for i in range(len(row) - len(cont), len(row))))
+    for batch_size in (16, 1):  # padded together, and one by one
+        assert continuation_logprobs(model, requests, batch_size=batch_size) == pytest.approx(expected, abs=1e-5)
+    # by hand: uniform over 64 ids, each continuation token costs log 64
+    sums = continuation_logprobs(uniform(model), requests)
+    assert sums == pytest.approx([-2 * math.log(64), -3 * math.log(64), -4 * math.log(64)], abs=1e-5)
+
+
+def test_acc_norm_divides_by_the_characters_of_the_ending():
+    """Under a uniform model every token costs the same: acc picks the shortest ending, acc_norm (log-prob per
+    character, the space before it not counted, as lm-eval) the longest; tokens here are characters."""
+    model = uniform(GPT(tiny_model_config('llama')))
+    encode = lambda text: [ord(c) % 64 for c in text]  # noqa: E731
+    long_right = mc_example(dict(ctx='A man', endings=['ran.', 'sat down on a chair.', 'sat down.'], label=1), 'a')
+    short_right = dict(long_right, gold=0)
+    assert mc_accuracy(model, [long_right], encode) == {'acc': 0.0, 'acc_norm': 1.0, 'n': 1}
+    assert mc_accuracy(model, [short_right], encode) == {'acc': 1.0, 'acc_norm': 0.0, 'n': 1}
+    model.train()
+    mc_accuracy(model, [long_right, short_right], encode)
+    assert model.training  # train.py's model goes back to training mode
+
+
+def test_acc_norm_is_not_per_token(monkeypatch):
+    """Log-probabilities where the three rules disagree: the largest sum (acc) is ending 0, the largest per
+    character (acc_norm) ending 2, the largest per token (llm.c's normalisation: ' ' + ending is one token
+    a character here) ending 1."""
+    import eval as evaluation
+    lls = [-2.0, -3.0, -5.6]  # per character: -1, -0.75, -0.7; per token (3, 5, 9): -0.67, -0.6, -0.62
+    scored = []
+    monkeypatch.setattr(evaluation, 'continuation_logprobs', lambda model, requests, *a, **kw: scored.append(
+        requests) or lls)
+    example = {'query': 'Go', 'choices': ['ab', 'abcd', 'abcdefgh'], 'gold': 2}
+    encode = lambda text: [ord(c) for c in text]  # noqa: E731
+    model = torch.nn.Linear(1, 1)  # never called: the scores are the ones above
+    assert evaluation.mc_accuracy(model, [example], encode) == {'acc': 0.0, 'acc_norm': 1.0, 'n': 1}
+    # what was scored: each ending after a space, given the query
+    assert scored[0] == [([71, 111], [32, *map(ord, choice)]) for choice in example['choices']]
+    assert evaluation.mc_accuracy(model, [dict(example, gold=0)], encode) == {'acc': 1.0, 'acc_norm': 0.0, 'n': 1}
+
+
+def test_hellaswag_text_is_built_as_lm_eval_builds_it():
+    doc = dict(activity_label='Personal Care and Style', ctx_a='[header] How to dye hair [title] Pick a color.',
+               ctx_b='then you', endings=['  mix the dye [step] well.', 'wait.'], label='1')
+    assert mc_example(doc, 'x') == {
+        'query': 'Personal Care and Style: How to dye hair. Pick a color. Then you',
+        'choices': ['mix the dye well.', 'wait.'], 'gold': 1}
+
+
+def test_full_pass_predicts_every_token_once(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(tiny_model_config('llama', n_kv_head=2)).eval()  # block_size 16
+    ids = np.random.default_rng(0).integers(0, 64, 103).astype(np.uint16)
+    ids.tofile(tmp_path / 'val.bin')
+    loss, n = full_loss(model, str(tmp_path / 'val.bin'), 'uint16', 16, batch_size=3)
+    total = 0.0  # by hand: windows 0-15, 16-31, ..., 96-101 (6 inputs), each with its next tokens as targets
+    for start in range(0, 102, 16):
+        x = torch.from_numpy(ids[start:start + 17].astype(np.int64))
+        logits = model.lm_head(model.hidden_states(x[None, :-1]))[0]
+        total += F.cross_entropy(logits, x[1:], reduction='sum').item()
+    assert n == 102 and loss == pytest.approx(total / 102, rel=1e-6)
+
+
+# -----------------------------------------------------------------------------
+# eval.py on train.py's checkpoint
+
+
+@pytest.fixture(scope='module')
+def run(tmp_path_factory):
+    """A tiny train.py run on shakespeare_char and what it printed."""
+    out_dir = tmp_path_factory.mktemp('run')
+    result = run_train(f'--out_dir={out_dir}', '--max_iters=4', '--eval_interval=4')
+    return out_dir, result.stdout
+
+
+def test_loss_is_the_one_train_py_printed(run, tmp_path):
+    out_dir, stdout = run
+    printed = [line for line in stdout.splitlines() if line.startswith('step 4:')][0]  # the checkpoint's iteration
+    val = printed.split('val loss ')[1]
+    result = run_script('eval.py', [f'--out_dir={out_dir}', '--device=cpu'])
+    assert result.returncode == 0, result.stderr
+    assert re.search(f"^val loss {val}, perplexity [\\d.]+ \\(shakespeare_char, train.py's "
+                     f"windows: 2 batches of 8 x 32 tokens, seed 1338\\)$", result.stdout, re.M), result.stdout
+    # the full pass, through eval.py, on a split written here (a dataset given by its path)
+    np.random.default_rng(1).integers(0, 65, 300).astype(np.uint16).tofile(tmp_path / 'val.bin')
+    from checkpoint import read
+    from model import GPTConfig
+    model = GPT(GPTConfig(**read(os.path.join(out_dir, 'ckpt.pt'))['model_args']))
+    model.load_state_dict(read(os.path.join(out_dir, 'ckpt.pt'))['model'])
+    loss, n = full_loss(model.eval(), str(tmp_path / 'val.bin'), 'uint16', 32, 5)
+    result = run_script('eval.py', [f'--out_dir={out_dir}', f'--dataset={tmp_path}', '--full=True', '--batch_size=5'])
+    assert f"val loss {loss:.4f}, perplexity {math.exp(loss):.4g} ({tmp_path}, every token once: 299 predictions " \
+           f"in windows of 32)" in result.stdout, result.stdout + result.stderr
+    assert window_loss(model, str(tmp_path / 'val.bin'), 'uint16', 32, 5, 3, seed=1) > 0
+
+
+def test_mc_on_a_checkpoint_and_lm_eval_refused_without_the_package(run, tmp_path, monkeypatch):
+    out_dir, _ = run
+    path = write_jsonl(tmp_path / 'mc.jsonl', EXAMPLES)
+    result = run_script('eval.py', [f'--out_dir={out_dir}', '--loss=False', f'--mc_path={path}', '--mc_limit=2'])
+    assert result.returncode == 0, result.stderr
+    line = result.stdout.strip().splitlines()[-1]
+    assert line.startswith(f"mc {path}: acc ") and line.endswith("(2 examples)"), line
+    monkeypatch.setitem(sys.modules, 'lm_eval', None)  # as if it were not installed
+    result = run_script('eval.py', [f'--out_dir={out_dir}', '--loss=False', f'--mc_path={path}', '--lm_eval=True'])
+    assert_one_line_error(result, r'^error: lm_eval=True needs lm-evaluation-harness \(.*\): pip install '
+                                  r'"lm-eval\[hf\]"$')
+
+
+@pytest.mark.parametrize('args, docs, pattern', [
+    (['--mc_path={tmp}/none.jsonl'], None, r"mc_path=.*none.jsonl: cannot read it \(No such file or directory\)"),
+    (['--mc_path={mc}'], [EXAMPLES[0], '{"ctx": "oops"'], r"mc.jsonl, line 2: not JSON"),
+    (['--mc_path={mc}'], [dict(EXAMPLES[0], label=4)], r"line 1: 'label' must be the index of the right ending "
+                                                       r"\(0 to 3\), got 4"),
+    (['--mc_path={mc}'], [{'ctx': 'a', 'label': 0}], r"line 1: 'endings' must be a list of at least 2 strings"),
+    (['--mc_path={mc}'], [dict(EXAMPLES[0], ctx_b='{')], r"mc example 1: characters '\{' are not in the dataset's "
+                                                         r"vocabulary"),
+    (['--mc_path={mc}'], [''], r"holds no examples"),
+    (['--split=test'], None, r"unknown split 'test' of dataset 'shakespeare_char'; its prepared splits: train, val"),
+    (['--block_size=64'], None, r"block_size=64 is longer than the model's 32 positions"),
+    (['--out_dir={tmp}'], None, r"no checkpoint at .*ckpt.pt"),
+    (['--out_dir={tmp}/ckpt.pt'], None, r"no checkpoint at"),
+    (['--hf_dir={tmp}/none'], None, r"hf_dir=.*none is not a directory"),
+    (['--hf_dir={tmp}'], None, r"holds no config.json"),
+    (['--lm_eval=True'], None, r"lm_eval=True has nothing to run"),
+    (['--mc_limit=-1'], None, r"mc_limit must be >= 0"),
+    (['--mc_pth=x'], None, r"unknown config key 'mc_pth'; did you mean mc_path"),
+])
+def test_bad_input_is_one_error_line(run, tmp_path, args, docs, pattern):
+    out_dir, _ = run
+    mc = write_jsonl(tmp_path / 'mc.jsonl', docs) if docs is not None else ''
+    args = [a.format(tmp=tmp_path, mc=mc) for a in args]
+    assert_one_line_error(run_script('eval.py', [f'--out_dir={out_dir}', *args]), pattern)
+
+
+def test_checkpoint_that_does_not_load_is_one_error_line(run, tmp_path):
+    out_dir, _ = run
+    checkpoint = torch.load(os.path.join(out_dir, 'ckpt.pt'), weights_only=True)
+    checkpoint['model_args']['n_embd'] = 48  # weights of another shape
+    torch.save(checkpoint, tmp_path / 'ckpt.pt')
+    assert_one_line_error(run_script('eval.py', [f'--out_dir={tmp_path}']),
+                          r"ckpt.pt is not a checkpoint of train.py \(RuntimeError: Error\(s\) in loading state_dict")
+    (tmp_path / 'ckpt.pt').write_bytes(b'not a checkpoint')
+    assert_one_line_error(run_script('eval.py', [f'--out_dir={tmp_path}']), r"cannot read checkpoint .*corrupt")
+
+
+# -----------------------------------------------------------------------------
+# a Hugging Face directory with GPT-2's BPE, and lm-evaluation-harness on it
+
+
+@pytest.fixture(scope='module')
+def hf_gpt2(tmp_path_factory):
+    """(directory, model): a tiny GPT-2 with GPT-2's vocabulary in Hugging Face form, as export.py writes it."""
+    import hf
+    from export import write_gpt2_tokenizer
+    torch.manual_seed(0)
+    model = GPT(tiny_model_config('gpt2', vocab_size=50257, block_size=64, n_layer=1, n_embd=16, n_head=2)).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # more peaked than the init's: the endings' scores differ clearly
+            p.mul_(4)
+    directory = tmp_path_factory.mktemp('hf')
+    hf.save(model, str(directory))
+    write_gpt2_tokenizer(str(directory), 64)
+    return str(directory), model
+
+
+def test_mc_on_a_hugging_face_directory(hf_gpt2, tmp_path):
+    from data.tokenizer import Tokenizer
+    directory, model = hf_gpt2
+    path = write_jsonl(tmp_path / 'mc.jsonl', EXAMPLES)
+    expected = mc_accuracy(model, read_mc(path), Tokenizer('gpt2').encode)
+    result = run_script('eval.py', [f'--hf_dir={directory}', f'--mc_path={path}', '--device=cpu'])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1:] == [
+        "loss: skipped, no dataset (pass --dataset=NAME, a prepared folder of data/)",
+        f"mc {path}: acc {expected['acc']:.4f}, acc_norm {expected['acc_norm']:.4f} (3 examples)"]
+
+
+@pytest.mark.skipif(not HAS_LM_EVAL, reason='lm-evaluation-harness is not installed (pip install "lm-eval[hf]")')
+def test_lm_eval_scores_the_same_log_probabilities(hf_gpt2, run, tmp_path):
+    """lm-eval's HFLM on the exported directory (transformers' GPT-2) gives each ending the log-probability
+    eval.py gives it, and so the same acc and acc_norm; offline, from the local task eval.py writes."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    from data.tokenizer import Tokenizer
+    from eval import encode_pair
+    directory, model = hf_gpt2
+    examples = read_mc(write_jsonl(tmp_path / 'mc.jsonl', EXAMPLES))
+    task_dir = tmp_path / 'task'
+    task_dir.mkdir()
+    write_mc_task(examples, str(task_dir))
+    results = lm_eval.simple_evaluate(model=HFLM(pretrained=directory, device='cpu', batch_size=4), tasks=[MC_TASK],
+                                      task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
+                                      num_fewshot=0)
+    theirs = [[resp[0] for resp in sample['filtered_resps']] for sample in results['samples'][MC_TASK]]
+    encode = Tokenizer('gpt2').encode
+    ours = [continuation_logprobs(model, [encode_pair(encode, ex['query'], ' ' + c) for c in ex['choices']])
+            for ex in examples]
+    assert np.allclose(theirs, ours, atol=1e-4)
+    expected = mc_accuracy(model, examples, encode)
+    assert results['results'][MC_TASK]['acc,none'] == pytest.approx(expected['acc'])
+    assert results['results'][MC_TASK]['acc_norm,none'] == pytest.approx(expected['acc_norm'])
+    # and through eval.py
+    result = run_script('eval.py', [f'--hf_dir={directory}', f'--mc_path={tmp_path / "mc.jsonl"}',
+                                    '--lm_eval=True', '--device=cpu'])
+    assert result.returncode == 0, result.stderr
+    assert f"lm-eval {MC_TASK}: acc {expected['acc']:.4f}, acc_norm {expected['acc_norm']:.4f}" in result.stdout
+    # a character-level checkpoint has no tokenizer Hugging Face reads
+    result = run_script('eval.py', [f'--out_dir={run[0]}', '--loss=False', f'--mc_path={tmp_path / "mc.jsonl"}',
+                                    '--lm_eval=True'])
+    assert_one_line_error(result, r"lm-eval needs a tokenizer Hugging Face reads, and the dataset of .* has none")
