@@ -172,7 +172,7 @@ def markdown(cfg, rows, device, config, argv):
 def check(cfg):
     """One-line ValueErrors for bad input; returns (device, row configs, GPTConfig)."""
     device = bench_memory.resolve_device(cfg['device'], ('cuda', 'cpu'), without_cuda='cpu')
-    bench_memory.check_shape(cfg, DEFAULTS)
+    train_config.check_preset(cfg)
     config = bench_memory.model_config(cfg)
     check_fits(config, device, training.weight_dtype(cfg['precision']).itemsize)  # before a row allocates it
     return device, bench_memory.row_configs(cfg), config

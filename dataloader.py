@@ -10,10 +10,10 @@ data/*/prepare.py write them and meta.pkl records them, data/tokenizer.py), in o
 - 'iid': nanoGPT's sampling with replacement, kept as the baseline.
 
 The order is a pure function of (seed, epoch), so the position (epoch, windows consumed) is all
-a checkpoint needs to continue exactly. Because the position counts windows, not steps, a run can
-resume on another number of ranks when the windows consumed are a whole number of its steps,
-always so when batch_size x ranks is unchanged (the epoch's dropped tail, fewer than
-batch_size x ranks windows, depends on that product too).
+a checkpoint needs to continue exactly. Because the position counts windows, not steps, a run
+resumes on any number of ranks and any batch_size: the next step takes the next batch_size x
+ranks windows of the same permutation, so no window is repeated or skipped. Only the epoch's
+dropped tail (the last windows that do not fill a whole step) depends on batch_size x ranks.
 
 Every id must be below the model's vocabulary (an index error on the CPU, a device-side assert on
 CUDA otherwise): check_vocab refuses a dataset whose recorded vocabulary is larger, scans files
@@ -62,7 +62,7 @@ class TokenBatches:
         # is logged) is then at least one step
         self.steps_per_epoch = max(1, self.steps_per_epoch)
         self.n_tokens = n_tokens
-        self.epoch, self.step_in_epoch = 0, 0
+        self.epoch, self.windows_done = 0, 0  # windows of the epoch consumed, by every rank together
         self._order = None
 
     def _epoch_order(self):
@@ -76,12 +76,12 @@ class TokenBatches:
 
     def next_starts(self):
         """Token offsets of this rank's windows for the next micro-step."""
-        if self.step_in_epoch == self.steps_per_epoch:
-            self.epoch, self.step_in_epoch = self.epoch + 1, 0
         per_step = self.batch_size * self.world_size
+        if self.windows_done + per_step > self.steps_per_epoch * per_step:  # the rest is the dropped tail
+            self.epoch, self.windows_done = self.epoch + 1, 0
         mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
-        step_first = self.step_in_epoch * per_step
-        self.step_in_epoch += 1
+        step_first = self.windows_done
+        self.windows_done += per_step
         if self.sampling == 'iid':
             # one generator per global micro-step, so iid draws resume exactly and do not
             # depend on the rank split either
@@ -113,29 +113,27 @@ class TokenBatches:
 
     def epochs(self):
         """Epochs of data consumed so far, as a fraction (iid: windows drawn / windows in the split)."""
+        per_step = self.batch_size * self.world_size
         if self.sampling == 'rr':
-            return self.epoch + self.step_in_epoch / self.steps_per_epoch
-        drawn = (self.epoch * self.steps_per_epoch + self.step_in_epoch) * self.batch_size * self.world_size
-        return drawn / max(1, self.windows_per_epoch)
+            return self.epoch + self.windows_done / (self.steps_per_epoch * per_step)
+        return (self.epoch * self.steps_per_epoch * per_step + self.windows_done) / max(1, self.windows_per_epoch)
 
     def state_dict(self):
         return {'sampling': self.sampling, 'seed': self.seed, 'epoch': self.epoch,
-                'windows_consumed': self.step_in_epoch * self.batch_size * self.world_size,
-                'windows_per_step': self.batch_size * self.world_size}
+                'windows_consumed': self.windows_done,
+                'windows_per_step': self.batch_size * self.world_size, 'n_tokens': self.n_tokens}
 
     def load_state_dict(self, state):
         if state['sampling'] != self.sampling or state['seed'] != self.seed:
             raise ValueError(f"checkpoint data order is sampling={state['sampling']!r} seed={state['seed']}; "
                              f"resume with the same sampling and seed")
         per_step = self.batch_size * self.world_size
-        if state['windows_consumed'] % per_step:
-            saved, ranks = state.get('windows_per_step', '?'), f"{self.world_size} rank{'s' * (self.world_size > 1)}"
-            hint = f", i.e. --batch_size={saved // self.world_size} with {ranks}" \
-                if isinstance(saved, int) and saved % self.world_size == 0 else ""
-            raise ValueError(f"checkpoint stopped after {state['windows_consumed']} windows of the epoch, not a "
-                             f"multiple of batch_size x ranks = {self.batch_size} x {self.world_size}; resume with "
-                             f"the same batch_size x ranks as the checkpoint ({saved}){hint}")
-        self.epoch, self.step_in_epoch = state['epoch'], state['windows_consumed'] // per_step
+        if state['windows_consumed'] > self.windows_per_epoch:
+            raise ValueError(f"the checkpoint's data position ({state['windows_consumed']} windows into epoch "
+                             f"{state['epoch']}) lies beyond the {self.windows_per_epoch} windows of {self.path} "
+                             f"({self.n_tokens:,} tokens, {state.get('n_tokens', 'unknown')} when it was saved): the "
+                             f"file changed; resume on the data the checkpoint trained on")
+        self.epoch, self.windows_done = state['epoch'], state['windows_consumed']
 
 
 # where dataset names are looked up: the checkout's data/, or OMGD_DATA_ROOT (a shared data disk;

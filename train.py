@@ -192,7 +192,7 @@ def train(cfg, given_keys, ranks, device):
             print(f"found vocab_size = {vocab_size} (inside {data_dir(cfg['dataset'])}/meta.pkl)")
 
     # model: from scratch, from out_dir's checkpoint, or a pretrained GPT-2 / Hugging Face directory
-    iter_num, best_val_loss, checkpoint, saved_iter = 0, 1e9, None, None
+    iter_num, best_val_loss, checkpoint, saved_iter, wandb_id = 0, 1e9, None, None, None
     try:
         if init_from == 'scratch':
             model_config = GPTConfig(**training.model_args(cfg, vocab_size))
@@ -203,7 +203,7 @@ def train(cfg, given_keys, ranks, device):
         elif init_from == 'resume':  # the checks that the config can continue it included (checkpoint.py)
             checkpoint, raw_model = ckpt_io.resume(ckpt_path, device, cfg, given_keys)
             iter_num = saved_iter = checkpoint['iter_num']
-            best_val_loss = checkpoint['best_val_loss']
+            best_val_loss, wandb_id = checkpoint['best_val_loss'], checkpoint.get('wandb_id')
         else:  # a GPT-2 name or a local Hugging Face model directory (hf.py)
             import hf
             raw_model = hf.from_pretrained(init_from, cfg['dropout'], cfg['block_size'])
@@ -220,6 +220,11 @@ def train(cfg, given_keys, ranks, device):
         raise RunError(e) from None
     tokens_per_iter = cfg['gradient_accumulation_steps'] * cfg['batch_size'] * cfg['block_size']
     if master:
+        for line in train_config.warnings(cfg):
+            print(f"warning: {line}", file=sys.stderr, flush=True)
+        if init_from == 'resume' and iter_num >= cfg['max_iters'] and not cfg['eval_only']:
+            print(f"warning: the checkpoint is at iteration {iter_num} and max_iters={cfg['max_iters']}: this run "
+                  f"evaluates and trains nothing; raise --max_iters to train on", file=sys.stderr, flush=True)
         print(f"config:\n{format_config(cfg)}")
         print(f"model: {cfg['arch']}, {cfg['n_layer']} blocks, {raw_model.get_num_params() / 1e6:.2f}M parameters "
               f"(from {'a checkpoint' if init_from == 'resume' else init_from})")
@@ -258,6 +263,15 @@ def train(cfg, given_keys, ranks, device):
             ckpt_io.load_state(checkpoint, {**trainer.state_objects(), 'data': train_batches}, fsdp)
         except (ValueError, KeyError) as e:
             raise RunError(f"cannot resume from {ckpt_path}: {e}") from None
+        if ranks.any(not ckpt_io.all_finite(raw_model, optimizer)):
+            raise RunError(f"{ckpt_path} holds weights or optimizer state that are not finite (iteration {iter_num}): "
+                           f"it cannot be resumed; restore a backup of it, or start again with --init_from=scratch "
+                           f"--overwrite=True")
+        saved_tokens = checkpoint['data'].get('n_tokens')
+        if saved_tokens is not None and saved_tokens != train_batches.n_tokens and master:
+            print(f"warning: {train_batches.path} has {train_batches.n_tokens:,} tokens, the checkpoint's data had "
+                  f"{saved_tokens:,}: the file changed, and the saved position now points into another order of "
+                  f"windows", file=sys.stderr, flush=True)
         if not ckpt_io.restore_rng(checkpoint, ranks, device_type, cfg['seed'], iter_num) and master:
             print(f"resuming a {checkpoint.get('world_size', 1)}-rank checkpoint on {world_size} "
                   f"rank{'s' * (world_size > 1)}: same data position, not bitwise the run it would have been")
@@ -277,7 +291,7 @@ def train(cfg, given_keys, ranks, device):
 
     def save_checkpoint():  # on every rank; rank 0 writes (checkpoint.py); never a non-finite state
         values = {'data': trainer.data_position, 'model_args': model_args, 'iter_num': trainer.iter_num,
-                  'best_val_loss': best_val_loss, 'config': cfg}
+                  'best_val_loss': best_val_loss, 'config': cfg, 'wandb_id': wandb_id}
         try:
             wrote = ckpt_io.save(ckpt_path, ranks, trainer.state_objects(), values, fsdp, device_type)
         except ckpt_io.NonFiniteState:
@@ -290,8 +304,9 @@ def train(cfg, given_keys, ranks, device):
             records.write('save', iter=trainer.iter_num, path=ckpt_path)
         return trainer.iter_num
 
-    if wandb is not None:
-        wandb.init(project=cfg['wandb_project'], name=cfg['wandb_run_name'], config=cfg)
+    if wandb is not None:  # a resumed run continues the wandb run of its checkpoint, restarts included
+        wandb_id = wandb_id or wandb.util.generate_id()
+        wandb.init(project=cfg['wandb_project'], name=cfg['wandb_run_name'], config=cfg, id=wandb_id, resume='allow')
 
     def record(kind, **fields):  # the metrics file, wandb, and (by the caller) the log line
         records.write(kind, **fields)

@@ -109,7 +109,7 @@ DEFAULTS = {k: v for k, v in dict(globals()).items()
 PRECISIONS = ('amp', 'bf16', 'bf16_master')
 GALORE_METHODS = ('galore', 'golore')  # galore.py's optimizers; every block trains
 METHOD_NAMES = (*omgd.METHODS, *GALORE_METHODS)
-ALWAYS_PARTS = ('embed', 'pos', 'norm', 'head')
+ALWAYS_PARTS = omgd.OUTER_PARTS
 PTDTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
 # the rule each value follows on its own (configurator.py checks them with the types);
@@ -126,7 +126,7 @@ RULES = {
     'grad_clip': at_least(0), 'warmup_iters': at_least(0), 'lr_decay_iters': at_least(0), 'min_lr': at_least(0),
     'method': one_of(*METHOD_NAMES, label='method'), 'omgd_gamma': at_least(1), 'omgd_period': at_least(1),
     'omgd_warmup': at_least(0), 'omgd_ratio': above(0, upper=1),
-    'omgd_state': one_of('drop', 'offload', 'keep'), 'galore_rank': at_least(1),
+    'omgd_state': one_of(*omgd.STATE_POLICIES), 'galore_rank': at_least(1),
     'galore_update_proj_gap': at_least(1), 'galore_scale': above(0),
     'golore_svd_fraction': between(0, 1, closed=True), 'precision': one_of(*PRECISIONS, label='precision'),
     'master_device': one_of('', 'cpu', described="'' (the weights' device) or 'cpu'"), 'dtype': one_of(*PTDTYPES, label='dtype'), 'backend': one_of('nccl', 'gloo'),
@@ -154,8 +154,7 @@ def check(cfg):
             and not os.path.isdir(cfg['init_from']):
         raise ValueError(f"init_from must be 'scratch', 'resume', 'auto', a GPT-2 name or a Hugging Face model directory, "
                          f"got {cfg['init_from']!r}")
-    if cfg['preset'] and cfg['preset'] not in PRESETS:
-        raise ValueError(f"unknown preset {cfg['preset']!r}; choose one of {', '.join(PRESETS)}")
+    check_preset(cfg)
     unknown = [p for p in cfg['omgd_always'].split(',') if p and p not in ALWAYS_PARTS]
     if unknown:
         raise ValueError(f"unknown omgd_always part(s) {unknown}; choose from {','.join(ALWAYS_PARTS)}")
@@ -179,10 +178,43 @@ def check(cfg):
                          "--activation_checkpointing=True or drop --checkpoint_sublayers")
 
 
+def check_preset(cfg):
+    """A preset sets the architecture (training.model_args): a shape key changed next to it would be
+    silently ignored, so refuse it (vocab_size is the exception: the tokenizer's, it overrides)."""
+    from model import PRESETS
+    if cfg['preset'] and cfg['preset'] not in PRESETS:
+        raise ValueError(f"unknown preset {cfg['preset']!r}; choose one of {', '.join(PRESETS)}, or '' and "
+                         f"the shape keys (arch, n_layer, n_head, n_embd, ...)")
+    if cfg['preset']:
+        shape = ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias')  # training.ARCH_KEYS' keys
+        changed = [k for k in shape if cfg[k] != DEFAULTS[k]]
+        if changed:
+            raise ValueError(f"preset={cfg['preset']!r} sets the architecture, so {changed[0]}={cfg[changed[0]]!r} "
+                             f"would be ignored; pass --preset='' to give the shape by its keys")
+
+
+def warnings(cfg):
+    """Lines for legal values that are almost surely mistakes: the run still starts, but says so."""
+    lines, run = [], cfg['max_iters']
+    cycles = cfg['method'] in omgd.METHODS and cfg['method'] != 'full'
+    if cycles and cfg['omgd_warmup'] >= run > 0:
+        lines.append(f"omgd_warmup={cfg['omgd_warmup']} covers the whole run (max_iters={run}): every block trains "
+                     f"at every step and {cfg['method']} never starts; lower --omgd_warmup")
+    elif cycles and cfg['omgd_period'] >= run - cfg['omgd_warmup'] > 0:
+        lines.append(f"omgd_period={cfg['omgd_period']} is as long as the cycling part of the run ({run - cfg['omgd_warmup']} "
+                     f"iterations): the active set never switches, so most blocks never train; lower --omgd_period")
+    if cfg['decay_lr'] and cfg['warmup_iters'] >= run > 0:
+        lines.append(f"warmup_iters={cfg['warmup_iters']} is as long as the run (max_iters={run}): the learning rate "
+                     f"never reaches learning_rate={cfg['learning_rate']}; lower --warmup_iters")
+    return lines
+
+
 def check_device(device):
     """Refuse a device train.py cannot train on (the benchmarks have their own: meta, auto)."""
     if device.split(':')[0] not in ('cpu', 'cuda'):
         raise ValueError(f"device={device!r} is not a training device; use 'cpu', 'cuda' or 'cuda:N'")
+    if device.startswith('cpu:'):
+        raise ValueError(f"device={device!r}: torch counts the CPU as one device; use --device=cpu")
     if device.startswith('cuda') and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but this machine has no CUDA GPU (torch {torch.__version__}); "
                          f"use --device=cpu or install a CUDA build of torch")

@@ -66,16 +66,19 @@ def test_iid_samples_with_replacement(tokens):
     assert len(set(starts)) < len(starts)
 
 
-def test_resume_with_other_rank_count_needs_same_global_batch(tokens):
-    two = TokenBatches(tokens, block_size=15, batch_size=4, world_size=2)
-    for _ in range(3):
-        two.next_starts()
-    one = TokenBatches(tokens, block_size=15, batch_size=8)
-    one.load_state_dict(two.state_dict())  # 24 windows consumed = 3 steps of 8: fine
-    assert one.step_in_epoch == 3
-    odd = TokenBatches(tokens, block_size=15, batch_size=5)
-    with pytest.raises(ValueError, match='resume with the same batch_size'):
-        odd.load_state_dict(two.state_dict())
+def test_resume_with_another_global_batch_continues_the_same_permutation(tokens):
+    """2 ranks x 4 windows for 3 steps, then 1 rank x 8 or x 5: the next windows of the same
+    permutation, none repeated, none skipped (a loader of one window a step visits it in order)."""
+    in_order = TokenBatches(tokens, block_size=15, batch_size=1)
+    order = [s for _ in range(in_order.steps_per_epoch) for s in in_order.next_starts().tolist()]
+    two = [TokenBatches(tokens, block_size=15, batch_size=4, rank=r, world_size=2) for r in range(2)]
+    seen = [s for _ in range(3) for rank in two for s in rank.next_starts().tolist()]
+    assert sorted(seen) == sorted(order[:24])
+    for batch_size in (8, 5):
+        one = TokenBatches(tokens, block_size=15, batch_size=batch_size)
+        one.load_state_dict(two[0].state_dict())  # 24 windows consumed: 3 steps of 8, 4.8 steps of 5
+        after = [s for _ in range(10) for s in one.next_starts().tolist()]
+        assert after == order[24:24 + 10 * batch_size]
 
 
 def test_missing_file_and_too_little_data(tmp_path, tokens):

@@ -1,6 +1,7 @@
 """Faults beyond a bad value: a second writer into a running run's out_dir, a writer that crashed,
 a reader of the log that goes away. Each ends in one `error:` line (or a clean exit) and loses nothing."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,3 +44,94 @@ def test_a_log_reader_that_goes_away_does_not_kill_the_run(tmp_path):
     assert result.returncode == 0 and 'BrokenPipeError' not in result.stderr, result.stderr[-2000:]
     assert result.stdout.count('\n') == 1
     assert load(tmp_path)['iter_num'] == 6
+
+
+# -----------------------------------------------------------------------------
+# legal but almost surely a mistake: a warning line, and the run goes on
+
+
+def warnings_of(result):
+    return [line for line in result.stderr.splitlines() if line.startswith('warning: ')]
+
+
+def test_values_longer_than_the_run_are_named_in_a_warning(tmp_path):
+    result = run_train(f'--out_dir={tmp_path / "a"}', '--max_iters=4', '--omgd_period=6', '--warmup_iters=2')
+    assert warnings_of(result) == ["warning: omgd_period=6 is as long as the cycling part of the run (4 iterations): "
+                                   "the active set never switches, so most blocks never train; lower --omgd_period"]
+    result = run_train(f'--out_dir={tmp_path / "b"}', '--max_iters=4', '--omgd_warmup=4', '--warmup_iters=5',
+                       '--lr_decay_iters=8')
+    assert warnings_of(result) == [
+        "warning: omgd_warmup=4 covers the whole run (max_iters=4): every block trains at every step and lisa_wor "
+        "never starts; lower --omgd_warmup",
+        "warning: warmup_iters=5 is as long as the run (max_iters=4): the learning rate never reaches "
+        "learning_rate=0.002; lower --warmup_iters"]
+    assert load(tmp_path / 'b')['iter_num'] == 4  # the runs trained
+    assert not warnings_of(run_train(f'--out_dir={tmp_path / "c"}', '--max_iters=8'))
+
+
+def test_a_resume_that_would_train_nothing_says_so(tmp_path):
+    run_train(f'--out_dir={tmp_path}', '--max_iters=4', '--eval_interval=4')
+    result = run_train(f'--out_dir={tmp_path}', '--init_from=resume', '--max_iters=3')
+    assert ("warning: the checkpoint is at iteration 4 and max_iters=3: this run evaluates and trains nothing; "
+            "raise --max_iters to train on") in warnings_of(result)
+
+
+# -----------------------------------------------------------------------------
+# a checkpoint or a data file that changed or went bad since it was saved
+
+
+def test_a_checkpoint_with_non_finite_weights_is_refused_by_name(tmp_path):
+    import torch
+    run_train(f'--out_dir={tmp_path}', '--max_iters=4', '--eval_interval=4')
+    ckpt = load(tmp_path)
+    next(iter(ckpt['model'].values())).view(-1)[0] = float('nan')
+    torch.save(ckpt, tmp_path / 'ckpt.pt')
+    before = (tmp_path / 'ckpt.pt').read_bytes()
+    result = run_train(f'--out_dir={tmp_path}', '--init_from=resume', '--max_iters=8', expect_ok=False)
+    assert_one_line_error(result, rf"^error: {tmp_path / 'ckpt.pt'} holds weights or optimizer state that are not "
+                                  r"finite \(iteration 4\): it cannot be resumed; restore a backup")
+    assert (tmp_path / 'ckpt.pt').read_bytes() == before
+
+
+def own_dataset(tmp_path):
+    """A copy of the prepared character-level Shakespeare, to change under a run."""
+    import shutil
+    import dataloader
+    dataloader.prepare_if_embedded('shakespeare_char', verbose=False)
+    shutil.copytree(dataloader.data_dir('shakespeare_char'), tmp_path / 'ds')
+    return tmp_path / 'ds'
+
+
+def test_a_data_file_that_changed_since_the_checkpoint(tmp_path):
+    ds = own_dataset(tmp_path)
+    run = [f'--out_dir={tmp_path / "run"}', f'--dataset={ds}', '--eval_interval=4']
+    run_train(*run, '--max_iters=4')
+    train_bin = ds / 'train.bin'
+    data = train_bin.read_bytes()
+    train_bin.write_bytes(data[:len(data) // 2])  # shorter, the position still inside: a warning
+    result = run_train(*run, '--init_from=resume', '--max_iters=5')
+    assert len(warnings_of(result)) == 1 and re.search(r"^warning: .*train.bin has [\d,]+ tokens, the checkpoint's "
+                                                        r"data had [\d,]+: the file changed", warnings_of(result)[0])
+    train_bin.write_bytes(data[:1000])  # 500 tokens, shorter than the saved position: one line, not numpy's words
+    result = run_train(*run, '--init_from=resume', '--max_iters=6', expect_ok=False)
+    assert_one_line_error(result, r"the checkpoint's data position \(\d+ windows into epoch 0\) lies beyond the \d+ "
+                                  r"windows of .*train.bin \(500 tokens, [\d,]+ when it was saved\): the file changed")
+
+
+def test_a_cpu_index_is_refused(tmp_path):
+    result = run_train(f'--out_dir={tmp_path}', '--device=cpu:7', expect_ok=False)
+    assert_one_line_error(result, r"^error: device='cpu:7': torch counts the CPU as one device; use --device=cpu$")
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+    """wandb (faked: the package is optional) gets the run id the checkpoint saved, with resume='allow',
+    so a restart continues the same wandb run instead of starting a new one."""
+    import types
+    inits, logged = [], []
+    fake = types.SimpleNamespace(init=lambda **kw: inits.append(kw), log=lambda data, step: logged.append(step),
+                                 util=types.SimpleNamespace(generate_id=lambda: f'id{len(inits)}'))
+    monkeypatch.setitem(sys.modules, 'wandb', fake)
+    run_train(f'--out_dir={tmp_path}', '--wandb_log=True', '--max_iters=4', '--eval_interval=4')
+    run_train(f'--out_dir={tmp_path}', '--wandb_log=True', '--max_iters=6', '--eval_interval=4', '--init_from=auto')
+    assert [(kw['id'], kw['resume']) for kw in inits] == [('id0', 'allow'), ('id0', 'allow')]
+    assert load(tmp_path)['wandb_id'] == 'id0' and logged[-1] == 6

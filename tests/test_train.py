@@ -94,6 +94,8 @@ def refusal(*args, world_size=1, fsdp=False):
     ('--gradient_accumulation_steps=0', r'gradient_accumulation_steps must be >= 1, got 0'),
     ('--parallel=zero', r"parallel must be 'ddp' or 'fsdp', got 'zero'"),
     ('--preset=gpt5', r"unknown preset 'gpt5'; choose one of .*gpt2"),
+    # TINY's --n_layer=4 beside a preset would be ignored (the preset sets the architecture)
+    ('--preset=llama-60m', r"preset='llama-60m' sets the architecture, so n_layer=4 would be ignored; pass --preset=''"),
     ('--init_from=bert', r"init_from must be 'scratch', 'resume', 'auto', a GPT-2 name or a Hugging Face model directory, "
                          r"got 'bert'"),
     ('--optimizer=lion', r"optimizer must be 'adamw' or 'sgd', got 'lion'"),
