@@ -148,6 +148,15 @@ def train(cfg, given_keys, ranks, device):
     init_from = cfg['init_from']
     if init_from == 'auto':  # a restarted job resumes; the first launch starts from scratch
         init_from = 'resume' if os.path.exists(ckpt_path) else 'scratch'
+    if init_from == 'resume' and os.path.exists(ckpt_path):  # the checkpoint's config, the command's keys on top
+        try:
+            saved = ckpt_io.read(ckpt_path, mmap=True)
+            cfg = train_config.resume_config(saved['config'], saved['model_args'], cfg, given_keys)
+        except (ckpt_io.CheckpointError, ValueError) as e:
+            raise RunError(e) from None
+        except (KeyError, TypeError) as e:
+            raise RunError(f"cannot resume from {ckpt_path}: it holds no config or model_args ({e}); it is not a "
+                           f"checkpoint of train.py: restore a backup or train from scratch") from None
     if init_from != 'resume' and not cfg['eval_only'] and os.path.exists(ckpt_path):
         # a new run saves over out_dir/ckpt.pt; losing a long run to a re-typed command must be asked for
         earlier = ckpt_io.earlier_run(ckpt_path)

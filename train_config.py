@@ -186,11 +186,43 @@ def check_preset(cfg):
         raise ValueError(f"unknown preset {cfg['preset']!r}; choose one of {', '.join(PRESETS)}, or '' and "
                          f"the shape keys (arch, n_layer, n_head, n_embd, ...)")
     if cfg['preset']:
-        shape = ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias')  # training.ARCH_KEYS' keys
-        changed = [k for k in shape if cfg[k] != DEFAULTS[k]]
+        preset = PRESETS[cfg['preset']]  # the keys it sets; a value equal to the preset's is consistent
+        changed = [k for k in SHAPE_KEYS if k in preset and cfg[k] not in (DEFAULTS[k], preset[k])]
         if changed:
             raise ValueError(f"preset={cfg['preset']!r} sets the architecture, so {changed[0]}={cfg[changed[0]]!r} "
                              f"would be ignored; pass --preset='' to give the shape by its keys")
+
+
+SHAPE_KEYS = ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias')
+# what a resume cannot change, and why: the checkpoint's schedule, data position, state and weights belong to them
+FIXED_ON_RESUME = {
+    **{k: 'its layer schedule and data position belong to it' for k in ('dataset', 'method', 'omgd_gamma',
+                                                                         'omgd_ratio', 'omgd_always')},
+    'block_size': 'the data position counts windows of block_size+1 tokens',
+    'precision': 'its optimizer state is kept in that precision',
+    **{k: 'the weights have that shape' for k in SHAPE_KEYS},
+}
+# taken from this command (or this machine's defaults), never from the checkpoint
+THIS_COMMAND = ('init_from', 'out_dir', 'overwrite', 'eval_only', 'device', 'dtype', 'compile', 'backend')
+
+
+def resume_config(saved, model_args, cfg, given):
+    """The config of a resume: the checkpoint's (`saved`), with the keys this command gave (`given`)
+    on top. A given key that cannot continue the run is refused, every such key in one message.
+    model_args: the checkpoint's (its architecture is the truth; a config may predate that rule)."""
+    truth = {**saved, **{k: v for k, v in model_args.items() if k in SHAPE_KEYS or k == 'block_size'}}
+    conflicts = []
+    for k, why in FIXED_ON_RESUME.items():
+        if k in given and k in truth and cfg[k] != truth[k]:
+            verb = 'conflicts with' if k in SHAPE_KEYS else 'differs from'
+            new_run = ', or start a new run with --init_from=scratch in another --out_dir' if 'schedule' in why else ''
+            conflicts.append(f"{k}={cfg[k]!r} {verb} the checkpoint's {truth[k]!r} ({why}); resume with "
+                             f"--{k}={truth[k]}{new_run}")
+    if conflicts:  # every one at once (a resume takes the checkpoint's config: dropping them is enough)
+        raise ValueError('; '.join(conflicts))
+    merged = {**cfg, **{k: v for k, v in truth.items() if k in cfg and k not in given and k not in THIS_COMMAND}}
+    check(merged)
+    return merged
 
 
 def warnings(cfg):

@@ -2,11 +2,12 @@
 # config/finetune_shakespeare.py: a few iterations at a small constant learning rate. The weights
 # come from a local Hugging Face directory (hf.py reads it, no network); docs/models.md says how to
 # get them, how to use a LLaMA instead, and what memory this needs on one GPU.
-# $ huggingface-cli download openai-community/gpt2-xl --local-dir models/gpt2-xl \
+# $ hf download openai-community/gpt2-xl --local-dir models/gpt2-xl \
 #       --include config.json model.safetensors
 # $ python train.py config/finetune_shakespeare_lisa_wor.py
 # $ python export.py --out_dir=out-shakespeare-ft --hf_dir=out-shakespeare-ft/hf
 out_dir = 'out-shakespeare-ft'
+device = 'cuda'  # a GPU config: refused at once on a machine without one (--device=cpu runs it there anyway)
 init_from = 'models/gpt2-xl'  # any GPT2LMHeadModel or LlamaForCausalLM directory
 dataset = 'shakespeare'  # GPT-2 BPE, prepared on first use; a LLaMA needs data in its own tokenizer
 eval_interval = 5

@@ -135,3 +135,29 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
     run_train(f'--out_dir={tmp_path}', '--wandb_log=True', '--max_iters=6', '--eval_interval=4', '--init_from=auto')
     assert [(kw['id'], kw['resume']) for kw in inits] == [('id0', 'allow'), ('id0', 'allow')]
     assert load(tmp_path)['wandb_id'] == 'id0' and logged[-1] == 6
+
+
+def test_a_resume_takes_the_checkpoints_config_and_names_every_conflict(tmp_path):
+    """Resuming needs only the out_dir: the checkpoint's config (TINY's model, batch, schedule) comes
+    back, and the run ends bitwise where a straight run ends; keys that cannot change are all named."""
+    from conftest import assert_same_state, run_script
+    run_train(f'--out_dir={tmp_path / "straight"}', '--max_iters=6', '--eval_interval=3')
+    run_train(f'--out_dir={tmp_path / "resumed"}', '--max_iters=3', '--eval_interval=3')
+    result = run_script('train.py', [f'--out_dir={tmp_path / "resumed"}', '--init_from=resume', '--max_iters=6'])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert_same_state(load(tmp_path / 'straight'), load(tmp_path / 'resumed'))
+    result = run_script('train.py', [f'--out_dir={tmp_path / "resumed"}', '--init_from=resume', '--n_layer=6',
+                                     '--block_size=16', '--method=lisa'])
+    assert_one_line_error(result, r"^error: method='lisa' differs from the checkpoint's 'lisa_wor' .*; block_size=16 "
+                                  r"differs from the checkpoint's 32 .*; n_layer=6 conflicts with the checkpoint's 4 ")
+
+
+def test_a_gpu_config_on_a_machine_without_a_gpu_is_refused_at_once():
+    import pytest
+    import torch
+    from conftest import run_script
+    if torch.cuda.is_available():
+        pytest.skip('this machine has a GPU')
+    result = run_script('train.py', ['config/llama7b_lisa_wor.py', '--dataset=c4'])
+    assert_one_line_error(result, r"^error: device='cuda' but this machine has no CUDA GPU .*; use --device=cpu")
+    assert 'config:' not in result.stdout  # before anything is read or built
