@@ -5,6 +5,7 @@ training loop's view of them (the invariant checks of `--ddp_check=True` are ddp
 train.py keeps the training loop; everything here is told what it needs through arguments
 (a `Ranks`, the model, the optimizer), never through globals.
 """
+import datetime
 import gc
 import os
 import signal
@@ -55,19 +56,29 @@ class Ranks:
         return t.item() / self.world_size
 
 
-def setup(backend, device):
-    """Join torchrun's process group when RANK is set; returns the Ranks and this rank's device."""
+def setup(backend, device, timeout_s=600):
+    """Join torchrun's process group when RANK is set; returns the Ranks and this rank's device.
+    timeout_s: how long a collective waits for a stuck or dead rank before it fails (every group)."""
     if int(os.environ.get('RANK', -1)) == -1:
         return Ranks(), device
-    dist.init_process_group(backend=backend)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, timeout=timeout)
     local_rank = int(os.environ['LOCAL_RANK'])
     if device.startswith('cuda'):
         device = f'cuda:{local_rank}'
         torch.cuda.set_device(device)
     # Control messages (the stop flag, RNG states, ddp_check) travel over a CPU group: reading
     # a flag back from a GPU tensor at every iteration would stall the GPU's queue of work.
-    cpu_group = dist.new_group(backend='gloo') if backend != 'gloo' else dist.group.WORLD
+    cpu_group = dist.new_group(backend='gloo', timeout=timeout) if backend != 'gloo' else dist.group.WORLD
     return Ranks(True, dist.get_rank(), local_rank, dist.get_world_size(), cpu_group), device
+
+
+def lost_rank(error):
+    """Whether `error` is a collective that failed because another rank is stuck (timeout) or gone."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and dist.is_initialized() and any(
+        s in text for s in ('Timed out', 'timed out', 'Connection closed by peer', 'Connection reset by peer',
+                            'Broken pipe', 'NCCL communicator was aborted'))
 
 
 _last_barrier = []  # teardown's barrier work, kept until the process exits
@@ -138,14 +149,26 @@ def wrap_ddp(model, ranks, device_type, init_sync):
     backward, once every omgd_period iterations (results/ddp_switch_cost.md).
     gradient_as_bucket_view: the gradients of the active parameters live in the buckets rather
     than next to them, which saves one copy of the active gradients.
-    forward_sync_buffers=False: the only buffers (LLaMA's RoPE tables) are constants, so there is
-    nothing to broadcast before every forward.
+    No buffer broadcast before every forward: the only buffers (LLaMA's RoPE tables) are constants
+    that every rank computes alike (no_buffer_sync: the argument that says so in this torch).
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
     if not ranks.enabled:
         return model
     return DDP(model, device_ids=[ranks.local_rank] if device_type == 'cuda' else None, init_sync=init_sync,
-               forward_sync_buffers=False, gradient_as_bucket_view=True)
+               gradient_as_bucket_view=True, **no_buffer_sync(DDP))
+
+
+def no_buffer_sync(ddp_class):
+    """DDP's keyword argument that turns off the broadcast of buffers before every forward, in the
+    installed torch: forward_sync_buffers=False from torch 2.13 (which deprecates broadcast_buffers),
+    broadcast_buffers=False before it (torch 2.11 and 2.12 have no forward_sync_buffers). The two
+    differ only at construction: broadcast_buffers=False also skips the buffers' broadcast of
+    init_sync, which constant buffers do not need."""
+    import inspect
+    if 'forward_sync_buffers' in inspect.signature(ddp_class.__init__).parameters:
+        return {'forward_sync_buffers': False}
+    return {'broadcast_buffers': False}
 
 
 # -----------------------------------------------------------------------------
@@ -231,13 +254,24 @@ def load_optimizer_state(model, optimizer, state_dict):
     by_name = {'state': {names[i]: s for i, s in state_dict['state'].items()},
                'param_groups': [{**g, 'params': [names[i] for i in g['params']]}
                                 for g in state_dict['param_groups']]}
-    # strict=False: frozen parameters whose state was dropped have none in the checkpoint
-    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True, strict=False))
+    # strict=False: frozen parameters whose state was dropped have none in the checkpoint. torch 2.9
+    # looks up the saved state of every parameter that requires grad all the same (a KeyError; 2.10
+    # skips it under strict=False): such parameters are frozen while it loads, and thawed after.
+    params = [p for g in optimizer.param_groups for p in g['params']]
+    saved = {names[i] for i in state_dict['state']}
+    stateless = [p for p, name in zip(params, names) if name not in saved and p.requires_grad]
+    for p in stateless:
+        p.requires_grad_(False)
+    try:
+        set_optimizer_state_dict(model, optimizer, by_name,
+                                 options=StateDictOptions(full_state_dict=True, strict=False))
+    finally:
+        for p in stateless:
+            p.requires_grad_(True)
     # set_optimizer_state_dict first runs one zero-gradient step to create state for every
     # parameter that requires grad; remove what the checkpoint did not have, so that a parameter
     # trained later starts its state (and its Adam step count) exactly as in an uninterrupted run
-    saved = {names[i] for i in state_dict['state']}
-    for p, name in zip([p for g in optimizer.param_groups for p in g['params']], names):
+    for p, name in zip(params, names):
         if name not in saved:
             optimizer.state.pop(p, None)
 

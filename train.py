@@ -108,7 +108,7 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     # distributed setup (distributed.py): torchrun sets RANK; every rank runs this same script
-    ranks, device = distributed.setup(cfg['backend'], cfg['device'])
+    ranks, device = distributed.setup(cfg['backend'], cfg['device'], cfg['dist_timeout_s'])
     created_out_dir = ranks.master and not os.path.exists(cfg['out_dir'])
     # one writer per out_dir (rank 0 holds the lock until it exits); --eval_only writes nothing
     lock = ckpt_io.OutDirLock(cfg['out_dir'])
@@ -120,7 +120,13 @@ def main(argv):
                 created_out_dir = False  # held by the other run
                 raise RunError(e) from None
         status = train(cfg, given_keys, ranks, device)
-    except RunError as e:  # one line; the last good checkpoint, if any, stays as it was
+    except (RunError, RuntimeError) as e:  # one line; the last good checkpoint, if any, stays as it was
+        if not isinstance(e, RunError) and not distributed.lost_rank(e):
+            raise  # a bug: its traceback
+        if not isinstance(e, RunError):
+            e = (f"rank {ranks.rank}: a collective with the other ranks failed ({str(e).strip().splitlines()[0][:160]}): "
+                 f"another rank is stuck or dead; the last checkpoint in {cfg['out_dir']} is kept: resume with "
+                 f"--init_from=auto (raise --dist_timeout_s={cfg['dist_timeout_s']} if a rank is only slow)")
         print(f"error: {e}", file=sys.stderr, flush=True)
         out_dir = cfg['out_dir']
         left_empty = created_out_dir and os.path.isdir(out_dir) and set(os.listdir(out_dir)) <= {'.lock'}
@@ -260,9 +266,10 @@ def train(cfg, given_keys, ranks, device):
         for block in raw_model.blocks:
             block.compile()
 
-    # the DDP wrapper is rebuilt over the active parameters after every switch (distributed.Replicas);
-    # under FSDP and in one process the model trains as it is
-    replicas = distributed.Replicas(raw_model, ranks, device_type, fsdp, cfg['ddp_check'])
+    # under torchrun the DDP wrapper is rebuilt over the active parameters after every switch
+    # (distributed.Replicas), FSDP reshards; one process trains the model as it is
+    replicas = distributed.Replicas(raw_model, ranks, device_type, fsdp, cfg['ddp_check']) \
+        if ranks.enabled or cfg['ddp_check'] else None
     observer = ddp_check.RankCheck(replicas) if cfg['ddp_check'] else None
     trainer = training.Trainer(cfg, raw_model, optimizer, cycler, train_batches.iterate(device), device_type,
                                cfg['gradient_accumulation_steps'] // world_size, replicas, observer=observer)

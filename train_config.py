@@ -101,6 +101,7 @@ compile = machine_defaults(CUDA)['compile']  # torch.compile each block separate
 backend = machine_defaults(CUDA)['backend']  # torch.distributed backend under torchrun: 'nccl' or 'gloo'
 parallel = 'ddp'  # under torchrun: 'ddp' (replicated weights) or 'fsdp' (FSDP2, weights sharded per block)
 seed = 1337  # seeds the model's init (and dropout)
+dist_timeout_s = 600  # under torchrun: a collective waiting this long for a stuck or dead rank ends the run with one line
 ddp_check = False  # assert the DDP or FSDP invariants at every iteration on every rank (tests; hashes all weights)
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in dict(globals()).items()
@@ -130,7 +131,7 @@ RULES = {
     'galore_update_proj_gap': at_least(1), 'galore_scale': above(0),
     'golore_svd_fraction': between(0, 1, closed=True), 'precision': one_of(*PRECISIONS, label='precision'),
     'master_device': one_of('', 'cpu', described="'' (the weights' device) or 'cpu'"), 'dtype': one_of(*PTDTYPES, label='dtype'), 'backend': one_of('nccl', 'gloo'),
-    'parallel': one_of('ddp', 'fsdp'),
+    'parallel': one_of('ddp', 'fsdp'), 'dist_timeout_s': at_least(1),
 }
 
 
