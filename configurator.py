@@ -6,14 +6,17 @@ nanoGPT's configurator, made strict. Usage from a script with module-level defau
 Arguments without '--' are Python config files executed in order; '--key=value' overrides
 follow. Unlike nanoGPT's exec-into-globals, every key must already exist as a default
 (a typo fails with the closest valid names), values keep the default's type (an int is a
-valid float, booleans read True/False/true/false/1/0), each value can follow a rule (a range or
-a set of choices: at_least, above, between, one_of), and the resolved config is returned as a
-plain dict, which train.py also stores in its checkpoints. Every script's keys go through here,
-so a bad value is the same one-line error everywhere.
+valid float, booleans read True/False/true/false/1/0; an int fits in 64 bits, a float is finite),
+each value can follow a rule (a range or a set of choices: at_least, above, between, one_of), and
+the resolved config is returned as a plain dict, which train.py also stores in its checkpoints.
+Every script's keys go through here, so a bad value is the same one-line error everywhere.
 """
 import ast
 import difflib
+import math
 import traceback
+
+INT64 = (-2**63, 2**63 - 1)  # the range of every int value
 
 
 class ConfigError(ValueError):
@@ -43,9 +46,18 @@ def coerce(key, value, default):
             return bool(value)
     elif want is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an int beyond float's range
+                number = math.inf
+            if not math.isfinite(number):  # 1e400 reads as inf: no setting wants it, torch would fail far later
+                raise ConfigError(f"{key}={value!r} is not a finite number; give one such as {default!r}")
+            return number
     elif want is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not INT64[0] <= value <= INT64[1]:  # torch takes 64-bit integers (seeds, sizes) and fails in its own words
+                raise ConfigError(f"{key}={value} does not fit in 64 bits (torch's integers, "
+                                  f"-2**63 .. 2**63-1); give a {key} in that range")
             return value
     elif want is str:
         if isinstance(value, str):

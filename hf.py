@@ -12,9 +12,11 @@ place here) raises HFError, one line that names it.
 """
 import json
 import os
+import pickle
+import zipfile
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from model import GPT, GPTConfig
@@ -45,17 +47,46 @@ def _rope_theta(hf, where):
     """rope_theta of a LLaMA config (transformers 4: top level, 5: rope_parameters); rope scaling refused."""
     params = hf.get('rope_parameters') or {}
     scaling = hf.get('rope_scaling') or {}
-    for rope in (params, scaling):
+    for key, rope in (('rope_parameters', params), ('rope_scaling', scaling)):
+        if not isinstance(rope, dict):
+            raise HFError(f"{where}: {key}={rope!r} is not an object of settings; download the model again")
         kind = rope.get('rope_type', rope.get('type', 'default'))
         if kind != 'default':
             raise HFError(f"{where}: rope scaling {kind!r} cannot be mapped (this repository's rotary "
                           f"embeddings are unscaled); use a checkpoint without rope_scaling")
-    return float(params.get('rope_theta', hf.get('rope_theta', 10000.0)))
+    return _number(params, 'rope_theta', where, _number(hf, 'rope_theta', where, 10000.0))
+
+
+def _size(hf, key, where, default=None, low=1):
+    """An integer entry of config.json, required unless it has a default: a missing or mistyped one
+    would otherwise surface as a KeyError or a TypeError deep inside the model's construction."""
+    value = default if hf.get(key) is None else hf[key]  # null: the default, as transformers reads it
+    if value is None:
+        raise HFError(f"{where} lacks {key!r}, which every {hf.get('model_type')} config.json has; the file is "
+                      f"incomplete: download the model again")
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise HFError(f"{where}: {key}={value!r} is not an integer >= {low}; the file is damaged: download the "
+                      f"model again")
+    return value
+
+
+def _number(hf, key, where, default):
+    value = default if hf.get(key) is None else hf[key]
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise HFError(f"{where}: {key}={value!r} is not a positive number; the file is damaged: download the "
+                      f"model again")
+    return float(value)
 
 
 def config_from_hf(hf, where='config.json'):
     """GPTConfig keywords of a Hugging Face config dict (config.json), or HFError."""
+    if not isinstance(hf, dict):
+        raise HFError(f"{where} holds a JSON {type(hf).__name__}, not an object of settings; it is not a "
+                      f"Hugging Face config.json: download the model again")
     archs = hf.get('architectures') or []
+    archs = [archs] if isinstance(archs, str) else archs
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise HFError(f"{where}: architectures={archs!r} is not a list of class names; download the model again")
     model_type = hf.get('model_type')
     arch = {'gpt2': 'gpt2', 'llama': 'llama'}.get(model_type)
     if arch is None or any(a != ARCHITECTURES[arch] for a in archs):
@@ -72,24 +103,28 @@ def config_from_hf(hf, where='config.json'):
         for refused, what in refusals:
             if refused:
                 raise HFError(f"{where}: GPT-2 with {what} cannot be mapped onto this repository's GPT-2")
-        return dict(arch='gpt2', vocab_size=hf['vocab_size'], block_size=hf['n_positions'], n_layer=hf['n_layer'],
-                    n_head=hf['n_head'], n_embd=hf['n_embd'], mlp_hidden=hf.get('n_inner') or 0, bias=True,
-                    norm_eps=hf.get('layer_norm_epsilon', 1e-5), gelu=GELU_FROM_HF[act], tie_embeddings=tied)
+        return dict(arch='gpt2', vocab_size=_size(hf, 'vocab_size', where), block_size=_size(hf, 'n_positions', where),
+                    n_layer=_size(hf, 'n_layer', where), n_head=_size(hf, 'n_head', where),
+                    n_embd=_size(hf, 'n_embd', where), mlp_hidden=_size(hf, 'n_inner', where, 0, low=0) or 0,
+                    bias=True, norm_eps=_number(hf, 'layer_norm_epsilon', where, 1e-5), gelu=GELU_FROM_HF[act],
+                    tie_embeddings=tied)
     for key in ('attention_bias', 'mlp_bias'):
         if hf.get(key):
             raise HFError(f"{where}: LLaMA with biases ({key}=true) cannot be mapped; this repository's LLaMA "
                           f"has none")
     if hf.get('hidden_act', 'silu') != 'silu':
         raise HFError(f"{where}: LLaMA with hidden_act {hf['hidden_act']!r} cannot be mapped (SwiGLU is SiLU)")
-    n_embd, n_head = hf['hidden_size'], hf['num_attention_heads']
-    head_dim = hf.get('head_dim') or n_embd // n_head
+    n_embd, n_head = _size(hf, 'hidden_size', where), _size(hf, 'num_attention_heads', where)
+    head_dim = _size(hf, 'head_dim', where, 0, low=0) or n_embd // n_head
     if head_dim * n_head != n_embd:
         raise HFError(f"{where}: head_dim={head_dim} x num_attention_heads={n_head} != hidden_size={n_embd} "
                       f"cannot be mapped (heads here are hidden_size / num_attention_heads wide)")
-    return dict(arch='llama', vocab_size=hf['vocab_size'], block_size=hf['max_position_embeddings'],
-                n_layer=hf['num_hidden_layers'], n_head=n_head, n_kv_head=hf.get('num_key_value_heads') or n_head,
-                n_embd=n_embd, mlp_hidden=hf['intermediate_size'], bias=False, norm_eps=hf.get('rms_norm_eps', 1e-6),
-                rope_theta=_rope_theta(hf, where), tie_embeddings=tied)
+    return dict(arch='llama', vocab_size=_size(hf, 'vocab_size', where),
+                block_size=_size(hf, 'max_position_embeddings', where), n_layer=_size(hf, 'num_hidden_layers', where),
+                n_head=n_head, n_kv_head=_size(hf, 'num_key_value_heads', where, 0, low=0) or n_head, n_embd=n_embd,
+                mlp_hidden=_size(hf, 'intermediate_size', where), bias=False,
+                norm_eps=_number(hf, 'rms_norm_eps', where, 1e-6), rope_theta=_rope_theta(hf, where),
+                tie_embeddings=tied)
 
 
 def config_to_hf(config, dtype=torch.float32, bos_token_id=None, eos_token_id=None):
@@ -163,18 +198,41 @@ def _weight_files(hf_dir):
 
 
 def read_tensors(hf_dir):
-    """Yield (HF name, tensor) of every tensor in the directory's weight files, one at a time."""
+    """Yield (HF name, tensor) of every tensor in the directory's weight files, one at a time; a file
+    that cannot be read (truncated, damaged, pickled objects) is an HFError naming it."""
     for path, kind in _weight_files(hf_dir):
         if kind == 'safetensors':
-            with safe_open(path, framework='pt') as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        else:
             try:
-                state = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
-            except RuntimeError:  # the legacy (non-zip) torch.save format cannot be mapped
-                state = torch.load(path, map_location='cpu', weights_only=True)
-            yield from state.items()
+                with safe_open(path, framework='pt') as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            except SafetensorError as e:
+                raise HFError(f"{path} cannot be read ({str(e).splitlines()[0][:200]}): it is truncated or "
+                              f"damaged; download it again") from None
+        else:
+            yield from _torch_tensors(path)
+
+
+def _torch_tensors(path):
+    """The (name, tensor) pairs of a pytorch_model.bin, read with weights_only=True: a file that holds
+    other pickled objects is refused, never unpickled (it could run code)."""
+    try:  # mapped when it can be: the legacy (non-zip) format cannot
+        state = torch.load(path, map_location='cpu', weights_only=True, mmap=zipfile.is_zipfile(path))
+    except Exception as e:  # noqa: BLE001  (torch's messages run to paragraphs, with advice never to follow)
+        if isinstance(e, pickle.UnpicklingError) and 'weights only' in str(e).lower():
+            raise HFError(f"{path} holds pickled Python objects besides tensors, which are not loaded here (they "
+                          f"could run code); use the model's model.safetensors (download it), or convert this file "
+                          f"to safetensors where you trust its source") from None
+        reason = str(e).strip().splitlines()[0].split('. ')[0][:200] if str(e).strip() else type(e).__name__
+        raise HFError(f"{path} cannot be read ({reason}): it is truncated or damaged; download it again") from None
+    if not isinstance(state, dict):
+        raise HFError(f"{path} holds a {type(state).__name__}, not a dict of tensors; it is not a Hugging Face "
+                      f"weights file")
+    for name, tensor in state.items():
+        if not torch.is_tensor(tensor):
+            raise HFError(f"{path}: {name!r} is a {type(tensor).__name__}, not a tensor; it is not a Hugging Face "
+                          f"weights file (a training checkpoint? export its model's state_dict)")
+        yield name, tensor
 
 
 # -----------------------------------------------------------------------------
@@ -183,7 +241,10 @@ def read_tensors(hf_dir):
 
 def from_state(hf_config, tensors, dropout=0.0, where='config.json'):
     """Our GPT of an HF config dict and an iterable of (HF name, tensor); HFError if they do not map."""
-    config = GPTConfig(**config_from_hf(hf_config, where), dropout=dropout)
+    try:
+        config = GPTConfig(**config_from_hf(hf_config, where), dropout=dropout)
+    except ValueError as e:  # GPTConfig's own checks (heads that do not divide the width, ...)
+        raise HFError(f"{where}: {e}" if not isinstance(e, HFError) else str(e)) from None
     model = GPT(config)
     ours = model.state_dict()  # tensors that share storage with the parameters
     by_hf = {hf_name(k, config.arch): k for k in ours}
@@ -228,10 +289,15 @@ def read_config(hf_dir):
     if not os.path.isfile(path):
         raise HFError(f"{hf_dir} holds no config.json; a Hugging Face model directory has config.json and weights")
     try:
-        with open(path) as f:
-            return json.load(f)
-    except ValueError as e:
-        raise HFError(f"{path} is not valid JSON ({e})") from None
+        with open(path, encoding='utf-8') as f:
+            config = json.load(f)
+    except ValueError as e:  # UnicodeDecodeError included
+        raise HFError(f"{path} is not valid JSON ({str(e).splitlines()[0][:200]}); download the model "
+                      f"again") from None
+    if not isinstance(config, dict):
+        raise HFError(f"{path} holds a JSON {type(config).__name__}, not an object of settings; it is not a "
+                      f"Hugging Face config.json: download the model again")
+    return config
 
 
 def load(hf_dir, dropout=0.0):

@@ -141,7 +141,10 @@ def read_corpus(input_path=None) -> tuple[str, str]:
     input_path = Path(input_path)
     if not input_path.is_file():
         raise FileNotFoundError(f"input file not found: {input_path}")
-    return input_path.read_text(encoding="utf-8"), str(input_path)
+    text = input_path.read_text(encoding="utf-8")
+    if not text.strip():  # else a dataset of 0 tokens, which no run can train on
+        raise ValueError(f"input file {input_path} holds no text; give a UTF-8 text file with the corpus")
+    return text, str(input_path)
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -257,6 +260,9 @@ def write_dataset(out_dir, splits: Mapping[str, Iterable], meta: Mapping, totals
             tmp = files.enter_context(atomic_path(out_dir / f"{split}.bin"))
             counts[split] = _write_ids(tmp, f"{split}.bin", chunks, meta["dtype"], meta["vocab_size"],
                                        totals.get(split), n_chunks=n_chunks.get(split), progress=progress)
+            if not counts[split]:  # a split no run can read a window of: refused before anything is replaced
+                raise ValueError(f"{split}.bin would hold no tokens (the input is too short to split); nothing was "
+                                 f"written: give a longer text")
         with open(files.enter_context(atomic_path(out_dir / "meta.pkl")), "wb") as f:
             pickle.dump(dict(meta), f)
     return counts
@@ -274,6 +280,9 @@ def write_splits(train_ids: Sequence[int], val_ids: Sequence[int], out_dir, meta
     splits = {"train": np.asarray(train_ids, dtype=np.int64), "val": np.asarray(val_ids, dtype=np.int64)}
     for name, a in splits.items():
         _check_ids(a, f"{name}.bin", meta["vocab_size"], "vocab_size")
+        if not a.size:  # checked before out_dir is made (write_dataset checks it too, for every writer)
+            raise ValueError(f"{name}.bin would hold no tokens (the input is too short to split); nothing was "
+                             f"written: give a longer text")
     chunks = {name: _as_chunks(a) for name, a in splits.items()}
     counts = write_dataset(out_dir, chunks, meta, n_chunks={k: len(v) for k, v in chunks.items()})
     return {f"{name}_tokens": n for name, n in counts.items()}

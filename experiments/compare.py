@@ -344,6 +344,34 @@ def n_params(config, memory):
         return sum(p.numel() for p in GPT(config).parameters())
 
 
+REPORT_KEYS = ('command', 'machine', 'wall_s', 'n_params', 'config', 'rows', 'memory', 'runs')
+
+
+def read_report(path):
+    """The NAME.json of an earlier comparison (--replot), or a one-line ValueError saying what to do."""
+    if not os.path.exists(path):
+        raise ValueError(f"--replot rewrites the table and plot of {path}, which does not exist: run the comparison "
+                         f"first (without --replot), or give the --out_dir and --name it was written with")
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {str(e)[:100]}); run the comparison again "
+                         f"(without --replot) to rewrite it") from None
+    missing = [k for k in REPORT_KEYS if not isinstance(report, dict) or k not in report]
+    if missing:
+        raise ValueError(f"{path} is not a report of compare.py (it lacks {missing[0]!r}); give the --name of one, "
+                         f"or run the comparison again (without --replot)")
+    return report
+
+
+def write_json(path, report):
+    """NAME.json, replaced whole or not at all: a report cut short would lose the earlier one."""
+    with open(path + '.tmp', 'w') as f:
+        json.dump(report, f, indent=1)
+    os.replace(path + '.tmp', path)
+
+
 def build_parser():
     ap = runner.ArgumentParser(description=__doc__.split('\n\n')[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -375,8 +403,10 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.replot:
         path = os.path.join(args.out_dir, f'{args.name}.json')
-        with open(path) as f:
-            report = json.load(f)
+        try:
+            report = read_report(path)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
         if report['memory'] and not args.no_memory:  # cheap, no training: re-measure with the report's config
             cfg = argparse.Namespace(**{n: report['config'][n] for n, _, _ in TRAIN_FLAGS},
                                      max_iters=report['config']['max_iters'],
@@ -388,8 +418,7 @@ def main(argv=None):
         report['name'] = args.name
         report['replotted_with'] = ' '.join(['python', os.path.relpath(os.path.abspath(__file__), ROOT)] +
                                             (sys.argv[1:] if argv is None else list(argv)))
-        with open(path, 'w') as f:
-            json.dump(report, f, indent=1)
+        write_json(path, report)
         write_markdown(os.path.join(args.out_dir, f'{args.name}.md'), report)
         plot(os.path.join(args.out_dir, f'{args.name}_loss.png'), report)
         print(f"rewrote {args.out_dir}/{args.name}.md and {args.name}_loss.png from {args.name}.json")
@@ -444,13 +473,11 @@ def main(argv=None):
     failed = [r for r in runs if 'error' in r]
     if failed:  # the reports of an earlier, complete comparison stay as they were
         stem = os.path.join(args.out_dir, f'{args.name}.failed.json')
-        with open(stem, 'w') as f:
-            json.dump(report, f, indent=1)
+        write_json(stem, report)
         print(f"error: {len(failed)} of {len(runs)} runs failed (first: {failed[0]['error']}); {args.name}.md/.json "
               f"left as they were; this comparison is in {stem}, the runs' logs in {runs_dir}", file=sys.stderr)
         return 1
-    with open(os.path.join(args.out_dir, f'{args.name}.json'), 'w') as f:
-        json.dump(report, f, indent=1)
+    write_json(os.path.join(args.out_dir, f'{args.name}.json'), report)
     write_markdown(os.path.join(args.out_dir, f'{args.name}.md'), report)
     plot(os.path.join(args.out_dir, f'{args.name}_loss.png'), report)
     if tmp and not args.runs_dir:

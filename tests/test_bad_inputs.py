@@ -38,6 +38,9 @@ def files(tmp_path_factory):
     (d / 'reports').mkdir()
     (d / 'reports' / 'report.md').write_text('an earlier report\n')
     (d / 'start.bin').write_bytes(b'\xff\xfe\x00bad')
+    (d / 'empty.txt').write_text('')
+    (d / 'blank.txt').write_text(' \n\n')
+    (d / 'one_char.txt').write_text('a')  # 0 characters in the 90% train split
     return d
 
 
@@ -114,6 +117,12 @@ TRAIN = [
     ('{files}/unknown_key.py', r"unknown config key 'lerning_rate'"),
     ('{files}/wrong_type.py', r"max_iters='many' is not a valid int"),
     ('{files}/missing.py', r"cannot read config file .*missing\.py'"),
+    # integers beyond torch's 64 bits, and floats beyond float's range: the key named, not torch's words
+    ('--seed=18446744073709551616', r'seed=18446744073709551616 does not fit in 64 bits .*give a seed in that range'),
+    ('--seed=-9223372036854775809', r'seed=-9223372036854775809 does not fit in 64 bits'),
+    ('--omgd_seed=18446744073709551616', r'omgd_seed=18446744073709551616 does not fit in 64 bits'),
+    ('--vocab_size=100000000000000000000', r'vocab_size=100000000000000000000 does not fit in 64 bits'),
+    ('--learning_rate=1e400', r'learning_rate=inf is not a finite number'),
 ]
 # the probes that name an out_dir of their own (the others train into {out}: refused before they save)
 OUT_DIR = [
@@ -149,6 +158,7 @@ SAMPLE = [
     ('--start=ROMEO{{}}', r'--start: characters'),
     ('--out_dir={files}/empty', r'no checkpoint at .*; train one first: python train\.py --out_dir='),
     ('--out_dir={files}/a_file', r'no checkpoint at'),
+    ('--seed=18446744073709551616', r'seed=18446744073709551616 does not fit in 64 bits'),
 ]
 BENCH = [
     ('--methods=adam', r"unknown method 'adam'"),
@@ -185,6 +195,7 @@ COMPARE = [
     ('--bogus=1', r'unrecognized arguments: --bogus=1'),
     ('--train_arg=--lerning_rate=1', r"unknown config key 'lerning_rate'"),
     ('--train_arg=--batch_size=0', r'batch_size must be >= 1'),
+    ('--replot --name=nothing', r'nothing\.json, which does not exist: run the comparison first \(without --replot\)'),
 ]
 STUDY = [
     ('--stages=bogus', r"unknown stage 'bogus'; choose from"),
@@ -200,6 +211,7 @@ EXPORT = [
     ('--hf_dir={files}/hf --dtype=fp8', r"dtype must be '' \(the checkpoint's\) or one of"),
     ('--hf_dir={files}/hf --out_dir={files}/empty', r'no checkpoint at'),
     ('--hf_dir={files}/hf --bogus=1', r"unknown config key 'bogus'"),
+    ('--hf_dir={files}/hf --tokenizer=gpt3', r"tokenizer must be '' \(the dataset's\) or 'none'"),
 ]
 PREPARE = [
     ('data/shakespeare_char/prepare.py', '--input={files}/missing.txt', r'input file not found'),
@@ -212,6 +224,13 @@ PREPARE = [
     ('data/c4/prepare.py', '--json_files={files}/a_file --max_docs=-1', r'--max_docs=-1: give a number of at least 0'),
     ('data/c4/prepare.py', '--json_files={files}/a_file --num_proc=0', r'give numbers of at least 1'),
     ('data/c4/prepare.py', '--max_tokens=many', r"argument --max_tokens: invalid int value"),
+    # a dataset of 0 tokens, which no run can read a window of
+    ('data/shakespeare_char/prepare.py', '--input={files}/empty.txt', r'empty\.txt holds no text; give a UTF-8 text'),
+    ('data/shakespeare/prepare.py', '--input={files}/empty.txt', r'empty\.txt holds no text'),
+    ('data/shakespeare_char/prepare.py', '--input={files}/blank.txt', r'blank\.txt holds no text'),
+    ('data/shakespeare_char/prepare.py', '--input={files}/one_char.txt', r'train\.bin would hold no tokens .* give a '
+                                                                          r'longer text'),
+    ('data/shakespeare/prepare.py', '--input={files}/one_char.txt', r'train\.bin would hold no tokens'),
 ]
 SMALL_BENCH = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=16', '--vocab_size=64', '--batch_size=2',
                '--steps=1', '--warmup_steps=0', '--compile=False']

@@ -123,3 +123,19 @@ def test_default_out_dir_is_not_results():
     assert os.path.commonpath([out_dir, results]) != results, out_dir
     assert out_dir == os.path.realpath(os.path.join(ROOT, 'out'))  # git-ignored (out*/ in .gitignore)
     assert compare.build_parser().parse_args(['--out_dir=results']).out_dir == 'results'
+
+
+@pytest.mark.parametrize('content, message', [
+    (None, r"nothing\.json, which does not exist: run the comparison first \(without --replot\)"),
+    ('{"rows": [', r"nothing\.json cannot be read \(JSONDecodeError: .*\); run the comparison again"),
+    ('{"rows": []}', r"nothing\.json is not a report of compare\.py \(it lacks 'command'\)"),
+])
+def test_replot_without_a_report_is_one_line(tmp_path, content, message):
+    import re
+    if content is not None:
+        (tmp_path / 'nothing.json').write_text(content)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        compare.main(['--replot', f'--out_dir={tmp_path}', '--name=nothing'])
+    assert str(e.value.code).startswith('error: ') and re.search(message, str(e.value.code)), e.value.code
+    assert sorted(os.listdir(tmp_path)) == before  # nothing written, the damaged file kept as it was

@@ -45,6 +45,22 @@ def test_errors_are_one_line_and_helpful(argv, message):
     assert message in str(e.value) and '\n' not in str(e.value)
 
 
+@pytest.mark.parametrize('arg, message', [
+    ('--max_iters=9223372036854775808', "max_iters=9223372036854775808 does not fit in 64 bits"),
+    ('--max_iters=-9223372036854775809', "does not fit in 64 bits (torch's integers, -2**63 .. 2**63-1)"),
+    ('--learning_rate=1e400', "learning_rate=inf is not a finite number; give one such as 0.0006"),
+    ('--learning_rate=-1e999', "learning_rate=-inf is not a finite number"),
+    ('--learning_rate=1' + '0' * 400, "is not a finite number"),  # an int beyond float's range
+])
+def test_ints_beyond_64_bits_and_infinite_floats_are_refused(arg, message):
+    """torch.manual_seed(2**64) or a size of 10**20 would fail in torch's words, not naming the key."""
+    with pytest.raises(ConfigError) as e:
+        configure(DEFAULTS, [arg])
+    assert message in str(e.value) and '\n' not in str(e.value)
+    edge = configure(DEFAULTS, ['--max_iters=9223372036854775807', '--learning_rate=1e308'])
+    assert edge['max_iters'] == 2**63 - 1 and edge['learning_rate'] == 1e308
+
+
 def test_unknown_key_in_config_file(tmp_path):
     cfg = tmp_path / 'c.py'
     cfg.write_text("omgd_perod = 10\n")

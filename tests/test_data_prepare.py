@@ -163,6 +163,10 @@ def test_write_dataset_replaces_all_files_together(tmp_path):
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temp files either
     with pytest.raises(ValueError, match="dtype='uint16' is not the dtype of vocab_size=70000"):
         common.write_dataset(tmp_path, {"train": [np.arange(3)]}, {**big, "dtype": "uint16"})
+    # a split of 0 tokens, which no run can read a window of: refused, the earlier dataset kept
+    with pytest.raises(ValueError, match=r"val\.bin would hold no tokens .*nothing was written"):
+        common.write_dataset(tmp_path, {"train": [np.arange(4)], "val": [np.array([], dtype=np.int64)]}, meta)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 def test_missing_play_files_are_one_clear_error(monkeypatch):
