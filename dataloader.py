@@ -68,7 +68,7 @@ class TokenBatches:
     def _epoch_order(self):
         """(offset, permutation of window indices) of the current epoch, cached."""
         if self._order is None or self._order[0] != self.epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**64)  # a large data_seed wraps
             offset = int(torch.randint(self.block_size + 1, (1,), generator=g))
             perm = torch.randperm(self.windows_per_epoch, generator=g)
             self._order = (self.epoch, offset, perm)
@@ -85,7 +85,7 @@ class TokenBatches:
         if self.sampling == 'iid':
             # one generator per global micro-step, so iid draws resume exactly and do not
             # depend on the rank split either
-            g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + step_first)
+            g = torch.Generator().manual_seed(((self.seed * 1_000_003 + self.epoch) * 1_000_003 + step_first) % 2**64)
             return torch.randint(self.n_tokens - self.block_size, (per_step,), generator=g)[mine]
         offset, perm = self._epoch_order()
         return offset + perm[step_first:step_first + per_step][mine] * (self.block_size + 1)

@@ -174,6 +174,11 @@ def check(cfg):
     if cfg['precision'] == 'bf16_master' and cfg['optimizer'] == 'sgd' and cfg['method'] not in GALORE_METHODS:
         raise ValueError("precision='bf16_master' keeps AdamW's fp32 master weights; use --optimizer=adamw, "
                          "or --precision=bf16 for SGD on bf16 weights")
+    # a shape no machine holds is refused here, before building it takes forever or overflows in torch
+    width, depth, vocab = max(cfg['n_embd'], 1), cfg['n_layer'], cfg['vocab_size'] or 50304
+    if cfg['preset'] == '' and depth * 12 * width ** 2 + 2 * vocab * width > 10 ** 14:
+        raise ValueError(f"n_layer={depth}, n_embd={width} and vocab_size={vocab} make a model of over 10^14 "
+                         f"parameters; lower --n_layer or --n_embd")
     if cfg['checkpoint_sublayers'] and not cfg['activation_checkpointing']:
         raise ValueError("checkpoint_sublayers=True splits activation checkpointing per sublayer; add "
                          "--activation_checkpointing=True or drop --checkpoint_sublayers")

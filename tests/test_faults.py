@@ -161,3 +161,21 @@ def test_a_gpu_config_on_a_machine_without_a_gpu_is_refused_at_once():
     result = run_script('train.py', ['config/llama7b_lisa_wor.py', '--dataset=c4'])
     assert_one_line_error(result, r"^error: device='cuda' but this machine has no CUDA GPU .*; use --device=cpu")
     assert 'config:' not in result.stdout  # before anything is read or built
+
+
+def test_sizes_no_machine_holds_are_named_at_once(tmp_path):
+    for arg in ('--n_layer=1000000000000', '--n_embd=1000000000000'):
+        result = run_train(f'--out_dir={tmp_path}', arg, '--n_head=1', expect_ok=False)
+        assert_one_line_error(result, r"make a model of over 10\^14 parameters; lower --n_layer or --n_embd$")
+
+
+def test_a_large_data_seed_trains():
+    import torch
+    from dataloader import TokenBatches
+    import numpy as np
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        np.arange(5000, dtype=np.uint16).tofile(f'{d}/t.bin')
+        for sampling in ('rr', 'iid'):
+            starts = TokenBatches(f'{d}/t.bin', 15, 4, sampling, seed=10**18).next_starts()
+            assert len(starts) == 4 and torch.all(starts < 5000)
