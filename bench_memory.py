@@ -82,6 +82,7 @@ from types import SimpleNamespace
 import torch
 
 import dataloader
+import memory
 import omgd_state
 import train_config
 import training
@@ -108,19 +109,6 @@ PAPER_LLAMA_7B = {'full': (12.55, 12.55, 25.10, 14.66, 64.86), 'galore': (12.55,
 
 # -----------------------------------------------------------------------------
 # the config: train.py's keys, one row per method x precision
-
-
-def check_shape(cfg, defaults):
-    """A preset sets the architecture (training.model_args): a shape key changed next to it would be
-    silently ignored, so refuse it (vocab_size is the exception: the tokenizer's, it overrides)."""
-    if cfg['preset'] and cfg['preset'] not in PRESETS:
-        raise ValueError(f"unknown preset {cfg['preset']!r}; choose one of {', '.join(PRESETS)}, or '' and "
-                         f"the shape keys (arch, n_layer, n_head, n_embd, ...)")
-    if cfg['preset']:
-        changed = [k for k in training.ARCH_KEYS if k != 'vocab_size' and k in cfg and cfg[k] != defaults[k]]
-        if changed:
-            raise ValueError(f"preset={cfg['preset']!r} sets the architecture, so {changed[0]}={cfg[changed[0]]!r} "
-                             f"would be ignored; pass --preset='' to give the shape by its keys")
 
 
 def dataset_vocab(cfg):
@@ -201,9 +189,8 @@ def measure(cfg, device):
     if cfg['master_device'] == 'cpu' and not cuda:
         # no second memory to offload to: the masters stay on the one device, marked as host memory
         opt.master_device, opt.host_scope = None, tracker.host
-    if compiled:
-        for block in net.blocks:  # train.py's regional compilation
-            block.compile()
+    if compiled:  # train.py's regional compilation
+        memory.compile_blocks(net, cfg['method'])
     if cuda:  # the fp32 copy a bf16 build went through is cached, not in use: give it back
         gc.collect()
         torch.cuda.empty_cache()
@@ -412,7 +399,7 @@ def check(cfg):
     """One-line ValueErrors for what no row can run with; returns (device, row configs)."""
     check_rule('micro_batches', cfg['micro_batches'], RULES['micro_batches'])
     device = resolve_device(cfg['device'])
-    check_shape(cfg, DEFAULTS)
+    train_config.check_preset(cfg)
     check_fits(model_config(cfg), device, training.weight_dtype(cfg['precision']).itemsize)  # before a row allocates it
     return device, row_configs(cfg)
 

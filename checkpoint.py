@@ -174,15 +174,18 @@ def resume(path, device, config, given):
     a one-line ValueError when there is none, it does not load, or the config cannot continue it
     (load_model).
 
-    The checkpoint is read into host memory, mapped (mmap: the ranks of a node share the pages of
-    one file), never onto `device`: the RNG states must stay CPU tensors (torch.set_rng_state and
-    torch.cuda.set_rng_state take nothing else), the optimizer state goes where its parameters are
-    when load_state loads it (torch's loading, and optim.MasterWeights' for master_device='cpu',
-    which keeps its masters in host memory), and no rank holds the whole file on its GPU. So a
-    file written on one device type resumes on any other, through this same path."""
+    The checkpoint is read into host memory, never onto `device`: the RNG states must stay CPU
+    tensors (torch.set_rng_state and torch.cuda.set_rng_state take nothing else), the optimizer
+    state goes where its parameters are when load_state loads it (torch's loading, and
+    optim.MasterWeights' for master_device='cpu', which keeps its masters in host memory), and no
+    rank holds the whole file on its GPU. So a file written on one device type resumes on any
+    other, through this same path. For a GPU the file is mapped (mmap: the ranks of a node share
+    its pages, and no rank reads it whole), since everything is copied out of it; a CPU run reads
+    it, as its optimizer state would stay the file's pages (torch's loading keeps a tensor that is
+    on the right device already), holding the replaced file's disk space after the next save."""
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path} to resume from; train with init_from='scratch' first")
-    checkpoint = read(path, map_location='cpu', mmap=True)
+    checkpoint = read(path, map_location='cpu', mmap=torch.device(device).type != 'cpu')
     model = load_model(checkpoint, path, config, given)
     from training import weight_dtype
     # cast where it was read, then moved once: a bf16 run never holds fp32 weights on the device

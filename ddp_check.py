@@ -131,7 +131,7 @@ class CountedReduceScatter:
 def reduce_scatter_single():
     """The reduce-scatter of one tensor into one shard that FSDP2 calls, in the installed torch:
     dist.reduce_scatter_single from torch 2.13 (which deprecates reduce_scatter_tensor), the same
-    collective under its older name reduce_scatter_tensor before (torch 2.11 and 2.12 have only it)."""
+    collective under its older name reduce_scatter_tensor before (torch 2.9 to 2.12 have only it)."""
     return getattr(dist, 'reduce_scatter_single', None) or dist.reduce_scatter_tensor
 
 

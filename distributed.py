@@ -162,7 +162,7 @@ def wrap_ddp(model, ranks, device_type, init_sync):
 def no_buffer_sync(ddp_class):
     """DDP's keyword argument that turns off the broadcast of buffers before every forward, in the
     installed torch: forward_sync_buffers=False from torch 2.13 (which deprecates broadcast_buffers),
-    broadcast_buffers=False before it (torch 2.11 and 2.12 have no forward_sync_buffers). The two
+    broadcast_buffers=False before it (torch 2.9 to 2.12 have no forward_sync_buffers). The two
     differ only at construction: broadcast_buffers=False also skips the buffers' broadcast of
     init_sync, which constant buffers do not need."""
     import inspect

@@ -11,6 +11,7 @@ apply       the options a config chooses, applied from outside the model (traini
             activation_offload        tensors saved for the backward kept in host memory (OffloadActivations)
             loss_chunk                head and cross-entropy this many tokens at a time (ChunkedLinearCE)
 is_weight   whether a tensor saved for the backward is a weight (offloading leaves weights alone).
+compile_blocks  compile=True's regional compilation, per block, without a recompile per requires_grad pattern.
 """
 import weakref
 from contextlib import nullcontext
@@ -39,6 +40,32 @@ def apply(model, activation_checkpointing=False, checkpoint_sublayers=False, act
     model.memory_options = dict(activation_checkpointing=activation_checkpointing,
                                 checkpoint_sublayers=checkpoint_sublayers, activation_offload=activation_offload,
                                 loss_chunk=loss_chunk)
+    return model
+
+
+def compile_blocks(model, method, **kwargs):
+    """compile=True: every block of `model` compiled on its own (regional compilation), so that layer
+    cycling's requires_grad patterns do not multiply the graphs; kwargs go to torch.compile (backend,
+    mode, ...). Returns the model. Call after memory.apply and FSDP's sharding.
+
+    torch.compile guards every parameter's requires_grad (AOTAutograd's graphs depend on it): a graph
+    is compiled per pattern, and after torch._dynamo.config.recompile_limit (8) of them the code runs
+    eagerly. A whole-model compile meets a new pattern at every switch.
+    Block methods (full, lisa*, galore, golore): each block is one compiled unit; it only ever sees
+    two patterns, trainable or frozen. nn.Module.compile keeps parameter names free of '_orig_mod.'.
+    Tensor methods (tensor_wor, tensor_iid) switch every tensor on its own, so a block would see up
+    to 2^(its tensors) patterns. There the modules that hold parameters (the Linears and norms) run
+    eagerly, outside the graphs (torch.compiler.disable), and the compiled graphs hold the
+    parameter-free computation between them (attention, rotary positions, activation functions,
+    residuals, dropout): their inputs are activations, whose patterns are few whatever trains."""
+    import omgd
+    kind = omgd.METHODS.get(method)  # None: full, and GaLore's methods (every block trains)
+    for block in model.blocks:
+        if kind is not None and kind.unit == 'tensor':
+            for module in block.modules():
+                if next(module.parameters(recurse=False), None) is not None and 'forward' not in vars(module):
+                    module.forward = torch.compiler.disable(module.forward)
+        block.compile(**kwargs)
     return model
 
 
@@ -98,16 +125,36 @@ class FrozenLinear(torch.autograd.Function):
         return dx, None, None, None
 
 
+# device type -> the dtype of an autocast that is emulated there, not run: memory_tools.MetaAsCuda sets
+# it while it emulates CUDA's autocast on the meta device (which has no autocast of its own), so that
+# Linear takes the FrozenLinear path a CUDA run takes and the estimate counts what CUDA allocates
+EMULATED_AUTOCAST = {}
+
+
+@torch.compiler.assume_constant_result  # the dynamo of torch 2.11 and older cannot trace it (a graph break)
+def _autocast_available(device_type):
+    return torch.amp.is_autocast_available(device_type)
+
+
+def autocast_dtype(device_type):
+    """The dtype autocast casts matmuls to on `device_type` now (or emulates: EMULATED_AUTOCAST), or None."""
+    if device_type in EMULATED_AUTOCAST:
+        return EMULATED_AUTOCAST[device_type]
+    if _autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state_dict) that routes a frozen layer under autocast through
     FrozenLinear."""
 
     def forward(self, x):
-        device = x.device.type
         if (not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
-                and torch.is_grad_enabled() and torch.amp.is_autocast_available(device)
-                and torch.is_autocast_enabled(device)):
-            return FrozenLinear.apply(x, self.weight, self.bias, torch.get_autocast_dtype(device))
+                and torch.is_grad_enabled()):
+            dtype = autocast_dtype(x.device.type)
+            if dtype is not None:
+                return FrozenLinear.apply(x, self.weight, self.bias, dtype)
         return super().forward(x)
 
 

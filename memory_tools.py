@@ -109,8 +109,15 @@ class MetaAsCuda(TorchFunctionMode):
     - with dtype (bf16 or fp16), CUDA autocast's casts: matmuls to dtype, norms, softmax and
       cross-entropy to fp32, and (cache=True, the forward) casts of leaf tensors that require
       grad kept until the forward ends, like autocast's weight cache. None: no autocast.
+    - with dtype, memory.Linear takes the path it takes under CUDA autocast: a frozen layer goes
+      through memory.FrozenLinear, which keeps no low-precision copy of its weight for the backward
+      (memory.EMULATED_AUTOCAST, set while the mode is on; the meta device has no autocast, so
+      without it the estimate would count a copy a CUDA run does not make). follow_cuda_linear=False
+      turns this off (tests compare the two).
     Run the backward with backward() below (cache=False): activation checkpointing recomputes there.
     """
+    follow_cuda_linear = True
+    EMULATES = ('meta', 'cpu')  # the device types whose tensors it is used on
     LOW = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
            torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.bmm}
     FP32 = {F.layer_norm, F.rms_norm, F.group_norm, F.softmax, F.log_softmax, torch.softmax,
@@ -122,8 +129,16 @@ class MetaAsCuda(TorchFunctionMode):
         self.dtype, self.cache = dtype, cache
         self.casts = {}
 
+    def __enter__(self):
+        self.emulated = dict(memory.EMULATED_AUTOCAST)  # put back on exit (the modes nest)
+        if self.dtype is not None and self.follow_cuda_linear:
+            memory.EMULATED_AUTOCAST.update(dict.fromkeys(self.EMULATES, self.dtype))
+        return super().__enter__()
+
     def __exit__(self, *args):
         self.casts.clear()
+        memory.EMULATED_AUTOCAST.clear()
+        memory.EMULATED_AUTOCAST.update(self.emulated)
         return super().__exit__(*args)
 
     def backward(self, loss):
@@ -204,13 +219,63 @@ def available_bytes(device):
         return None  # not Linux: no check
 
 
-def check_fits(config, device, bytes_per_weight, estimate_peak=None):
+def estimate_iteration(cfg, vocab_size=0):
+    """bench_memory's meta-device estimate of one iteration of train.py's config `cfg` on one device: a
+    dict of bytes (params, grads, optimizer, others, peak; bench_memory.measure's row). Seconds for a
+    7B model. What check_fits' estimate_peak returns."""
+    import bench_memory
+    return bench_memory.measure({**cfg, 'vocab_size': vocab_size or cfg['vocab_size'], 'micro_batches': 0,
+                                 'compile': False}, torch.device('meta'))
+
+
+def unit_params(config):
+    """(parameters of the largest block, parameters outside the blocks) of GPT(config), built on meta:
+    the FSDP2 units of distributed.shard_fsdp (each block, and the root with the rest; tied once)."""
+    from model import GPT
+    with torch.device('meta'):
+        model = GPT(config)
+    in_blocks = {id(p) for p in model.blocks.parameters()}
+    block = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
+    root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)  # parameters() dedupes a tie
+    return block, root
+
+
+def per_rank_peak(row, config, world_size=1, fsdp=False, bytes_per_weight=4):
+    """The peak bytes of one rank, from the single-device estimate `row` (estimate_iteration).
+
+    Without FSDP (one process, DDP) every rank holds what one device does: row['peak']. Under FSDP2
+    (distributed.shard_fsdp) an APPROXIMATION: weights, gradients and optimizer state are divided by
+    the world size (each rank holds its shards; FSDP2's padding of a first dimension to a multiple
+    of the world size is left out), activations and temporaries ('others') stay whole (each rank
+    runs its own micro-batch), and what is unsharded at once is added back, at bytes_per_weight
+    each (an upper bound when the all-gather runs in bf16 over fp32 shards):
+      - the root unit (embedding, head, final norm, positions): FSDP2 keeps the root gathered from
+        its forward to its backward, and its gradients are full-size until its reduce-scatter at
+        the end of the backward: its weights twice;
+      - three blocks' weights: the block computing, the next one prefetched, and one block's full
+        gradients before its reduce-scatter.
+    Not modelled: communication buffers beyond those, and the caching allocator's fragmentation."""
+    if not fsdp or world_size <= 1:
+        return row['peak']
+    block, root = unit_params(config)
+    sharded = (row['params'] + row['grads'] + row['optimizer']) / world_size
+    gathered = (2 * root + 3 * block) * bytes_per_weight
+    return int(sharded + gathered + row['others'])
+
+
+def check_fits(config, device, bytes_per_weight, estimate_peak=None, world_size=1, fsdp=False):
     """Refuse (ValueError, one line) a model whose weights alone exceed the free memory of `device`
     (training.new_model builds them there directly, `bytes_per_weight` each): else the OOM killer
     ends the process, or an allocation fails deep inside. The parameter count comes from a build
     on the meta device (no memory). A lower bound: gradients, optimizer state and activations come
     on top: when the weights take over a quarter of the free memory, estimate_peak() (bench_memory's
-    meta-device estimate of an iteration, seconds for a 7B model) is compared too."""
+    meta-device estimate of an iteration, seconds for a 7B model: estimate_iteration) is compared too.
+
+    estimate_peak() returns estimate_iteration's row (a dict of bytes) or a number (the peak of one
+    device). world_size, fsdp: this rank's share under FSDP2 (fsdp=True: per_rank_peak's
+    approximation of the sharded peak; a bare number cannot be split, so no peak check then).
+    The weights alone are checked whole also under FSDP: training.new_model builds the whole model on
+    every rank's device before shard_fsdp shards it. Without FSDP every rank holds everything."""
     from model import GPT
     device = torch.device(device)
     if device.type == 'meta':
@@ -219,11 +284,19 @@ def check_fits(config, device, bytes_per_weight, estimate_peak=None):
         n_params = sum(p.numel() for p in GPT(config).parameters())
     need, free = bytes_per_weight * n_params, available_bytes(device)
     if free is not None and need <= free and estimate_peak is not None and need > free / 4:
-        peak = estimate_peak()
-        if peak > free:
+        estimate = estimate_peak()
+        sharded = fsdp and world_size > 1
+        if isinstance(estimate, dict):
+            peak = per_rank_peak(estimate, config, world_size, fsdp, bytes_per_weight)
+        else:
+            peak = None if sharded else estimate
+        if peak is not None and peak > free:
+            where = f"per rank of {world_size} under FSDP" if sharded else ""
             raise ValueError(f"the model has {n_params / 1e9:.2f}B parameters and an iteration needs about "
-                             f"{peak / 2**30:.1f} GiB (meta-device estimate), more than the {free / 2**30:.1f} GiB free "
-                             f"on {device.type}; choose a smaller model or batch, a memory option (docs/memory.md), "
+                             f"{peak / 2**30:.1f} GiB{' ' + where if where else ''} (meta-device estimate), more "
+                             f"than the {free / 2**30:.1f} GiB free on {device.type}; choose a smaller model or "
+                             f"batch, a memory option (docs/memory.md), "
+                             f"{'more ranks' if sharded else '--parallel=fsdp over several GPUs'}, "
                              f"or a machine with more memory")
     if free is not None and need > free:
         raise ValueError(f"the model has {n_params / 1e9:.2f}B parameters: {need / 2**30:.1f} GiB of weights "

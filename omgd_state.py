@@ -38,6 +38,8 @@ class StatePolicy:
         devices = {}
         for key, value in state.items():
             if torch.is_tensor(value) and value.dim() > 0:
+                if value.device.type == 'cpu' and p.device.type != 'cpu':
+                    continue  # a master or moment in host memory already (master_device='cpu'): it stays
                 devices[key] = value.device
                 parked = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
                 state[key] = parked.copy_(value)

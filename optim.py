@@ -19,6 +19,8 @@ moments and step 0; 'offload' parks the tensors on the CPU and puts them back. o
 counts master and moments (state tensors with dim > 0).
 master_device='cpu' keeps masters, moments and the AdamW arithmetic on the CPU (ZeRO-Offload
 style), in pinned memory when the parameters are on CUDA: the device holds bf16 weights and grads.
+What crosses between them goes through HostStaging's reused pinned buffers: every gradient down,
+asynchronously, then one wait; every rounded weight up, asynchronously.
 """
 from contextlib import nullcontext
 
@@ -55,6 +57,29 @@ def check_adamw_settings(lr, betas, eps, weight_decay):
                          f"weight_decay={weight_decay}")
 
 
+def adamw_foreach_(params, grads, exp_avgs, exp_avg_sqs, steps, lr, betas, eps, weight_decay):
+    """adamw_step_ (without `back`) on lists of tensors at once, through torch._foreach_* in the same
+    order of operations: bitwise adamw_step_ on each where the foreach ops run the per-tensor kernels
+    (the CPU). CUDA's fused foreach kernels round some products in another order (addcmul: alpha *
+    (t1 * t2) against (alpha * t1) * t2), so CUDA tensors keep the per-tensor form (foreach_bitwise)."""
+    beta1, beta2 = betas
+    if weight_decay != 0:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denoms, [(1 - beta2 ** step) ** 0.5 for step in steps])
+    torch._foreach_add_(denoms, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr / (1 - beta1 ** step) for step in steps])
+
+
+def foreach_bitwise(device):
+    """Whether adamw_foreach_ on `device` is bitwise adamw_step_ (tests/test_optim.py checks the CPU's;
+    meta, bench_memory's stand-in for CUDA, follows CUDA)."""
+    return torch.device(device).type == 'cpu'
+
+
 def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, back=None, scale=1.0):
     """One AdamW step in place on param, exp_avg and exp_avg_sq; `step` counts this step (1 first).
 
@@ -74,6 +99,47 @@ def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_d
         param.add_(back(exp_avg / denom), alpha=-lr * scale / bias_correction1)
 
 
+class HostStaging:
+    """Host buffers that the copies between CUDA parameters and their CPU masters go through, kept
+    from step to step: pinned (DMA, asynchronous; the CUDA host allocator rounds each block up to a
+    power of two once, not at every copy), one per (shape, dtype, slot). A buffer is written by the
+    CPU only after the copies that read or wrote it on the device are done: a copy down is waited for
+    (wait) before the CPU reads it, and a copy up records an event that the next CPU write waits for;
+    copies on the device run in the order of their stream, so a copy down into a buffer always
+    follows the copy up out of it. pin=False (the CPU seam of the tests): ordinary host memory."""
+
+    def __init__(self, pin=True):
+        self.pin = pin
+        self.buffers = {}  # (shape, dtype, slot) -> host tensor
+        self.uploads = {}  # (shape, dtype, slot) -> the event recorded after its last copy up (CUDA)
+
+    def buffer(self, shape, dtype, slot=0):
+        """The buffer of this (shape, dtype, slot), free for the CPU to write (earlier copies up done)."""
+        key = (tuple(shape), dtype, slot)
+        if key not in self.buffers:
+            self.buffers[key] = torch.empty(key[0], dtype=dtype, pin_memory=self.pin)
+        event = self.uploads.pop(key, None)
+        if event is not None:
+            event.synchronize()
+        return self.buffers[key]
+
+    def download(self, t, slot=0):
+        """Start copying device tensor `t` into its buffer (asynchronous from CUDA); wait() before reading it."""
+        return self.buffer(t.shape, t.dtype, slot).copy_(t, non_blocking=True)
+
+    @staticmethod
+    def wait(device):
+        """The copies down started so far on `device` are done (nothing to wait for off CUDA)."""
+        if device.type == 'cuda':
+            torch.cuda.current_stream(device).synchronize()
+
+    def upload(self, buf, target, slot=0):
+        """Copy `buf` (one of ours) into device tensor `target`, asynchronously from CUDA."""
+        target.copy_(buf, non_blocking=True)
+        if target.is_cuda:
+            self.uploads[(tuple(buf.shape), buf.dtype, slot)] = torch.cuda.current_stream(target.device).record_event()
+
+
 class MasterWeights:
     """The fp32 master weights of MasterAdamW and GaLoreAdamW(master=True), in one place.
 
@@ -86,9 +152,15 @@ class MasterWeights:
     """
     master = True
 
+    # the staging path (HostStaging) for parameters whose masters live in host memory: None, for CUDA
+    # parameters with CPU masters (the only copies there are); True forces it (the CPU seam of the tests)
+    stage = None
+
     def _init_master(self, master_device=None, host_scope=nullcontext):
         self.master_device = None if master_device is None else torch.device(master_device)
         self.host_scope = host_scope
+        self.staging = None  # HostStaging, made at the first staged copy
+        self.staged = {}  # param -> (its gradient's host buffer, slot), between _stage_grads and _round_into
 
     def master_home(self, p):
         """Where p's master and moments live: master_device, unless it is None or of p's own device
@@ -101,6 +173,30 @@ class MasterWeights:
         # pinned host memory makes the copies to and from a CUDA device DMA transfers
         return p.is_cuda and self.master_home(p).type == 'cpu'
 
+    def _stages(self, p):
+        """Whether p's copies to and from its master go through HostStaging."""
+        if self.stage is not None:
+            return self.stage
+        return p.is_cuda and self.master_home(p).type == 'cpu'
+
+    def _staging(self, p):
+        if self.staging is None:
+            self.staging = HostStaging(pin=p.is_cuda)
+        return self.staging
+
+    def _stage_grads(self, params):
+        """Start copying the gradient of every staged parameter among `params` into its own host
+        buffer, then wait once per device: the copies overlap each other, and the CPU waits once."""
+        self.staged, slots, devices = {}, {}, set()
+        for p in params:
+            if p.grad is not None and self._stages(p):
+                key = (tuple(p.grad.shape), p.grad.dtype)
+                slot = slots[key] = slots.get(key, -1) + 1  # same-shaped parameters: a buffer each
+                self.staged[p] = (self._staging(p).download(p.grad, slot), slot)
+                devices.add(p.device)
+        for device in devices:
+            self.staging.wait(device)
+
     def _state_zeros(self, p, shape):
         """fp32 zeros on master_home(p): a moment of p (shape: p's, or GaLore's projected one)."""
         return torch.zeros(shape, dtype=torch.float32, device=self.master_home(p), pin_memory=self._pinned(p))
@@ -108,15 +204,32 @@ class MasterWeights:
     def _master(self, p, state):
         """state['master'], first made as an fp32 copy of the weight as it is now."""
         if 'master' not in state:  # first step, or the first after 'drop' freed the state
+            weight = p.detach()
+            if self._stages(p):  # down in the weight's dtype through a buffer of its own (slot -1)
+                weight = self._staging(p).download(weight, slot=-1)
+                self.staging.wait(p.device)
             state['master'] = torch.empty(p.shape, dtype=torch.float32, device=self.master_home(p),
-                                          pin_memory=self._pinned(p)).copy_(p.detach())
+                                          pin_memory=self._pinned(p)).copy_(weight)
         return state['master']
 
-    @staticmethod
-    def _widened_grad(p, master):
-        return p.grad.to(master.device).float()  # across in the grad's dtype, then widen
+    def _widened_grad(self, p, master):
+        """p's gradient in fp32 where the master is: across in the grad's dtype, then widened."""
+        if not self._stages(p):
+            return p.grad.to(master.device).float()
+        if p not in self.staged:  # not staged by _stage_grads (GaLoreAdamW): this one alone, now
+            self.staged[p] = (self._staging(p).download(p.grad), 0)
+            self.staging.wait(p.device)
+        return self.staged[p][0].to(torch.float32, copy=True)  # the buffer carries the rounded weight up next
 
     def _round_into(self, p, master):
+        if self._stages(p):
+            buf, slot = self.staged.pop(p, (None, 0))
+            if buf is None or buf.dtype != p.dtype:
+                buf = self.staging.buffer(p.shape, p.dtype, slot)
+            with self.host_scope():
+                buf.copy_(master)  # rounded where the master is (as master.to(p.dtype)), into the buffer
+            self.staging.upload(buf, p.detach(), slot)
+            return
         with self.host_scope():
             rounded = master.to(p.dtype)  # rounded where the master is: fewer bytes to copy
         p.copy_(rounded)  # outside the scope: the parameter stays device memory for LiveBytes
@@ -153,12 +266,21 @@ class MasterAdamW(MasterWeights, torch.optim.Optimizer):
     memory for CUDA parameters). host_scope: a context manager entered around the state's
     allocation and arithmetic (memory_tools.LiveBytes marks those tensors as host memory when
     it emulates offloading on a single device).
+    The update runs one parameter at a time (adamw_step_, torch's AdamW(foreach=False)): one widened
+    fp32 gradient exists at a time. foreach=True runs adamw_foreach_ instead, FOREACH_BYTES of widened
+    gradients at a time (they must exist together), on the masters that live where it is bitwise
+    adamw_step_ (foreach_bitwise: the CPU; CUDA masters stay per tensor). Off by default: on the CPU
+    the foreach ops run the same per-tensor kernels in a loop (the Python calls it saves are
+    microseconds against the arithmetic), and holding the widened gradients together raises the
+    peak (a quarter more in bench_memory's GPT-2 test on the CPU).
     """
+    FOREACH_BYTES = 256 * 2**20
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 master_device=None, host_scope=nullcontext):
+                 master_device=None, host_scope=nullcontext, foreach=False):
         check_adamw_settings(lr, betas, eps, weight_decay)
         self._init_master(master_device, host_scope)
+        self.foreach = foreach
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
@@ -167,12 +289,15 @@ class MasterAdamW(MasterWeights, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        params = [p for group in self.param_groups for p in group['params'] if p.grad is not None]
+        if any(p.grad.is_sparse for p in params):
+            raise RuntimeError("MasterAdamW does not support sparse gradients")
+        self._stage_grads(params)  # the gradients of CUDA parameters with CPU masters come down together
         for group in self.param_groups:
+            batch, nbytes = [], 0
             for p in group['params']:
                 if p.grad is None:  # frozen (e.g. by layer cycling): no state, no update
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("MasterAdamW does not support sparse gradients")
                 state = self.state[p]
                 with self.host_scope():
                     if 'master' not in state:
@@ -181,8 +306,34 @@ class MasterAdamW(MasterWeights, torch.optim.Optimizer):
                     master = self._master(p, state)
                     state['step'] += 1
                     grad = self._widened_grad(p, master)
+                if self.foreach and foreach_bitwise(master.device):
+                    batch.append((p, master, grad, state))
+                    nbytes += grad.numel() * grad.element_size()
+                    if nbytes >= self.FOREACH_BYTES:
+                        self._update_together(batch, group)
+                        batch, nbytes = [], 0
+                    continue
+                with self.host_scope():
                     adamw_step_(master, grad, state['exp_avg'], state['exp_avg_sq'], state['step'],
                                 group['lr'], group['betas'], group['eps'], group['weight_decay'])
                     del grad
                 self._round_into(p, master)
+            self._update_together(batch, group)
         return loss
+
+    def _update_together(self, batch, group):
+        """adamw_foreach_ on a batch of (param, master, widened grad, state), then each rounded into its param."""
+        if not batch:
+            return
+        by_device = {}
+        for item in batch:
+            by_device.setdefault(item[1].device, []).append(item)
+        with self.host_scope():
+            for items in by_device.values():
+                adamw_foreach_([m for _, m, _, _ in items], [g for _, _, g, _ in items],
+                               [s['exp_avg'] for *_, s in items], [s['exp_avg_sq'] for *_, s in items],
+                               [s['step'] for *_, s in items], group['lr'], group['betas'], group['eps'],
+                               group['weight_decay'])
+        for p, master, _, _ in batch:
+            self._round_into(p, master)
+        batch.clear()  # the widened gradients go

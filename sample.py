@@ -48,7 +48,8 @@ def main(argv):
     try:
         cfg = configure(DEFAULTS, argv, rules())
         check_device(cfg['device'])
-        checkpoint = read_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'), map_location=cfg['device'])
+        # read into host memory (mapped), whatever the device: the model alone moves there, below
+        checkpoint = read_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'), map_location='cpu', mmap=True)
         model = GPT(GPTConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
     except (ConfigError, CheckpointError, ValueError) as e:

@@ -3,6 +3,7 @@
 #
 #   bash experiments/gpu_benchmarks.sh            # writes results/*_<GPU name>.{md,json,png}
 #
+# It starts with .ci/gpu, the checks of every CUDA-only branch (docs/gpu.md).
 # The same commands without a GPU give the meta-device estimates already in results/; this script
 # refuses to run without CUDA so that it never writes an estimate under a GPU's name.
 # llama-7b needs about 53 GiB for full AdamW (the meta estimate): an 80 GiB GPU is enough.
@@ -22,6 +23,12 @@ run() {  # run one command, echoing it into the log first
     echo "\$ $*" | tee -a "$log"
     "$@" 2>&1 | tee -a "$log"
 }
+
+# first the checks of every CUDA-only branch (docs/gpu.md; about 10 minutes): benchmarks of code whose
+# GPU paths fail would be worth nothing. GPU_CHECKS=0 skips them.
+if [ "${GPU_CHECKS:-1}" != 0 ]; then
+    run bash .ci/gpu
+fi
 
 # the paper's LLaMA-7B table: config/llama7b_lisa_wor.py (pure bf16, micro-batch 16 x 256, activation
 # checkpointing, 2 of 32 blocks) with LLaMA's vocabulary instead of the config's GPT-2 one

@@ -133,3 +133,16 @@ def test_a_checkpoint_resumes_on_another_device_type(tmp_path, precision):
                 assert value.device.type == 'cpu' and torch.equal(value, optimizer.state[q]['master'])
             elif torch.is_tensor(value) and value.dim() > 0:
                 assert value.device == (torch.device('cpu') if precision == 'bf16_master' else p.device), key
+
+
+def test_a_mapped_read_names_a_bad_file_as_a_plain_read_does(tmp_path):
+    """resume maps the file for a GPU (mmap): a file that is not torch.save's zip gets the same one-line
+    message as without (torch's mmap error would only say to save with the zip format)."""
+    path = tmp_path / 'ckpt.pt'
+    path.write_bytes(b'not a checkpoint')
+    messages = []
+    for mmap in (False, True):
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            checkpoint.read(str(path), mmap=mmap)
+        messages.append(str(e.value))
+    assert messages[0] == messages[1] and 'UnpicklingError: Weights only load failed' in messages[1]

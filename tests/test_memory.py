@@ -370,3 +370,86 @@ def test_chunked_loss_sums_a_bf16_weight_gradient_in_fp32():
     # same for 16 chunks as for 128 (summed in bf16: 0.0052 at 16 chunks, 0.0131 at 128, 5 times unchunked)
     assert w128 <= 1.2 * w16 and w128 <= 2 * w1, (w1, w16, w128)
     assert max(x16, x128) <= 1.5 * x1, (x1, x16, x128)
+
+
+# -----------------------------------------------------------------------------
+# memory_tools.check_fits under FSDP: the estimate of one rank, not of one device
+
+
+def test_check_fits_under_fsdp_counts_this_ranks_shards(monkeypatch):
+    """An iteration whose weights, gradients and AdamW state need 10 GiB on one device, with 1 GiB of
+    activations, on ranks with 4 GiB free: refused on one device and under DDP (every rank holds all),
+    accepted under FSDP over 8 ranks (about 10/8 + 1 GiB, plus the units gathered at once)."""
+    import memory_tools
+    cfg = tiny('llama', n_layer=8)
+    gib = 2**30
+    row = dict(params=2 * gib, grads=2 * gib, optimizer=6 * gib, others=gib)
+    row['peak'] = sum(row.values())
+    monkeypatch.setattr(memory_tools, 'available_bytes', lambda device: 4 * gib)
+    # the model's 4-byte weights are tiny: make them count as over a quarter of the free memory
+    bytes_per_weight = gib // sum(p.numel() for p in GPT(cfg).parameters()) + 1
+    calls = []
+
+    def estimate():
+        calls.append(1)
+        return row
+
+    for world_size, fsdp in ((1, False), (8, False), (1, True)):
+        with pytest.raises(ValueError, match=r'an iteration needs about 11\.0 GiB \(meta-device estimate\)'):
+            memory_tools.check_fits(cfg, 'cpu', bytes_per_weight, estimate, world_size=world_size, fsdp=fsdp)
+    memory_tools.check_fits(cfg, 'cpu', bytes_per_weight, estimate, world_size=8, fsdp=True)
+    assert len(calls) == 4
+    block, root = memory_tools.unit_params(cfg)
+    peak = memory_tools.per_rank_peak(row, cfg, 8, True, bytes_per_weight)
+    assert peak == int(10 * gib / 8 + gib + (2 * root + 3 * block) * bytes_per_weight) < 4 * gib
+    # over 2 ranks each still holds 5 GiB of shards: refused, and the message says per rank
+    with pytest.raises(ValueError, match=r'needs about 6\.\d GiB per rank of 2 under FSDP'):
+        memory_tools.check_fits(cfg, 'cpu', bytes_per_weight, estimate, world_size=2, fsdp=True)
+    # a bare number (one device's peak) cannot be split: no refusal under FSDP, as before without it
+    memory_tools.check_fits(cfg, 'cpu', bytes_per_weight, lambda: row['peak'], world_size=8, fsdp=True)
+    with pytest.raises(ValueError, match='meta-device estimate'):
+        memory_tools.check_fits(cfg, 'cpu', bytes_per_weight, lambda: row['peak'])
+
+
+def test_unit_params_and_the_estimate_of_one_device():
+    import memory_tools
+    import training
+    from conftest import train_defaults
+    from model import GPTConfig
+    train_cfg = train_defaults(n_layer=3, n_head=4, n_embd=32, block_size=16, vocab_size=64, batch_size=2)
+    cfg = GPTConfig(**training.model_args(train_cfg))
+    model = GPT(cfg)
+    block, root = memory_tools.unit_params(cfg)
+    assert block == sum(p.numel() for p in model.blocks[0].parameters())
+    assert root + 3 * block == sum(p.numel() for p in model.parameters())  # a tied head counted once
+    row = memory_tools.estimate_iteration(train_cfg)
+    assert row['params'] == 4 * sum(p.numel() for p in model.parameters())
+    assert memory_tools.per_rank_peak(row, cfg) == memory_tools.per_rank_peak(row, cfg, 4, fsdp=False) == row['peak']
+    assert memory_tools.per_rank_peak(row, cfg, 4, fsdp=True) < memory_tools.per_rank_peak(row, cfg, 2, fsdp=True)
+
+
+def test_meta_estimate_takes_the_frozen_linear_path_of_cuda(monkeypatch):
+    """Under CUDA autocast a frozen block's Linears go through FrozenLinear and keep no bf16 copy of
+    their weights; the meta device has no autocast, so MetaAsCuda tells memory.Linear it emulates
+    one (memory.EMULATED_AUTOCAST). Without that seam the amp estimate counts one bf16 copy of every
+    frozen block's matrices more; the bf16 precision (no autocast) and full training do not change."""
+    import bench_memory
+    import memory_tools
+    from configurator import configure
+    small = dict(preset='', arch='gpt2', bias=True, n_layer=6, n_head=4, n_embd=64, vocab_size=512, block_size=32,
+                 batch_size=2, micro_batches=1, omgd_gamma=2, device='meta', methods='lisa_wor,full',
+                 precisions='amp,bf16')
+
+    def estimate():
+        rows = bench_memory.run({**configure(bench_memory.DEFAULTS, []), **small})['rows']
+        return {(r['method'], r['precision']): r['peak'] for r in rows}
+
+    cuda_path = estimate()
+    assert memory.EMULATED_AUTOCAST == {}  # set only while the mode is on
+    monkeypatch.setattr(memory_tools.MetaAsCuda, 'follow_cuda_linear', False)
+    without = estimate()
+    frozen_blocks = 6 - 2
+    matrices = 64 * 3 * 64 + 64 * 64 + 2 * 64 * 4 * 64  # c_attn, attention c_proj, c_fc, MLP c_proj
+    assert without[('lisa_wor', 'amp')] - cuda_path[('lisa_wor', 'amp')] == frozen_blocks * matrices * 2
+    for key in (('full', 'amp'), ('lisa_wor', 'bf16'), ('full', 'bf16')):
+        assert without[key] == cuda_path[key], key

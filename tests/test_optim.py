@@ -262,3 +262,139 @@ def test_param_groups_dedupes_tied_weights():
     ps = [p for g in groups for p in g['params']]
     assert len(ps) == len({id(p) for p in ps}) == len(list(model.parameters()))
     torch.optim.SGD(groups, lr=0.1)  # reusable by other optimizers
+
+
+# --- master_device='cpu' for CUDA parameters: the copies go through reused host buffers (optim.HostStaging);
+# stage=True forces that path on CPU parameters (the CPU seam: the same code, ordinary host memory)
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32])
+def test_staged_copies_are_the_same_arithmetic_through_reused_buffers(dtype, monkeypatch):
+    import optim
+    staged, plain = Net(dtype), Net(dtype)
+    opt = MasterAdamW(param_groups(staged, WD), lr=LR, betas=BETAS, master_device='cpu')
+    opt.stage = True
+    ref = MasterAdamW(param_groups(plain, WD), lr=LR, betas=BETAS)
+    waits = []
+    monkeypatch.setattr(optim.HostStaging, 'wait', staticmethod(lambda device: waits.append(device)))
+    steps = grads(4, dtype)
+    run(opt, staged, steps[:2])
+    buffers = {k: v.data_ptr() for k, v in opt.staging.buffers.items()}
+    run(opt, staged, steps[2:])
+    run(ref, plain, steps)
+    for p, q in zip(staged.parameters(), plain.parameters()):
+        assert torch.equal(p, q) and p.dtype == dtype
+        assert_same_state(opt.state[p], ref.state[q])
+    # the same buffers at every step, no more than the step needs: one per gradient (two parameters
+    # share a shape with none here), and one for the weights that make the masters at the first step
+    assert {k: v.data_ptr() for k, v in opt.staging.buffers.items()} == buffers
+    assert sorted(buffers) == sorted([(s, dtype, 0) for s in SHAPES] + [(s, dtype, -1) for s in SHAPES])
+    # one wait for all the gradients of a step, one per master made at the first step
+    assert len(waits) == 4 + len(SHAPES) and not opt.staged
+
+
+def test_staged_gradients_of_one_shape_get_a_buffer_each():
+    import optim
+    net = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(3, 2).bfloat16()) for _ in range(3)])
+    opt = MasterAdamW(list(net), lr=LR, master_device='cpu')
+    opt.stage = True
+    ref_net = torch.nn.ParameterList([torch.nn.Parameter(p.detach().clone()) for p in net])
+    ref = MasterAdamW(list(ref_net), lr=LR)
+    for step in range(2):
+        gs = [torch.randn(3, 2, generator=torch.Generator().manual_seed(10 * step + i)).bfloat16() for i in range(3)]
+        for p, q, g in zip(net, ref_net, gs):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    assert all(torch.equal(p, q) for p, q in zip(net, ref_net))
+    assert sorted(k[2] for k in opt.staging.buffers if k[2] >= 0) == [0, 1, 2]
+    assert isinstance(opt.staging, optim.HostStaging) and not opt.staging.pin  # CPU parameters: not pinned
+
+
+def test_staged_galore_masters_match_unstaged():
+    import galore
+    torch.manual_seed(0)
+    nets = [torch.nn.ParameterList([torch.nn.Parameter(torch.randn(8, 6).bfloat16()),
+                                    torch.nn.Parameter(torch.randn(6).bfloat16())]) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    opts = [galore.GaLoreAdamW([{'params': [n[0]], 'rank': 2, 'update_proj_gap': 2}, {'params': [n[1]]}],
+                               lr=LR, master=True, master_device='cpu', convention='torch') for n in nets]
+    opts[0].stage = True
+    for step in range(5):
+        g = [torch.randn(8, 6, generator=torch.Generator().manual_seed(step)).bfloat16(),
+             torch.randn(6, generator=torch.Generator().manual_seed(100 + step)).bfloat16()]
+        for net, opt in zip(nets, opts):
+            for p, gp in zip(net, g):
+                p.grad = gp.clone()
+            opt.step()
+    for p, q in zip(*nets):
+        assert torch.equal(p, q)
+        assert_same_state(opts[0].state[p], opts[1].state[q])
+    assert opts[0].staging is not None and opts[1].staging is None
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_foreach_update_is_the_per_tensor_arithmetic_bitwise(dtype, monkeypatch):
+    """foreach=True (adamw_foreach_) on CPU masters: bitwise the per-tensor adamw_step_ and torch's AdamW,
+    also across batches (FOREACH_BYTES) and with parameters at different step counts."""
+    nets = [Net(dtype) for _ in range(3)]
+    opts = [MasterAdamW(param_groups(n, WD), lr=LR, betas=BETAS, eps=EPS, foreach=f) for n, f in
+            zip(nets, (True, False, True))]
+    monkeypatch.setattr(opts[2], 'FOREACH_BYTES', 1)  # a batch of one at a time
+    ref = Net(dtype).float()
+    adamw = torch.optim.AdamW(param_groups(ref, WD), lr=LR, betas=BETAS, eps=EPS, foreach=False)
+    steps = grads(5, dtype)
+    for s in steps[:2]:
+        s[1] = None  # a parameter that starts later: another step count in the same batch
+    for net, opt in zip(nets, opts):
+        run(opt, net, steps)
+    run(adamw, ref, [[None if g is None else g.float() for g in gs] for gs in steps])
+    for ps in zip(*(n.parameters() for n in nets), ref.parameters()):
+        *ours, q = ps
+        for p, opt in zip(ours, opts):
+            assert torch.equal(p, ours[1]) and torch.equal(opt.state[p]['master'], q)
+            assert torch.equal(opt.state[p]['exp_avg_sq'], adamw.state[q]['exp_avg_sq'])
+            assert opt.state[p]['step'] == adamw.state[q]['step'].item()
+    import optim
+    assert optim.foreach_bitwise('cpu') and not optim.foreach_bitwise('cuda') and not optim.foreach_bitwise('meta')
+
+
+def test_offload_leaves_host_masters_of_device_parameters_in_place():
+    """omgd_state's 'offload' parks state in host memory; the masters and moments of master_device='cpu'
+    are there already: a switch neither copies them (CPU to CPU) nor moves them."""
+    p = torch.nn.Parameter(torch.empty(4, 3, device='meta', dtype=torch.bfloat16))  # stands for a CUDA weight
+    opt = MasterAdamW([p], master_device='cpu')
+    state = {'master': torch.randn(4, 3), 'exp_avg': torch.randn(4, 3), 'exp_avg_sq': torch.rand(4, 3), 'step': 3}
+    opt.state[p] = dict(state)
+    policy = omgd_state.StatePolicy(opt, 'offload')
+    policy.release(p)
+    assert all(opt.state[p][k] is v for k, v in state.items())
+    policy.prefetch([p])
+    policy.restore(p)
+    assert all(opt.state[p][k] is v for k, v in state.items())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+def test_cuda_staging_is_asynchronous_and_exact():
+    """On a GPU: the staging buffers are pinned, the masters match a CPU run bit for bit (as
+    test_cpu_master_of_cuda_params), and adamw_foreach_ on CUDA tensors against adamw_step_ reports
+    whether the fused kernels are bitwise (foreach_bitwise says they are not assumed to be)."""
+    import optim
+    on_gpu, on_cpu = Net(torch.bfloat16).cuda(), Net(torch.bfloat16)
+    opt = MasterAdamW(param_groups(on_gpu, WD), lr=LR, master_device='cpu')
+    ref = MasterAdamW(param_groups(on_cpu, WD), lr=LR)
+    steps = grads(4, torch.bfloat16)
+    run(opt, on_gpu, [[g.cuda() for g in gs] for gs in steps])
+    run(ref, on_cpu, steps)
+    torch.cuda.synchronize()
+    assert all(b.is_pinned() for b in opt.staging.buffers.values())
+    for p, q in zip(on_gpu.parameters(), on_cpu.parameters()):
+        assert torch.equal(p.cpu(), q)
+        assert_same_state(opt.state[p], ref.state[q])
+    ts = [[torch.randn(5, 7, device='cuda') for _ in range(4)] for _ in range(2)]
+    a, b = [[t.clone() for t in group] for group in ts], [[t.clone() for t in group] for group in ts]
+    for i in range(2):
+        optim.adamw_step_(a[i][0], a[i][1], a[i][2], a[i][3].abs(), 3, LR, BETAS, EPS, WD)
+    optim.adamw_foreach_([t[0] for t in b], [t[1] for t in b], [t[2] for t in b], [t[3].abs() for t in b], [3, 3],
+                         LR, BETAS, EPS, WD)
+    print('foreach bitwise on CUDA:', all(torch.equal(x[0], y[0]) for x, y in zip(a, b)))

@@ -1,0 +1,110 @@
+"""The CUDA-only branches of docs/gpu.md that no CPU test reaches, run on a GPU: `python -m pytest -m cuda
+tests` (with the CUDA tests of other files), or `bash .ci/gpu`. Every test here skips without CUDA."""
+import os
+
+import pytest
+import torch
+
+import checkpoint
+import memory
+import memory_tools
+import training
+from conftest import TINY, assert_same_state, load, run_train, train_defaults
+from distributed import Ranks
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')]
+
+CFG = train_defaults(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
+
+
+@pytest.mark.parametrize('precision', ['amp', 'bf16_master'])
+def test_a_cpu_checkpoint_resumes_on_the_gpu(tmp_path, precision):
+    """Read into host memory, never onto the GPU: the RNG states stay CPU tensors, the model moves,
+    the optimizer state follows its parameters (CPU masters stay on the CPU)."""
+    import itertools
+    cfg = {**CFG, 'precision': precision, 'master_device': 'cpu' if precision == 'bf16_master' else ''}
+    torch.manual_seed(0)
+    model, optimizer, cycler = training.build(cfg, 'cpu')
+    x = torch.randint(32, (2, 8))
+    training.Trainer(cfg, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu').step()
+    path = str(tmp_path / 'ckpt.pt')
+    checkpoint.save(path, Ranks(), {'model': model, 'optimizer': optimizer, 'cycler': cycler},
+                    {'iter_num': 1, 'config': cfg, 'data': {}, 'model_args': training.model_args(cfg, 32)})
+    before = torch.cuda.memory_allocated()
+    saved, resumed = checkpoint.resume(path, 'cuda', cfg, set())
+    weights = sum(p.numel() * p.element_size() for p in resumed.parameters())
+    assert torch.cuda.memory_allocated() - before <= weights  # the model alone is on the GPU
+    resumed, opt, cyc = training.build(cfg, 'cuda', model=resumed)
+    checkpoint.load_state(saved, {'model': resumed, 'optimizer': opt, 'cycler': cyc})
+    assert checkpoint.restore_rng(saved, Ranks(), 'cuda', cfg['seed'], 1)
+    for p, q in zip(resumed.parameters(), model.parameters()):
+        assert torch.equal(p.cpu(), q)
+        if q in optimizer.state:
+            home = 'cpu' if precision == 'bf16_master' else 'cuda'
+            assert all(v.device.type == home for v in opt.state[p].values() if torch.is_tensor(v) and v.dim())
+
+
+def test_train_resume_on_the_gpu_is_bitwise(tmp_path):
+    """train.py on CUDA (bf16 autocast, fused AdamW, CUDA RNG in the checkpoint): a split run resumes
+    into the straight one bit for bit."""
+    straight, split = tmp_path / 'straight', tmp_path / 'split'
+    common = ['--device=cuda', '--dtype=bfloat16', '--eval_interval=5', '--dropout=0.1', '--omgd_period=4']
+    run_train(f'--out_dir={straight}', '--max_iters=12', *common)
+    run_train(f'--out_dir={split}', '--max_iters=6', *common)
+    run_train(f'--out_dir={split}', '--max_iters=12', '--init_from=resume', *common)
+    assert_same_state(load(straight), load(split))
+
+
+@pytest.mark.parametrize('method', ['lisa_wor', 'tensor_wor', 'tensor_iid', 'full'])
+def test_compiled_blocks_with_inductor_do_not_hit_the_recompile_limit(method):
+    """memory.compile_blocks with the default backend (inductor), bf16 autocast: no recompile storm."""
+    from model import GPT, GPTConfig
+    import omgd
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(arch='llama', n_layer=4, n_head=2, n_kv_head=1, n_embd=64, block_size=32,
+                          vocab_size=64)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    kind = omgd.METHODS.get(method)
+    cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig(method, period=1, **(
+        {'gamma': 2} if kind and kind.unit == 'block' else {})))
+    memory.compile_blocks(model, method)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for it in range(12):
+            cycler.step(it)
+            x = torch.randint(0, 64, (2, 32), device='cuda')
+            with torch.autocast('cuda', torch.bfloat16):
+                loss = model(x, x)[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+
+
+def test_frozen_linear_keeps_no_bf16_weight_copy_under_cuda_autocast():
+    """What the meta estimate assumes (memory.EMULATED_AUTOCAST): a frozen Linear under CUDA autocast
+    keeps no bf16 copy of its weight until the backward."""
+    layer = memory.Linear(1024, 1024, bias=False).cuda().requires_grad_(False)
+    x = torch.randn(8, 1024, device='cuda', requires_grad=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with torch.autocast('cuda', torch.bfloat16):
+        y = layer(x)
+    kept = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+    assert kept < 1024 * 1024 * 2 / 2, kept  # far below one bf16 copy of the weight (2 MiB)
+    y.float().sum().backward()
+
+
+def test_this_gpu_has_a_peak_and_free_memory():
+    """MFU needs the GPU's name in training.PEAK_BF16_FLOPS; check_fits reads cudaMemGetInfo."""
+    name = torch.cuda.get_device_name()
+    assert training.peak_bf16_flops('cuda') is not None, f"add {name!r} to training.PEAK_BF16_FLOPS"
+    assert 0 < memory_tools.available_bytes('cuda') <= torch.cuda.get_device_properties(0).total_memory
+
+
+def test_master_device_cpu_and_activation_offload_train_on_the_gpu(tmp_path):
+    """The pinned paths end to end: CPU masters (HostStaging), offloaded activations, parked state."""
+    out = run_train(f'--out_dir={tmp_path}', '--device=cuda', '--dtype=bfloat16', '--max_iters=8',
+                    '--eval_interval=4', '--precision=bf16_master', '--master_device=cpu', '--omgd_state=offload',
+                    '--activation_offload=True').stdout
+    assert 'step 8' in out and os.path.exists(tmp_path / 'ckpt.pt')

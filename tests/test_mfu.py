@@ -1,0 +1,47 @@
+"""training.py's MFU: the peak FLOP/s of the GPU a run is on, looked up by its name (fake names here:
+no GPU needed)."""
+import pytest
+import torch
+
+import training
+
+
+@pytest.mark.parametrize('name, tflops', [
+    ('NVIDIA H100 80GB HBM3', 989.4),  # the SXM part
+    ('NVIDIA H100 PCIe', 756),
+    ('NVIDIA H100 NVL', 835),
+    ('NVIDIA NVL H100', 835),  # order does not matter
+    ('NVIDIA H200', 989),
+    ('NVIDIA H200 NVL', 835),
+    ('NVIDIA GH200 480GB', 989),  # not H200's by substring, its own entry
+    ('NVIDIA A100-SXM4-80GB', 312),
+    ('NVIDIA A100 80GB PCIe', 312),
+    ('NVIDIA A10G', 125),
+    ('NVIDIA A10', 125),
+    ('NVIDIA L40S', 362),
+    ('NVIDIA L4', 121),
+    ('NVIDIA GeForce RTX 4090', 165),
+    ('NVIDIA B200', 2250),
+    ('NVIDIA GeForce RTX 3060', None),  # unknown: no MFU
+    ('Tesla V100-SXM2-16GB', None),
+])
+def test_peak_by_exact_variant_whatever_the_order_of_the_table(name, tflops, monkeypatch):
+    expected = None if tflops is None else tflops * 1e12
+    for table in (dict(training.PEAK_BF16_FLOPS), dict(reversed(list(training.PEAK_BF16_FLOPS.items())))):
+        monkeypatch.setattr(training, 'PEAK_BF16_FLOPS', table)
+        assert training.peak_for_name(name) == expected, (name, list(table)[0])
+        # what train.py and bench.py call, with the name torch would report
+        monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device=None: name)
+        assert training.peak_bf16_flops('cuda') == expected
+
+
+def test_no_peak_off_gpu_and_for_ambiguous_names(monkeypatch):
+    assert training.peak_bf16_flops('cpu') is None and training.peak_bf16_flops('meta') is None
+    monkeypatch.setattr(training, 'PEAK_BF16_FLOPS', {'X1': 1e12, 'Y1': 2e12})
+    assert training.peak_for_name('X1 Y1') is None  # two entries of one length: no guess
+    assert training.peak_for_name('X1') == 1e12
+
+
+def test_mfu_is_the_share_of_the_peak():
+    # 1e9 FLOPs per token, 1e4 tokens in 0.1 s on two GPUs of 1e14: 1e14 / 2e14
+    assert training.mfu(1e9, 1e4, 0.1, 1e14, world_size=2) == pytest.approx(0.5)
