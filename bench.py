@@ -41,6 +41,7 @@ import time
 import torch
 
 import bench_memory
+import memory
 import train_config
 import training
 from configurator import ConfigError, at_least, configure
@@ -63,8 +64,7 @@ class MethodRun:
         self.net, self.opt, self.cycler = bench_memory.build(cfg, device)
         self.n_params = sum(p.numel() for p in self.net.parameters())
         if cfg['compile']:
-            for block in self.net.blocks:
-                block.compile()
+            memory.compile_blocks(self.net, cfg['method'])  # train.py's regional compilation
         gen = torch.Generator().manual_seed(cfg['seed'])
         vocab = self.net.config.vocab_size
         x = torch.randint(0, vocab, (cfg['batch_size'], cfg['block_size']), generator=gen).to(device)

@@ -36,7 +36,8 @@ import train_config
 import training
 from configurator import ConfigError, format_config, wants_help
 from dataloader import check_vocab, data_dir, dataset_vocab, open_splits, prepare_if_embedded
-from memory_tools import check_fits
+import memory
+from memory_tools import check_fits, estimate_iteration
 from model import GPTConfig
 
 
@@ -86,14 +87,6 @@ def format_duration(seconds):
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def estimate_peak(config, vocab_size):
-    """Peak bytes of an iteration of this config, estimated on the meta device (bench_memory.py)."""
-    import bench_memory
-    row = bench_memory.measure({**config, 'vocab_size': vocab_size, 'micro_batches': 0, 'compile': False},
-                               torch.device('meta'))
-    return row['peak']
-
-
 def main(argv):
     # the config: train_config.py holds every key with its default and its rule; config files and
     # --key=value override them, in order, all checked before anything is built
@@ -104,6 +97,9 @@ def main(argv):
     given_keys = set()  # the keys the command line and config files set: a resume refuses architecture overrides
     try:
         cfg = train_config.load(argv, given=given_keys)
+        if cfg['gpu_config'] and cfg['device'] == 'cpu' and not any(a.startswith('--device=') for a in argv):
+            raise ValueError(f"this is a GPU config (gpu_config=True) and this machine has no CUDA GPU (torch "
+                             f"{torch.__version__}); run it on a GPU, or pass --device=cpu to run it on the CPU anyway")
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
@@ -213,7 +209,8 @@ def train(cfg, given_keys, ranks, device):
             model_config = GPTConfig(**training.model_args(cfg, vocab_size))
             dtype = training.weight_dtype(cfg['precision'])
             # before it is allocated: a one-line refusal, not the OOM killer
-            check_fits(model_config, device, dtype.itemsize, estimate_peak=lambda: estimate_peak(cfg, vocab_size))
+            check_fits(model_config, device, dtype.itemsize, world_size=world_size, fsdp=fsdp,
+                       estimate_peak=lambda: estimate_iteration(cfg, vocab_size)['peak'])
             raw_model = training.new_model(model_config, device, dtype)  # on the device, in its dtype
         elif init_from == 'resume':  # the checks that the config can continue it included (checkpoint.py)
             checkpoint, raw_model = ckpt_io.resume(ckpt_path, device, cfg, given_keys)
@@ -260,11 +257,9 @@ def train(cfg, given_keys, ranks, device):
         print(cycler.cycle_note())
     torch.manual_seed(cfg['seed'] + ranks.rank)  # from here on (dropout) each rank draws its own random numbers
     if cfg['compile']:
-        # Regional compilation: one compiled graph per block. A whole-model compile recompiles for
-        # every new requires_grad pattern and gives up after 8; a block only ever sees two patterns
-        # (trainable or frozen). nn.Module.compile keeps parameter names free of '_orig_mod.'.
-        for block in raw_model.blocks:
-            block.compile()
+        # Regional compilation (memory.py): one graph per block, which sees two requires_grad patterns
+        # (trainable or frozen); a whole-model compile recompiles for every pattern and gives up after 8
+        memory.compile_blocks(raw_model, cfg['method'])
 
     # under torchrun the DDP wrapper is rebuilt over the active parameters after every switch
     # (distributed.Replicas), FSDP reshards; one process trains the model as it is

@@ -100,6 +100,7 @@ dtype = machine_defaults(CUDA)['dtype']  # amp's autocast dtype: float32, bfloat
 compile = machine_defaults(CUDA)['compile']  # torch.compile each block separately (regional compilation)
 backend = machine_defaults(CUDA)['backend']  # torch.distributed backend under torchrun: 'nccl' or 'gloo'
 parallel = 'ddp'  # under torchrun: 'ddp' (replicated weights) or 'fsdp' (FSDP2, weights sharded per block)
+gpu_config = False  # a config meant for GPUs (config/*.py of large runs): refused on a machine without CUDA unless --device is given
 seed = 1337  # seeds the model's init (and dropout)
 dist_timeout_s = 600  # under torchrun: a collective waiting this long for a stuck or dead rank ends the run with one line
 ddp_check = False  # assert the DDP or FSDP invariants at every iteration on every rank (tests; hashes all weights)

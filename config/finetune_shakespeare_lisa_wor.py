@@ -7,7 +7,7 @@
 # $ python train.py config/finetune_shakespeare_lisa_wor.py
 # $ python export.py --out_dir=out-shakespeare-ft --hf_dir=out-shakespeare-ft/hf
 out_dir = 'out-shakespeare-ft'
-device = 'cuda'  # a GPU config: refused at once on a machine without one (--device=cpu runs it there anyway)
+gpu_config = True  # refused at once on a machine without CUDA (--device=cpu runs it there anyway)
 init_from = 'models/gpt2-xl'  # any GPT2LMHeadModel or LlamaForCausalLM directory
 dataset = 'shakespeare'  # GPT-2 BPE, prepared on first use; a LLaMA needs data in its own tokenizer
 eval_interval = 5

@@ -4,7 +4,7 @@
 # $ python data/openwebtext/prepare.py
 # $ torchrun --standalone --nproc_per_node=4 train.py config/gpt2_lisa_wor.py
 out_dir = 'out-gpt2-lisa-wor'
-device = 'cuda'  # a GPU config: refused at once on a machine without one (--device=cpu runs it there anyway)
+gpu_config = True  # refused at once on a machine without CUDA (--device=cpu runs it there anyway)
 wandb_log = False
 wandb_project = 'omgd'
 wandb_run_name = 'gpt2-124m-lisa-wor'

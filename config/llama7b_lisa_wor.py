@@ -10,7 +10,7 @@
 # above 65,536, e.g. LLaMA-3's 128,256, is stored as uint32). All of C4-en, its disk and time:
 # docs/data.md. Without C4: python data/openwebtext/prepare.py and this config as it is.
 out_dir = 'out-llama7b-lisa-wor'
-device = 'cuda'  # a GPU config: refused at once on a machine without one (--device=cpu runs it there anyway)
+gpu_config = True  # refused at once on a machine without CUDA (--device=cpu runs it there anyway)
 dataset = 'openwebtext'  # the paper used C4: --dataset=c4 after data/c4/prepare.py (above)
 preset = 'llama-7b'
 # GPT-2's tokenizer (data/*/prepare.py' default), not LLaMA's 32000: the embedding and head get

@@ -2,7 +2,7 @@
 # A GPU config: far too slow for a CPU (over a minute per iteration on 2 cores).
 # $ python train.py config/llama_60m_lisa_wor.py --dataset=shakespeare
 out_dir = 'out-llama-60m-lisa-wor'
-device = 'cuda'  # a GPU config: refused at once on a machine without one (--device=cpu runs it there anyway)
+gpu_config = True  # refused at once on a machine without CUDA (--device=cpu runs it there anyway)
 dataset = 'shakespeare'
 preset = 'llama-60m'
 vocab_size = 50304  # the GPT-2 tokenizer of data/*/prepare.py, not LLaMA's 32000

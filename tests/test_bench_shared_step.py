@@ -72,7 +72,7 @@ def test_llama7b_config_trains_one_step_on_meta(steps):
     """config/llama7b_lisa_wor.py, as train.py reads it, built by training.build on the meta
     device and trained one real step by training.train_step; its bytes follow from the shapes."""
     path = os.path.join(ROOT, 'config', 'llama7b_lisa_wor.py')
-    train_cfg = train_config.load([path, '--device=cpu'], defaults=train_config.DEFAULTS | train_config.machine_defaults(False))  # a valid train.py config
+    train_cfg = train_config.load([path], defaults=train_config.DEFAULTS | train_config.machine_defaults(False))  # a valid train.py config
     train_config.check(train_cfg)
     cfg = configure(bench_memory.DEFAULTS, [path, '--device=meta', '--micro_batches=1'])
     assert {k: cfg[k] for k in train_cfg if k not in ('device', 'dtype', 'compile', 'backend')} == \

@@ -159,7 +159,8 @@ def test_a_gpu_config_on_a_machine_without_a_gpu_is_refused_at_once():
     if torch.cuda.is_available():
         pytest.skip('this machine has a GPU')
     result = run_script('train.py', ['config/llama7b_lisa_wor.py', '--dataset=c4'])
-    assert_one_line_error(result, r"^error: device='cuda' but this machine has no CUDA GPU .*; use --device=cpu")
+    assert_one_line_error(result, r"^error: this is a GPU config \(gpu_config=True\) and this machine has no CUDA GPU "
+                                  r".*; run it on a GPU, or pass --device=cpu to run it on the CPU anyway$")
     assert 'config:' not in result.stdout  # before anything is read or built
 
 
