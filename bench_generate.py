@@ -34,11 +34,11 @@ def rules():
 def build(cfg):
     from model import GPT, GPTConfig, config_from_preset
     if cfg['out_dir']:
-        from checkpoint import read
-        checkpoint = read(os.path.join(cfg['out_dir'], 'ckpt.pt'), map_location='cpu', mmap=True)
+        from checkpoint import read_any
+        checkpoint, path = read_any(cfg['out_dir'], map_location='cpu', mmap=True, optimizer=False)
         model = GPT(GPTConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
-        return model, f"{cfg['out_dir']}/ckpt.pt"
+        return model, path
     overrides = {'block_size': cfg['block_size']} if cfg['block_size'] else {}
     return GPT(config_from_preset(cfg['preset'], **overrides)), f"preset {cfg['preset']} (random weights)"
 

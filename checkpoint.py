@@ -285,3 +285,24 @@ class OutDirLock:
                 os.remove(self.path)
             self.file.close()
             self.file = None
+
+
+# -----------------------------------------------------------------------------
+# any format: ckpt.pt or sharded step folders (checkpoint_dcp.py), for the readers of a run
+
+
+def read_any(out_dir, map_location='cpu', mmap=False, optimizer=True):
+    """(checkpoint dict, path) of out_dir's newest checkpoint, ckpt.pt's format whatever was written:
+    out_dir/ckpt.pt, or the newest complete step folder (checkpoint_dcp.py) consolidated in host
+    memory (optimizer=False reads its weights only), whichever holds the later iteration. A
+    one-line CheckpointError when there is none or it cannot be read."""
+    import checkpoint_dcp
+    found = checkpoint_dcp.find(out_dir)
+    if found is None or found[0] == 'file':
+        path = os.path.join(out_dir, 'ckpt.pt')
+        return read(path, map_location=map_location, mmap=mmap), path
+    path = found[1]
+    checkpoint = checkpoint_dcp.consolidate(path, optimizer=optimizer)
+    if torch.device(map_location).type != 'cpu':
+        checkpoint['model'] = {k: v.to(map_location) for k, v in checkpoint['model'].items()}
+    return checkpoint, path

@@ -71,10 +71,9 @@ def rules():
 def load_checkpoint_model(out_dir):
     """(GPT on the CPU, checkpoint dict) of train.py's out_dir/ckpt.pt (read with weights_only, checkpoint.py;
     mapped: the optimizer state is never read)."""
-    from checkpoint import read
+    from checkpoint import read_any
     from model import GPT, GPTConfig
-    path = os.path.join(out_dir, 'ckpt.pt')
-    checkpoint = read(path, map_location='cpu', mmap=True)
+    checkpoint, path = read_any(out_dir, map_location='cpu', mmap=True, optimizer=False)  # or the newest step folder
     try:
         model = GPT(GPTConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])

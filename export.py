@@ -130,12 +130,13 @@ def copy_hf_tokenizer(tokenizer_dir, hf_dir):
     return hf_token_ids(tokenizer_dir), copied
 
 
-def read_model(path):
-    """(GPT, checkpoint dict) of a train.py checkpoint; ExportError for one that lacks a part, does not
-    make a model, or holds non-finite weights (CheckpointError for a file that cannot be read)."""
-    from checkpoint import read as read_checkpoint
+def read_model(out_dir):
+    """(GPT, checkpoint dict) of out_dir's train.py checkpoint (ckpt.pt, or the newest step folder
+    consolidated); ExportError for one that lacks a part, does not make a model, or holds non-finite
+    weights (CheckpointError for a file that cannot be read)."""
+    from checkpoint import read_any
     from model import GPT, GPTConfig
-    checkpoint = read_checkpoint(path)
+    checkpoint, path = read_any(out_dir, optimizer=False)  # ckpt.pt, or the newest step folder consolidated
     for key, what in (('model', 'weights'), ('model_args', 'shape')):
         if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(key), dict):
             raise ExportError(f"{path} lacks {key!r} (the model's {what}), which every checkpoint of train.py holds; "
@@ -151,7 +152,7 @@ def read_model(path):
     if bad:
         raise ExportError(f"{path} holds NaN or inf weights ({len(bad)} tensor(s), e.g. {bad[0]}); nothing was "
                           f"exported: export a checkpoint saved before the run diverged")
-    return model, checkpoint
+    return model, checkpoint, path
 
 
 def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', log=print):
@@ -169,8 +170,7 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', log=print):
     held = [n for n in ('config.json', 'model.safetensors') if os.path.exists(os.path.join(hf_dir, n))]
     if held and not overwrite:
         raise ExportError(f"{hf_dir} already holds {held[0]}; choose another --hf_dir or pass --overwrite=True")
-    path = os.path.join(out_dir, 'ckpt.pt')
-    model, checkpoint = read_model(path)
+    model, checkpoint, path = read_model(out_dir)
     stored = dtype and DTYPES[dtype] or next(iter(checkpoint['model'].values())).dtype
     if tokenizer == 'none':
         kind, where = 'none', None

@@ -23,7 +23,7 @@ def load_codec(data_dir):
 # keys (--key=value) and their rules; configurator.py checks both, as for train.py
 DEFAULTS = dict(out_dir='out', start='\n', num_samples=1, max_new_tokens=300, temperature=0.8, top_k=200, seed=1337,
                 device='cuda' if torch.cuda.is_available() else 'cpu')
-HELP = dict(out_dir='the run whose ckpt.pt to sample from', start="the prompt, or FILE:path to read it from a file",
+HELP = dict(out_dir='the run whose checkpoint (ckpt.pt or newest step folder) to sample from', start="the prompt, or FILE:path to read it from a file",
             num_samples='how many samples', max_new_tokens='tokens generated per sample',
             temperature='> 0; lower is more predictable', top_k='sample among the k likeliest tokens (0: all)',
             seed='seeds the sampling', device="'cpu', 'cuda' or 'cuda:N'")
@@ -36,7 +36,7 @@ def rules():
 
 
 def main(argv):
-    from checkpoint import CheckpointError, read as read_checkpoint
+    from checkpoint import CheckpointError, read_any
     from configurator import ConfigError, configure, wants_help
     from dataloader import data_dir
     from model import GPT, GPTConfig
@@ -48,14 +48,15 @@ def main(argv):
     try:
         cfg = configure(DEFAULTS, argv, rules())
         check_device(cfg['device'])
-        # read into host memory (mapped), whatever the device: the model alone moves there, below
-        checkpoint = read_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'), map_location='cpu', mmap=True)
+        path = os.path.join(cfg['out_dir'], 'ckpt.pt')  # named by the error below if the read fails
+        # into host memory (mapped), whatever the device: the model alone moves there, below
+        checkpoint, path = read_any(cfg['out_dir'], map_location='cpu', mmap=True, optimizer=False)
         model = GPT(GPTConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
     except (ConfigError, CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
     except (RuntimeError, KeyError, TypeError) as e:  # a readable file that is not one of train.py's checkpoints
-        sys.exit(f"error: {cfg['out_dir']}/ckpt.pt is not a checkpoint of train.py ({type(e).__name__}); give the "
+        sys.exit(f"error: {path} is not a checkpoint of train.py ({type(e).__name__}); give the "
                  f"out_dir of a train.py run")
     model.eval().to(cfg['device'])
     encode, decode = load_codec(data_dir(checkpoint['config']['dataset']))

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint as ckpt_io
+import checkpoint_dcp
 import ddp_check
 import distributed
 import train_config
@@ -124,6 +125,7 @@ def main(argv):
                  f"another rank is stuck or dead; the last checkpoint in {cfg['out_dir']} is kept: resume with "
                  f"--init_from=auto (raise --dist_timeout_s={cfg['dist_timeout_s']} if a rank is only slow)")
         print(f"error: {e}", file=sys.stderr, flush=True)
+        checkpoint_dcp.abandon_all()  # a background save of a good state ends before the group goes
         out_dir = cfg['out_dir']
         left_empty = created_out_dir and os.path.isdir(out_dir) and set(os.listdir(out_dir)) <= {'.lock'}
         lock.release(remove=left_empty)
@@ -147,21 +149,31 @@ def train(cfg, given_keys, ranks, device):
         raise RunError(e) from None
     out_dir = cfg['out_dir']
     ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+    # the checkpoint a resume continues: ckpt.pt or the newest complete step folder, whichever holds
+    # the later iteration (checkpoint_dcp.find)
+    found = checkpoint_dcp.find(out_dir)
+    resume_format = found[0] if found else 'file'
+    if found:
+        ckpt_path = found[1]
     init_from = cfg['init_from']
     if init_from == 'auto':  # a restarted job resumes; the first launch starts from scratch
-        init_from = 'resume' if os.path.exists(ckpt_path) else 'scratch'
-    if init_from == 'resume' and os.path.exists(ckpt_path):  # the checkpoint's config, the command's keys on top
+        init_from = 'resume' if found else 'scratch'
+    if init_from == 'resume' and found:  # the checkpoint's config, the command's keys on top
         try:
-            saved = ckpt_io.read(ckpt_path, mmap=True)
+            saved = (ckpt_io.read(ckpt_path, mmap=True) if resume_format == 'file' else
+                     checkpoint_dcp.read_values(ckpt_path))
             cfg = train_config.resume_config(saved['config'], saved['model_args'], cfg, given_keys)
         except (ckpt_io.CheckpointError, ValueError) as e:
             raise RunError(e) from None
         except (KeyError, TypeError) as e:
             raise RunError(f"cannot resume from {ckpt_path}: it holds no config or model_args ({e}); it is not a "
                            f"checkpoint of train.py: restore a backup or train from scratch") from None
-    if init_from != 'resume' and not cfg['eval_only'] and os.path.exists(ckpt_path):
+    replaced = []  # an earlier run's checkpoints, removed once this run has saved one (overwrite=True)
+    if init_from != 'resume' and not cfg['eval_only'] and found:
         # a new run saves over out_dir/ckpt.pt; losing a long run to a re-typed command must be asked for
-        earlier = ckpt_io.earlier_run(ckpt_path)
+        earlier = (ckpt_io.earlier_run(ckpt_path) if resume_format == 'file' else
+                   f"iteration {found[2]} of an earlier run")
+        replaced = checkpoint_dcp.all_checkpoints(out_dir)
         if not cfg['overwrite']:
             raise RunError(f"{ckpt_path} holds {earlier}; continue it with --init_from=resume, choose "
                            f"another --out_dir, or pass --overwrite=True to replace it (--init_from=auto resumes when there is one)")
@@ -170,8 +182,14 @@ def train(cfg, given_keys, ranks, device):
     if master and not cfg['eval_only']:  # the writer (it holds the lock): an unusable out_dir is found now
         try:
             ckpt_io.check_out_dir(out_dir)
+            removed = checkpoint_dcp.remove_incomplete(out_dir)  # what a crash in the middle of a save left
         except ckpt_io.CheckpointError as e:
             raise RunError(e) from None
+        if removed:
+            print(f"removed {', '.join(removed)} from {out_dir}: checkpoint(s) left incomplete by an interrupted save")
+    checkpoint_format = cfg['checkpoint_format']
+    if checkpoint_format == 'auto':  # one file in one process; sharded folders on several ranks
+        checkpoint_format = 'dcp' if world_size > 1 else 'file'
 
     wandb = None
     if cfg['wandb_log'] and master:
@@ -212,6 +230,10 @@ def train(cfg, given_keys, ranks, device):
             check_fits(model_config, device, dtype.itemsize, world_size=world_size, fsdp=fsdp,
                        estimate_peak=lambda: estimate_iteration(cfg, vocab_size)['peak'])
             raw_model = training.new_model(model_config, device, dtype)  # on the device, in its dtype
+        elif init_from == 'resume' and resume_format == 'dcp':  # weights loaded once sharded (below)
+            checkpoint, raw_model = checkpoint_dcp.resume(ckpt_path, device, cfg, given_keys)
+            iter_num = saved_iter = checkpoint['iter_num']
+            best_val_loss, wandb_id = checkpoint['best_val_loss'], checkpoint.get('wandb_id')
         elif init_from == 'resume':  # the checks that the config can continue it included (checkpoint.py)
             checkpoint, raw_model = ckpt_io.resume(ckpt_path, device, cfg, given_keys)
             iter_num = saved_iter = checkpoint['iter_num']
@@ -271,7 +293,11 @@ def train(cfg, given_keys, ranks, device):
     trainer.iter_num = iter_num
     if checkpoint is not None:
         try:
-            ckpt_io.load_state(checkpoint, {**trainer.state_objects(), 'data': train_batches}, fsdp)
+            objects = {**trainer.state_objects(), 'data': train_batches}
+            if resume_format == 'dcp':  # each rank reads its shards, whatever the ranks that wrote them
+                checkpoint_dcp.load(ckpt_path, checkpoint, raw_model, optimizer, ranks.cpu_group)
+                objects = {k: v for k, v in objects.items() if k not in ('model', 'optimizer')}
+            ckpt_io.load_state(checkpoint, objects, fsdp)
         except (ValueError, KeyError) as e:
             raise RunError(f"cannot resume from {ckpt_path}: {e}") from None
         if ranks.any(not ckpt_io.all_finite(raw_model, optimizer)):
@@ -300,19 +326,36 @@ def train(cfg, given_keys, ranks, device):
                 raise RunError(f"{split} loss is {value} at iteration {trainer.iter_num}; {last_good()}; lower "
                                f"learning_rate or raise warmup_iters")
 
-    def save_checkpoint():  # on every rank; rank 0 writes (checkpoint.py); never a non-finite state
+    # 'file': rank 0 writes out_dir/ckpt.pt; 'dcp': every rank writes its shards of a step folder
+    # (checkpoint_dcp.py), under torchrun in the background
+    saver = checkpoint_dcp.Saver(out_dir, ranks, cfg['keep_last']) if checkpoint_format == 'dcp' else None
+    if saver is not None and master:
+        saver.replaces = replaced
+
+    def save_checkpoint():  # on every rank; never a non-finite state
+        nonlocal ckpt_path, replaced
         values = {'data': trainer.data_position, 'model_args': model_args, 'iter_num': trainer.iter_num,
                   'best_val_loss': best_val_loss, 'config': cfg, 'wandb_id': wandb_id}
         try:
-            wrote = ckpt_io.save(ckpt_path, ranks, trainer.state_objects(), values, fsdp, device_type)
+            if saver is not None:
+                path, wrote = saver.save(trainer.state_objects(), values, device_type), master
+            else:
+                path = os.path.join(out_dir, 'ckpt.pt')
+                wrote = ckpt_io.save(path, ranks, trainer.state_objects(), values, fsdp, device_type)
         except ckpt_io.NonFiniteState:
             raise RunError(f"the weights or optimizer state are not finite at iteration {trainer.iter_num}; "
                            f"{last_good()}; lower learning_rate or raise warmup_iters") from None
         except ckpt_io.CheckpointError as e:
             raise RunError(e) from None
+        ckpt_path = path
         if wrote:
-            print(f"saved checkpoint to {ckpt_path}")
-            records.write('save', iter=trainer.iter_num, path=ckpt_path)
+            if saver is None:  # an earlier run's step folders (overwrite=True) go with the first save
+                checkpoint_dcp.remove_checkpoints([p for p in replaced if p != path])
+                replaced = []
+            background = saver is not None and saver.use_async
+            note = ' (copied to host memory, written to disk in the background)' if background else ''
+            print(f"saved checkpoint to {path}{note}")
+            records.write('save', iter=trainer.iter_num, path=path)
         return trainer.iter_num
 
     if wandb is not None:  # a resumed run continues the wandb run of its checkpoint, restarts included
@@ -401,6 +444,11 @@ def train(cfg, given_keys, ranks, device):
                 print(line, flush=True)
                 record('iter', **fields)
     stop_request.release()  # Ctrl-C during the sample below stops at once
+    if saver is not None:  # the last background save is on disk, complete, before the run ends
+        try:
+            saver.finish()
+        except ckpt_io.CheckpointError as e:
+            raise RunError(e) from None
     if master:
         elapsed = time.time() - run_start
         print(f"{'stopped' if stop else 'done'}: iterations {first_iter} to {trainer.iter_num} in "

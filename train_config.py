@@ -28,12 +28,14 @@ def machine_defaults(cuda):
 # -----------------------------------------------------------------------------
 # default config values: a small GPT on character-level Shakespeare with LISA-wor, minutes on CPU
 # I/O
-out_dir = 'out'  # where ckpt.pt goes
+out_dir = 'out'  # where checkpoints go (ckpt.pt or step_NNNNNNN/ folders, see checkpoint_format)
 eval_interval = 100  # iterations between evaluations (and checkpoint saves)
 log_interval = 10  # iterations between log lines
 eval_iters = 20  # batches per split and evaluation
 eval_only = False  # evaluate once and exit
 always_save_checkpoint = True  # if False, save only when the val loss improves
+checkpoint_format = 'auto'  # 'file': out_dir/ckpt.pt, gathered and written by rank 0; 'dcp': out_dir/step_NNNNNNN/ folders, each rank writes its shards (torch.distributed.checkpoint); 'auto': file in one process, dcp on several ranks
+keep_last = 3  # dcp: how many of the newest step folders to keep (0: all)
 init_from = 'scratch'  # 'scratch', 'resume' (from out_dir), 'auto' (resume when out_dir holds a checkpoint, else scratch: restarts), a GPT-2 name or a Hugging Face model directory
 overwrite = False  # let a run that does not resume replace the checkpoint already in out_dir
 sample_tokens = 300  # length of the sample printed at the end (0: none)
@@ -133,6 +135,7 @@ RULES = {
     'golore_svd_fraction': between(0, 1, closed=True), 'precision': one_of(*PRECISIONS, label='precision'),
     'master_device': one_of('', 'cpu', described="'' (the weights' device) or 'cpu'"), 'dtype': one_of(*PTDTYPES, label='dtype'), 'backend': one_of('nccl', 'gloo'),
     'parallel': one_of('ddp', 'fsdp'), 'dist_timeout_s': at_least(1),
+    'checkpoint_format': one_of('auto', 'file', 'dcp'), 'keep_last': at_least(0),
 }
 
 

@@ -100,9 +100,21 @@ def assert_one_line_error(result, pattern):
 
 
 def load(out_dir):
-    """The checkpoint train.py wrote in out_dir."""
-    import torch
-    return torch.load(os.path.join(out_dir, 'ckpt.pt'), weights_only=True)
+    """The checkpoint train.py wrote in out_dir, in ckpt.pt's format whatever was written: ckpt.pt, or
+    the newest step folder (checkpoint_format='dcp', the default under torchrun) consolidated."""
+    import checkpoint
+    return checkpoint.read_any(str(out_dir))[0]
+
+
+def copy_checkpoint(src, dst):
+    """Copy out_dir `src`'s newest checkpoint (ckpt.pt or step folder) into out_dir `dst`."""
+    import checkpoint_dcp
+    fmt, path, _ = checkpoint_dcp.find(str(src))
+    os.makedirs(dst, exist_ok=True)
+    if fmt == 'file':
+        shutil.copyfile(path, os.path.join(dst, 'ckpt.pt'))
+    else:
+        shutil.copytree(path, os.path.join(dst, os.path.basename(path)))
 
 
 def train_defaults(**overrides):

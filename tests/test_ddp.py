@@ -30,7 +30,8 @@ import pytest
 import torch
 
 from conftest import (DDP_TINY as TINY, LINEAR, ONE_RANK, ROOT, TORCHRUN, TWO_RANKS, Launch,  # noqa: F401
-                      assert_same_state, load, stop_with_sigterm as _stop_with_sigterm, torchrun_train as train)
+                      assert_same_state, copy_checkpoint, load, stop_with_sigterm as _stop_with_sigterm,
+                      torchrun_train as train)
 import ddp_check  # noqa: E402
 import distributed  # noqa: E402
 import omgd  # noqa: E402
@@ -91,7 +92,7 @@ def test_resume_on_another_number_of_ranks(two_rank_run, tmp_path):
     first = load(out)
     assert first['world_size'] == 2 and first['data']['windows_per_step'] == 4
     # batch_size x ranks unchanged (4 x 1 for 2 x 2): same windows, the run goes on
-    (tmp_path / 'ckpt.pt').write_bytes((out / 'ckpt.pt').read_bytes())
+    copy_checkpoint(out, tmp_path)  # the 2-rank run's sharded step folder, resharded to 1 rank
     run = train(f'--out_dir={tmp_path}', '--max_iters=43', '--init_from=resume', *LINEAR, *ONE_RANK, ranks=1)
     assert 'resuming a 2-rank checkpoint on 1 rank: same data position' in run.out
     after = load(tmp_path)

@@ -14,7 +14,8 @@ What is checked, and how (helpers and the tiny model come from tests/conftest.py
 - Evaluations and checkpoint writes inside a switching period (the checked run evaluates every 4
   iterations, switches every 3) change nothing: the run still matches the one-process run, which
   evaluates only at the start and the end.
-- The FSDP checkpoint is the single-process format: it loads into a plain GPT and optimizer.
+- The FSDP checkpoint (a step folder, consolidated) is the single-process format: it loads into a
+  plain GPT and optimizer, and resumes in one process, resharded by DCP.
 - Exact resume under FSDP through a normal end and a SIGTERM to one worker: the resumed run ends
   bit for bit where a straight run ends (AdamW, dropout).
 """
@@ -25,8 +26,8 @@ import torch
 
 import pytest
 
-from conftest import (LINEAR, ONE_RANK, TORCHRUN, TWO_RANKS, Launch, assert_same_state, load, stop_with_sigterm,
-                      torchrun_train as train)
+from conftest import (LINEAR, ONE_RANK, TORCHRUN, TWO_RANKS, Launch, assert_same_state, copy_checkpoint, load,
+                      stop_with_sigterm, torchrun_train as train)
 
 pytestmark = pytest.mark.torchrun  # launches torchrun (deselect with -m "not torchrun")
 
@@ -102,7 +103,7 @@ def test_fsdp_checks_hold_and_two_ranks_match_one_process(runs, tmp_path):
 
 def test_fsdp_checkpoint_loads_in_one_process(runs, tmp_path):
     root, _ = runs
-    (tmp_path / 'ckpt.pt').write_bytes((root / 'checked' / 'ckpt.pt').read_bytes())
+    copy_checkpoint(root / 'checked', tmp_path)  # the sharded step folder, resharded to 1 rank
     run = train(f'--out_dir={tmp_path}', f'--max_iters={ITERS + 3}', '--init_from=resume', *CLIPPED, *ONE_RANK,
                 ranks=1)
     assert 'resuming a 2-rank checkpoint on 1 rank' in run.out and load(tmp_path)['iter_num'] == ITERS + 3

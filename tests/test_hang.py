@@ -10,7 +10,8 @@ from conftest import DDP_TINY, TORCHRUN, TWO_RANKS, Launch, kill_tree, load, wor
 
 pytestmark = pytest.mark.torchrun  # launches torchrun (deselect with -m "not torchrun")
 
-LONG = [*DDP_TINY, *TWO_RANKS, '--max_iters=100000', '--eval_interval=5', '--dist_timeout_s=10']
+LONG = [*DDP_TINY, *TWO_RANKS, '--max_iters=100000', '--eval_interval=5', '--dist_timeout_s=10',
+        '--checkpoint_format=file']  # saved once 'saved checkpoint' is printed (a sharded save may still run)
 
 
 @pytest.mark.parametrize('fault', [signal.SIGSTOP, signal.SIGKILL], ids=['hung', 'dead'])

@@ -1,0 +1,488 @@
+"""
+Sharded checkpoints with torch.distributed.checkpoint (DCP, the engine torchtitan uses): what
+train.py writes under torchrun (checkpoint_format 'auto' with more than one rank, or 'dcp').
+Every rank writes its own shards; nothing is gathered on rank 0.
+
+    out_dir/step_0000120/      the checkpoint of iteration 120
+        __0_0.distcp, ...      the tensors (weights, optimizer state): each rank's shards, written by it
+        .metadata              DCP's index of them (written by rank 0 once every rank has written)
+        values.pt              the rest (iteration, config, model_args, data position, cycler, scaler,
+                               every rank's RNG, the optimizer's groups): rank 0, torch.save
+        .complete              written last
+
+A save writes into step_0000120.tmp/; once every rank's shards and the index are on disk (DCP's
+save returns on rank 0 only after every rank reported its write), rank 0 writes .complete, renames
+the folder to step_0000120/, and only then removes the complete folders beyond `keep_last`
+(.complete first, so a folder half-removed by a crash no longer counts). Only a folder named
+step_NNNNNNN holding .complete is a checkpoint: a crash at any point of a save leaves the previous
+one the newest, and the lock holder removes whatever is left of the broken one at the next start.
+Under torchrun the write goes on in a background thread (dcp.async_save, on its own gloo group):
+the state is first copied to host memory, then training continues while the copy is written; the
+next save, the end of the run, and any error wait for it.
+
+Resume loads the tensors into the model and optimizer as they are now built, sharded or not, so a
+checkpoint saved on N ranks (FSDP2 or DDP) resumes on any number of ranks (DCP reshards by the
+parameters' names and global shapes). Nothing in the folder is unpickled beyond plain data:
+values.pt is read with weights_only=True, DCP's .metadata with an unpickler that admits only DCP's
+own index classes, and the DCP part holds tensors only (no pickled objects).
+
+consolidate() reads a folder into one process's memory in ckpt.pt's format (sample.py, export.py,
+eval.py: checkpoint.read_any).
+"""
+import contextlib
+import io
+import os
+import pickle
+import re
+import shutil
+import threading
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from checkpoint import CheckpointError, NonFiniteState, all_finite, gather_rng
+
+from torch.distributed.checkpoint.api import CheckpointException as _DCPException  # a BaseException
+
+FAILURES = (Exception, _DCPException)
+MARKER = '.complete'
+VALUES = 'values.pt'
+STEP = re.compile(r'^step_(\d{7,})$')
+
+
+def step_name(iter_num):
+    return f"step_{iter_num:07d}"
+
+
+def complete_steps(out_dir):
+    """[(iter_num, path)] of the complete checkpoints in out_dir, oldest first."""
+    found = []
+    try:
+        names = os.listdir(out_dir)
+    except OSError:
+        return []
+    for name in names:
+        m = STEP.match(name)
+        path = os.path.join(out_dir, name)
+        if m and os.path.isfile(os.path.join(path, MARKER)):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def latest(out_dir):
+    """The newest complete step folder of out_dir, or None."""
+    steps = complete_steps(out_dir)
+    return steps[-1][1] if steps else None
+
+
+def remove_incomplete(out_dir):
+    """Remove what interrupted saves left in out_dir: step_*.tmp folders, and step folders without
+    .complete (a prune cut short). Only the holder of out_dir's lock may call this."""
+    removed = []
+    for name in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
+        path = os.path.join(out_dir, name)
+        if name.startswith('step_') and os.path.isdir(path) and not (STEP.match(name) and
+                                                                      os.path.isfile(os.path.join(path, MARKER))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def prune(out_dir, keep_last):
+    """Remove the oldest complete checkpoints beyond the newest keep_last (0 keeps all)."""
+    steps = complete_steps(out_dir)
+    for _, path in steps[:-keep_last] if keep_last else []:
+        os.remove(os.path.join(path, MARKER))  # first: a half-removed folder must not count as complete
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_dir(path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _param_names(model):
+    """{parameter: its first name} (a tied parameter goes by its first name, as in named_parameters)."""
+    names = {}
+    for name, p in model.named_parameters():
+        names.setdefault(p, name)
+    return names
+
+
+def _model_tensors(model):
+    """(the model's state dict without the second names of tied parameters, {second name: first})."""
+    sd = model.state_dict()
+    kept = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    by_id, tied = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in kept:
+            by_id[id(p)] = name
+        elif id(p) in by_id:
+            tied[name] = by_id[id(p)]
+    return {k: v for k, v in sd.items() if k not in tied}, tied
+
+
+def _optimizer_parts(model, optimizer):
+    """optimizer.state_dict() by parameter name: ({name: {key: tensor}} for DCP, and the rest for
+    values.pt: the groups (names for numbers), non-tensor state (an int step), and the layout of
+    the tensors (shape, dtype, whether shaped and sharded like the parameter) to load them back."""
+    names = _param_names(model)
+    params = [p for g in optimizer.param_groups for p in g['params']]
+    sd = optimizer.state_dict()
+    tensors, other, layout = {}, {}, {}
+    for i, state in sd['state'].items():
+        p, name = params[i], names[params[i]]
+        tensors[name] = {k: v for k, v in state.items() if torch.is_tensor(v)}
+        other[name] = {k: v for k, v in state.items() if not torch.is_tensor(v)}
+        layout[name] = {k: (tuple(v.shape), v.dtype, tuple(v.shape) == tuple(p.shape) and v.dim() > 0)
+                        for k, v in tensors[name].items()}
+    groups = [{**g, 'params': [names[params[i]] for i in g['params']]} for g in sd['param_groups']]
+    return ({k: v for k, v in tensors.items() if v},
+            {'param_groups': groups, 'state': other, 'layout': {k: v for k, v in layout.items() if v}})
+
+
+class Saver:
+    """Saves train.py's checkpoints as step folders (call save() on every rank); finish() at the end."""
+
+    def __init__(self, out_dir, ranks, keep_last, use_async=None):
+        self.out_dir, self.ranks, self.keep_last = out_dir, ranks, keep_last
+        if use_async is None:
+            use_async = ranks.enabled and hasattr(dcp, 'async_save')
+        self.use_async = use_async
+        # DCP's collectives (plans, the index) go over their own gloo group: under async_save they
+        # run in a background thread while training runs its own collectives on the default group
+        self.group = dist.new_group(backend='gloo') if ranks.enabled else None
+        self.pending = None  # (future, tmp path, completed event) of a background save
+        self.error = None
+        self.replaces = []  # an earlier run's checkpoints (overwrite=True): removed once this run saved one
+        _SAVERS.append(self)
+
+    def save(self, objects, values, device_type='cpu'):
+        """Write the checkpoint of values['iter_num']; a collective. NonFiniteState (on every rank
+        alike, before anything is written) for a non-finite weight or optimizer state; a
+        CheckpointError when the write fails. Returns the folder's final path."""
+        model, optimizer = objects['model'], objects['optimizer']
+        if self.ranks.any(not all_finite(model, optimizer)):
+            raise NonFiniteState(f"the weights or optimizer state hold inf or NaN; no checkpoint was written")
+        self.wait()  # the previous background save is complete (or failed: raised here) before this one
+        rank_rngs = gather_rng(self.ranks, device_type)
+        final = os.path.join(self.out_dir, step_name(values['iter_num']))
+        tmp = final + '.tmp'
+        model_sd, tied = _model_tensors(model)
+        optim_tensors, optim_rest = _optimizer_parts(model, optimizer)
+        if self.ranks.master:
+            states = {name: obj.state_dict() for name, obj in objects.items() if name not in ('model', 'optimizer')}
+            checkpoint = {**states, **values, 'world_size': self.ranks.world_size, 'rng': {'ranks': rank_rngs},
+                          'optimizer_rest': optim_rest, 'tied': tied, 'format': 'dcp'}
+            try:
+                if os.path.exists(tmp):
+                    shutil.rmtree(tmp)
+                os.makedirs(tmp)
+                with open(os.path.join(tmp, VALUES), 'wb') as f:
+                    torch.save(checkpoint, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:
+                self.error = f"cannot write {tmp} ({e.strerror or e})"
+        self._raise_if_failed()
+        state = {'model': model_sd, 'optimizer': optim_tensors}
+        kwargs = dict(checkpoint_id=tmp, process_group=self.group, no_dist=not self.ranks.enabled)
+        if self.use_async:  # the state is copied to host memory now; the write goes on in a thread
+            future = dcp.async_save(state, **kwargs)
+            future = getattr(future, 'upload_completion', future)  # AsyncSaveResponse (newer staging API)
+            completed = threading.Event()
+            if self.ranks.master:
+                future.add_done_callback(lambda f: self._complete(f, tmp, final, completed))
+            else:
+                completed.set()
+            self.pending = (future, tmp, completed)
+            return final
+        try:
+            with _single_process_quiet():
+                dcp.save(state, **kwargs)
+        except FAILURES as e:
+            self.error = self.error or _failed(tmp, e)
+        else:
+            if self.ranks.master:
+                self._complete(None, tmp, final)
+        self._raise_if_failed()
+        return final
+
+    def _complete(self, future, tmp, final, completed=None):
+        """Rank 0, once DCP's save returned (it returns only after every rank reported its shards
+        written, and rank 0 wrote the index): the marker, the rename, then the pruning. Under
+        async_save in the writing thread, as soon as it is done; `completed` then tells wait()."""
+        try:
+            if future is not None:
+                future.result()
+            with open(os.path.join(tmp, MARKER), 'w') as f:
+                f.write('complete\n')
+                f.flush()
+                os.fsync(f.fileno())
+            if os.path.exists(final):  # this iteration's folder of an earlier run (overwrite=True)
+                if os.path.exists(os.path.join(final, MARKER)):
+                    os.remove(os.path.join(final, MARKER))
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.out_dir)
+            # an earlier run's (overwrite=True) first: pruning then counts only this run's folders
+            remove_checkpoints([p for p in self.replaces if p != final])
+            self.replaces = []
+            prune(self.out_dir, self.keep_last)
+        except FAILURES as e:
+            self.error = self.error or _failed(tmp, e)
+        finally:
+            if completed is not None:
+                completed.set()
+
+    def _raise_if_failed(self):
+        if self.ranks.any(self.error is not None):
+            error, self.error = self.error, None
+            raise CheckpointError(f"{error or 'another rank could not write its shards'}; the previous checkpoint "
+                                  f"is intact: free space or choose another --out_dir, then resume")
+
+    def wait(self):
+        """Wait for a background save to be complete; a CheckpointError (on every rank) when it failed.
+        A collective."""
+        if self.pending is not None:
+            future, tmp, completed = self.pending
+            self.pending = None
+            try:
+                future.result()
+            except FAILURES as e:
+                self.error = self.error or _failed(tmp, e)
+            completed.wait()
+        self._raise_if_failed()
+
+    def finish(self):
+        """At the end of the run, on every rank: the last background save is complete (or its failure
+        raised as a CheckpointError)."""
+        self.wait()
+        if self in _SAVERS:
+            _SAVERS.remove(self)
+
+    def abandon(self):
+        """On an error path (no collective): let a background save end as it ends, then forget it."""
+        if self.pending is not None:
+            future, _, completed = self.pending
+            self.pending = None
+            try:
+                future.result()
+            except FAILURES:
+                pass
+            completed.wait()
+        if self in _SAVERS:
+            _SAVERS.remove(self)
+
+
+_SAVERS = []  # savers not finished: train.main waits for their background writes on an error path
+
+
+def abandon_all():
+    """Before a run that failed leaves its process group: every background save has ended."""
+    for saver in list(_SAVERS):
+        saver.abandon()
+
+
+def remove_checkpoints(paths):
+    """Remove checkpoints (ckpt.pt files, step folders: the marker first)."""
+    for path in paths:
+        if os.path.isdir(path):
+            if os.path.exists(os.path.join(path, MARKER)):
+                os.remove(os.path.join(path, MARKER))
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.exists(path):
+            os.remove(path)
+
+
+def find(out_dir):
+    """(format, path, iter_num) of the checkpoint a resume of out_dir continues, or None: the one of
+    the highest iteration among out_dir/ckpt.pt and the complete step folders (the step folder when
+    they tie; an unreadable ckpt.pt counts as older than any folder, and alone it is still found so
+    that the resume names what is wrong with it)."""
+    from checkpoint import read
+    found = []
+    steps = complete_steps(out_dir)
+    if steps:
+        found.append((steps[-1][0], 1, 'dcp', steps[-1][1]))
+    path = os.path.join(out_dir, 'ckpt.pt')
+    if os.path.exists(path):
+        try:
+            it = read(path, mmap=True)['iter_num']
+        except (CheckpointError, KeyError, TypeError):
+            it = -1
+        found.append((it, 0, 'file', path))
+    if not found:
+        return None
+    it, _, fmt, path = max(found)
+    return fmt, path, it
+
+
+def all_checkpoints(out_dir):
+    """Every checkpoint in out_dir: ckpt.pt and the complete step folders."""
+    path = os.path.join(out_dir, 'ckpt.pt')
+    return ([path] if os.path.exists(path) else []) + [p for _, p in complete_steps(out_dir)]
+
+
+def resume(path, device, config, given):
+    """(values, model) to resume from the step folder `path`: check_resume's refusals, then the
+    model of the saved model_args on `device` in the weight dtype of the config, weights not yet
+    loaded (load() fills them once the model is sharded)."""
+    from checkpoint import ResumeRefused, check_resume
+    from model import GPTConfig
+    import training
+    values = read_values(path)
+    try:
+        check_resume(values, config, given)
+        model_args = {**values['model_args'], 'dropout': config['dropout']}
+        return values, training.new_model(GPTConfig(**model_args), device, training.weight_dtype(config['precision']))
+    except ResumeRefused:
+        raise
+    except FAILURES as e:
+        raise CheckpointError(f"cannot load checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                              f"it is corrupt or from another version: start from scratch or restore a backup") from None
+
+
+def _failed(tmp, e):
+    return f"cannot write {tmp} ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})"
+
+
+# -----------------------------------------------------------------------------
+# reading
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle: admit only the classes of DCP's index (dataclasses, enums),
+    torch's Size, dtypes and layouts, and paths; never a function, so never code."""
+    ALLOWED = {('torch', 'Size'), ('collections', 'OrderedDict'), ('torch.serialization', '_get_layout'),
+               ('pathlib', 'PosixPath'), ('pathlib', 'PurePosixPath'),
+               ('torch.distributed.checkpoint.filesystem', '_StorageInfo')}
+
+    def find_class(self, module, name):
+        found = None
+        if (module, name) in self.ALLOWED:
+            found = super().find_class(module, name)
+        elif module == 'torch.distributed.checkpoint.metadata':
+            found = super().find_class(module, name)
+            found = found if isinstance(found, type) else None
+        elif module == 'torch' and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                           torch.memory_format)):
+            found = super().find_class(module, name)
+        if found is None:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+        return found
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("persistent ids are not part of a checkpoint index")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """FileSystemReader whose index is read with _IndexUnpickler."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+        path = self._get_metadata_path(kwargs.get('rank'))
+        with self.fs.create_stream(path, 'rb') as f:
+            metadata = _IndexUnpickler(io.BytesIO(f.read())).load()
+        if getattr(metadata, 'storage_meta', None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_values(path):
+    """The values.pt of a step folder (everything but the tensors of the model and optimizer)."""
+    from checkpoint import read
+    values = read(os.path.join(path, VALUES), mmap=False)
+    if not isinstance(values, dict) or values.get('format') != 'dcp':
+        raise CheckpointError(f"{path}/{VALUES} is not a values file of train.py's sharded checkpoint; restore a "
+                              f"backup or train from scratch")
+    return values
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns at every call in one process that it assumes one process: it is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='torch.distributed is disabled')
+        yield
+
+
+def _load(state, path, group=None):
+    try:
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=SafeReader(path), process_group=group, no_dist=not dist.is_initialized())
+    except FAILURES as e:
+        raise CheckpointError(f"cannot read checkpoint {path} ({type(e).__name__}: "
+                              f"{(str(e).strip().splitlines() or [''])[0][:200]}); it is corrupt, truncated or from "
+                              f"another program: restore a backup or train from scratch") from None
+
+
+def load(path, values, model, optimizer, group=None):
+    """Load the step folder's weights and optimizer state into `model` and `optimizer` as they are
+    built now (sharded over any number of ranks, or whole); a collective under torchrun. A
+    parameter without saved optimizer state has none after loading."""
+    model_sd, _ = _model_tensors(model)
+    rest = values['optimizer_rest']
+    names = _param_names(model)
+    by_name = {name: p for p, name in names.items()}
+    optim = {}
+    for name, layout in rest['layout'].items():
+        p = by_name[name]
+        optim[name] = {k: (torch.empty_like(p, dtype=dtype) if like_param else torch.empty(shape, dtype=dtype))
+                       for k, (shape, dtype, like_param) in layout.items()}
+    state = {'model': model_sd, 'optimizer': {k: v for k, v in optim.items() if v}}
+    _load(state, path, group)
+    model.load_state_dict({**model_sd, **{k: model_sd[v] for k, v in values['tied'].items()}})
+    numbered = [names[p] for g in optimizer.param_groups for p in g['params']]
+    number = {name: i for i, name in enumerate(numbered)}
+    sd = {'state': {number[n]: {**rest['state'][n], **optim.get(n, {})} for n in rest['state']},
+          'param_groups': [{**g, 'params': [number[n] for n in g['params']]} for g in rest['param_groups']]}
+    optimizer.load_state_dict(sd)
+
+
+def consolidate(path, optimizer=True):
+    """The step folder as one process's checkpoint dict, in ckpt.pt's format (full tensors in host
+    memory; the optimizer's state numbered as torch.optim numbers it). optimizer=False reads the
+    weights only."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    values = read_values(path)
+    try:
+        index = SafeReader(path).read_metadata()
+    except FAILURES as e:
+        raise CheckpointError(f"cannot read checkpoint {path} ({type(e).__name__}: "
+                              f"{(str(e).strip().splitlines() or [''])[0][:200]}); it is corrupt, truncated or from "
+                              f"another program: restore a backup or train from scratch") from None
+    template = {}
+    for key, meta in index.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata) and (optimizer or key.startswith('model.')):
+            template[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    if not any(k.startswith('model.') for k in template):
+        raise CheckpointError(f"checkpoint {path} holds no weights; restore a backup or train from scratch")
+    _load(template, path)
+    model = {k[len('model.'):]: v for k, v in template.items() if k.startswith('model.')}
+    model.update({k: model[v] for k, v in values['tied'].items()})
+    checkpoint = {k: v for k, v in values.items() if k not in ('optimizer_rest', 'tied', 'format')}
+    checkpoint['model'] = model
+    if optimizer:
+        rest = values['optimizer_rest']
+        numbered = [n for g in rest['param_groups'] for n in g['params']]
+        number = {n: i for i, n in enumerate(numbered)}
+        state = {}
+        for name, other in rest['state'].items():
+            state[number[name]] = {**other, **{k: template[f'optimizer.{name}.{k}']
+                                               for k in rest['layout'].get(name, {})}}
+        checkpoint['optimizer'] = {'state': dict(sorted(state.items())),
+                                   'param_groups': [{**g, 'params': [number[n] for n in g['params']]}
+                                                    for g in rest['param_groups']]}
+    return checkpoint

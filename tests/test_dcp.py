@@ -1,0 +1,204 @@
+"""Sharded checkpoints (checkpoint_dcp.py): checkpoint_format='dcp', the default under torchrun.
+
+What is checked, and how:
+- Exact resume: 2 FSDP ranks, N iterations + resume + N more end bit for bit where a straight 2N
+  run ends (AdamW, dropout), on the consolidated states.
+- The shards are the full state: a straight run writing step folders and the same run writing
+  ckpt.pt (gathered on rank 0) hold bitwise the same state (FSDP and DDP), and resuming either on
+  one process (resharded by DCP from 2 ranks to 1) continues bitwise alike, from the same data
+  position and cycler.
+- A crash in the middle of a save (rank 1 SIGKILLs itself while writing its shards, under async
+  save) leaves the previous complete checkpoint the newest: the same command again removes the
+  broken folder, resumes the previous one and ends bitwise where an uninterrupted run ends.
+- keep_last prunes the oldest complete folders; an overwrite=True run removes the earlier run's.
+- A non-finite state is never saved; a .metadata that would unpickle code, and a config that cannot
+  continue a step folder, are refused in one line.
+- sample.py, export.py and eval.py read an out_dir of step folders.
+"""
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+from conftest import (DDP_TINY, ONE_RANK, ROOT, TORCHRUN, TWO_RANKS, Launch, assert_one_line_error, assert_same_state,
+                      copy_checkpoint, load, run_script, run_train, torchrun_train as train)
+
+pytestmark = pytest.mark.torchrun  # launches torchrun (deselect with -m "not torchrun")
+
+RESUME = ['--dropout=0.1', '--omgd_period=4', *TWO_RANKS]  # AdamW; dropout: per-rank RNG streams
+FSDP = ['--parallel=fsdp']
+STRAIGHT = 16
+
+
+def folders(out_dir):
+    return sorted(n for n in os.listdir(out_dir) if n.startswith('step_'))
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+    """One torchrun launch (tests/test_ddp.py's runner): straight runs under FSDP and DDP, each
+    writing step folders (dcp) and ckpt.pt (file)."""
+    root = tmp_path_factory.mktemp('dcp')
+    runs = [(f'{parallel}_{fmt}', [f'--out_dir={root / parallel / fmt}', f'--max_iters={STRAIGHT}',
+                                   f'--parallel={parallel}', f'--checkpoint_format={fmt}', '--eval_interval=4', *RESUME])
+            for parallel in ('fsdp', 'ddp') for fmt in ('dcp', 'file')]
+    run = Launch(TORCHRUN + ['tests/test_ddp.py'], env={'DDP_TEST_RUNS': json.dumps(runs)}).wait(timeout=400)
+    assert run.proc.returncode == 0, run.out[-3000:]
+    logs = dict(re.findall(r'=== (\w+)\n(.*?)(?==== |\Z)', run.out, flags=re.S))
+    return root, logs
+
+
+def test_fsdp_resume_from_step_folders_is_exact(runs, tmp_path):
+    root, logs = runs
+    straight = root / 'fsdp' / 'dcp'
+    # saved at 4, 8, 12, 16; keep_last=3 keeps the newest three; no ckpt.pt, no temporary folder
+    assert folders(straight) == ['step_0000008', 'step_0000012', 'step_0000016'] and \
+        not (straight / 'ckpt.pt').exists()
+    assert all((straight / f / '.complete').exists() for f in folders(straight))
+    assert 'written to disk in the background' in logs['fsdp_dcp']
+    train(f'--out_dir={tmp_path}', '--max_iters=6', *RESUME, *FSDP, '--checkpoint_format=dcp')
+    run = train(f'--out_dir={tmp_path}', f'--max_iters={STRAIGHT}', '--init_from=resume', *RESUME, *FSDP,
+                '--checkpoint_format=dcp', '--eval_interval=5')
+    assert f"resuming from iteration 6 of {tmp_path / 'step_0000006'}" in run.out
+    assert_same_state(load(straight), load(tmp_path))
+
+
+@pytest.mark.parametrize('parallel', ['fsdp', 'ddp'])
+def test_shards_hold_the_full_state_and_reshard_to_one_process(runs, tmp_path, parallel):
+    root, _ = runs
+    dcp_run, file_run = root / parallel / 'dcp', root / parallel / 'file'
+    assert folders(file_run) == [] and (file_run / 'ckpt.pt').exists()
+    consolidated = load(dcp_run)
+    assert consolidated['world_size'] == 2 and consolidated['iter_num'] == STRAIGHT
+    assert_same_state(consolidated, load(file_run))  # the shards of every rank are the whole state
+    assert consolidated['optimizer']['param_groups'] == load(file_run)['optimizer']['param_groups']
+    ends = {}
+    for fmt, src in (('dcp', dcp_run), ('file', file_run)):
+        copy_checkpoint(src, tmp_path / fmt)
+        run = train(f'--out_dir={tmp_path / fmt}', f'--max_iters={STRAIGHT + 3}', '--init_from=resume', *ONE_RANK,
+                    f'--parallel={parallel}', ranks=1)
+        assert 'resuming a 2-rank checkpoint on 1 rank: same data position' in run.out
+        ends[fmt] = load(tmp_path / fmt)
+    # one process resumed from the 2-rank shards continues exactly as from the gathered file
+    assert_same_state(ends['dcp'], ends['file'])
+    assert ends['dcp']['data']['windows_consumed'] == consolidated['data']['windows_consumed'] + 3 * 8
+
+
+CRASH_ARGS = [*DDP_TINY, *RESUME, *FSDP, f'--max_iters={STRAIGHT}', '--eval_interval=4', '--init_from=auto',
+              '--checkpoint_format=dcp']
+
+
+def test_a_crash_in_the_middle_of_a_save_resumes_the_previous_checkpoint_exactly(runs, tmp_path):
+    """Rank 1 is SIGKILLed while writing its shards of step 8 (under async save): torchrun stops the
+    job; the same command again (a requeue; torchrun's own --max-restarts cannot re-form a 2-rank
+    gloo group here) removes the broken folder, resumes step 4 and ends where a straight run ends."""
+    root, _ = runs
+    out = tmp_path / 'crashed'
+    cmd = [*TORCHRUN, 'tests/test_dcp.py', *CRASH_ARGS, f'--out_dir={out}']
+    crashed = Launch(cmd, env={'CRASH_IN_SAVE': 'step_0000008'}).wait(timeout=300)
+    assert crashed.proc.returncode != 0 and 'rank 1 killed while writing step_0000008' in crashed.out, \
+        crashed.out[-3000:]
+    assert folders(out) == ['step_0000004', 'step_0000008.tmp'], folders(out)
+    run = Launch(cmd).wait(timeout=300)
+    assert run.proc.returncode == 0, run.out[-3000:]
+    assert f'removed step_0000008.tmp from {out}' in run.out and 'resuming from iteration 4' in run.out, run.out[-3000:]
+    assert_same_state(load(root / 'fsdp' / 'dcp'), load(out))
+
+
+def test_keep_last_prunes_and_an_overwrite_removes_the_earlier_run(tmp_path):
+    run_train(f'--out_dir={tmp_path}', '--max_iters=5', '--eval_interval=1', '--checkpoint_format=dcp', '--keep_last=2')
+    assert folders(tmp_path) == ['step_0000004', 'step_0000005']
+    run_train(f'--out_dir={tmp_path}', '--max_iters=3', '--eval_interval=1', '--checkpoint_format=dcp', '--keep_last=0',
+              '--overwrite=True')
+    assert folders(tmp_path) == ['step_0000001', 'step_0000002', 'step_0000003']  # the earlier run's are gone
+    assert load(tmp_path)['iter_num'] == 3
+    # ckpt.pt and step folders in one out_dir: the later iteration resumes, whatever its format
+    run = run_train(f'--out_dir={tmp_path}', '--max_iters=4', '--eval_interval=4', '--init_from=resume',
+                    '--checkpoint_format=file')  # else the checkpoint's own (a resume takes its config)
+    assert f"resuming from iteration 3 of {tmp_path / 'step_0000003'}" in run.stdout and (tmp_path / 'ckpt.pt').exists()
+    run = run_train(f'--out_dir={tmp_path}', '--max_iters=5', '--eval_interval=5', '--init_from=resume',
+                    '--checkpoint_format=dcp')
+    assert f"resuming from iteration 4 of {tmp_path / 'ckpt.pt'}" in run.stdout
+    assert load(tmp_path)['iter_num'] == 5 and folders(tmp_path)[-1] == 'step_0000005'
+
+
+def test_an_incomplete_folder_never_resumes_and_is_removed(tmp_path):
+    run_train(f'--out_dir={tmp_path}', '--max_iters=4', '--eval_interval=2', '--checkpoint_format=dcp')
+    import shutil
+    # a save cut short: shards without the marker, under both names a crash can leave
+    for name in ('step_0000006.tmp', 'step_0000008'):
+        shutil.copytree(tmp_path / 'step_0000004', tmp_path / name)
+        os.remove(tmp_path / name / '.complete')
+    run = run_train(f'--out_dir={tmp_path}', '--max_iters=5', '--eval_interval=5', '--init_from=auto')
+    assert f"resuming from iteration 4 of {tmp_path / 'step_0000004'}" in run.stdout
+    assert 'removed step_0000006.tmp, step_0000008 from' in run.stdout
+    assert folders(tmp_path) == ['step_0000002', 'step_0000004', 'step_0000005']
+    # a config that cannot continue the step folder is refused in one line, as for ckpt.pt
+    refused = run_train(f'--out_dir={tmp_path}', '--max_iters=8', '--init_from=resume', '--n_layer=6',
+                        '--block_size=16', expect_ok=False)
+    assert_one_line_error(refused, r"^error: block_size=16 differs from the checkpoint's 32 .*; n_layer=6 conflicts")
+
+
+def test_a_non_finite_state_is_never_saved(tmp_path):
+    import checkpoint
+    import checkpoint_dcp
+    from distributed import Ranks
+    import itertools
+    import training
+    from conftest import train_defaults
+    cfg = train_defaults(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
+    model, optimizer, cycler = training.build(cfg, 'cpu')
+    x = torch.randint(32, (2, 8))
+    trainer = training.Trainer(cfg, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu')
+    trainer.step()
+    saver = checkpoint_dcp.Saver(str(tmp_path), Ranks(), keep_last=3)
+    values = {'iter_num': 1, 'config': cfg, 'data': {}, 'model_args': {}}
+    saver.save(trainer.state_objects(), values)
+    state = next(iter(optimizer.state.values()))
+    state['exp_avg_sq'].view(-1)[0] = float('inf')
+    with pytest.raises(checkpoint.NonFiniteState):
+        saver.save(trainer.state_objects(), {**values, 'iter_num': 2})
+    assert folders(tmp_path) == ['step_0000001']
+    # a .metadata that would run code when unpickled is refused, in one line
+    import pickle
+    with open(tmp_path / 'step_0000001' / '.metadata', 'wb') as f:
+        pickle.dump(os.system, f)
+    with pytest.raises(checkpoint.CheckpointError, match=r"posix.system is not part of a checkpoint index"):
+        checkpoint.read_any(str(tmp_path))
+
+
+def test_sample_export_and_eval_read_step_folders(tmp_path):
+    run_train(f'--out_dir={tmp_path}', '--max_iters=4', '--eval_interval=4', '--checkpoint_format=dcp')
+    assert folders(tmp_path) == ['step_0000004'] and not (tmp_path / 'ckpt.pt').exists()
+    result = run_script('sample.py', [f'--out_dir={tmp_path}', '--start=ROMEO:', '--max_new_tokens=20'])
+    assert result.returncode == 0 and result.stdout.startswith('ROMEO:'), result.stderr
+    result = run_script('export.py', [f'--out_dir={tmp_path}', f'--hf_dir={tmp_path / "hf"}'])
+    assert result.returncode == 0 and 'iteration 4 of' in result.stdout, result.stderr
+    assert (tmp_path / 'hf' / 'model.safetensors').exists()
+    result = run_script('eval.py', [f'--out_dir={tmp_path}', '--eval_iters=1'])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert_one_line_error(run_script('sample.py', [f'--out_dir={tmp_path / "none"}']), r'^error: no checkpoint at')
+
+
+if __name__ == '__main__':
+    # the worker torchrun starts for the crash test: train.py's main, where rank 1 writes part of its
+    # shards of the folder $CRASH_IN_SAVE and is SIGKILLed (no clean-up); without $CRASH_IN_SAVE, train.py
+    import signal
+    sys.path.insert(0, ROOT)
+    from torch.distributed.checkpoint import filesystem
+    import train
+    write_data = filesystem.FileSystemWriter.write_data
+
+    def write_or_die(self, plan, planner):
+        if os.path.basename(str(self.path)).startswith(os.environ.get('CRASH_IN_SAVE', '-')) and \
+                os.environ.get('RANK') == '1':
+            with open(os.path.join(self.path, '__1_0.distcp'), 'wb') as f:
+                f.write(b'half a shard')
+            print(f"rank 1 killed while writing {os.environ['CRASH_IN_SAVE']}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write_data(self, plan, planner)
+    filesystem.FileSystemWriter.write_data = write_or_die
+    sys.exit(train.main(sys.argv[1:]))
