@@ -191,9 +191,13 @@ def main(argv):
     text = markdown(cfg, rows, device, config, argv)
     print(text, end='')
     if cfg['out']:
-        os.makedirs(os.path.dirname(cfg['out']) or '.', exist_ok=True)
-        with open(cfg['out'], 'w') as f:
-            f.write(text)
+        try:
+            os.makedirs(os.path.dirname(cfg['out']) or '.', exist_ok=True)
+            with open(cfg['out'], 'w') as f:
+                f.write(text)
+        except OSError as e:  # a full disk, a read-only folder, a file where a folder should be
+            sys.exit(f"error: cannot write the report {cfg['out']} ({e.strerror or e}); free space or choose "
+                     f"another --out")
 
 
 if __name__ == '__main__':

@@ -407,7 +407,12 @@ def check(cfg):
 def run(cfg, argv=()):
     """Measure every row of cfg (methods x precisions); return the result dict (nothing written)."""
     device, row_cfgs = check(cfg)
-    rows = [measure(row, device) for row in row_cfgs]
+    rows, t0 = [], time.time()
+    for i, row in enumerate(row_cfgs, 1):  # a 7B row takes a minute or more: say how far along it is
+        rows.append(measure(row, device))
+        spent = time.time() - t0
+        print(f"measured {i}/{len(row_cfgs)} rows ({row['method']}, {precision_label(row['precision'], row['master_device'])})"
+              f" in {spent:.0f} s, about {spent / i * (len(row_cfgs) - i):.0f} s left", file=sys.stderr, flush=True)
     estimate = device.type != 'cuda'
     precisions = list(dict.fromkeys((r['precision'], r['master_device']) for r in rows))
     return dict(estimate=estimate, device=device.type if estimate else torch.cuda.get_device_name(device),
@@ -442,7 +447,10 @@ def main(argv):
     except (ConfigError, ValueError) as e:
         sys.exit(f"error: {e}")
     prefix = output_prefix(cfg)
-    print(write(result, prefix), end='')
+    try:
+        print(write(result, prefix), end='')
+    except OSError as e:  # a full disk, a read-only folder, a file where a folder should be
+        sys.exit(f"error: cannot write the report {prefix}.* ({e.strerror or e}); free space or choose another --out")
     print(f"wrote {prefix}.md, {prefix}.json, {prefix}.png")
 
 

@@ -121,8 +121,9 @@ def save(path, ranks, objects, values, fsdp=False, device_type='cpu'):
     try:
         with atomic_path(Path(path)) as tmp_path:
             torch.save(checkpoint, tmp_path)
-    except OSError as e:
-        raise CheckpointError(f"cannot write {path} ({e.strerror or e}); the previous checkpoint is intact: free "
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError of its zip writer
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:200]
+        raise CheckpointError(f"cannot write {path} ({reason}); the previous checkpoint is intact: free "
                               f"space or choose another --out_dir, then resume") from None
     return True
 

@@ -170,8 +170,10 @@ class MasterWeights:
         return self.master_device
 
     def _pinned(self, p):
-        # pinned host memory makes the copies to and from a CUDA device DMA transfers
-        return p.is_cuda and self.master_home(p).type == 'cpu'
+        # pinned host memory makes copies to and from a CUDA device DMA transfers; staged copies
+        # (HostStaging) already go through reused pinned buffers, so those masters stay pageable and
+        # skip the pinned allocator's rounding to a power of two (a 4096 x 11008 fp32 moment: 256 MiB, not 172)
+        return p.is_cuda and self.master_home(p).type == 'cpu' and not self._stages(p)
 
     def _stages(self, p):
         """Whether p's copies to and from its master go through HostStaging."""

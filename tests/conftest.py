@@ -123,6 +123,23 @@ def train_defaults(**overrides):
     return {**train_config.DEFAULTS, **train_config.machine_defaults(cuda=False), **overrides}
 
 
+def cpu_checkpoint_after_one_step(cfg, path):
+    """A checkpoint at `path` of cfg's model after one step on the CPU (optimizer state exists);
+    returns (model, optimizer) as saved (tests/test_checkpoint.py, tests/test_gpu.py)."""
+    import itertools
+    import torch
+    import checkpoint
+    import training
+    from distributed import Ranks
+    torch.manual_seed(0)
+    model, optimizer, cycler = training.build(cfg, 'cpu')
+    x = torch.randint(cfg['vocab_size'], (2, cfg['block_size']))
+    training.Trainer(cfg, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu').step()
+    checkpoint.save(path, Ranks(), {'model': model, 'optimizer': optimizer, 'cycler': cycler},
+                    {'iter_num': 1, 'config': cfg, 'data': {}, 'model_args': training.model_args(cfg, cfg['vocab_size'])})
+    return model, optimizer
+
+
 def tiny_model_config(arch, **kw):
     """A GPTConfig of a tiny model of `arch` (tests/test_model.py, tests/test_memory.py)."""
     from model import GPTConfig

@@ -161,6 +161,7 @@ SAMPLE = [
     ('--seed=18446744073709551616', r'seed=18446744073709551616 does not fit in 64 bits'),
 ]
 BENCH = [
+    ('--out={files}/a_file/report.md', r"cannot write the report .*a_file/report.md \(.*\); free space or choose another --out$"),
     ('--methods=adam', r"unknown method 'adam'"),
     ('--methods=,', r'methods lists no method'),
     ('--steps=0', r'steps must be >= 1'),
@@ -174,6 +175,7 @@ BENCH = [
     ('--stepz=3', r"unknown config key 'stepz'"),
 ]
 BENCH_MEMORY = [
+    ('--out={files}/a_file/report', r"cannot write the report .*a_file/report\.\* \(.*\); free space or choose another --out$"),
     ('--micro_batches=-1', r'micro_batches must be >= 0'),
     ('--device=tpu', r'device must be auto, cuda, meta, cpu'),
     ('--device=cuda', r'device=cuda but CUDA is not available; use --device=meta for an estimate$'),

@@ -322,3 +322,14 @@ def test_sublayer_checkpointing_lowers_the_peak_with_offload():
     whole = bench_memory.run(config(device='meta', **common))['rows'][0]
     halves = bench_memory.run(config(device='meta', checkpoint_sublayers=True, **common))['rows'][0]
     assert halves['others'] < whole['others'], (halves['others'], whole['others'])
+
+
+def test_the_memory_benchmark_says_how_far_along_it_is(tmp_path):
+    from conftest import run_script
+    result = run_script('bench_memory.py', ["--preset=", '--arch=llama', '--n_layer=2', '--n_head=2', '--n_embd=32',
+                                            '--vocab_size=64', '--block_size=16', '--batch_size=2',
+                                            '--methods=full,lisa_wor', '--device=meta', f'--out={tmp_path}/r'])
+    assert result.returncode == 0, result.stderr[-2000:]
+    progress = [line for line in result.stderr.splitlines() if line.startswith('measured ')]
+    assert [p.split(' in ')[0] for p in progress] == ['measured 1/2 rows (full, amp)', 'measured 2/2 rows (lisa_wor, amp)']
+    assert progress[-1].endswith('about 0 s left')

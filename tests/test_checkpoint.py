@@ -9,7 +9,7 @@ import torch
 
 import checkpoint
 import training
-from conftest import train_defaults
+from conftest import cpu_checkpoint_after_one_step, train_defaults
 from distributed import Ranks
 
 CFG = train_defaults(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
@@ -80,6 +80,22 @@ def test_a_failed_write_says_so_and_keeps_the_previous_file(tmp_path, monkeypatc
     assert os.listdir(tmp_path) == ['ckpt.pt']  # the partial temporary file is gone
 
 
+def test_a_full_disk_inside_torch_save_is_one_line_too(tmp_path, monkeypatch):
+    """torch.save's zip writer reports ENOSPC as a RuntimeError, not an OSError."""
+    objects = build()
+    save(tmp_path / 'ckpt.pt', objects)
+    good = (tmp_path / 'ckpt.pt').read_bytes()
+
+    def zip_writer_fails(obj, path):
+        raise RuntimeError("[enforce fail at inline_container.cc:603] . PytorchStreamWriter failed writing file "
+                           "data/3: file write failed")
+    monkeypatch.setattr(torch, 'save', zip_writer_fails)
+    with pytest.raises(checkpoint.CheckpointError, match=r"^cannot write .*ckpt.pt \(\[enforce fail at .*file write "
+                                                         r"failed\); the previous checkpoint is intact"):
+        save(tmp_path / 'ckpt.pt', objects, iter_num=2)
+    assert (tmp_path / 'ckpt.pt').read_bytes() == good and os.listdir(tmp_path) == ['ckpt.pt']
+
+
 def test_the_file_is_synced_before_it_replaces_the_old_one(tmp_path, monkeypatch):
     order = []
     real_fsync, real_replace = os.fsync, os.replace
@@ -107,13 +123,8 @@ def test_a_checkpoint_resumes_on_another_device_type(tmp_path, precision):
     nothing else), the optimizer state follows its parameters, and CPU masters (master_device='cpu')
     stay in host memory, bitwise what was saved."""
     cfg = {**CFG, 'precision': precision, 'master_device': 'cpu' if precision == 'bf16_master' else ''}
-    torch.manual_seed(0)
-    model, optimizer, cycler = training.build(cfg, 'cpu')
-    x = torch.randint(32, (2, 8))
-    training.Trainer(cfg, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu').step()
     path = str(tmp_path / 'ckpt.pt')
-    checkpoint.save(path, Ranks(), {'model': model, 'optimizer': optimizer, 'cycler': cycler},
-                    {'iter_num': 1, 'config': cfg, 'data': {}, 'model_args': training.model_args(cfg, 32)})
+    model, optimizer = cpu_checkpoint_after_one_step(cfg, path)
     rng = torch.get_rng_state()
     torch.manual_seed(123)  # another state, which the resume must replace
 

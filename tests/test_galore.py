@@ -413,7 +413,7 @@ def test_cpu_master_of_cuda_params(projection):
         assert p.is_cuda and torch.equal(p.cpu(), q)
         assert_same_state(opt.state[p], ref.state[q])
         tensors = [v for v in opt.state[p].values() if torch.is_tensor(v)]
-        assert all(v.is_pinned() and v.dtype == torch.float32 for v in tensors)
+        assert all(not v.is_pinned() and v.dtype == torch.float32 for v in tensors)  # staged: pageable masters
 
 
 def save(opt):

@@ -9,7 +9,7 @@ import checkpoint
 import memory
 import memory_tools
 import training
-from conftest import TINY, assert_same_state, load, run_train, train_defaults
+from conftest import TINY, assert_same_state, cpu_checkpoint_after_one_step, load, run_train, train_defaults
 from distributed import Ranks
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')]
@@ -21,15 +21,9 @@ CFG = train_defaults(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32
 def test_a_cpu_checkpoint_resumes_on_the_gpu(tmp_path, precision):
     """Read into host memory, never onto the GPU: the RNG states stay CPU tensors, the model moves,
     the optimizer state follows its parameters (CPU masters stay on the CPU)."""
-    import itertools
     cfg = {**CFG, 'precision': precision, 'master_device': 'cpu' if precision == 'bf16_master' else ''}
-    torch.manual_seed(0)
-    model, optimizer, cycler = training.build(cfg, 'cpu')
-    x = torch.randint(32, (2, 8))
-    training.Trainer(cfg, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu').step()
     path = str(tmp_path / 'ckpt.pt')
-    checkpoint.save(path, Ranks(), {'model': model, 'optimizer': optimizer, 'cycler': cycler},
-                    {'iter_num': 1, 'config': cfg, 'data': {}, 'model_args': training.model_args(cfg, 32)})
+    model, optimizer = cpu_checkpoint_after_one_step(cfg, path)
     before = torch.cuda.memory_allocated()
     saved, resumed = checkpoint.resume(path, 'cuda', cfg, set())
     weights = sum(p.numel() * p.element_size() for p in resumed.parameters())
