@@ -19,15 +19,46 @@ def test_paired_stats_known_numbers():
     p = stats.paired({s: 1.0 + s for s in range(5)}, {s: 0.0 for s in range(5)})  # diffs 1..5
     assert p['n'] == 5 and p['diffs'] == [1.0, 2.0, 3.0, 4.0, 5.0]
     assert p['mean'] == pytest.approx(3.0) and p['sd'] == pytest.approx(math.sqrt(2.5))
-    half = 2.776 * math.sqrt(2.5) / math.sqrt(5)  # t_{0.975, 4}
+    half = 2.7764451051977987 * math.sqrt(2.5) / math.sqrt(5)  # t_{0.975, 4}
     assert p['ci95'] == pytest.approx([3.0 - half, 3.0 + half])
     assert p['t'] == pytest.approx(3.0 / (math.sqrt(2.5) / math.sqrt(5)))
     assert p['significant'] and p['a_wins'] == 0
     q = stats.paired({0: 1.0, 1: 2.0, 7: 5.0}, {0: 2.0, 1: 1.0})  # seed 7 unpaired: left out
     assert q['seeds'] == [0, 1] and q['mean'] == pytest.approx(0.0) and q['a_wins'] == 1 and not q['significant']
-    assert q['ci95'] == pytest.approx([-12.706 * 1.0, 12.706 * 1.0])  # sd sqrt(2), /sqrt(2)
+    assert q['ci95'] == pytest.approx([-12.706204736174696, 12.706204736174696])  # sd sqrt(2), /sqrt(2)
     assert stats.paired({0: 1.0}, {1: 1.0}) is None
     assert stats.fmt_pair(p) == f'+3.0000 [{3.0 - half:+.4f}, {3.0 + half:+.4f}] *'
+
+
+# Student's t 0.975 quantiles from the printed tables (3 decimals), and 0.995 ones (the 99% intervals)
+T975_TABLE = {1: 12.706, 2: 4.303, 4: 2.776, 9: 2.262, 19: 2.093, 20: 2.086, 29: 2.045, 30: 2.042, 60: 2.000,
+              120: 1.980, 1000: 1.962}
+T995_TABLE = {1: 63.657, 4: 4.604, 9: 3.250, 30: 2.750, 1000: 2.581}
+
+
+def test_t_quantile_matches_the_tables_for_any_degrees_of_freedom():
+    for df, t in T975_TABLE.items():
+        assert stats.t975(df) == pytest.approx(t, abs=6e-4), df
+        assert stats.t_cdf(stats.t975(df), df) == pytest.approx(0.975, abs=1e-12)
+    for df, t in T995_TABLE.items():
+        assert stats.t_quantile(0.995, df) == pytest.approx(t, abs=6e-4), df
+    assert stats.t_quantile(0.975, 10 ** 7) == pytest.approx(1.959964, abs=1e-5)  # the normal quantile
+    assert stats.t_quantile(0.025, 9) == pytest.approx(-stats.t975(9)) and stats.t_quantile(0.5, 3) == 0.0
+    assert stats.t_cdf(0.0, 5) == pytest.approx(0.5) and stats.betainc(2.0, 3.0, 0.4) == pytest.approx(0.5248)
+    with pytest.raises(ValueError):
+        stats.t_quantile(1.0, 3)
+
+
+@pytest.mark.parametrize('n', [2, 20, 21, 31, 1001])
+def test_paired_interval_exists_for_any_number_of_seeds(n):
+    diffs = [0.01 * ((7 * s) % 11) - 0.03 for s in range(n)]
+    p = stats.paired({s: 1.0 + d for s, d in enumerate(diffs)}, {s: 1.0 for s in range(n)})
+    assert p['n'] == n and p['ci95'] is not None
+    mean, sd = sum(diffs) / n, p['sd']
+    half = T975_TABLE.get(n - 1, stats.t975(n - 1)) * sd / math.sqrt(n)
+    assert p['ci95'] == pytest.approx([mean - half, mean + half], abs=6e-4 * sd / math.sqrt(n) + 1e-12)
+    m, lo, hi = stats.interval(diffs, 0.99)
+    assert m == pytest.approx(mean) and hi - lo == pytest.approx(2 * stats.t_quantile(0.995, n - 1) * sd / math.sqrt(n))
 
 
 def fake_result(s, train, val=None):
@@ -156,3 +187,86 @@ def test_smoke_runs_resume_probe_and_finetune(tmp_path, monkeypatch):
     assert all(torch.equal(start['model'][k], pretrained['model'][k]) for k in start['model'])
     assert start['iter_num'] == 0 and start['optimizer']['state'] == {} and pretrained['optimizer']['state']
     assert (start['config']['method'], start['config']['omgd_seed'], start['config']['dataset']) == ('lisa_wor', 1, ft_data)
+
+
+def test_k31_stages_are_the_plan(tmp_path):
+    keep = study.stage_specs('k31_keep', [100, 101])
+    assert len(keep) == 24 and [s['seed'] for s in keep] == [100] * 12 + [101] * 12  # seed-major: complete pairs
+    assert {(s['K'], s['beta1'], s['state']) for s in keep} == {(3, None, 'keep'), (6, None, 'keep'), (12, None, 'keep'),
+                                                                 (25, None, 'keep'), (3, 0.5, 'keep'), (3, 0.0, 'keep')}
+    assert all((s['n_layer'], s['gamma'], s['iters'], s['optimizer'], s['regime']) == (12, 3, 600, 'adamw', 'multi')
+               for s in keep)
+    assert [s['method'] for s in keep[:2]] == ['lisa', 'lisa_wor']
+    k100 = study.stage_specs('k31_k100', [100])
+    assert [(s['K'], s['iters'], s['state'], s['regime']) for s in k100] == [(100, 10_000, 'keep', 'paper')] * 2
+    assert k100[0]['iters'] // (12 // 3 * 100) == 25  # 25 cycles of M = 4 periods
+    assert {s['state'] for s in study.stage_specs('k31_drop', [100])} == {'drop'}
+    runs = str(tmp_path / 'runs')
+    args = study.train_args(keep[-1], runs)  # beta1 0 reaches train.py, and train.py's config accepts it
+    assert '--beta1=0.0' in args and runner.config_of(args)['beta1'] == 0.0
+    assert not any(a.startswith('--beta1') for a in study.train_args(keep[0], runs))
+    assert f'--dataset={study.multi_dataset(runs, study.PAPER_TOKENS)}' in study.train_args(k100[0], runs)
+    assert study.config_key(keep[-1]).endswith('-K3-g3-beta0.0') and study.config_key(keep[0]).endswith('-K3-g3')
+    assert len({study.run_name(s) for s in keep}) == 24
+
+
+def test_k31_tests_decide_as_the_plan_says(tmp_path):
+    cells = {(3, None): 0.03, (6, None): -0.03, (12, None): -0.04, (25, None): -0.05, (3, 0.0): 0.001, (3, 0.5): 0.01}
+    results = []
+    for (K, b), v in cells.items():
+        for i, seed in enumerate(range(100, 110)):
+            s = dict(optimizer='adamw', **study.K31_GEOMETRY, **study.k31_cell(K=K, beta1=b), seed=seed)
+            results.append(fake_result(study.spec(method='lisa', **s), 2.5 + 0.01 * i))
+            results.append(fake_result(study.spec(method='lisa_wor', **s), 2.5 + 0.01 * i + v + 0.002 * (-1) ** i))
+    for i, seed in enumerate(range(100, 102)):  # K = 100 under keep: 2 seeds, fewer than the plan's minimum of 3
+        s = dict(optimizer='adamw', **study.K31_GEOMETRY, **study.k31_cell(regime='paper', iters=10_000, K=100), seed=seed)
+        results.append(fake_result(study.spec(method='lisa', **s), 2.0))
+        results.append(fake_result(study.spec(method='lisa_wor', **s), 1.9))
+    k = study.k31_tests(results)
+    t = {r['id']: r for r in k['tests']}
+    assert t['H1a']['train']['mean'] == pytest.approx(0.03) and t['H1a']['train']['n'] == 10
+    assert t['H1a']['verdict'] == 'confirmed' and t['H1b']['verdict'] == 'confirmed'
+    # slope of D on log2 K: exact on these numbers (the noise is the same at every K for a seed)
+    xs = [math.log2(K) for K in (3, 6, 12, 25)]
+    want = study.slope(xs, [0.03, -0.03, -0.04, -0.05])
+    assert t['H1c']['train']['values'] == pytest.approx([want] * 10) and t['H1c']['verdict'] == 'confirmed'
+    assert t['H2']['train']['mean'] == pytest.approx(0.029) and t['H2']['verdict'] == 'confirmed'
+    assert t['H3']['verdict'] == 'not run' and t['H3']['train']['n'] == 2
+    e = {r['id']: r for r in k['exploratory']}
+    assert e['E2']['train']['mean'] == pytest.approx(0.02) and e['E1']['verdict'] == 'exploratory'
+    assert e['E1']['train']['n'] == 0  # no drop runs
+    # the decision rule itself
+    assert study.verdict(-0.02, -0.001, -1) == 'confirmed' and study.verdict(0.001, 0.02, -1) == 'refuted'
+    assert study.verdict(-0.009, 0.009, -1) == 'refuted' and study.verdict(-0.02, 0.005, -1) == 'inconclusive'
+    assert study.verdict(0.001, 0.02, +1) == 'confirmed' and study.verdict(-0.009, 0.002, +1) == 'refuted'
+    assert study.verdict(None, None, +1) == 'not run'
+    path = tmp_path / 'tests.md'
+    study.write_k31(str(path), k, {'command': 'x', 'machine': 'm', 'torch': 't'})
+    md = path.read_text()
+    assert '| H1a | the K = 3 loss replicates: D(K 3, keep) > 0 | 10 | +0.0300 [' in md and '**confirmed**' in md
+    assert '| H3 |' in md and 'not run (2 complete seeds)' in md
+    assert '| K 3, keep, beta1 0.0 | 10 | +0.0010 [' in md
+
+
+def test_stop_at_starts_nothing_after_the_deadline(tmp_path, monkeypatch, capsys):
+    import datetime
+    now = datetime.datetime(2026, 1, 2, 10, 50, tzinfo=datetime.timezone.utc)
+    assert study.stop_time('10:42', now) == now.replace(minute=42).timestamp()  # passed: today's
+    assert study.stop_time('11:05', now) == now.replace(hour=11, minute=5).timestamp()
+    assert study.stop_time('00:30', now.replace(hour=23)) == datetime.datetime(2026, 1, 3, 0, 30, tzinfo=datetime.timezone.utc).timestamp()
+    monkeypatch.setattr(study, 'PAPER_TOKENS', 3000)
+    monkeypatch.setattr(study, 'SCHEDULES', ((4, 2, 2, 8),))  # the report's schedule tables: one tiny one
+    monkeypatch.setattr(study, 'M4_MULTI_TOKENS', 3000)
+    calls = []
+    monkeypatch.setattr(study, 'run_specs', lambda specs, *a, **k: calls.append(specs) or {})
+    past = (datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=2)).strftime('%H:%M')
+    argv = ['--stages=k31_k100', '--first_seed=100', '--seeds=2', '--jobs=1', f'--stop_at={past}',
+            f'--runs_dir={tmp_path / "runs"}', f'--report_dir={tmp_path / "rep"}', '--name=k']
+    assert study.main(argv) == 0 and calls == []
+    assert '4 runs not started' in capsys.readouterr().out
+    future = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=30)).strftime('%H:%M')
+    assert study.main(argv[:4] + [f'--stop_at={future}'] + argv[5:]) == 0
+    assert [[(s['seed'], s['method']) for s in c] for c in calls] == [[(100, 'lisa'), (100, 'lisa_wor')],
+                                                                      [(101, 'lisa'), (101, 'lisa_wor')]]
+    with pytest.raises(SystemExit):
+        study.main(argv[:4] + ['--stop_at=25:00'] + argv[5:])
