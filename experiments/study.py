@@ -194,16 +194,15 @@ def make_multi_dataset(runs_dir, n_tokens=None):
 def make_ft_dataset(runs_dir, n_tokens=None):
     """The fine-tuning text: CPython's reference documentation (pydoc_data.topics, in key order) in
     shakespeare_char's characters (others dropped): n_tokens train, n_tokens // 10 val, same meta.pkl."""
-    import pickle
-
     import numpy as np
     from pydoc_data.topics import topics
+
+    from data.tokenizer import read_meta  # data only: a meta.pkl never runs code
     dst = ft_dataset(runs_dir)
     if os.path.exists(os.path.join(dst, 'meta.pkl')):
         return dst
     source = shakespeare_char()
-    with open(os.path.join(source, 'meta.pkl'), 'rb') as f:
-        stoi = pickle.load(f)['stoi']
+    stoi = read_meta(source)['stoi']
     n_tokens = n_tokens or FT_TOKENS
     ids = [stoi[c] for c in ''.join(topics[k] for k in sorted(topics)) if c in stoi]
     n_val = n_tokens // 10
@@ -328,11 +327,12 @@ def finetune_start(s, out_dir, runs_dir):
     train.py's checkpoint format (resumed with --init_from=resume)."""
     import torch
 
+    import checkpoint
     import training
     pre = os.path.join(runs_dir, run_name(spec(**PRETRAIN)), 'ckpt.pt')
     if not os.path.exists(pre):
         raise FileNotFoundError(f"{pre} not found: the pre-training run must finish first")
-    pretrained = torch.load(pre, map_location='cpu', weights_only=False)
+    pretrained = checkpoint.read(pre)  # weights_only, as every checkpoint read
     cfg = runner.config_of(train_args(s, runs_dir), out_dir)
     torch.manual_seed(cfg['seed'])
     model, opt, cycler = training.build(cfg, 'cpu', pretrained['model_args']['vocab_size'])
