@@ -9,7 +9,6 @@ $ python bench_generate.py --out_dir=out                                  # a tr
 The weights do not change the time (random ones unless out_dir is given); each way is timed after a
 short warm-up, on the same prompt of random ids. docs/evaluation.md records measured figures.
 """
-import os
 import sys
 import time
 

@@ -88,7 +88,7 @@ import train_config
 import training
 from configurator import ConfigError, at_least, check_rule, configure
 from memory_tools import LiveBytes, MetaAsCuda, check_fits, offload_on_meta
-from model import GPTConfig, PRESETS
+from model import GPTConfig
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 

@@ -34,7 +34,7 @@ def read(path, map_location='cpu', mmap=False):
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:
-        # torch's messages run to several sentences (advice about weights_only=False we must not
+        # torch's messages run to several sentences (advice to switch weights_only off, which we must not
         # follow); the first names the problem
         reason = str(e).strip().splitlines()[0].split('. ')[0].rstrip('.') if str(e).strip() else ''
         raise CheckpointError(f"cannot read checkpoint {path} ({type(e).__name__}: {reason[:200]}); it is "

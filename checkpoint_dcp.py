@@ -173,7 +173,7 @@ class Saver:
         CheckpointError when the write fails. Returns the folder's final path."""
         model, optimizer = objects['model'], objects['optimizer']
         if self.ranks.any(not all_finite(model, optimizer)):
-            raise NonFiniteState(f"the weights or optimizer state hold inf or NaN; no checkpoint was written")
+            raise NonFiniteState("the weights or optimizer state hold inf or NaN; no checkpoint was written")
         self.wait()  # the previous background save is complete (or failed: raised here) before this one
         rank_rngs = gather_rng(self.ranks, device_type)
         final = os.path.join(self.out_dir, step_name(values['iter_num']))

@@ -127,7 +127,6 @@ class TokenBatches:
         if state['sampling'] != self.sampling or state['seed'] != self.seed:
             raise ValueError(f"checkpoint data order is sampling={state['sampling']!r} seed={state['seed']}; "
                              f"resume with the same sampling and seed")
-        per_step = self.batch_size * self.world_size
         if state['windows_consumed'] > self.windows_per_epoch:
             raise ValueError(f"the checkpoint's data position ({state['windows_consumed']} windows into epoch "
                              f"{state['epoch']}) lies beyond the {self.windows_per_epoch} windows of {self.path} "

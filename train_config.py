@@ -152,7 +152,6 @@ def load(argv, defaults=None, given=None):
 def check(cfg):
     """Raise a one-line ValueError for a value that breaks its rule, or values that cannot train
     together (nothing is built yet)."""
-    from model import PRESETS
     for key, rule in RULES.items():
         check_rule(key, cfg[key], rule)
     if cfg['init_from'] not in ('scratch', 'resume', 'auto') and not cfg['init_from'].startswith('gpt2') \

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import ROOT, TINY, run_script
+from conftest import TINY, run_script
 
 
 def digest(folder):

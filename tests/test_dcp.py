@@ -189,7 +189,7 @@ if __name__ == '__main__':
     import signal
     sys.path.insert(0, ROOT)
     from torch.distributed.checkpoint import filesystem
-    import train
+    import train as train_script
     write_data = filesystem.FileSystemWriter.write_data
 
     def write_or_die(self, plan, planner):
@@ -201,4 +201,4 @@ if __name__ == '__main__':
             os.kill(os.getpid(), signal.SIGKILL)
         return write_data(self, plan, planner)
     filesystem.FileSystemWriter.write_data = write_or_die
-    sys.exit(train.main(sys.argv[1:]))
+    sys.exit(train_script.main(sys.argv[1:]))

@@ -9,7 +9,7 @@ import checkpoint
 import memory
 import memory_tools
 import training
-from conftest import TINY, assert_same_state, cpu_checkpoint_after_one_step, load, run_train, train_defaults
+from conftest import assert_same_state, cpu_checkpoint_after_one_step, load, run_train, train_defaults
 from distributed import Ranks
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')]

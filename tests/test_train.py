@@ -10,7 +10,6 @@ import pytest
 
 import train_config
 import training
-from configurator import configure
 from conftest import ROOT, TINY, assert_one_line_error, assert_same_state, load, run_train, train_defaults
 from dataloader import TokenBatches
 
