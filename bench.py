@@ -16,7 +16,9 @@ and 3 of 12 active blocks of config/gpt2_lisa_wor.py)
 Every key of train.py is accepted with its meaning there, and the defaults are train.py's on this
 machine (bench_memory.py's docstring lists the keys); device is auto (cuda if available, else cpu)
 or cuda or cpu. Keys of this script: methods and precisions (the rows, as in bench_memory.py: ''
-is the config's method / precision), steps, warmup_steps, interleave, out.
+is the config's method / precision), steps, warmup_steps, interleave, out, and profile (a path
+prefix: one more iteration of each row under torch.profiler, its operators by self time written
+to PREFIX_METHOD_PRECISION.txt).
 
 Each row gets a fresh model (same seed), optimizer and cycler from training.build, and runs
 train.py's iteration, training.Trainer.step (switch, prefetch, micro-batches, clipping and OMGD
@@ -26,7 +28,10 @@ autocast and loss scaling). With compile=True every block is compiled on its own
 `warmup_steps` iterations (compilation included) are run before `steps` timed ones, whose median
 time gives ms/iter, tokens/s and MFU (the mean is shown too); the data is one random batch reused.
 With --interleave the rows are stepped round-robin, so that other processes on a shared machine
-slow them all alike. The median hides the cost of a switch (one iteration in omgd_period). MFU counts the FLOPs an iteration executes as train.py does: 6N per token for
+slow them all alike. The median hides the cost of a switch (one iteration in omgd_period): the
+'switch ms/iter' column is the mean of the timed iterations that switched, and its excess over
+the median. 'FLOP limit vs full' is full's FLOPs per token over the row's: the speed-up the FLOP
+count allows. MFU counts the FLOPs an iteration executes as train.py does: 6N per token for
 trainable matrices, 4N for frozen blocks (no weight-gradient GEMMs), 2N for frozen blocks below
 every trainable parameter (forward only), plus attention.
 """
@@ -48,7 +53,7 @@ from configurator import ConfigError, at_least, configure
 from memory_tools import check_fits
 
 # keys of this script only (train.py has none of these names); `device` has its own values here
-OWN_KEYS = dict(methods='', precisions='', steps=20, warmup_steps=5, interleave=False, out='')
+OWN_KEYS = dict(methods='', precisions='', steps=20, warmup_steps=5, interleave=False, out='', profile='')
 assert not set(OWN_KEYS) & set(train_config.DEFAULTS)
 DEFAULTS = {**train_config.DEFAULTS, 'device': 'auto', **OWN_KEYS}
 RULES = {**train_config.RULES, 'steps': at_least(1), 'warmup_steps': at_least(0)}
@@ -73,7 +78,7 @@ class MethodRun:
         self.trainer = training.Trainer({**cfg, 'decay_lr': False}, self.net, self.opt, self.cycler, batches,
                                         device.type)
         self.tokens = cfg['batch_size'] * cfg['block_size'] * cfg['gradient_accumulation_steps']
-        self.times, self.flops, self.loss = [], [], None
+        self.times, self.switch_times, self.flops, self.loss = [], [], [], None
 
     def sync(self):
         if self.device.type == 'cuda':
@@ -83,12 +88,24 @@ class MethodRun:
         self.sync()
         t0 = time.perf_counter()
         self.trainer.iter_num = it
-        loss, _ = self.trainer.step()
+        loss, switched = self.trainer.step()
         self.sync()
         if timed:
             self.times.append(time.perf_counter() - t0)
+            if switched:  # a switch iteration: its cost is what the median hides
+                self.switch_times.append(self.times[-1])
             self.flops.append(self.net.estimate_flops_per_token())
             self.loss = loss.item()
+
+    def profile(self, it, path):
+        """One more iteration under torch.profiler; its operators by self time go to `path`."""
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == 'cuda' else [])
+        with profile(activities=activities) as prof:
+            self.step(it, timed=False)
+        key = 'self_device_time_total' if self.device.type == 'cuda' else 'self_cpu_time_total'
+        with open(path, 'w') as f:
+            f.write(prof.key_averages().table(sort_by=key, row_limit=30) + '\n')
 
     def row(self, peak_flops, memory):
         # the median iteration: robust to the odd slow step (a switch, another process on the machine)
@@ -96,7 +113,9 @@ class MethodRun:
         row = dict(method=self.cfg['method'], precision=self.label, ms=1000 * dt,
                    mean_ms=1000 * sum(self.times) / len(self.times), tokens_per_s=self.tokens / dt, loss=self.loss,
                    mfu=training.mfu(statistics.mean(self.flops), self.tokens, dt, peak_flops) if peak_flops else None,
-                   peak_gib=None, reserved_gib=None, n_params=self.n_params)
+                   peak_gib=None, reserved_gib=None, n_params=self.n_params,
+                   flops_per_token=statistics.mean(self.flops),
+                   switch_ms=1000 * statistics.mean(self.switch_times) if self.switch_times else None)
         if memory:
             row['peak_gib'] = torch.cuda.max_memory_allocated(self.device) / 2**30
             row['reserved_gib'] = torch.cuda.max_memory_reserved(self.device) / 2**30
@@ -115,6 +134,9 @@ def bench(row_cfgs, device):
         for it in range(total):
             for run in runs:
                 run.step(it, timed=it >= cfg['warmup_steps'])
+        if cfg['profile']:
+            for run in runs:
+                run.profile(total, f"{cfg['profile']}_{run.cfg['method']}_{run.label}.txt")
         return [run.row(peak_flops, memory=False) for run in runs]
     rows = []
     for row_cfg in row_cfgs:
@@ -124,6 +146,8 @@ def bench(row_cfgs, device):
                 torch.cuda.reset_peak_memory_stats(device)
             run.step(it, timed=it >= cfg['warmup_steps'])
         rows.append(run.row(peak_flops, memory=cuda))
+        if cfg['profile']:  # after the timing and the memory peak, so neither includes the profiler
+            run.profile(total, f"{cfg['profile']}_{run.cfg['method']}_{run.label}.txt")
         r = rows[-1]
         print(f"{r['method']} ({r['precision']}): {r['ms']:.1f} ms/iter, {r['tokens_per_s']:,.0f} tokens/s, loss {r['loss']:.3f}", flush=True)
         del run
@@ -155,17 +179,20 @@ def markdown(cfg, rows, device, config, argv):
            f"{cfg['steps']} timed iterations after {cfg['warmup_steps']} warm-up; LISA: {cfg['omgd_gamma']} "
            f"blocks, switching every {cfg['omgd_period']}, omgd_state '{cfg['omgd_state']}'",
            f"Command: `python bench.py {' '.join(argv)}`", '',
-           '| Method | Precision | ms/iter (median) | ms/iter (mean) | tokens/s | vs full | MFU | peak alloc GiB '
-           '| peak reserved GiB |',
-           '|---|---|---|---|---|---|---|---|---|']
+           '| Method | Precision | ms/iter (median) | ms/iter (mean) | switch ms/iter | tokens/s | vs full '
+           '| FLOP limit vs full | MFU | peak alloc GiB | peak reserved GiB |',
+           '|---|---|---|---|---|---|---|---|---|---|---|']
     for r in rows:
         # against full training at the same precision
         full = next((f for f in rows if f['method'] == 'full' and f['precision'] == r['precision']), None)
         speed = f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}x" if full else '–'
+        # the speed-up the FLOP count allows: full's FLOPs per token over this row's
+        limit = f"{full['flops_per_token'] / r['flops_per_token']:.2f}x" if full else '–'
+        switch = '–' if r['switch_ms'] is None else f"{r['switch_ms']:.1f} ({r['switch_ms'] / r['ms'] - 1:+.0%})"
         mfu = '–' if r['mfu'] is None else f"{100 * r['mfu']:.1f}%"
         mem = ['–' if r[k] is None else f"{r[k]:.2f}" for k in ('peak_gib', 'reserved_gib')]
-        out.append(f"| {r['method']} | {r['precision']} | {r['ms']:.1f} | {r['mean_ms']:.1f} | {r['tokens_per_s']:,.0f} "
-                   f"| {speed} | {mfu} | {mem[0]} | {mem[1]} |")
+        out.append(f"| {r['method']} | {r['precision']} | {r['ms']:.1f} | {r['mean_ms']:.1f} | {switch} "
+                   f"| {r['tokens_per_s']:,.0f} | {speed} | {limit} | {mfu} | {mem[0]} | {mem[1]} |")
     return '\n'.join(out) + '\n'
 
 

@@ -167,8 +167,8 @@ def resolve_device(name, allowed=('cuda', 'meta', 'cpu'), without_cuda='meta'):
 
 def build(cfg, device):
     """training.build, whose model is made directly on `device` (on meta: no memory, no
-    initialisation cost). (Model, optimizer, cycler.)"""
-    return training.build(cfg, device, dataset_vocab(cfg))
+    initialisation cost), its random weights drawn there. (Model, optimizer, cycler.)"""
+    return training.build(cfg, device, dataset_vocab(cfg), cpu_draws=False)
 
 
 # -----------------------------------------------------------------------------

@@ -196,6 +196,10 @@ def shard_fsdp(model, ranks, device_type, param_dtype):
     kwargs = {'mesh': mesh, **({'mp_policy': mp} if mp else {})}
     for unit in fsdp_units(model):  # the blocks first: the root's unit holds what they leave
         fully_shard(unit, **kwargs)
+    # FSDP2 fixes each unit's gradient dtype at its lazy init (the first forward) from the parameters
+    # that then require grad: a unit frozen at that moment (a resume's first forward comes after the
+    # switch) would later get bf16 gradients for its fp32 shards. Initialise now, while all train.
+    model._get_fsdp_state()._lazy_init()
     return model
 
 

@@ -69,11 +69,13 @@ class RandomOnCPU(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def new_model(config, device, dtype=torch.float32):
+def new_model(config, device, dtype=torch.float32, cpu_draws=True):
     """A freshly initialised GPT built directly on `device` with `dtype` weights: never a full fp32
     copy on the host (LLaMA-7B: 27 GB before it reached the GPU). Built on meta, then filled with
     the random draws of a CPU build in their order (the modules' constructors, then init_weights),
-    so the weights are bitwise those of GPT(config) cast to `dtype`, whatever the device."""
+    so the weights are bitwise those of GPT(config) cast to `dtype`, whatever the device.
+    cpu_draws=False draws on `device` instead (the benchmarks, whose figures do not depend on the
+    values: LLaMA-7B's 13 billion CPU draws take minutes)."""
     with torch.device('meta'):
         model = GPT(config)
     if torch.device(device).type == 'meta':  # shapes only (bench_memory's estimate): nothing to draw
@@ -81,7 +83,7 @@ def new_model(config, device, dtype=torch.float32):
     model.to(dtype).to_empty(device=device)
     if config.tie_embeddings:  # to_empty gives every parameter its own storage
         model.wte.weight = model.lm_head.weight
-    with torch.no_grad(), RandomOnCPU():
+    with torch.no_grad(), RandomOnCPU() if cpu_draws else nullcontext():
         for module in model.modules():  # what the constructors drew, in their order
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 module.reset_parameters()
@@ -150,14 +152,15 @@ def build_cycler(model, optimizer, cfg):
     return omgd.build_cycler(model, optimizer, config)
 
 
-def build(cfg, device, vocab_size=0, model=None, shard=None):
+def build(cfg, device, vocab_size=0, model=None, shard=None, cpu_draws=True):
     """The model, its optimizer and its cycler, as every script trains them.
 
     model: an already built model (a resume, a pretrained import); None builds one from scratch,
     directly on `device` in its weight dtype (new_model; seed the RNG before: the init draws from it). shard(model): a hook that runs after the model
-    is on its device and before the optimizer sees its parameters (train.py's FSDP2 sharding)."""
+    is on its device and before the optimizer sees its parameters (train.py's FSDP2 sharding).
+    cpu_draws: new_model's."""
     if model is None:
-        model = new_model(GPTConfig(**model_args(cfg, vocab_size)), device, weight_dtype(cfg['precision']))
+        model = new_model(GPTConfig(**model_args(cfg, vocab_size)), device, weight_dtype(cfg['precision']), cpu_draws)
     cast_model(configure_memory(model, cfg), cfg['precision']).to(device)
     if shard is not None:
         shard(model)

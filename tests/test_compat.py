@@ -92,6 +92,8 @@ APIS = [
     ('torch.distributed.fsdp', 'FSDPModule.set_custom_reduce_scatter'),  # ddp_check
     ('torch.distributed.fsdp', 'FSDPModule.set_requires_gradient_sync'),  # distributed.Replicas.sync
     ('torch.distributed.fsdp', 'FSDPModule.reshard'),  # distributed.reshard_fsdp
+    ('torch.distributed.fsdp', 'FSDPModule._get_fsdp_state'),  # distributed.shard_fsdp's early lazy init
+    ('torch.distributed.fsdp._fully_shard._fsdp_state', 'FSDPState._lazy_init'),
     ('torch.distributed.fsdp._fully_shard._fsdp_api', 'ReduceScatter'),  # ddp_check.CountedReduceScatter
     ('torch.distributed.device_mesh', 'init_device_mesh'),
     ('torch.distributed.checkpoint.state_dict', 'get_model_state_dict'),  # distributed.full_state_dicts

@@ -158,3 +158,19 @@ def test_new_model_has_the_weights_of_a_cpu_fp32_build(arch_args, dtype):
     assert (model.wte.weight is model.lm_head.weight) == config.tie_embeddings
     meta = training.new_model(config, 'meta', dtype)  # shapes only
     assert {p.device.type for p in meta.parameters()} == {'meta'}
+
+
+def test_new_model_drawn_on_the_device_is_initialised_like_a_cpu_build():
+    """cpu_draws=False (the benchmarks) draws where the weights live, in their dtype: the same init
+    (on a GPU other values; on the CPU bf16 draws happen to equal fp32 draws cast)."""
+    from model import GPTConfig
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=64)
+    torch.manual_seed(3)
+    reference = training.new_model(config, 'cpu', torch.bfloat16)
+    torch.manual_seed(3)
+    model = training.new_model(config, 'cpu', torch.bfloat16, cpu_draws=False)
+    assert model.wte.weight is model.lm_head.weight
+    a, b = reference.state_dict(), model.state_dict()
+    for k in a:  # zeros stay zeros, ones ones, and the random ones have the same spread
+        assert b[k].dtype == torch.bfloat16 and torch.isfinite(b[k].float()).all(), k
+        assert abs(a[k].float().std().nan_to_num() - b[k].float().std().nan_to_num()) < 0.2 * a[k].float().std().nan_to_num() + 1e-6, k

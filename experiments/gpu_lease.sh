@@ -1,0 +1,194 @@
+#!/usr/bin/env bash
+# Issue-sized GPU checks and measurements that fit one short lease of one GPU (about 8 minutes):
+# what .ci/gpu and experiments/gpu_benchmarks.sh do in hours, cut to tiny models for the paths and
+# run side by side, then the speed benchmark alone on the GPU.
+#
+#   bash experiments/gpu_lease.sh LOGDIR       # logs, reports and profiles under LOGDIR
+#
+# Phase 1, side by side (memory peaks are per process, so they are not disturbed; times are not taken):
+#   tests: the tests marked cuda, then the whole suite (pytest-xdist where installed);
+#   paths: train.py on CUDA under every method, precision, state policy and memory option,
+#          torchrun with NCCL (DDP, FSDP, --ddp_check, SIGTERM then resume), resume across devices;
+#   memory: bench_memory.py on LLaMA-7B (the paper's setting) and GPT-2 124M (12 x 1024, amp).
+# Phase 2, alone: bench.py on GPT-2 124M (speed, MFU, switch cost, one profiled iteration a method).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+L=${1:?usage: bash experiments/gpu_lease.sh LOGDIR}
+PY=${PY:-python3}
+mkdir -p "$L/work" "$L/results"
+W=$L/work
+R=$L/results
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$L/progress.txt"; }
+
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+    nproc; free -g | head -2
+} > "$L/machine.txt" 2>&1
+GPU=$($PY -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
+stamp "machine: $(tr '\n' ' ' < "$L/machine.txt")"
+
+# the datasets train.py's defaults and the BPE runs read (prepared before the tests look at data/)
+$PY data/shakespeare_char/prepare.py > "$L/prepare.log" 2>&1 && $PY data/shakespeare/prepare.py >> "$L/prepare.log" 2>&1
+stamp "data prepared rc=$?"
+
+TINY=(--n_layer=4 --n_head=4 --n_embd=64 --block_size=64 --batch_size=8 --eval_iters=2 --log_interval=5
+      --sample_tokens=20 --max_iters=30 --eval_interval=15 --warmup_iters=5 --lr_decay_iters=40 --device=cuda)
+
+path() {  # path NAME ARGS...: one train.py run on the GPU, its last lines and exit status in paths.txt
+    local name=$1; shift
+    timeout 200 $PY train.py "${TINY[@]}" --out_dir="$W/$name" "$@" > "$W/$name.log" 2>&1
+    local rc=$?
+    echo "== $name rc=$rc :: $*" >> "$L/paths.txt"
+    tail -3 "$W/$name.log" >> "$L/paths.txt"
+    grep -l 'recompile_limit\|cache_size_limit' "$W/$name.log" >> "$L/paths.txt"
+}
+
+same_weights() {  # same_weights A B: the final weights of two runs, bit for bit or their largest difference
+    $PY - "$1" "$2" <<'EOF' >> "$L/paths.txt" 2>&1
+import sys, torch, checkpoint
+a, b = (checkpoint.read_any(d, 'cpu', optimizer=False)[0]['model'] for d in sys.argv[1:3])
+diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+print(f"compare {sys.argv[1]} {sys.argv[2]}: {'BITWISE EQUAL' if diff == 0 else f'max abs diff {diff:.3g}'}")
+EOF
+}
+
+torchrun_path() {  # torchrun_path NAME ARGS...: one rank with NCCL
+    local name=$1; shift
+    timeout 200 $PY -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${TINY[@]}" --backend=nccl \
+        --out_dir="$W/$name" "$@" > "$W/$name.log" 2>&1
+    echo "== torchrun $name rc=$? :: $*" >> "$L/paths.txt"
+    tail -3 "$W/$name.log" >> "$L/paths.txt"
+}
+
+sigterm_resume() {  # sigterm_resume PARALLEL: a run stopped by SIGTERM mid-way and resumed ends where a straight one ends
+    local p=$1 long=(--max_iters=300 --eval_interval=100 --sample_tokens=0 --omgd_period=10)
+    torchrun_path "${p}_straight" --parallel=$p "${long[@]}"
+    $PY -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${TINY[@]}" --backend=nccl \
+        --out_dir="$W/${p}_split" --parallel=$p "${long[@]}" > "$W/${p}_split.log" 2>&1 &
+    local pid=$! i
+    for i in $(seq 600); do  # until the run has logged iteration 50, then SIGTERM to torchrun
+        grep -q '"iter": [5-9][0-9]' "$W/${p}_split/metrics.jsonl" 2>/dev/null && break
+        sleep 0.1
+    done
+    kill -TERM $pid; wait $pid
+    echo "== torchrun ${p}_split SIGTERM rc=$? (after $(grep -c '"kind": "iter"' "$W/${p}_split/metrics.jsonl") iter records)" >> "$L/paths.txt"
+    tail -2 "$W/${p}_split.log" >> "$L/paths.txt"
+    torchrun_path "${p}_split" --parallel=$p "${long[@]}" --init_from=auto
+    same_weights "$W/${p}_straight" "$W/${p}_split"
+}
+
+tests_cuda() {
+    timeout 100 $PY -m pytest -q -rs -m cuda tests tests/test_galore.py::test_cpu_master_of_cuda_params \
+        tests/test_omgd.py::test_offload_parks_state_on_cpu_and_restores_it_to_cuda_bitwise \
+        tests/test_omgd.py::test_prefetch_copies_on_a_side_stream_and_the_switch_installs_them tests/test_fsdp_one_rank.py \
+        > "$L/tests_cuda.log" 2>&1
+    stamp "tests -m cuda and named rc=$? $(tail -1 "$L/tests_cuda.log")"
+}
+
+tests() {
+    tests_cuda
+    local xdist=()
+    $PY -c 'import xdist' 2>/dev/null && xdist=(-n 6)
+    OMP_NUM_THREADS=1 timeout 170 $PY -m pytest -q -rs "${xdist[@]}" -p no:cacheprovider tests \
+        > "$L/tests_all.log" 2>&1
+    stamp "tests all rc=$? $(tail -1 "$L/tests_all.log")"
+}
+
+paths() {
+    for m in full lisa lisa_wor tensor_wor galore golore; do path "compile_$m" --method=$m --compile=True & done
+    path amp_fp16 --dtype=float16 --compile=False &
+    path bf16 --precision=bf16 --compile=False &
+    path bf16_master --precision=bf16_master --compile=False &
+    path bf16_master_cpu --precision=bf16_master --master_device=cpu --compile=False &
+    for s in drop keep offload; do path "state_$s" --omgd_state=$s --omgd_period=5 --compile=False & done
+    path cuts_compiled --precision=bf16_master --master_device=cpu --omgd_state=offload --activation_checkpointing=True \
+        --checkpoint_sublayers=True --activation_offload=True --loss_chunk=64 --compile=True &
+    path cpu_written --device=cpu --max_iters=20 --compile=False &
+    wait
+    stamp "paths: single-process runs done"
+    same_weights "$W/state_keep" "$W/state_offload"
+    same_weights "$W/state_keep" "$W/state_drop"
+    cp -r "$W/cuts_compiled" "$W/gpu_to_cpu"
+    path gpu_to_cpu --precision=bf16_master --master_device=cpu --omgd_state=offload --activation_checkpointing=True \
+        --checkpoint_sublayers=True --activation_offload=True --loss_chunk=64 --device=cpu --compile=False \
+        --init_from=resume --max_iters=40 &
+    path cpu_written --device=cuda --init_from=resume --max_iters=30 &
+    timeout 100 $PY sample.py --out_dir="$W/cuts_compiled" --max_new_tokens=20 --device=cuda > "$W/sample.log" 2>&1 &
+    for p in ddp fsdp; do
+        torchrun_path "check_$p" --parallel=$p --ddp_check=True --omgd_period=5 --gradient_accumulation_steps=2 &
+    done
+    wait
+    echo "== sample.py: $(head -c 300 "$W/sample.log")" >> "$L/paths.txt"
+    sigterm_resume ddp &
+    sigterm_resume fsdp &
+    wait
+    stamp "paths done"
+}
+
+memory() {
+    local llama=(config/llama7b_lisa_wor.py --vocab_size=32000 --compile=False)
+    timeout 120 $PY bench_memory.py "${llama[@]}" --methods=lisa_wor,lisa,golore,full \
+        --out="$R/memory_llama-7b_$GPU" > "$L/memory_llama.log" 2>&1
+    stamp "memory llama-7b rc=$?"
+    timeout 60 $PY bench_memory.py "${llama[@]}" --loss_chunk=1024 --activation_offload=True --checkpoint_sublayers=True \
+        --methods=lisa_wor --precisions=bf16,bf16_master,bf16_master:cpu \
+        --out="$R/memory_llama-7b_cuts_sublayers_$GPU" >> "$L/memory_llama.log" 2>&1
+    stamp "memory llama-7b cuts rc=$?"
+    timeout 45 $PY bench_memory.py "${llama[@]}" --methods=lisa_wor --precisions=bf16_master,bf16_master:cpu \
+        --out="$R/memory_llama-7b_lisa_wor_variants_$GPU" >> "$L/memory_llama.log" 2>&1
+    stamp "memory llama-7b variants rc=$?"
+    timeout 50 $PY bench_memory.py "${llama[@]}" --methods=galore \
+        --out="$R/memory_llama-7b_galore_$GPU" >> "$L/memory_llama.log" 2>&1
+    stamp "memory llama-7b galore rc=$?"
+}
+
+memory_gpt2() {
+    local gpt2=(config/gpt2_lisa_wor.py --omgd_state=offload --batch_size=12 --gradient_accumulation_steps=40
+                --compile=False --precisions=amp)
+    timeout 120 $PY bench_memory.py "${gpt2[@]}" --methods=full,galore,lisa,lisa_wor \
+        --out="$R/memory_gpt2_b12_$GPU" > "$L/memory_gpt2.log" 2>&1
+    stamp "memory gpt2 rc=$?"
+    timeout 100 $PY bench_memory.py "${gpt2[@]}" --loss_chunk=1024 --methods=full,galore,lisa,lisa_wor \
+        --out="$R/memory_gpt2_b12_chunk_$GPU" >> "$L/memory_gpt2.log" 2>&1
+    stamp "memory gpt2 chunk rc=$?"
+}
+
+fsdp() {  # FSDP2 under NCCL alone: --ddp_check on one rank, and a SIGTERM then resume
+    torchrun_path check_fsdp --parallel=fsdp --ddp_check=True --omgd_period=5 --gradient_accumulation_steps=2
+    sigterm_resume fsdp
+    stamp "fsdp done"
+}
+
+speed() {  # alone on the GPU: full, LISA, LISA-wor, GaLore; a switch every 5 iterations
+    timeout 140 $PY bench.py "${SPEED[@]}" --methods=full,lisa,lisa_wor,galore --profile="$L/profile" \
+        --out="$R/bench_gpt2_$GPU.md" > "$L/bench.log" 2>&1
+    stamp "bench rc=$?"
+}
+
+switch_cost() {  # alone on the GPU: LISA-wor's switch under each state policy, timed after a whole cycle
+    local s                    # (12 blocks, 3 active, a switch every 5: a cycle is 20 iterations)
+    for s in drop keep offload; do
+        timeout 70 $PY bench.py "${SPEED[@]}" --methods=lisa_wor --omgd_state=$s --warmup_steps=25 \
+            --profile="$L/profile_$s" --out="$R/bench_gpt2_switch_${s}_$GPU.md" >> "$L/bench.log" 2>&1
+        stamp "bench $s rc=$?"
+    done
+}
+
+SPEED=(--preset=gpt2 --vocab_size=50304 --batch_size=12 --block_size=1024 --omgd_gamma=3 --omgd_period=5
+       --steps=20 --warmup_steps=5)
+PARALLEL=${PARALLEL:-tests paths memory memory_gpt2}  # side by side
+ALONE=${ALONE:-speed switch_cost}  # then one at a time
+stamp "phase 1: $PARALLEL"
+for part in $PARALLEL; do $part & done
+for i in $(seq ${DEADLINE:-290}); do [ -z "$(jobs -rp)" ] && break; sleep 1; done
+if [ -n "$(jobs -rp)" ]; then  # past the phase's share of the lease: stop what still runs
+    stamp "phase 1 deadline: stopping $(pgrep -fc 'pytest|train.py|bench_memory|torch.distributed.run') processes"
+    pkill -f 'pytest|train.py|bench_memory|torch.distributed.run'; sleep 3
+    pkill -9 -f 'pytest|train.py|bench_memory|torch.distributed.run'
+fi
+wait
+stamp "phase 2, alone on the GPU: $ALONE"
+for part in $ALONE; do $part; done
+stamp "all done"
