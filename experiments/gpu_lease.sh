@@ -91,8 +91,10 @@ tests() {
     tests_cuda
     local xdist=()
     $PY -c 'import xdist' 2>/dev/null && xdist=(-n 6)
-    OMP_NUM_THREADS=1 timeout 170 $PY -m pytest -q -rs "${xdist[@]}" -p no:cacheprovider tests \
+    # -v prints each test's outcome as it ends: a run cut by the deadline still names its failures
+    OMP_NUM_THREADS=1 timeout 170 $PY -m pytest -v -rfEs "${xdist[@]}" -p no:cacheprovider tests \
         > "$L/tests_all.log" 2>&1
+    grep -E ' (FAILED|ERROR) ' "$L/tests_all.log" | head -40 >> "$L/progress.txt"
     stamp "tests all rc=$? $(tail -1 "$L/tests_all.log")"
 }
 
