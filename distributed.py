@@ -62,7 +62,7 @@ def setup(backend, device, timeout_s=600):
     if int(os.environ.get('RANK', -1)) == -1:
         return Ranks(), device
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend=backend, timeout=timeout)
+    dist.init_process_group(backend=backend, timeout=timeout, **attempt_store(timeout))
     local_rank = int(os.environ['LOCAL_RANK'])
     if device.startswith('cuda'):
         device = f'cuda:{local_rank}'
@@ -71,6 +71,22 @@ def setup(backend, device, timeout_s=600):
     # a flag back from a GPU tensor at every iteration would stall the GPU's queue of work.
     cpu_group = dist.new_group(backend='gloo', timeout=timeout) if backend != 'gloo' else dist.group.WORLD
     return Ranks(True, dist.get_rank(), local_rank, dist.get_world_size(), cpu_group), device
+
+
+def attempt_store(timeout):
+    """init_process_group's store, rank and world size for a restart by torchrun, else {} (env://).
+    torchrun keeps one store (its agent's) for every restart of a job: the keys that a killed
+    attempt's process group wrote are still there, and a restarted rank read a dead rank's address
+    from them (gloo: 'connectFullMesh failed ... Connection refused'). Each attempt's keys get
+    their own prefix, the restart count."""
+    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT')
+    if attempt is None or os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+        return {}  # not torchrun's agent store: a new store every launch, nothing stale in it
+    world_size = int(os.environ['WORLD_SIZE'])
+    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size,
+                          is_master=False, timeout=timeout)
+    return {'store': dist.PrefixStore(f'attempt_{attempt}', store), 'rank': int(os.environ['RANK']),
+            'world_size': world_size}
 
 
 def lost_rank(error):

@@ -16,14 +16,19 @@ from conftest import DDP_TINY, ROOT, Launch, assert_same_state, load
 pytestmark = pytest.mark.torchrun  # launches torchrun (deselect with -m "not torchrun")
 
 ARGS = [*DDP_TINY, '--batch_size=4', '--max_iters=12', '--eval_interval=4', '--init_from=auto']
-ONE_WORKER = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=1']
 
 
-def test_a_killed_worker_is_restarted_by_torchrun_and_resumes_bitwise(tmp_path):
-    straight = Launch([*ONE_WORKER, 'train.py', *ARGS, f'--out_dir={tmp_path / "straight"}']).wait()
+@pytest.mark.parametrize('workers', [1, 2])
+def test_a_killed_worker_is_restarted_by_torchrun_and_resumes_bitwise(tmp_path, workers):
+    """One worker (ckpt.pt), or two gloo workers (sharded step folders) of which rank 1 dies. Two
+    workers: the restarted attempt once failed in init_process_group, reading the dead attempt's
+    addresses from torchrun's store (distributed.attempt_store)."""
+    launch = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={workers}']
+    args = [*ARGS, f'--gradient_accumulation_steps={2 * workers}']
+    straight = Launch([*launch, 'train.py', *args, f'--out_dir={tmp_path / "straight"}']).wait()
     assert straight.proc.returncode == 0, straight.out[-3000:]
-    crashed = Launch([*ONE_WORKER, '--max-restarts=1', 'tests/test_restart.py', *ARGS,
-                      f'--out_dir={tmp_path / "crashed"}'], env={'KILL_AT_ITER': '6'}).wait()
+    crashed = Launch([*launch, '--max-restarts=1', 'tests/test_restart.py', *args, f'--out_dir={tmp_path / "crashed"}'],
+                     env={'KILL_AT_ITER': '6', 'KILL_RANK': str(workers - 1)}).wait()
     out = crashed.out
     assert crashed.proc.returncode == 0, out[-3000:]
     assert 'killed at iteration 6' in out and 'resuming from iteration 4' in out, out[-3000:]
@@ -47,17 +52,22 @@ def test_auto_starts_from_scratch_then_resumes(tmp_path):
 
 
 if __name__ == '__main__':
-    # the worker torchrun starts: train.py's main, killed (SIGKILL, no clean-up, as a preempted node
-    # or an OOM kill) when it reaches iteration KILL_AT_ITER, on the first launch only
+    # the worker torchrun starts: train.py's main; rank KILL_RANK is killed (SIGKILL, no clean-up, as a
+    # preempted node or an OOM kill) when it reaches iteration KILL_AT_ITER, on the first launch only,
+    # once the background write of the last checkpoint has ended (else that checkpoint is lost too)
     sys.path.insert(0, ROOT)
+    import checkpoint_dcp
     import train
     import training
     step = training.Trainer.step
 
     def step_or_die(trainer):
         if trainer.iter_num == int(os.environ['KILL_AT_ITER']) and os.environ.get('TORCHELASTIC_RESTART_COUNT') == '0':
-            print(f"killed at iteration {trainer.iter_num}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            for saver in list(checkpoint_dcp._SAVERS):
+                saver.wait()  # a collective: every rank
+            if os.environ['RANK'] == os.environ['KILL_RANK']:
+                print(f"killed at iteration {trainer.iter_num}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
         return step(trainer)
     training.Trainer.step = step_or_die
     sys.exit(train.main(sys.argv[1:]))
