@@ -45,12 +45,11 @@ import time
 
 import torch
 
-import bench_memory
 import memory
+import memory_tools
 import train_config
 import training
 from configurator import ConfigError, at_least, configure
-from memory_tools import check_fits
 
 # keys of this script only (train.py has none of these names); `device` has its own values here
 OWN_KEYS = dict(methods='', precisions='', steps=20, warmup_steps=5, interleave=False, out='', profile='')
@@ -64,9 +63,9 @@ class MethodRun:
 
     def __init__(self, cfg, device):
         self.cfg, self.device = cfg, device
-        self.label = bench_memory.precision_label(cfg['precision'], cfg['master_device'])
+        self.label = memory_tools.precision_label(cfg['precision'], cfg['master_device'])
         torch.manual_seed(cfg['seed'])
-        self.net, self.opt, self.cycler = bench_memory.build(cfg, device)
+        self.net, self.opt, self.cycler = memory_tools.build(cfg, device)
         self.n_params = sum(p.numel() for p in self.net.parameters())
         if cfg['compile']:
             memory.compile_blocks(self.net, cfg['method'])  # train.py's regional compilation
@@ -171,7 +170,7 @@ def markdown(cfg, rows, device, config, argv):
         amp = f" (amp: {cfg['dtype']} autocast)" if device.type == 'cuda' and cfg['dtype'] != 'float32' else \
             " (amp: fp32 compute)"
     out = [f"Machine: {describe_machine(device)}",
-           f"Model: {bench_memory.model_name(cfg)} ({config.arch}, {config.n_layer} blocks, n_embd {config.n_embd}, "
+           f"Model: {memory_tools.model_name(cfg)} ({config.arch}, {config.n_layer} blocks, n_embd {config.n_embd}, "
            f"vocab {config.vocab_size}, {n_params / 1e6:.1f}M parameters); batch {cfg['batch_size']} x "
            f"{cfg['block_size']} tokens x {cfg['gradient_accumulation_steps']} micro-batches; "
            f"precision {', '.join(dict.fromkeys(r['precision'] for r in rows))}{amp}; "
@@ -198,11 +197,11 @@ def markdown(cfg, rows, device, config, argv):
 
 def check(cfg):
     """One-line ValueErrors for bad input; returns (device, row configs, GPTConfig)."""
-    device = bench_memory.resolve_device(cfg['device'], ('cuda', 'cpu'), without_cuda='cpu')
+    device = memory_tools.resolve_device(cfg['device'], ('cuda', 'cpu'), without_cuda='cpu')
     train_config.check_preset(cfg)
-    config = bench_memory.model_config(cfg)
-    check_fits(config, device, training.weight_dtype(cfg['precision']).itemsize)  # before a row allocates it
-    return device, bench_memory.row_configs(cfg), config
+    config = memory_tools.model_config(cfg)
+    memory_tools.check_fits(config, device, training.weight_dtype(cfg['precision']).itemsize)  # before a row allocates it
+    return device, memory_tools.row_configs(cfg), config
 
 
 def main(argv):

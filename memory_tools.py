@@ -1,5 +1,6 @@
 """
-Counting the memory of a training iteration without a GPU: the tools of bench_memory.py's estimate.
+The memory of a training iteration: measure() runs one row of bench_memory.py (measured on a GPU, counted
+without one), and the tools that count without a GPU.
 omgd_state.memory_bytes gives the exact bytes of weights, gradients and optimizer state; these count the
 rest, the temporaries and activations of the forward, backward and step.
 
@@ -21,13 +22,23 @@ import weakref
 from contextlib import contextmanager
 from functools import partial
 
+import gc
+import time
+from contextlib import nullcontext
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import dataloader
 import memory
+import omgd_state
+import train_config
+import training
+from model import GPTConfig
 
 
 class LiveBytes(TorchDispatchMode):
@@ -220,12 +231,11 @@ def available_bytes(device):
 
 
 def estimate_iteration(cfg, vocab_size=0):
-    """bench_memory's meta-device estimate of one iteration of train.py's config `cfg` on one device: a
-    dict of bytes (params, grads, optimizer, others, peak; bench_memory.measure's row). Seconds for a
-    7B model. What check_fits' estimate_peak returns."""
-    import bench_memory
-    return bench_memory.measure({**cfg, 'vocab_size': vocab_size or cfg['vocab_size'], 'micro_batches': 0,
-                                 'compile': False}, torch.device('meta'))
+    """The meta-device estimate of one iteration of train.py's config `cfg` on one device: a dict of
+    bytes (params, grads, optimizer, others, peak; measure's row). Seconds for a 7B model. What
+    check_fits' estimate_peak returns."""
+    return measure({**cfg, 'vocab_size': vocab_size or cfg['vocab_size'], 'micro_batches': 0, 'compile': False},
+                   torch.device('meta'))
 
 
 def unit_params(config):
@@ -268,7 +278,7 @@ def check_fits(config, device, bytes_per_weight, estimate_peak=None, world_size=
     (training.new_model builds them there directly, `bytes_per_weight` each): else the OOM killer
     ends the process, or an allocation fails deep inside. The parameter count comes from a build
     on the meta device (no memory). A lower bound: gradients, optimizer state and activations come
-    on top: when the weights take over a quarter of the free memory, estimate_peak() (bench_memory's
+    on top: when the weights take over a quarter of the free memory, estimate_peak() (measure's
     meta-device estimate of an iteration, seconds for a 7B model: estimate_iteration) is compared too.
 
     estimate_peak() returns estimate_iteration's row (a dict of bytes) or a number (the peak of one
@@ -303,3 +313,157 @@ def check_fits(config, device, bytes_per_weight, estimate_peak=None, world_size=
                          f"({bytes_per_weight} bytes each), more than the {free / 2**30:.1f} GiB free on {device.type}; "
                          f"choose a smaller model or a machine with more memory (bench_memory.py --device=meta "
                          f"estimates any size)")
+
+
+# -----------------------------------------------------------------------------
+# the config: train.py's keys, one row per method x precision
+
+
+def dataset_vocab(cfg):
+    """The vocabulary train.py passes to training.build for this config (dataloader.dataset_vocab)."""
+    return dataloader.dataset_vocab(cfg['dataset'], cfg['vocab_size'])
+
+
+def model_config(cfg):
+    """The GPTConfig training.build makes of cfg (one-line error for an impossible shape)."""
+    try:
+        return GPTConfig(**training.model_args(cfg, dataset_vocab(cfg)))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"model shape: {e}") from None
+
+
+def parse_precision(spec):
+    """'bf16' -> ('bf16', ''); 'bf16_master:cpu' -> ('bf16_master', 'cpu'), train.py's precision
+    and master_device keys (checked by train_config.check)."""
+    precision, _, master_device = spec.partition(':')
+    return precision, master_device
+
+
+def precision_label(precision, master_device):
+    return f"{precision}:{master_device}" if master_device else precision
+
+
+def row_configs(cfg):
+    """One train.py config per row: every method of cfg['methods'] under every precision of
+    cfg['precisions'] (each '' means the config's own method / precision and master_device)."""
+    methods = list(dict.fromkeys(m for m in cfg['methods'].split(',') if m)) if cfg['methods'] else [cfg['method']]
+    precisions = list(dict.fromkeys(parse_precision(p) for p in cfg['precisions'].split(',') if p)) \
+        if cfg['precisions'] else [(cfg['precision'], cfg['master_device'])]
+    if not methods:
+        raise ValueError("methods lists no method; name at least one, e.g. --methods=full,lisa_wor")
+    if not precisions:
+        raise ValueError("precisions lists no precision; name at least one, e.g. --precisions=bf16,bf16_master")
+    rows = [{**cfg, 'method': m, 'precision': p, 'master_device': d} for p, d in precisions for m in methods]
+    for row in rows:
+        train_config.check(row)
+    return rows
+
+
+def resolve_device(name, allowed=('cuda', 'meta', 'cpu'), without_cuda='meta'):
+    """The torch.device of --device: auto is cuda when available, else `without_cuda`."""
+    if name == 'auto':
+        name = 'cuda' if torch.cuda.is_available() else without_cuda
+    if name not in allowed:
+        raise ValueError(f"device must be auto, {', '.join(allowed)}, got {name!r}")
+    if name == 'cuda' and not torch.cuda.is_available():
+        raise ValueError(f"device=cuda but CUDA is not available; use --device={without_cuda}"
+                         + (" for an estimate" if without_cuda == 'meta' else ""))
+    if name == 'cuda':  # with its index: tensors report cuda:N, and LiveBytes compares devices
+        return torch.device('cuda', torch.cuda.current_device())
+    return torch.device(name)
+
+
+def build(cfg, device):
+    """training.build, whose model is made directly on `device` (on meta: no memory, no
+    initialisation cost), its random weights drawn there. (Model, optimizer, cycler.)"""
+    return training.build(cfg, device, dataset_vocab(cfg), cpu_draws=False)
+
+
+# -----------------------------------------------------------------------------
+# one row
+
+
+def measure(cfg, device):
+    """Build cfg's model as train.py does, warm up, run one measured iteration through
+    training.Trainer.step; return the breakdown in bytes. cfg: a train.py config (row_configs)."""
+    cuda = device.type == 'cuda'
+    compiled = cuda and cfg['compile']
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+    tracker = LiveBytes(device)
+    torch.manual_seed(cfg['seed'])
+    net, opt, cycler = build(cfg, device)
+    if cfg['master_device'] == 'cpu' and not cuda:
+        # no second memory to offload to: the masters stay on the one device, marked as host memory
+        opt.master_device, opt.host_scope = None, tracker.host
+    if compiled:  # train.py's regional compilation
+        memory.compile_blocks(net, cfg['method'])
+    if cuda:  # the fp32 copy a bf16 build went through is cached, not in use: give it back
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    vocab, shape = net.config.vocab_size, (cfg['batch_size'], cfg['block_size'])
+
+    autocast = backward = None
+    if device.type == 'meta':  # the GPU's kernels and autocast, emulated on shapes (memory_tools.py)
+        dtype = train_config.PTDTYPES[cfg['dtype']] if cfg['precision'] == 'amp' and cfg['dtype'] != 'float32' else None
+        autocast, backward = MetaAsCuda(dtype, cache=True), MetaAsCuda(dtype, cache=False).backward
+    # train.py's iteration, on a fresh batch per micro-step, on the device, as train.py's loader gives
+    trainer = training.Trainer(cfg, net, opt, cycler, training.random_batches(vocab, shape, device), device.type,
+                               autocast=autocast, backward=backward, observer=SimpleNamespace())
+    gas = cfg['gradient_accumulation_steps']
+    micro = min(cfg['micro_batches'] or gas, gas)
+    sizes = {}
+
+    def at_zero_grad(trainer):  # the observer's before_zero_grad: the step is done, the gradients still held
+        if cuda:
+            torch.cuda.synchronize(device)
+        states = [v for _, _, v in omgd_state.state_tensors(opt)]
+        projectors = [s['projector'] for s in opt.state.values() if torch.is_tensor(s.get('projector'))]
+        host = [v for v in states + projectors if tracker.is_host(v)]
+        sizes.update(omgd_state.memory_bytes(net, opt),
+                     optimizer=sum(v.numel() * v.element_size() for v in states if not tracker.is_host(v)),
+                     cpu_state=sum(v.numel() * v.element_size() for v in host),
+                     projectors=sum(v.numel() * v.element_size() for v in projectors if not tracker.is_host(v)))
+
+    def iteration(it, micro_steps, hook=None):  # train.py's loop body, with this many micro-steps
+        trainer.iter_num, trainer.grad_accum, trainer.observer.before_zero_grad = it, micro_steps, hook
+        trainer.step()
+
+    tracker.add(list(net.parameters()), list(net.buffers()))
+    period, start = cfg['omgd_period'], cfg['omgd_warmup']
+    t0 = time.time()
+    with tracker if not compiled else nullcontext(), \
+            offload_on_meta(tracker) if device.type == 'meta' else nullcontext():
+        # warm-up: the first switch and its step create the optimizer state (and GaLore's projectors);
+        # under 'keep' one iteration at every switch of a full cycle leaves state on every block
+        switches = len(net.blocks) // cfg['omgd_gamma'] if cfg['omgd_state'] == 'keep' and cycler.schedule else 1
+        for i in range(switches):
+            iteration(start + i * period, 1)
+        # measured: the next iteration, the second of a switching period
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        tracker.reset_peak()
+        iteration(start + (switches - 1) * period + 1, micro, at_zero_grad)
+        if cuda:
+            torch.cuda.synchronize(device)
+    seconds = time.time() - t0
+    row = dict(method=cfg['method'], precision=cfg['precision'], master_device=cfg['master_device'],
+               params=sizes['params'], grads=sizes['grads'], optimizer=sizes['optimizer'],
+               cpu_state=sizes['cpu_state'], projectors=sizes['projectors'],
+               tracked_peak=None if compiled else tracker.peak, seconds=round(seconds, 2), micro_batches=micro,
+               active_blocks=list(cycler.active) if cycler.schedule else 'all')
+    if cuda:
+        row['peak'] = torch.cuda.max_memory_allocated(device)
+        row['reserved'] = torch.cuda.max_memory_reserved(device)
+    else:
+        row['peak'], row['reserved'] = tracker.peak, None
+    row['others'] = row['peak'] - row['params'] - row['grads'] - row['optimizer']
+    row['n_params'] = sum(p.numel() for p in net.parameters())
+    return row  # the model, optimizer and cycler are freed with this frame
+
+
+def model_name(cfg):
+    return cfg['preset'] or 'custom'

@@ -38,6 +38,8 @@ import training
 from configurator import ConfigError, format_config, wants_help
 from dataloader import check_vocab, data_dir, dataset_vocab, open_splits, prepare_if_embedded
 import memory
+import multiple_choice
+from data.tokenizer import Tokenizer, read_meta
 from memory_tools import check_fits, estimate_iteration
 from model import GPTConfig
 
@@ -214,6 +216,13 @@ def train(cfg, given_keys, ranks, device):
                                                   cfg['sampling'], cfg['data_seed'], ranks.rank, world_size)
     except (FileNotFoundError, ValueError) as e:
         raise RunError(e) from None
+    mc_examples = mc_encode = None  # eval_mc_path: the multiple-choice benchmark of every evaluation
+    if cfg['eval_mc_path']:
+        try:
+            mc_examples = multiple_choice.read_mc(cfg['eval_mc_path'], cfg['eval_mc_limit'])
+            mc_encode = Tokenizer.from_meta(read_meta(data_dir(cfg['dataset']))).encode
+        except (ValueError, RuntimeError, OSError) as e:
+            raise RunError(f"eval_mc_path: {e}") from None
     vocab_size = cfg['vocab_size']
     if not vocab_size:
         vocab_size = dataset_vocab(cfg['dataset'])
@@ -327,8 +336,9 @@ def train(cfg, given_keys, ranks, device):
                                f"learning_rate or raise warmup_iters")
 
     # 'file': rank 0 writes out_dir/ckpt.pt; 'dcp': every rank writes its shards of a step folder
-    # (checkpoint_dcp.py), under torchrun in the background
-    saver = checkpoint_dcp.Saver(out_dir, ranks, cfg['keep_last']) if checkpoint_format == 'dcp' else None
+    # (checkpoint_dcp.py), in the background on a GPU (checkpoint_async)
+    saver = checkpoint_dcp.Saver(out_dir, ranks, cfg['keep_last'], checkpoint_dcp.background(
+        cfg['checkpoint_async'], device_type)) if checkpoint_format == 'dcp' else None
     if saver is not None and master:
         saver.replaces = replaced
 
@@ -390,10 +400,18 @@ def train(cfg, given_keys, ranks, device):
         it = trainer.iter_num
         if it % eval_interval == 0 or it >= max_iters or cfg['eval_only']:
             losses = trainer.evaluate(eval_batches, cfg['eval_iters'], ranks, device)
+            mc = {}
+            if mc_examples is not None:  # every rank alike: the same weights, the same scores
+                try:
+                    scores = multiple_choice.mc_accuracy(raw_model, mc_examples, mc_encode, device, trainer.autocast)
+                except ValueError as e:  # text the dataset's tokenizer cannot encode
+                    raise RunError(f"eval_mc_path={cfg['eval_mc_path']}: {e}") from None
+                mc = {'mc_acc': scores['acc'], 'mc_acc_norm': scores['acc_norm']}
             if master:
-                print(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+                shown = f", mc acc {mc['mc_acc']:.4f}, acc_norm {mc['mc_acc_norm']:.4f}" if mc else ''
+                print(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{shown}")
                 record('eval', iter=it, train_loss=losses['train'], val_loss=losses['val'],
-                       lr=training.get_lr(it, cfg))
+                       lr=training.get_lr(it, cfg), **mc)
             check_finite(losses)
             improved = losses['val'] < best_val_loss
             best_val_loss = min(best_val_loss, losses['val'])
@@ -457,7 +475,6 @@ def train(cfg, given_keys, ranks, device):
 
     # under FSDP every rank runs the sample's forwards (each all-gathers the weights); rank 0 prints
     if (master or fsdp) and cfg['sample_tokens'] > 0 and not stop:
-        from data.tokenizer import Tokenizer, read_meta
         try:
             tokenizer = Tokenizer.from_meta(read_meta(data_dir(cfg['dataset'])))
         except ValueError as e:

@@ -33,9 +33,12 @@ eval_interval = 100  # iterations between evaluations (and checkpoint saves)
 log_interval = 10  # iterations between log lines
 eval_iters = 20  # batches per split and evaluation
 eval_only = False  # evaluate once and exit
+eval_mc_path = ''  # a HellaSwag-format jsonl file scored at every evaluation (acc, acc_norm; multiple_choice.py)
+eval_mc_limit = 0  # score its first N examples only (0: all)
 always_save_checkpoint = True  # if False, save only when the val loss improves
 checkpoint_format = 'auto'  # 'file': out_dir/ckpt.pt, gathered and written by rank 0; 'dcp': out_dir/step_NNNNNNN/ folders, each rank writes its shards (torch.distributed.checkpoint); 'auto': file in one process, dcp on several ranks
 keep_last = 3  # dcp: how many of the newest step folders to keep (0: all)
+checkpoint_async = 'auto'  # dcp: write step folders in a background thread: 'auto' (when the weights are on a GPU), 'yes' or 'no'
 init_from = 'scratch'  # 'scratch', 'resume' (from out_dir), 'auto' (resume when out_dir holds a checkpoint, else scratch: restarts), a GPT-2 name or a Hugging Face model directory
 overwrite = False  # let a run that does not resume replace the checkpoint already in out_dir
 sample_tokens = 300  # length of the sample printed at the end (0: none)
@@ -135,7 +138,7 @@ RULES = {
     'golore_svd_fraction': between(0, 1, closed=True), 'precision': one_of(*PRECISIONS, label='precision'),
     'master_device': one_of('', 'cpu', described="'' (the weights' device) or 'cpu'"), 'dtype': one_of(*PTDTYPES, label='dtype'), 'backend': one_of('nccl', 'gloo'),
     'parallel': one_of('ddp', 'fsdp'), 'dist_timeout_s': at_least(1),
-    'checkpoint_format': one_of('auto', 'file', 'dcp'), 'keep_last': at_least(0),
+    'checkpoint_format': one_of('auto', 'file', 'dcp'), 'keep_last': at_least(0), 'eval_mc_limit': at_least(0), 'checkpoint_async': one_of('auto', 'yes', 'no'),
 }
 
 
@@ -212,7 +215,8 @@ FIXED_ON_RESUME = {
     **{k: 'the weights have that shape' for k in SHAPE_KEYS},
 }
 # taken from this command (or this machine's defaults), never from the checkpoint
-THIS_COMMAND = ('init_from', 'out_dir', 'overwrite', 'eval_only', 'device', 'dtype', 'compile', 'backend')
+THIS_COMMAND = ('init_from', 'out_dir', 'overwrite', 'eval_only', 'device', 'dtype', 'compile', 'backend',
+                'checkpoint_async')
 
 
 def resume_config(saved, model_args, cfg, given):
@@ -275,6 +279,9 @@ def check_parallel(cfg, world_size, fsdp):
         raise ValueError("precision='bf16_master' is not supported with parallel='fsdp' (FSDP2 keeps fp32 shards and "
                          "computes in bf16 under precision='amp', which is its own master-weight scheme); use "
                          "--precision=amp")
+    if fsdp and cfg['eval_mc_path']:
+        raise ValueError("eval_mc_path is not supported with parallel='fsdp' (its scoring calls the sharded head "
+                         "directly); score the checkpoints with eval.py --mc_path, or use --parallel=ddp")
     if fsdp and cfg['method'] in GALORE_METHODS:
         raise ValueError(f"method={cfg['method']!r} is not supported with parallel='fsdp' (its projections need "
                          f"whole gradients); use --parallel=ddp")

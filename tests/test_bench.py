@@ -54,7 +54,7 @@ def test_meta_and_cpu_agree_on_exact_bytes():
         for key in ('params', 'grads', 'optimizer', 'cpu_state', 'projectors'):
             assert m[key] == c[key], (m['method'], m['precision'], key)
         assert m['others'] > 0 and c['others'] > 0
-    rows = {(r['method'], bench_memory.precision_label(r['precision'], r['master_device'])): r for r in meta}
+    rows = {(r['method'], memory_tools.precision_label(r['precision'], r['master_device'])): r for r in meta}
     plain, master, offload = (rows['lisa_wor', p] for p in ('bf16', 'bf16_master', 'bf16_master:cpu'))
     assert plain['grads'] < rows['full', 'bf16']['grads']
     # fp32 master + 2 fp32 moments (12 bytes) instead of 2 bf16 moments (4 bytes) per trainable parameter
@@ -67,7 +67,7 @@ def test_cpu_build_keeps_gpt2_head_tied_to_embedding():
     from model import GPT
     cfg = config(**dict(SMALL, arch='gpt2', methods='full', micro_batches=1))
     rows = {device: bench_memory.run(config(**{**cfg, 'device': device}))['rows'][0] for device in ('meta', 'cpu')}
-    n_params = sum(p.numel() for p in GPT(bench_memory.model_config(cfg)).parameters())
+    n_params = sum(p.numel() for p in GPT(memory_tools.model_config(cfg)).parameters())
     assert rows['meta']['n_params'] == rows['cpu']['n_params'] == n_params
     assert all(rows['meta'][k] == rows['cpu'][k] for k in ('params', 'grads', 'optimizer'))
 
@@ -91,11 +91,11 @@ def test_vocabulary_as_train_py_reads_it(tmp_path):
     with open(tmp_path / 'meta.pkl', 'wb') as f:
         pickle.dump({'vocab_size': 77}, f)
     prepared = {**SMALL, 'dataset': str(tmp_path), 'vocab_size': 0}
-    vocab = lambda **kw: bench_memory.model_config(config(**kw)).vocab_size  # noqa: E731
+    vocab = lambda **kw: memory_tools.model_config(config(**kw)).vocab_size  # noqa: E731
     assert vocab(**prepared) == 77 and vocab(**{**prepared, 'vocab_size': 512}) == 512
     assert vocab(dataset='no_such_dataset') == 50304 and vocab(dataset='no_such_dataset', preset='llama-60m') == 32000
     row = bench_memory.run(config(**prepared, device='meta', methods='full'))['rows'][0]
-    assert row['n_params'] == sum(p.numel() for p in GPT(bench_memory.model_config(config(**prepared))).parameters())
+    assert row['n_params'] == sum(p.numel() for p in GPT(memory_tools.model_config(config(**prepared))).parameters())
 
 
 def test_defaults_are_train_py_keys():
@@ -178,7 +178,7 @@ def test_bench_script_runs(tmp_path):
     assert all(v > 0 for v in speeds.values()), speeds
     from model import GPT
     cfg = config(arch='llama', n_layer=2, n_embd=64, vocab_size=512)
-    n_params = sum(p.numel() for p in GPT(bench_memory.model_config(cfg)).parameters())
+    n_params = sum(p.numel() for p in GPT(memory_tools.model_config(cfg)).parameters())
     assert f"{n_params / 1e6:.1f}M parameters" in text
 
 

@@ -43,7 +43,9 @@ def runs(tmp_path_factory):
     writing step folders (dcp) and ckpt.pt (file)."""
     root = tmp_path_factory.mktemp('dcp')
     runs = [(f'{parallel}_{fmt}', [f'--out_dir={root / parallel / fmt}', f'--max_iters={STRAIGHT}',
-                                   f'--parallel={parallel}', f'--checkpoint_format={fmt}', '--eval_interval=4', *RESUME])
+                                   f'--parallel={parallel}', f'--checkpoint_format={fmt}', '--eval_interval=4', *RESUME,
+                                   # async where the weights are on a GPU: forced here under FSDP, auto (sync) under DDP
+                                   *(['--checkpoint_async=yes'] if parallel == 'fsdp' else [])])
             for parallel in ('fsdp', 'ddp') for fmt in ('dcp', 'file')]
     run = Launch(TORCHRUN + ['tests/test_ddp.py'], env={'DDP_TEST_RUNS': json.dumps(runs)}).wait(timeout=400)
     assert run.proc.returncode == 0, run.out[-3000:]
@@ -59,6 +61,7 @@ def test_fsdp_resume_from_step_folders_is_exact(runs, tmp_path):
         not (straight / 'ckpt.pt').exists()
     assert all((straight / f / '.complete').exists() for f in folders(straight))
     assert 'written to disk in the background' in logs['fsdp_dcp']
+    assert 'saved checkpoint to' in logs['ddp_dcp'] and 'in the background' not in logs['ddp_dcp']  # auto on a CPU
     train(f'--out_dir={tmp_path}', '--max_iters=6', *RESUME, *FSDP, '--checkpoint_format=dcp')
     run = train(f'--out_dir={tmp_path}', f'--max_iters={STRAIGHT}', '--init_from=resume', *RESUME, *FSDP,
                 '--checkpoint_format=dcp', '--eval_interval=5')
@@ -88,7 +91,7 @@ def test_shards_hold_the_full_state_and_reshard_to_one_process(runs, tmp_path, p
 
 
 CRASH_ARGS = [*DDP_TINY, *RESUME, *FSDP, f'--max_iters={STRAIGHT}', '--eval_interval=4', '--init_from=auto',
-              '--checkpoint_format=dcp']
+              '--checkpoint_format=dcp', '--checkpoint_async=yes']
 
 
 def test_a_crash_in_the_middle_of_a_save_resumes_the_previous_checkpoint_exactly(runs, tmp_path):
@@ -202,3 +205,9 @@ if __name__ == '__main__':
         return write_data(self, plan, planner)
     filesystem.FileSystemWriter.write_data = write_or_die
     sys.exit(train_script.main(sys.argv[1:]))
+
+
+def test_checkpoint_async_is_the_background_on_a_gpu_and_what_is_asked_elsewhere():
+    import checkpoint_dcp
+    assert checkpoint_dcp.background('auto', 'cuda') and not checkpoint_dcp.background('auto', 'cpu')
+    assert checkpoint_dcp.background('yes', 'cpu') and not checkpoint_dcp.background('no', 'cuda')

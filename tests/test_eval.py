@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from conftest import assert_one_line_error, run_script, run_train, tiny_model_config
-from eval import (continuation_logprobs, full_loss, mc_accuracy, mc_example, read_mc, window_loss,
-                  write_mc_task, MC_TASK)
+from conftest import assert_one_line_error, assert_same_state, run_script, run_train, tiny_model_config
+from eval import full_loss, window_loss, write_mc_task, MC_TASK
+from multiple_choice import continuation_logprobs, mc_accuracy, mc_example, read_mc
 from model import GPT
 
 HAS_LM_EVAL = importlib.util.find_spec('lm_eval') is not None
@@ -85,7 +85,7 @@ def test_acc_norm_is_not_per_token(monkeypatch):
     """Log-probabilities where the three rules disagree: the largest sum (acc) is ending 0, the largest per
     character (acc_norm) ending 2, the largest per token (llm.c's normalisation: ' ' + ending is one token
     a character here) ending 1."""
-    import eval as evaluation
+    import multiple_choice as evaluation
     lls = [-2.0, -3.0, -5.6]  # per character: -1, -0.75, -0.7; per token (3, 5, 9): -0.67, -0.6, -0.62
     scored = []
     monkeypatch.setattr(evaluation, 'continuation_logprobs', lambda model, requests, *a, **kw: scored.append(
@@ -165,6 +165,38 @@ def test_mc_on_a_checkpoint_and_lm_eval_refused_without_the_package(run, tmp_pat
     result = run_script('eval.py', [f'--out_dir={out_dir}', '--loss=False', f'--mc_path={path}', '--lm_eval=True'])
     assert_one_line_error(result, r'^error: lm_eval=True needs lm-evaluation-harness \(.*\): pip install '
                                   r'"lm-eval\[hf\]"$')
+
+
+def test_train_py_scores_the_mc_file_at_every_evaluation(tmp_path):
+    """eval_mc_path: the eval records (and the log line) carry the scores multiple_choice.mc_accuracy gives the
+    weights of that iteration; the last evaluation's are those of the checkpoint."""
+    from checkpoint import read
+    from data.tokenizer import Tokenizer, read_meta
+    from dataloader import data_dir
+    from model import GPTConfig
+    path = write_jsonl(tmp_path / 'mc.jsonl', EXAMPLES * 4)  # 12 examples, 10 scored
+    out_dir = tmp_path / 'run'
+    result = run_train(f'--out_dir={out_dir}', '--max_iters=6', '--eval_interval=3', f'--eval_mc_path={path}',
+                       '--eval_mc_limit=10')
+    records = [json.loads(line) for line in open(out_dir / 'metrics.jsonl')]
+    evals = [r for r in records if r['kind'] == 'eval']
+    assert [r['iter'] for r in evals] == [0, 3, 6] and all(0 <= r['mc_acc'] <= 1 for r in evals)
+    checkpoint = read(str(out_dir / 'ckpt.pt'))
+    model = GPT(GPTConfig(**checkpoint['model_args']))
+    model.load_state_dict(checkpoint['model'])
+    encode = Tokenizer.from_meta(read_meta(data_dir('shakespeare_char'))).encode
+    scores = mc_accuracy(model, read_mc(path, 10), encode)
+    assert (evals[-1]['mc_acc'], evals[-1]['mc_acc_norm']) == (scores['acc'], scores['acc_norm'])
+    assert f"mc acc {scores['acc']:.4f}, acc_norm {scores['acc_norm']:.4f}" in result.stdout
+    run_train(f'--out_dir={tmp_path / "without"}', '--max_iters=6', '--eval_interval=3')  # scoring draws no numbers
+    assert_same_state(checkpoint, read(str(tmp_path / 'without' / 'ckpt.pt')))
+
+
+def test_train_py_refuses_a_bad_mc_file_before_training(tmp_path):
+    result = run_train(f'--out_dir={tmp_path / "run"}', '--max_iters=2',
+                       f'--eval_mc_path={write_jsonl(tmp_path / "mc.jsonl", [EXAMPLES[0], "{oops"])}', expect_ok=False)
+    assert_one_line_error(result, r"^error: eval_mc_path: .*mc.jsonl, line 2: not JSON")
+    assert not (tmp_path / 'run' / 'ckpt.pt').exists()
 
 
 @pytest.mark.parametrize('args, docs, pattern', [

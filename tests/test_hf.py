@@ -359,6 +359,34 @@ def test_gpt2_bpe_dataset_exports_gpt2s_tokenizer(tmp_path):
         export_dir(tmp_path / 'run', tmp_path / 'out')
 
 
+@pytest.mark.parametrize('arch', ['gpt2', 'llama'])
+def test_a_sharded_export_generates_our_greedy_tokens_in_transformers(tmp_path, arch):
+    """max_shard_size splits the weights into shards with an index (save_pretrained's layout); transformers
+    loads them with the exported GPT-2 tokenizer and, greedy, generates the tokens our model generates
+    (GPT.generate with top_k=1, what sample.py runs)."""
+    (tmp_path / 'data').mkdir()  # no meta.pkl: GPT-2 BPE
+    model = randomize(GPT(GPTConfig(arch=arch, n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=50304)))
+    (tmp_path / 'run').mkdir()
+    torch.save({'model': model.state_dict(), 'model_args': vars(model.config), 'iter_num': 0,
+                'config': {'dataset': str(tmp_path / 'data')}}, tmp_path / 'run' / 'ckpt.pt')
+    lines = []
+    export.export(str(tmp_path / 'run'), str(tmp_path / 'out'), max_shard_size='2MB', log=lines.append)
+    shards = sorted(p.name for p in (tmp_path / 'out').glob('model-*.safetensors'))
+    assert len(shards) > 1 and f"{len(shards)} shards with model.safetensors.index.json" in lines[0]
+    index = json.loads((tmp_path / 'out' / 'model.safetensors.index.json').read_text())
+    assert sorted(set(index['weight_map'].values())) == shards
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / 'out')
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'out').eval()
+    prompt = tok('ROMEO: But soft, what light', return_tensors='pt')['input_ids']
+    with torch.no_grad():
+        expected = model.eval().generate(prompt, 12, top_k=1)
+        generated = theirs.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert generated.tolist() == expected.tolist()
+    assert hf.load(str(tmp_path / 'out')).state_dict().keys() == model.state_dict().keys()  # our import reads shards
+    with pytest.raises(export.ExportError, match=r"max_shard_size must be a size like '5GB'"):
+        export.export(str(tmp_path / 'run'), str(tmp_path / 'bad'), max_shard_size='big')
+
+
 def test_hf_tokenizer_dataset_exports_its_tokenizer_files(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     tok_dir = tmp_path / 'tok'

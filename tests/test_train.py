@@ -116,6 +116,7 @@ def test_bad_config_is_one_line_error(tmp_path, arg, pattern):
 @pytest.mark.parametrize('args, world_size, fsdp, pattern', [
     (['--dtype=float16'], 2, True, r"dtype='float16' is not supported with parallel='fsdp'.*--dtype=bfloat16$"),
     (['--omgd_state=offload'], 2, True, r"omgd_state='offload' is not supported with parallel='fsdp'"),
+    (['--eval_mc_path=mc.jsonl'], 2, True, r"eval_mc_path is not supported with parallel='fsdp'"),
     (['--precision=bf16_master'], 2, True, r"precision='bf16_master' is not supported with parallel='fsdp'.*"
                                            r"--precision=amp$"),
     (['--method=galore'], 2, True, r"method='galore' is not supported with parallel='fsdp'.*--parallel=ddp$"),

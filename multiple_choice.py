@@ -1,0 +1,148 @@
+"""
+Multiple choice in HellaSwag's format, scored as lm-evaluation-harness scores HellaSwag: eval.py's
+benchmark and train.py's periodic one (eval_mc_path) call the same functions.
+
+A file holds one JSON object a line (ctx_a, ctx_b, endings, label, activity_label). Each ending is
+scored after a space by the sum of its tokens' log-probabilities given the context: acc takes the
+largest sum, acc_norm the largest sum per character of the ending.
+"""
+import json
+import re
+from contextlib import nullcontext
+
+import torch
+from torch.nn import functional as F
+
+
+class EvalError(ValueError):
+    """Bad input; the message is one line and says what to do."""
+
+
+def preprocess(text):
+    """lm-evaluation-harness's HellaSwag clean-up (tasks/hellaswag/utils.py): WikiHow's [title] and
+    [header] markers."""
+    text = text.strip()
+    text = text.replace(" [title]", ". ")
+    text = re.sub("\\[.*?\\]", "", text)
+    return text.replace("  ", " ")
+
+
+def mc_example(doc, where):
+    """{'query', 'choices', 'gold'} of one HellaSwag example, as lm-evaluation-harness builds them:
+    query = activity_label + ': ' + ctx_a + ' ' + ctx_b capitalised (ctx alone when there is no ctx_a),
+    the endings cleaned up alike; each choice is scored after a space."""
+    if not isinstance(doc, dict):
+        raise EvalError(f"{where}: a {type(doc).__name__}, not a JSON object with ctx_a, ctx_b, endings and label")
+    endings = doc.get('endings')
+    if not (isinstance(endings, list) and len(endings) >= 2 and all(isinstance(e, str) for e in endings)):
+        raise EvalError(f"{where}: 'endings' must be a list of at least 2 strings, got {endings!r:.80}")
+    label = doc.get('label')
+    if isinstance(label, str) and label.strip().isdigit():
+        label = int(label)
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(endings):
+        raise EvalError(f"{where}: 'label' must be the index of the right ending (0 to {len(endings) - 1}), "
+                        f"got {doc.get('label')!r}")
+    if isinstance(doc.get('ctx_a'), str) and isinstance(doc.get('ctx_b', ''), str):
+        ctx = doc['ctx_a'] + " " + doc.get('ctx_b', '').capitalize()
+    elif isinstance(doc.get('ctx'), str):
+        ctx = doc['ctx']
+    else:
+        raise EvalError(f"{where}: no context: give the strings 'ctx_a' and 'ctx_b' (or 'ctx')")
+    activity = doc.get('activity_label', '')
+    if not isinstance(activity, str):
+        raise EvalError(f"{where}: 'activity_label' must be a string, got {activity!r:.80}")
+    query = preprocess(f"{activity}: {ctx}" if activity else ctx)
+    choices = [preprocess(e) for e in endings]
+    if not query or not all(choices):
+        raise EvalError(f"{where}: an empty {'context' if not query else 'ending'}; every example needs text to "
+                        f"score")
+    return {'query': query, 'choices': choices, 'gold': label}
+
+
+def read_mc(path, limit=0):
+    """The examples of a HellaSwag-format jsonl file (mc_example each), the first `limit` when limit > 0;
+    an EvalError naming the file and line of anything else."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = 'not UTF-8 text' if isinstance(e, UnicodeDecodeError) else e.strerror
+        raise EvalError(f"mc_path={path}: cannot read it ({reason}); give a HellaSwag jsonl file") from None
+    examples = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}, line {number}"
+        try:
+            doc = json.loads(line)
+        except ValueError as e:
+            raise EvalError(f"{where}: not JSON ({e}); a HellaSwag file holds one JSON object a line") from None
+        examples.append(mc_example(doc, where))
+        if len(examples) == limit:
+            break
+    if not examples:
+        raise EvalError(f"mc_path={path} holds no examples; a HellaSwag file holds one JSON object a line")
+    return examples
+
+
+def encode_pair(encode, context, continuation):
+    """(context ids, continuation ids) as lm-evaluation-harness splits them: the whole text encoded, the
+    continuation being what follows the context's own encoding."""
+    whole, ctx = encode(context + continuation), encode(context)
+    return ctx, whole[len(ctx):]
+
+
+@torch.no_grad()
+def continuation_logprobs(model, requests, device='cpu', autocast=nullcontext(), batch_size=16):
+    """The sum of log-probabilities of each (context ids, continuation ids) request's continuation given its
+    context, in float64; a request longer than block_size + 1 tokens loses tokens on the left, as
+    lm-evaluation-harness truncates. The head runs on the continuations' positions only."""
+    block_size = model.config.block_size
+    sums = []
+    for i in range(0, len(requests), batch_size):
+        chunk = requests[i:i + batch_size]
+        rows = [(ctx + cont)[-(block_size + 1):] for ctx, cont in chunk]
+        T = max(len(r) for r in rows) - 1
+        x = torch.zeros(len(rows), T, dtype=torch.long)
+        y = torch.full((len(rows), T), -1, dtype=torch.long)  # -1: not a continuation token
+        for j, (row, (_, cont)) in enumerate(zip(rows, chunk)):
+            n = min(len(cont), len(row) - 1)
+            x[j, :len(row) - 1] = torch.tensor(row[:-1])
+            y[j, len(row) - 1 - n:len(row) - 1] = torch.tensor(row[-n:])
+        x, y = x.to(device), y.to(device)
+        scored = y >= 0
+        with autocast:
+            logits = model.lm_head(model.hidden_states(x)[scored])
+        logprobs = F.log_softmax(logits.float(), dim=-1).gather(1, y[scored][:, None])[:, 0]
+        row_of = torch.arange(len(rows), device=device)[:, None].expand(-1, T)[scored]
+        sums += torch.zeros(len(rows), dtype=torch.float64, device=device).index_add_(
+            0, row_of, logprobs.double()).tolist()
+    return sums
+
+
+def mc_accuracy(model, examples, encode, device='cpu', autocast=nullcontext(), batch_size=16):
+    """{'acc', 'acc_norm', 'n'} of a model on read_mc() examples, as lm-evaluation-harness scores HellaSwag:
+    each choice, after a space, by the sum of its tokens' log-probabilities (acc), that sum divided by
+    the choice's length in characters (acc_norm); the first of equal scores wins. encode: text -> ids.
+    The model is put in eval mode and back. Raises EvalError for text the tokenizer cannot encode."""
+    requests, spans = [], []
+    for number, ex in enumerate(examples):
+        try:
+            pairs = [encode_pair(encode, ex['query'], ' ' + choice) for choice in ex['choices']]
+        except ValueError as e:  # characters outside a character-level vocabulary
+            raise EvalError(f"mc example {number + 1}: {e}") from None
+        spans.append((len(requests), len(pairs)))
+        requests += pairs
+    was_training = model.training
+    model.eval()
+    try:
+        lls = continuation_logprobs(model, requests, device, autocast, batch_size)
+    finally:
+        model.train(was_training)
+    correct = correct_norm = 0
+    for ex, (start, count) in zip(examples, spans):
+        ll = lls[start:start + count]
+        norm = [v / len(choice) for v, choice in zip(ll, ex['choices'])]
+        correct += max(range(count), key=ll.__getitem__) == ex['gold']
+        correct_norm += max(range(count), key=norm.__getitem__) == ex['gold']
+    return {'acc': correct / len(examples), 'acc_norm': correct_norm / len(examples), 'n': len(examples)}
