@@ -261,8 +261,9 @@ class Launch:
 
 
 def torchrun_train(*args, ranks=2, expect_ok=True):
-    """train.py with DDP_TINY: under torchrun on 2 ranks, or one plain process (ranks=1)."""
-    cmd = (TORCHRUN if ranks == 2 else [sys.executable]) + ['train.py', *DDP_TINY, *args]
+    """train.py with DDP_TINY: under torchrun on `ranks` ranks, or one plain process (ranks=1)."""
+    launcher = [*TORCHRUN[:-1], f'--nproc_per_node={ranks}'] if ranks > 1 else [sys.executable]
+    cmd = launcher + ['train.py', *DDP_TINY, *args]
     run = Launch(cmd).wait()
     if expect_ok:
         assert run.proc.returncode == 0, run.out[-3000:]

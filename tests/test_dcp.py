@@ -90,6 +90,21 @@ def test_shards_hold_the_full_state_and_reshard_to_one_process(runs, tmp_path, p
     assert ends['dcp']['data']['windows_consumed'] == consolidated['data']['windows_consumed'] + 3 * 8
 
 
+@pytest.mark.parametrize('parallel', ['fsdp', 'ddp'])
+def test_a_two_rank_checkpoint_resumes_on_four_ranks(runs, tmp_path, parallel):
+    """The same global batch (8 windows an iteration) over 4 ranks: the next windows of the same order,
+    none repeated or skipped."""
+    root, _ = runs
+    saved = load(root / parallel / 'dcp')
+    copy_checkpoint(root / parallel / 'dcp', tmp_path)
+    run = train(f'--out_dir={tmp_path}', f'--max_iters={STRAIGHT + 3}', '--init_from=resume', '--batch_size=2',
+                '--gradient_accumulation_steps=4', f'--parallel={parallel}', ranks=4)
+    assert 'resuming a 2-rank checkpoint on 4 ranks: same data position' in run.out, run.out[-2000:]
+    after = load(tmp_path)
+    assert after['world_size'] == 4 and after['iter_num'] == STRAIGHT + 3
+    assert after['data']['windows_consumed'] == saved['data']['windows_consumed'] + 3 * 8
+
+
 CRASH_ARGS = [*DDP_TINY, *RESUME, *FSDP, f'--max_iters={STRAIGHT}', '--eval_interval=4', '--init_from=auto',
               '--checkpoint_format=dcp', '--checkpoint_async=yes']
 
