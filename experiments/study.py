@@ -341,11 +341,11 @@ def finetune_start(s, out_dir, runs_dir):
     train_batches, _ = open_splits(cfg['dataset'], cfg['block_size'], cfg['batch_size'], cfg['sampling'],
                                    cfg['data_seed'])
     os.makedirs(out_dir, exist_ok=True)
-    torch.save({'model': model.state_dict(), 'optimizer': opt.state_dict(), 'cycler': cycler.state_dict(),
-                'data': train_batches.state_dict(), 'model_args': pretrained['model_args'], 'iter_num': 0,
-                'best_val_loss': 1e9, 'config': cfg, 'world_size': 1,
-                'rng': {'ranks': [{'torch': torch.get_rng_state(), 'cuda': None}]},
-                'scaler': training.grad_scaler(cfg, 'cpu').state_dict()}, os.path.join(out_dir, 'ckpt.pt'))
+    from distributed import Ranks
+    objects = {'model': model, 'optimizer': opt, 'cycler': cycler, 'scaler': training.grad_scaler(cfg, 'cpu')}
+    values = {'data': train_batches.state_dict(), 'model_args': pretrained['model_args'], 'iter_num': 0,
+              'best_val_loss': 1e9, 'config': cfg, 'wandb_id': None}
+    checkpoint.save(os.path.join(out_dir, 'ckpt.pt'), Ranks(), objects, values)  # train.py's writer
 
 
 def train_launch(s, out_dir, runs_dir):
@@ -791,11 +791,21 @@ def probe(s, runs_dir):
     """train.py's loop for one run (same config, build, data, schedule and step; no evaluation),
     instrumented. Writes RUN/probe.json."""
     import torch
+    out_dir = os.path.join(runs_dir, run_name(s))
+    cfg = runner.config_of(train_args(s, runs_dir), out_dir)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # runner's train.py runs: another thread count sums in another order
+    try:
+        return _probe(s, cfg, out_dir, runs_dir)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _probe(s, cfg, out_dir, runs_dir):
+    import torch
 
     import training
     from dataloader import TokenBatches, data_dir, dataset_vocab
-    out_dir = os.path.join(runs_dir, run_name(s))
-    cfg = runner.config_of(train_args(s, runs_dir), out_dir)
     torch.manual_seed(cfg['seed'])
     model, opt, cycler = training.build(cfg, 'cpu', dataset_vocab(cfg['dataset']))
     torch.manual_seed(cfg['seed'])
