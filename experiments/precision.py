@@ -94,13 +94,20 @@ def check(tolerance, write):
             sys.exit(f"error: the {p} run failed ({r['error']}); its log is {out_dir}/train.log")
         figures[p] = {'val_loss_0': round(r['val_loss'][0], 4), f'val_loss_{REFERENCE_ITERS}': round(r['val_loss'][-1], 4)}
     import torch
+    here = {'torch': torch.__version__, 'machine': runner.machine(),
+            'cpu_capability': torch.backends.cpu.get_cpu_capability()}
     if write:
         with open(REFERENCE, 'w') as f:
-            json.dump({'torch': torch.__version__, 'command': r['command'], 'figures': figures}, f, indent=1)
+            json.dump({**here, 'command': 'python experiments/precision.py --write_reference', 'figures': figures},
+                      f, indent=1)
         print(f"wrote {REFERENCE}")
         return 0
     with open(REFERENCE) as f:
         reference = json.load(f)
+    if (here['torch'], here['cpu_capability']) != (reference['torch'], reference['cpu_capability']):
+        print(f"warning: the reference was measured with torch {reference['torch']} on {reference['cpu_capability']} "
+              f"kernels ({reference['machine']}), this is torch {here['torch']} on {here['cpu_capability']}: the bf16 "
+              f"figures differ by about 0.01 between CPUs (results/precision_bisect.md)", file=sys.stderr)
     moved = []
     for p, now in figures.items():
         for key, value in now.items():
