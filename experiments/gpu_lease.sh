@@ -180,8 +180,8 @@ switch_cost() {  # alone on the GPU: LISA-wor's switch under each state policy, 
 
 SPEED=(--preset=gpt2 --vocab_size=50304 --batch_size=12 --block_size=1024 --omgd_gamma=3 --omgd_period=5
        --steps=20 --warmup_steps=5)
-PARALLEL=${PARALLEL:-tests paths memory memory_gpt2}  # side by side
-ALONE=${ALONE:-speed switch_cost}  # then one at a time
+PARALLEL=${PARALLEL-tests paths memory memory_gpt2}  # side by side (set but empty: none)
+ALONE=${ALONE-speed switch_cost}  # then one at a time (set but empty: none)
 stamp "phase 1: $PARALLEL"
 for part in $PARALLEL; do $part & done
 for i in $(seq ${DEADLINE:-290}); do [ -z "$(jobs -rp)" ] && break; sleep 1; done
