@@ -327,7 +327,7 @@ def dataset_vocab(cfg):
 def model_config(cfg):
     """The GPTConfig training.build makes of cfg (one-line error for an impossible shape)."""
     try:
-        return GPTConfig(**training.model_args(cfg, dataset_vocab(cfg)))
+        return GPTConfig(**training.gpt_kwargs(cfg, dataset_vocab(cfg)))
     except (ValueError, TypeError) as e:
         raise ValueError(f"model shape: {e}") from None
 

@@ -1,6 +1,6 @@
 """
 The optimizers of the model's parameters: nanoGPT's decay split (param_groups) and its AdamW
-(configure_optimizers); AdamW's arithmetic, once; MasterWeights, the fp32 master weights of
+(adamw, nanoGPT's configure_optimizers); AdamW's arithmetic, once; MasterWeights, the fp32 master weights of
 low-precision parameters, once; and MasterAdamW: AdamW on those masters (GaLoreAdamW(master=True)
 in galore.py uses the same mixin).
 
@@ -42,7 +42,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def configure_optimizers(model, weight_decay, learning_rate, betas, device_type):
+def adamw(model, weight_decay, learning_rate, betas, device_type):
     """nanoGPT's AdamW over param_groups (fused on CUDA)."""
     # frozen parameters are included on purpose: layer cycling unfreezes them later,
     # and an optimizer that never saw them would silently skip those blocks

@@ -21,7 +21,7 @@ import galore
 import memory
 import omgd
 from model import GPT, GPTConfig, PRESETS
-from optim import MasterAdamW, configure_optimizers, param_groups
+from optim import MasterAdamW, adamw, param_groups
 from train_config import GALORE_METHODS, PTDTYPES
 
 ARCH_KEYS = ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias', 'vocab_size', 'norm_eps',
@@ -40,7 +40,7 @@ def get_lr(it, cfg):
     return cfg['min_lr'] + 0.5 * (1.0 + math.cos(math.pi * decay_ratio)) * (cfg['learning_rate'] - cfg['min_lr'])
 
 
-def model_args(cfg, vocab_size=0):
+def gpt_kwargs(cfg, vocab_size=0):
     """GPTConfig keywords from the config's model keys (a preset's architecture overrides them).
     vocab_size: the dataset's (0: the config's, else the preset's, else GPT-2's padded 50304)."""
     vocab_size = vocab_size or cfg['vocab_size']
@@ -139,7 +139,7 @@ def build_optimizer(model, cfg, device_type):
     if master:
         return MasterAdamW(param_groups(model, wd), lr=lr, betas=betas, master_device=cfg['master_device'] or None)
     if cfg['optimizer'] == 'adamw':
-        return configure_optimizers(model, wd, lr, betas, device_type)
+        return adamw(model, wd, lr, betas, device_type)
     return torch.optim.SGD(param_groups(model, wd), lr=lr, momentum=cfg['momentum'])
 
 
@@ -160,7 +160,7 @@ def build(cfg, device, vocab_size=0, model=None, shard=None, cpu_draws=True):
     is on its device and before the optimizer sees its parameters (train.py's FSDP2 sharding).
     cpu_draws: new_model's."""
     if model is None:
-        model = new_model(GPTConfig(**model_args(cfg, vocab_size)), device, weight_dtype(cfg['precision']), cpu_draws)
+        model = new_model(GPTConfig(**gpt_kwargs(cfg, vocab_size)), device, weight_dtype(cfg['precision']), cpu_draws)
     cast_model(configure_memory(model, cfg), cfg['precision']).to(device)
     if shard is not None:
         shard(model)

@@ -136,7 +136,7 @@ def cpu_checkpoint_after_one_step(cfg, path):
     x = torch.randint(cfg['vocab_size'], (2, cfg['block_size']))
     training.Trainer(cfg, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu').step()
     checkpoint.save(path, Ranks(), {'model': model, 'optimizer': optimizer, 'cycler': cycler},
-                    {'iter_num': 1, 'config': cfg, 'data': {}, 'model_args': training.model_args(cfg, cfg['vocab_size'])})
+                    {'iter_num': 1, 'config': cfg, 'data': {}, 'model_args': training.gpt_kwargs(cfg, cfg['vocab_size'])})
     return model, optimizer
 
 

@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import omgd  # noqa: E402
 import omgd_state  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from optim import MasterAdamW, configure_optimizers, param_groups  # noqa: E402
+from optim import MasterAdamW, adamw, param_groups  # noqa: E402
 
 LR, BETAS, EPS, WD = 0.01, (0.9, 0.95), 1e-8, 0.1
 SHAPES = [(6, 4), (4,), (3, 5), (5,)]  # matrices decay, vectors do not (param_groups' split)
@@ -242,11 +242,11 @@ def test_sparse_grads_refused():
 TINY = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 
 
-def test_configure_optimizers_keeps_frozen_params():
+def test_adamw_keeps_frozen_params():
     model = GPT(GPTConfig(arch='llama', **TINY))
     for p in model.blocks[1].parameters():
         p.requires_grad_(False)
-    opt = configure_optimizers(model, 0.1, 1e-3, (0.9, 0.95), 'cpu')
+    opt = adamw(model, 0.1, 1e-3, (0.9, 0.95), 'cpu')
     in_opt = {id(p) for g in opt.param_groups for p in g['params']}
     assert in_opt == {id(p) for p in model.parameters()}
     assert any(not p.requires_grad for g in opt.param_groups for p in g['params'])
