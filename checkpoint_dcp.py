@@ -156,9 +156,8 @@ class Saver:
 
     def __init__(self, out_dir, ranks, keep_last, use_async=None):
         self.out_dir, self.ranks, self.keep_last = out_dir, ranks, keep_last
-        if use_async is None:
-            use_async = ranks.enabled and hasattr(dcp, 'async_save')
-        self.use_async = use_async and ranks.enabled and hasattr(dcp, 'async_save')
+        # use_async None: in the background wherever there are ranks and the installed torch can
+        self.use_async = use_async is not False and ranks.enabled and hasattr(dcp, 'async_save')
         # DCP's collectives (plans, the index) go over their own gloo group: under async_save they
         # run in a background thread while training runs its own collectives on the default group
         self.group = dist.new_group(backend='gloo') if ranks.enabled else None

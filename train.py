@@ -221,6 +221,12 @@ def train(cfg, given_keys, ranks, device):
         try:
             mc_examples = multiple_choice.read_mc(cfg['eval_mc_path'], cfg['eval_mc_limit'])
             mc_encode = Tokenizer.from_meta(read_meta(data_dir(cfg['dataset']))).encode
+            for number, ex in enumerate(mc_examples, 1):  # text the tokenizer cannot encode: now, not at an evaluation
+                try:
+                    for text in (ex['query'], *ex['choices']):
+                        mc_encode(text)
+                except ValueError as e:
+                    raise ValueError(f"{cfg['eval_mc_path']}, example {number}: {e}") from None
         except (ValueError, RuntimeError, OSError) as e:
             raise RunError(f"eval_mc_path: {e}") from None
     vocab_size = cfg['vocab_size']
@@ -402,10 +408,7 @@ def train(cfg, given_keys, ranks, device):
             losses = trainer.evaluate(eval_batches, cfg['eval_iters'], ranks, device)
             mc = {}
             if mc_examples is not None:  # every rank alike: the same weights, the same scores
-                try:
-                    scores = multiple_choice.mc_accuracy(raw_model, mc_examples, mc_encode, device, trainer.autocast)
-                except ValueError as e:  # text the dataset's tokenizer cannot encode
-                    raise RunError(f"eval_mc_path={cfg['eval_mc_path']}: {e}") from None
+                scores = multiple_choice.mc_accuracy(raw_model, mc_examples, mc_encode, device, trainer.autocast)
                 mc = {'mc_acc': scores['acc'], 'mc_acc_norm': scores['acc_norm']}
             if master:
                 shown = f", mc acc {mc['mc_acc']:.4f}, acc_norm {mc['mc_acc_norm']:.4f}" if mc else ''

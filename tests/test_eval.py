@@ -197,6 +197,11 @@ def test_train_py_refuses_a_bad_mc_file_before_training(tmp_path):
                        f'--eval_mc_path={write_jsonl(tmp_path / "mc.jsonl", [EXAMPLES[0], "{oops"])}', expect_ok=False)
     assert_one_line_error(result, r"^error: eval_mc_path: .*mc.jsonl, line 2: not JSON")
     assert not (tmp_path / 'run' / 'ckpt.pt').exists()
+    unknown = dict(EXAMPLES[0], endings=['bow @ once.', 'run.'], label=0)  # '@' is not in shakespeare_char
+    result = run_train(f'--out_dir={tmp_path / "run"}', '--max_iters=2',
+                       f'--eval_mc_path={write_jsonl(tmp_path / "mc2.jsonl", [EXAMPLES[1], unknown])}', expect_ok=False)
+    assert_one_line_error(result, r"^error: eval_mc_path: .*mc2.jsonl, example 2: .*@")
+    assert not (tmp_path / 'run' / 'ckpt.pt').exists()
 
 
 @pytest.mark.parametrize('args, docs, pattern', [
