@@ -4,6 +4,7 @@
 # run side by side, then the speed benchmark alone on the GPU.
 #
 #   bash experiments/gpu_lease.sh LOGDIR       # logs, reports and profiles under LOGDIR
+#   bash experiments/gpu_lease.sh --verdict LOGDIR   # what failed in a lease's logs (exit 1 if anything)
 #
 # Phase 1, side by side (memory peaks are per process, so they are not disturbed; times are not taken):
 #   tests: the tests marked cuda, then the whole suite (pytest-xdist where installed);
@@ -13,6 +14,18 @@
 # Phase 2, alone: bench.py on GPT-2 124M (speed, MFU, switch cost, one profiled iteration a method).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+verdict() {  # verdict LOGDIR: the failures of a lease's paths and tests, one a line; exit status 1 if any
+    local failed
+    failed=$( (grep -E '^== .*rc=[1-9]' "$1/paths.txt" | grep -v ' SIGTERM rc='   # a run that failed
+               grep -E '^compare .*(state_keep .*state_offload|_straight .*_split): max abs diff' "$1/paths.txt"
+               grep -E '[.]log$' "$1/paths.txt"                                   # hit the recompile limit
+               grep -E '^\[[0-9]+ s\] tests .*rc=[1-9]' "$1/progress.txt") 2>/dev/null)
+    [ -z "$failed" ] && return 0
+    echo "failed on the GPU:"; echo "$failed"; return 1
+}
+if [ "${1:-}" = --verdict ]; then verdict "${2:?usage: bash experiments/gpu_lease.sh --verdict LOGDIR}"; exit; fi
+
 L=${1:?usage: bash experiments/gpu_lease.sh LOGDIR}
 PY=${PY:-python3}
 mkdir -p "$L/work" "$L/results"
@@ -194,3 +207,4 @@ wait
 stamp "phase 2, alone on the GPU: $ALONE"
 for part in $ALONE; do $part; done
 stamp "all done"
+verdict "$L"
