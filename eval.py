@@ -28,7 +28,7 @@ from contextlib import nullcontext
 
 import torch
 
-from multiple_choice import EvalError, mc_accuracy, read_mc  # noqa: F401 (EvalError: this script's errors too)
+from multiple_choice import EvalError, mc_accuracy, read_mc  # EvalError: the scoring's errors and this script's alike
 
 LM_EVAL_INSTALL = 'pip install "lm-eval[hf]"'
 MC_TASK = 'local_mc'  # the lm-eval task name of the mc file
