@@ -25,7 +25,10 @@ import os
 import numpy as np
 import torch
 
+from configurator import check_rule, one_of
 from data.tokenizer import read_meta
+
+RULES = {'sampling': one_of('rr', 'iid')}  # train.py's keys that TokenBatches reads (train_config.py checks a config with them)
 
 SCAN_LIMIT = 1 << 28  # ids check_vocab scans at start (512 MiB of uint16, about a second)
 
@@ -45,8 +48,7 @@ class TokenBatches:
 
     def __init__(self, path, block_size, batch_size, sampling='rr', seed=1337, rank=0,
                  world_size=1, prepare_hint='python data/<dataset>/prepare.py', dtype='uint16'):
-        if sampling not in ('rr', 'iid'):
-            raise ValueError(f"sampling must be 'rr' or 'iid', got {sampling!r}")
+        check_rule('sampling', sampling, RULES['sampling'])
         self.path, self.prepare_hint, self.dtype = path, prepare_hint, dtype
         self.block_size, self.batch_size, self.sampling = block_size, batch_size, sampling
         self.seed, self.rank, self.world_size = seed, rank, world_size

@@ -22,6 +22,10 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from configurator import at_least, check_rule
+
+RULES = {'loss_chunk': at_least(0, '>= 0 tokens (0: the whole micro-batch at once)')}  # train_config.py checks a config with it
+
 
 def apply(model, activation_checkpointing=False, checkpoint_sublayers=False, activation_offload=False,
           loss_chunk=0):
@@ -30,8 +34,7 @@ def apply(model, activation_checkpointing=False, checkpoint_sublayers=False, act
     head_loss, by an attribute of that instance which shadows its class's method and calls it:
     parameters, module names and the state_dict stay as they are, and DDP, FSDP2's fully_shard and a
     per-block torch.compile applied afterwards wrap an ordinary module. All off: the model's own methods."""
-    if loss_chunk < 0:
-        raise ValueError(f"loss_chunk must be >= 0 tokens (0: the whole micro-batch at once), got {loss_chunk}")
+    check_rule('loss_chunk', loss_chunk, RULES['loss_chunk'])
     for block in model.blocks:
         _shadow(block, 'forward', partial(checkpointed_forward, block, checkpoint_sublayers)
                 if activation_checkpointing else None)

@@ -93,9 +93,14 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def config_from_preset(name: str, **overrides) -> GPTConfig:
+def check_preset(name):
+    """The one check of a preset name (train.py's preset key, the benchmarks' --preset)."""
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+
+
+def config_from_preset(name: str, **overrides) -> GPTConfig:
+    check_preset(name)
     return GPTConfig(**{**PRESETS[name], **overrides})
 
 

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from configurator import above, at_least, check_rule, one_of
 from omgd_state import STATE_POLICIES, StatePolicy
 
 
@@ -43,6 +44,16 @@ METHODS = {
     'tensor_iid': Method('tensor', with_replacement=True, scaled=True),
 }
 OUTER_PARTS = ('embed', 'pos', 'norm', 'head')
+# the rule of each train.py key a cycler reads (train_config.py checks a whole config with them)
+RULES = {'omgd_gamma': at_least(1), 'omgd_period': at_least(1), 'omgd_warmup': at_least(0),
+         'omgd_ratio': above(0, upper=1), 'omgd_state': one_of(*STATE_POLICIES)}
+
+
+def check_always(parts):
+    """omgd_always's rule: a one-line ValueError for a part that is not an outer part."""
+    unknown = [part for part in parts if part not in OUTER_PARTS]
+    if unknown:
+        raise ValueError(f"unknown omgd_always part(s) {unknown}; choose from {','.join(OUTER_PARTS)}")
 
 
 @dataclass(frozen=True)
@@ -61,18 +72,11 @@ class CyclerConfig:
         """Raise a one-line ValueError for a configuration that cannot run on n_units units."""
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        if self.state not in STATE_POLICIES:
-            raise ValueError(f"unknown omgd_state {self.state!r}; choose one of {', '.join(STATE_POLICIES)}")
-        if self.period <= 0:
-            raise ValueError(f"omgd_period must be a positive number of iterations, got {self.period}")
-        if self.warmup < 0:
-            raise ValueError(f"omgd_warmup must be >= 0, got {self.warmup}")
-        if self.method == 'full':
-            return
-        if METHODS[self.method].unit == 'block' and not 0 < self.gamma <= n_units:
+        for field in ('gamma', 'period', 'warmup', 'ratio', 'state'):
+            check_rule(f'omgd_{field}', getattr(self, field), RULES[f'omgd_{field}'])
+        check_always(self.always)
+        if METHODS[self.method] and METHODS[self.method].unit == 'block' and self.gamma > n_units:
             raise ValueError(f"omgd_gamma must be in 1..{n_units} (the model's number of blocks), got {self.gamma}")
-        if METHODS[self.method].unit == 'tensor' and not 0 < self.ratio <= 1:
-            raise ValueError(f"omgd_ratio must be in (0, 1], got {self.ratio}")
 
 
 def build_cycler(model, optimizer, config):
@@ -82,9 +86,7 @@ def build_cycler(model, optimizer, config):
     parts it leaves out stay frozen for the whole run. Tensor methods cycle the outer parts
     too, so they accept only the default (every outer part of the model).
     """
-    unknown = set(config.always) - set(OUTER_PARTS)
-    if unknown:
-        raise ValueError(f"unknown omgd_always part(s) {sorted(unknown)}; choose from {', '.join(OUTER_PARTS)}")
+    config.check(len(model.blocks))
     outer = model.outer_modules()
     if METHODS.get(config.method) and METHODS[config.method].unit == 'tensor':
         if not set(outer) <= set(config.always):

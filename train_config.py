@@ -13,6 +13,8 @@ import os
 
 import torch
 
+import dataloader
+import memory
 import omgd
 from configurator import above, at_least, between, check_rule, configure, one_of
 
@@ -116,29 +118,27 @@ DEFAULTS = {k: v for k, v in dict(globals()).items()
 PRECISIONS = ('amp', 'bf16', 'bf16_master')
 GALORE_METHODS = ('galore', 'golore')  # galore.py's optimizers; every block trains
 METHOD_NAMES = (*omgd.METHODS, *GALORE_METHODS)
-ALWAYS_PARTS = omgd.OUTER_PARTS
 PTDTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
 # the rule each value follows on its own (configurator.py checks them with the types);
-# combinations are check()'s
+# combinations are check()'s. A key a library reads has its rule in that library, which checks it too
 RULES = {
     'out_dir': at_least(1, 'a non-empty path', len), 'eval_interval': at_least(1), 'log_interval': at_least(1),
     'eval_iters': at_least(1), 'sample_tokens': at_least(0), 'dataset': at_least(1, 'a non-empty name', len),
-    'sampling': one_of('rr', 'iid'), 'gradient_accumulation_steps': at_least(1), 'batch_size': at_least(1),
+    'gradient_accumulation_steps': at_least(1), 'batch_size': at_least(1),
     'block_size': at_least(1), 'arch': one_of('gpt2', 'llama'), 'n_layer': at_least(1), 'n_head': at_least(1),
     'n_kv_head': at_least(0), 'n_embd': at_least(1), 'mlp_hidden': at_least(0), 'dropout': between(0, 1),
-    'vocab_size': at_least(0), 'loss_chunk': at_least(0, '>= 0 tokens (0: the whole micro-batch at once)'), 'optimizer': one_of('adamw', 'sgd'),
+    'vocab_size': at_least(0), 'optimizer': one_of('adamw', 'sgd'),
     'learning_rate': above(0), 'max_iters': at_least(0), 'weight_decay': at_least(0),
     'beta1': between(0, 1), 'beta2': between(0, 1), 'momentum': between(0, 1),
     'grad_clip': at_least(0), 'warmup_iters': at_least(0), 'lr_decay_iters': at_least(0), 'min_lr': at_least(0),
-    'method': one_of(*METHOD_NAMES, label='method'), 'omgd_gamma': at_least(1), 'omgd_period': at_least(1),
-    'omgd_warmup': at_least(0), 'omgd_ratio': above(0, upper=1),
-    'omgd_state': one_of(*omgd.STATE_POLICIES), 'galore_rank': at_least(1),
+    'method': one_of(*METHOD_NAMES, label='method'), 'galore_rank': at_least(1),
     'galore_update_proj_gap': at_least(1), 'galore_scale': above(0),
     'golore_svd_fraction': between(0, 1, closed=True), 'precision': one_of(*PRECISIONS, label='precision'),
     'master_device': one_of('', 'cpu', described="'' (the weights' device) or 'cpu'"), 'dtype': one_of(*PTDTYPES, label='dtype'), 'backend': one_of('nccl', 'gloo'),
     'parallel': one_of('ddp', 'fsdp'), 'dist_timeout_s': at_least(1),
     'checkpoint_format': one_of('auto', 'file', 'dcp'), 'keep_last': at_least(0), 'eval_mc_limit': at_least(0), 'checkpoint_async': one_of('auto', 'yes', 'no'),
+    **omgd.RULES, **dataloader.RULES, **memory.RULES,  # the libraries' own keys, each rule written once, there
 }
 
 
@@ -162,9 +162,7 @@ def check(cfg):
         raise ValueError(f"init_from must be 'scratch', 'resume', 'auto', a GPT-2 name or a Hugging Face model directory, "
                          f"got {cfg['init_from']!r}")
     check_preset(cfg)
-    unknown = [p for p in cfg['omgd_always'].split(',') if p and p not in ALWAYS_PARTS]
-    if unknown:
-        raise ValueError(f"unknown omgd_always part(s) {unknown}; choose from {','.join(ALWAYS_PARTS)}")
+    omgd.check_always([part for part in cfg['omgd_always'].split(',') if part])
     if cfg['min_lr'] > cfg['learning_rate']:
         raise ValueError(f"min_lr={cfg['min_lr']} is above learning_rate={cfg['learning_rate']}; the schedule decays "
                          f"to min_lr: lower --min_lr")
@@ -191,13 +189,11 @@ def check(cfg):
 
 
 def check_preset(cfg):
-    """A preset sets the architecture (training.model_args): a shape key changed next to it would be
+    """A preset sets the architecture (training.gpt_kwargs): a shape key changed next to it would be
     silently ignored, so refuse it (vocab_size is the exception: the tokenizer's, it overrides)."""
-    from model import PRESETS
-    if cfg['preset'] and cfg['preset'] not in PRESETS:
-        raise ValueError(f"unknown preset {cfg['preset']!r}; choose one of {', '.join(PRESETS)}, or '' and "
-                         f"the shape keys (arch, n_layer, n_head, n_embd, ...)")
+    from model import PRESETS, check_preset as check_name
     if cfg['preset']:
+        check_name(cfg['preset'])
         preset = PRESETS[cfg['preset']]  # the keys it sets; a value equal to the preset's is consistent
         changed = [k for k in SHAPE_KEYS if k in preset and cfg[k] not in (DEFAULTS[k], preset[k])]
         if changed:

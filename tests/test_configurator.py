@@ -126,3 +126,39 @@ def test_defaults_are_data_importable_without_running_a_script():
     import train_config
     assert train_config.DEFAULTS['method'] == 'lisa_wor' and train_config.DEFAULTS['omgd_gamma'] == 2
     assert train_config.gpu_defaults()['dtype'] == 'bfloat16' and train_config.gpu_defaults()['compile'] is True
+
+
+@pytest.mark.parametrize('key, value, library_call', [
+    ('sampling', 'seq', lambda path: __import__('dataloader').TokenBatches(path, 8, 2, sampling='seq')),
+    ('loss_chunk', -1, lambda path: __import__('memory').apply(tiny_model(), loss_chunk=-1)),
+    ('omgd_period', 0, lambda path: cycler_of(period=0)),
+    ('omgd_ratio', 1.5, lambda path: cycler_of(method='tensor_iid', ratio=1.5)),
+    ('omgd_state', 'free', lambda path: cycler_of(state='free')),
+    ('omgd_always', 'embed,tail', lambda path: cycler_of(always=('embed', 'tail'))),
+    ('preset', 'gpt5', lambda path: __import__('model').config_from_preset('gpt5')),
+])
+def test_a_library_key_has_one_rule_that_the_config_and_the_library_both_apply(tmp_path, key, value, library_call):
+    """train_config checks a whole config with the rules the libraries own and apply themselves: the
+    same one-line message from `--key=value` and from the library call."""
+    import numpy as np
+    import train_config
+    path = tmp_path / 'train.bin'
+    np.arange(200, dtype=np.uint16).tofile(path)
+    with pytest.raises(ValueError) as from_config:
+        train_config.load([f'--{key}={value}', '--device=cpu'])
+    with pytest.raises(ValueError) as from_library:
+        library_call(str(path))
+    assert str(from_config.value) == str(from_library.value)
+
+
+def tiny_model():
+    from model import GPT, GPTConfig
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32))
+
+
+def cycler_of(**fields):
+    import torch
+    import omgd
+    model = tiny_model()
+    return omgd.build_cycler(model, torch.optim.AdamW(model.parameters()),
+                             omgd.CyclerConfig(**{'method': 'lisa_wor', 'gamma': 1, **fields}))

@@ -112,4 +112,4 @@ def test_bench_generate_runs_both_ways(tmp_path):
     assert lines[1].startswith('note: beyond 16 tokens both ways run the cropped window afresh')
     assert lines[2].startswith('uncached: ') and lines[3].startswith('cached: ') and lines[2].endswith(' tokens/s')
     assert lines[4].startswith('speed-up (cached / uncached tokens/s): ') and lines[4].endswith('same tokens: yes')
-    assert_one_line_error(run_script('bench_generate.py', ['--preset=gpt3']), r"unknown model preset 'gpt3'")
+    assert_one_line_error(run_script('bench_generate.py', ['--preset=gpt3']), r"unknown preset 'gpt3'")
