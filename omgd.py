@@ -243,7 +243,7 @@ class GroupSchedule:
     pool, whose leftover (< gamma blocks) is dropped by the reset. With replacement (LISA,
     i.i.d. masks) every period draws a fresh partition and uses only its first group.
     peek() tells the next group a period early (for prefetching) without changing the draws.
-    partitions_drawn: the cycle number without replacement, the period number with it (key 'cycle').
+    partitions_drawn: the cycle number without replacement, the period number with it.
     """
 
     def __init__(self, partition, replacement, generator):
@@ -270,11 +270,13 @@ class GroupSchedule:
         return self.ahead[0]
 
     def state_dict(self):
-        return {'pending': self.pending, 'cycle': self.partitions_drawn, 'rng': self.generator.get_state(),
+        return {'pending': self.pending, 'partitions_drawn': self.partitions_drawn, 'rng': self.generator.get_state(),
                 'ahead': self.ahead}  # the generator has moved past it: a resume must not redraw
 
     def load_state_dict(self, state):
-        self.pending, self.partitions_drawn = [list(g) for g in state['pending']], state['cycle']
+        # checkpoints written before 2026-11-26 name the count 'cycle'
+        drawn = state['partitions_drawn'] if 'partitions_drawn' in state else state['cycle']
+        self.pending, self.partitions_drawn = [list(g) for g in state['pending']], drawn
         self.ahead = [list(g) for g in state['ahead']] if state.get('ahead') else None  # older: absent
         self.generator.set_state(state['rng'])
 

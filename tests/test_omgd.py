@@ -352,7 +352,26 @@ def test_state_dict_round_trip_after_the_pre_draw_resumes_bitwise(method):
     resumed[1].load_state_dict(checkpoint['opt'])
     resumed[2].load_state_dict(checkpoint['cycler'])
     run_cycling(*resumed, range(6, 16))
-    assert resumed[2].state_dict()['schedule']['cycle'] == straight[2].state_dict()['schedule']['cycle']
+    assert (resumed[2].state_dict()['schedule']['partitions_drawn'] ==
+            straight[2].state_dict()['schedule']['partitions_drawn'])
+    assert_same_training(straight[:2], resumed[:2])
+
+
+def test_a_cycler_state_written_with_the_old_key_cycle_resumes_the_same():
+    """Checkpoints written before the schedule's count was saved as 'partitions_drawn' name it 'cycle'."""
+    straight = make_cycling('lisa_wor', 'drop')
+    run_cycling(*straight, range(16))
+    first = make_cycling('lisa_wor', 'drop')
+    run_cycling(*first, range(7))
+    state = first[2].state_dict()
+    state['schedule']['cycle'] = state['schedule'].pop('partitions_drawn')
+    resumed = make_cycling('lisa_wor', 'drop')
+    resumed[0].load_state_dict(first[0].state_dict())
+    resumed[1].load_state_dict(first[1].state_dict())
+    resumed[2].load_state_dict(state)
+    assert resumed[2].schedule.partitions_drawn == first[2].schedule.partitions_drawn > 0
+    run_cycling(*resumed, range(7, 16))
+    assert resumed[2].describe() == straight[2].describe()
     assert_same_training(straight[:2], resumed[:2])
 
 
