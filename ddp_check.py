@@ -8,7 +8,7 @@ switch, whether gradients and optimizer state exist exactly for the active param
 much it communicated: DDP's bucket all-reduces and FSDP2's reduce-scatters are replaced by
 counting versions of the same collectives. Every rank compares all reports.
 
-distributed.Replicas owns a Checker when the flag is set; nothing here runs otherwise.
+train.py hands the Trainer a RankCheck as its observer when the flag is set; nothing here runs otherwise.
 """
 import hashlib
 import math
@@ -154,14 +154,23 @@ class CheckFailed(RuntimeError):
 
 
 class RankCheck:
-    """The Trainer's observer for `--ddp_check=True`: after every optimizer step, gradients still in
-    place, run the Checker that `replicas` owns; raise CheckFailed, on every rank alike, when a
-    report differs. `summary` holds the last step's one-line summary."""
+    """The Trainer's observer for `--ddp_check=True`: after each rebuild of `replicas`
+    (distributed.Replicas) it starts counting the new wrapper's communication and snapshots the
+    frozen weights; after every optimizer step, gradients still in place, it runs the checks and
+    raises CheckFailed, on every rank alike, when a report differs. `summary` holds the last step's
+    one-line summary."""
 
-    def __init__(self, replicas):
-        self.replicas, self.summary = replicas, None
+    def __init__(self, replicas, fsdp_units=None):
+        self.replicas, self.summary, self.switches_seen = replicas, None, 0
+        self.checker = Checker(replicas.ranks, replicas.raw_model, fsdp_units)
+
+    def after_switch(self, trainer, switched):
+        if self.replicas.switches != self.switches_seen:  # the replicas were rebuilt for this iteration
+            self.switches_seen = self.replicas.switches
+            self.checker.on_switch(self.replicas.wrapper, self.replicas.old_wrapper, self.replicas.wrapper_in_gc_cycle)
 
     def before_zero_grad(self, trainer):
-        problems, self.summary = self.replicas.check(trainer.optimizer, trainer.cycler, trainer.cfg['omgd_state'])
+        problems, self.summary = self.checker.check(self.replicas.wrapper, trainer.optimizer, trainer.cycler,
+                                                    trainer.cfg['omgd_state'])
         if problems:
             raise CheckFailed('; '.join(problems))

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import ddp_check
 
 
 @dataclass
@@ -308,16 +307,13 @@ class Replicas:
 
     on_switch(): at the first iteration and after every switch, before the next forward.
     sync(last): gradient sync on the last micro-step only; earlier ones accumulate locally.
-    check(...): `--ddp_check=True`'s invariants (DDP or FSDP), after the optimizer step."""
+    switches, old_wrapper, wrapper_in_gc_cycle: what the last on_switch did (ddp_check reads them)."""
 
-    def __init__(self, raw_model, ranks, device_type, fsdp, check):
+    def __init__(self, raw_model, ranks, device_type, fsdp):
         self.raw_model, self.ranks, self.device_type, self.fsdp = raw_model, ranks, device_type, fsdp
         self.model = None
         self.rebuild_ms = None  # the last DDP rebuild
-        self.old_wrapper, self.wrapper_in_gc_cycle = None, False
-        self.checker = None  # ddp_check's state, with `check`
-        if check:
-            self.checker = ddp_check.Checker(ranks, raw_model, fsdp_units(raw_model) if fsdp else None)
+        self.switches, self.old_wrapper, self.wrapper_in_gc_cycle = 0, None, False
 
     def on_switch(self):
         self.old_wrapper, self.wrapper_in_gc_cycle = None, False
@@ -337,8 +333,7 @@ class Replicas:
             # the first wrapper broadcasts rank 0's weights
             self.model = wrap_ddp(self.raw_model, self.ranks, self.device_type, init_sync=self.old_wrapper is None)
             self.rebuild_ms = (time.time() - t) * 1000
-        if self.checker is not None:
-            self.checker.on_switch(self._wrapper(), self.old_wrapper, self.wrapper_in_gc_cycle)
+        self.switches += 1
 
     def sync(self, last):
         if self.fsdp:
@@ -346,10 +341,7 @@ class Replicas:
         else:
             self.model.require_backward_grad_sync = last
 
-    def check(self, optimizer, cycler, state_policy):
-        """(problems, summary) of ddp_check for this step."""
-        return self.checker.check(self._wrapper(), optimizer, cycler, state_policy)
-
-    def _wrapper(self):
+    @property
+    def wrapper(self):
         """The DDP wrapper, or None (one process, or FSDP, where the model itself is sharded)."""
         return self.model if self.ranks.enabled and not self.fsdp else None

@@ -300,9 +300,9 @@ def train(cfg, given_keys, ranks, device):
 
     # under torchrun the DDP wrapper is rebuilt over the active parameters after every switch
     # (distributed.Replicas), FSDP reshards; one process trains the model as it is
-    replicas = distributed.Replicas(raw_model, ranks, device_type, fsdp, cfg['ddp_check']) \
-        if ranks.enabled or cfg['ddp_check'] else None
-    observer = ddp_check.RankCheck(replicas) if cfg['ddp_check'] else None
+    replicas = distributed.Replicas(raw_model, ranks, device_type, fsdp) if ranks.enabled or cfg['ddp_check'] else None
+    observer = ddp_check.RankCheck(replicas, distributed.fsdp_units(raw_model) if fsdp else None) \
+        if cfg['ddp_check'] else None
     trainer = training.Trainer(cfg, raw_model, optimizer, cycler, train_batches.iterate(device), device_type,
                                cfg['gradient_accumulation_steps'] // world_size, replicas, observer=observer)
     trainer.iter_num = iter_num
