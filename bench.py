@@ -45,8 +45,8 @@ import time
 
 import torch
 
-import memory
-import memory_tools
+import memory_options
+import memory_estimate
 import train_config
 import training
 from configurator import ConfigError, at_least, configure
@@ -63,12 +63,12 @@ class MethodRun:
 
     def __init__(self, cfg, device):
         self.cfg, self.device = cfg, device
-        self.label = memory_tools.precision_label(cfg['precision'], cfg['master_device'])
+        self.label = memory_estimate.precision_label(cfg['precision'], cfg['master_device'])
         torch.manual_seed(cfg['seed'])
-        self.net, self.opt, self.cycler = memory_tools.build(cfg, device)
+        self.net, self.opt, self.cycler = memory_estimate.build(cfg, device)
         self.n_params = sum(p.numel() for p in self.net.parameters())
         if cfg['compile']:
-            memory.compile_blocks(self.net, cfg['method'])  # train.py's regional compilation
+            memory_options.compile_blocks(self.net, cfg['method'])  # train.py's regional compilation
         gen = torch.Generator().manual_seed(cfg['seed'])
         vocab = self.net.config.vocab_size
         x = torch.randint(0, vocab, (cfg['batch_size'], cfg['block_size']), generator=gen).to(device)
@@ -106,7 +106,7 @@ class MethodRun:
         with open(path, 'w') as f:
             f.write(prof.key_averages().table(sort_by=key, row_limit=30) + '\n')
 
-    def row(self, peak_flops, memory):
+    def row(self, peak_flops, with_memory):
         # the median iteration: robust to the odd slow step (a switch, another process on the machine)
         dt = statistics.median(self.times)
         row = dict(method=self.cfg['method'], precision=self.label, ms=1000 * dt,
@@ -115,7 +115,7 @@ class MethodRun:
                    peak_gib=None, reserved_gib=None, n_params=self.n_params,
                    flops_per_token=statistics.mean(self.flops),
                    switch_ms=1000 * statistics.mean(self.switch_times) if self.switch_times else None)
-        if memory:
+        if with_memory:
             row['peak_gib'] = torch.cuda.max_memory_allocated(self.device) / 2**30
             row['reserved_gib'] = torch.cuda.max_memory_reserved(self.device) / 2**30
         return row
@@ -136,7 +136,7 @@ def bench(row_cfgs, device):
         if cfg['profile']:
             for run in runs:
                 run.profile(total, f"{cfg['profile']}_{run.cfg['method']}_{run.label}.txt")
-        return [run.row(peak_flops, memory=False) for run in runs]
+        return [run.row(peak_flops, with_memory=False) for run in runs]
     rows = []
     for row_cfg in row_cfgs:
         run = MethodRun(row_cfg, device)
@@ -144,7 +144,7 @@ def bench(row_cfgs, device):
             if it == cfg['warmup_steps'] and cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             run.step(it, timed=it >= cfg['warmup_steps'])
-        rows.append(run.row(peak_flops, memory=cuda))
+        rows.append(run.row(peak_flops, with_memory=cuda))
         if cfg['profile']:  # after the timing and the memory peak, so neither includes the profiler
             run.profile(total, f"{cfg['profile']}_{run.cfg['method']}_{run.label}.txt")
         r = rows[-1]
@@ -170,7 +170,7 @@ def markdown(cfg, rows, device, config, argv):
         amp = f" (amp: {cfg['dtype']} autocast)" if device.type == 'cuda' and cfg['dtype'] != 'float32' else \
             " (amp: fp32 compute)"
     out = [f"Machine: {describe_machine(device)}",
-           f"Model: {memory_tools.model_name(cfg)} ({config.arch}, {config.n_layer} blocks, n_embd {config.n_embd}, "
+           f"Model: {memory_estimate.model_name(cfg)} ({config.arch}, {config.n_layer} blocks, n_embd {config.n_embd}, "
            f"vocab {config.vocab_size}, {n_params / 1e6:.1f}M parameters); batch {cfg['batch_size']} x "
            f"{cfg['block_size']} tokens x {cfg['gradient_accumulation_steps']} micro-batches; "
            f"precision {', '.join(dict.fromkeys(r['precision'] for r in rows))}{amp}; "
@@ -197,11 +197,11 @@ def markdown(cfg, rows, device, config, argv):
 
 def check(cfg):
     """One-line ValueErrors for bad input; returns (device, row configs, GPTConfig)."""
-    device = memory_tools.resolve_device(cfg['device'], ('cuda', 'cpu'), without_cuda='cpu')
+    device = memory_estimate.resolve_device(cfg['device'], ('cuda', 'cpu'), without_cuda='cpu')
     train_config.check_preset(cfg)
-    config = memory_tools.model_config(cfg)
-    memory_tools.check_fits(config, device, training.weight_dtype(cfg['precision']).itemsize)  # before a row allocates it
-    return device, memory_tools.row_configs(cfg), config
+    config = memory_estimate.model_config(cfg)
+    memory_estimate.check_fits(config, device, training.weight_dtype(cfg['precision']).itemsize)  # before a row allocates it
+    return device, memory_estimate.row_configs(cfg), config
 
 
 def main(argv):

@@ -36,7 +36,7 @@ accumulation steps, activation checkpointing, 2 of 32 blocks plus embedding, fin
 GaLore/GoLore rank 128 on every attention and MLP matrix, projectors not counted as optimizer
 state) with LLaMA's vocabulary 32000 instead of the config's GPT-2 50304.
 
-For every row, memory_tools.measure: training.build (the model is constructed directly on the device, on meta without
+For every row, memory_estimate.measure: training.build (the model is constructed directly on the device, on meta without
 memory), then train.py's iteration, training.Trainer.step (switch, prefetch, step).
 Iteration 0 (one micro-batch) is the warm-up: the switch freezes the other blocks and the step
 creates the optimizer state (and GaLore's projectors). Under omgd_state='keep' the warm-up runs
@@ -58,13 +58,13 @@ Where it runs (--device):
   meta (auto without a GPU): an ESTIMATE, labelled so in every output. The same code runs on
         meta tensors (shapes and dtypes, no data, no memory). Weights, gradients and optimizer
         state are still exact: the real optimizer step runs on meta tensors and allocates its
-        real state. The peak is memory_tools.LiveBytes' count of live tensor bytes over the
+        real state. The peak is memory_estimate.LiveBytes' count of live tensor bytes over the
         measured iteration; "others" = that peak minus weights, grads and state. The forward
-        and backward run under memory_tools.MetaAsCuda (GPU attention kernels, CUDA autocast
+        and backward run under memory_estimate.MetaAsCuda (GPU attention kernels, CUDA autocast
         for precision=amp): it is train_step's autocast, and its backward() is train_step's
         backward hook. master_device='cpu' and activation_offload=True are emulated: masters,
         moments and offloaded activations stay on the one device, marked as host memory.
-        Eager only (compile is ignored), no loss scaling, no reserved figure; memory_tools.py
+        Eager only (compile is ignored), no loss scaling, no reserved figure; memory_estimate.py
         lists what is not modelled.
   cpu:  runs for real on the CPU, as train.py on a CPU (fp32 compute), counted by LiveBytes
         (for tests of the non-meta code path).
@@ -81,7 +81,7 @@ import torch
 import train_config
 import training
 from configurator import ConfigError, at_least, check_rule, configure
-from memory_tools import check_fits, measure, model_config, model_name, precision_label, resolve_device, row_configs
+from memory_estimate import check_fits, measure, model_config, model_name, precision_label, resolve_device, row_configs
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -131,7 +131,7 @@ def notes_for(cfg, device, estimate, n_params, precisions):
                if device.type == 'meta' else "the CPU's own kernels, fp32 compute as train.py on a CPU")
         lines.append(f"ESTIMATE on the {device.type} device, not a GPU measurement. Weights, gradients and "
                      "optimizer state are exact tensor bytes; Others = the peak of live tensor bytes counted op "
-                     f"by op (memory_tools.LiveBytes; {how}) minus those three. Allocator "
+                     f"by op (memory_estimate.LiveBytes; {how}) minus those three. Allocator "
                      "rounding/fragmentation, cuBLAS workspaces and the CUDA context are not included; no "
                      "reserved figure.")
     else:

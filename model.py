@@ -10,7 +10,7 @@ The layout is what layer cycling (OMGD / LISA-wor) relies on: the transformer
 blocks live in `model.blocks` so a sampler can freeze/unfreeze them by index,
 and everything outside the blocks is reachable through `model.outer_modules()`.
 The memory options (activation checkpointing, offload, chunked loss) are applied from outside
-by memory.apply; optimizers are built in optim.py. generate() keeps the keys and values of past
+by memory_options.apply; optimizers are built in optim.py. generate() keeps the keys and values of past
 positions in a KVCache, so each step runs the model on the new token only.
 
 References:
@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from memory import Linear  # nn.Linear that keeps no low-precision copy of a frozen weight (autocast)
+from memory_options import Linear  # nn.Linear that keeps no low-precision copy of a frozen weight (autocast)
 
 
 @dataclass
@@ -246,7 +246,7 @@ def make_norm(config):
 
 class Block(nn.Module):
     """A pre-norm residual block, x + attention(norm(x)) then x + mlp(norm(x)), with the parts of
-    config.arch. The two halves are methods of their own (memory.py can recompute them apart)."""
+    config.arch. The two halves are methods of their own (memory_options.py can recompute them apart)."""
 
     def __init__(self, config):
         super().__init__()
@@ -396,14 +396,14 @@ class GPT(nn.Module):
         if cache is None:
             for block in self.blocks:
                 x = block(x, rope)
-        else:  # the blocks' halves, called directly: a block's forward may be wrapped for training (memory.py)
+        else:  # the blocks' halves, called directly: a block's forward may be wrapped for training (memory_options.py)
             for block, layer_cache in zip(self.blocks, cache.layers):
                 x = block.mlp_part(block.attention_part(x, rope, layer_cache))
         return self.ln_f(x)
 
     def head_loss(self, x, targets):
         """Mean cross-entropy of the head on hidden states x against targets (-1 = ignored).
-        memory.apply's loss_chunk computes it a chunk of tokens at a time."""
+        memory_options.apply's loss_chunk computes it a chunk of tokens at a time."""
         x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
         # in fp32 also for bf16 weights: a bf16 loss is rounded to 3 significant digits
         return F.cross_entropy(self.lm_head(x).float(), targets, ignore_index=-1)

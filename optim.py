@@ -266,7 +266,7 @@ class MasterAdamW(MasterWeights, torch.optim.Optimizer):
     master is rounded into the parameter. master_device: None or the parameters' device type
     (e.g. 'cuda': on each parameter's own device) or 'cpu' (the update runs on the CPU; pinned
     memory for CUDA parameters). host_scope: a context manager entered around the state's
-    allocation and arithmetic (memory_tools.LiveBytes marks those tensors as host memory when
+    allocation and arithmetic (memory_estimate.LiveBytes marks those tensors as host memory when
     it emulates offloading on a single device).
     The update runs one parameter at a time (adamw_step_, torch's AdamW(foreach=False)): one widened
     fp32 gradient exists at a time. foreach=True runs adamw_foreach_ instead, FOREACH_BYTES of widened

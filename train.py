@@ -37,10 +37,10 @@ import train_config
 import training
 from configurator import ConfigError, format_config, wants_help
 from dataloader import check_vocab, data_dir, dataset_vocab, open_splits, prepare_if_embedded
-import memory
+import memory_options
 import multiple_choice
 from data.tokenizer import Tokenizer, read_meta
-from memory_tools import check_fits, estimate_iteration
+from memory_estimate import check_fits, estimate_iteration
 from model import GPTConfig
 
 
@@ -294,9 +294,9 @@ def train(cfg, given_keys, ranks, device):
         print(cycler.cycle_note())
     torch.manual_seed(cfg['seed'] + ranks.rank)  # from here on (dropout) each rank draws its own random numbers
     if cfg['compile']:
-        # Regional compilation (memory.py): one graph per block, which sees two requires_grad patterns
+        # Regional compilation (memory_options.py): one graph per block, which sees two requires_grad patterns
         # (trainable or frozen); a whole-model compile recompiles for every pattern and gives up after 8
-        memory.compile_blocks(raw_model, cfg['method'])
+        memory_options.compile_blocks(raw_model, cfg['method'])
 
     # under torchrun the DDP wrapper is rebuilt over the active parameters after every switch
     # (distributed.Replicas), FSDP reshards; one process trains the model as it is

@@ -14,7 +14,7 @@ import os
 import torch
 
 import dataloader
-import memory
+import memory_options
 import omgd
 from configurator import above, at_least, between, check_rule, configure, one_of
 
@@ -138,7 +138,7 @@ RULES = {
     'master_device': one_of('', 'cpu', described="'' (the weights' device) or 'cpu'"), 'dtype': one_of(*PTDTYPES, label='dtype'), 'backend': one_of('nccl', 'gloo'),
     'parallel': one_of('ddp', 'fsdp'), 'dist_timeout_s': at_least(1),
     'checkpoint_format': one_of('auto', 'file', 'dcp'), 'keep_last': at_least(0), 'eval_mc_limit': at_least(0), 'checkpoint_async': one_of('auto', 'yes', 'no'),
-    **omgd.RULES, **dataloader.RULES, **memory.RULES,  # the libraries' own keys, each rule written once, there
+    **omgd.RULES, **dataloader.RULES, **memory_options.RULES,  # the libraries' own keys, each rule written once, there
 }
 
 

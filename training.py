@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import galore
-import memory
+import memory_options
 import omgd
 from model import GPT, GPTConfig, PRESETS
 from optim import MasterAdamW, adamw, param_groups
@@ -92,8 +92,8 @@ def new_model(config, device, dtype=torch.float32, cpu_draws=True):
 
 
 def configure_memory(model, cfg):
-    """The model's activation-memory options (memory.py): checkpointing, offload to the host, chunked loss."""
-    return memory.apply(model, activation_checkpointing=cfg['activation_checkpointing'],
+    """The model's activation-memory options (memory_options.py): checkpointing, offload to the host, chunked loss."""
+    return memory_options.apply(model, activation_checkpointing=cfg['activation_checkpointing'],
                         checkpoint_sublayers=cfg['checkpoint_sublayers'],
                         activation_offload=cfg['activation_offload'], loss_chunk=cfg['loss_chunk'])
 

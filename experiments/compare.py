@@ -121,8 +121,8 @@ def train_config(method, args):
 def model_config(args):
     """The GPTConfig train.py builds for these flags (a bad --train_arg key or model shape raises a
     one-line ValueError)."""
-    import memory_tools
-    return memory_tools.model_config(train_config('full', args)[0])
+    import memory_estimate
+    return memory_estimate.model_config(train_config('full', args)[0])
 
 
 def measure_memory(method, args):

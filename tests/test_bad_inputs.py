@@ -307,7 +307,7 @@ def test_stale_temporary_files_of_an_interrupted_save_are_removed(trained, tmp_p
 def test_a_model_that_cannot_fit_is_refused_before_it_is_allocated(monkeypatch):
     """Weights over the free memory: refused at once; over a quarter of it: refused when the
     iteration's estimate (bench_memory on meta) exceeds it; small: no estimate is run."""
-    import memory_tools
+    import memory_estimate
     from model import GPTConfig
     config = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=1000)
     from model import GPT
@@ -315,15 +315,15 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_allocated(monkeypatch):
     with torch.device('meta'):
         n = sum(p.numel() for p in GPT(config).parameters())
     calls = []
-    monkeypatch.setattr(memory_tools, 'available_bytes', lambda device: 3 * n)  # 4n bytes of weights do not fit
+    monkeypatch.setattr(memory_estimate, 'available_bytes', lambda device: 3 * n)  # 4n bytes of weights do not fit
     with pytest.raises(ValueError, match=r'GiB of weights \(4 bytes each\)'):
-        memory_tools.check_fits(config, 'cpu', 4, lambda: calls.append(1) or 0)
+        memory_estimate.check_fits(config, 'cpu', 4, lambda: calls.append(1) or 0)
     assert not calls
-    monkeypatch.setattr(memory_tools, 'available_bytes', lambda device: 8 * n)  # fit, but over a quarter
+    monkeypatch.setattr(memory_estimate, 'available_bytes', lambda device: 8 * n)  # fit, but over a quarter
     with pytest.raises(ValueError, match=r'an iteration needs about .* GiB \(meta-device estimate\)'):
-        memory_tools.check_fits(config, 'cpu', 4, lambda: calls.append(1) or 9 * n)
+        memory_estimate.check_fits(config, 'cpu', 4, lambda: calls.append(1) or 9 * n)
     assert calls == [1]
-    memory_tools.check_fits(config, 'cpu', 4, lambda: calls.append(1) or 7 * n)  # the estimate fits
-    monkeypatch.setattr(memory_tools, 'available_bytes', lambda device: 100 * n)
-    memory_tools.check_fits(config, 'cpu', 4, lambda: calls.append(1) or 1000 * n)  # small: no estimate asked
+    memory_estimate.check_fits(config, 'cpu', 4, lambda: calls.append(1) or 7 * n)  # the estimate fits
+    monkeypatch.setattr(memory_estimate, 'available_bytes', lambda device: 100 * n)
+    memory_estimate.check_fits(config, 'cpu', 4, lambda: calls.append(1) or 1000 * n)  # small: no estimate asked
     assert calls == [1, 1]

@@ -9,7 +9,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import bench_memory  # noqa: E402
-import memory_tools  # noqa: E402
+import memory_estimate  # noqa: E402
 
 GIB = 2 ** 30
 
@@ -54,7 +54,7 @@ def test_meta_and_cpu_agree_on_exact_bytes():
         for key in ('params', 'grads', 'optimizer', 'cpu_state', 'projectors'):
             assert m[key] == c[key], (m['method'], m['precision'], key)
         assert m['others'] > 0 and c['others'] > 0
-    rows = {(r['method'], memory_tools.precision_label(r['precision'], r['master_device'])): r for r in meta}
+    rows = {(r['method'], memory_estimate.precision_label(r['precision'], r['master_device'])): r for r in meta}
     plain, master, offload = (rows['lisa_wor', p] for p in ('bf16', 'bf16_master', 'bf16_master:cpu'))
     assert plain['grads'] < rows['full', 'bf16']['grads']
     # fp32 master + 2 fp32 moments (12 bytes) instead of 2 bf16 moments (4 bytes) per trainable parameter
@@ -67,7 +67,7 @@ def test_cpu_build_keeps_gpt2_head_tied_to_embedding():
     from model import GPT
     cfg = config(**dict(SMALL, arch='gpt2', methods='full', micro_batches=1))
     rows = {device: bench_memory.run(config(**{**cfg, 'device': device}))['rows'][0] for device in ('meta', 'cpu')}
-    n_params = sum(p.numel() for p in GPT(memory_tools.model_config(cfg)).parameters())
+    n_params = sum(p.numel() for p in GPT(memory_estimate.model_config(cfg)).parameters())
     assert rows['meta']['n_params'] == rows['cpu']['n_params'] == n_params
     assert all(rows['meta'][k] == rows['cpu'][k] for k in ('params', 'grads', 'optimizer'))
 
@@ -75,12 +75,12 @@ def test_cpu_build_keeps_gpt2_head_tied_to_embedding():
 def test_train_py_memory_keys_reach_the_measurement():
     """Keys that training.build applies change the estimate with no code here: loss_chunk, and
     activation_offload, whose host copies the meta device emulates (and the emulation is undone)."""
-    import memory
-    to_host = memory.OffloadActivations.__dict__['to_host']
+    import memory_options
+    to_host = memory_options.OffloadActivations.__dict__['to_host']
     others = {name: bench_memory.run(config(**SMALL, device='meta', methods='lisa_wor', **kw))['rows'][0]['others']
               for name, kw in dict(plain={}, offload=dict(activation_offload=True), chunk=dict(loss_chunk=8)).items()}
     assert others['offload'] < others['plain'] and others['chunk'] < others['plain'], others
-    assert memory.OffloadActivations.__dict__['to_host'] is to_host
+    assert memory_options.OffloadActivations.__dict__['to_host'] is to_host
 
 
 def test_vocabulary_as_train_py_reads_it(tmp_path):
@@ -91,11 +91,11 @@ def test_vocabulary_as_train_py_reads_it(tmp_path):
     with open(tmp_path / 'meta.pkl', 'wb') as f:
         pickle.dump({'vocab_size': 77}, f)
     prepared = {**SMALL, 'dataset': str(tmp_path), 'vocab_size': 0}
-    vocab = lambda **kw: memory_tools.model_config(config(**kw)).vocab_size  # noqa: E731
+    vocab = lambda **kw: memory_estimate.model_config(config(**kw)).vocab_size  # noqa: E731
     assert vocab(**prepared) == 77 and vocab(**{**prepared, 'vocab_size': 512}) == 512
     assert vocab(dataset='no_such_dataset') == 50304 and vocab(dataset='no_such_dataset', preset='llama-60m') == 32000
     row = bench_memory.run(config(**prepared, device='meta', methods='full'))['rows'][0]
-    assert row['n_params'] == sum(p.numel() for p in GPT(memory_tools.model_config(config(**prepared))).parameters())
+    assert row['n_params'] == sum(p.numel() for p in GPT(memory_estimate.model_config(config(**prepared))).parameters())
 
 
 def test_defaults_are_train_py_keys():
@@ -113,7 +113,7 @@ def test_defaults_are_train_py_keys():
 
 
 def test_live_bytes_counts_storages_once_and_frees():
-    tracker = memory_tools.LiveBytes('meta')
+    tracker = memory_estimate.LiveBytes('meta')
     with tracker:
         a = torch.empty(1000, device='meta')  # 4000 bytes
         view = a[:10]
@@ -128,9 +128,9 @@ def test_live_bytes_counts_storages_once_and_frees():
 
 def test_attention_saves_no_t_by_t_matrix():
     q = torch.empty(1, 4, 1024, 16, device='meta', dtype=torch.bfloat16, requires_grad=True)
-    tracker = memory_tools.LiveBytes('meta')
+    tracker = memory_estimate.LiveBytes('meta')
     tracker.add(q)
-    with tracker, memory_tools.MetaAsCuda():
+    with tracker, memory_estimate.MetaAsCuda():
         out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert out.shape == q.shape
     assert tracker.peak < 4 * 1024 * 1024 * 2 / 4  # far below one T x T score matrix per head
@@ -178,7 +178,7 @@ def test_bench_script_runs(tmp_path):
     assert all(v > 0 for v in speeds.values()), speeds
     from model import GPT
     cfg = config(arch='llama', n_layer=2, n_embd=64, vocab_size=512)
-    n_params = sum(p.numel() for p in GPT(memory_tools.model_config(cfg)).parameters())
+    n_params = sum(p.numel() for p in GPT(memory_estimate.model_config(cfg)).parameters())
     assert f"{n_params / 1e6:.1f}M parameters" in text
 
 

@@ -11,7 +11,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, 'experiments'))
 import bench  # noqa: E402
 import bench_memory  # noqa: E402
-import memory_tools  # noqa: E402
+import memory_estimate  # noqa: E402
 import compare  # noqa: E402
 import train_config  # noqa: E402
 import training  # noqa: E402
@@ -38,7 +38,7 @@ def run_bench_memory(scale_after_clip):
     cfg = configure(bench_memory.DEFAULTS, [*SMALL, '--device=cpu', '--micro_batches=2',
                                             f'--omgd_scale_after_clip={scale_after_clip}'])
     device, rows = bench_memory.check(cfg)
-    memory_tools.measure(rows[0], device)
+    memory_estimate.measure(rows[0], device)
 
 
 def run_bench(scale_after_clip):
@@ -80,7 +80,7 @@ def test_llama7b_config_trains_one_step_on_meta(steps):
         {k: train_cfg[k] for k in train_cfg if k not in ('device', 'dtype', 'compile', 'backend')}
     device, rows = bench_memory.check(cfg)
     assert len(rows) == 1 and (rows[0]['method'], rows[0]['precision']) == ('lisa_wor', 'bf16')
-    row = memory_tools.measure(rows[0], device)
+    row = memory_estimate.measure(rows[0], device)
     # warm-up (iteration 0, one micro-batch) and the measured iteration, with the config's clipping and order
     assert steps == [dict(grad_accum=1, grad_clip=1.0, scale_after_clip=True)] * 2
     V, d, h, L = 50304, 4096, 11008, 32  # the config's vocabulary; llama-7b's width, MLP and depth

@@ -101,17 +101,17 @@ APIS = [
     ('torch.distributed.checkpoint.state_dict', 'set_optimizer_state_dict'),
     ('torch.distributed.checkpoint.state_dict', 'StateDictOptions'),
     ('torch.distributed.algorithms.ddp_comm_hooks.default_hooks', 'allreduce_hook'),  # ddp_check
-    ('torch.compiler', 'disable'),  # memory.compile_blocks
-    ('torch.compiler', 'assume_constant_result'),  # memory.autocast_dtype
-    ('torch.amp', 'is_autocast_available'),  # memory.Linear, ChunkedLinearCE
+    ('torch.compiler', 'disable'),  # memory_options.compile_blocks
+    ('torch.compiler', 'assume_constant_result'),  # memory_options.autocast_dtype
+    ('torch.amp', 'is_autocast_available'),  # memory_options.Linear, ChunkedLinearCE
     ('torch', 'get_autocast_dtype'),
     ('torch.nn', 'RMSNorm'),  # model.py (LLaMA)
-    ('torch.nn.functional', 'rms_norm'),  # memory_tools.MetaAsCuda
-    ('torch.nn.Module', 'compile'),  # memory.compile_blocks
-    ('torch.autograd.graph', '_engine_run_backward'),  # memory_tools.MetaAsCuda.backward
-    ('torch.autograd.graph', 'saved_tensors_hooks'),  # memory.OffloadActivations
-    ('torch.utils._python_dispatch', 'TorchDispatchMode'),  # memory_tools.LiveBytes, training.RandomOnCPU
-    ('torch.overrides', 'TorchFunctionMode'),  # memory_tools.MetaAsCuda
+    ('torch.nn.functional', 'rms_norm'),  # memory_estimate.MetaAsCuda
+    ('torch.nn.Module', 'compile'),  # memory_options.compile_blocks
+    ('torch.autograd.graph', '_engine_run_backward'),  # memory_estimate.MetaAsCuda.backward
+    ('torch.autograd.graph', 'saved_tensors_hooks'),  # memory_options.OffloadActivations
+    ('torch.utils._python_dispatch', 'TorchDispatchMode'),  # memory_estimate.LiveBytes, training.RandomOnCPU
+    ('torch.overrides', 'TorchFunctionMode'),  # memory_estimate.MetaAsCuda
     ('torch._dynamo.config', 'recompile_limit'),  # tests/test_compile.py
     ('torch._dynamo.config', 'fail_on_recompile_limit_hit'),
 ]

@@ -1,10 +1,10 @@
-"""memory.compile_blocks (compile=True): per-block compilation whose graphs do not multiply with layer
+"""memory_options.compile_blocks (compile=True): per-block compilation whose graphs do not multiply with layer
 cycling's requires_grad patterns, for every method, and that computes what eager mode computes.
 CPU, dynamo with the aot_eager backend (its guards, and so its recompiles, do not depend on the backend)."""
 import pytest
 import torch
 
-import memory
+import memory_options
 import omgd
 from model import GPT, GPTConfig
 from train_config import GALORE_METHODS
@@ -33,7 +33,7 @@ def train(method, arch, compiled, iters):
                                **({'gamma': 2} if kind and kind.unit == 'block' else {}))
     cycler = omgd.build_cycler(model, opt, config)
     if compiled:
-        memory.compile_blocks(model, method, backend='aot_eager')
+        memory_options.compile_blocks(model, method, backend='aot_eager')
     grads = []
     for it in range(iters):
         cycler.step(it)

@@ -1,5 +1,5 @@
 """GPT.generate with a KV cache (model.KVCache): the tokens of the uncached loop, for GPT-2 and LLaMA
-(grouped-query attention included), across the block_size crop, under memory.py's wrappers."""
+(grouped-query attention included), across the block_size crop, under memory_options.py's wrappers."""
 import pytest
 import torch
 
@@ -86,15 +86,15 @@ def test_sampling_draws_the_same_tokens(name):
 
 
 def test_long_prompt_and_memory_wrappers():
-    """A prompt longer than block_size crops as before; memory.py's wrapped forwards leave the cache alone."""
-    import memory
+    """A prompt longer than block_size crops as before; memory_options.py's wrapped forwards leave the cache alone."""
+    import memory_options
     model = tiny('llama-gqa')
     long_prompt = prompt(model, t=20)
     assert torch.equal(model.generate(long_prompt, 6, top_k=1),
                        model.generate(long_prompt, 6, top_k=1, use_cache=False))
     idx = prompt(model)
     expected = model.generate(idx, 20, top_k=1, use_cache=False)
-    memory.apply(model, activation_checkpointing=True, checkpoint_sublayers=True, activation_offload=True,
+    memory_options.apply(model, activation_checkpointing=True, checkpoint_sublayers=True, activation_offload=True,
                  loss_chunk=4)
     assert torch.equal(model.generate(idx, 20, top_k=1), expected)
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import checkpoint
-import memory
-import memory_tools
+import memory_options
+import memory_estimate
 import training
 from conftest import assert_same_state, cpu_checkpoint_after_one_step, load, run_train, train_defaults
 from distributed import Ranks
@@ -52,7 +52,7 @@ def test_train_resume_on_the_gpu_is_bitwise(tmp_path):
 
 @pytest.mark.parametrize('method', ['lisa_wor', 'tensor_wor', 'tensor_iid', 'full'])
 def test_compiled_blocks_with_inductor_do_not_hit_the_recompile_limit(method):
-    """memory.compile_blocks with the default backend (inductor), bf16 autocast: no recompile storm."""
+    """memory_options.compile_blocks with the default backend (inductor), bf16 autocast: no recompile storm."""
     from model import GPT, GPTConfig
     import omgd
     torch._dynamo.reset()
@@ -63,7 +63,7 @@ def test_compiled_blocks_with_inductor_do_not_hit_the_recompile_limit(method):
     kind = omgd.METHODS.get(method)
     cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig(method, period=1, **(
         {'gamma': 2} if kind and kind.unit == 'block' else {})))
-    memory.compile_blocks(model, method)
+    memory_options.compile_blocks(model, method)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         for it in range(12):
             cycler.step(it)
@@ -77,9 +77,9 @@ def test_compiled_blocks_with_inductor_do_not_hit_the_recompile_limit(method):
 
 
 def test_frozen_linear_keeps_no_bf16_weight_copy_under_cuda_autocast():
-    """What the meta estimate assumes (memory.EMULATED_AUTOCAST): a frozen Linear under CUDA autocast
+    """What the meta estimate assumes (memory_options.EMULATED_AUTOCAST): a frozen Linear under CUDA autocast
     keeps no bf16 copy of its weight until the backward."""
-    layer = memory.Linear(1024, 1024, bias=False).cuda().requires_grad_(False)
+    layer = memory_options.Linear(1024, 1024, bias=False).cuda().requires_grad_(False)
     x = torch.randn(8, 1024, device='cuda', requires_grad=True)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -94,7 +94,7 @@ def test_this_gpu_has_a_peak_and_free_memory():
     """MFU needs the GPU's name in training.PEAK_BF16_FLOPS; check_fits reads cudaMemGetInfo."""
     name = torch.cuda.get_device_name()
     assert training.peak_bf16_flops('cuda') is not None, f"add {name!r} to training.PEAK_BF16_FLOPS"
-    assert 0 < memory_tools.available_bytes('cuda') <= torch.cuda.get_device_properties(0).total_memory
+    assert 0 < memory_estimate.available_bytes('cuda') <= torch.cuda.get_device_properties(0).total_memory
 
 
 def test_master_device_cpu_and_activation_offload_train_on_the_gpu(tmp_path):

@@ -1,4 +1,4 @@
-"""memory.py: the memory options (activation checkpointing, offload, chunked loss) and the frozen
+"""memory_options.py: the memory options (activation checkpointing, offload, chunked loss) and the frozen
 Linear; each must leave the numbers as they are and keep less."""
 import math
 import os
@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import memory  # noqa: E402
+import memory_options  # noqa: E402
 from model import GPT  # noqa: E402
 
 torch.set_num_threads(1)  # the CPU is shared; tiny models don't need more
@@ -33,7 +33,7 @@ def test_activation_checkpointing_matches(arch):
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     loss_ref, grads_ref = run()
-    memory.apply(model, activation_checkpointing=True)
+    memory_options.apply(model, activation_checkpointing=True)
     loss_ckpt, grads_ckpt = run()
     assert torch.allclose(loss_ref, loss_ckpt)
     for n in grads_ref:
@@ -115,9 +115,9 @@ def test_chunked_loss_matches_full(arch, chunk):
         elif case == 'head only':
             model.requires_grad_(False)
             model.lm_head.requires_grad_(True)
-        memory.apply(model)
+        memory_options.apply(model)
         loss_ref, grads_ref = run_grads(model, x, y)
-        memory.apply(model, loss_chunk=chunk)
+        memory_options.apply(model, loss_chunk=chunk)
         loss, grads = run_grads(model, x, y)
         # not bitwise: the chunks' losses and dW are summed in another order than one big reduction
         torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=0)
@@ -154,7 +154,7 @@ def test_chunked_loss_under_autocast(arch):
     y[0, 3:] = -1
     with torch.autocast('cpu', torch.bfloat16):
         loss_ref, grads_ref = run_grads(model, x, y)
-        memory.apply(model, loss_chunk=7)
+        memory_options.apply(model, loss_chunk=7)
         model.zero_grad(set_to_none=True)
         _, loss = model(x, y)
     with MatmulDtypes() as backward:  # the backward runs outside autocast, as train.py's does
@@ -182,7 +182,7 @@ def test_chunked_loss_keeps_one_chunk_of_logits():
     chunk_bytes = chunk * V * 4
 
     def measure(loss_chunk):
-        memory.apply(model, loss_chunk=loss_chunk)
+        memory_options.apply(model, loss_chunk=loss_chunk)
         model.zero_grad(set_to_none=True)
         x.grad = None
         tracker = LiveStorages(x, y, list(model.parameters()))
@@ -246,7 +246,7 @@ def test_frozen_block_saves_only_what_its_input_gradient_needs(arch):
 @pytest.mark.parametrize('arch', ['gpt2', 'llama'])
 def test_frozen_block_under_autocast_keeps_no_weight_copies(arch, monkeypatch):
     """Under bf16 autocast, autograd's own linear keeps the bf16 copy of a frozen weight until the
-    backward; memory.Linear saves the parameter instead: a frozen block saves exactly the bf16 bytes
+    backward; memory_options.Linear saves the parameter instead: a frozen block saves exactly the bf16 bytes
     of its matrices less, with the same input gradient bitwise."""
     torch.manual_seed(0)
     cfg = TINY[arch]()
@@ -265,7 +265,7 @@ def test_frozen_block_under_autocast_keeps_no_weight_copies(arch, monkeypatch):
         return saved, x.grad
 
     saved, dx = run()
-    monkeypatch.setattr(memory.Linear, 'forward', torch.nn.Linear.forward)  # autograd's own linear
+    monkeypatch.setattr(memory_options.Linear, 'forward', torch.nn.Linear.forward)  # autograd's own linear
     saved_ref, dx_ref = run()
     matrices = sum(p.numel() for p in block.parameters() if p.dim() == 2)
     assert saved_ref - saved == matrices * 2
@@ -283,27 +283,27 @@ def test_activation_offload(arch, monkeypatch):
     model = GPT(cfg).train()
     x, y = batch(cfg)
     for ckpt, chunk in ((False, 0), (True, 0), (False, 7), (True, 7)):
-        memory.apply(model, activation_checkpointing=ckpt, loss_chunk=chunk)
+        memory_options.apply(model, activation_checkpointing=ckpt, loss_chunk=chunk)
         loss_ref, grads_ref = run_grads(model, x, y)
-        memory.apply(model, activation_checkpointing=ckpt, loss_chunk=chunk, activation_offload=True)
+        memory_options.apply(model, activation_checkpointing=ckpt, loss_chunk=chunk, activation_offload=True)
         loss, grads = run_grads(model, x, y)
         assert torch.equal(loss, loss_ref)
         assert grads.keys() == grads_ref.keys()
         assert all(torch.equal(grads[n], grads_ref[n]) for n in grads), (ckpt, chunk)
 
-    memory.apply(model)
+    memory_options.apply(model)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         loss_ref, grads_ref = run_grads(model, x, y)
-    activations = [t for t in saved if not memory.is_weight(t)]
+    activations = [t for t in saved if not memory_options.is_weight(t)]
     views = {(id(t.untyped_storage()), t.storage_offset(), t.shape, t.stride()) for t in activations}
 
-    monkeypatch.setattr(memory.OffloadActivations, 'keep_on', ())
+    monkeypatch.setattr(memory_options.OffloadActivations, 'keep_on', ())
     copies = []
-    to_host = memory.OffloadActivations.to_host
-    monkeypatch.setattr(memory.OffloadActivations, 'to_host', staticmethod(
+    to_host = memory_options.OffloadActivations.to_host
+    monkeypatch.setattr(memory_options.OffloadActivations, 'to_host', staticmethod(
         lambda t: copies.append(to_host(t)) or copies[-1]))
-    memory.apply(model, activation_offload=True)
+    memory_options.apply(model, activation_offload=True)
     loss, grads = run_grads(model, x, y)
     assert len(copies) == len(views) > 0
     assert all(c.device.type == 'cpu' for c in copies)
@@ -329,7 +329,7 @@ def test_offload_leaves_weights_in_place(autocast):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         with torch.autocast('cpu', torch.bfloat16, enabled=autocast):
             model(x, y)
-    labels = [(tuple(t.shape), tuple(t.shape) in shapes, memory.is_weight(t)) for t in saved]
+    labels = [(tuple(t.shape), tuple(t.shape) in shapes, memory_options.is_weight(t)) for t in saved]
     assert [l for l in labels if l[1] != l[2]] == []
     assert any(l[1] for l in labels) and not all(l[1] for l in labels)
     if autocast:
@@ -338,7 +338,7 @@ def test_offload_leaves_weights_in_place(autocast):
 
 def test_chunked_loss_sums_a_bf16_weight_gradient_in_fp32():
     """Pure bf16 (no autocast): the head's weight gradient is summed over the chunks in fp32 and
-    rounded to bf16 once (memory.VOCAB_SLICES slices of the vocabulary at a time), so its error
+    rounded to bf16 once (memory_options.VOCAB_SLICES slices of the vocabulary at a time), so its error
     against fp32 arithmetic on the same bf16 numbers stays that of the unchunked head however many
     chunks there are; summed in bf16, every chunk would round the running sum and the error would
     grow with their number. The input gradient, summed over the slices in fp32, keeps the unchunked
@@ -358,7 +358,7 @@ def test_chunked_loss_sums_a_bf16_weight_gradient_in_fp32():
         if chunks == 1:  # the unchunked head, as GPT.head_loss computes it
             loss = torch.nn.functional.cross_entropy(torch.nn.functional.linear(xs, w).float(), y, ignore_index=-1)
         else:
-            loss = memory.ChunkedLinearCE.apply(xs, w, y, n // chunks)
+            loss = memory_options.ChunkedLinearCE.apply(xs, w, y, n // chunks)
         loss.backward()
         assert w.grad.dtype == xs.grad.dtype == torch.bfloat16
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
@@ -373,19 +373,19 @@ def test_chunked_loss_sums_a_bf16_weight_gradient_in_fp32():
 
 
 # -----------------------------------------------------------------------------
-# memory_tools.check_fits under FSDP: the estimate of one rank, not of one device
+# memory_estimate.check_fits under FSDP: the estimate of one rank, not of one device
 
 
 def test_check_fits_under_fsdp_counts_this_ranks_shards(monkeypatch):
     """An iteration whose weights, gradients and AdamW state need 10 GiB on one device, with 1 GiB of
     activations, on ranks with 4 GiB free: refused on one device and under DDP (every rank holds all),
     accepted under FSDP over 8 ranks (about 10/8 + 1 GiB, plus the units gathered at once)."""
-    import memory_tools
+    import memory_estimate
     cfg = tiny('llama', n_layer=8)
     gib = 2**30
     row = dict(params=2 * gib, grads=2 * gib, optimizer=6 * gib, others=gib)
     row['peak'] = sum(row.values())
-    monkeypatch.setattr(memory_tools, 'available_bytes', lambda device: 4 * gib)
+    monkeypatch.setattr(memory_estimate, 'available_bytes', lambda device: 4 * gib)
     # the model's 4-byte weights are tiny: make them count as over a quarter of the free memory
     bytes_per_weight = gib // sum(p.numel() for p in GPT(cfg).parameters()) + 1
     calls = []
@@ -396,45 +396,45 @@ def test_check_fits_under_fsdp_counts_this_ranks_shards(monkeypatch):
 
     for world_size, fsdp in ((1, False), (8, False), (1, True)):
         with pytest.raises(ValueError, match=r'an iteration needs about 11\.0 GiB \(meta-device estimate\)'):
-            memory_tools.check_fits(cfg, 'cpu', bytes_per_weight, estimate, world_size=world_size, fsdp=fsdp)
-    memory_tools.check_fits(cfg, 'cpu', bytes_per_weight, estimate, world_size=8, fsdp=True)
+            memory_estimate.check_fits(cfg, 'cpu', bytes_per_weight, estimate, world_size=world_size, fsdp=fsdp)
+    memory_estimate.check_fits(cfg, 'cpu', bytes_per_weight, estimate, world_size=8, fsdp=True)
     assert len(calls) == 4
-    block, root = memory_tools.unit_params(cfg)
-    peak = memory_tools.per_rank_peak(row, cfg, 8, True, bytes_per_weight)
+    block, root = memory_estimate.unit_params(cfg)
+    peak = memory_estimate.per_rank_peak(row, cfg, 8, True, bytes_per_weight)
     assert peak == int(10 * gib / 8 + gib + (2 * root + 3 * block) * bytes_per_weight) < 4 * gib
     # over 2 ranks each still holds 5 GiB of shards: refused, and the message says per rank
     with pytest.raises(ValueError, match=r'needs about 6\.\d GiB per rank of 2 under FSDP'):
-        memory_tools.check_fits(cfg, 'cpu', bytes_per_weight, estimate, world_size=2, fsdp=True)
+        memory_estimate.check_fits(cfg, 'cpu', bytes_per_weight, estimate, world_size=2, fsdp=True)
     # a bare number (one device's peak) cannot be split: no refusal under FSDP, as before without it
-    memory_tools.check_fits(cfg, 'cpu', bytes_per_weight, lambda: row['peak'], world_size=8, fsdp=True)
+    memory_estimate.check_fits(cfg, 'cpu', bytes_per_weight, lambda: row['peak'], world_size=8, fsdp=True)
     with pytest.raises(ValueError, match='meta-device estimate'):
-        memory_tools.check_fits(cfg, 'cpu', bytes_per_weight, lambda: row['peak'])
+        memory_estimate.check_fits(cfg, 'cpu', bytes_per_weight, lambda: row['peak'])
 
 
 def test_unit_params_and_the_estimate_of_one_device():
-    import memory_tools
+    import memory_estimate
     import training
     from conftest import train_defaults
     from model import GPTConfig
     train_cfg = train_defaults(n_layer=3, n_head=4, n_embd=32, block_size=16, vocab_size=64, batch_size=2)
     cfg = GPTConfig(**training.gpt_kwargs(train_cfg))
     model = GPT(cfg)
-    block, root = memory_tools.unit_params(cfg)
+    block, root = memory_estimate.unit_params(cfg)
     assert block == sum(p.numel() for p in model.blocks[0].parameters())
     assert root + 3 * block == sum(p.numel() for p in model.parameters())  # a tied head counted once
-    row = memory_tools.estimate_iteration(train_cfg)
+    row = memory_estimate.estimate_iteration(train_cfg)
     assert row['params'] == 4 * sum(p.numel() for p in model.parameters())
-    assert memory_tools.per_rank_peak(row, cfg) == memory_tools.per_rank_peak(row, cfg, 4, fsdp=False) == row['peak']
-    assert memory_tools.per_rank_peak(row, cfg, 4, fsdp=True) < memory_tools.per_rank_peak(row, cfg, 2, fsdp=True)
+    assert memory_estimate.per_rank_peak(row, cfg) == memory_estimate.per_rank_peak(row, cfg, 4, fsdp=False) == row['peak']
+    assert memory_estimate.per_rank_peak(row, cfg, 4, fsdp=True) < memory_estimate.per_rank_peak(row, cfg, 2, fsdp=True)
 
 
 def test_meta_estimate_takes_the_frozen_linear_path_of_cuda(monkeypatch):
     """Under CUDA autocast a frozen block's Linears go through FrozenLinear and keep no bf16 copy of
-    their weights; the meta device has no autocast, so MetaAsCuda tells memory.Linear it emulates
-    one (memory.EMULATED_AUTOCAST). Without that seam the amp estimate counts one bf16 copy of every
+    their weights; the meta device has no autocast, so MetaAsCuda tells memory_options.Linear it emulates
+    one (memory_options.EMULATED_AUTOCAST). Without that seam the amp estimate counts one bf16 copy of every
     frozen block's matrices more; the bf16 precision (no autocast) and full training do not change."""
     import bench_memory
-    import memory_tools
+    import memory_estimate
     from configurator import configure
     small = dict(preset='', arch='gpt2', bias=True, n_layer=6, n_head=4, n_embd=64, vocab_size=512, block_size=32,
                  batch_size=2, micro_batches=1, omgd_gamma=2, device='meta', methods='lisa_wor,full',
@@ -445,8 +445,8 @@ def test_meta_estimate_takes_the_frozen_linear_path_of_cuda(monkeypatch):
         return {(r['method'], r['precision']): r['peak'] for r in rows}
 
     cuda_path = estimate()
-    assert memory.EMULATED_AUTOCAST == {}  # set only while the mode is on
-    monkeypatch.setattr(memory_tools.MetaAsCuda, 'follow_cuda_linear', False)
+    assert memory_options.EMULATED_AUTOCAST == {}  # set only while the mode is on
+    monkeypatch.setattr(memory_estimate.MetaAsCuda, 'follow_cuda_linear', False)
     without = estimate()
     frozen_blocks = 6 - 2
     matrices = 64 * 3 * 64 + 64 * 64 + 2 * 64 * 4 * 64  # c_attn, attention c_proj, c_fc, MLP c_proj

@@ -113,7 +113,7 @@ def test_memory_options_train_the_same():
     for option in (dict(loss_chunk=24), dict(activation_offload=True), dict(activation_checkpointing=True),
                    dict(activation_checkpointing=True, checkpoint_sublayers=True)):
         model, _, _, losses = train({**base, **option}, 5)
-        options = model.memory_options  # memory.apply's record of what it applied
+        options = model.memory_options  # memory_options.apply's record of what it applied
         assert (options['loss_chunk'], options['activation_offload'], options['activation_checkpointing'],
                 options['checkpoint_sublayers']) == (
             option.get('loss_chunk', 0), option.get('activation_offload', False),

@@ -49,7 +49,7 @@ def apply(model, activation_checkpointing=False, checkpoint_sublayers=False, act
 def compile_blocks(model, method, **kwargs):
     """compile=True: every block of `model` compiled on its own (regional compilation), so that layer
     cycling's requires_grad patterns do not multiply the graphs; kwargs go to torch.compile (backend,
-    mode, ...). Returns the model. Call after memory.apply and FSDP's sharding.
+    mode, ...). Returns the model. Call after memory_options.apply and FSDP's sharding.
 
     torch.compile guards every parameter's requires_grad (AOTAutograd's graphs depend on it): a graph
     is compiled per pattern, and after torch._dynamo.config.recompile_limit (8) of them the code runs
@@ -128,7 +128,7 @@ class FrozenLinear(torch.autograd.Function):
         return dx, None, None, None
 
 
-# device type -> the dtype of an autocast that is emulated there, not run: memory_tools.MetaAsCuda sets
+# device type -> the dtype of an autocast that is emulated there, not run: memory_estimate.MetaAsCuda sets
 # it while it emulates CUDA's autocast on the meta device (which has no autocast of its own), so that
 # Linear takes the FrozenLinear path a CUDA run takes and the estimate counts what CUDA allocates
 EMULATED_AUTOCAST = {}

@@ -11,7 +11,7 @@ MetaAsCuda a TorchFunctionMode under which a forward/backward on meta (or CPU) t
            or memory-efficient (fp32) kernel, which save the log-sum-exp, not T x T weights; and
            CUDA autocast emulated at the torch-function level (matmuls cast to `dtype`; norms,
            softmax and cross-entropy to fp32; casts of trainable weights cached for the forward).
-offload_on_meta  memory.OffloadActivations on the meta device: host copies counted as host memory.
+offload_on_meta  memory_options.OffloadActivations on the meta device: host copies counted as host memory.
 
 Not modelled: the caching allocator's 512-byte rounding and fragmentation, cuBLAS workspaces, the
 CUDA context, and the fused AdamW kernel (meta runs the per-parameter AdamW).
@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import dataloader
-import memory
+import memory_options
 import omgd_state
 import train_config
 import training
@@ -120,9 +120,9 @@ class MetaAsCuda(TorchFunctionMode):
     - with dtype (bf16 or fp16), CUDA autocast's casts: matmuls to dtype, norms, softmax and
       cross-entropy to fp32, and (cache=True, the forward) casts of leaf tensors that require
       grad kept until the forward ends, like autocast's weight cache. None: no autocast.
-    - with dtype, memory.Linear takes the path it takes under CUDA autocast: a frozen layer goes
-      through memory.FrozenLinear, which keeps no low-precision copy of its weight for the backward
-      (memory.EMULATED_AUTOCAST, set while the mode is on; the meta device has no autocast, so
+    - with dtype, memory_options.Linear takes the path it takes under CUDA autocast: a frozen layer goes
+      through memory_options.FrozenLinear, which keeps no low-precision copy of its weight for the backward
+      (memory_options.EMULATED_AUTOCAST, set while the mode is on; the meta device has no autocast, so
       without it the estimate would count a copy a CUDA run does not make). follow_cuda_linear=False
       turns this off (tests compare the two).
     Run the backward with backward() below (cache=False): activation checkpointing recomputes there.
@@ -141,15 +141,15 @@ class MetaAsCuda(TorchFunctionMode):
         self.casts = {}
 
     def __enter__(self):
-        self.emulated = dict(memory.EMULATED_AUTOCAST)  # put back on exit (the modes nest)
+        self.emulated = dict(memory_options.EMULATED_AUTOCAST)  # put back on exit (the modes nest)
         if self.dtype is not None and self.follow_cuda_linear:
-            memory.EMULATED_AUTOCAST.update(dict.fromkeys(self.EMULATES, self.dtype))
+            memory_options.EMULATED_AUTOCAST.update(dict.fromkeys(self.EMULATES, self.dtype))
         return super().__enter__()
 
     def __exit__(self, *args):
         self.casts.clear()
-        memory.EMULATED_AUTOCAST.clear()
-        memory.EMULATED_AUTOCAST.update(self.emulated)
+        memory_options.EMULATED_AUTOCAST.clear()
+        memory_options.EMULATED_AUTOCAST.update(self.emulated)
         return super().__exit__(*args)
 
     def backward(self, loss):
@@ -194,10 +194,10 @@ class MetaAsCuda(TorchFunctionMode):
 
 @contextmanager
 def offload_on_meta(tracker):
-    """memory.OffloadActivations (activation_offload=True) on the meta device, which has no data to
+    """memory_options.OffloadActivations (activation_offload=True) on the meta device, which has no data to
     copy: the host copy of a saved tensor is a meta tensor that LiveBytes counts as host memory, and
     its copy back in the backward a new tensor on the device."""
-    cls = memory.OffloadActivations
+    cls = memory_options.OffloadActivations
     saved = cls.__dict__['to_host'], cls.__dict__['unpack']
 
     def to_host(t):
@@ -398,7 +398,7 @@ def measure(cfg, device):
         # no second memory to offload to: the masters stay on the one device, marked as host memory
         opt.master_device, opt.host_scope = None, tracker.host
     if compiled:  # train.py's regional compilation
-        memory.compile_blocks(net, cfg['method'])
+        memory_options.compile_blocks(net, cfg['method'])
     if cuda:  # the fp32 copy a bf16 build went through is cached, not in use: give it back
         gc.collect()
         torch.cuda.empty_cache()
@@ -406,7 +406,7 @@ def measure(cfg, device):
     vocab, shape = net.config.vocab_size, (cfg['batch_size'], cfg['block_size'])
 
     autocast = backward = None
-    if device.type == 'meta':  # the GPU's kernels and autocast, emulated on shapes (memory_tools.py)
+    if device.type == 'meta':  # the GPU's kernels and autocast, emulated on shapes (memory_estimate.py)
         dtype = train_config.PTDTYPES[cfg['dtype']] if cfg['precision'] == 'amp' and cfg['dtype'] != 'float32' else None
         autocast, backward = MetaAsCuda(dtype, cache=True), MetaAsCuda(dtype, cache=False).backward
     # train.py's iteration, on a fresh batch per micro-step, on the device, as train.py's loader gives
