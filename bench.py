@@ -196,7 +196,7 @@ def markdown(cfg, rows, device, config, argv):
 
 
 def check(cfg):
-    """One-line ValueErrors for bad input; returns (device, row configs, GPTConfig)."""
+    """One-line ValueErrors for bad input; returns (device, row configs, TransformerConfig)."""
     device = memory_estimate.resolve_device(cfg['device'], ('cuda', 'cpu'), without_cuda='cpu')
     train_config.check_preset(cfg)
     config = memory_estimate.model_config(cfg)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import distributed
 import omgd
-from model import GPT, GPTConfig, config_from_preset
+from model import Transformer, TransformerConfig, config_from_preset
 
 parser = argparse.ArgumentParser()
 parser.add_argument('--preset', default='gpt2', help="a model.py preset, or 'tiny' (the tests' 4x32 model)")
@@ -43,10 +43,10 @@ if not ranks.enabled:
 rank, world = ranks.rank, ranks.world_size
 torch.manual_seed(0)
 if args.preset == 'tiny':
-    config = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=args.block_size, vocab_size=80)
+    config = TransformerConfig(n_layer=4, n_head=2, n_embd=32, block_size=args.block_size, vocab_size=80)
 else:
     config = config_from_preset(args.preset, block_size=args.block_size, vocab_size=50304)
-model = GPT(config)
+model = Transformer(config)
 opt = torch.optim.SGD(model.parameters(), lr=0.0)  # never stepped: only there for build_cycler's check
 cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig('lisa_wor', gamma=args.gamma, period=1))
 x = torch.randint(config.vocab_size, (args.batch_size, args.block_size))

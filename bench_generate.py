@@ -1,5 +1,5 @@
 """
-Generation speed with and without the KV cache (model.py's KVCache): tokens/s of GPT.generate for the
+Generation speed with and without the KV cache (model.py's KVCache): tokens/s of Transformer.generate for the
 same greedy completion both ways, and their ratio, in one run.
 
 $ OMP_NUM_THREADS=1 python bench_generate.py                              # GPT-2 124M, random weights, CPU
@@ -31,15 +31,15 @@ def rules():
 
 
 def build(cfg):
-    from model import GPT, GPTConfig, config_from_preset
+    from model import Transformer, TransformerConfig, config_from_preset
     if cfg['out_dir']:
         from checkpoint import read_any
         checkpoint, path = read_any(cfg['out_dir'], map_location='cpu', mmap=True, optimizer=False)
-        model = GPT(GPTConfig(**checkpoint['model_args']))
+        model = Transformer(TransformerConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
         return model, path
     overrides = {'block_size': cfg['block_size']} if cfg['block_size'] else {}
-    return GPT(config_from_preset(cfg['preset'], **overrides)), f"preset {cfg['preset']} (random weights)"
+    return Transformer(config_from_preset(cfg['preset'], **overrides)), f"preset {cfg['preset']} (random weights)"
 
 
 def timed(model, idx, new_tokens, use_cache, device, autocast):

@@ -199,12 +199,12 @@ def resume(path, device, config, given):
 def load_model(checkpoint, path, config, given):
     """The GPT saved in `checkpoint`, with the config's dropout, after check_resume: ResumeRefused,
     or a one-line CheckpointError for a checkpoint that does not load."""
-    from model import GPT, GPTConfig
+    from model import Transformer, TransformerConfig
     try:
         check_resume(checkpoint, config, given)
         model_args = checkpoint['model_args']
         model_args['dropout'] = config['dropout']
-        model = GPT(GPTConfig(**model_args))
+        model = Transformer(TransformerConfig(**model_args))
         model.load_state_dict(checkpoint['model'])
     except ResumeRefused:
         raise

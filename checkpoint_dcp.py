@@ -347,13 +347,13 @@ def resume(path, device, config, given):
     model of the saved model_args on `device` in the weight dtype of the config, weights not yet
     loaded (load() fills them once the model is sharded)."""
     from checkpoint import ResumeRefused, check_resume
-    from model import GPTConfig
+    from model import TransformerConfig
     import training
     values = read_values(path)
     try:
         check_resume(values, config, given)
         model_args = {**values['model_args'], 'dropout': config['dropout']}
-        return values, training.new_model(GPTConfig(**model_args), device, training.weight_dtype(config['precision']))
+        return values, training.new_model(TransformerConfig(**model_args), device, training.weight_dtype(config['precision']))
     except ResumeRefused:
         raise
     except FAILURES as e:

@@ -68,10 +68,10 @@ def load_checkpoint_model(out_dir):
     """(GPT on the CPU, checkpoint dict) of train.py's out_dir/ckpt.pt (read with weights_only, checkpoint.py;
     mapped: the optimizer state is never read)."""
     from checkpoint import read_any
-    from model import GPT, GPTConfig
+    from model import Transformer, TransformerConfig
     checkpoint, path = read_any(out_dir, map_location='cpu', mmap=True, optimizer=False)  # or the newest step folder
     try:
-        model = GPT(GPTConfig(**checkpoint['model_args']))
+        model = Transformer(TransformerConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
         checkpoint['config']['dataset'], checkpoint['iter_num']  # what evaluate() reads
     except Exception as e:  # a readable file that is not one of train.py's checkpoints

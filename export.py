@@ -150,14 +150,14 @@ def read_model(out_dir):
     consolidated); ExportError for one that lacks a part, does not make a model, or holds non-finite
     weights (CheckpointError for a file that cannot be read)."""
     from checkpoint import read_any
-    from model import GPT, GPTConfig
+    from model import Transformer, TransformerConfig
     checkpoint, path = read_any(out_dir, optimizer=False)  # ckpt.pt, or the newest step folder consolidated
     for key, what in (('model', 'weights'), ('model_args', 'shape')):
         if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(key), dict):
             raise ExportError(f"{path} lacks {key!r} (the model's {what}), which every checkpoint of train.py holds; "
                               f"it is not one, or it is damaged: export a checkpoint train.py wrote")
     try:
-        model = GPT(GPTConfig(**checkpoint['model_args']))
+        model = Transformer(TransformerConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
     except (TypeError, ValueError, RuntimeError) as e:  # load_state_dict's message runs over several lines
         raise ExportError(f"{path}: its model_args and weights do not make a model ({' '.join(str(e).split())[:300]}); "

@@ -18,7 +18,7 @@ import zipfile
 import torch
 from safetensors import SafetensorError, safe_open
 
-from model import GPT, GPTConfig
+from model import Transformer, TransformerConfig
 
 GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 ARCHITECTURES = {'gpt2': 'GPT2LMHeadModel', 'llama': 'LlamaForCausalLM'}
@@ -39,7 +39,7 @@ class HFError(ValueError):
 
 
 # -----------------------------------------------------------------------------
-# config.json <-> GPTConfig
+# config.json <-> TransformerConfig
 
 
 def _rope_theta(hf, where):
@@ -78,7 +78,7 @@ def _number(hf, key, where, default):
 
 
 def config_from_hf(hf, where='config.json'):
-    """GPTConfig keywords of a Hugging Face config dict (config.json), or HFError."""
+    """TransformerConfig keywords of a Hugging Face config dict (config.json), or HFError."""
     if not isinstance(hf, dict):
         raise HFError(f"{where} holds a JSON {type(hf).__name__}, not an object of settings; it is not a "
                       f"Hugging Face config.json: download the model again")
@@ -127,7 +127,7 @@ def config_from_hf(hf, where='config.json'):
 
 
 def config_to_hf(config, dtype=torch.float32, bos_token_id=None, eos_token_id=None):
-    """The config.json dict of a GPTConfig (transformers 4 and 5 both read it)."""
+    """The config.json dict of a TransformerConfig (transformers 4 and 5 both read it)."""
     dtype = str(dtype).removeprefix('torch.')
     common = dict(architectures=[ARCHITECTURES[config.arch]], model_type=config.arch, vocab_size=config.vocab_size,
                   tie_word_embeddings=config.tie_embeddings, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
@@ -241,10 +241,10 @@ def _torch_tensors(path):
 def from_state(hf_config, tensors, dropout=0.0, where='config.json'):
     """Our GPT of an HF config dict and an iterable of (HF name, tensor); HFError if they do not map."""
     try:
-        config = GPTConfig(**config_from_hf(hf_config, where), dropout=dropout)
-    except ValueError as e:  # GPTConfig's own checks (heads that do not divide the width, ...)
+        config = TransformerConfig(**config_from_hf(hf_config, where), dropout=dropout)
+    except ValueError as e:  # TransformerConfig's own checks (heads that do not divide the width, ...)
         raise HFError(f"{where}: {e}" if not isinstance(e, HFError) else str(e)) from None
-    model = GPT(config)
+    model = Transformer(config)
     ours = model.state_dict()  # tensors that share storage with the parameters
     by_hf = {hf_name(k, config.arch): k for k in ours}
     loaded, head = set(), None

@@ -38,7 +38,7 @@ import memory_options
 import omgd_state
 import train_config
 import training
-from model import GPTConfig
+from model import TransformerConfig
 
 
 class LiveBytes(TorchDispatchMode):
@@ -239,11 +239,11 @@ def estimate_iteration(cfg, vocab_size=0):
 
 
 def unit_params(config):
-    """(parameters of the largest block, parameters outside the blocks) of GPT(config), built on meta:
+    """(parameters of the largest block, parameters outside the blocks) of Transformer(config), built on meta:
     the FSDP2 units of distributed.shard_fsdp (each block, and the root with the rest; tied once)."""
-    from model import GPT
+    from model import Transformer
     with torch.device('meta'):
-        model = GPT(config)
+        model = Transformer(config)
     in_blocks = {id(p) for p in model.blocks.parameters()}
     block = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
     root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)  # parameters() dedupes a tie
@@ -286,12 +286,12 @@ def check_fits(config, device, bytes_per_weight, estimate_peak=None, world_size=
     approximation of the sharded peak; a bare number cannot be split, so no peak check then).
     The weights alone are checked whole also under FSDP: training.new_model builds the whole model on
     every rank's device before shard_fsdp shards it. Without FSDP every rank holds everything."""
-    from model import GPT
+    from model import Transformer
     device = torch.device(device)
     if device.type == 'meta':
         return
     with torch.device('meta'):
-        n_params = sum(p.numel() for p in GPT(config).parameters())
+        n_params = sum(p.numel() for p in Transformer(config).parameters())
     need, free = bytes_per_weight * n_params, available_bytes(device)
     if free is not None and need <= free and estimate_peak is not None and need > free / 4:
         estimate = estimate_peak()
@@ -325,9 +325,9 @@ def dataset_vocab(cfg):
 
 
 def model_config(cfg):
-    """The GPTConfig training.build makes of cfg (one-line error for an impossible shape)."""
+    """The TransformerConfig training.build makes of cfg (one-line error for an impossible shape)."""
     try:
-        return GPTConfig(**training.gpt_kwargs(cfg, dataset_vocab(cfg)))
+        return TransformerConfig(**training.gpt_kwargs(cfg, dataset_vocab(cfg)))
     except (ValueError, TypeError) as e:
         raise ValueError(f"model shape: {e}") from None
 

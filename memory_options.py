@@ -29,7 +29,7 @@ RULES = {'loss_chunk': at_least(0, '>= 0 tokens (0: the whole micro-batch at onc
 
 def apply(model, activation_checkpointing=False, checkpoint_sublayers=False, activation_offload=False,
           loss_chunk=0):
-    """Set the memory options of a GPT, replacing any earlier choice (a resume may flip them); returns
+    """Set the memory options of a Transformer, replacing any earlier choice (a resume may flip them); returns
     the model. Each option wraps one method, the forward of every block, the model's forward or its
     head_loss, by an attribute of that instance which shadows its class's method and calls it:
     parameters, module names and the state_dict stay as they are, and DDP, FSDP2's fully_shard and a

@@ -1,7 +1,7 @@
 """
 GPT-2 and LLaMA language models in one file, in the spirit of nanoGPT.
 
-The two architectures differ in their parts, chosen per architecture in Block and GPT:
+The two architectures differ in their parts, chosen per architecture in Block and Transformer:
 GPT-2: learned position embeddings, fused q/k/v attention (GPT2Attention), GELU MLP, LayerNorm,
        head tied to the token embedding (config.tie_embeddings' default);
 LLaMA: rotary positions (Rotary), grouped-query attention (LlamaAttention), SwiGLU, RMSNorm,
@@ -30,7 +30,7 @@ from memory_options import Linear  # nn.Linear that keeps no low-precision copy 
 
 
 @dataclass
-class GPTConfig:
+class TransformerConfig:
     # Plain types only: the config is stored as dataclasses.asdict() inside
     # checkpoints that are read back with torch.load(weights_only=True).
     arch: str = 'gpt2'  # 'gpt2' or 'llama'
@@ -99,9 +99,9 @@ def check_preset(name):
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
 
 
-def config_from_preset(name: str, **overrides) -> GPTConfig:
+def config_from_preset(name: str, **overrides) -> TransformerConfig:
     check_preset(name)
-    return GPTConfig(**{**PRESETS[name], **overrides})
+    return TransformerConfig(**{**PRESETS[name], **overrides})
 
 
 def causal_attention(q, k, v, dropout):
@@ -269,7 +269,7 @@ class Block(nn.Module):
 
 class KVCache:
     """The keys and values every attention layer computed for the positions seen so far, so that a
-    generation step runs the model on its new token only (GPT.generate). One per generate call: it
+    generation step runs the model on its new token only (Transformer.generate). One per generate call: it
     holds max_len positions of one batch."""
 
     def __init__(self, n_layer, max_len):
@@ -304,9 +304,10 @@ class LayerCache:
 _RESIDUAL_PROJ = ('attn.c_proj.weight', 'mlp.c_proj.weight', 'o_proj.weight', 'down_proj.weight')
 
 
-class GPT(nn.Module):
+class Transformer(nn.Module):
+    """A GPT-2 or a LLaMA decoder, as config.arch says: nanoGPT's `GPT`, named for both."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: TransformerConfig):
         super().__init__()
         self.config = config
         llama = config.arch == 'llama'

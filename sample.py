@@ -39,7 +39,7 @@ def main(argv):
     from checkpoint import CheckpointError, read_any
     from configurator import ConfigError, configure, wants_help
     from dataloader import data_dir
-    from model import GPT, GPTConfig
+    from model import Transformer, TransformerConfig
     from train_config import check_device
     if wants_help(argv):
         print("usage: python sample.py [--key=value ...]\n\nkeys (default, meaning):\n" +
@@ -51,7 +51,7 @@ def main(argv):
         path = os.path.join(cfg['out_dir'], 'ckpt.pt')  # named by the error below if the read fails
         # into host memory (mapped), whatever the device: the model alone moves there, below
         checkpoint, path = read_any(cfg['out_dir'], map_location='cpu', mmap=True, optimizer=False)
-        model = GPT(GPTConfig(**checkpoint['model_args']))
+        model = Transformer(TransformerConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
     except (ConfigError, CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")

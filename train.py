@@ -41,7 +41,7 @@ import memory_options
 import multiple_choice
 from data.tokenizer import Tokenizer, read_meta
 from memory_estimate import check_fits, estimate_iteration
-from model import GPTConfig
+from model import TransformerConfig
 
 
 class RunError(Exception):
@@ -239,7 +239,7 @@ def train(cfg, given_keys, ranks, device):
     iter_num, best_val_loss, checkpoint, saved_iter, wandb_id = 0, 1e9, None, None, None
     try:
         if init_from == 'scratch':
-            model_config = GPTConfig(**training.gpt_kwargs(cfg, vocab_size))
+            model_config = TransformerConfig(**training.gpt_kwargs(cfg, vocab_size))
             dtype = training.weight_dtype(cfg['precision'])
             # before it is allocated: a one-line refusal, not the OOM killer
             check_fits(model_config, device, dtype.itemsize, world_size=world_size, fsdp=fsdp,

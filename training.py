@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import galore
 import memory_options
 import omgd
-from model import GPT, GPTConfig, PRESETS
+from model import Transformer, TransformerConfig, PRESETS
 from optim import MasterAdamW, adamw, param_groups
 from train_config import GALORE_METHODS, PTDTYPES
 
@@ -41,7 +41,7 @@ def get_lr(it, cfg):
 
 
 def gpt_kwargs(cfg, vocab_size=0):
-    """GPTConfig keywords from the config's model keys (a preset's architecture overrides them).
+    """TransformerConfig keywords from the config's model keys (a preset's architecture overrides them).
     vocab_size: the dataset's (0: the config's, else the preset's, else GPT-2's padded 50304)."""
     vocab_size = vocab_size or cfg['vocab_size']
     args = {k: cfg[k] for k in ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias',
@@ -73,11 +73,11 @@ def new_model(config, device, dtype=torch.float32, cpu_draws=True):
     """A freshly initialised GPT built directly on `device` with `dtype` weights: never a full fp32
     copy on the host (LLaMA-7B: 27 GB before it reached the GPU). Built on meta, then filled with
     the random draws of a CPU build in their order (the modules' constructors, then init_weights),
-    so the weights are bitwise those of GPT(config) cast to `dtype`, whatever the device.
+    so the weights are bitwise those of Transformer(config) cast to `dtype`, whatever the device.
     cpu_draws=False draws on `device` instead (the benchmarks, whose figures do not depend on the
     values: LLaMA-7B's 13 billion CPU draws take minutes)."""
     with torch.device('meta'):
-        model = GPT(config)
+        model = Transformer(config)
     if torch.device(device).type == 'meta':  # shapes only (bench_memory's estimate): nothing to draw
         return model.to(dtype)
     model.to(dtype).to_empty(device=device)
@@ -160,7 +160,7 @@ def build(cfg, device, vocab_size=0, model=None, shard=None, cpu_draws=True):
     is on its device and before the optimizer sees its parameters (train.py's FSDP2 sharding).
     cpu_draws: new_model's."""
     if model is None:
-        model = new_model(GPTConfig(**gpt_kwargs(cfg, vocab_size)), device, weight_dtype(cfg['precision']), cpu_draws)
+        model = new_model(TransformerConfig(**gpt_kwargs(cfg, vocab_size)), device, weight_dtype(cfg['precision']), cpu_draws)
     cast_model(configure_memory(model, cfg), cfg['precision']).to(device)
     if shard is not None:
         shard(model)

@@ -119,7 +119,7 @@ def train_config(method, args):
 
 
 def model_config(args):
-    """The GPTConfig train.py builds for these flags (a bad --train_arg key or model shape raises a
+    """The TransformerConfig train.py builds for these flags (a bad --train_arg key or model shape raises a
     one-line ValueError)."""
     import memory_estimate
     return memory_estimate.model_config(train_config('full', args)[0])
@@ -339,9 +339,9 @@ def n_params(config, memory):
         return counted[0]
     import torch
 
-    from model import GPT
+    from model import Transformer
     with torch.device('meta'):
-        return sum(p.numel() for p in GPT(config).parameters())
+        return sum(p.numel() for p in Transformer(config).parameters())
 
 
 REPORT_KEYS = ('command', 'machine', 'wall_s', 'n_params', 'config', 'rows', 'memory', 'runs')

@@ -141,9 +141,9 @@ def cpu_checkpoint_after_one_step(cfg, path):
 
 
 def tiny_model_config(arch, **kw):
-    """A GPTConfig of a tiny model of `arch` (tests/test_model.py, tests/test_memory.py)."""
-    from model import GPTConfig
-    return GPTConfig(**{**dict(arch=arch, block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.0),
+    """A TransformerConfig of a tiny model of `arch` (tests/test_model.py, tests/test_memory.py)."""
+    from model import TransformerConfig
+    return TransformerConfig(**{**dict(arch=arch, block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.0),
                         **kw})
 
 

@@ -308,12 +308,12 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_allocated(monkeypatch):
     """Weights over the free memory: refused at once; over a quarter of it: refused when the
     iteration's estimate (bench_memory on meta) exceeds it; small: no estimate is run."""
     import memory_estimate
-    from model import GPTConfig
-    config = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=1000)
-    from model import GPT
+    from model import TransformerConfig
+    config = TransformerConfig(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=1000)
+    from model import Transformer
     import torch
     with torch.device('meta'):
-        n = sum(p.numel() for p in GPT(config).parameters())
+        n = sum(p.numel() for p in Transformer(config).parameters())
     calls = []
     monkeypatch.setattr(memory_estimate, 'available_bytes', lambda device: 3 * n)  # 4n bytes of weights do not fit
     with pytest.raises(ValueError, match=r'GiB of weights \(4 bytes each\)'):

@@ -64,10 +64,10 @@ def test_meta_and_cpu_agree_on_exact_bytes():
 
 def test_cpu_build_keeps_gpt2_head_tied_to_embedding():
     """GPT-2 ties its head to its embedding: built on meta or on the CPU, it is counted once."""
-    from model import GPT
+    from model import Transformer
     cfg = config(**dict(SMALL, arch='gpt2', methods='full', micro_batches=1))
     rows = {device: bench_memory.run(config(**{**cfg, 'device': device}))['rows'][0] for device in ('meta', 'cpu')}
-    n_params = sum(p.numel() for p in GPT(memory_estimate.model_config(cfg)).parameters())
+    n_params = sum(p.numel() for p in Transformer(memory_estimate.model_config(cfg)).parameters())
     assert rows['meta']['n_params'] == rows['cpu']['n_params'] == n_params
     assert all(rows['meta'][k] == rows['cpu'][k] for k in ('params', 'grads', 'optimizer'))
 
@@ -87,7 +87,7 @@ def test_vocabulary_as_train_py_reads_it(tmp_path):
     """vocab_size, else the dataset's meta.pkl (train.py's rule), else the preset's / GPT-2's."""
     import pickle
 
-    from model import GPT
+    from model import Transformer
     with open(tmp_path / 'meta.pkl', 'wb') as f:
         pickle.dump({'vocab_size': 77}, f)
     prepared = {**SMALL, 'dataset': str(tmp_path), 'vocab_size': 0}
@@ -95,7 +95,7 @@ def test_vocabulary_as_train_py_reads_it(tmp_path):
     assert vocab(**prepared) == 77 and vocab(**{**prepared, 'vocab_size': 512}) == 512
     assert vocab(dataset='no_such_dataset') == 50304 and vocab(dataset='no_such_dataset', preset='llama-60m') == 32000
     row = bench_memory.run(config(**prepared, device='meta', methods='full'))['rows'][0]
-    assert row['n_params'] == sum(p.numel() for p in GPT(memory_estimate.model_config(config(**prepared))).parameters())
+    assert row['n_params'] == sum(p.numel() for p in Transformer(memory_estimate.model_config(config(**prepared))).parameters())
 
 
 def test_defaults_are_train_py_keys():
@@ -176,9 +176,9 @@ def test_bench_script_runs(tmp_path):
               for cells in rows[1:]}
     assert list(speeds) == [(m, p) for p in ('amp', 'bf16_master:cpu') for m in ('full', 'lisa_wor', 'galore')]
     assert all(v > 0 for v in speeds.values()), speeds
-    from model import GPT
+    from model import Transformer
     cfg = config(arch='llama', n_layer=2, n_embd=64, vocab_size=512)
-    n_params = sum(p.numel() for p in GPT(memory_estimate.model_config(cfg)).parameters())
+    n_params = sum(p.numel() for p in Transformer(memory_estimate.model_config(cfg)).parameters())
     assert f"{n_params / 1e6:.1f}M parameters" in text
 
 

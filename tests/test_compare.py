@@ -93,7 +93,7 @@ def test_memory_builds_the_runs_own_config():
 
     import torch
 
-    from model import GPT
+    from model import Transformer
     flags = {name: default for name, _, default in compare.TRAIN_FLAGS}
     flags.update(dataset='no_such_dataset', n_layer=2, n_embd=32, block_size=16, batch_size=2, omgd_gamma=1)
     args = argparse.Namespace(**flags, max_iters=40, train_arg=['--arch=llama', '--n_kv_head=2', '--omgd_warmup=5'])
@@ -103,7 +103,7 @@ def test_memory_builds_the_runs_own_config():
     assert (config.arch, config.n_kv_head, config.vocab_size) == ('llama', 2, 50304)
     mem = compare.measure_memory('lisa_wor', args)
     with torch.device('meta'):
-        assert 'error' not in mem and mem['n_params'] == sum(p.numel() for p in GPT(config).parameters())
+        assert 'error' not in mem and mem['n_params'] == sum(p.numel() for p in Transformer(config).parameters())
     assert compare.n_params(config, {'lisa_wor': mem}) == compare.n_params(config, {}) == mem['n_params']
     assert mem['params'] == 4 * mem['n_params']  # fp32: train.py's default precision='amp'
     args.train_arg.append('--precision=bf16')  # a key that is no model shape applies too

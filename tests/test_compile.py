@@ -6,7 +6,7 @@ import torch
 
 import memory_options
 import omgd
-from model import GPT, GPTConfig
+from model import Transformer, TransformerConfig
 from train_config import GALORE_METHODS
 
 METHODS = [*omgd.METHODS, *GALORE_METHODS]
@@ -14,7 +14,7 @@ METHODS = [*omgd.METHODS, *GALORE_METHODS]
 
 def tiny(arch, n_layer=3):
     torch.manual_seed(0)
-    return GPT(GPTConfig(arch=arch, n_layer=n_layer, n_head=2, n_embd=16, block_size=8, vocab_size=32, bias=True,
+    return Transformer(TransformerConfig(arch=arch, n_layer=n_layer, n_head=2, n_embd=16, block_size=8, vocab_size=32, bias=True,
                          **({'n_kv_head': 1} if arch == 'llama' else {})))
 
 

@@ -152,8 +152,8 @@ def test_a_library_key_has_one_rule_that_the_config_and_the_library_both_apply(t
 
 
 def tiny_model():
-    from model import GPT, GPTConfig
-    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32))
+    from model import Transformer, TransformerConfig
+    return Transformer(TransformerConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32))
 
 
 def cycler_of(**fields):

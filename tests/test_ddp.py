@@ -35,7 +35,7 @@ from conftest import (DDP_TINY as TINY, LINEAR, ONE_RANK, ROOT, TORCHRUN, TWO_RA
 import ddp_check  # noqa: E402
 import distributed  # noqa: E402
 import omgd  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import Transformer, TransformerConfig  # noqa: E402
 
 pytestmark = pytest.mark.torchrun  # launches torchrun (deselect with -m "not torchrun")
 
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.torchrun  # launches torchrun (deselect with -m "not to
 def lisa_active_elements(ckpt, trained_blocks=2):
     """Elements that train under LISA with the default omgd_always (every outer part): the whole
     model but the frozen blocks, counted on a GPT built from the checkpoint's model_args."""
-    ref = GPT(GPTConfig(**ckpt['model_args']))
+    ref = Transformer(TransformerConfig(**ckpt['model_args']))
     total = sum(p.numel() for p in ref.parameters())  # parameters() dedupes the tied head
     return total, total - (len(ref.blocks) - trained_blocks) * sum(p.numel() for p in ref.blocks[0].parameters())
 
@@ -153,7 +153,7 @@ def test_check_names_every_broken_invariant_on_any_rank():
     """ddp_check's Checker in one process, each invariant broken in turn, then a second rank's
     report faked: the problems name what failed, on whichever rank, and ranks that disagree."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=32, bias=False))
+    model = Transformer(TransformerConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=32, bias=False))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig('lisa_wor', gamma=2, period=3))
     cycler.step(0)

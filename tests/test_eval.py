@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from conftest import assert_one_line_error, assert_same_state, run_script, run_train, tiny_model_config
 from eval import full_loss, window_loss, write_mc_task, MC_TASK
 from multiple_choice import continuation_logprobs, mc_accuracy, mc_example, read_mc
-from model import GPT
+from model import Transformer
 
 HAS_LM_EVAL = importlib.util.find_spec('lm_eval') is not None
 
@@ -52,7 +52,7 @@ def uniform(model):
 
 def test_continuation_logprob_sums_the_continuation_tokens():
     torch.manual_seed(0)
-    model = GPT(tiny_model_config('gpt2')).eval()  # vocab 64, block_size 16
+    model = Transformer(tiny_model_config('gpt2')).eval()  # vocab 64, block_size 16
     # the third is 18 tokens: the first is dropped (lm-eval's truncation on the left)
     requests = [([1, 2, 3], [4, 5]), ([7], [8, 9, 10]), ([1] * 14, [2, 3, 4, 5])]
     expected = []
@@ -70,7 +70,7 @@ def test_continuation_logprob_sums_the_continuation_tokens():
 def test_acc_norm_divides_by_the_characters_of_the_ending():
     """Under a uniform model every token costs the same: acc picks the shortest ending, acc_norm (log-prob per
     character, the space before it not counted, as lm-eval) the longest; tokens here are characters."""
-    model = uniform(GPT(tiny_model_config('llama')))
+    model = uniform(Transformer(tiny_model_config('llama')))
     encode = lambda text: [ord(c) % 64 for c in text]  # noqa: E731
     long_right = mc_example(dict(ctx='A man', endings=['ran.', 'sat down on a chair.', 'sat down.'], label=1), 'a')
     short_right = dict(long_right, gold=0)
@@ -109,7 +109,7 @@ def test_hellaswag_text_is_built_as_lm_eval_builds_it():
 
 def test_full_pass_predicts_every_token_once(tmp_path):
     torch.manual_seed(0)
-    model = GPT(tiny_model_config('llama', n_kv_head=2)).eval()  # block_size 16
+    model = Transformer(tiny_model_config('llama', n_kv_head=2)).eval()  # block_size 16
     ids = np.random.default_rng(0).integers(0, 64, 103).astype(np.uint16)
     ids.tofile(tmp_path / 'val.bin')
     loss, n = full_loss(model, str(tmp_path / 'val.bin'), 'uint16', 16, batch_size=3)
@@ -144,8 +144,8 @@ def test_loss_is_the_one_train_py_printed(run, tmp_path):
     # the full pass, through eval.py, on a split written here (a dataset given by its path)
     np.random.default_rng(1).integers(0, 65, 300).astype(np.uint16).tofile(tmp_path / 'val.bin')
     from checkpoint import read
-    from model import GPTConfig
-    model = GPT(GPTConfig(**read(os.path.join(out_dir, 'ckpt.pt'))['model_args']))
+    from model import TransformerConfig
+    model = Transformer(TransformerConfig(**read(os.path.join(out_dir, 'ckpt.pt'))['model_args']))
     model.load_state_dict(read(os.path.join(out_dir, 'ckpt.pt'))['model'])
     loss, n = full_loss(model.eval(), str(tmp_path / 'val.bin'), 'uint16', 32, 5)
     result = run_script('eval.py', [f'--out_dir={out_dir}', f'--dataset={tmp_path}', '--full=True', '--batch_size=5'])
@@ -173,7 +173,7 @@ def test_train_py_scores_the_mc_file_at_every_evaluation(tmp_path):
     from checkpoint import read
     from data.tokenizer import Tokenizer, read_meta
     from dataloader import data_dir
-    from model import GPTConfig
+    from model import TransformerConfig
     path = write_jsonl(tmp_path / 'mc.jsonl', EXAMPLES * 4)  # 12 examples, 10 scored
     out_dir = tmp_path / 'run'
     result = run_train(f'--out_dir={out_dir}', '--max_iters=6', '--eval_interval=3', f'--eval_mc_path={path}',
@@ -182,7 +182,7 @@ def test_train_py_scores_the_mc_file_at_every_evaluation(tmp_path):
     evals = [r for r in records if r['kind'] == 'eval']
     assert [r['iter'] for r in evals] == [0, 3, 6] and all(0 <= r['mc_acc'] <= 1 for r in evals)
     checkpoint = read(str(out_dir / 'ckpt.pt'))
-    model = GPT(GPTConfig(**checkpoint['model_args']))
+    model = Transformer(TransformerConfig(**checkpoint['model_args']))
     model.load_state_dict(checkpoint['model'])
     encode = Tokenizer.from_meta(read_meta(data_dir('shakespeare_char'))).encode
     scores = mc_accuracy(model, read_mc(path, 10), encode)
@@ -251,7 +251,7 @@ def hf_gpt2(tmp_path_factory):
     import hf
     from export import write_gpt2_tokenizer
     torch.manual_seed(0)
-    model = GPT(tiny_model_config('gpt2', vocab_size=50257, block_size=64, n_layer=1, n_embd=16, n_head=2)).eval()
+    model = Transformer(tiny_model_config('gpt2', vocab_size=50257, block_size=64, n_layer=1, n_embd=16, n_head=2)).eval()
     with torch.no_grad():
         for p in model.parameters():  # more peaked than the init's: the endings' scores differ clearly
             p.mul_(4)

@@ -45,9 +45,9 @@ def one_line_error(result, pattern):
 
 
 def tiny_gpt(vocab_size=VOCAB, seed=0):
-    from model import GPT, GPTConfig
+    from model import Transformer, TransformerConfig
     torch.manual_seed(seed)
-    return GPT(GPTConfig(arch='gpt2', n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=vocab_size))
+    return Transformer(TransformerConfig(arch='gpt2', n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=vocab_size))
 
 
 # -----------------------------------------------------------------------------

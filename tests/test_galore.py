@@ -10,7 +10,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import galore
 import omgd_state  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import Transformer, TransformerConfig  # noqa: E402
 
 LR, BETAS, EPS, WD, SCALE = 0.1, (0.9, 0.95), 1e-8, 0.1, 0.5
 
@@ -253,7 +253,7 @@ def test_state_dict_resume_is_exact():
 
 def tiny_gpt(arch='llama'):
     torch.manual_seed(0)
-    return GPT(GPTConfig(arch=arch, n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16, bias=False))
+    return Transformer(TransformerConfig(arch=arch, n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16, bias=False))
 
 
 def test_build_optimizer_groups():

@@ -1,10 +1,10 @@
-"""GPT.generate with a KV cache (model.KVCache): the tokens of the uncached loop, for GPT-2 and LLaMA
+"""Transformer.generate with a KV cache (model.KVCache): the tokens of the uncached loop, for GPT-2 and LLaMA
 (grouped-query attention included), across the block_size crop, under memory_options.py's wrappers."""
 import pytest
 import torch
 
 from conftest import tiny_model_config
-from model import GPT, KVCache
+from model import Transformer, KVCache
 
 ARCHS = {
     'gpt2': dict(arch='gpt2'),
@@ -15,7 +15,7 @@ ARCHS = {
 
 def tiny(name, seed=0, **kw):
     torch.manual_seed(seed)
-    model = GPT(tiny_model_config(**{**ARCHS[name], **kw})).eval()
+    model = Transformer(tiny_model_config(**{**ARCHS[name], **kw})).eval()
     # larger weights than the init's: peaked distributions, so the greedy tokens vary along a sequence
     with torch.no_grad():
         for p in model.parameters():

@@ -53,11 +53,11 @@ def test_train_resume_on_the_gpu_is_bitwise(tmp_path):
 @pytest.mark.parametrize('method', ['lisa_wor', 'tensor_wor', 'tensor_iid', 'full'])
 def test_compiled_blocks_with_inductor_do_not_hit_the_recompile_limit(method):
     """memory_options.compile_blocks with the default backend (inductor), bf16 autocast: no recompile storm."""
-    from model import GPT, GPTConfig
+    from model import Transformer, TransformerConfig
     import omgd
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = GPT(GPTConfig(arch='llama', n_layer=4, n_head=2, n_kv_head=1, n_embd=64, block_size=32,
+    model = Transformer(TransformerConfig(arch='llama', n_layer=4, n_head=2, n_kv_head=1, n_embd=64, block_size=32,
                           vocab_size=64)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     kind = omgd.METHODS.get(method)

@@ -18,7 +18,7 @@ sys.path.insert(0, ROOT)
 
 import export  # noqa: E402
 import hf  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import Transformer, TransformerConfig  # noqa: E402
 
 transformers = pytest.importorskip('transformers')
 VOCAB, POSITIONS = 96, 16  # >= the 80 characters of data/shakespeare_char, which train.py reads
@@ -84,7 +84,7 @@ def test_import_gives_transformers_logits(tmp_path, kind):
     if kind.startswith('gpt2'):
         # the check can fail: GPT-2 with exact GELU is far off (why the tanh option exists)
         assert model.config.gelu == 'tanh'
-        exact = GPT(GPTConfig(**{**vars(model.config), 'gelu': 'exact'})).eval()
+        exact = Transformer(TransformerConfig(**{**vars(model.config), 'gelu': 'exact'})).eval()
         exact.load_state_dict(model.state_dict())
         assert (our_logits(exact, idx) - expected).abs().max() > 1e-4
 
@@ -97,7 +97,7 @@ def test_import_gives_transformers_logits(tmp_path, kind):
     dict(arch='llama', tie_embeddings=True, mlp_hidden=40),
 ])
 def test_export_gives_transformers_logits(tmp_path, args):
-    model = randomize(GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=POSITIONS, vocab_size=VOCAB,
+    model = randomize(Transformer(TransformerConfig(n_layer=2, n_head=4, n_embd=32, block_size=POSITIONS, vocab_size=VOCAB,
                                     **args))).eval()
     hf.save(model, str(tmp_path))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
@@ -108,7 +108,7 @@ def test_export_gives_transformers_logits(tmp_path, args):
     ours = our_logits(model, idx)
     assert (ours - theirs(idx).logits).abs().max() < 1e-5
     if args['arch'] == 'gpt2':  # the check can fail: the other GELU is far off on these weights
-        other = GPT(GPTConfig(**{**vars(model.config), 'gelu': 'exact' if model.config.gelu == 'tanh' else 'tanh'}))
+        other = Transformer(TransformerConfig(**{**vars(model.config), 'gelu': 'exact' if model.config.gelu == 'tanh' else 'tanh'}))
         other.load_state_dict(model.state_dict())
         assert (our_logits(other.eval(), idx) - ours).abs().max() > 1e-4
 
@@ -117,10 +117,10 @@ def test_old_checkpoints_keep_exact_gelu_and_their_tying():
     """model_args saved before the gelu and tie_embeddings fields existed build what they built then."""
     old = dict(arch='gpt2', block_size=16, vocab_size=65, n_layer=1, n_head=2, n_kv_head=2, n_embd=16,
                mlp_hidden=64, dropout=0.0, bias=False, rope_theta=10000.0, norm_eps=1e-5)
-    gpt2 = GPT(GPTConfig(**old))
+    gpt2 = Transformer(TransformerConfig(**old))
     assert gpt2.config.gelu == 'exact' and gpt2.blocks[0].mlp.approximate == 'none'
     assert gpt2.lm_head.weight is gpt2.wte.weight
-    llama = GPT(GPTConfig(**dict(old, arch='llama')))
+    llama = Transformer(TransformerConfig(**dict(old, arch='llama')))
     assert llama.lm_head.weight is not llama.wte.weight and not llama.config.tie_embeddings
 
 
@@ -267,7 +267,7 @@ def export_dir(out_dir, hf_dir):
 
 def checkpoint_model(out_dir):
     checkpoint = torch.load(out_dir / 'ckpt.pt', weights_only=True)
-    model = GPT(GPTConfig(**checkpoint['model_args']))
+    model = Transformer(TransformerConfig(**checkpoint['model_args']))
     model.load_state_dict(checkpoint['model'])
     return model.eval()
 
@@ -285,7 +285,7 @@ def test_init_from_hf_then_export_gives_the_same_tensors(tmp_path, kind):
         assert before[k].dtype == after[k].dtype and torch.equal(before[k], after[k]), k
     hf_in = json.loads((tmp_path / 'in' / 'config.json').read_text())
     hf_out = json.loads((tmp_path / 'out' / 'config.json').read_text())
-    assert GPTConfig(**hf.config_from_hf(hf_in)) == GPTConfig(**hf.config_from_hf(hf_out))
+    assert TransformerConfig(**hf.config_from_hf(hf_in)) == TransformerConfig(**hf.config_from_hf(hf_out))
 
 
 @pytest.mark.parametrize('start', ['scratch-gpt2', 'scratch-llama', 'hf-gpt2-untied', 'hf-llama-tied'])
@@ -336,7 +336,7 @@ def test_train_refuses_what_does_not_fit_the_pretrained_model(tmp_path):
 
 
 def fake_checkpoint(out_dir, dataset, arch='gpt2', vocab_size=VOCAB):
-    model = GPT(GPTConfig(arch=arch, n_layer=1, n_head=2, n_embd=16, block_size=POSITIONS, vocab_size=vocab_size))
+    model = Transformer(TransformerConfig(arch=arch, n_layer=1, n_head=2, n_embd=16, block_size=POSITIONS, vocab_size=vocab_size))
     out_dir.mkdir()
     torch.save({'model': model.state_dict(), 'model_args': vars(model.config), 'iter_num': 0,
                 'config': {'dataset': str(dataset)}}, out_dir / 'ckpt.pt')
@@ -363,9 +363,9 @@ def test_gpt2_bpe_dataset_exports_gpt2s_tokenizer(tmp_path):
 def test_a_sharded_export_generates_our_greedy_tokens_in_transformers(tmp_path, arch):
     """max_shard_size splits the weights into shards with an index (save_pretrained's layout); transformers
     loads them with the exported GPT-2 tokenizer and, greedy, generates the tokens our model generates
-    (GPT.generate with top_k=1, what sample.py runs)."""
+    (Transformer.generate with top_k=1, what sample.py runs)."""
     (tmp_path / 'data').mkdir()  # no meta.pkl: GPT-2 BPE
-    model = randomize(GPT(GPTConfig(arch=arch, n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=50304)))
+    model = randomize(Transformer(TransformerConfig(arch=arch, n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=50304)))
     (tmp_path / 'run').mkdir()
     torch.save({'model': model.state_dict(), 'model_args': vars(model.config), 'iter_num': 0,
                 'config': {'dataset': str(tmp_path / 'data')}}, tmp_path / 'run' / 'ckpt.pt')

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import memory_options  # noqa: E402
-from model import GPT  # noqa: E402
+from model import Transformer  # noqa: E402
 
 torch.set_num_threads(1)  # the CPU is shared; tiny models don't need more
 
@@ -23,7 +23,7 @@ from conftest import TINY_MODELS as TINY, random_batch as batch, tiny_model_conf
 def test_activation_checkpointing_matches(arch):
     torch.manual_seed(0)
     cfg = TINY[arch]()
-    model = GPT(cfg).train()
+    model = Transformer(cfg).train()
     x, y = batch(cfg)
 
     def run():
@@ -80,7 +80,7 @@ def test_training_forward_holds_no_logits(arch):
     # the vocabulary is wider than the MLP and there are more tokens than n_embd, so only the
     # logits (and the log-probabilities) reach tokens x vocab floats, not a weight gradient
     cfg = tiny(arch, vocab_size=512, block_size=32)
-    model = GPT(cfg).train()
+    model = Transformer(cfg).train()
     x, y = batch(cfg)
     logits_bytes = x.numel() * cfg.vocab_size * 4
     tracker = LiveStorages(list(model.parameters()), list(model.buffers()), x, y)
@@ -105,7 +105,7 @@ def run_grads(model, x, y):
 def test_chunked_loss_matches_full(arch, chunk):
     torch.manual_seed(0)
     cfg = TINY[arch]()
-    model = GPT(cfg).train()
+    model = Transformer(cfg).train()
     x, y = batch(cfg)
     y[0, 3:] = -1  # ignored targets, across chunk boundaries and filling whole chunks
     # each case against the unchunked loss: all trainable, frozen head (no dW), only the head (no dx)
@@ -149,7 +149,7 @@ def test_chunked_loss_under_autocast(arch):
     (bf16 against fp32 differs by up to 1.5% here)."""
     torch.manual_seed(0)
     cfg = tiny(arch, vocab_size=512, block_size=32)
-    model = GPT(cfg).train()
+    model = Transformer(cfg).train()
     x, y = batch(cfg)
     y[0, 3:] = -1
     with torch.autocast('cpu', torch.bfloat16):
@@ -174,7 +174,7 @@ def test_chunked_loss_keeps_one_chunk_of_logits():
     buffers exist at once (the chunk's logits and their gradient)."""
     torch.manual_seed(0)
     cfg = tiny('llama', vocab_size=512)
-    model = GPT(cfg)
+    model = Transformer(cfg)
     n, chunk, C, V = 64, 16, cfg.n_embd, cfg.vocab_size
     x = torch.randn(n, C, requires_grad=True)
     y = torch.randint(0, V, (n,))
@@ -226,7 +226,7 @@ def test_frozen_block_saves_only_what_its_input_gradient_needs(arch):
     only for the other operand's gradient."""
     torch.manual_seed(0)
     cfg = TINY[arch]()
-    model = GPT(cfg)
+    model = Transformer(cfg)
     block = model.blocks[0]
     T = cfg.block_size
     x = torch.randn(2, T, cfg.n_embd, requires_grad=True)
@@ -250,7 +250,7 @@ def test_frozen_block_under_autocast_keeps_no_weight_copies(arch, monkeypatch):
     of its matrices less, with the same input gradient bitwise."""
     torch.manual_seed(0)
     cfg = TINY[arch]()
-    model = GPT(cfg)
+    model = Transformer(cfg)
     block = model.blocks[0].requires_grad_(False)
     T = cfg.block_size
     x = torch.randn(2, T, cfg.n_embd, requires_grad=True)
@@ -280,7 +280,7 @@ def test_activation_offload(arch, monkeypatch):
     view once, and the backward on those copies still gives the same gradients bitwise."""
     torch.manual_seed(0)
     cfg = TINY[arch]()
-    model = GPT(cfg).train()
+    model = Transformer(cfg).train()
     x, y = batch(cfg)
     for ckpt, chunk in ((False, 0), (True, 0), (False, 7), (True, 7)):
         memory_options.apply(model, activation_checkpointing=ckpt, loss_chunk=chunk)
@@ -321,7 +321,7 @@ def test_offload_leaves_weights_in_place(autocast):
     does)."""
     torch.manual_seed(0)
     cfg = tiny('llama', n_kv_head=2, block_size=12)
-    model = GPT(cfg).train()
+    model = Transformer(cfg).train()
     model.blocks[1].requires_grad_(False)  # frozen weights are saved too (for the input gradient)
     x, y = batch(cfg)
     shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape[::-1]) for p in model.parameters()}
@@ -355,7 +355,7 @@ def test_chunked_loss_sums_a_bf16_weight_gradient_in_fp32():
 
     def errors(chunks):
         xs, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
-        if chunks == 1:  # the unchunked head, as GPT.head_loss computes it
+        if chunks == 1:  # the unchunked head, as Transformer.head_loss computes it
             loss = torch.nn.functional.cross_entropy(torch.nn.functional.linear(xs, w).float(), y, ignore_index=-1)
         else:
             loss = memory_options.ChunkedLinearCE.apply(xs, w, y, n // chunks)
@@ -387,7 +387,7 @@ def test_check_fits_under_fsdp_counts_this_ranks_shards(monkeypatch):
     row['peak'] = sum(row.values())
     monkeypatch.setattr(memory_estimate, 'available_bytes', lambda device: 4 * gib)
     # the model's 4-byte weights are tiny: make them count as over a quarter of the free memory
-    bytes_per_weight = gib // sum(p.numel() for p in GPT(cfg).parameters()) + 1
+    bytes_per_weight = gib // sum(p.numel() for p in Transformer(cfg).parameters()) + 1
     calls = []
 
     def estimate():
@@ -415,10 +415,10 @@ def test_unit_params_and_the_estimate_of_one_device():
     import memory_estimate
     import training
     from conftest import train_defaults
-    from model import GPTConfig
+    from model import TransformerConfig
     train_cfg = train_defaults(n_layer=3, n_head=4, n_embd=32, block_size=16, vocab_size=64, batch_size=2)
-    cfg = GPTConfig(**training.gpt_kwargs(train_cfg))
-    model = GPT(cfg)
+    cfg = TransformerConfig(**training.gpt_kwargs(train_cfg))
+    model = Transformer(cfg)
     block, root = memory_estimate.unit_params(cfg)
     assert block == sum(p.numel() for p in model.blocks[0].parameters())
     assert root + 3 * block == sum(p.numel() for p in model.parameters())  # a tied head counted once

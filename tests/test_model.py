@@ -8,7 +8,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model import GPT, GPTConfig, PRESETS, config_from_preset  # noqa: E402
+from model import Transformer, TransformerConfig, PRESETS, config_from_preset  # noqa: E402
 
 torch.set_num_threads(1)  # the CPU is shared; tiny models don't need more
 
@@ -18,7 +18,7 @@ from conftest import TINY_MODELS as TINY, random_batch as batch, tiny_model_conf
 @pytest.mark.parametrize('name,expected', [('gpt2', 124_439_808), ('llama-7b', 6_738_415_616)])
 def test_param_counts_on_meta(name, expected):
     with torch.device('meta'):
-        model = GPT(config_from_preset(name))
+        model = Transformer(config_from_preset(name))
     assert model.get_num_params(non_embedding=False) == expected
     assert all(p.is_meta for p in model.parameters())
     assert all(b.is_meta for b in model.buffers())
@@ -26,8 +26,8 @@ def test_param_counts_on_meta(name, expected):
 
 def test_non_embedding_counts():
     with torch.device('meta'):
-        g = GPT(config_from_preset('gpt2'))
-        l = GPT(config_from_preset('llama-60m'))
+        g = Transformer(config_from_preset('gpt2'))
+        l = Transformer(config_from_preset('llama-60m'))
     assert g.get_num_params() == 124_439_808 - 1024 * 768  # minus wpe only (wte is the head)
     assert l.get_num_params() == l.get_num_params(False) - 32000 * 512  # minus untied wte
 
@@ -37,8 +37,8 @@ def test_presets_build_valid_configs():
         config_from_preset(name)
     assert config_from_preset('llama-7b').mlp_hidden == 11008
     # the LLaMA 8/3 rule reproduces 7b's hidden size when left at 0
-    assert GPTConfig(arch='llama', n_embd=4096, n_head=32).mlp_hidden == 11008
-    assert GPTConfig(arch='gpt2', n_embd=64, n_head=4).mlp_hidden == 256
+    assert TransformerConfig(arch='llama', n_embd=4096, n_head=32).mlp_hidden == 11008
+    assert TransformerConfig(arch='gpt2', n_embd=64, n_head=4).mlp_hidden == 256
     assert config_from_preset('llama-60m', block_size=512).block_size == 512
 
 
@@ -50,7 +50,7 @@ def test_presets_build_valid_configs():
 ])
 def test_bad_config_gives_clear_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        GPTConfig(**kwargs)
+        TransformerConfig(**kwargs)
 
 
 def test_unknown_preset_names_valid_ones():
@@ -67,7 +67,7 @@ def test_config_roundtrips_through_weights_only_load():
     torch.save({'config': dataclasses.asdict(cfg)}, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=True)
-    assert GPTConfig(**loaded['config']) == cfg
+    assert TransformerConfig(**loaded['config']) == cfg
 
 
 def all_logits(model, x):
@@ -78,7 +78,7 @@ def all_logits(model, x):
 def test_forward_shapes_and_loss(arch):
     torch.manual_seed(0)
     cfg = TINY[arch]()
-    model = GPT(cfg)
+    model = Transformer(cfg)
     x, y = batch(cfg)
     logits, loss = model(x, y)
     assert logits is None  # a training forward returns no logits (see test_training_forward_holds_no_logits)
@@ -97,7 +97,7 @@ def test_forward_shapes_and_loss(arch):
 def test_ignore_index():
     torch.manual_seed(0)
     cfg = TINY['gpt2']()
-    model = GPT(cfg)
+    model = Transformer(cfg)
     x, y = batch(cfg)
     y2 = y.clone()
     y2[:, ::2] = -1
@@ -109,13 +109,13 @@ def test_ignore_index():
 
 
 def test_layout_and_weight_tying():
-    g = GPT(TINY['gpt2']())
+    g = Transformer(TINY['gpt2']())
     assert g.lm_head.weight is g.wte.weight
     assert isinstance(g.blocks, torch.nn.ModuleList) and len(g.blocks) == 2
     assert set(g.outer_modules()) == {'embed', 'pos', 'norm', 'head'}
     assert g.outer_modules()['pos'] is g.wpe
 
-    l = GPT(TINY['llama']())
+    l = Transformer(TINY['llama']())
     assert l.lm_head.weight is not l.wte.weight
     assert l.wpe is None
     assert set(l.outer_modules()) == {'embed', 'norm', 'head'}
@@ -128,7 +128,7 @@ def test_layout_and_weight_tying():
 
 def test_outer_modules_plus_blocks_cover_all_params():
     for arch in TINY:
-        m = GPT(TINY[arch]())
+        m = Transformer(TINY[arch]())
         ids = {id(p) for mod in m.outer_modules().values() for p in mod.parameters()}
         ids |= {id(p) for p in m.blocks.parameters()}
         assert ids == {id(p) for p in m.parameters()}
@@ -138,7 +138,7 @@ def test_outer_modules_plus_blocks_cover_all_params():
 def test_causal(arch):
     torch.manual_seed(0)
     cfg = TINY[arch]()
-    model = GPT(cfg).eval()
+    model = Transformer(cfg).eval()
     x, _ = batch(cfg)
     x2 = x.clone()
     x2[:, -1] = (x[:, -1] + 1) % cfg.vocab_size
@@ -151,7 +151,7 @@ def test_causal(arch):
 def test_generate_shape(arch):
     torch.manual_seed(0)
     cfg = TINY[arch]()
-    model = GPT(cfg).eval()
+    model = Transformer(cfg).eval()
     idx = torch.zeros(2, 3, dtype=torch.long)
     out = model.generate(idx, max_new_tokens=20, temperature=0.8, top_k=5)  # grows past block_size
     assert out.shape == (2, 23)
@@ -161,7 +161,7 @@ def test_generate_shape(arch):
 @pytest.mark.parametrize('arch', ['gpt2', 'llama'])
 def test_crop_block_size(arch):
     cfg = TINY[arch]()
-    model = GPT(cfg).eval()
+    model = Transformer(cfg).eval()
     x, _ = batch(cfg, t=8)
     before = all_logits(model, x)
     model.crop_block_size(8)
@@ -175,20 +175,20 @@ def test_crop_block_size(arch):
 def test_meta_build_then_materialize():
     cfg = TINY['llama']()
     with torch.device('meta'):
-        model = GPT(cfg)
+        model = Transformer(cfg)
     model.to_empty(device='cpu')
     model.init_weights()
     x, y = batch(cfg)
     _, loss = model(x, y)
     assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.1
-    ref = GPT(cfg)
+    ref = Transformer(cfg)
     assert torch.equal(model.rotary.cos, ref.rotary.cos) and torch.equal(model.rotary.sin, ref.rotary.sin)
 
 
 def test_flops_per_token_counts_frozen_blocks_at_4N():
     cfg = config_from_preset('gpt2')
     with torch.device('meta'):
-        model = GPT(cfg)
+        model = Transformer(cfg)
     N = model.get_num_params()  # wpe excluded; blocks + the tied wte/head + ln_f
     attention = 12 * 12 * 12 * 64 * 1024
     ln_f = 2 * 768
@@ -198,7 +198,7 @@ def test_flops_per_token_counts_frozen_blocks_at_4N():
     assert model.estimate_flops_per_token() == 6 * (N - ln_f) - 2 * frozen + attention
 
 def test_flops_per_token_skip_the_backward_below_every_trainable_parameter():
-    model = GPT(TINY['llama']())  # untied head: the embedding can freeze alone
+    model = Transformer(TINY['llama']())  # untied head: the embedding can freeze alone
     cfg = model.config
     B = sum(p.numel() for p in model.blocks[0].parameters())
     H = model.lm_head.weight.numel()

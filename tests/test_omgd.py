@@ -11,13 +11,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import omgd  # noqa: E402
 import omgd_state  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import Transformer, TransformerConfig  # noqa: E402
 from optim import param_groups  # noqa: E402
 
 
 def tiny_gpt(n_layer=6, seed=0):
     torch.manual_seed(seed)
-    return GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, block_size=8, vocab_size=32, bias=False))
+    return Transformer(TransformerConfig(n_layer=n_layer, n_head=2, n_embd=16, block_size=8, vocab_size=32, bias=False))
 
 
 def batch(seed=0, size=4):
@@ -545,7 +545,7 @@ def test_bad_config_gives_clear_error(kwargs, message):
 
 
 def test_tensor_methods_accept_every_outer_part_of_the_model():
-    model = GPT(GPTConfig(arch='llama', n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32))
+    model = Transformer(TransformerConfig(arch='llama', n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32))
     opt = torch.optim.AdamW(model.parameters())
     # no 'pos' in llama
     cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig('tensor_iid', always=('embed', 'norm', 'head')))

@@ -9,7 +9,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import omgd  # noqa: E402
 import omgd_state  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import Transformer, TransformerConfig  # noqa: E402
 from optim import MasterAdamW, adamw, param_groups  # noqa: E402
 
 LR, BETAS, EPS, WD = 0.01, (0.9, 0.95), 1e-8, 0.1
@@ -243,7 +243,7 @@ TINY = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 
 
 def test_adamw_keeps_frozen_params():
-    model = GPT(GPTConfig(arch='llama', **TINY))
+    model = Transformer(TransformerConfig(arch='llama', **TINY))
     for p in model.blocks[1].parameters():
         p.requires_grad_(False)
     opt = adamw(model, 0.1, 1e-3, (0.9, 0.95), 'cpu')
@@ -257,7 +257,7 @@ def test_adamw_keeps_frozen_params():
 
 
 def test_param_groups_dedupes_tied_weights():
-    model = GPT(GPTConfig(arch='gpt2', **TINY))
+    model = Transformer(TransformerConfig(arch='gpt2', **TINY))
     groups = param_groups(model, 0.1)
     ps = [p for g in groups for p in g['params']]
     assert len(ps) == len({id(p) for p in ps}) == len(list(model.parameters()))

@@ -143,11 +143,11 @@ def test_impossible_combinations_are_refused(cfg, message):
                                        dict(arch='gpt2', tie_embeddings=False)], ids=['gpt2', 'llama-gqa', 'untied'])
 def test_new_model_has_the_weights_of_a_cpu_fp32_build(arch_args, dtype):
     """training.new_model builds on meta and fills the tensors where they live, in their dtype;
-    the weights, buffers and the RNG state after it are those of GPT(config) on the CPU, cast."""
-    from model import GPT, GPTConfig
-    config = GPTConfig(**{**dict(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=50), **arch_args})
+    the weights, buffers and the RNG state after it are those of Transformer(config) on the CPU, cast."""
+    from model import Transformer, TransformerConfig
+    config = TransformerConfig(**{**dict(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=50), **arch_args})
     torch.manual_seed(3)
-    reference = GPT(config).to(dtype)
+    reference = Transformer(config).to(dtype)
     rng_after_reference = torch.get_rng_state()
     torch.manual_seed(3)
     model = training.new_model(config, 'cpu', dtype)
@@ -163,8 +163,8 @@ def test_new_model_has_the_weights_of_a_cpu_fp32_build(arch_args, dtype):
 def test_new_model_drawn_on_the_device_is_initialised_like_a_cpu_build():
     """cpu_draws=False (the benchmarks) draws where the weights live, in their dtype: the same init
     (on a GPU other values; on the CPU bf16 draws happen to equal fp32 draws cast)."""
-    from model import GPTConfig
-    config = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=64)
+    from model import TransformerConfig
+    config = TransformerConfig(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=64)
     torch.manual_seed(3)
     reference = training.new_model(config, 'cpu', torch.bfloat16)
     torch.manual_seed(3)
