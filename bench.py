@@ -49,7 +49,7 @@ import memory_options
 import memory_estimate
 import train_config
 import training
-from configurator import ConfigError, at_least, configure
+from configurator import at_least, command_line
 
 # keys of this script only (train.py has none of these names); `device` has its own values here
 OWN_KEYS = dict(methods='', precisions='', steps=20, warmup_steps=5, interleave=False, out='', profile='')
@@ -205,10 +205,10 @@ def check(cfg):
 
 
 def main(argv):
+    cfg = command_line(argv, DEFAULTS, RULES, __doc__, train_config.meanings())
     try:
-        cfg = configure(DEFAULTS, argv, RULES)
         device, row_cfgs, config = check(cfg)
-    except (ConfigError, ValueError) as e:
+    except ValueError as e:
         sys.exit(f"error: {e}")
     if device.type == 'cuda':  # as train.py
         torch.backends.cuda.matmul.allow_tf32 = True

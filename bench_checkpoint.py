@@ -28,7 +28,7 @@ import checkpoint_dcp
 import distributed
 import train_config
 import training
-from configurator import configure
+from configurator import command_line
 
 DEFAULTS = dict(preset='gpt2', vocab_size=50304, parallel='fsdp', out_dir='bench-checkpoint',
                 formats='file,dcp,dcp_async', phase='both')
@@ -79,7 +79,7 @@ class Phase:
 
 
 def main(argv):
-    cfg = configure(DEFAULTS, argv)
+    cfg = command_line(argv, DEFAULTS, usage=__doc__)
     ranks, device = distributed.setup('gloo', 'cpu')
     fsdp = ranks.enabled and cfg['parallel'] == 'fsdp'
     train_cfg = {**train_config.DEFAULTS, **train_config.machine_defaults(cuda=False), 'preset': cfg['preset'],

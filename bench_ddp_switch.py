@@ -18,24 +18,24 @@ For several LISA-wor switches this times, as the slowest rank sees it:
            steady backward communicates (and, once, of all the model's elements, for comparison).
 Rank 0 prints one row per switch and the medians.
 """
-import argparse
 import statistics
+import sys
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 import distributed
 import omgd
+from configurator import at_least, command_line
 from model import Transformer, TransformerConfig, config_from_preset
 
-parser = argparse.ArgumentParser()
-parser.add_argument('--preset', default='gpt2', help="a model.py preset, or 'tiny' (the tests' 4x32 model)")
-parser.add_argument('--gamma', type=int, default=3, help='active blocks per period (the GPT-2 config: 3 of 12)')
-parser.add_argument('--switches', type=int, default=5)
-parser.add_argument('--batch_size', type=int, default=1)
-parser.add_argument('--block_size', type=int, default=64)
-args = parser.parse_args()
+DEFAULTS = dict(preset='gpt2', gamma=3, switches=5, batch_size=1, block_size=64)
+MEANINGS = dict(preset="a model.py preset, or 'tiny' (the tests' 4x32 model)",
+                gamma='active blocks per period (the GPT-2 config: 3 of 12)', switches='switches timed')
+RULES = {k: at_least(1) for k in ('gamma', 'switches', 'batch_size', 'block_size')}
+args = SimpleNamespace(**command_line(sys.argv[1:], DEFAULTS, RULES, __doc__, MEANINGS))
 
 ranks, _ = distributed.setup('gloo', 'cpu')
 if not ranks.enabled:

@@ -57,18 +57,14 @@ def timed(model, idx, new_tokens, use_cache, device, autocast):
 def main(argv):
     from contextlib import nullcontext
     from checkpoint import CheckpointError
-    from configurator import ConfigError, configure, wants_help
+    from configurator import command_line
     from train_config import check_device
-    if wants_help(argv):
-        print("usage: python bench_generate.py [--key=value ...]\n\nkeys (default, meaning):\n" +
-              '\n'.join(f"  {f'--{k}={v!r}':<26} {HELP[k]}" for k, v in DEFAULTS.items()))
-        return
+    cfg = command_line(argv, DEFAULTS, rules(), "usage: python bench_generate.py [--key=value ...]", HELP)
     try:
-        cfg = configure(DEFAULTS, argv, rules())
         check_device(cfg['device'])
         torch.manual_seed(cfg['seed'])
         model, what = build(cfg)
-    except (ConfigError, CheckpointError, ValueError) as e:
+    except (CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
     device = cfg['device']
     model.eval().to(device)

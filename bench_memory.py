@@ -80,7 +80,7 @@ import torch
 
 import train_config
 import training
-from configurator import ConfigError, at_least, check_rule, configure
+from configurator import at_least, check_rule, command_line
 from memory_estimate import check_fits, measure, model_config, model_name, precision_label, resolve_device, row_configs
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -280,10 +280,10 @@ def output_prefix(cfg):
 
 
 def main(argv):
+    cfg = command_line(argv, DEFAULTS, RULES, __doc__, train_config.meanings())
     try:
-        cfg = configure(DEFAULTS, argv, RULES)
         result = run(cfg, argv)
-    except (ConfigError, ValueError) as e:
+    except ValueError as e:
         sys.exit(f"error: {e}")
     prefix = output_prefix(cfg)
     try:

@@ -14,6 +14,7 @@ Every script's keys go through here, so a bad value is the same one-line error e
 import ast
 import difflib
 import math
+import sys
 import traceback
 
 INT64 = (-2**63, 2**63 - 1)  # the range of every int value
@@ -133,6 +134,24 @@ def check_rule(key, value, rule):
 
 def wants_help(argv):
     return any(arg in ('-h', '--help') for arg in argv)
+
+
+def help_text(defaults, meanings=None):
+    """--help's key list: every key with its default and, where `meanings` has it, what it means."""
+    return '\n'.join(f"  {f'--{k}={v!r}':<36} {(meanings or {}).get(k, '')}".rstrip() for k, v in defaults.items())
+
+
+def command_line(argv, defaults, rules=None, usage='', meanings=None):
+    """Every script's command line, the one way: config files and --key=value over `defaults`, each
+    value typed and checked (configure). --help or -h prints `usage` and every key (help_text), then
+    exits 0; a bad argument exits 1 with one `error:` line."""
+    if wants_help(argv):
+        print(f"{usage.strip()}\n\nkeys (default, meaning):\n{help_text(defaults, meanings)}")
+        sys.exit(0)
+    try:
+        return configure(defaults, argv, rules)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
 
 
 def configure(defaults, argv, rules=None, given=None):

@@ -354,17 +354,13 @@ def export_for_lm_eval(out_dir, hf_dir):
 
 def main(argv):
     from checkpoint import CheckpointError
-    from configurator import ConfigError, configure, wants_help
+    from configurator import command_line
     from train_config import check_device
-    if wants_help(argv):
-        print("usage: python eval.py [--key=value ...]\n\nkeys (default, meaning):\n" +
-              '\n'.join(f"  {f'--{k}={v!r}':<28} {HELP[k]}" for k, v in DEFAULTS.items()))
-        return
+    cfg = command_line(argv, DEFAULTS, rules(), "usage: python eval.py [--key=value ...]", HELP)
     try:
-        cfg = configure(DEFAULTS, argv, rules())
         check_device(cfg['device'])
         evaluate(cfg)
-    except (ConfigError, CheckpointError, EvalError, ValueError) as e:
+    except (CheckpointError, EvalError, ValueError) as e:
         sys.exit(f"error: {(str(e).splitlines() or [''])[0]}")
 
 

@@ -230,15 +230,12 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_s
 
 def main(argv):
     from checkpoint import CheckpointError
-    from configurator import ConfigError, configure
-    if any(arg in ('-h', '--help') for arg in argv):
-        print(__doc__.strip())
-        return
+    from configurator import command_line
     defaults = dict(out_dir='out', hf_dir='', dtype='', overwrite=False, tokenizer='', max_shard_size='5GB')
+    cfg = command_line(argv, defaults, usage=__doc__)
     try:
-        cfg = configure(defaults, argv)
         export(**cfg)
-    except (ConfigError, ExportError, CheckpointError) as e:
+    except (ExportError, CheckpointError) as e:
         sys.exit(f"error: {e}")
 
 

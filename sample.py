@@ -37,23 +37,19 @@ def rules():
 
 def main(argv):
     from checkpoint import CheckpointError, read_any
-    from configurator import ConfigError, configure, wants_help
+    from configurator import command_line
     from dataloader import data_dir
     from model import Transformer, TransformerConfig
     from train_config import check_device
-    if wants_help(argv):
-        print("usage: python sample.py [--key=value ...]\n\nkeys (default, meaning):\n" +
-              '\n'.join(f"  {f'--{k}={v!r}':<28} {HELP[k]}" for k, v in DEFAULTS.items()))
-        return
+    cfg = command_line(argv, DEFAULTS, rules(), "usage: python sample.py [--key=value ...]", HELP)
     try:
-        cfg = configure(DEFAULTS, argv, rules())
         check_device(cfg['device'])
         path = os.path.join(cfg['out_dir'], 'ckpt.pt')  # named by the error below if the read fails
         # into host memory (mapped), whatever the device: the model alone moves there, below
         checkpoint, path = read_any(cfg['out_dir'], map_location='cpu', mmap=True, optimizer=False)
         model = Transformer(TransformerConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
-    except (ConfigError, CheckpointError, ValueError) as e:
+    except (CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
     except (RuntimeError, KeyError, TypeError) as e:  # a readable file that is not one of train.py's checkpoints
         sys.exit(f"error: {path} is not a checkpoint of train.py ({type(e).__name__}); give the "

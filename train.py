@@ -35,7 +35,7 @@ import ddp_check
 import distributed
 import train_config
 import training
-from configurator import ConfigError, format_config, wants_help
+from configurator import ConfigError, format_config, help_text, wants_help
 from dataloader import check_vocab, data_dir, dataset_vocab, open_splits, prepare_if_embedded
 import memory_options
 import multiple_choice
@@ -95,7 +95,7 @@ def main(argv):
     # --key=value override them, in order, all checked before anything is built
     if wants_help(argv):
         print(f"usage: python train.py [config/FILE.py ...] [--key=value ...]\n\nkeys (default, meaning):\n"
-              f"{train_config.help_text()}")
+              f"{help_text(train_config.DEFAULTS, train_config.meanings())}")
         return 0
     given_keys = set()  # the keys the command line and config files set: a resume refuses architecture overrides
     try:

@@ -294,11 +294,11 @@ def gpu_defaults():
     return {**DEFAULTS, **machine_defaults(True)}
 
 
-def help_text(path=__file__):
-    """`--help`: every key with its default and the comment of its line above."""
-    lines = []
+def meanings(path=__file__):
+    """{key: the comment of its line above}: what `--help` says of each key."""
+    out = {}
     for line in open(path, encoding='utf-8'):
         name = line.split(' = ', 1)[0]
         if name in DEFAULTS and '  # ' in line:
-            lines.append(f"  {f'--{name}={DEFAULTS[name]!r}':<36} {line.split('  # ', 1)[1].rstrip()}")
-    return '\n'.join(lines)
+            out[name] = line.split('  # ', 1)[1].rstrip()
+    return out

@@ -162,3 +162,23 @@ def cycler_of(**fields):
     model = tiny_model()
     return omgd.build_cycler(model, torch.optim.AdamW(model.parameters()),
                              omgd.CyclerConfig(**{'method': 'lisa_wor', 'gamma': 1, **fields}))
+
+
+SCRIPTS = ('train.py', 'sample.py', 'eval.py', 'export.py', 'bench.py', 'bench_memory.py', 'bench_checkpoint.py',
+           'bench_generate.py', 'bench_ddp_switch.py')
+
+
+@pytest.mark.parametrize('script', SCRIPTS)
+def test_every_script_has_the_one_command_line(script):
+    """configurator's --key=value for every script: --help lists each key with its default and exits 0;
+    a key the script does not have, or a bare word of argparse's style, is one `error:` line."""
+    from conftest import run_script
+    result = run_script(script, ['--help'])
+    assert result.returncode == 0 and result.stderr == '', result.stderr[-500:]
+    assert 'keys (default, meaning):' in result.stdout
+    assert any(line.startswith('  --') and '=' in line for line in result.stdout.splitlines())
+    for bad, message in ((['--no_such_key=1'], "unknown key 'no_such_key'"), (['--seeds', '3'], 'expected --key=value')):
+        result = run_script(script, bad)
+        assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr[-800:]
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith('error: '), result.stderr[-800:]
