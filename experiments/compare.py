@@ -12,7 +12,7 @@ one seed are paired (experiments/stats.py).
 Memory: on CPU there is no allocator peak, so the table reports the exact bytes of gradients and
 optimizer state right after the first optimizer step following a switch (omgd_state.memory_bytes, from
 train_step's before_zero_grad hook). The config is the runs' own: the train.py arguments of a run
-(train_command, --train_arg included) parsed by train.py's configurator; the model, optimizer and
+(train_command, --train_args included) parsed by train.py's configurator; the model, optimizer and
 cycler come from training.build and every iteration is training.Trainer.step, as in train.py.
 Activations are not included.
 
@@ -24,9 +24,8 @@ Variants are METHOD or METHOD:SAMPLING (sampling rr by default), e.g.
 
 Outputs in --out_dir (default out/, git-ignored; results/ only when named): NAME.md (table),
 NAME.json (everything, curves included) and NAME_loss.png (val loss vs iteration, mean over seeds,
-band = min..max over seeds); NAME is --name, 'compare' by default. `--replot` rewrites the table and plot from an existing NAME.json without training.
+band = min..max over seeds); NAME is --name, 'compare' by default. `--replot=True` rewrites the table and plot from an existing NAME.json without training.
 """
-import argparse
 import json
 import math
 import os
@@ -42,6 +41,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runner  # noqa: E402
 import stats  # noqa: E402
+from configurator import at_least, command_line  # noqa: E402
 
 DEFAULT_VARIANTS = ('full', 'lisa', 'lisa_scale', 'lisa_wor', 'lisa_wor_noscale', 'galore', 'golore',
                     'full:iid', 'lisa_wor:iid')
@@ -350,7 +350,7 @@ REPORT_KEYS = ('command', 'machine', 'wall_s', 'n_params', 'config', 'rows', 'me
 def read_report(path):
     """The NAME.json of an earlier comparison (--replot), or a one-line ValueError saying what to do."""
     if not os.path.exists(path):
-        raise ValueError(f"--replot rewrites the table and plot of {path}, which does not exist: run the comparison "
+        raise ValueError(f"--replot=True rewrites the table and plot of {path}, which does not exist: run the comparison "
                          f"first (without --replot), or give the --out_dir and --name it was written with")
     try:
         with open(path) as f:
@@ -372,43 +372,42 @@ def write_json(path, report):
     os.replace(path + '.tmp', path)
 
 
-def build_parser():
-    ap = runner.ArgumentParser(description=__doc__.split('\n\n')[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument('--methods', default=','.join(DEFAULT_VARIANTS),
-                    help='comma-separated METHOD or METHOD:SAMPLING (rr|iid; default rr)')
-    ap.add_argument('--seeds', default='3', help='a count N (seeds 0..N-1) or a comma-separated list')
-    ap.add_argument('--max_iters', type=int, default=240)
-    ap.add_argument('--out_dir', default=os.path.join(ROOT, 'out'),
-                    help='where compare.* are written (default out/, git-ignored; results/ only when named)')
-    ap.add_argument('--name', default='compare', help='output file stem: NAME.md, NAME.json, NAME_loss.png')
-    ap.add_argument('--runs_dir', default='', help='one out_dir per run (default: a temporary folder)')
-    ap.add_argument('--jobs', type=int, default=1, help='runs in parallel (2 cores here: keep 1 or 2)')
-    ap.add_argument('--threads', type=int, default=1,
-                    help='OMP_NUM_THREADS per run (0: torch default). 1 by default: on a shared 2-core machine '
-                         'two intra-op threads per run made a step ~8x slower in wall time than one thread')
-    ap.add_argument('--keep_checkpoints', action='store_true')
-    ap.add_argument('--no_memory', action='store_true', help='skip the in-process memory measurement')
-    ap.add_argument('--train_arg', action='append', default=[],
-                    help='extra train.py argument, repeatable, e.g. --train_arg=--omgd_warmup=50')
-    for name, typ, default in TRAIN_FLAGS:
-        ap.add_argument(f'--{name}', type=typ, default=default, help=f'passed to train.py (default {default})')
-    ap.add_argument('--replot', action='store_true',
-                    help='no training: rewrite NAME.md and NAME_loss.png from OUT_DIR/NAME.json '
-                         '(re-measuring memory, which is cheap, unless --no_memory)')
-    return ap
+DEFAULTS = dict(methods=','.join(DEFAULT_VARIANTS), seeds='3', max_iters=240, out_dir=os.path.join(ROOT, 'out'),
+                name='compare', runs_dir='', jobs=1, threads=1, keep_checkpoints=False, memory=True, train_args='',
+                **{name: default for name, _, default in TRAIN_FLAGS}, replot=False)
+MEANINGS = dict(
+    methods='comma-separated METHOD or METHOD:SAMPLING (rr|iid; default rr)',
+    seeds='a count N (seeds 0..N-1) or a comma-separated list',
+    out_dir='where compare.* are written (default out/, git-ignored; results/ only when named)',
+    name='output file stem: NAME.md, NAME.json, NAME_loss.png', runs_dir='one out_dir per run (default: a temporary folder)',
+    jobs='runs in parallel (2 cores here: keep 1 or 2)',
+    threads='OMP_NUM_THREADS per run (0: torch default). 1 by default: on a shared 2-core machine two intra-op '
+            'threads per run made a step ~8x slower in wall time than one thread',
+    memory='measure the gradient and optimizer-state bytes in process (cheap, no training)',
+    train_args="more train.py arguments, space-separated, e.g. --train_args='--omgd_warmup=50 --arch=llama'",
+    replot='no training: rewrite NAME.md and NAME_loss.png from OUT_DIR/NAME.json (re-measuring memory unless '
+           '--memory=False)',
+    **{name: 'passed to train.py' for name, _, _ in TRAIN_FLAGS})
+RULES = dict(max_iters=at_least(1), jobs=at_least(1), threads=at_least(0))
+
+
+def parse(argv):
+    """The command line's keys as attributes; train_arg: train_args split into train.py's arguments."""
+    args = SimpleNamespace(**command_line(argv, DEFAULTS, RULES, __doc__, MEANINGS))
+    args.train_arg = args.train_args.split()
+    return args
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    args = parse(sys.argv[1:] if argv is None else argv)
     if args.replot:
         path = os.path.join(args.out_dir, f'{args.name}.json')
         try:
             report = read_report(path)
         except ValueError as e:
             sys.exit(f"error: {e}")
-        if report['memory'] and not args.no_memory:  # cheap, no training: re-measure with the report's config
-            cfg = argparse.Namespace(**{n: report['config'][n] for n, _, _ in TRAIN_FLAGS},
+        if report['memory'] and args.memory:  # cheap, no training: re-measure with the report's config
+            cfg = SimpleNamespace(**{n: report['config'][n] for n, _, _ in TRAIN_FLAGS},
                                      max_iters=report['config']['max_iters'],
                                      train_arg=report['config'].get('train_args', []))
             report['memory'] = {m: measure_memory(m, cfg) for m in report['memory']}
@@ -433,8 +432,8 @@ def main(argv=None):
                 [int(s) for s in args.seeds.split(',') if s.strip()]
         except ValueError:
             raise ValueError(f"--seeds={args.seeds!r}: give a count N or a list, e.g. --seeds=0,1,2") from None
-        if not seeds or args.max_iters < 1 or args.jobs < 1 or args.threads < 0:
-            raise ValueError("--seeds needs at least one seed, --max_iters and --jobs must be >= 1, --threads >= 0")
+        if not seeds:
+            raise ValueError("--seeds needs at least one seed, e.g. --seeds=3")
         for v in variants:
             train_config(v['method'], args)  # a mistyped method or train_arg fails now, not after the others ran
         config = model_config(args)
@@ -452,7 +451,7 @@ def main(argv=None):
     wall = time.time() - t0
 
     memory = {}
-    if not args.no_memory:
+    if args.memory:
         for m in dict.fromkeys(v['method'] for v in variants):
             memory[m] = measure_memory(m, args)
 

@@ -36,20 +36,21 @@ whose vector dimension is every (method, seed) row at once (theta is augmented w
 the residual is one row-wise dot product). Schedules, gathers and the decomposition are
 vectorised per chunk; --no_decompose skips the decomposition.
 
-    python experiments/linreg.py --out_dir results    # T = 1e6, 10 seeds, all methods: results/linreg.*
-    python experiments/linreg.py --T 100000 --seeds 4 # writes out/linreg.* (the default, git-ignored)
+    python experiments/linreg.py --out_dir=results    # T = 1e6, 10 seeds, all methods: results/linreg.*
+    python experiments/linreg.py --T=1e5 --seeds=4    # writes out/linreg.* (the default, git-ignored)
 """
-import argparse
 import json
 import math
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from configurator import at_least, command_line  # noqa: E402
 import omgd  # noqa: E402  (the random partition of layer cycling's pool also splits the coordinates)
 
 METHODS = ('RR', 'RR_mask_wor', 'RR_mask_iid', 'RR_proj', 'IID')
@@ -446,35 +447,23 @@ def verdict(summary):
     return 'Versus the paper (threshold -1.5 between the two rates):\n\n' + '\n'.join(lines)
 
 
-def build_parser():
-    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument('--T', type=float, default=DEFAULTS['T'], help='iterations (default 1e6)')
-    ap.add_argument('--seeds', type=int, default=DEFAULTS['seeds'])
-    ap.add_argument('--methods', default=','.join(METHODS))
-    ap.add_argument('--n', type=int, default=DEFAULTS['n'])
-    ap.add_argument('--d', type=int, default=DEFAULTS['d'])
-    ap.add_argument('--ratio', type=float, default=DEFAULTS['ratio'], help='keep ratio r')
-    ap.add_argument('--warmup', type=int, default=DEFAULTS['warmup'])
-    ap.add_argument('--c', type=float, default=DEFAULTS['c'], help='eta_t = c / (t + t0)')
-    ap.add_argument('--t0', type=float, default=DEFAULTS['t0'])
-    ap.add_argument('--data_seed', type=int, default=DEFAULTS['data_seed'])
-    ap.add_argument('--n_log', type=int, default=DEFAULTS['n_log'], help='log-spaced logged steps')
-    ap.add_argument('--chunk', type=int, default=DEFAULTS['chunk'])
-    ap.add_argument('--no_decompose', action='store_true')
-    ap.add_argument('--out_dir', default='out', help='default out/ (git-ignored); results/ only when named')
-    return ap
+COMMAND_DEFAULTS = dict(DEFAULTS, T=float(DEFAULTS['T']), methods=','.join(METHODS), decompose=True, out_dir='out')
+MEANINGS = dict(T='iterations (1e6 is read as a number)', ratio='keep ratio r', c='eta_t = c / (t + t0)',
+                n_log='log-spaced logged steps', decompose="the paper's Figure 2 error decomposition (slower)",
+                out_dir='default out/ (git-ignored); results/ only when named')
+RULES = {k: at_least(1) for k in ('T', 'seeds', 'n', 'd', 'n_log', 'chunk')}
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    args = SimpleNamespace(**command_line(sys.argv[1:] if argv is None else argv, COMMAND_DEFAULTS, RULES, __doc__,
+                                          MEANINGS))
     torch.set_num_threads(1)
     T = int(args.T)
     methods = [m for m in args.methods.split(',') if m]
     start = time.time()
     res = run(methods, T, args.seeds, n=args.n, d=args.d, ratio=args.ratio, warmup=args.warmup,
               c=args.c, t0=args.t0, data_seed=args.data_seed, n_log=args.n_log, chunk=args.chunk,
-              decompose=not args.no_decompose)
+              decompose=args.decompose)
     runtime = time.time() - start
     summ = summarize(res)
     tab = table(summ)
@@ -488,7 +477,7 @@ def main(argv=None):
     os.makedirs(args.out_dir, exist_ok=True)
     cmd = 'python experiments/linreg.py ' + ' '.join(sys.argv[1:] if argv is None else argv)
     plot_error(res, os.path.join(args.out_dir, 'linreg_error.png'))
-    if not args.no_decompose:
+    if args.decompose:
         plot_decomposition(res, os.path.join(args.out_dir, 'linreg_decomposition.png'))
     mean = lambda dct: {m: v.mean(0).tolist() for m, v in dct.items()}
     blob = dict(command=cmd.strip(), runtime_s=round(runtime, 1), params=p,

@@ -3,25 +3,27 @@ How far pure bf16 and bf16_master drift from fp32 (`amp` on the CPU) on train.py
 paired train.py runs over seeds, the val loss difference at every evaluation with its 95% interval.
 
     python experiments/precision.py --seeds=200,201,202,203,204 --iters=2000 --out=results/precision_drift
-    python experiments/precision.py --check      # re-measure the committed reference figure (about 3 minutes)
+    python experiments/precision.py --check=True  # re-measure the committed reference figure (about 3 minutes)
 
 A seed s sets --seed, --data_seed and --omgd_seed, so the three precisions of one seed start from the same
 weights (bf16 rounds them), see the same batches and are evaluated on the same windows: their
 differences are paired (experiments/stats.py). Runs go to --runs_dir, one folder each, and resume.
 
---check runs docs/precision.md's 300-iteration table (seed 1337, one thread) and compares its final val
-losses with results/precision_reference.json (--write_reference writes that file). On the same torch
+--check=True runs docs/precision.md's 300-iteration table (seed 1337, one thread) and compares its final val
+losses with results/precision_reference.json (--write_reference=True writes that file). On the same torch
 build, CPU training is deterministic, so the figures agree to the 4 digits printed. A difference beyond
 --tolerance exits 1: the numbers moved, and the docs' table and drift figures need re-measuring.
 """
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # train_config
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runner  # noqa: E402
 import stats  # noqa: E402
+from configurator import above, at_least, command_line  # noqa: E402
 
 PRECISIONS = ('amp', 'bf16_master', 'bf16')
 REFERENCE = os.path.join(runner.ROOT, 'results', 'precision_reference.json')
@@ -98,7 +100,7 @@ def check(tolerance, write):
             'cpu_capability': torch.backends.cpu.get_cpu_capability()}
     if write:
         with open(REFERENCE, 'w') as f:
-            json.dump({**here, 'command': 'python experiments/precision.py --write_reference', 'figures': figures},
+            json.dump({**here, 'command': 'python experiments/precision.py --write_reference=True', 'figures': figures},
                       f, indent=1)
         print(f"wrote {REFERENCE}")
         return 0
@@ -123,22 +125,18 @@ def check(tolerance, write):
     return 0
 
 
-def build_parser():
-    ap = runner.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=__import__('argparse').RawDescriptionHelpFormatter)
-    ap.add_argument('--seeds', default='200,201,202,203,204', help='comma-separated seeds')
-    ap.add_argument('--iters', type=int, default=2000, help='iterations per run (10 evaluations)')
-    ap.add_argument('--precisions', default=','.join(PRECISIONS))
-    ap.add_argument('--runs_dir', default=os.path.join(runner.ROOT, 'out', 'precision_runs'))
-    ap.add_argument('--jobs', type=int, default=1, help='runs at a time (one thread each)')
-    ap.add_argument('--out', default='', help='write OUT.md and OUT.json (nothing is written without it)')
-    ap.add_argument('--check', action='store_true', help="re-measure the reference figure and compare")
-    ap.add_argument('--write_reference', action='store_true', help='re-measure and write the reference figure')
-    ap.add_argument('--tolerance', type=float, default=0.002, help='--check: largest accepted change of a val loss')
-    return ap
+DEFAULTS = dict(seeds='200,201,202,203,204', iters=2000, precisions=','.join(PRECISIONS),
+                runs_dir=os.path.join(runner.ROOT, 'out', 'precision_runs'), jobs=1, out='', check=False,
+                write_reference=False, tolerance=0.002)
+MEANINGS = dict(seeds='comma-separated seeds', iters='iterations per run (10 evaluations)',
+                jobs='runs at a time (one thread each)', out='write OUT.md and OUT.json (nothing is written without it)',
+                check='re-measure the reference figure and compare', write_reference='re-measure and write the reference figure',
+                tolerance='check: largest accepted change of a val loss')
+RULES = dict(iters=at_least(10, 'at least 10 (10 evaluations)'), jobs=at_least(1), tolerance=above(0))
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    args = SimpleNamespace(**command_line(sys.argv[1:] if argv is None else argv, DEFAULTS, RULES, __doc__, MEANINGS))
     if args.check or args.write_reference:
         return check(args.tolerance, args.write_reference)
     try:
@@ -148,8 +146,6 @@ def main(argv=None):
     precisions = [p for p in args.precisions.split(',') if p]
     if not set(precisions) <= set(PRECISIONS) or not precisions:
         sys.exit(f"error: --precisions must be among {','.join(PRECISIONS)}, got {args.precisions!r}")
-    if args.iters < 10:
-        sys.exit(f"error: --iters must be at least 10 (10 evaluations), got {args.iters}")
     jobs = jobs_for(seeds, args.iters, precisions)
     try:
         for job in jobs:

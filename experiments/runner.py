@@ -9,7 +9,6 @@ run_all runs a list of jobs N at a time and skips every job whose result.json ex
 error, so an interrupted batch resumes where it stopped. SIGTERM or Ctrl-C stops the runs too
 (run_child): no train.py outlives the script that started it, to collide with the next attempt.
 """
-import argparse
 import contextlib
 import json
 import os
@@ -300,10 +299,3 @@ def config_of(args, out_dir='out'):
     train.py reads them); a bad key or value raises a one-line ValueError."""
     import train_config
     return train_config.load(train_argv(args, out_dir))
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with the repository's one-line `error: ...` (argparse prints its usage first)."""
-
-    def error(self, message):
-        sys.exit(f"error: {message} (see --help)")

@@ -65,7 +65,7 @@ core_multi_adamw (M = 2 stages) or m4_multi_adamw (M = 4 stages) (--policy=auto)
     python experiments/study.py --stages=m4_multi_adamw,m4_multi_sgd,m4_pre,m4_ft --name=study_m4 --max_load=5
     python experiments/study.py --stages=m4_multi_sgd --layers=8 --name=study_m4   # the 8-block runs only
     python experiments/study.py --stages=core_multi_adamw,probe --seeds=5 --name=study_m2
-    python experiments/study.py --report_only --name=study_m4 --report_dir=results
+    python experiments/study.py --report_only=True --name=study_m4 --report_dir=results
     python experiments/study.py --stages=k31_keep,k31_k100 --first_seed=100 --seeds=10 --jobs=1 --stop_at=10:42 --name=study_k31
 
 --stop_at=HH:MM (UTC) starts no seed group after that time (a stopped stage keeps complete pairs).
@@ -77,19 +77,20 @@ study_report.py (tables and plots) and study_probe.py (block schedules and the i
 Finished runs are skipped (resume). Writes REPORT_DIR/NAME.json (every run's curves and the paired
 statistics), NAME_tables.md, NAME_loss.png and NAME_probe.md (default REPORT_DIR: out/study).
 """
-import argparse
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runner  # noqa: E402
 import study_plan  # noqa: E402
+from configurator import at_least, command_line, one_of  # noqa: E402
 from study_plan import ft_dataset, multi_dataset, run_name, stage_specs, train_args  # noqa: E402
 from study_probe import probe  # noqa: E402
 from study_report import report  # noqa: E402
@@ -189,7 +190,7 @@ def probe_launch(s, out_dir, runs_dir):
     os.makedirs(out_dir, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS='1')
     t0 = time.time()
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), '--probe_spec', json.dumps(s),
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), f'--probe_spec={json.dumps(s)}',
                            f'--runs_dir={runs_dir}'], cwd=ROOT, capture_output=True, text=True, env=env)
     r = {'returncode': proc.returncode, 'wall_s': round(time.time() - t0, 1)}
     if proc.returncode == 0:
@@ -241,28 +242,23 @@ def stop_time(hhmm, now=None):
     return t.timestamp()
 
 
-def build_parser():
-    ap = runner.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument('--stages', default=','.join(study_plan.STAGES), help=f'comma-separated, in order; of {",".join(study_plan.STAGES)}')
-    ap.add_argument('--seeds', type=int, default=5, help='how many seeds: FIRST_SEED..FIRST_SEED+N-1')
-    ap.add_argument('--first_seed', type=int, default=0, help='the first seed (the k31 stages: 100)')
-    ap.add_argument('--stop_at', default='', help='HH:MM (UTC): start no seed group after it (the runs '
-                    'that started finish; the rest are reported as not run, and a rerun resumes them)')
-    ap.add_argument('--jobs', type=int, default=2, help='runs at a time (each OMP_NUM_THREADS=1)')
-    ap.add_argument('--max_load', type=float, default=None,
-                    help='start a second run beside the first only while the 1-minute load average is below this')
-    ap.add_argument('--layers', default='', help='only the runs of models with these numbers of blocks, e.g. 8,12')
-    ap.add_argument('--policy', default='auto', help="state policy of the later stages: keep, drop or auto")
-    ap.add_argument('--runs_dir', default=os.path.join(ROOT, 'out', 'study', 'runs'))
-    ap.add_argument('--report_dir', default=os.path.join(ROOT, 'out', 'study'))
-    ap.add_argument('--name', default='study', help='report file stem: NAME.json, NAME_tables.md, ...')
-    ap.add_argument('--report_only', action='store_true')
-    ap.add_argument('--probe_spec', default='', help=argparse.SUPPRESS)
-    return ap
+DEFAULTS = dict(stages=','.join(study_plan.STAGES), seeds=5, first_seed=0, stop_at='', jobs=2, max_load=0.0, layers='',
+                policy='auto', runs_dir=os.path.join(ROOT, 'out', 'study', 'runs'),
+                report_dir=os.path.join(ROOT, 'out', 'study'), name='study', report_only=False, probe_spec='')
+MEANINGS = dict(stages='comma-separated, in order', seeds='how many seeds: FIRST_SEED..FIRST_SEED+N-1',
+                first_seed='the first seed (the k31 stages: 100)',
+                stop_at='HH:MM (UTC): start no seed group after it (the runs that started finish; the rest are '
+                        'reported as not run, and a rerun resumes them)',
+                jobs='runs at a time (each OMP_NUM_THREADS=1)',
+                max_load='>0: start a second run beside the first only while the 1-minute load average is below it',
+                layers='only the runs of models with these numbers of blocks, e.g. 8,12',
+                policy='state policy of the later stages: keep, drop or auto', name='report file stem: NAME.json, ...',
+                report_only='write the reports from the runs there, run nothing', probe_spec='(internal) one probe run')
+RULES = {'seeds': at_least(1), 'jobs': at_least(1), 'max_load': at_least(0), 'policy': one_of('auto', 'keep', 'drop')}
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    args = SimpleNamespace(**command_line(sys.argv[1:] if argv is None else argv, DEFAULTS, RULES, __doc__, MEANINGS))
     runs_dir = os.path.abspath(args.runs_dir)
     if args.probe_spec:
         probe(json.loads(args.probe_spec), runs_dir)
@@ -281,8 +277,6 @@ def main(argv=None):
     unknown = [s for s in stages if s not in study_plan.STAGES]
     if unknown:
         sys.exit(f'error: unknown stage {unknown[0]!r}; choose from {", ".join(study_plan.STAGES)}')
-    if args.seeds < 1 or args.jobs < 1:
-        sys.exit(f"error: --seeds={args.seeds} and --jobs={args.jobs} must be >= 1")
     if not args.report_only:
         # every run's train.py config checked before the first run starts (a bad one fails now, in one line)
         for stage in stages:
@@ -310,7 +304,7 @@ def main(argv=None):
                                                                 for s in group):
                     not_started += sum(runner.load_result(runs_dir, run_name(s)) is None for s in group)
                     continue
-                results.update(run_specs(group, runs_dir, args.jobs, max_load=args.max_load))
+                results.update(run_specs(group, runs_dir, args.jobs, max_load=args.max_load or None))
             failed += [name for name, r in results.items() if 'error' in r]
             print(f"[{time.strftime('%H:%M:%S')}] stage {stage} done in {time.time() - t0:.0f} s", flush=True)
             if not failed and started and (not deadline or time.time() < deadline):  # the last one: below

@@ -191,20 +191,20 @@ COMPARE = [
     ('--methods=lisa:seq', r"sampling must be one of"),
     ('--methods=,', r'--methods names no method'),
     ('--seeds=x', r"--seeds='x': give a count N or a list"),
-    ('--max_iters=0', r'--max_iters and --jobs must be >= 1'),
-    ('--jobs=0', r'--max_iters and --jobs must be >= 1'),
-    ('--max_iters=ten', r"argument --max_iters: invalid int value: 'ten'"),
-    ('--bogus=1', r'unrecognized arguments: --bogus=1'),
-    ('--train_arg=--lerning_rate=1', r"unknown config key 'lerning_rate'"),
-    ('--train_arg=--batch_size=0', r'batch_size must be >= 1'),
-    ('--replot --name=nothing', r'nothing\.json, which does not exist: run the comparison first \(without --replot\)'),
+    ('--max_iters=0', r'max_iters must be >= 1'),
+    ('--jobs=0', r'jobs must be >= 1'),
+    ('--max_iters=ten', r"max_iters='ten' is not a valid int"),
+    ('--bogus=1', r"unknown config key 'bogus'"),
+    ('--train_args=--lerning_rate=1', r"unknown config key 'lerning_rate'"),
+    ('--train_args=--batch_size=0', r'batch_size must be >= 1'),
+    ('--replot=True --name=nothing', r'nothing\.json, which does not exist: run the comparison first \(without --replot\)'),
 ]
 STUDY = [
     ('--stages=bogus', r"unknown stage 'bogus'; choose from"),
     ('--layers=x', r"--layers='x': give numbers of blocks"),
-    ('--seeds=0', r'--seeds=0 and --jobs=2 must be >= 1'),
-    ('--jobs=0', r'must be >= 1'),
-    ('--bogus', r'unrecognized arguments: --bogus'),
+    ('--seeds=0', r'seeds must be >= 1'),
+    ('--jobs=0', r'jobs must be >= 1'),
+    ('--bogus', r'expected --key=value'),
 ]
 EXPORT = [
     ('--hf_dir=', r'--hf_dir is required'),
@@ -255,7 +255,7 @@ def argv_of(script, args, out, files):
     small = [a for a in SMALL_BENCH if not any(a.startswith(f'--{k}=') for k in SHAPE)] \
         if any(a.startswith('--preset=') for a in argv) else SMALL_BENCH
     if script == 'experiments/compare.py':
-        return ['--seeds=1', '--max_iters=4', '--no_memory', f'--out_dir={files}/reports', '--name=report', *argv]
+        return ['--seeds=1', '--max_iters=4', '--memory=False', f'--out_dir={files}/reports', '--name=report', *argv]
     if script == 'experiments/study.py':
         return [f'--runs_dir={files}/study_runs', f'--report_dir={files}/reports', '--name=report', *argv]
     if script == 'export.py':

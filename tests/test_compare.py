@@ -46,14 +46,14 @@ def test_smoke_two_methods_one_seed(tmp_path, monkeypatch):
     # --replot rewrites the table and plot from the JSON without training
     (out / 'compare.md').unlink()
     (out / 'compare_loss.png').unlink()
-    replot = subprocess.run([sys.executable, 'experiments/compare.py', '--replot', '--no_memory', f'--out_dir={out}'],
+    replot = subprocess.run([sys.executable, 'experiments/compare.py', '--replot=True', '--memory=False', f'--out_dir={out}'],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert replot.returncode == 0, replot.stderr[-3000:]
     assert (out / 'compare_loss.png').stat().st_size > 0
     assert '| lisa_wor:iid | iid |' in (out / 'compare.md').read_text()
     # the finished runs in runs_dir are read back, not trained again (runner.run_all)
     monkeypatch.setattr(runner, 'run_train', lambda *a, **k: pytest.fail('a finished run was trained again'))
-    args = compare.build_parser().parse_args(['--methods=full,lisa_wor:iid', '--seeds=1', '--max_iters=6', *TINY])
+    args = compare.parse(['--methods=full,lisa_wor:iid', '--seeds=1', '--max_iters=6', *TINY])
     again = compare.run_all([compare.parse_variant('full'), compare.parse_variant('lisa_wor:iid')], [0], args,
                             str(tmp_path / 'runs'))
     assert [r['variant'] for r in again] == ['full', 'lisa_wor:iid']
@@ -87,7 +87,7 @@ def test_paired_differences():
 
 
 def test_memory_builds_the_runs_own_config():
-    """measure_memory measures the config the runs train: train_command's arguments, --train_arg included
+    """measure_memory measures the config the runs train: train_command's arguments, --train_args included
     (any train.py key), parsed by train.py's configurator; a key train.py refuses is refused here too."""
     import argparse
 
@@ -118,11 +118,11 @@ def test_memory_builds_the_runs_own_config():
 
 def test_default_out_dir_is_not_results():
     """Run without --out_dir, compare.py must not overwrite the committed results/compare.*."""
-    out_dir = os.path.realpath(compare.build_parser().parse_args([]).out_dir)
+    out_dir = os.path.realpath(compare.parse([]).out_dir)
     results = os.path.realpath(os.path.join(ROOT, 'results'))
     assert os.path.commonpath([out_dir, results]) != results, out_dir
     assert out_dir == os.path.realpath(os.path.join(ROOT, 'out'))  # git-ignored (out*/ in .gitignore)
-    assert compare.build_parser().parse_args(['--out_dir=results']).out_dir == 'results'
+    assert compare.parse(['--out_dir=results']).out_dir == 'results'
 
 
 @pytest.mark.parametrize('content, message', [
@@ -136,6 +136,6 @@ def test_replot_without_a_report_is_one_line(tmp_path, content, message):
         (tmp_path / 'nothing.json').write_text(content)
     before = sorted(os.listdir(tmp_path))
     with pytest.raises(SystemExit) as e:
-        compare.main(['--replot', f'--out_dir={tmp_path}', '--name=nothing'])
+        compare.main(['--replot=True', f'--out_dir={tmp_path}', '--name=nothing'])
     assert str(e.value.code).startswith('error: ') and re.search(message, str(e.value.code)), e.value.code
     assert sorted(os.listdir(tmp_path)) == before  # nothing written, the damaged file kept as it was

@@ -165,7 +165,8 @@ def cycler_of(**fields):
 
 
 SCRIPTS = ('train.py', 'sample.py', 'eval.py', 'export.py', 'bench.py', 'bench_memory.py', 'bench_checkpoint.py',
-           'bench_generate.py', 'bench_ddp_switch.py')
+           'bench_generate.py', 'bench_ddp_switch.py', 'experiments/study.py', 'experiments/compare.py',
+           'experiments/precision.py', 'experiments/linreg.py')
 
 
 @pytest.mark.parametrize('script', SCRIPTS)
@@ -177,8 +178,9 @@ def test_every_script_has_the_one_command_line(script):
     assert result.returncode == 0 and result.stderr == '', result.stderr[-500:]
     assert 'keys (default, meaning):' in result.stdout
     assert any(line.startswith('  --') and '=' in line for line in result.stdout.splitlines())
-    for bad, message in ((['--no_such_key=1'], "unknown key 'no_such_key'"), (['--seeds', '3'], 'expected --key=value')):
+    for bad, message in ((['--no_such_key=1'], "unknown config key 'no_such_key'"),
+                         (['--seeds', '3'], 'expected --key=value')):
         result = run_script(script, bad)
         assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr[-800:]
         lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith('error: '), result.stderr[-800:]
+        assert len(lines) == 1 and lines[0].startswith('error: ') and message in lines[0], result.stderr[-800:]

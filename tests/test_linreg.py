@@ -187,7 +187,7 @@ def test_rates_short_run(short_run):
 
 
 def test_cli_writes_outputs(tmp_path):
-    linreg.main(['--T', '3000', '--seeds', '2', '--n_log', '60', '--out_dir', str(tmp_path)])
+    linreg.main(['--T=3000', '--seeds=2', '--n_log=60', f'--out_dir={tmp_path}'])
     for name in ('linreg_error.png', 'linreg_decomposition.png', 'linreg.json', 'linreg.md'):
         assert (tmp_path / name).stat().st_size > 0
     import json
@@ -198,8 +198,9 @@ def test_cli_writes_outputs(tmp_path):
 
 def test_default_out_dir_is_not_results():
     """Run without --out_dir (from the repository root), linreg.py must not overwrite results/linreg.*."""
-    out_dir = linreg.build_parser().parse_args([]).out_dir
+    out_dir = linreg.COMMAND_DEFAULTS['out_dir']
     path, results = (os.path.realpath(os.path.join(ROOT, p)) for p in (out_dir, 'results'))
     assert os.path.commonpath([path, results]) != results, out_dir
     assert os.path.normpath(out_dir) == 'out'  # git-ignored (out*/ in .gitignore)
-    assert linreg.build_parser().parse_args(['--out_dir', 'results']).out_dir == 'results'
+    from configurator import configure
+    assert configure(linreg.COMMAND_DEFAULTS, ['--out_dir=results'])['out_dir'] == 'results'

@@ -37,7 +37,7 @@ def test_differences_are_paired_by_seed_at_every_evaluation():
 def test_bad_arguments_are_one_line(capsys):
     for argv, message in ((['--seeds=1,x'], "--seeds must be comma-separated integers"),
                           (['--precisions=fp8'], "--precisions must be among amp,bf16_master,bf16"),
-                          (['--iters=5'], "--iters must be at least 10")):
+                          (["--iters=5"], "iters must be at least 10")):
         with pytest.raises(SystemExit) as e:
             precision.main(argv)
         assert str(e.value.code).startswith(f"error: {message}"), e.value.code
