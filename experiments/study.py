@@ -93,7 +93,7 @@ import study_plan  # noqa: E402
 from configurator import at_least, command_line, one_of  # noqa: E402
 from study_plan import ft_dataset, multi_dataset, run_name, stage_specs, train_args  # noqa: E402
 from study_probe import probe  # noqa: E402
-from study_report import report  # noqa: E402
+from study_report import report, runs_from_report  # noqa: E402
 from study_stats import resolve_policy  # noqa: E402
 
 
@@ -244,7 +244,8 @@ def stop_time(hhmm, now=None):
 
 DEFAULTS = dict(stages=','.join(study_plan.STAGES), seeds=5, first_seed=0, stop_at='', jobs=2, max_load=0.0, layers='',
                 policy='auto', runs_dir=os.path.join(ROOT, 'out', 'study', 'runs'),
-                report_dir=os.path.join(ROOT, 'out', 'study'), name='study', report_only=False, probe_spec='')
+                report_dir=os.path.join(ROOT, 'out', 'study'), name='study', report_only=False, runs_from='', earlier='',
+                probe_spec='')
 MEANINGS = dict(stages='comma-separated, in order', seeds='how many seeds: FIRST_SEED..FIRST_SEED+N-1',
                 first_seed='the first seed (the k31 stages: 100)',
                 stop_at='HH:MM (UTC): start no seed group after it (the runs that started finish; the rest are '
@@ -253,7 +254,11 @@ MEANINGS = dict(stages='comma-separated, in order', seeds='how many seeds: FIRST
                 max_load='>0: start a second run beside the first only while the 1-minute load average is below it',
                 layers='only the runs of models with these numbers of blocks, e.g. 8,12',
                 policy='state policy of the later stages: keep, drop or auto', name='report file stem: NAME.json, ...',
-                report_only='write the reports from the runs there, run nothing', probe_spec='(internal) one probe run')
+                report_only='write the reports from the runs there, run nothing',
+                runs_from="write the reports from the runs an earlier NAME.json keeps (a fresh checkout has no runs "
+                          "folder); with report_only=True",
+                earlier='an earlier NAME.json of the same runs: NAME_tests.md compares them run by run',
+                probe_spec='(internal) one probe run')
 RULES = {'seeds': at_least(1), 'jobs': at_least(1), 'max_load': at_least(0), 'policy': one_of('auto', 'keep', 'drop')}
 
 
@@ -264,6 +269,9 @@ def main(argv=None):
         probe(json.loads(args.probe_spec), runs_dir)
         return 0
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    label = os.path.relpath(runs_dir, ROOT)
+    if args.runs_from and not args.report_only:
+        sys.exit("error: --runs_from writes reports from a NAME.json and runs nothing: add --report_only=True")
     try:
         deadline = stop_time(args.stop_at) if args.stop_at else None
     except ValueError:
@@ -280,7 +288,7 @@ def main(argv=None):
     if not args.report_only:
         # every run's train.py config checked before the first run starts (a bad one fails now, in one line)
         for stage in stages:
-            for s in stage_specs(stage, seeds, resolve_policy(args.policy, runs_dir, stage)):
+            for s in stage_specs(stage, seeds, resolve_policy(args.policy, runner.all_results(runs_dir), stage)):
                 try:
                     runner.config_of(train_args(s, runs_dir))
                 except ValueError as e:
@@ -294,7 +302,7 @@ def main(argv=None):
             make_ft_dataset(runs_dir)
         not_started = 0
         for stage in stages:
-            specs = stage_specs(stage, seeds, resolve_policy(args.policy, runs_dir, stage))
+            specs = stage_specs(stage, seeds, resolve_policy(args.policy, runner.all_results(runs_dir), stage))
             specs = [s for s in specs if not layers or s['n_layer'] in layers]
             t0 = time.time()
             print(f"[{time.strftime('%H:%M:%S')}] stage {stage}: {len(specs)} runs", flush=True)
@@ -308,7 +316,7 @@ def main(argv=None):
             failed += [name for name, r in results.items() if 'error' in r]
             print(f"[{time.strftime('%H:%M:%S')}] stage {stage} done in {time.time() - t0:.0f} s", flush=True)
             if not failed and started and (not deadline or time.time() < deadline):  # the last one: below
-                report(runs_dir, args.report_dir, seeds, command, args.name, args.jobs)
+                report(runner.all_results(runs_dir), label, args.report_dir, seeds, command, args.name, args.jobs)
         if failed:  # earlier reports stay as they were; finished runs are kept, and rerun failures resume
             print(f"error: {len(failed)} runs failed (first: {failed[0]}: see {runs_dir}/{failed[0]}); reports "
                   f"not rewritten; run the same command again to retry them", file=sys.stderr)
@@ -316,7 +324,12 @@ def main(argv=None):
         if not_started:
             print(f"[{time.strftime('%H:%M:%S')}] --stop_at={args.stop_at}: {not_started} runs not started "
                   f"(the same command resumes them)", flush=True)
-    report(runs_dir, args.report_dir, seeds, command, args.name, args.jobs)
+    try:
+        results = runs_from_report(args.runs_from) if args.runs_from else runner.all_results(runs_dir)
+        report(results, args.runs_from or label, args.report_dir, seeds, command, args.name, args.jobs,
+               args.earlier or None)
+    except (OSError, ValueError, KeyError) as e:  # a missing or foreign NAME.json
+        sys.exit(f"error: cannot write the reports: {type(e).__name__}: {e}")
     print(f"wrote {args.name}.json, {args.name}_tables.md, {args.name}_probe.md, {args.name}_loss.png "
           f"in {args.report_dir}")
     return 0

@@ -7,7 +7,6 @@ intervals: experiments/stats.py. Nothing here runs or writes anything.
 import math
 import statistics
 
-import runner
 import stats
 from study_plan import (K31_EXPLORE, K31_GEOMETRY, K31_TESTS, KEY_FIELDS, M4, M4_ITERS, M4_K, config_key,
                         k31_cells, spec)
@@ -178,12 +177,12 @@ def k31_tests(results):
 # which state policy the later stages run (--policy=auto): decided from earlier results
 
 
-def resolve_policy(policy, runs_dir, stage=''):
+def resolve_policy(policy, results, stage=''):
     """'keep' or 'drop': the named one, or (auto) the one under which lisa_wor had the lower mean
-    train loss in the multi-epoch AdamW stage of the same M (keep until it has run)."""
+    train loss in the multi-epoch AdamW stage of the same M (keep until it has run), in `results`."""
     if policy != 'auto':
         return policy
-    G = groups(runner.all_results(runs_dir))
+    G = groups(results)
     geoms = [dict(n_layer=L, gamma=g, K=M4_K, iters=M4_ITERS) for L, g in M4] if stage.startswith(('m4', 'ft')) else [{}]
     means = {}
     for st in ('keep', 'drop'):
@@ -192,3 +191,20 @@ def resolve_policy(policy, runs_dir, stage=''):
         if vals:
             means[st] = statistics.fmean(vals)
     return min(means, key=means.get) if len(means) == 2 else 'keep'
+
+
+# -----------------------------------------------------------------------------
+# the same runs run twice (another machine, a lost runs folder): how far their final losses differ
+
+
+def agreement(results, earlier_rows):
+    """Final losses of the train runs in `results` against an earlier report's rows (NAME.json's
+    'rows': per configuration, {seed: final loss}), at the seeds both have: per split, how many
+    runs, how many equal at the 4 decimals of the log, and the largest and mean absolute difference."""
+    G, out = groups(results), {}
+    for split in ('train', 'val'):
+        diffs = [abs(G[row['key']][split][seed] - value) for row in earlier_rows if row['key'] in G
+                 for seed, value in ((int(s), v) for s, v in row[split].items()) if seed in G[row['key']][split]]
+        out[split] = {'n': len(diffs), 'equal_at_4_decimals': sum(d < 5e-5 for d in diffs),
+                      'max_abs': max(diffs, default=None), 'mean_abs': statistics.fmean(diffs) if diffs else None}
+    return out

@@ -276,3 +276,39 @@ def test_stop_at_starts_nothing_after_the_deadline(tmp_path, monkeypatch, capsys
                                                                       [(101, 'lisa'), (101, 'lisa_wor')]]
     with pytest.raises(SystemExit):
         study.main(argv[:4] + ['--stop_at=25:00'] + argv[5:])
+
+
+def test_reports_are_written_again_from_the_json_and_compared_with_an_earlier_one(tmp_path):
+    """A fresh checkout has no runs folder: --runs_from rewrites every report from the NAME.json the
+    runs wrote, identically; --earlier compares the same runs run twice, run by run."""
+    runs = tmp_path / 'runs'
+    for seed in (100, 101, 102, 103):
+        for m, shift in (('lisa', 0.0), ('lisa_wor', 0.01)):
+            s = study_plan.spec(method=m, optimizer='adamw', **study_plan.K31_GEOMETRY, **study_plan.k31_cell(K=3),
+                                seed=seed)
+            (runs / study_plan.run_name(s)).mkdir(parents=True)
+            train = 2.5 + 0.001 * seed % 0.01 + shift + 0.003 * (seed % 2)
+            (runs / study_plan.run_name(s) / 'result.json').write_text(json.dumps(fake_result(s, round(train, 4))))
+    base = ['--report_only=True', '--first_seed=100', '--seeds=4', '--name=k', f'--runs_dir={runs}']
+    assert study.main([*base, f'--report_dir={tmp_path / "a"}']) == 0
+    assert study.main([*base, f'--report_dir={tmp_path / "b"}', f'--runs_from={tmp_path / "a" / "k.json"}']) == 0
+    a, b = (json.loads((tmp_path / d / 'k.json').read_text()) for d in ('a', 'b'))
+    assert a['k31'] == b['k31'] and a['rows'] == b['rows'] and a['runs'] == b['runs']
+    assert a['runs'][0]['train_loss'] == [4.0, a['runs'][0]['train_loss'][-1]]  # the curves are kept
+    # the same runs again, one final loss changed by 0.002: compared run by run
+    earlier = json.loads((tmp_path / 'a' / 'k.json').read_text())
+    row = next(r for r in earlier['rows'] if r['method'] == 'lisa_wor')
+    row['train']['101'] += 0.002
+    (tmp_path / 'earlier.json').write_text(json.dumps(earlier))
+    assert study.main([*base, f'--report_dir={tmp_path / "c"}', f'--earlier={tmp_path / "earlier.json"}']) == 0
+    c = json.loads((tmp_path / 'c' / 'k.json').read_text())['k31_earlier']
+    assert c['agreement']['train']['n'] == 8 and c['agreement']['train']['equal_at_4_decimals'] == 7
+    assert c['agreement']['train']['max_abs'] == pytest.approx(0.002) and c['agreement']['val']['max_abs'] == 0
+    assert c['seeds'] == [100, 101, 102, 103] and [t['id'] for t in c['tests_now']][0] == 'H1a'
+    md = (tmp_path / 'c' / 'k_tests.md').read_text()
+    assert '| train | 8 | 7 | 0.0020 |' in md and '## The same seeds run before' in md
+    # a report without its runs' curves cannot stand in for the runs folder: one line
+    del earlier['runs'][0]['train_loss']
+    (tmp_path / 'old.json').write_text(json.dumps(earlier))
+    with pytest.raises(SystemExit, match='keeps no loss curves'):
+        study.main([*base, f'--report_dir={tmp_path / "d"}', f'--runs_from={tmp_path / "old.json"}'])
