@@ -38,7 +38,7 @@ import memory_options
 import omgd_state
 import train_config
 import training
-from model import TransformerConfig
+from model import EMULATED_AUTOCAST, TransformerConfig
 
 
 class LiveBytes(TorchDispatchMode):
@@ -120,9 +120,9 @@ class MetaAsCuda(TorchFunctionMode):
     - with dtype (bf16 or fp16), CUDA autocast's casts: matmuls to dtype, norms, softmax and
       cross-entropy to fp32, and (cache=True, the forward) casts of leaf tensors that require
       grad kept until the forward ends, like autocast's weight cache. None: no autocast.
-    - with dtype, memory_options.Linear takes the path it takes under CUDA autocast: a frozen layer goes
-      through memory_options.FrozenLinear, which keeps no low-precision copy of its weight for the backward
-      (memory_options.EMULATED_AUTOCAST, set while the mode is on; the meta device has no autocast, so
+    - with dtype, model.Linear takes the path it takes under CUDA autocast: a frozen layer goes
+      through model.FrozenLinear, which keeps no low-precision copy of its weight for the backward
+      (EMULATED_AUTOCAST, set while the mode is on; the meta device has no autocast, so
       without it the estimate would count a copy a CUDA run does not make). follow_cuda_linear=False
       turns this off (tests compare the two).
     Run the backward with backward() below (cache=False): activation checkpointing recomputes there.
@@ -141,15 +141,15 @@ class MetaAsCuda(TorchFunctionMode):
         self.casts = {}
 
     def __enter__(self):
-        self.emulated = dict(memory_options.EMULATED_AUTOCAST)  # put back on exit (the modes nest)
+        self.emulated = dict(EMULATED_AUTOCAST)  # put back on exit (the modes nest)
         if self.dtype is not None and self.follow_cuda_linear:
-            memory_options.EMULATED_AUTOCAST.update(dict.fromkeys(self.EMULATES, self.dtype))
+            EMULATED_AUTOCAST.update(dict.fromkeys(self.EMULATES, self.dtype))
         return super().__enter__()
 
     def __exit__(self, *args):
         self.casts.clear()
-        memory_options.EMULATED_AUTOCAST.clear()
-        memory_options.EMULATED_AUTOCAST.update(self.emulated)
+        EMULATED_AUTOCAST.clear()
+        EMULATED_AUTOCAST.update(self.emulated)
         return super().__exit__(*args)
 
     def backward(self, loss):

@@ -3,8 +3,6 @@ The memory options of the model (model.py), in one file. None changes a paramete
 the state_dict or what the model computes (up to the order of sums in the chunked loss); each trades
 compute, or copies to host memory, for device memory of the training step.
 
-Linear      nn.Linear that keeps no low-precision copy of a frozen weight under autocast; model.py
-            builds every matrix with it, so it is always on.
 apply       the options a config chooses, applied from outside the model (training.configure_memory):
             activation_checkpointing  each block's activations recomputed in the backward
             checkpoint_sublayers      with it: attention and MLP recomputed apart
@@ -106,59 +104,6 @@ def chunked_head_loss(model, chunk, x, targets):
     if chunk >= x.size(0):
         return type(model).head_loss(model, x, targets)
     return ChunkedLinearCE.apply(x, model.lm_head.weight, targets, chunk)
-
-
-class FrozenLinear(torch.autograd.Function):
-    """F.linear of a frozen weight (and bias) under autocast. The input gradient needs only the
-    weight; autograd's own linear saves the low-precision copy autocast made of it, a weight-sized
-    tensor per matrix kept until the backward (13.5 MiB per GPT-2 block in bf16). This saves the
-    parameter itself and casts it again in the backward."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, dtype):
-        ctx.save_for_backward(weight)
-        ctx.dtype = dtype
-        return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        weight, = ctx.saved_tensors
-        dx = torch.matmul(grad.to(ctx.dtype), weight.to(ctx.dtype)) if ctx.needs_input_grad[0] else None
-        return dx, None, None, None
-
-
-# device type -> the dtype of an autocast that is emulated there, not run: memory_estimate.MetaAsCuda sets
-# it while it emulates CUDA's autocast on the meta device (which has no autocast of its own), so that
-# Linear takes the FrozenLinear path a CUDA run takes and the estimate counts what CUDA allocates
-EMULATED_AUTOCAST = {}
-
-
-@torch.compiler.assume_constant_result  # the dynamo of torch 2.11 and older cannot trace it (a graph break)
-def _autocast_available(device_type):
-    return torch.amp.is_autocast_available(device_type)
-
-
-def autocast_dtype(device_type):
-    """The dtype autocast casts matmuls to on `device_type` now (or emulates: EMULATED_AUTOCAST), or None."""
-    if device_type in EMULATED_AUTOCAST:
-        return EMULATED_AUTOCAST[device_type]
-    if _autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameters and state_dict) that routes a frozen layer under autocast through
-    FrozenLinear."""
-
-    def forward(self, x):
-        if (not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
-                and torch.is_grad_enabled()):
-            dtype = autocast_dtype(x.device.type)
-            if dtype is not None:
-                return FrozenLinear.apply(x, self.weight, self.bias, dtype)
-        return super().forward(x)
 
 
 VOCAB_SLICES = 8  # a low-precision head's dW is summed in fp32 an eighth of the vocabulary at a time

@@ -9,6 +9,7 @@ import checkpoint
 import memory_options
 import memory_estimate
 import training
+from model import Linear
 from conftest import assert_same_state, cpu_checkpoint_after_one_step, load, run_train, train_defaults
 from distributed import Ranks
 
@@ -77,9 +78,9 @@ def test_compiled_blocks_with_inductor_do_not_hit_the_recompile_limit(method):
 
 
 def test_frozen_linear_keeps_no_bf16_weight_copy_under_cuda_autocast():
-    """What the meta estimate assumes (memory_options.EMULATED_AUTOCAST): a frozen Linear under CUDA autocast
+    """What the meta estimate assumes (model.EMULATED_AUTOCAST): a frozen Linear under CUDA autocast
     keeps no bf16 copy of its weight until the backward."""
-    layer = memory_options.Linear(1024, 1024, bias=False).cuda().requires_grad_(False)
+    layer = Linear(1024, 1024, bias=False).cuda().requires_grad_(False)
     x = torch.randn(8, 1024, device='cuda', requires_grad=True)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

@@ -1,4 +1,4 @@
-"""memory_options.py: the memory options (activation checkpointing, offload, chunked loss) and the frozen
+"""memory_options.py: the memory options (activation checkpointing, offload, chunked loss), and model.py's frozen
 Linear; each must leave the numbers as they are and keep less."""
 import math
 import os
@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import memory_options  # noqa: E402
-from model import Transformer  # noqa: E402
+from model import EMULATED_AUTOCAST, Linear, Transformer  # noqa: E402
 
 torch.set_num_threads(1)  # the CPU is shared; tiny models don't need more
 
@@ -246,7 +246,7 @@ def test_frozen_block_saves_only_what_its_input_gradient_needs(arch):
 @pytest.mark.parametrize('arch', ['gpt2', 'llama'])
 def test_frozen_block_under_autocast_keeps_no_weight_copies(arch, monkeypatch):
     """Under bf16 autocast, autograd's own linear keeps the bf16 copy of a frozen weight until the
-    backward; memory_options.Linear saves the parameter instead: a frozen block saves exactly the bf16 bytes
+    backward; model.Linear saves the parameter instead: a frozen block saves exactly the bf16 bytes
     of its matrices less, with the same input gradient bitwise."""
     torch.manual_seed(0)
     cfg = TINY[arch]()
@@ -265,7 +265,7 @@ def test_frozen_block_under_autocast_keeps_no_weight_copies(arch, monkeypatch):
         return saved, x.grad
 
     saved, dx = run()
-    monkeypatch.setattr(memory_options.Linear, 'forward', torch.nn.Linear.forward)  # autograd's own linear
+    monkeypatch.setattr(Linear, 'forward', torch.nn.Linear.forward)  # autograd's own linear
     saved_ref, dx_ref = run()
     matrices = sum(p.numel() for p in block.parameters() if p.dim() == 2)
     assert saved_ref - saved == matrices * 2
@@ -430,8 +430,8 @@ def test_unit_params_and_the_estimate_of_one_device():
 
 def test_meta_estimate_takes_the_frozen_linear_path_of_cuda(monkeypatch):
     """Under CUDA autocast a frozen block's Linears go through FrozenLinear and keep no bf16 copy of
-    their weights; the meta device has no autocast, so MetaAsCuda tells memory_options.Linear it emulates
-    one (memory_options.EMULATED_AUTOCAST). Without that seam the amp estimate counts one bf16 copy of every
+    their weights; the meta device has no autocast, so MetaAsCuda tells model.Linear it emulates
+    one (model.EMULATED_AUTOCAST). Without that seam the amp estimate counts one bf16 copy of every
     frozen block's matrices more; the bf16 precision (no autocast) and full training do not change."""
     import bench_memory
     import memory_estimate
@@ -445,7 +445,7 @@ def test_meta_estimate_takes_the_frozen_linear_path_of_cuda(monkeypatch):
         return {(r['method'], r['precision']): r['peak'] for r in rows}
 
     cuda_path = estimate()
-    assert memory_options.EMULATED_AUTOCAST == {}  # set only while the mode is on
+    assert EMULATED_AUTOCAST == {}  # set only while the mode is on
     monkeypatch.setattr(memory_estimate.MetaAsCuda, 'follow_cuda_linear', False)
     without = estimate()
     frozen_blocks = 6 - 2
