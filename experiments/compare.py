@@ -110,7 +110,7 @@ def run_all(variants, seeds, args, runs_dir):
 
 
 def train_config(method, args):
-    """The config train.py runs `method` with under these flags: train_args (the --train_arg ones
+    """The config train.py runs `method` with under these flags: train_args (the --train_args ones
     included) read as train.py reads them, and the vocabulary train.py
     would use (vocab_size, else the dataset's meta.pkl, else 0: training.model_args' 50304)."""
     from dataloader import dataset_vocab
@@ -119,7 +119,7 @@ def train_config(method, args):
 
 
 def model_config(args):
-    """The TransformerConfig train.py builds for these flags (a bad --train_arg key or model shape raises a
+    """The TransformerConfig train.py builds for these flags (a bad --train_args key or model shape raises a
     one-line ValueError)."""
     import memory_estimate
     return memory_estimate.model_config(train_config('full', args)[0])
@@ -260,7 +260,7 @@ def write_markdown(path, report):
     lines += ['', 'std: sample standard deviation over seeds. Memory: NOT an allocator peak (CPU has none); the exact '
           'bytes of gradients + optimizer state tensors right after an optimizer step that follows a switch '
           '(largest over one cycle + 1 switch), built in-process from the runs\' own train.py arguments '
-          '(--train_arg included) by training.build and stepped by training.Trainer.step, as train.py does '
+          '(--train_args included) by training.build and stepped by training.Trainer.step, as train.py does '
           '(omgd_state.memory_bytes; GaLore/GoLore projection matrices are not counted as optimizer state but listed '
           'apart below, as in the GaLore paper). Parameters and activations excluded; identical for rr and iid. '
           'ms/iter is wall time on a shared CPU and only indicative.', '']

@@ -34,7 +34,7 @@ and D + R + C = e is checked.
 Speed: the only sequential part is the update itself; it runs as one tight numpy loop over steps
 whose vector dimension is every (method, seed) row at once (theta is augmented with a -1 so that
 the residual is one row-wise dot product). Schedules, gathers and the decomposition are
-vectorised per chunk; --no_decompose skips the decomposition.
+vectorised per chunk; --decompose=False skips the decomposition.
 
     python experiments/linreg.py --out_dir=results    # T = 1e6, 10 seeds, all methods: results/linreg.*
     python experiments/linreg.py --T=1e5 --seeds=4    # writes out/linreg.* (the default, git-ignored)

@@ -43,7 +43,7 @@ def test_smoke_two_methods_one_seed(tmp_path, monkeypatch):
     assert mem['full']['optimizer'] == 2 * mem['full']['grads'] == 2 * mem['full']['params']
     md = (out / 'compare.md').read_text()
     assert '| full | rr |' in md and '| lisa_wor:iid | iid |' in md and 'NOT an allocator peak' in md
-    # --replot rewrites the table and plot from the JSON without training
+    # --replot=True rewrites the table and plot from the JSON without training
     (out / 'compare.md').unlink()
     (out / 'compare_loss.png').unlink()
     replot = subprocess.run([sys.executable, 'experiments/compare.py', '--replot=True', '--memory=False', f'--out_dir={out}'],

@@ -246,7 +246,7 @@ def alive(pid):
 
 
 COMPARE_TINY = ['--methods=full', '--seeds=1', '--n_layer=1', '--n_head=2', '--n_embd=16', '--block_size=16',
-                '--batch_size=2', '--eval_iters=1', '--log_interval=1', '--warmup_iters=1', '--no_memory']
+                '--batch_size=2', '--eval_iters=1', '--log_interval=1', '--warmup_iters=1', '--memory=False']
 
 
 @pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGINT], ids=['SIGTERM', 'SIGINT'])
