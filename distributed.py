@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 
-
 @dataclass
 class Ranks:
     """Who this process is. `enabled`: launched by torchrun (RANK is set), with a process group."""
