@@ -154,23 +154,23 @@ class CheckFailed(RuntimeError):
 
 
 class RankCheck:
-    """The Trainer's observer for `--ddp_check=True`: after each rebuild of `replicas`
-    (distributed.Replicas) it starts counting the new wrapper's communication and snapshots the
+    """The Trainer's observer for `--ddp_check=True`: after each rebuild of `parallel`
+    (distributed.ParallelModel) it starts counting the new wrapper's communication and snapshots the
     frozen weights; after every optimizer step, gradients still in place, it runs the checks and
     raises CheckFailed, on every rank alike, when a report differs. `summary` holds the last step's
     one-line summary."""
 
-    def __init__(self, replicas, fsdp_units=None):
-        self.replicas, self.summary, self.switches_seen = replicas, None, 0
-        self.checker = Checker(replicas.ranks, replicas.raw_model, fsdp_units)
+    def __init__(self, parallel, fsdp_units=None):
+        self.parallel, self.summary, self.switches_seen = parallel, None, 0
+        self.checker = Checker(parallel.ranks, parallel.raw_model, fsdp_units)
 
     def after_switch(self, trainer, switched):
-        if self.replicas.switches != self.switches_seen:  # the replicas were rebuilt for this iteration
-            self.switches_seen = self.replicas.switches
-            self.checker.on_switch(self.replicas.wrapper, self.replicas.old_wrapper, self.replicas.wrapper_in_gc_cycle)
+        if self.parallel.switches != self.switches_seen:  # rebuilt for this iteration
+            self.switches_seen = self.parallel.switches
+            self.checker.on_switch(self.parallel.wrapper, self.parallel.old_wrapper, self.parallel.wrapper_in_gc_cycle)
 
     def before_zero_grad(self, trainer):
-        problems, self.summary = self.checker.check(self.replicas.wrapper, trainer.optimizer, trainer.cycler,
+        problems, self.summary = self.checker.check(self.parallel.wrapper, trainer.optimizer, trainer.cycler,
                                                     trainer.cfg['omgd_state'])
         if problems:
             raise CheckFailed('; '.join(problems))

@@ -1,6 +1,6 @@
 """
 Multi-process machinery for train.py: process groups, control messages between ranks, the DDP
-wrapper and the FSDP2 sharding, full-state checkpoints of a sharded model, and Replicas, the
+wrapper and the FSDP2 sharding, full-state checkpoints of a sharded model, and ParallelModel, the
 training loop's view of them (the invariant checks of `--ddp_check=True` are ddp_check.py).
 train.py keeps the training loop; everything here is told what it needs through arguments
 (a `Ranks`, the model, the optimizer), never through globals.
@@ -298,7 +298,7 @@ def load_optimizer_state(model, optimizer, state_dict):
 # the training loop's view of all of the above
 
 
-class Replicas:
+class ParallelModel:
     """What train.py's loop runs and syncs: `model` is the DDP wrapper over the parameters that
     train now, rebuilt after every switch (a wrapper over all parameters would allocate the
     full-size gradient buckets that layer cycling is meant to avoid), or the model itself, resharded

@@ -299,12 +299,12 @@ def train(cfg, given_keys, ranks, device):
         memory_options.compile_blocks(raw_model, cfg['method'])
 
     # under torchrun the DDP wrapper is rebuilt over the active parameters after every switch
-    # (distributed.Replicas), FSDP reshards; one process trains the model as it is
-    replicas = distributed.Replicas(raw_model, ranks, device_type, fsdp) if ranks.enabled or cfg['ddp_check'] else None
-    observer = ddp_check.RankCheck(replicas, distributed.fsdp_units(raw_model) if fsdp else None) \
+    # (distributed.ParallelModel), FSDP reshards; one process trains the model as it is
+    parallel = distributed.ParallelModel(raw_model, ranks, device_type, fsdp) if ranks.enabled or cfg['ddp_check'] else None
+    observer = ddp_check.RankCheck(parallel, distributed.fsdp_units(raw_model) if fsdp else None) \
         if cfg['ddp_check'] else None
     trainer = training.Trainer(cfg, raw_model, optimizer, cycler, train_batches.iterate(device), device_type,
-                               cfg['gradient_accumulation_steps'] // world_size, replicas, observer=observer)
+                               cfg['gradient_accumulation_steps'] // world_size, parallel, observer=observer)
     trainer.iter_num = iter_num
     if checkpoint is not None:
         try:
@@ -432,10 +432,10 @@ def train(cfg, given_keys, ranks, device):
         except ddp_check.CheckFailed as e:
             raise RunError(f"ddp check failed at iteration {it}, not on every rank: {e}") from None
         if switched and master:
-            rebuild = f", DDP rebuilt in {replicas.rebuild_ms:.1f} ms" if ranks.enabled and not fsdp else ""
+            rebuild = f", DDP rebuilt in {parallel.rebuild_ms:.1f} ms" if ranks.enabled and not fsdp else ""
             print(f"iter {it}: {cycler.describe()}{rebuild}")
             record('switch', iter=it, active=list(cycler.active), description=cycler.describe(),
-                   ddp_rebuild_ms=replicas.rebuild_ms if ranks.enabled and not fsdp else None)
+                   ddp_rebuild_ms=parallel.rebuild_ms if ranks.enabled and not fsdp else None)
         if observer is not None and observer.summary and master and (switched or it == max_iters - 1):
             print(f"iter {it}: {observer.summary}")
 

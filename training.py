@@ -170,22 +170,22 @@ def build(cfg, device, vocab_size=0, model=None, shard=None, cpu_draws=True):
 
 class Trainer:
     """One run's iteration and everything it touches: config, model, optimizer, layer cycler, the
-    replicas that sync gradients, loss scaler, the training batches and their position, and the
+    parallel model that syncs gradients, loss scaler, the training batches and their position, and the
     iteration counter. train.py, the benchmarks and the experiments drive the same object.
 
     batches: an iterator of (x, y, position) micro-batches (dataloader.TokenBatches.iterate; the
     benchmarks yield random ones with position None). The step fetches one micro-batch ahead, so
     `data_position` is the position of the batch held for the next step: what a checkpoint stores.
-    replicas: distributed.Replicas (DDP/FSDP); None trains `model` in this process.
+    parallel: distributed.ParallelModel (DDP/FSDP); None trains `model` in this process.
     grad_accum: micro-steps of this rank per iteration (default: the config's).
     autocast, backward: replace the config's autocast and loss.backward() (bench_memory's meta device).
     observer: an object with after_switch(trainer, switched) and/or before_zero_grad(trainer),
     called inside each step (--ddp_check, the experiments' probes); None in a plain run.
     """
 
-    def __init__(self, cfg, model, optimizer, cycler, batches, device_type='cpu', grad_accum=None, replicas=None,
+    def __init__(self, cfg, model, optimizer, cycler, batches, device_type='cpu', grad_accum=None, parallel=None,
                  autocast=None, backward=None, observer=None):
-        self.cfg, self.model, self.optimizer, self.cycler, self.replicas = cfg, model, optimizer, cycler, replicas
+        self.cfg, self.model, self.optimizer, self.cycler, self.parallel = cfg, model, optimizer, cycler, parallel
         self.batches, self.batch = batches, None
         self.grad_accum = grad_accum or cfg['gradient_accumulation_steps']
         self.autocast = autocast if autocast is not None else autocast_context(cfg, device_type)
@@ -211,10 +211,10 @@ class Trainer:
         switched = self.cycler.step(it)
         self.cycler.prefetch(it)  # on a period's last iteration: start copying back the next group's offloaded state
         model, sync = self.model, None
-        if self.replicas is not None:
-            if switched or self.replicas.model is None:
-                self.replicas.on_switch()
-            model, sync = self.replicas.model, self.replicas.sync if self.replicas.ranks.enabled else None
+        if self.parallel is not None:
+            if switched or self.parallel.model is None:
+                self.parallel.on_switch()
+            model, sync = self.parallel.model, self.parallel.sync if self.parallel.ranks.enabled else None
         after_switch = getattr(self.observer, 'after_switch', None)
         if after_switch is not None:
             after_switch(self, switched)

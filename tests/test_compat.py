@@ -90,7 +90,7 @@ APIS = [
     ('torch.distributed.fsdp', 'fully_shard'),  # distributed.shard_fsdp (public from torch 2.6)
     ('torch.distributed.fsdp', 'MixedPrecisionPolicy'),
     ('torch.distributed.fsdp', 'FSDPModule.set_custom_reduce_scatter'),  # ddp_check
-    ('torch.distributed.fsdp', 'FSDPModule.set_requires_gradient_sync'),  # distributed.Replicas.sync
+    ('torch.distributed.fsdp', 'FSDPModule.set_requires_gradient_sync'),  # distributed.ParallelModel.sync
     ('torch.distributed.fsdp', 'FSDPModule.reshard'),  # distributed.reshard_fsdp
     ('torch.distributed.fsdp', 'FSDPModule._get_fsdp_state'),  # distributed.shard_fsdp's early lazy init
     ('torch.distributed.fsdp._fully_shard._fsdp_state', 'FSDPState._lazy_init'),

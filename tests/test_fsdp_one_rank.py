@@ -38,10 +38,10 @@ def test_ddp_check_holds_on_one_fsdp_rank(one_rank):
     one per active unit (`torchrun --nproc_per_node=1 --parallel=fsdp --ddp_check=True` failed at
     iteration 0 on an H200 with torch 2.11)."""
     model, opt, cycler = sharded(one_rank)
-    replicas = distributed.Replicas(model, one_rank, 'cpu', fsdp=True)
-    observer = ddp_check.RankCheck(replicas, distributed.fsdp_units(model))
+    parallel = distributed.ParallelModel(model, one_rank, 'cpu', fsdp=True)
+    observer = ddp_check.RankCheck(parallel, distributed.fsdp_units(model))
     x = torch.randint(32, (2, 8))
-    trainer = training.Trainer(CFG, model, opt, cycler, itertools.repeat((x, x, None)), 'cpu', replicas=replicas,
+    trainer = training.Trainer(CFG, model, opt, cycler, itertools.repeat((x, x, None)), 'cpu', parallel=parallel,
                                observer=observer)
     for _ in range(4):  # a switch at every iteration
         trainer.step()
