@@ -269,7 +269,7 @@ def main(argv=None):
         probe(json.loads(args.probe_spec), runs_dir)
         return 0
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    label = os.path.relpath(runs_dir, ROOT)
+    label = runs_dir if os.path.relpath(runs_dir, ROOT).startswith('..') else os.path.relpath(runs_dir, ROOT)
     if args.runs_from and not args.report_only:
         sys.exit("error: --runs_from writes reports from a NAME.json and runs nothing: add --report_only=True")
     try:
