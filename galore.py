@@ -67,10 +67,14 @@ from contextlib import nullcontext
 
 import torch
 
+from configurator import above, at_least, check_rule
 from optim import MasterWeights, adamw_step_, check_adamw_settings, param_groups
 
 PROJECTIONS = ('svd', 'random')
 CONVENTIONS = ('galore', 'torch')  # whose AdamW arithmetic: the references' or torch.optim.AdamW's
+
+# the rule of each train.py key a projected group reads (train_config.py checks a whole config with them)
+RULES = {'galore_rank': at_least(1), 'galore_update_proj_gap': at_least(1), 'galore_scale': above(0)}
 
 
 def galore_adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, back=None,
@@ -129,9 +133,8 @@ class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
             group.setdefault('scale', 0.25)
             group.setdefault('projection', 'svd')
             group.setdefault('svd_steps', 0)
-            if group['rank'] < 1 or group['update_proj_gap'] < 1:
-                raise ValueError(f"GaLore needs rank >= 1 and update_proj_gap >= 1, got "
-                                 f"{group['rank']} and {group['update_proj_gap']}")
+            for key in ('rank', 'update_proj_gap', 'scale'):
+                check_rule(f'galore_{key}', group[key], RULES[f'galore_{key}'])
             if group['projection'] not in PROJECTIONS:
                 raise ValueError(f"projection must be one of {PROJECTIONS}, got {group['projection']!r}")
             if not isinstance(group['svd_steps'], int) or group['svd_steps'] < 0:

@@ -110,8 +110,7 @@ class TransformerConfig:
     tie_embeddings: bool | None = None  # head = token embedding; None -> True for gpt2, False for llama
 
     def __post_init__(self):
-        if self.arch not in ('gpt2', 'llama'):
-            raise ValueError(f"arch must be 'gpt2' or 'llama', got {self.arch!r}")
+        check_arch(self.arch)
         if self.gelu not in ('exact', 'tanh'):
             raise ValueError(f"gelu must be 'exact' or 'tanh', got {self.gelu!r}")
         if self.tie_embeddings is None:
@@ -150,6 +149,15 @@ PRESETS: dict[str, dict] = {
     'llama-1b':    dict(_LLAMA, n_layer=24, n_head=32, n_embd=2048, mlp_hidden=5461),
     'llama-7b':    dict(_LLAMA, n_layer=32, n_head=32, n_embd=4096, mlp_hidden=11008),
 }
+
+
+ARCHS = ('gpt2', 'llama')
+
+
+def check_arch(arch):
+    """The one check of the arch key (train.py's config checks it too, before anything is built)."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be {' or '.join(map(repr, ARCHS))}, got {arch!r}")
 
 
 def check_preset(name):

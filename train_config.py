@@ -14,9 +14,11 @@ import os
 import torch
 
 import dataloader
+import galore
 import memory_options
 import omgd
 from configurator import above, at_least, between, check_rule, configure, one_of
+from model import check_arch
 
 CUDA = torch.cuda.is_available()
 
@@ -126,19 +128,18 @@ RULES = {
     'out_dir': at_least(1, 'a non-empty path', len), 'eval_interval': at_least(1), 'log_interval': at_least(1),
     'eval_iters': at_least(1), 'sample_tokens': at_least(0), 'dataset': at_least(1, 'a non-empty name', len),
     'gradient_accumulation_steps': at_least(1), 'batch_size': at_least(1),
-    'block_size': at_least(1), 'arch': one_of('gpt2', 'llama'), 'n_layer': at_least(1), 'n_head': at_least(1),
+    'block_size': at_least(1), 'n_layer': at_least(1), 'n_head': at_least(1),
     'n_kv_head': at_least(0), 'n_embd': at_least(1), 'mlp_hidden': at_least(0), 'dropout': between(0, 1),
     'vocab_size': at_least(0), 'optimizer': one_of('adamw', 'sgd'),
     'learning_rate': above(0), 'max_iters': at_least(0), 'weight_decay': at_least(0),
     'beta1': between(0, 1), 'beta2': between(0, 1), 'momentum': between(0, 1),
     'grad_clip': at_least(0), 'warmup_iters': at_least(0), 'lr_decay_iters': at_least(0), 'min_lr': at_least(0),
-    'method': one_of(*METHOD_NAMES, label='method'), 'galore_rank': at_least(1),
-    'galore_update_proj_gap': at_least(1), 'galore_scale': above(0),
+    'method': one_of(*METHOD_NAMES, label='method'),
     'golore_svd_fraction': between(0, 1, closed=True), 'precision': one_of(*PRECISIONS, label='precision'),
     'master_device': one_of('', 'cpu', described="'' (the weights' device) or 'cpu'"), 'dtype': one_of(*PTDTYPES, label='dtype'), 'backend': one_of('nccl', 'gloo'),
     'parallel': one_of('ddp', 'fsdp'), 'dist_timeout_s': at_least(1),
     'checkpoint_format': one_of('auto', 'file', 'dcp'), 'keep_last': at_least(0), 'eval_mc_limit': at_least(0), 'checkpoint_async': one_of('auto', 'yes', 'no'),
-    **omgd.RULES, **dataloader.RULES, **memory_options.RULES,  # the libraries' own keys, each rule written once, there
+    **omgd.RULES, **galore.RULES, **dataloader.RULES, **memory_options.RULES,  # the libraries' own keys, each rule written once, there
 }
 
 
@@ -162,6 +163,7 @@ def check(cfg):
         raise ValueError(f"init_from must be 'scratch', 'resume', 'auto', a GPT-2 name or a Hugging Face model directory, "
                          f"got {cfg['init_from']!r}")
     check_preset(cfg)
+    check_arch(cfg['arch'])
     omgd.check_always([part for part in cfg['omgd_always'].split(',') if part])
     if cfg['min_lr'] > cfg['learning_rate']:
         raise ValueError(f"min_lr={cfg['min_lr']} is above learning_rate={cfg['learning_rate']}; the schedule decays "

@@ -184,3 +184,23 @@ def test_every_script_has_the_one_command_line(script):
         assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr[-800:]
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith('error: ') and message in lines[0], result.stderr[-800:]
+
+
+@pytest.mark.parametrize('key, value, library_call', [
+    ('galore_rank', 0, lambda: galore_of(rank=0)),
+    ('galore_update_proj_gap', 0, lambda: galore_of(update_proj_gap=0)),
+    ('galore_scale', 0.0, lambda: galore_of(scale=0.0)),
+    ('arch', 'mamba', lambda: __import__('model').TransformerConfig(arch='mamba')),
+])
+def test_galore_and_model_keys_have_one_rule_too(key, value, library_call):
+    import train_config
+    with pytest.raises(ValueError) as from_config:
+        train_config.load([f'--{key}={value}', '--device=cpu'])
+    with pytest.raises(ValueError) as from_library:
+        library_call()
+    assert str(from_config.value) == str(from_library.value)
+
+
+def galore_of(**kwargs):
+    import galore
+    return galore.build_optimizer(tiny_model(), 0.1, 1e-3, (0.9, 0.99), **kwargs)

@@ -293,7 +293,7 @@ def test_tiny_gpt_training_lowers_loss(arch, projection):
 @pytest.mark.parametrize('group, kwargs, message', [
     (dict(rank=2, projection='qr'), {}, 'projection'),
     (dict(rank=0), {}, 'rank'),
-    (dict(rank=2, update_proj_gap=0), {}, 'update_proj_gap >= 1'),
+    (dict(rank=2, update_proj_gap=0), {}, 'galore_update_proj_gap must be >= 1'),
     (dict(rank=2, projection='random', svd_steps=-1), {}, 'svd_steps'),
     (dict(rank=2, projection='random', svd_steps=2.5), {}, 'svd_steps'),
     ({}, dict(lr=-1.0), 'invalid AdamW settings'),
