@@ -1,8 +1,8 @@
 """bench_memory.py, bench.py and experiments/compare.py measure train.py's iteration: they build through
 training.build and step through training.Trainer, whose train_step gets the config's keys."""
-import argparse
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -52,7 +52,7 @@ def run_compare(scale_after_clip):
     flags = {name: default for name, _, default in compare.TRAIN_FLAGS}
     flags.update(dataset='no_such_dataset', n_layer=4, n_embd=64, block_size=32, batch_size=2, omgd_gamma=2,
                  grad_clip=0.5)
-    args = argparse.Namespace(**flags, max_iters=40, train_arg=['--gradient_accumulation_steps=2',
+    args = SimpleNamespace(**flags, max_iters=40, train_arg=['--gradient_accumulation_steps=2',
                                                                 f'--omgd_scale_after_clip={scale_after_clip}'])
     mem = compare.measure_memory('lisa_wor', args)
     assert 'error' not in mem, mem

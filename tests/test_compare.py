@@ -89,14 +89,14 @@ def test_paired_differences():
 def test_memory_builds_the_runs_own_config():
     """measure_memory measures the config the runs train: train_command's arguments, --train_args included
     (any train.py key), parsed by train.py's configurator; a key train.py refuses is refused here too."""
-    import argparse
+    from types import SimpleNamespace
 
     import torch
 
     from model import Transformer
     flags = {name: default for name, _, default in compare.TRAIN_FLAGS}
     flags.update(dataset='no_such_dataset', n_layer=2, n_embd=32, block_size=16, batch_size=2, omgd_gamma=1)
-    args = argparse.Namespace(**flags, max_iters=40, train_arg=['--arch=llama', '--n_kv_head=2', '--omgd_warmup=5'])
+    args = SimpleNamespace(**flags, max_iters=40, train_arg=['--arch=llama', '--n_kv_head=2', '--omgd_warmup=5'])
     cfg, vocab = compare.train_config('lisa_wor', args)
     assert (cfg['method'], cfg['omgd_warmup'], cfg['n_layer'], cfg['device'], vocab) == ('lisa_wor', 5, 2, 'cpu', 0)
     config = compare.model_config(args)
