@@ -176,7 +176,8 @@ def prepare_main(prepare: Callable, description: str, default_out_dir: Path, arg
     options = command_line(sys.argv[1:] if argv is None else argv, defaults, rules, description,
                            {**MEANINGS, **(meanings or {})})
     own_default = inspect.signature(prepare).parameters
-    options = {k: None if own_default[k].default is None and v in ("", 0) else v
+    unset = lambda v: v == "" or (type(v) is int and v == 0)  # noqa: E731  (not False: a flag is never unset)
+    options = {k: None if own_default[k].default is None and unset(v) else v
                for k, v in (("input_path" if k == "input" else k, v) for k, v in options.items())}
     name = Path(sys.argv[0]).name
     try:
