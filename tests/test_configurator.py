@@ -164,8 +164,8 @@ def cycler_of(**fields):
                              omgd.CyclerConfig(**{'method': 'lisa_wor', 'gamma': 1, **fields}))
 
 
-SCRIPTS = ('train.py', 'sample.py', 'eval.py', 'export.py', 'bench.py', 'bench_memory.py', 'bench_checkpoint.py',
-           'bench_generate.py', 'bench_ddp_switch.py', 'experiments/study.py', 'experiments/compare.py',
+SCRIPTS = ('train.py', 'sample.py', 'eval.py', 'export.py', 'bench.py', 'bench_memory.py', 'experiments/bench_checkpoint.py',
+           'experiments/bench_generate.py', 'experiments/bench_ddp_switch.py', 'experiments/study.py', 'experiments/compare.py',
            'experiments/precision.py', 'experiments/linreg.py')
 
 

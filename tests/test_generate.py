@@ -100,16 +100,16 @@ def test_long_prompt_and_memory_wrappers():
 
 
 def test_bench_generate_runs_both_ways(tmp_path):
-    """bench_generate.py (a benchmark, not timed here): both rates, their ratio, the same tokens."""
+    """experiments/bench_generate.py (a benchmark, not timed here): both rates, their ratio, the same tokens."""
     from dataclasses import asdict
     from conftest import assert_one_line_error, run_script
     model = tiny('llama-gqa')
     torch.save({'model_args': asdict(model.config), 'model': model.state_dict()}, tmp_path / 'ckpt.pt')
-    result = run_script('bench_generate.py', [f'--out_dir={tmp_path}', '--prompt_tokens=3', '--new_tokens=20',
+    result = run_script('experiments/bench_generate.py', [f'--out_dir={tmp_path}', '--prompt_tokens=3', '--new_tokens=20',
                                               '--batch_size=2', '--device=cpu'])
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[1].startswith('note: beyond 16 tokens both ways run the cropped window afresh')
     assert lines[2].startswith('uncached: ') and lines[3].startswith('cached: ') and lines[2].endswith(' tokens/s')
     assert lines[4].startswith('speed-up (cached / uncached tokens/s): ') and lines[4].endswith('same tokens: yes')
-    assert_one_line_error(run_script('bench_generate.py', ['--preset=gpt3']), r"unknown preset 'gpt3'")
+    assert_one_line_error(run_script('experiments/bench_generate.py', ['--preset=gpt3']), r"unknown preset 'gpt3'")

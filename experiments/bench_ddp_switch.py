@@ -3,8 +3,8 @@ Cost of a layer switch under DDP: train.py drops its DistributedDataParallel wra
 new one over the parameters that train after the switch (distributed.wrap_ddp, whose docstring
 says why a rebuild beats one wrapper plus a hand-written all-reduce).
 
-$ torchrun --standalone --nproc_per_node=2 bench_ddp_switch.py                        # GPT-2 124M
-$ torchrun --standalone --nproc_per_node=2 bench_ddp_switch.py --preset=tiny --gamma=2
+$ torchrun --standalone --nproc_per_node=2 experiments/bench_ddp_switch.py                        # GPT-2 124M
+$ torchrun --standalone --nproc_per_node=2 experiments/bench_ddp_switch.py --preset=tiny --gamma=2
 
 It runs on the CPU with gloo (the ranks' processes on one machine); there is no GPU/NCCL path.
 
@@ -18,6 +18,7 @@ For several LISA-wor switches this times, as the slowest rank sees it:
            steady backward communicates (and, once, of all the model's elements, for comparison).
 Rank 0 prints one row per switch and the medians.
 """
+import os
 import statistics
 import sys
 import time
@@ -26,10 +27,11 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-import distributed
-import omgd
-from configurator import at_least, command_line
-from model import Transformer, TransformerConfig, config_from_preset
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
+import distributed  # noqa: E402
+import omgd  # noqa: E402
+from configurator import at_least, command_line  # noqa: E402
+from model import Transformer, TransformerConfig, config_from_preset  # noqa: E402
 
 DEFAULTS = dict(preset='gpt2', gamma=3, switches=5, batch_size=1, block_size=64)
 MEANINGS = dict(preset="a model.py preset, or 'tiny' (the tests' 4x32 model)",
@@ -39,7 +41,7 @@ args = SimpleNamespace(**command_line(sys.argv[1:], DEFAULTS, RULES, __doc__, ME
 
 ranks, _ = distributed.setup('gloo', 'cpu')
 if not ranks.enabled:
-    raise SystemExit("error: run under torchrun, e.g. torchrun --standalone --nproc_per_node=2 bench_ddp_switch.py")
+    raise SystemExit("error: run under torchrun, e.g. torchrun --standalone --nproc_per_node=2 experiments/bench_ddp_switch.py")
 rank, world = ranks.rank, ranks.world_size
 torch.manual_seed(0)
 if args.preset == 'tiny':

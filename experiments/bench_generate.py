@@ -2,17 +2,20 @@
 Generation speed with and without the KV cache (model.py's KVCache): tokens/s of Transformer.generate for the
 same greedy completion both ways, and their ratio, in one run.
 
-$ OMP_NUM_THREADS=1 python bench_generate.py                              # GPT-2 124M, random weights, CPU
-$ python bench_generate.py --preset=llama-130m --block_size=1024 --device=cuda
-$ python bench_generate.py --out_dir=out                                  # a train.py checkpoint
+$ OMP_NUM_THREADS=1 python experiments/bench_generate.py                              # GPT-2 124M, random weights, CPU
+$ python experiments/bench_generate.py --preset=llama-130m --block_size=1024 --device=cuda
+$ python experiments/bench_generate.py --out_dir=out                                  # a train.py checkpoint
 
 The weights do not change the time (random ones unless out_dir is given); each way is timed after a
 short warm-up, on the same prompt of random ids. docs/evaluation.md records measured figures.
 """
+import os
 import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
 
 DEFAULTS = dict(preset='gpt2', block_size=0, out_dir='', prompt_tokens=16, new_tokens=256, batch_size=1,
                 device='cuda' if torch.cuda.is_available() else 'cpu', dtype='float32', seed=1337)
@@ -59,7 +62,7 @@ def main(argv):
     from checkpoint import CheckpointError
     from configurator import command_line
     from train_config import check_device
-    cfg = command_line(argv, DEFAULTS, rules(), "usage: python bench_generate.py [--key=value ...]", HELP)
+    cfg = command_line(argv, DEFAULTS, rules(), "usage: python experiments/bench_generate.py [--key=value ...]", HELP)
     try:
         check_device(cfg['device'])
         torch.manual_seed(cfg['seed'])

@@ -5,7 +5,7 @@ as train.py saves and resumes them. Prints seconds and each rank's peak host mem
 before each phase through /proc/self/clear_refs) for a model of a preset, AdamW state for every
 parameter (method 'full': the largest state a checkpoint holds).
 
-$ OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench_checkpoint.py --preset=gpt2 --parallel=fsdp
+$ OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 experiments/bench_checkpoint.py --preset=gpt2 --parallel=fsdp
 
 Keys: preset, vocab_size, parallel ('fsdp' or 'ddp'), out_dir (where the checkpoints go), formats
 (comma-separated: file, dcp (written before save returns), dcp_async (returns once the state is
@@ -23,12 +23,13 @@ import time
 import torch
 import torch.distributed as dist
 
-import checkpoint as ckpt_io
-import checkpoint_dcp
-import distributed
-import train_config
-import training
-from configurator import command_line
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
+import checkpoint as ckpt_io  # noqa: E402
+import checkpoint_dcp  # noqa: E402
+import distributed  # noqa: E402
+import train_config  # noqa: E402
+import training  # noqa: E402
+from configurator import command_line  # noqa: E402
 
 DEFAULTS = dict(preset='gpt2', vocab_size=50304, parallel='fsdp', out_dir='bench-checkpoint',
                 formats='file,dcp,dcp_async', phase='both')
