@@ -197,21 +197,17 @@ def offload_on_meta(tracker):
     """memory_options.OffloadActivations (activation_offload=True) on the meta device, which has no data to
     copy: the host copy of a saved tensor is a meta tensor that LiveBytes counts as host memory, and
     its copy back in the backward a new tensor on the device."""
-    cls = memory_options.OffloadActivations
-    saved = cls.__dict__['to_host'], cls.__dict__['unpack']
-
     def to_host(t):
         with tracker.host():
             return torch.empty_like(t)
 
-    def unpack(packed):
-        return packed if isinstance(packed, torch.Tensor) else torch.empty_like(packed[1])
-
-    cls.to_host, cls.unpack = staticmethod(to_host), staticmethod(unpack)
+    saved = dict(memory_options.OFFLOAD_COPIES)  # put back on exit
+    memory_options.OFFLOAD_COPIES['meta'] = (to_host, lambda host, device: torch.empty_like(host))
     try:
         yield
     finally:
-        cls.to_host, cls.unpack = saved
+        memory_options.OFFLOAD_COPIES.clear()
+        memory_options.OFFLOAD_COPIES.update(saved)
 
 
 # -----------------------------------------------------------------------------

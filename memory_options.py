@@ -214,6 +214,21 @@ def is_weight(t):
     return fn is not None and fn.name() == 'torch::autograd::AccumulateGrad'
 
 
+def to_host(t):
+    """A saved tensor's copy in host memory: pinned, and asynchronous from CUDA."""
+    host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=t.is_cuda)
+    return host.copy_(t, non_blocking=t.is_cuda)
+
+
+def to_device(host, device):
+    return host.to(device, non_blocking=True)
+
+
+# device type -> (to_host, to_device) of the offload copies, where they are not the ones above: the meta
+# device has no data to copy, and memory_estimate.offload_on_meta counts the copies there instead
+OFFLOAD_COPIES = {}
+
+
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """torch.autograd.graph.save_on_cpu, less the weights and the duplicates: tensors saved for the
     backward are copied to host memory (pinned and asynchronous from CUDA) and back when the backward
@@ -235,18 +250,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         hit = self.copies.get(key)
         if hit is None or hit[0]() is not st:
             # forgotten when the storage dies, so a later storage at the same id never matches
-            hit = weakref.ref(st, lambda _, key=key: self.copies.pop(key, None)), self.to_host(t)
+            hit = weakref.ref(st, lambda _, key=key: self.copies.pop(key, None)), \
+                OFFLOAD_COPIES.get(t.device.type, (to_host, to_device))[0](t)
             self.copies[key] = hit
         return t.device, hit[1]
-
-    @staticmethod
-    def to_host(t):
-        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=t.is_cuda)
-        return host.copy_(t, non_blocking=t.is_cuda)
 
     @staticmethod
     def unpack(packed):
         if isinstance(packed, torch.Tensor):
             return packed
         device, host = packed
-        return host.to(device, non_blocking=True)
+        return OFFLOAD_COPIES.get(device.type, (to_host, to_device))[1](host, device)

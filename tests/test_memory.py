@@ -300,9 +300,8 @@ def test_activation_offload(arch, monkeypatch):
 
     monkeypatch.setattr(memory_options.OffloadActivations, 'keep_on', ())
     copies = []
-    to_host = memory_options.OffloadActivations.to_host
-    monkeypatch.setattr(memory_options.OffloadActivations, 'to_host', staticmethod(
-        lambda t: copies.append(to_host(t)) or copies[-1]))
+    monkeypatch.setitem(memory_options.OFFLOAD_COPIES, 'cpu', (
+        lambda t: copies.append(memory_options.to_host(t)) or copies[-1], memory_options.to_device))
     memory_options.apply(model, activation_offload=True)
     loss, grads = run_grads(model, x, y)
     assert len(copies) == len(views) > 0
