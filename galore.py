@@ -227,13 +227,13 @@ def projector_bytes(optimizer):
 
 def build_optimizer(model, weight_decay, lr, betas, rank=128, update_proj_gap=200, scale=0.25,
                     projection='svd', eps=1e-6, seed=0, svd_steps=0, master=False, master_device=None,
-                    convention='galore'):
+                    convention='galore', host_scope=nullcontext):
     """GaLore (projection='svd') or GoLore ('random') on every matrix inside model.blocks (the
     attention and MLP weights), plain AdamW with optim.param_groups' decay split elsewhere
     (embeddings, head, norms, biases). Built over all parameters, frozen ones included.
     GoLore's reference switches from SVD to random projections after a fraction rand_ratio of
     training: svd_steps = math.ceil(rand_ratio * total_steps) gives its `step >= rand_ratio * T`.
-    master, master_device: fp32 master weights (GaLoreAdamW's), for train.py's precision='bf16_master'."""
+    master, master_device, host_scope: fp32 master weights (GaLoreAdamW's), for train.py's precision='bf16_master'."""
     projected = [p for block in model.blocks for p in block.parameters() if p.dim() == 2]
     ids = {id(p) for p in projected}
     groups = []
@@ -246,4 +246,4 @@ def build_optimizer(model, weight_decay, lr, betas, rank=128, update_proj_gap=20
                        'update_proj_gap': update_proj_gap, 'scale': scale, 'projection': projection,
                        'svd_steps': svd_steps})
     return GaLoreAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, seed=seed,
-                       master=master, master_device=master_device, convention=convention)
+                       master=master, master_device=master_device, convention=convention, host_scope=host_scope)

@@ -369,10 +369,10 @@ def resolve_device(name, allowed=('cuda', 'meta', 'cpu'), without_cuda='meta'):
     return torch.device(name)
 
 
-def build(cfg, device):
+def build(cfg, device, host_scope=nullcontext):
     """training.build, whose model is made directly on `device` (on meta: no memory, no
     initialisation cost), its random weights drawn there. (Model, optimizer, cycler.)"""
-    return training.build(cfg, device, dataset_vocab(cfg), cpu_draws=False)
+    return training.build(cfg, device, dataset_vocab(cfg), cpu_draws=False, host_scope=host_scope)
 
 
 # -----------------------------------------------------------------------------
@@ -389,10 +389,11 @@ def measure(cfg, device):
         torch.cuda.empty_cache()
     tracker = LiveBytes(device)
     torch.manual_seed(cfg['seed'])
-    net, opt, cycler = build(cfg, device)
     if cfg['master_device'] == 'cpu' and not cuda:
-        # no second memory to offload to: the masters stay on the one device, marked as host memory
-        opt.master_device, opt.host_scope = None, tracker.host
+        # no second memory to offload to: the masters stay on the one device, counted as host memory
+        net, opt, cycler = build({**cfg, 'master_device': ''}, device, host_scope=tracker.host)
+    else:
+        net, opt, cycler = build(cfg, device)
     if compiled:  # train.py's regional compilation
         memory_options.compile_blocks(net, cfg['method'])
     if cuda:  # the fp32 copy a bf16 build went through is cached, not in use: give it back

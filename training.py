@@ -124,7 +124,7 @@ def grad_scaler(cfg, device_type):
     return torch.amp.GradScaler(device_type, enabled=enabled)
 
 
-def build_optimizer(model, cfg, device_type):
+def build_optimizer(model, cfg, device_type, host_scope=nullcontext):
     """The optimizer over ALL parameters, built before anything is frozen, so every block can train
     later (LMFlow's bug: an optimizer over the trainable parameters only never trains the others)."""
     betas, lr, wd = (cfg['beta1'], cfg['beta2']), cfg['learning_rate'], cfg['weight_decay']
@@ -135,9 +135,10 @@ def build_optimizer(model, cfg, device_type):
                                       update_proj_gap=cfg['galore_update_proj_gap'], scale=cfg['galore_scale'],
                                       projection='svd' if cfg['method'] == 'galore' else 'random',
                                       seed=cfg['omgd_seed'], svd_steps=svd_steps, master=master,
-                                      master_device=cfg['master_device'] or None)
+                                      master_device=cfg['master_device'] or None, host_scope=host_scope)
     if master:
-        return MasterAdamW(param_groups(model, wd), lr=lr, betas=betas, master_device=cfg['master_device'] or None)
+        return MasterAdamW(param_groups(model, wd), lr=lr, betas=betas, master_device=cfg['master_device'] or None,
+                           host_scope=host_scope)
     if cfg['optimizer'] == 'adamw':
         return adamw(model, wd, lr, betas, device_type)
     return torch.optim.SGD(param_groups(model, wd), lr=lr, momentum=cfg['momentum'])
@@ -152,19 +153,20 @@ def build_cycler(model, optimizer, cfg):
     return omgd.build_cycler(model, optimizer, config)
 
 
-def build(cfg, device, vocab_size=0, model=None, shard=None, cpu_draws=True):
+def build(cfg, device, vocab_size=0, model=None, shard=None, cpu_draws=True, host_scope=nullcontext):
     """The model, its optimizer and its cycler, as every script trains them.
 
     model: an already built model (a resume, a pretrained import); None builds one from scratch,
     directly on `device` in its weight dtype (new_model; seed the RNG before: the init draws from it). shard(model): a hook that runs after the model
     is on its device and before the optimizer sees its parameters (train.py's FSDP2 sharding).
-    cpu_draws: new_model's."""
+    cpu_draws: new_model's. host_scope: the fp32 masters' (optim.MasterWeights): the memory estimate
+    counts what is allocated inside it as host memory."""
     if model is None:
         model = new_model(TransformerConfig(**gpt_kwargs(cfg, vocab_size)), device, weight_dtype(cfg['precision']), cpu_draws)
     cast_model(configure_memory(model, cfg), cfg['precision']).to(device)
     if shard is not None:
         shard(model)
-    optimizer = build_optimizer(model, cfg, torch.device(device).type)  # over ALL parameters
+    optimizer = build_optimizer(model, cfg, torch.device(device).type, host_scope)  # over ALL parameters
     return model, optimizer, build_cycler(model, optimizer, cfg)
 
 
