@@ -106,6 +106,14 @@ def load(out_dir):
     return checkpoint.read_any(str(out_dir))[0]
 
 
+def records(out_dir, kind):
+    """train.py's records of one kind ('eval', 'iter', 'switch', 'save', 'end') in out_dir/metrics.jsonl:
+    what a test reads of a run's numbers, rather than its printed log."""
+    import json
+    with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
+        return [r for r in map(json.loads, f) if r['kind'] == kind]
+
+
 def copy_checkpoint(src, dst):
     """Copy out_dir `src`'s newest checkpoint (ckpt.pt or step folder) into out_dir `dst`."""
     import checkpoint_dcp
