@@ -127,15 +127,15 @@ def plot(path, rows):
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     by_key = {r['key']: r for r in rows}
-    panels = list(dict.fromkeys((r['n_layer'], r['regime'], r['iters'], r['optimizer'], r['state'], r['K'], r['gamma'])
-                                for r in rows if r['method'] == 'lisa_wor' and r['sampling'] == 'rr'))
+    panels = list(dict.fromkeys((r['n_layer'], r['regime'], r['iters'], r['optimizer'], r['state'], r['K'], r['gamma'],
+                                 r.get('beta1')) for r in rows if r['method'] == 'lisa_wor' and r['sampling'] == 'rr'))
     cols = 4
     nrows = max(1, math.ceil(len(panels) / cols))
     fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.8 * nrows), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.axis('off')
-    for ax, (L, reg, iters, opt, st, K, g) in zip(axes.flat, panels):
-        base = dict(n_layer=L, regime=reg, iters=iters, optimizer=opt, state=st, sampling='rr', K=K, gamma=g)
+    for ax, (L, reg, iters, opt, st, K, g, beta1) in zip(axes.flat, panels):
+        base = dict(n_layer=L, regime=reg, iters=iters, optimizer=opt, state=st, sampling='rr', K=K, gamma=g, beta1=beta1)
         for method, color in (('full', 'k'), ('lisa', 'tab:blue'), ('lisa_scale', 'tab:green'), ('lisa_wor', 'tab:red')):
             r = by_key.get(other(base, method=method))
             if not r:
@@ -143,7 +143,8 @@ def plot(path, rows):
             c = r['curve']
             ax.plot(c['iters'], c['train_loss']['mean'], color=color, label=f"{method} ({len(r['seeds'])} seeds)")
             ax.fill_between(c['iters'], c['train_loss']['min'], c['train_loss']['max'], color=color, alpha=0.2)
-        ax.set_title(f'{L} blocks, gamma {g}, K {K}: {reg}, {opt}, {st}', fontsize=9)
+        ax.set_title(f'{L} blocks, gamma {g}, K {K}: {reg}, {opt}, {st}' + ('' if beta1 is None else f', beta1 {beta1}'),
+                     fontsize=9)
         ax.set_xlabel('iteration')
         ax.set_ylabel('train loss (fixed windows)')
         if ax.get_lines():
