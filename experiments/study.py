@@ -285,10 +285,14 @@ def main(argv=None):
     unknown = [s for s in stages if s not in study_plan.STAGES]
     if unknown:
         sys.exit(f'error: unknown stage {unknown[0]!r}; choose from {", ".join(study_plan.STAGES)}')
+
+    def policy_of(stage):  # 'auto' follows the runs finished so far, so it reads them; a named policy reads nothing
+        return resolve_policy(args.policy, runner.all_results(runs_dir) if args.policy == 'auto' else [], stage)
+
     if not args.report_only:
         # every run's train.py config checked before the first run starts (a bad one fails now, in one line)
         for stage in stages:
-            for s in stage_specs(stage, seeds, resolve_policy(args.policy, runner.all_results(runs_dir), stage)):
+            for s in stage_specs(stage, seeds, policy_of(stage)):
                 try:
                     runner.config_of(train_args(s, runs_dir))
                 except ValueError as e:
@@ -302,7 +306,7 @@ def main(argv=None):
             make_ft_dataset(runs_dir)
         not_started = 0
         for stage in stages:
-            specs = stage_specs(stage, seeds, resolve_policy(args.policy, runner.all_results(runs_dir), stage))
+            specs = stage_specs(stage, seeds, policy_of(stage))
             specs = [s for s in specs if not layers or s['n_layer'] in layers]
             t0 = time.time()
             print(f"[{time.strftime('%H:%M:%S')}] stage {stage}: {len(specs)} runs", flush=True)

@@ -312,3 +312,7 @@ def test_reports_are_written_again_from_the_json_and_compared_with_an_earlier_on
     (tmp_path / 'old.json').write_text(json.dumps(earlier))
     with pytest.raises(SystemExit, match='keeps no loss curves'):
         study.main([*base, f'--report_dir={tmp_path / "d"}', f'--runs_from={tmp_path / "old.json"}'])
+    with pytest.raises(SystemExit, match=r'error: --runs_from writes reports .* add --report_only=True$'):
+        study.main([f'--runs_from={tmp_path / "a" / "k.json"}', f'--report_dir={tmp_path / "e"}'])
+    with pytest.raises(SystemExit, match=r"^error: cannot write the reports: FileNotFoundError: .*missing\.json"):
+        study.main([*base, f'--report_dir={tmp_path / "f"}', f'--earlier={tmp_path / "missing.json"}'])
