@@ -2,7 +2,7 @@
 Training speed of full AdamW, LISA, LISA-wor and GaLore on the same model and batch, in one run,
 like nanoGPT's bench.py: time per iteration, tokens/s, MFU (on a GPU of known peak) and peak memory.
 It times train.py's own iteration: train.py's keys (and config files), the model, optimizer and
-cycler of training.build, and training.Trainer.step, the iteration train.py's loop runs.
+cycler of builder.build, and Trainer.step, the iteration train.py's loop runs.
 
 $ python bench.py --methods=full,lisa,lisa_wor,galore --preset=gpt2 --vocab_size=50304 --batch_size=12 \
       --block_size=1024 --omgd_gamma=3                                   # one GPU, compiled
@@ -20,8 +20,8 @@ is the config's method / precision), steps, warmup_steps, interleave, out, and p
 prefix: one more iteration of each row under torch.profiler, its operators by self time written
 to PREFIX_METHOD_PRECISION.txt).
 
-Each row gets a fresh model (same seed), optimizer and cycler from training.build, and runs
-train.py's iteration, training.Trainer.step (switch, prefetch, micro-batches, clipping and OMGD
+Each row gets a fresh model (same seed), optimizer and cycler from builder.build, and runs
+train.py's iteration, Trainer.step (switch, prefetch, micro-batches, clipping and OMGD
 scale in the order of omgd_scale_after_clip, optimizer step, zero_grad, under the config's
 autocast and loss scaling). With compile=True every block is compiled on its own
 (regional compilation, as train.py does). The learning rate stays at learning_rate (no schedule).
@@ -48,7 +48,8 @@ import torch
 import memory_options
 import memory_estimate
 import train_config
-import training
+import builder
+from trainer import Trainer, mfu, peak_bf16_flops
 from configurator import at_least, command_line
 
 # keys of this script only (train.py has none of these names); `device` has its own values here
@@ -74,8 +75,8 @@ class MethodRun:
         x = torch.randint(0, vocab, (cfg['batch_size'], cfg['block_size']), generator=gen).to(device)
         batches = itertools.repeat((x, torch.roll(x, -1, dims=1), None))  # the same batch every micro-step
         # train.py's iteration; the learning rate stays at learning_rate (no schedule)
-        self.trainer = training.Trainer({**cfg, 'decay_lr': False}, self.net, self.opt, self.cycler, batches,
-                                        device.type)
+        self.trainer = Trainer({**cfg, 'decay_lr': False}, self.net, self.opt, self.cycler, batches,
+                               device.type)
         self.tokens = cfg['batch_size'] * cfg['block_size'] * cfg['gradient_accumulation_steps']
         self.times, self.switch_times, self.flops, self.loss = [], [], [], None
 
@@ -111,7 +112,7 @@ class MethodRun:
         dt = statistics.median(self.times)
         row = dict(method=self.cfg['method'], precision=self.label, ms=1000 * dt,
                    mean_ms=1000 * sum(self.times) / len(self.times), tokens_per_s=self.tokens / dt, loss=self.loss,
-                   mfu=training.mfu(statistics.mean(self.flops), self.tokens, dt, peak_flops) if peak_flops else None,
+                   mfu=mfu(statistics.mean(self.flops), self.tokens, dt, peak_flops) if peak_flops else None,
                    peak_gib=None, reserved_gib=None, n_params=self.n_params,
                    flops_per_token=statistics.mean(self.flops),
                    switch_ms=1000 * statistics.mean(self.switch_times) if self.switch_times else None)
@@ -125,7 +126,7 @@ def bench(row_cfgs, device):
     """Time every row; one after the other (peak memory per row on CUDA), or interleaved."""
     cfg = row_cfgs[0]
     cuda = device.type == 'cuda'
-    peak_flops = training.peak_bf16_flops(device)
+    peak_flops = peak_bf16_flops(device)
     total = cfg['warmup_steps'] + cfg['steps']
     if cfg['interleave']:
         # round-robin: load from other processes on a shared machine hits every method alike
@@ -165,7 +166,7 @@ def describe_machine(device):
 
 def markdown(cfg, rows, device, config, argv):
     n_params = rows[0]['n_params']
-    amp = ''  # what precision=amp computes in (training.autocast_context)
+    amp = ''  # what precision=amp computes in (autocast_context)
     if any(r['precision'] == 'amp' for r in rows):
         amp = f" (amp: {cfg['dtype']} autocast)" if device.type == 'cuda' and cfg['dtype'] != 'float32' else \
             " (amp: fp32 compute)"
@@ -188,10 +189,10 @@ def markdown(cfg, rows, device, config, argv):
         # the speed-up the FLOP count allows: full's FLOPs per token over this row's
         limit = f"{full['flops_per_token'] / r['flops_per_token']:.2f}x" if full else '–'
         switch = '–' if r['switch_ms'] is None else f"{r['switch_ms']:.1f} ({r['switch_ms'] / r['ms'] - 1:+.0%})"
-        mfu = '–' if r['mfu'] is None else f"{100 * r['mfu']:.1f}%"
+        mfu_shown = '–' if r['mfu'] is None else f"{100 * r['mfu']:.1f}%"
         mem = ['–' if r[k] is None else f"{r[k]:.2f}" for k in ('peak_gib', 'reserved_gib')]
         out.append(f"| {r['method']} | {r['precision']} | {r['ms']:.1f} | {r['mean_ms']:.1f} | {switch} "
-                   f"| {r['tokens_per_s']:,.0f} | {speed} | {limit} | {mfu} | {mem[0]} | {mem[1]} |")
+                   f"| {r['tokens_per_s']:,.0f} | {speed} | {limit} | {mfu_shown} | {mem[0]} | {mem[1]} |")
     return '\n'.join(out) + '\n'
 
 
@@ -200,7 +201,7 @@ def check(cfg):
     device = memory_estimate.resolve_device(cfg['device'], ('cuda', 'cpu'), without_cuda='cpu')
     train_config.check_preset(cfg)
     config = memory_estimate.model_config(cfg)
-    memory_estimate.check_fits(config, device, training.weight_dtype(cfg['precision']).itemsize)  # before a row allocates it
+    memory_estimate.check_fits(config, device, builder.weight_dtype(cfg['precision']).itemsize)  # before a row allocates it
     return device, memory_estimate.row_configs(cfg), config
 
 

@@ -2,8 +2,8 @@
 GPU memory of a training iteration, split like the OMGD paper's LLaMA-7B table: model weights,
 gradients, optimizer state, and "others" (activations, temporaries, workspaces) = peak allocated
 minus the other three. It measures train.py's own iteration: the config is train.py's (its keys,
-or one of its config files), the model, optimizer and cycler come from training.build and the
-measured iteration is training.Trainer.step, the iteration train.py's loop runs.
+or one of its config files), the model, optimizer and cycler come from builder.build and the
+measured iteration is Trainer.step, the iteration train.py's loop runs.
 
 $ python bench_memory.py config/llama7b_lisa_wor.py --vocab_size=32000 \
       --methods=full,galore,golore,lisa,lisa_wor                     # the paper's table (LLaMA's vocabulary)
@@ -18,7 +18,7 @@ data, evaluation or logging are accepted and unused. Keys of this script:
   methods       comma-separated methods, one row each ('': the config's `method`)
   precisions    comma-separated PRECISION or PRECISION:MASTER_DEVICE, e.g. bf16,bf16_master,
                 bf16_master:cpu: the rows of every method under each ('': the config's precision
-                and master_device). train.py's precision keys (training.py):
+                and master_device). train.py's precision keys (builder.py):
                   amp          fp32 weights, gradients and AdamW state, forward under `dtype` autocast
                   bf16         bf16 weights, gradients and AdamW state (the paper's table)
                   bf16_master  bf16 weights and gradients, fp32 master copy and fp32 moments of the
@@ -36,8 +36,8 @@ accumulation steps, activation checkpointing, 2 of 32 blocks plus embedding, fin
 GaLore/GoLore rank 128 on every attention and MLP matrix, projectors not counted as optimizer
 state) with LLaMA's vocabulary 32000 instead of the config's GPT-2 50304.
 
-For every row, memory_estimate.measure: training.build (the model is constructed directly on the device, on meta without
-memory), then train.py's iteration, training.Trainer.step (switch, prefetch, step).
+For every row, memory_estimate.measure: builder.build (the model is constructed directly on the device, on meta without
+memory), then train.py's iteration, Trainer.step (switch, prefetch, step).
 Iteration 0 (one micro-batch) is the warm-up: the switch freezes the other blocks and the step
 creates the optimizer state (and GaLore's projectors). Under omgd_state='keep' the warm-up runs
 one iteration at every switch of a full cycle, so every block holds state, what 'keep' converges
@@ -46,7 +46,7 @@ CPU memory). The measured iteration is the next one, the second of a switching p
 omgd_period=1 it is a switch itself), the costliest, since the state already exists during the
 forward/backward: `micro_batches` forward/backward passes that accumulate gradients, the gradient
 clipping and OMGD scale in train.py's order (omgd_scale_after_clip), the optimizer step.
-Weights, gradients and optimizer state are exact tensor bytes (omgd_state.memory_bytes, taken by
+Weights, gradients and optimizer state are exact tensor bytes (memory_estimate.memory_bytes, taken by
 train_step's before_zero_grad hook; the optimizer column leaves out GaLore's projectors and
 CPU-resident state, reported apart: the GaLore column counts the projectors on the device, the
 CPU state column the master copies, moments and projectors on the CPU). Everything is freed between rows.
@@ -79,7 +79,7 @@ import time
 import torch
 
 import train_config
-import training
+import builder
 from configurator import at_least, check_rule, command_line
 from memory_estimate import check_fits, measure, model_config, model_name, precision_label, resolve_device, row_configs
 
@@ -154,7 +154,7 @@ def notes_for(cfg, device, estimate, n_params, precisions):
                  f"plus {cfg['omgd_always']}. GaLore/GoLore: rank {cfg['galore_rank']} on every attention and MLP "
                  f"matrix, projected on the smaller side; embeddings, head and norms have full AdamW state. "
                  f"Projection matrices are not counted as optimizer state (they are inside Others).")
-    lines.append("Measured iteration = train.py's (training.Trainer.step), the second of a switching period "
+    lines.append("Measured iteration = train.py's (Trainer.step), the second of a switching period "
                  "(optimizer state already exists); the peak is over forward/backward of every micro-batch, "
                  "clipping, scaling and the step.")
     return lines
@@ -239,7 +239,7 @@ def check(cfg):
     check_rule('micro_batches', cfg['micro_batches'], RULES['micro_batches'])
     device = resolve_device(cfg['device'])
     train_config.check_preset(cfg)
-    check_fits(model_config(cfg), device, training.weight_dtype(cfg['precision']).itemsize)  # before a row allocates it
+    check_fits(model_config(cfg), device, builder.weight_dtype(cfg['precision']).itemsize)  # before a row allocates it
     return device, row_configs(cfg)
 
 

@@ -135,7 +135,7 @@ class ResumeRefused(ValueError):
 def check_resume(checkpoint, config, given):
     """Refuse (ResumeRefused) a config that cannot continue `checkpoint`: architecture overrides
     that conflict with it, another block_size, another precision."""
-    from training import ARCH_KEYS
+    from builder import ARCH_KEYS
     model_args = checkpoint['model_args']
     for k in ARCH_KEYS:
         if k != 'vocab_size' and k in given and config[k] != model_args[k]:
@@ -188,7 +188,7 @@ def resume(path, device, config, given):
         raise CheckpointError(f"no checkpoint at {path} to resume from; train with init_from='scratch' first")
     checkpoint = read(path, map_location='cpu', mmap=torch.device(device).type != 'cpu')
     model = load_model(checkpoint, path, config, given)
-    from training import weight_dtype
+    from builder import weight_dtype
     # cast where it was read, then moved once: a bf16 run never holds fp32 weights on the device
     model.to(weight_dtype(config['precision'])).to(device)  # check_resume: the saved precision
     if model.config.tie_embeddings:  # a move to a device of another kind (meta) gives each module its own

@@ -348,12 +348,12 @@ def resume(path, device, config, given):
     loaded (load() fills them once the model is sharded)."""
     from checkpoint import ResumeRefused, check_resume
     from model import TransformerConfig
-    import training
+    import builder
     values = read_values(path)
     try:
         check_resume(values, config, given)
         model_args = {**values['model_args'], 'dropout': config['dropout']}
-        return values, training.new_model(TransformerConfig(**model_args), device, training.weight_dtype(config['precision']))
+        return values, builder.new_model(TransformerConfig(**model_args), device, builder.weight_dtype(config['precision']))
     except ResumeRefused:
         raise
     except FAILURES as e:

@@ -57,7 +57,7 @@ Remaining differences from the reference code, on purpose:
   object, and GoLore a second copy in state['matrix']), so state_dict() saves it and a resumed run
   goes on in the same subspace; the previous basis needed by the re-projection is that same tensor,
   read before it is replaced. It is not optimizer state in the GaLore papers' memory accounting:
-  omgd_state.memory_bytes() leaves it out, projector_bytes() counts it.
+  memory_estimate.memory_bytes() leaves it out, projector_bytes() counts it.
 - master=True (train.py's precision='bf16_master'): bf16 weights, an fp32 master per trained
   parameter (optim.MasterWeights, shared with MasterAdamW), projector and moments computed from
   the fp32-widened grad; with master_device='cpu' all of it, and the arithmetic, on the CPU.

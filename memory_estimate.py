@@ -1,7 +1,7 @@
 """
 The memory of a training iteration: measure() runs one row of bench_memory.py (measured on a GPU, counted
 without one), and the tools that count without a GPU.
-omgd_state.memory_bytes gives the exact bytes of weights, gradients and optimizer state; these count the
+memory_bytes gives the exact bytes of weights, gradients and optimizer state; the tools below count the
 rest, the temporaries and activations of the forward, backward and step.
 
 LiveBytes  a TorchDispatchMode that adds up the bytes of every live tensor storage op by op and
@@ -35,10 +35,27 @@ from torch.utils._pytree import tree_leaves
 
 import dataloader
 import memory_options
-import omgd_state
 import train_config
-import training
+import builder
+from trainer import Trainer, random_batches
 from model import EMULATED_AUTOCAST, TransformerConfig
+
+
+def state_tensors(optimizer):
+    """(param, key, tensor) of the optimizer state counted as memory: not scalar 'step' counters,
+    nor GaLore's projectors (counted apart, as in the paper's table: galore.projector_bytes)."""
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0 and key != 'projector':
+                yield p, key, value
+
+
+def memory_bytes(model, optimizer):
+    """Exact bytes of parameters, gradients and optimizer state tensors (on any device)."""
+    params = list(model.parameters())  # deduped: a tied weight counts once
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    state = sum(v.numel() * v.element_size() for _, _, v in state_tensors(optimizer))
+    return {'params': sum(p.numel() * p.element_size() for p in params), 'grads': grads, 'optimizer': state}
 
 
 class LiveBytes(TorchDispatchMode):
@@ -271,7 +288,7 @@ def per_rank_peak(row, config, world_size=1, fsdp=False, bytes_per_weight=4):
 
 def check_fits(config, device, bytes_per_weight, estimate_peak=None, world_size=1, fsdp=False):
     """Refuse (ValueError, one line) a model whose weights alone exceed the free memory of `device`
-    (training.new_model builds them there directly, `bytes_per_weight` each): else the OOM killer
+    (builder.new_model builds them there directly, `bytes_per_weight` each): else the OOM killer
     ends the process, or an allocation fails deep inside. The parameter count comes from a build
     on the meta device (no memory). A lower bound: gradients, optimizer state and activations come
     on top: when the weights take over a quarter of the free memory, estimate_peak() (measure's
@@ -280,7 +297,7 @@ def check_fits(config, device, bytes_per_weight, estimate_peak=None, world_size=
     estimate_peak() returns estimate_iteration's row (a dict of bytes) or a number (the peak of one
     device). world_size, fsdp: this rank's share under FSDP2 (fsdp=True: per_rank_peak's
     approximation of the sharded peak; a bare number cannot be split, so no peak check then).
-    The weights alone are checked whole also under FSDP: training.new_model builds the whole model on
+    The weights alone are checked whole also under FSDP: builder.new_model builds the whole model on
     every rank's device before shard_fsdp shards it. Without FSDP every rank holds everything."""
     from model import Transformer
     device = torch.device(device)
@@ -316,14 +333,14 @@ def check_fits(config, device, bytes_per_weight, estimate_peak=None, world_size=
 
 
 def dataset_vocab(cfg):
-    """The vocabulary train.py passes to training.build for this config (dataloader.dataset_vocab)."""
+    """The vocabulary train.py passes to builder.build for this config (dataloader.dataset_vocab)."""
     return dataloader.dataset_vocab(cfg['dataset'], cfg['vocab_size'])
 
 
 def model_config(cfg):
-    """The TransformerConfig training.build makes of cfg (one-line error for an impossible shape)."""
+    """The TransformerConfig builder.build makes of cfg (one-line error for an impossible shape)."""
     try:
-        return TransformerConfig(**training.gpt_kwargs(cfg, dataset_vocab(cfg)))
+        return TransformerConfig(**builder.gpt_kwargs(cfg, dataset_vocab(cfg)))
     except (ValueError, TypeError) as e:
         raise ValueError(f"model shape: {e}") from None
 
@@ -370,9 +387,9 @@ def resolve_device(name, allowed=('cuda', 'meta', 'cpu'), without_cuda='meta'):
 
 
 def build(cfg, device, host_scope=nullcontext):
-    """training.build, whose model is made directly on `device` (on meta: no memory, no
+    """builder.build, whose model is made directly on `device` (on meta: no memory, no
     initialisation cost), its random weights drawn there. (Model, optimizer, cycler.)"""
-    return training.build(cfg, device, dataset_vocab(cfg), cpu_draws=False, host_scope=host_scope)
+    return builder.build(cfg, device, dataset_vocab(cfg), cpu_draws=False, host_scope=host_scope)
 
 
 # -----------------------------------------------------------------------------
@@ -381,7 +398,7 @@ def build(cfg, device, host_scope=nullcontext):
 
 def measure(cfg, device):
     """Build cfg's model as train.py does, warm up, run one measured iteration through
-    training.Trainer.step; return the breakdown in bytes. cfg: a train.py config (row_configs)."""
+    Trainer.step; return the breakdown in bytes. cfg: a train.py config (row_configs)."""
     cuda = device.type == 'cuda'
     compiled = cuda and cfg['compile']
     if cuda:
@@ -407,8 +424,8 @@ def measure(cfg, device):
         dtype = train_config.PTDTYPES[cfg['dtype']] if cfg['precision'] == 'amp' and cfg['dtype'] != 'float32' else None
         autocast, backward = MetaAsCuda(dtype, cache=True), MetaAsCuda(dtype, cache=False).backward
     # train.py's iteration, on a fresh batch per micro-step, on the device, as train.py's loader gives
-    trainer = training.Trainer(cfg, net, opt, cycler, training.random_batches(vocab, shape, device), device.type,
-                               autocast=autocast, backward=backward, observer=SimpleNamespace())
+    trainer = Trainer(cfg, net, opt, cycler, random_batches(vocab, shape, device), device.type,
+                      autocast=autocast, backward=backward, observer=SimpleNamespace())
     gas = cfg['gradient_accumulation_steps']
     micro = min(cfg['micro_batches'] or gas, gas)
     sizes = {}
@@ -416,10 +433,10 @@ def measure(cfg, device):
     def at_zero_grad(trainer):  # the observer's before_zero_grad: the step is done, the gradients still held
         if cuda:
             torch.cuda.synchronize(device)
-        states = [v for _, _, v in omgd_state.state_tensors(opt)]
+        states = [v for _, _, v in state_tensors(opt)]
         projectors = [s['projector'] for s in opt.state.values() if torch.is_tensor(s.get('projector'))]
         host = [v for v in states + projectors if tracker.is_host(v)]
-        sizes.update(omgd_state.memory_bytes(net, opt),
+        sizes.update(memory_bytes(net, opt),
                      optimizer=sum(v.numel() * v.element_size() for v in states if not tracker.is_host(v)),
                      cpu_state=sum(v.numel() * v.element_size() for v in host),
                      projectors=sum(v.numel() * v.element_size() for v in projectors if not tracker.is_host(v)))

@@ -3,7 +3,7 @@ The memory options of the model (model.py), in one file. None changes a paramete
 the state_dict or what the model computes (up to the order of sums in the chunked loss); each trades
 compute, or copies to host memory, for device memory of the training step.
 
-apply       the options a config chooses, applied from outside the model (training.configure_memory):
+apply       the options a config chooses, applied from outside the model (builder.configure_memory):
             activation_checkpointing  each block's activations recomputed in the backward
             checkpoint_sublayers      with it: attention and MLP recomputed apart
             activation_offload        tensors saved for the backward kept in host memory (OffloadActivations)

@@ -10,11 +10,11 @@ refilled when fewer than gamma remain), the others are frozen, and the gradients
 active blocks are scaled by N_L / gamma.
 
 Frozen here means what saves memory: requires_grad=False, grad=None, and (policy 'drop') no
-optimizer state (omgd_state.py: the policies and their memory). Blocks are chosen by their
+optimizer state (StatePolicy below; memory_estimate.memory_bytes counts what is left). Blocks are chosen by their
 index in model.blocks, never by parameter names, so nothing changes under DDP or torch.compile.
 
 Read top to bottom: the methods, build_cycler (the entry point), the Cycler it returns (called
-once per iteration by training.py), the GroupSchedule that draws the Cycler's groups, and the
+once per iteration by trainer.py), the StatePolicy of its frozen units, the GroupSchedule that draws the Cycler's groups, and the
 random partitions those groups come from. Algorithm 1 on the paper's least-squares example
 (masks over coordinates, the order of (mask, sample) pairs) is experiments/linreg.py.
 """
@@ -25,7 +25,6 @@ from typing import NamedTuple
 import torch
 
 from configurator import above, at_least, check_rule, one_of
-from omgd_state import STATE_POLICIES, StatePolicy
 
 
 class Method(NamedTuple):
@@ -44,6 +43,7 @@ METHODS = {
     'tensor_iid': Method('tensor', with_replacement=True, scaled=True),
 }
 OUTER_PARTS = ('embed', 'pos', 'norm', 'head')
+STATE_POLICIES = ('drop', 'offload', 'keep')  # what a frozen unit's optimizer state does (StatePolicy)
 # the rule of each train.py key a cycler reads (train_config.py checks a whole config with them)
 RULES = {'omgd_gamma': at_least(1), 'omgd_period': at_least(1), 'omgd_warmup': at_least(0),
          'omgd_ratio': above(0, upper=1), 'omgd_state': one_of(*STATE_POLICIES)}
@@ -64,7 +64,7 @@ class CyclerConfig:
     period: int = 1  # K: iterations between switches
     warmup: int = 0  # iterations of full training before the first switch
     ratio: float = 0.5  # tensor methods: 1/M of tensor_wor, the keep probability of tensor_iid
-    state: str = 'drop'  # the optimizer state policy of frozen units (omgd_state.STATE_POLICIES)
+    state: str = 'drop'  # the optimizer state policy of frozen units (omgd.STATE_POLICIES)
     seed: int = 0  # seeds the draws, independent of the global RNG
     always: tuple = OUTER_PARTS  # block methods: the outer parts that train at every step
 
@@ -228,6 +228,89 @@ class Cycler:
         if self.schedule is not None:
             self.schedule.load_state_dict(state['schedule'])
         self.apply(state['active'])
+
+
+# -----------------------------------------------------------------------------
+# The optimizer state of frozen units. When a unit freezes, its state follows `omgd_state`:
+#   keep     stays where it is (no saving; the paper's GPT-2 setting)
+#   drop     is deleted; the unit restarts from zero moments and step 0 when it trains again
+#   offload  is parked in CPU memory (pinned under CUDA) and copied back when the unit trains again;
+#            prefetch() starts that copy a period's last iteration early, on a side stream under CUDA
+
+
+class StatePolicy:
+    """What happens to the optimizer state of a parameter that freezes, and what brings it back."""
+
+    def __init__(self, optimizer, policy):
+        self.optimizer, self.policy = optimizer, policy
+        self.offloaded = {}  # param -> {state key: original device}
+        self.prefetched = {}  # param -> {state key: its copy back, started by prefetch()}
+        self.streams, self.events, self.sources = {}, {}, []  # CUDA: per device; pinned tensors being read
+
+    def release(self, p):
+        """The parameter froze: drop or park its state (nothing under 'keep')."""
+        state = self.optimizer.state.get(p)
+        if not state or self.policy == 'keep' or p in self.offloaded:
+            return
+        if self.policy == 'drop':
+            del self.optimizer.state[p]
+            return
+        # offload: park the moments (not scalar 'step's) in CPU memory, pinned under CUDA so the copy back
+        # overlaps compute; the copy out blocks, so a checkpoint saved right after reads finished data.
+        devices = {}
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                if value.device.type == 'cpu' and p.device.type != 'cpu':
+                    continue  # a master or moment in host memory already (master_device='cpu'): it stays
+                devices[key] = value.device
+                parked = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                state[key] = parked.copy_(value)
+        self.offloaded[p] = devices
+
+    def restore(self, p):
+        """The parameter trains again: put its parked state back, the prefetched copy if there is one."""
+        devices = self.offloaded.pop(p, None)
+        if devices is None:
+            return
+        state, ready = self.optimizer.state[p], self.prefetched.pop(p, {})
+        for key, device in devices.items():
+            if key in ready:
+                if ready[key].is_cuda:  # made on the side stream, used on this one from now on
+                    ready[key].record_stream(torch.cuda.current_stream(device))
+                state[key] = ready[key]
+            else:  # not prefetched (e.g. right after a resume)
+                state[key] = state[key].to(device, non_blocking=True, copy=True)
+
+    def prefetch(self, params):
+        """Under 'offload', start copying back the parked state of `params` (the next group's): on a
+        side stream under CUDA, at once elsewhere (the same path on every device)."""
+        if self.policy != 'offload':
+            return
+        for event in self.events.values():  # the previous copies, done a period ago: free their sources
+            event.synchronize()
+        self.sources = []
+        for p in (p for p in params if p in self.offloaded and p not in self.prefetched):
+            self.prefetched[p] = {key: self._copy_back(self.optimizer.state[p][key], device)
+                                  for key, device in self.offloaded[p].items()}
+        self.events = {device: stream.record_event() for device, stream in self.streams.items()}
+
+    def _copy_back(self, parked, device):
+        if device.type != 'cuda':
+            return parked.to(device, copy=True)
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        self.sources.append(parked)  # keep the source alive until the copy has read it
+        with torch.cuda.stream(self.streams[device]):
+            return parked.to(device, non_blocking=True)
+
+    def wait_for_prefetch(self):
+        """Before a switch: the compute stream waits for the prefetched copies."""
+        for device, event in self.events.items():
+            torch.cuda.current_stream(device).wait_event(event)
+
+    def forget_prefetched(self):
+        """After a switch: copies of units left frozen (a switch made by hand) are not needed."""
+        self.prefetched = {}
 
 
 # -----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ an fp32 master copy and fp32 moments as its optimizer state. The state is made l
 parameter's first step with a gradient, so frozen parameters get none, and omgd.Cycler's
 policies act on it like on torch AdamW's: 'drop' deletes optimizer.state[p] and the next step
 after reactivation starts again from the bf16 weight (which holds the rounded master) with zero
-moments and step 0; 'offload' parks the tensors on the CPU and puts them back. omgd_state.memory_bytes
+moments and step 0; 'offload' parks the tensors on the CPU and puts them back. memory_estimate.memory_bytes
 counts master and moments (state tensors with dim > 0).
 master_device='cpu' keeps masters, moments and the AdamW arithmetic on the CPU (ZeRO-Offload
 style), in pinned memory when the parameters are on CUDA: the device holds bf16 weights and grads.

@@ -22,6 +22,7 @@ a line) in out_dir/metrics.jsonl: what the experiments read and what a user plot
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -29,19 +30,20 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
+import builder
 import checkpoint as ckpt_io
 import checkpoint_dcp
 import ddp_check
 import distributed
-import train_config
-import training
-from configurator import ConfigError, format_config, help_text, wants_help
-from dataloader import check_vocab, data_dir, dataset_vocab, open_splits, prepare_if_embedded
 import memory_options
 import multiple_choice
+import train_config
+from configurator import ConfigError, format_config, help_text, wants_help
+from dataloader import check_vocab, data_dir, dataset_vocab, open_splits, prepare_if_embedded
 from data.tokenizer import Tokenizer, read_meta
 from memory_estimate import check_fits, estimate_iteration
 from model import TransformerConfig
+from trainer import ParallelModel, Trainer, fsdp_units, get_lr, mfu, peak_bf16_flops
 
 
 class RunError(Exception):
@@ -83,6 +85,32 @@ class Records:
                 self._start()
             with open(self.path, 'a') as f:
                 f.write(json.dumps({'kind': kind, **fields}) + '\n')
+
+
+class StopRequest:
+    """Preemption (SIGTERM from a cluster or from torchrun, which forwards its own SIGTERM/SIGINT to
+    every worker; Ctrl-C): finish the current iteration, then all ranks save and stop together.
+    A signal may reach only some ranks, so every iteration starts with `agreed()`, an
+    all_reduce(MAX) of the flag: all ranks then leave the loop at the same iteration. torchrun
+    kills the workers 30 s after forwarding a signal (--shutdown-timeout), so a stop saves at
+    once and skips the evaluation."""
+
+    def __init__(self):
+        self.requested = False
+        self.exit_status = 128 + signal.SIGTERM  # also on ranks that stop only because another rank was asked
+        self.previous = {sig: signal.signal(sig, self._request) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def release(self):
+        """Put back the handlers there were before: after the loop a signal stops the process at once."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _request(self, signum, frame):
+        self.requested = True
+        self.exit_status = 128 + signum
+
+    def agreed(self, ranks):
+        return ranks.any(self.requested)
 
 
 def format_duration(seconds):
@@ -239,12 +267,12 @@ def train(cfg, given_keys, ranks, device):
     iter_num, best_val_loss, checkpoint, saved_iter, wandb_id = 0, 1e9, None, None, None
     try:
         if init_from == 'scratch':
-            model_config = TransformerConfig(**training.gpt_kwargs(cfg, vocab_size))
-            dtype = training.weight_dtype(cfg['precision'])
+            model_config = TransformerConfig(**builder.gpt_kwargs(cfg, vocab_size))
+            dtype = builder.weight_dtype(cfg['precision'])
             # before it is allocated: a one-line refusal, not the OOM killer
             check_fits(model_config, device, dtype.itemsize, world_size=world_size, fsdp=fsdp,
                        estimate_peak=lambda: estimate_iteration(cfg, vocab_size)['peak'])
-            raw_model = training.new_model(model_config, device, dtype)  # on the device, in its dtype
+            raw_model = builder.new_model(model_config, device, dtype)  # on the device, in its dtype
         elif init_from == 'resume' and resume_format == 'dcp':  # weights loaded once sharded (below)
             checkpoint, raw_model = checkpoint_dcp.resume(ckpt_path, device, cfg, given_keys)
             iter_num = saved_iter = checkpoint['iter_num']
@@ -262,7 +290,7 @@ def train(cfg, given_keys, ranks, device):
         raw_model.crop_block_size(cfg['block_size'])
     model_args = asdict(raw_model.config)  # what was built, after any crop: sample.py and resumes rebuild it
     # the printed and saved config describes the model that trains, whatever init_from built it from
-    cfg.update({k: model_args[k] for k in (*training.ARCH_KEYS, 'block_size') if k in cfg})
+    cfg.update({k: model_args[k] for k in (*builder.ARCH_KEYS, 'block_size') if k in cfg})
     try:  # every id of the data needs a row of the embedding
         check_vocab(cfg['dataset'], raw_model.config.vocab_size, train_batches, *eval_batches.values())
     except ValueError as e:
@@ -286,8 +314,8 @@ def train(cfg, given_keys, ranks, device):
         distributed.shard_fsdp(model, ranks, device_type, amp_dtype if device_type == 'cuda' and
                                cfg['precision'] == 'amp' and amp_dtype != torch.float32 else None)
 
-    try:  # the one builder (training.py): memory options, precision, device, optimizer over ALL parameters, cycler
-        raw_model, optimizer, cycler = training.build(cfg, device, model=raw_model, shard=shard if fsdp else None)
+    try:  # the one builder (builder.py): memory options, precision, device, optimizer over ALL parameters, cycler
+        raw_model, optimizer, cycler = builder.build(cfg, device, model=raw_model, shard=shard if fsdp else None)
     except ValueError as e:
         raise RunError(e) from None
     if master and cycler.cycle_note():
@@ -299,12 +327,12 @@ def train(cfg, given_keys, ranks, device):
         memory_options.compile_blocks(raw_model, cfg['method'])
 
     # under torchrun the DDP wrapper is rebuilt over the active parameters after every switch
-    # (distributed.ParallelModel), FSDP reshards; one process trains the model as it is
-    parallel = distributed.ParallelModel(raw_model, ranks, device_type, fsdp) if ranks.enabled or cfg['ddp_check'] else None
-    observer = ddp_check.RankCheck(parallel, distributed.fsdp_units(raw_model) if fsdp else None) \
+    # (trainer.ParallelModel), FSDP reshards; one process trains the model as it is
+    parallel = ParallelModel(raw_model, ranks, device_type, fsdp) if ranks.enabled or cfg['ddp_check'] else None
+    observer = ddp_check.RankCheck(parallel, fsdp_units(raw_model) if fsdp else None) \
         if cfg['ddp_check'] else None
-    trainer = training.Trainer(cfg, raw_model, optimizer, cycler, train_batches.iterate(device), device_type,
-                               cfg['gradient_accumulation_steps'] // world_size, parallel, observer=observer)
+    trainer = Trainer(cfg, raw_model, optimizer, cycler, train_batches.iterate(device), device_type,
+                      cfg['gradient_accumulation_steps'] // world_size, parallel, observer=observer)
     trainer.iter_num = iter_num
     if checkpoint is not None:
         try:
@@ -384,10 +412,10 @@ def train(cfg, given_keys, ranks, device):
             wandb.log({f'{kind}/{k}': v for k, v in fields.items() if isinstance(v, (int, float))}, step=fields['iter'])
 
     max_iters, eval_interval, log_interval = cfg['max_iters'], cfg['eval_interval'], cfg['log_interval']
-    peak_flops = training.peak_bf16_flops(device)
-    # SIGTERM/SIGINT: all ranks finish the iteration, save and stop together (distributed.py). Installed
+    peak_flops = peak_bf16_flops(device)
+    # SIGTERM/SIGINT: all ranks finish the iteration, save and stop together (StopRequest). Installed
     # only now: during the setup above, Ctrl-C must stop the run at once, as there is nothing to save.
-    stop_request = distributed.StopRequest()
+    stop_request = StopRequest()
     try:
         trainer.next_batch()  # fetched one ahead (the step fetches each next one right after a forward)
     except ValueError as e:  # a token id the model cannot embed, found as a large file is read
@@ -414,7 +442,7 @@ def train(cfg, given_keys, ranks, device):
                 shown = f", mc acc {mc['mc_acc']:.4f}, acc_norm {mc['mc_acc_norm']:.4f}" if mc else ''
                 print(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{shown}")
                 record('eval', iter=it, train_loss=losses['train'], val_loss=losses['val'],
-                       lr=training.get_lr(it, cfg), **mc)
+                       lr=get_lr(it, cfg), **mc)
             check_finite(losses)
             improved = losses['val'] < best_val_loss
             best_val_loss = min(best_val_loss, losses['val'])
@@ -425,7 +453,7 @@ def train(cfg, given_keys, ranks, device):
         if it >= max_iters or cfg['eval_only']:
             break
 
-        try:  # the one iteration (training.Trainer): learning rate, switch, prefetch, DDP rebuild, step
+        try:  # the one iteration (Trainer): learning rate, switch, prefetch, DDP rebuild, step
             loss, switched = trainer.step()
         except ValueError as e:  # a token id the model cannot embed, found as a large file is read
             raise RunError(f"{e}; {last_good()}") from None
@@ -447,13 +475,12 @@ def train(cfg, given_keys, ranks, device):
             check_finite({'train': lossf})
             if master:
                 fields = dict(iter=it, loss=lossf, ms=dt * 1000, tok_per_s=tokens_per_iter / dt,
-                              epoch=train_batches.epochs(), lr=training.get_lr(it, cfg))
+                              epoch=train_batches.epochs(), lr=get_lr(it, cfg))
                 line = (f"iter {it}: loss {lossf:.4f}, time {dt * 1000:.1f}ms, tok/s {tokens_per_iter / dt:,.0f}, "
                         f"epoch {fields['epoch']:.2f}")
                 if peak_flops and it - first_iter >= 5:
-                    mfu = training.mfu(raw_model.estimate_flops_per_token(), tokens_per_iter, dt, peak_flops,
-                                       world_size)
-                    running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
+                    iter_mfu = mfu(raw_model.estimate_flops_per_token(), tokens_per_iter, dt, peak_flops, world_size)
+                    running_mfu = iter_mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * iter_mfu
                     fields['mfu'] = running_mfu
                     line += f", mfu {running_mfu * 100:.2f}%"
                 if device_type == 'cuda':

@@ -28,7 +28,8 @@ import checkpoint as ckpt_io  # noqa: E402
 import checkpoint_dcp  # noqa: E402
 import distributed  # noqa: E402
 import train_config  # noqa: E402
-import training  # noqa: E402
+import builder  # noqa: E402
+from trainer import grad_scaler  # noqa: E402
 from configurator import command_line  # noqa: E402
 
 DEFAULTS = dict(preset='gpt2', vocab_size=50304, parallel='fsdp', out_dir='bench-checkpoint',
@@ -110,8 +111,8 @@ def main(argv):
         return load_phase(cfg, ranks, train_cfg, shard, fsdp, formats, where, report)
     # the model and a full AdamW state, built as train.py builds them (sharded under fsdp)
     torch.manual_seed(0)
-    model, optimizer, cycler = training.build(train_cfg, 'cpu', model=training.new_model(
-        __import__('model').TransformerConfig(**training.gpt_kwargs(train_cfg, cfg['vocab_size'])), 'cpu'), shard=shard)
+    model, optimizer, cycler = builder.build(train_cfg, 'cpu', model=builder.new_model(
+        __import__('model').TransformerConfig(**builder.gpt_kwargs(train_cfg, cfg['vocab_size'])), 'cpu'), shard=shard)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()
@@ -121,7 +122,7 @@ def main(argv):
         print(f"{cfg['preset']} ({n_params / 1e6:.1f}M parameters), AdamW state for all, {cfg['parallel']} on "
               f"{ranks.world_size} gloo rank(s), torch {torch.__version__}", flush=True)
     objects = {'model': model, 'optimizer': optimizer, 'cycler': cycler,
-               'scaler': training.grad_scaler(train_cfg, 'cpu')}
+               'scaler': grad_scaler(train_cfg, 'cpu')}
     import dataclasses
     values = {'data': {}, 'model_args': dataclasses.asdict(model.config), 'iter_num': 1, 'best_val_loss': 0.0,
               'config': train_cfg, 'wandb_id': None}
@@ -165,11 +166,11 @@ def load_phase(cfg, ranks, train_cfg, shard, fsdp, formats, where, report):
         with Phase(ranks) as phase:
             if fmt == 'file':
                 checkpoint, raw = ckpt_io.resume(path, 'cpu', train_cfg, given)
-                model, optimizer, _ = training.build(train_cfg, 'cpu', model=raw, shard=shard)
+                model, optimizer, _ = builder.build(train_cfg, 'cpu', model=raw, shard=shard)
                 ckpt_io.load_state(checkpoint, {'model': model, 'optimizer': optimizer}, fsdp)
             else:
                 checkpoint, raw = checkpoint_dcp.resume(path, 'cpu', train_cfg, given)
-                model, optimizer, _ = training.build(train_cfg, 'cpu', model=raw, shard=shard)
+                model, optimizer, _ = builder.build(train_cfg, 'cpu', model=raw, shard=shard)
                 checkpoint_dcp.load(path, checkpoint, model, optimizer, ranks.cpu_group)
             del checkpoint, raw
         report(f'load {fmt}', phase)

@@ -1,6 +1,6 @@
 """
 Cost of a layer switch under DDP: train.py drops its DistributedDataParallel wrapper and builds a
-new one over the parameters that train after the switch (distributed.wrap_ddp, whose docstring
+new one over the parameters that train after the switch (wrap_ddp, whose docstring
 says why a rebuild beats one wrapper plus a hand-written all-reduce).
 
 $ torchrun --standalone --nproc_per_node=2 experiments/bench_ddp_switch.py                        # GPT-2 124M
@@ -10,7 +10,7 @@ It runs on the CPU with gloo (the ranks' processes on one machine); there is no 
 
 For several LISA-wor switches this times, as the slowest rank sees it:
 - switch:  cycler.step (requires_grad flags) plus dropping the old wrapper (its reducer, hooks and
-           buckets) and building the new one with distributed.wrap_ddp, as train.py does
+           buckets) and building the new one with wrap_ddp, as train.py does
            (init_sync=False after the first wrapper);
 - first:   the first forward+backward after the switch, in which DDP re-orders its buckets;
 - steady:  the next forward+backward, for comparison;
@@ -32,6 +32,7 @@ import distributed  # noqa: E402
 import omgd  # noqa: E402
 from configurator import at_least, command_line  # noqa: E402
 from model import Transformer, TransformerConfig, config_from_preset  # noqa: E402
+from trainer import wrap_ddp  # noqa: E402
 
 DEFAULTS = dict(preset='gpt2', gamma=3, switches=5, batch_size=1, block_size=64)
 MEANINGS = dict(preset="a model.py preset, or 'tiny' (the tests' 4x32 model)",
@@ -82,7 +83,7 @@ for i in range(args.switches + 1):
         global ddp
         cycler.step(i)
         ddp = None  # the last reference: the old reducer goes now
-        ddp = distributed.wrap_ddp(model, ranks, 'cpu', init_sync=(i == 0))
+        ddp = wrap_ddp(model, ranks, 'cpu', init_sync=(i == 0))
     cost = timed(switch)
     first, steady = timed(forward_backward), timed(forward_backward)
     active = sum(p.numel() for p in model.parameters() if p.requires_grad)

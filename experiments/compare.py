@@ -10,10 +10,10 @@ order (for the same sampling) and is evaluated on the same windows: differences 
 one seed are paired (experiments/stats.py).
 
 Memory: on CPU there is no allocator peak, so the table reports the exact bytes of gradients and
-optimizer state right after the first optimizer step following a switch (omgd_state.memory_bytes, from
+optimizer state right after the first optimizer step following a switch (memory_estimate.memory_bytes, from
 train_step's before_zero_grad hook). The config is the runs' own: the train.py arguments of a run
 (train_command, --train_args included) parsed by train.py's configurator; the model, optimizer and
-cycler come from training.build and every iteration is training.Trainer.step, as in train.py.
+cycler come from builder.build and every iteration is Trainer.step, as in train.py.
 Activations are not included.
 
 Variants are METHOD or METHOD:SAMPLING (sampling rr by default), e.g.
@@ -112,7 +112,7 @@ def run_all(variants, seeds, args, runs_dir):
 def train_config(method, args):
     """The config train.py runs `method` with under these flags: train_args (the --train_args ones
     included) read as train.py reads them, and the vocabulary train.py
-    would use (vocab_size, else the dataset's meta.pkl, else 0: training.model_args' 50304)."""
+    would use (vocab_size, else the dataset's meta.pkl, else 0: builder.gpt_kwargs' 50304)."""
     from dataloader import dataset_vocab
     cfg = runner.config_of(train_args({'method': method, 'sampling': 'rr'}, 0, args))
     return cfg, dataset_vocab(cfg['dataset'], cfg['vocab_size'])
@@ -131,16 +131,18 @@ def measure_memory(method, args):
     one switch (N_L / gamma + 1 periods, one step each). With omgd_state='drop' every period gives the
     same number (the previous blocks' state was dropped, the new blocks' state has just been
     created); with 'keep' the state grows to the full model's over the cycle. The model, optimizer,
-    cycler and iteration are train.py's (training.build, training.Trainer.step) for the runs' own config
+    cycler and iteration are train.py's (builder.build, Trainer.step) for the runs' own config
     (train_config). Returns a dict, or {'error': ...}."""
     import torch
 
-    import omgd_state
-    import training
+    import memory_estimate
+    import builder
+    from train_config import GALORE_METHODS
+    from trainer import Trainer
     try:
         cfg, vocab = train_config(method, args)  # checked as train.py checks it
         torch.manual_seed(0)
-        model, opt, cycler = training.build(cfg, 'cpu', vocab)
+        model, opt, cycler = builder.build(cfg, 'cpu', vocab)
         gen = torch.Generator().manual_seed(0)
         shape = (cfg['batch_size'], cfg['block_size'])
 
@@ -152,22 +154,22 @@ def measure_memory(method, args):
         mem = {}
 
         def record(trainer):  # before_zero_grad: the step is done, the gradients are still held
-            now = omgd_state.memory_bytes(model, opt)
+            now = memory_estimate.memory_bytes(model, opt)
             now['trainable_params'] = sum(p.numel() for p in model.parameters() if p.requires_grad)
             if not mem or now['grads'] + now['optimizer'] > mem['grads'] + mem['optimizer']:
                 mem.update(now)
 
         periods = len(model.blocks) // max(1, cfg['omgd_gamma']) + 1
-        trainer = training.Trainer(cfg, model, opt, cycler, batches(), 'cpu',  # train.py's iteration
-                                   observer=SimpleNamespace(before_zero_grad=record))
+        trainer = Trainer(cfg, model, opt, cycler, batches(), 'cpu',  # train.py's iteration
+                          observer=SimpleNamespace(before_zero_grad=record))
         for k in range(periods):
             trainer.iter_num = cfg['omgd_warmup'] + k * cfg['omgd_period']  # a switch (after any full-training warm-up)
             trainer.step()
         mem['periods_measured'] = periods
         mem['n_params'] = sum(p.numel() for p in model.parameters())
-        if method in training.GALORE_METHODS:
+        if method in GALORE_METHODS:
             import galore
-            mem['projector'] = galore.projector_bytes(opt)  # omgd_state.memory_bytes leaves projectors out
+            mem['projector'] = galore.projector_bytes(opt)  # memory_estimate.memory_bytes leaves projectors out
         mem['grads_plus_optimizer'] = mem['grads'] + mem['optimizer']
         return mem
     except Exception as e:  # noqa: BLE001  (report, never stop the comparison for this)
@@ -260,8 +262,8 @@ def write_markdown(path, report):
     lines += ['', 'std: sample standard deviation over seeds. Memory: NOT an allocator peak (CPU has none); the exact '
           'bytes of gradients + optimizer state tensors right after an optimizer step that follows a switch '
           '(largest over one cycle + 1 switch), built in-process from the runs\' own train.py arguments '
-          '(--train_args included) by training.build and stepped by training.Trainer.step, as train.py does '
-          '(omgd_state.memory_bytes; GaLore/GoLore projection matrices are not counted as optimizer state but listed '
+          '(--train_args included) by builder.build and stepped by Trainer.step, as train.py does '
+          '(memory_estimate.memory_bytes; GaLore/GoLore projection matrices are not counted as optimizer state but listed '
           'apart below, as in the GaLore paper). Parameters and activations excluded; identical for rr and iid. '
           'ms/iter is wall time on a shared CPU and only indicative.', '']
     if report['pairs']:
@@ -466,8 +468,8 @@ def main(argv=None):
                    'variants': [v['name'] for v in variants]},
         'rows': rows, 'pairs': pairs, 'memory': memory, 'runs': runs,
         'memory_note': 'exact bytes of gradients + optimizer state after an optimizer step following a switch '
-                       '(largest over one cycle + 1 switch), built on CPU by training.build from the runs\' train.py '
-                       'arguments and stepped by training.Trainer.step (omgd_state.memory_bytes); not an allocator peak',
+                       '(largest over one cycle + 1 switch), built on CPU by builder.build from the runs\' train.py '
+                       'arguments and stepped by Trainer.step (memory_estimate.memory_bytes); not an allocator peak',
     }
     failed = [r for r in runs if 'error' in r]
     if failed:  # the reports of an earlier, complete comparison stay as they were

@@ -157,21 +157,22 @@ def finetune_start(s, out_dir, runs_dir):
     import torch
 
     import checkpoint
-    import training
+    import builder
+    from trainer import grad_scaler
     pre = os.path.join(runs_dir, run_name(stage_specs('m4_pre', [])[0]), 'ckpt.pt')  # the pre-training run
     if not os.path.exists(pre):
         raise FileNotFoundError(f"{pre} not found: the pre-training run must finish first")
     pretrained = checkpoint.read(pre)  # weights_only, as every checkpoint read
     cfg = runner.config_of(train_args(s, runs_dir), out_dir)
     torch.manual_seed(cfg['seed'])
-    model, opt, cycler = training.build(cfg, 'cpu', pretrained['model_args']['vocab_size'])
+    model, opt, cycler = builder.build(cfg, 'cpu', pretrained['model_args']['vocab_size'])
     model.load_state_dict(pretrained['model'])
     from dataloader import open_splits
     train_batches, _ = open_splits(cfg['dataset'], cfg['block_size'], cfg['batch_size'], cfg['sampling'],
                                    cfg['data_seed'])
     os.makedirs(out_dir, exist_ok=True)
-    from distributed import Ranks
-    objects = {'model': model, 'optimizer': opt, 'cycler': cycler, 'scaler': training.grad_scaler(cfg, 'cpu')}
+    from trainer import Ranks
+    objects = {'model': model, 'optimizer': opt, 'cycler': cycler, 'scaler': grad_scaler(cfg, 'cpu')}
     values = {'data': train_batches.state_dict(), 'model_args': pretrained['model_args'], 'iter_num': 0,
               'best_val_loss': 1e9, 'config': cfg, 'wandb_id': None}
     checkpoint.save(os.path.join(out_dir, 'ckpt.pt'), Ranks(), objects, values)  # train.py's writer

@@ -1,6 +1,6 @@
 """
 Why the study's results are what they are: the block schedules the cycler draws (no training), and
-the probe, train.py's iteration (training.Trainer) driven in process with an observer that records
+the probe, train.py's iteration (Trainer) driven in process with an observer that records
 the Adam state at each reactivation, the update sizes after it and the clipping; its losses are
 checked against the train.py run of the same spec.
 """
@@ -75,10 +75,11 @@ def probe(s, runs_dir):
 def _probe(s, cfg, out_dir, runs_dir):
     import torch
 
-    import training
+    import builder
+    from trainer import Trainer
     from dataloader import TokenBatches, data_dir, dataset_vocab
     torch.manual_seed(cfg['seed'])
-    model, opt, cycler = training.build(cfg, 'cpu', dataset_vocab(cfg['dataset']))
+    model, opt, cycler = builder.build(cfg, 'cpu', dataset_vocab(cfg['dataset']))
     torch.manual_seed(cfg['seed'])
     batches = TokenBatches(os.path.join(data_dir(cfg['dataset']), 'train.bin'), cfg['block_size'], cfg['batch_size'],
                            cfg['sampling'], cfg['data_seed'])
@@ -92,7 +93,7 @@ def _probe(s, cfg, out_dir, runs_dir):
     events, updates, losses, clipped = [], [], [], []
     stale_m = {}
     probe = SimpleNamespace()  # the trainer's observer: this iteration's after_switch and before_zero_grad
-    trainer = training.Trainer(cfg, model, opt, cycler, batches.iterate(), 'cpu', observer=probe)  # train.py's iteration
+    trainer = Trainer(cfg, model, opt, cycler, batches.iterate(), 'cpu', observer=probe)  # train.py's iteration
     for it in range(cfg['max_iters']):
         before, cos = {}, {}
 

@@ -137,14 +137,15 @@ def cpu_checkpoint_after_one_step(cfg, path):
     import itertools
     import torch
     import checkpoint
-    import training
-    from distributed import Ranks
+    import builder
+    from trainer import Trainer
+    from trainer import Ranks
     torch.manual_seed(0)
-    model, optimizer, cycler = training.build(cfg, 'cpu')
+    model, optimizer, cycler = builder.build(cfg, 'cpu')
     x = torch.randint(cfg['vocab_size'], (2, cfg['block_size']))
-    training.Trainer(cfg, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu').step()
+    Trainer(cfg, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu').step()
     checkpoint.save(path, Ranks(), {'model': model, 'optimizer': optimizer, 'cycler': cycler},
-                    {'iter_num': 1, 'config': cfg, 'data': {}, 'model_args': training.gpt_kwargs(cfg, cfg['vocab_size'])})
+                    {'iter_num': 1, 'config': cfg, 'data': {}, 'model_args': builder.gpt_kwargs(cfg, cfg['vocab_size'])})
     return model, optimizer
 
 

@@ -73,7 +73,7 @@ def test_cpu_build_keeps_gpt2_head_tied_to_embedding():
 
 
 def test_train_py_memory_keys_reach_the_measurement():
-    """Keys that training.build applies change the estimate with no code here: loss_chunk, and
+    """Keys that builder.build applies change the estimate with no code here: loss_chunk, and
     activation_offload, whose host copies the meta device emulates (and the emulation is undone)."""
     import memory_options
     others = {name: bench_memory.run(config(**SMALL, device='meta', methods='lisa_wor', **kw))['rows'][0]['others']

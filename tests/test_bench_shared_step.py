@@ -1,5 +1,5 @@
 """bench_memory.py, bench.py and experiments/compare.py measure train.py's iteration: they build through
-training.build and step through training.Trainer, whose train_step gets the config's keys."""
+builder.build and step through Trainer, whose train_step gets the config's keys."""
 import os
 import sys
 from types import SimpleNamespace
@@ -14,7 +14,7 @@ import bench_memory  # noqa: E402
 import memory_estimate  # noqa: E402
 import compare  # noqa: E402
 import train_config  # noqa: E402
-import training  # noqa: E402
+from trainer import Trainer  # noqa: E402
 from configurator import configure  # noqa: E402
 
 SMALL = ['--arch=llama', '--n_layer=4', '--n_head=4', '--n_embd=64', '--vocab_size=512', '--block_size=32',
@@ -23,14 +23,14 @@ SMALL = ['--arch=llama', '--n_layer=4', '--n_head=4', '--n_embd=64', '--vocab_si
 
 @pytest.fixture
 def steps(monkeypatch):
-    """Every call of training.Trainer.train_step, by the values it steps with; the step itself still runs."""
-    calls, step = [], training.Trainer.train_step
+    """Every call of Trainer.train_step, by the values it steps with; the step itself still runs."""
+    calls, step = [], Trainer.train_step
 
     def recorded(trainer, *args, **kw):
         calls.append(dict(grad_accum=trainer.grad_accum, grad_clip=trainer.cfg['grad_clip'],
                           scale_after_clip=trainer.cfg['omgd_scale_after_clip']))
         return step(trainer, *args, **kw)
-    monkeypatch.setattr(training.Trainer, 'train_step', recorded)
+    monkeypatch.setattr(Trainer, 'train_step', recorded)
     return calls
 
 
@@ -60,18 +60,18 @@ def run_compare(scale_after_clip):
 
 @pytest.mark.parametrize('scale_after_clip', [True, False])
 @pytest.mark.parametrize('caller', [run_bench_memory, run_bench, run_compare], ids=lambda f: f.__name__[4:])
-def test_every_caller_steps_through_training_train_step(caller, scale_after_clip, steps):
-    """Each measured iteration is training.train_step, given the config's accumulation, clipping and
-    clip/scale order (test_training.py checks what the step does with them)."""
+def test_every_caller_steps_through_the_trainers_train_step(caller, scale_after_clip, steps):
+    """Each measured iteration is Trainer.train_step, given the config's accumulation, clipping and
+    clip/scale order (test_trainer.py checks what the step does with them)."""
     caller(scale_after_clip)
-    assert steps, f"{caller.__name__} trained without training.train_step"
+    assert steps, f"{caller.__name__} trained without Trainer.train_step"
     assert all(c['grad_clip'] == 0.5 and c['scale_after_clip'] is scale_after_clip for c in steps), steps
     assert steps[-1]['grad_accum'] == 2  # the measured / timed iteration accumulates the config's micro-batches
 
 
 def test_llama7b_config_trains_one_step_on_meta(steps):
-    """config/llama7b_lisa_wor.py, as train.py reads it, built by training.build on the meta
-    device and trained one real step by training.train_step; its bytes follow from the shapes."""
+    """config/llama7b_lisa_wor.py, as train.py reads it, built by builder.build on the meta
+    device and trained one real step by Trainer.train_step; its bytes follow from the shapes."""
     path = os.path.join(ROOT, 'config', 'llama7b_lisa_wor.py')
     train_cfg = train_config.load([path], defaults=train_config.DEFAULTS | train_config.machine_defaults(False))  # a valid train.py config
     train_config.check(train_cfg)

@@ -8,18 +8,19 @@ import pytest
 import torch
 
 import checkpoint
-import training
+import builder
+from trainer import Trainer
 from conftest import cpu_checkpoint_after_one_step, train_defaults
-from distributed import Ranks
+from trainer import Ranks
 
 CFG = train_defaults(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
 
 
 def build():
     torch.manual_seed(0)
-    model, optimizer, cycler = training.build(CFG, 'cpu')
+    model, optimizer, cycler = builder.build(CFG, 'cpu')
     x = torch.randint(32, (2, 8))
-    trainer = training.Trainer(CFG, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu')
+    trainer = Trainer(CFG, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu')
     trainer.step()  # optimizer state exists
     return trainer.state_objects()
 
@@ -129,9 +130,9 @@ def test_a_checkpoint_resumes_on_another_device_type(tmp_path, precision):
     torch.manual_seed(123)  # another state, which the resume must replace
 
     saved, resumed = checkpoint.resume(path, 'meta', cfg, set())
-    assert all(p.device.type == 'meta' and p.dtype == training.weight_dtype(precision) for p in resumed.parameters())
+    assert all(p.device.type == 'meta' and p.dtype == builder.weight_dtype(precision) for p in resumed.parameters())
     assert all(t.device.type == 'cpu' for t in torch.utils._pytree.tree_leaves(saved) if torch.is_tensor(t))
-    resumed, opt, cyc = training.build(cfg, 'meta', model=resumed)
+    resumed, opt, cyc = builder.build(cfg, 'meta', model=resumed)
     checkpoint.load_state(saved, {'model': resumed, 'optimizer': opt, 'cycler': cyc})
     assert checkpoint.restore_rng(saved, Ranks(), 'meta', cfg['seed'], 1)
     assert torch.equal(torch.get_rng_state(), rng)

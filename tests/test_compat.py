@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import ddp_check
 import distributed
-from distributed import Ranks
+from trainer import Ranks, no_buffer_sync, wrap_ddp
 
 
 class DDP211:
@@ -43,13 +43,13 @@ def test_ddp_is_built_with_the_arguments_of_the_installed_torch(ddp, sync_off, m
     """forward_sync_buffers is new in torch 2.13 (torch 2.9 to 2.12 raise TypeError on it: every DDP run
     crashed); broadcast_buffers=False says the same before, and is deprecated from 2.13."""
     monkeypatch.setattr(torch.nn.parallel, 'DistributedDataParallel', ddp)
-    wrapper = distributed.wrap_ddp(torch.nn.Linear(2, 2), Ranks(enabled=True, world_size=2), 'cpu', init_sync=False)
+    wrapper = wrap_ddp(torch.nn.Linear(2, 2), Ranks(enabled=True, world_size=2), 'cpu', init_sync=False)
     assert wrapper.kwargs == {'device_ids': None, 'init_sync': False, 'gradient_as_bucket_view': True, **sync_off}
 
 
 def test_the_installed_ddp_takes_what_wrap_ddp_passes():
     accepted = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
-    assert {'init_sync', 'gradient_as_bucket_view', *distributed.no_buffer_sync(
+    assert {'init_sync', 'gradient_as_bucket_view', *no_buffer_sync(
         torch.nn.parallel.DistributedDataParallel)} <= set(accepted)
 
 
@@ -90,8 +90,8 @@ APIS = [
     ('torch.distributed.fsdp', 'fully_shard'),  # distributed.shard_fsdp (public from torch 2.6)
     ('torch.distributed.fsdp', 'MixedPrecisionPolicy'),
     ('torch.distributed.fsdp', 'FSDPModule.set_custom_reduce_scatter'),  # ddp_check
-    ('torch.distributed.fsdp', 'FSDPModule.set_requires_gradient_sync'),  # distributed.ParallelModel.sync
-    ('torch.distributed.fsdp', 'FSDPModule.reshard'),  # distributed.reshard_fsdp
+    ('torch.distributed.fsdp', 'FSDPModule.set_requires_gradient_sync'),  # trainer.ParallelModel.sync
+    ('torch.distributed.fsdp', 'FSDPModule.reshard'),  # trainer.reshard_fsdp
     ('torch.distributed.fsdp', 'FSDPModule._get_fsdp_state'),  # distributed.shard_fsdp's early lazy init
     ('torch.distributed.fsdp._fully_shard._fsdp_state', 'FSDPState._lazy_init'),
     ('torch.distributed.fsdp._fully_shard._fsdp_api', 'ReduceScatter'),  # ddp_check.CountedReduceScatter
@@ -110,7 +110,7 @@ APIS = [
     ('torch.nn.Module', 'compile'),  # memory_options.compile_blocks
     ('torch.autograd.graph', '_engine_run_backward'),  # memory_estimate.MetaAsCuda.backward
     ('torch.autograd.graph', 'saved_tensors_hooks'),  # memory_options.OffloadActivations
-    ('torch.utils._python_dispatch', 'TorchDispatchMode'),  # memory_estimate.LiveBytes, training.RandomOnCPU
+    ('torch.utils._python_dispatch', 'TorchDispatchMode'),  # memory_estimate.LiveBytes, builder.RandomOnCPU
     ('torch.overrides', 'TorchFunctionMode'),  # memory_estimate.MetaAsCuda
     ('torch._dynamo.config', 'recompile_limit'),  # tests/test_compile.py
     ('torch._dynamo.config', 'fail_on_recompile_limit_hit'),
@@ -140,7 +140,8 @@ def test_fsdp_optimizer_state_loads_with_parameters_that_have_none():
     set_optimizer_state_dict then raised KeyError for the first such parameter (2.10 skips it).
     On a one-rank gloo group, in this process."""
     import itertools
-    import training
+    import builder
+    from trainer import Trainer
     from conftest import train_defaults
     if dist.is_initialized():
         pytest.skip('a process group exists already')
@@ -152,10 +153,10 @@ def test_fsdp_optimizer_state_loads_with_parameters_that_have_none():
 
         def build():
             torch.manual_seed(0)
-            return training.build(cfg, 'cpu', shard=lambda m: distributed.shard_fsdp(m, ranks, 'cpu', None))
+            return builder.build(cfg, 'cpu', shard=lambda m: distributed.shard_fsdp(m, ranks, 'cpu', None))
         model, opt, cycler = build()
         x = torch.randint(32, (2, 8))
-        trainer = training.Trainer(cfg, model, opt, cycler, itertools.repeat((x, x, None)), 'cpu')
+        trainer = Trainer(cfg, model, opt, cycler, itertools.repeat((x, x, None)), 'cpu')
         for _ in range(2):
             trainer.step()
         _, saved = distributed.full_state_dicts(model, opt)

@@ -163,14 +163,15 @@ def test_an_incomplete_folder_never_resumes_and_is_removed(tmp_path):
 def test_a_non_finite_state_is_never_saved(tmp_path):
     import checkpoint
     import checkpoint_dcp
-    from distributed import Ranks
+    from trainer import Ranks
     import itertools
-    import training
+    import builder
+    from trainer import Trainer
     from conftest import train_defaults
     cfg = train_defaults(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
-    model, optimizer, cycler = training.build(cfg, 'cpu')
+    model, optimizer, cycler = builder.build(cfg, 'cpu')
     x = torch.randint(32, (2, 8))
-    trainer = training.Trainer(cfg, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu')
+    trainer = Trainer(cfg, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu')
     trainer.step()
     saver = checkpoint_dcp.Saver(str(tmp_path), Ranks(), keep_last=3)
     values = {'iter_num': 1, 'config': cfg, 'data': {}, 'model_args': {}}

@@ -33,9 +33,9 @@ from conftest import (DDP_TINY as TINY, LINEAR, ONE_RANK, ROOT, TORCHRUN, TWO_RA
                       assert_same_state, copy_checkpoint, load, records, stop_with_sigterm as _stop_with_sigterm,
                       torchrun_train as train)
 import ddp_check  # noqa: E402
-import distributed  # noqa: E402
 import omgd  # noqa: E402
 from model import Transformer, TransformerConfig  # noqa: E402
+from trainer import Ranks  # noqa: E402
 
 pytestmark = pytest.mark.torchrun  # launches torchrun (deselect with -m "not torchrun")
 
@@ -158,14 +158,14 @@ def test_check_names_every_broken_invariant_on_any_rank():
     cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig('lisa_wor', gamma=2, period=3))
     cycler.step(0)
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    checker = ddp_check.Checker(distributed.Ranks(), model)
+    checker = ddp_check.Checker(Ranks(), model)
     checker.on_switch(None)  # snapshots the frozen weights
     assert [p for p, _ in checker.frozen_snapshot] == frozen
     x = torch.randint(0, 32, (2, 8))
     model(x, x)[1].backward()
     opt.step()
 
-    def problems(ranks=distributed.Ranks(), old_wrapper=None, kept_by_cycle=False):
+    def problems(ranks=Ranks(), old_wrapper=None, kept_by_cycle=False):
         checker.ranks, checker.old_wrapper, checker.wrapper_in_gc_cycle = ranks, old_wrapper, kept_by_cycle
         return checker.check(None, opt, cycler, 'drop')[0]
 
@@ -188,7 +188,7 @@ def test_check_names_every_broken_invariant_on_any_rank():
 
     other_blocks = [i for i in range(4) if i not in cycler.active]
 
-    class TwoRanks(distributed.Ranks):  # rank 1 reports other blocks, other weights and a failure
+    class TwoRanks(Ranks):  # rank 1 reports other blocks, other weights and a failure
         def gather(self, obj):
             return [obj, {**obj, 'active': other_blocks, 'weights': '0' * 64,
                           'frozen parameters are untouched': False}]

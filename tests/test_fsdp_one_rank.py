@@ -9,9 +9,9 @@ import torch.distributed as dist
 
 import ddp_check
 import distributed
-import training
+import builder
 from conftest import train_defaults
-from distributed import Ranks
+from trainer import ParallelModel, Ranks, Trainer, fsdp_units, reshard_fsdp
 
 CFG = train_defaults(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=32, omgd_gamma=1, omgd_period=1,
                      omgd_state='drop')
@@ -30,7 +30,7 @@ def one_rank():
 
 def sharded(ranks, param_dtype=None, cfg=CFG):
     torch.manual_seed(0)
-    return training.build(cfg, 'cpu', shard=lambda m: distributed.shard_fsdp(m, ranks, 'cpu', param_dtype))
+    return builder.build(cfg, 'cpu', shard=lambda m: distributed.shard_fsdp(m, ranks, 'cpu', param_dtype))
 
 
 def test_ddp_check_holds_on_one_fsdp_rank(one_rank):
@@ -38,11 +38,11 @@ def test_ddp_check_holds_on_one_fsdp_rank(one_rank):
     one per active unit (`torchrun --nproc_per_node=1 --parallel=fsdp --ddp_check=True` failed at
     iteration 0 on an H200 with torch 2.11)."""
     model, opt, cycler = sharded(one_rank)
-    parallel = distributed.ParallelModel(model, one_rank, 'cpu', fsdp=True)
-    observer = ddp_check.RankCheck(parallel, distributed.fsdp_units(model))
+    parallel = ParallelModel(model, one_rank, 'cpu', fsdp=True)
+    observer = ddp_check.RankCheck(parallel, fsdp_units(model))
     x = torch.randint(32, (2, 8))
-    trainer = training.Trainer(CFG, model, opt, cycler, itertools.repeat((x, x, None)), 'cpu', parallel=parallel,
-                               observer=observer)
+    trainer = Trainer(CFG, model, opt, cycler, itertools.repeat((x, x, None)), 'cpu', parallel=parallel,
+                      observer=observer)
     for _ in range(4):  # a switch at every iteration
         trainer.step()
     active = int(re.search(r'(\d+) active elements', observer.summary).group(1))
@@ -60,7 +60,7 @@ def test_mixed_precision_gradients_keep_the_shards_dtype_when_the_first_forward_
         block.requires_grad_(False)
     x = torch.randint(32, (2, 8))
     model(x, x)[1].backward()  # FSDP2's lazy init would happen here
-    distributed.reshard_fsdp(model)
+    reshard_fsdp(model)
     model.zero_grad(set_to_none=True)
     model.blocks[0].requires_grad_(False)
     model.blocks[3].requires_grad_(True)  # the switch: a block frozen at the first forward trains

@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import galore
-import omgd_state  # noqa: E402
+import memory_estimate  # noqa: E402
 from model import Transformer, TransformerConfig  # noqa: E402
 
 LR, BETAS, EPS, WD, SCALE = 0.1, (0.9, 0.95), 1e-8, 0.1, 0.5
@@ -216,8 +216,8 @@ def test_none_grads_skipped_and_accounting_excludes_projector():
     assert frozen not in opt.state
     # moments: 2 x (6 x 2) for p, 2 x 4 for the bias; the 4 x 2 projector counted apart
     holder = torch.nn.ParameterList([frozen, p, bias])
-    assert omgd_state.memory_bytes(holder, opt)['optimizer'] == 4 * (2 * 12 + 2 * 4)
-    assert sorted(k for _, k, _ in omgd_state.state_tensors(opt)) == ['exp_avg', 'exp_avg', 'exp_avg_sq', 'exp_avg_sq']
+    assert memory_estimate.memory_bytes(holder, opt)['optimizer'] == 4 * (2 * 12 + 2 * 4)
+    assert sorted(k for _, k, _ in memory_estimate.state_tensors(opt)) == ['exp_avg', 'exp_avg', 'exp_avg_sq', 'exp_avg_sq']
     assert galore.projector_bytes(opt) == 4 * 8
 
 
@@ -475,10 +475,10 @@ def test_master_accounting_counts_master_and_moments_not_projector():
     opt = make_master(params, 'svd')
     run_steps(opt, params, [[g if i != 1 else None for i, g in enumerate(gs)] for gs in master_grads(2)])
     # (6, 4): fp32 master 24 + moments 2 x (6 x 2); bias (4,): master 4 + moments 2 x 4; projector 4 x 2
-    sizes = omgd_state.memory_bytes(torch.nn.ParameterList(params), opt)
+    sizes = memory_estimate.memory_bytes(torch.nn.ParameterList(params), opt)
     assert sizes['optimizer'] == 4 * (24 + 2 * 12 + 4 + 2 * 4)
     assert sizes['params'] == 2 * (24 + 24 + 4)
-    assert sorted(k for _, k, _ in omgd_state.state_tensors(opt)) == sorted(['master', 'exp_avg', 'exp_avg_sq'] * 2)
+    assert sorted(k for _, k, _ in memory_estimate.state_tensors(opt)) == sorted(['master', 'exp_avg', 'exp_avg_sq'] * 2)
     assert galore.projector_bytes(opt) == 4 * 8
 
 

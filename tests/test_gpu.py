@@ -8,10 +8,11 @@ import torch
 import checkpoint
 import memory_options
 import memory_estimate
-import training
+import builder
+from trainer import peak_bf16_flops
 from model import Linear
 from conftest import assert_same_state, cpu_checkpoint_after_one_step, load, run_train, train_defaults
-from distributed import Ranks
+from trainer import Ranks
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')]
 
@@ -30,7 +31,7 @@ def test_a_cpu_checkpoint_resumes_on_the_gpu(tmp_path, precision):
     # the model alone is on the GPU: each tensor in a block of the caching allocator, 512 bytes or more
     weights = sum(-(-t.numel() * t.element_size() // 512) * 512 for t in [*resumed.parameters(), *resumed.buffers()])
     assert torch.cuda.memory_allocated() - before <= weights
-    resumed, opt, cyc = training.build(cfg, 'cuda', model=resumed)
+    resumed, opt, cyc = builder.build(cfg, 'cuda', model=resumed)
     checkpoint.load_state(saved, {'model': resumed, 'optimizer': opt, 'cycler': cyc})
     assert checkpoint.restore_rng(saved, Ranks(), 'cuda', cfg['seed'], 1)
     for p, q in zip(resumed.parameters(), model.parameters()):
@@ -92,9 +93,9 @@ def test_frozen_linear_keeps_no_bf16_weight_copy_under_cuda_autocast():
 
 
 def test_this_gpu_has_a_peak_and_free_memory():
-    """MFU needs the GPU's name in training.PEAK_BF16_FLOPS; check_fits reads cudaMemGetInfo."""
+    """MFU needs the GPU's name in PEAK_BF16_FLOPS; check_fits reads cudaMemGetInfo."""
     name = torch.cuda.get_device_name()
-    assert training.peak_bf16_flops('cuda') is not None, f"add {name!r} to training.PEAK_BF16_FLOPS"
+    assert peak_bf16_flops('cuda') is not None, f"add {name!r} to PEAK_BF16_FLOPS"
     assert 0 < memory_estimate.available_bytes('cuda') <= torch.cuda.get_device_properties(0).total_memory
 
 

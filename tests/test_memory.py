@@ -412,11 +412,11 @@ def test_check_fits_under_fsdp_counts_this_ranks_shards(monkeypatch):
 
 def test_unit_params_and_the_estimate_of_one_device():
     import memory_estimate
-    import training
+    import builder
     from conftest import train_defaults
     from model import TransformerConfig
     train_cfg = train_defaults(n_layer=3, n_head=4, n_embd=32, block_size=16, vocab_size=64, batch_size=2)
-    cfg = TransformerConfig(**training.gpt_kwargs(train_cfg))
+    cfg = TransformerConfig(**builder.gpt_kwargs(train_cfg))
     model = Transformer(cfg)
     block, root = memory_estimate.unit_params(cfg)
     assert block == sum(p.numel() for p in model.blocks[0].parameters())

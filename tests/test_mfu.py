@@ -1,9 +1,10 @@
-"""training.py's MFU: the peak FLOP/s of the GPU a run is on, looked up by its name (fake names here:
+"""trainer.py's MFU: the peak FLOP/s of the GPU a run is on, looked up by its name (fake names here:
 no GPU needed)."""
 import pytest
 import torch
 
-import training
+import trainer
+from trainer import PEAK_BF16_FLOPS, mfu, peak_bf16_flops, peak_for_name
 
 
 @pytest.mark.parametrize('name, tflops', [
@@ -27,21 +28,21 @@ import training
 ])
 def test_peak_by_exact_variant_whatever_the_order_of_the_table(name, tflops, monkeypatch):
     expected = None if tflops is None else tflops * 1e12
-    for table in (dict(training.PEAK_BF16_FLOPS), dict(reversed(list(training.PEAK_BF16_FLOPS.items())))):
-        monkeypatch.setattr(training, 'PEAK_BF16_FLOPS', table)
-        assert training.peak_for_name(name) == expected, (name, list(table)[0])
+    for table in (dict(PEAK_BF16_FLOPS), dict(reversed(list(PEAK_BF16_FLOPS.items())))):
+        monkeypatch.setattr(trainer, 'PEAK_BF16_FLOPS', table)
+        assert peak_for_name(name) == expected, (name, list(table)[0])
         # what train.py and bench.py call, with the name torch would report
         monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device=None: name)
-        assert training.peak_bf16_flops('cuda') == expected
+        assert peak_bf16_flops('cuda') == expected
 
 
 def test_no_peak_off_gpu_and_for_ambiguous_names(monkeypatch):
-    assert training.peak_bf16_flops('cpu') is None and training.peak_bf16_flops('meta') is None
-    monkeypatch.setattr(training, 'PEAK_BF16_FLOPS', {'X1': 1e12, 'Y1': 2e12})
-    assert training.peak_for_name('X1 Y1') is None  # two entries of one length: no guess
-    assert training.peak_for_name('X1') == 1e12
+    assert peak_bf16_flops('cpu') is None and peak_bf16_flops('meta') is None
+    monkeypatch.setattr(trainer, 'PEAK_BF16_FLOPS', {'X1': 1e12, 'Y1': 2e12})
+    assert peak_for_name('X1 Y1') is None  # two entries of one length: no guess
+    assert peak_for_name('X1') == 1e12
 
 
 def test_mfu_is_the_share_of_the_peak():
     # 1e9 FLOPs per token, 1e4 tokens in 0.1 s on two GPUs of 1e14: 1e14 / 2e14
-    assert training.mfu(1e9, 1e4, 0.1, 1e14, world_size=2) == pytest.approx(0.5)
+    assert mfu(1e9, 1e4, 0.1, 1e14, world_size=2) == pytest.approx(0.5)

@@ -1,4 +1,4 @@
-"""omgd.py and omgd_state.py: the LISA-wor pool, tensor masks, freezing, optimizer-state policies and prefetch,
+"""omgd.py: the LISA-wor pool, tensor masks, freezing, optimizer-state policies and prefetch,
 scaling, resume."""
 import io
 import math
@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import omgd  # noqa: E402
-import omgd_state  # noqa: E402
+import memory_estimate  # noqa: E402
 from model import Transformer, TransformerConfig  # noqa: E402
 from optim import param_groups  # noqa: E402
 
@@ -200,9 +200,9 @@ def test_drop_holds_state_only_for_active_and_memory_does_not_grow(optim):
         active = active_param_ids(model, cycler)
         assert {id(p) for p in opt.state} == active
         need = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) in active)
-        used = omgd_state.memory_bytes(model, opt)
+        used = memory_estimate.memory_bytes(model, opt)
         assert used['grads'] == need and used['optimizer'] == per_param * need
-        counted = [(id(p), key) for p, key, _ in omgd_state.state_tensors(opt)]  # 'step' is left out
+        counted = [(id(p), key) for p, key, _ in memory_estimate.state_tensors(opt)]  # 'step' is left out
         assert sorted(counted) == sorted((i, k) for i in active for k in keys)
         opt.zero_grad(set_to_none=True)
 

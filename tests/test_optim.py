@@ -8,7 +8,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import omgd  # noqa: E402
-import omgd_state  # noqa: E402
+import memory_estimate  # noqa: E402
 from model import Transformer, TransformerConfig  # noqa: E402
 from optim import MasterAdamW, adamw, param_groups  # noqa: E402
 
@@ -190,7 +190,7 @@ def test_cycler_policies_act_on_masters(policy):
     run(opt, net, [[g if p.requires_grad else None for p, g in zip(params, steps[0])]])
     run(alone_opt, alone, [steps[0][:1]])
     assert set(opt.state) == {params[0]}
-    assert omgd_state.memory_bytes(net, opt)['optimizer'] == 3 * 4 * params[0].numel()  # master + 2 moments, fp32
+    assert memory_estimate.memory_bytes(net, opt)['optimizer'] == 3 * 4 * params[0].numel()  # master + 2 moments, fp32
     cycler.apply([1])
     run(opt, net, [[g if p.requires_grad else None for p, g in zip(params, steps[1])]])
     assert (params[0] in opt.state) == (policy == 'offload')
@@ -213,9 +213,9 @@ def test_frozen_params_get_no_state_and_accounting_counts_masters():
     assert set(opt.state) == {params[0], params[3]}
     assert torch.equal(params[1], Net(torch.bfloat16).ws[1])  # untouched, weight decay included
     n = params[0].numel() + params[3].numel()
-    sizes = omgd_state.memory_bytes(net, opt)
+    sizes = memory_estimate.memory_bytes(net, opt)
     assert sizes['optimizer'] == 3 * 4 * n and sizes['params'] == 2 * sum(p.numel() for p in params)
-    assert sorted(k for _, k, _ in omgd_state.state_tensors(opt)) == sorted(['master', 'exp_avg', 'exp_avg_sq'] * 2)
+    assert sorted(k for _, k, _ in memory_estimate.state_tensors(opt)) == sorted(['master', 'exp_avg', 'exp_avg_sq'] * 2)
 
 
 @pytest.mark.parametrize('kwargs, message', [
@@ -365,7 +365,7 @@ def test_offload_leaves_host_masters_of_device_parameters_in_place():
     opt = MasterAdamW([p], master_device='cpu')
     state = {'master': torch.randn(4, 3), 'exp_avg': torch.randn(4, 3), 'exp_avg_sq': torch.rand(4, 3), 'step': 3}
     opt.state[p] = dict(state)
-    policy = omgd_state.StatePolicy(opt, 'offload')
+    policy = omgd.StatePolicy(opt, 'offload')
     policy.release(p)
     assert all(opt.state[p][k] is v for k, v in state.items())
     policy.prefetch([p])

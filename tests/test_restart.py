@@ -58,8 +58,8 @@ if __name__ == '__main__':
     sys.path.insert(0, ROOT)
     import checkpoint_dcp
     import train
-    import training
-    step = training.Trainer.step
+    from trainer import Trainer
+    step = Trainer.step
 
     def step_or_die(trainer):
         if trainer.iter_num == int(os.environ['KILL_AT_ITER']) and os.environ.get('TORCHELASTIC_RESTART_COUNT') == '0':
@@ -69,5 +69,5 @@ if __name__ == '__main__':
                 print(f"killed at iteration {trainer.iter_num}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
         return step(trainer)
-    training.Trainer.step = step_or_die
+    Trainer.step = step_or_die
     sys.exit(train.main(sys.argv[1:]))

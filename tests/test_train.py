@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import train_config
-import training
+import builder
 from conftest import ROOT, TINY, assert_one_line_error, assert_same_state, load, run_train, train_defaults
 from dataloader import TokenBatches
 
@@ -76,7 +76,7 @@ def refusal(*args, world_size=1, fsdp=False):
         train_config.check_parallel(cfg, world_size, fsdp)
         with contextlib.suppress(FileNotFoundError):  # only the arguments are checked here, no data read
             TokenBatches(os.path.join(ROOT, 'no such data.bin'), cfg['block_size'], cfg['batch_size'], cfg['sampling'])
-        training.build(cfg, 'cpu', vocab_size=65)
+        builder.build(cfg, 'cpu', vocab_size=65)
     except ValueError as e:  # configurator.ConfigError is one
         return str(e)
 

@@ -1,32 +1,23 @@
 """
-The one builder and the one training step. train.py, bench.py, bench_memory.py and
-experiments/compare.py all use them, so a benchmark measures the iteration that train.py runs.
+Trainer, the owner of one training iteration, and what an iteration needs around it: the
+learning rate, the parallel model that syncs gradients over ranks (a DDP wrapper rebuilt at every
+switch, or FSDP2 resharded), the ranks' collectives, peak FLOP/s and MFU. train.py, the
+benchmarks and the experiments all step the same Trainer (builder.py builds what it trains).
 
-Configs are dicts with train.py's keys. Precision (`precision`):
-- 'amp': fp32 weights, gradients and optimizer state; the forward runs under autocast in `dtype`
-  on CUDA (bfloat16, or float16 with loss scaling), in fp32 on CPU. nanoGPT's setting.
-- 'bf16': everything in bf16: weights, gradients, AdamW moments (the paper's memory table).
-- 'bf16_master': bf16 weights and gradients; the optimizer keeps an fp32 master copy and fp32
-  moments of the parameters that train now only (BAdam's idea, optim.MasterAdamW), on the device
-  or, with master_device='cpu', on the CPU together with the AdamW arithmetic (ZeRO-Offload style).
+One iteration's path: train.py's loop -> Trainer.step -> omgd.Cycler (switch, optimizer state,
+gradient scale) -> model.py's forward and backward, the next batch from dataloader.py.
 """
+import gc
 import math
+import time
+import weakref
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch.distributed as dist
 
-import galore
-import memory_options
-import omgd
-from model import Transformer, TransformerConfig, PRESETS
-from optim import MasterAdamW, adamw, param_groups
-from train_config import GALORE_METHODS, PTDTYPES
-
-ARCH_KEYS = ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias', 'vocab_size', 'norm_eps',
-             'rope_theta')
-
+from train_config import PTDTYPES
 
 def get_lr(it, cfg):
     """The learning rate of iteration `it`: linear warm-up, then cosine decay to min_lr (nanoGPT's)."""
@@ -38,76 +29,6 @@ def get_lr(it, cfg):
         return cfg['min_lr']
     decay_ratio = (it - cfg['warmup_iters']) / max(1, cfg['lr_decay_iters'] - cfg['warmup_iters'])
     return cfg['min_lr'] + 0.5 * (1.0 + math.cos(math.pi * decay_ratio)) * (cfg['learning_rate'] - cfg['min_lr'])
-
-
-def gpt_kwargs(cfg, vocab_size=0):
-    """TransformerConfig keywords from the config's model keys (a preset's architecture overrides them).
-    vocab_size: the dataset's (0: the config's, else the preset's, else GPT-2's padded 50304)."""
-    vocab_size = vocab_size or cfg['vocab_size']
-    args = {k: cfg[k] for k in ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias',
-                                'block_size', 'dropout')}
-    args['vocab_size'] = vocab_size or 50304
-    if cfg['preset']:
-        args.update({k: v for k, v in PRESETS[cfg['preset']].items() if k in ARCH_KEYS})
-        args['vocab_size'] = vocab_size or PRESETS[cfg['preset']]['vocab_size']
-    return args
-
-
-class RandomOnCPU(TorchDispatchMode):
-    """In-place random fills (normal_, uniform_) of tensors that are not fp32 on the CPU are drawn
-    on the CPU in fp32 from torch's default generator, then copied (cast) into the tensor: a model
-    initialised on a GPU, or in bf16, gets bitwise the weights of a CPU fp32 build then cast, for
-    the same seed, one tensor of host memory at a time."""
-    FILLS = (torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        target = args[0] if args else None
-        if func in self.FILLS and (target.device.type != 'cpu' or target.dtype != torch.float32):
-            drawn = func(torch.empty(target.shape, dtype=torch.float32, device='cpu'), *args[1:], **kwargs)
-            return target.copy_(drawn)
-        return func(*args, **kwargs)
-
-
-def new_model(config, device, dtype=torch.float32, cpu_draws=True):
-    """A freshly initialised GPT built directly on `device` with `dtype` weights: never a full fp32
-    copy on the host (LLaMA-7B: 27 GB before it reached the GPU). Built on meta, then filled with
-    the random draws of a CPU build in their order (the modules' constructors, then init_weights),
-    so the weights are bitwise those of Transformer(config) cast to `dtype`, whatever the device.
-    cpu_draws=False draws on `device` instead (the benchmarks, whose figures do not depend on the
-    values: LLaMA-7B's 13 billion CPU draws take minutes)."""
-    with torch.device('meta'):
-        model = Transformer(config)
-    if torch.device(device).type == 'meta':  # shapes only (bench_memory's estimate): nothing to draw
-        return model.to(dtype)
-    model.to(dtype).to_empty(device=device)
-    if config.tie_embeddings:  # to_empty gives every parameter its own storage
-        model.wte.weight = model.lm_head.weight
-    with torch.no_grad(), RandomOnCPU() if cpu_draws else nullcontext():
-        for module in model.modules():  # what the constructors drew, in their order
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.reset_parameters()
-        model.init_weights()
-    return model.to(dtype)  # the buffers init_weights recomputed in fp32 (LLaMA's rotary tables)
-
-
-def configure_memory(model, cfg):
-    """The model's activation-memory options (memory_options.py): checkpointing, offload to the host, chunked loss."""
-    return memory_options.apply(model, activation_checkpointing=cfg['activation_checkpointing'],
-                        checkpoint_sublayers=cfg['checkpoint_sublayers'],
-                        activation_offload=cfg['activation_offload'], loss_chunk=cfg['loss_chunk'])
-
-
-def weight_dtype(precision):
-    """The dtype of the weights: fp32 under 'amp', bf16 under 'bf16' and 'bf16_master'."""
-    return torch.float32 if precision == 'amp' else torch.bfloat16
-
-
-def cast_model(model, precision):
-    """bf16 weights for 'bf16' and 'bf16_master' (in place: the Parameter objects stay the same)."""
-    if precision != 'amp':
-        model.to(weight_dtype(precision))
-    return model
 
 
 def autocast_context(cfg, device_type):
@@ -124,52 +45,6 @@ def grad_scaler(cfg, device_type):
     return torch.amp.GradScaler(device_type, enabled=enabled)
 
 
-def build_optimizer(model, cfg, device_type, host_scope=nullcontext):
-    """The optimizer over ALL parameters, built before anything is frozen, so every block can train
-    later (LMFlow's bug: an optimizer over the trainable parameters only never trains the others)."""
-    betas, lr, wd = (cfg['beta1'], cfg['beta2']), cfg['learning_rate'], cfg['weight_decay']
-    master = cfg['precision'] == 'bf16_master'
-    if cfg['method'] in GALORE_METHODS:
-        svd_steps = math.ceil(cfg['golore_svd_fraction'] * cfg['max_iters']) if cfg['method'] == 'golore' else 0
-        return galore.build_optimizer(model, wd, lr, betas, rank=cfg['galore_rank'],
-                                      update_proj_gap=cfg['galore_update_proj_gap'], scale=cfg['galore_scale'],
-                                      projection='svd' if cfg['method'] == 'galore' else 'random',
-                                      seed=cfg['omgd_seed'], svd_steps=svd_steps, master=master,
-                                      master_device=cfg['master_device'] or None, host_scope=host_scope)
-    if master:
-        return MasterAdamW(param_groups(model, wd), lr=lr, betas=betas, master_device=cfg['master_device'] or None,
-                           host_scope=host_scope)
-    if cfg['optimizer'] == 'adamw':
-        return adamw(model, wd, lr, betas, device_type)
-    return torch.optim.SGD(param_groups(model, wd), lr=lr, momentum=cfg['momentum'])
-
-
-def build_cycler(model, optimizer, cfg):
-    """omgd's layer cycler for the config's method ('full' for GaLore/GoLore: every block trains)."""
-    method = 'full' if cfg['method'] in GALORE_METHODS else cfg['method']
-    config = omgd.CyclerConfig(method, cfg['omgd_gamma'], cfg['omgd_period'], cfg['omgd_warmup'], cfg['omgd_ratio'],
-                               cfg['omgd_state'], cfg['omgd_seed'],
-                               tuple(part for part in cfg['omgd_always'].split(',') if part))
-    return omgd.build_cycler(model, optimizer, config)
-
-
-def build(cfg, device, vocab_size=0, model=None, shard=None, cpu_draws=True, host_scope=nullcontext):
-    """The model, its optimizer and its cycler, as every script trains them.
-
-    model: an already built model (a resume, a pretrained import); None builds one from scratch,
-    directly on `device` in its weight dtype (new_model; seed the RNG before: the init draws from it). shard(model): a hook that runs after the model
-    is on its device and before the optimizer sees its parameters (train.py's FSDP2 sharding).
-    cpu_draws: new_model's. host_scope: the fp32 masters' (optim.MasterWeights): the memory estimate
-    counts what is allocated inside it as host memory."""
-    if model is None:
-        model = new_model(TransformerConfig(**gpt_kwargs(cfg, vocab_size)), device, weight_dtype(cfg['precision']), cpu_draws)
-    cast_model(configure_memory(model, cfg), cfg['precision']).to(device)
-    if shard is not None:
-        shard(model)
-    optimizer = build_optimizer(model, cfg, torch.device(device).type, host_scope)  # over ALL parameters
-    return model, optimizer, build_cycler(model, optimizer, cfg)
-
-
 class Trainer:
     """One run's iteration and everything it touches: config, model, optimizer, layer cycler, the
     parallel model that syncs gradients, loss scaler, the training batches and their position, and the
@@ -178,7 +53,7 @@ class Trainer:
     batches: an iterator of (x, y, position) micro-batches (dataloader.TokenBatches.iterate; the
     benchmarks yield random ones with position None). The step fetches one micro-batch ahead, so
     `data_position` is the position of the batch held for the next step: what a checkpoint stores.
-    parallel: distributed.ParallelModel (DDP/FSDP); None trains `model` in this process.
+    parallel: ParallelModel (below) (DDP/FSDP); None trains `model` in this process.
     grad_accum: micro-steps of this rank per iteration (default: the config's).
     autocast, backward: replace the config's autocast and loss.backward() (bench_memory's meta device).
     observer: an object with after_switch(trainer, switched) and/or before_zero_grad(trainer),
@@ -290,6 +165,161 @@ def random_batches(vocab_size, shape, device):
     while True:
         yield (torch.randint(0, vocab_size, shape, device=device), torch.randint(0, vocab_size, shape, device=device),
                None)
+
+
+# -----------------------------------------------------------------------------
+# the parallel model: what the Trainer runs and syncs under torchrun
+
+
+class ParallelModel:
+    """What the Trainer runs and syncs: `model` is the DDP wrapper over the parameters that
+    train now, rebuilt after every switch (a wrapper over all parameters would allocate the
+    full-size gradient buckets that layer cycling is meant to avoid), or the model itself, resharded
+    at every switch (FSDP2), or the model itself (one process).
+
+    on_switch(): at the first iteration and after every switch, before the next forward.
+    sync(last): gradient sync on the last micro-step only; earlier ones accumulate locally.
+    switches, old_wrapper, wrapper_in_gc_cycle: what the last on_switch did (ddp_check reads them)."""
+
+    def __init__(self, raw_model, ranks, device_type, fsdp):
+        self.raw_model, self.ranks, self.device_type, self.fsdp = raw_model, ranks, device_type, fsdp
+        self.model = None
+        self.rebuild_ms = None  # the last DDP rebuild
+        self.switches, self.old_wrapper, self.wrapper_in_gc_cycle = 0, None, False
+
+    def on_switch(self):
+        self.old_wrapper, self.wrapper_in_gc_cycle = None, False
+        if self.fsdp:
+            # nothing to rebuild: FSDP2 reduce-scatters only the gradients that exist (ddp_check counts)
+            self.model = reshard_fsdp(self.raw_model)  # so the next forward sees the new requires_grad
+        else:
+            self.old_wrapper = weakref.ref(self.model) if self.ranks.enabled and self.model is not None else None
+            # `self.model` is the last reference to the old wrapper: dropping it frees its reducer, whose
+            # destructor removes its autograd hooks and frees its buckets before the new ones exist
+            self.model = None
+            # a wrapper that outlives its last reference sits in a garbage-collector reference cycle
+            self.wrapper_in_gc_cycle = self.old_wrapper is not None and self.old_wrapper() is not None
+            if self.wrapper_in_gc_cycle:
+                gc.collect()  # free its buckets before the new wrapper allocates (ddp_check verifies this)
+            t = time.time()
+            # the first wrapper broadcasts rank 0's weights
+            self.model = wrap_ddp(self.raw_model, self.ranks, self.device_type, init_sync=self.old_wrapper is None)
+            self.rebuild_ms = (time.time() - t) * 1000
+        self.switches += 1
+
+    def sync(self, last):
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(last)
+        else:
+            self.model.require_backward_grad_sync = last
+
+    @property
+    def wrapper(self):
+        """The DDP wrapper, or None (one process, or FSDP, where the model itself is sharded)."""
+        return self.model if self.ranks.enabled and not self.fsdp else None
+
+
+# -----------------------------------------------------------------------------
+# DDP
+
+
+def wrap_ddp(model, ranks, device_type, init_sync):
+    """DDP over the parameters that train now.
+
+    DDP allocates gradient buckets for, and all-reduces, exactly the parameters with
+    requires_grad=True at construction, so ParallelModel builds a new wrapper after every switch:
+    frozen blocks then cost no bucket memory and no communication. The alternative, one wrapper
+    for the whole run plus our own all-reduce of the active gradients, would either wait for the
+    end of backward (no overlap of communication with compute) or re-implement DDP's bucketed
+    autograd hooks, which is what DDP's C++ reducer already does, well tested, with no_sync and
+    compile support. A rebuild is local (no collective with init_sync=False: the weights are
+    already equal on every rank) and costs milliseconds, plus one bucket re-ordering in the next
+    backward, once every omgd_period iterations (results/ddp_switch_cost.md).
+    gradient_as_bucket_view: the gradients of the active parameters live in the buckets rather
+    than next to them, which saves one copy of the active gradients.
+    No buffer broadcast before every forward: the only buffers (LLaMA's RoPE tables) are constants
+    that every rank computes alike (no_buffer_sync: the argument that says so in this torch).
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    if not ranks.enabled:
+        return model
+    return DDP(model, device_ids=[ranks.local_rank] if device_type == 'cuda' else None, init_sync=init_sync,
+               gradient_as_bucket_view=True, **no_buffer_sync(DDP))
+
+
+def no_buffer_sync(ddp_class):
+    """DDP's keyword argument that turns off the broadcast of buffers before every forward, in the
+    installed torch: forward_sync_buffers=False from torch 2.13 (which deprecates broadcast_buffers),
+    broadcast_buffers=False before it (torch 2.9 to 2.12 have no forward_sync_buffers). The two
+    differ only at construction: broadcast_buffers=False also skips the buffers' broadcast of
+    init_sync, which constant buffers do not need."""
+    import inspect
+    if 'forward_sync_buffers' in inspect.signature(ddp_class.__init__).parameters:
+        return {'forward_sync_buffers': False}
+    return {'broadcast_buffers': False}
+
+
+# -----------------------------------------------------------------------------
+# FSDP2 at a switch (the sharding itself is done once, at build: distributed.shard_fsdp)
+
+
+def fsdp_units(model):
+    """The FSDP units of shard_fsdp, in sharding order: every block, then the root."""
+    return [*model.blocks, model]
+
+
+def reshard_fsdp(model):
+    """Call at every switch, before the next forward. The root unit keeps its weights all-gathered
+    after a forward that had no backward (an evaluation): FSDP2's root does not reshard after
+    forward, and its next forward then reuses those unsharded parameters as they are, with the
+    requires_grad they had before the switch. A frozen root parameter (tensor methods) would still
+    get a gradient, and it would be reduce-scattered and applied (ddp_check catches it). Resharding
+    registers the sharded parameters again, so the next all-gather copies their requires_grad. It
+    frees memory and costs nothing: the next forward all-gathers anyway."""
+    for unit in fsdp_units(model):
+        unit.reshard()
+    return model
+
+
+# -----------------------------------------------------------------------------
+# who this process is, and the collectives of the loop (distributed.setup makes it)
+
+
+@dataclass
+class Ranks:
+    """Who this process is. `enabled`: launched by torchrun (RANK is set), with a process group."""
+    enabled: bool = False
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    cpu_group: object = None
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    def gather(self, obj):
+        """A list of `obj` from every rank (in rank order), on every rank."""
+        if not self.enabled:
+            return [obj]
+        objs = [None] * self.world_size
+        dist.all_gather_object(objs, obj, group=self.cpu_group)
+        return objs
+
+    def any(self, flag):
+        """True on every rank when `flag` is true on any rank (an all_reduce(MAX) on the CPU group)."""
+        t = torch.tensor(float(flag))
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return t.item() > 0
+
+    def mean(self, value, device):
+        """The mean of a Python float over ranks (on the compute device's group)."""
+        if not self.enabled:
+            return value
+        t = torch.tensor(value, dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        return t.item() / self.world_size
 
 
 # -----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""training.py: the one builder and the one step, under every precision, state policy and method."""
+"""builder.py and trainer.py: the one builder and the one step, under every precision, state policy and method."""
 import itertools
 
 import pytest
@@ -8,7 +8,8 @@ from conftest import train_defaults
 
 import omgd
 import train_config
-import training
+import builder
+from trainer import Trainer
 
 TINY = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64, omgd_gamma=2, omgd_period=2,
             galore_rank=4, learning_rate=1e-2)
@@ -24,12 +25,12 @@ def batches(seed=0, batch_size=4):
 
 
 def train(cfg, steps, model=None, opt=None, cycler=None, seed=0):
-    """`steps` iterations of train.py's iteration (training.Trainer: switch, prefetch, step) on a fresh or given build."""
+    """`steps` iterations of train.py's iteration (Trainer: switch, prefetch, step) on a fresh or given build."""
     torch.manual_seed(0)
     if model is None:
-        model, opt, cycler = training.build(cfg, 'cpu')
+        model, opt, cycler = builder.build(cfg, 'cpu')
     losses = []
-    trainer = training.Trainer({**cfg, 'decay_lr': False}, model, opt, cycler, batches(seed), 'cpu')  # at learning_rate throughout
+    trainer = Trainer({**cfg, 'decay_lr': False}, model, opt, cycler, batches(seed), 'cpu')  # at learning_rate throughout
     for it in range(steps):
         loss, _ = trainer.step()
         losses.append(loss.item())
@@ -83,7 +84,7 @@ def test_step_order_of_clip_and_scale(scale_after_clip):
     cfg = train_defaults(**TINY, grad_clip=0.05, optimizer='sgd', weight_decay=0.0,
                          omgd_scale_after_clip=scale_after_clip)
     torch.manual_seed(0)
-    model, opt, cycler = training.build(cfg, 'cpu')
+    model, opt, cycler = builder.build(cfg, 'cpu')
     cycler.step(0)
     X, Y, _ = next(batches())
     reference = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -101,7 +102,7 @@ def test_step_order_of_clip_and_scale(scale_after_clip):
     if scale_after_clip:
         grads = {n: g * scale if n in active else g for n, g in grads.items()}
     step_cfg = {**cfg, 'grad_clip': 0.05, 'omgd_scale_after_clip': scale_after_clip, 'gradient_accumulation_steps': 1}
-    training.Trainer(step_cfg, model, opt, cycler, batches(), 'cpu').train_step(model)
+    Trainer(step_cfg, model, opt, cycler, batches(), 'cpu').train_step(model)
     for n, p in model.named_parameters():
         expected = reference[n] - cfg['learning_rate'] * grads[n] if n in grads else reference[n]
         torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-7)
@@ -142,7 +143,7 @@ def test_impossible_combinations_are_refused(cfg, message):
 @pytest.mark.parametrize('arch_args', [dict(arch='gpt2', bias=True), dict(arch='llama', n_head=4, n_kv_head=2),
                                        dict(arch='gpt2', tie_embeddings=False)], ids=['gpt2', 'llama-gqa', 'untied'])
 def test_new_model_has_the_weights_of_a_cpu_fp32_build(arch_args, dtype):
-    """training.new_model builds on meta and fills the tensors where they live, in their dtype;
+    """builder.new_model builds on meta and fills the tensors where they live, in their dtype;
     the weights, buffers and the RNG state after it are those of Transformer(config) on the CPU, cast."""
     from model import Transformer, TransformerConfig
     config = TransformerConfig(**{**dict(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=50), **arch_args})
@@ -150,13 +151,13 @@ def test_new_model_has_the_weights_of_a_cpu_fp32_build(arch_args, dtype):
     reference = Transformer(config).to(dtype)
     rng_after_reference = torch.get_rng_state()
     torch.manual_seed(3)
-    model = training.new_model(config, 'cpu', dtype)
+    model = builder.new_model(config, 'cpu', dtype)
     assert torch.equal(torch.get_rng_state(), rng_after_reference)
     a, b = reference.state_dict(), model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
     assert all(torch.equal(x, y) for x, y in zip(reference.buffers(), model.buffers()))
     assert (model.wte.weight is model.lm_head.weight) == config.tie_embeddings
-    meta = training.new_model(config, 'meta', dtype)  # shapes only
+    meta = builder.new_model(config, 'meta', dtype)  # shapes only
     assert {p.device.type for p in meta.parameters()} == {'meta'}
 
 
@@ -166,9 +167,9 @@ def test_new_model_drawn_on_the_device_is_initialised_like_a_cpu_build():
     from model import TransformerConfig
     config = TransformerConfig(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=64)
     torch.manual_seed(3)
-    reference = training.new_model(config, 'cpu', torch.bfloat16)
+    reference = builder.new_model(config, 'cpu', torch.bfloat16)
     torch.manual_seed(3)
-    model = training.new_model(config, 'cpu', torch.bfloat16, cpu_draws=False)
+    model = builder.new_model(config, 'cpu', torch.bfloat16, cpu_draws=False)
     assert model.wte.weight is model.lm_head.weight
     a, b = reference.state_dict(), model.state_dict()
     for k in a:  # zeros stay zeros, ones ones, and the random ones have the same spread

@@ -1,0 +1,144 @@
+"""
+The one builder: the model, its optimizer and its layer cycler, as every script trains them
+(train.py, bench.py, bench_memory.py, the experiments), so a benchmark measures what train.py runs.
+
+Configs are dicts with train.py's keys. Precision (`precision`):
+- 'amp': fp32 weights, gradients and optimizer state; the forward runs under autocast in `dtype`
+  on CUDA (bfloat16, or float16 with loss scaling), in fp32 on CPU. nanoGPT's setting.
+- 'bf16': everything in bf16: weights, gradients, AdamW moments (the paper's memory table).
+- 'bf16_master': bf16 weights and gradients; the optimizer keeps an fp32 master copy and fp32
+  moments of the parameters that train now only (BAdam's idea, optim.MasterAdamW), on the device
+  or, with master_device='cpu', on the CPU together with the AdamW arithmetic (ZeRO-Offload style).
+"""
+import math
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import galore
+import memory_options
+import omgd
+from model import Transformer, TransformerConfig, PRESETS
+from optim import MasterAdamW, adamw, param_groups
+from train_config import GALORE_METHODS
+
+ARCH_KEYS = ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias', 'vocab_size', 'norm_eps',
+             'rope_theta')
+
+
+def gpt_kwargs(cfg, vocab_size=0):
+    """TransformerConfig keywords from the config's model keys (a preset's architecture overrides them).
+    vocab_size: the dataset's (0: the config's, else the preset's, else GPT-2's padded 50304)."""
+    vocab_size = vocab_size or cfg['vocab_size']
+    args = {k: cfg[k] for k in ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias',
+                                'block_size', 'dropout')}
+    args['vocab_size'] = vocab_size or 50304
+    if cfg['preset']:
+        args.update({k: v for k, v in PRESETS[cfg['preset']].items() if k in ARCH_KEYS})
+        args['vocab_size'] = vocab_size or PRESETS[cfg['preset']]['vocab_size']
+    return args
+
+
+class RandomOnCPU(TorchDispatchMode):
+    """In-place random fills (normal_, uniform_) of tensors that are not fp32 on the CPU are drawn
+    on the CPU in fp32 from torch's default generator, then copied (cast) into the tensor: a model
+    initialised on a GPU, or in bf16, gets bitwise the weights of a CPU fp32 build then cast, for
+    the same seed, one tensor of host memory at a time."""
+    FILLS = (torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else None
+        if func in self.FILLS and (target.device.type != 'cpu' or target.dtype != torch.float32):
+            drawn = func(torch.empty(target.shape, dtype=torch.float32, device='cpu'), *args[1:], **kwargs)
+            return target.copy_(drawn)
+        return func(*args, **kwargs)
+
+
+def new_model(config, device, dtype=torch.float32, cpu_draws=True):
+    """A freshly initialised GPT built directly on `device` with `dtype` weights: never a full fp32
+    copy on the host (LLaMA-7B: 27 GB before it reached the GPU). Built on meta, then filled with
+    the random draws of a CPU build in their order (the modules' constructors, then init_weights),
+    so the weights are bitwise those of Transformer(config) cast to `dtype`, whatever the device.
+    cpu_draws=False draws on `device` instead (the benchmarks, whose figures do not depend on the
+    values: LLaMA-7B's 13 billion CPU draws take minutes)."""
+    with torch.device('meta'):
+        model = Transformer(config)
+    if torch.device(device).type == 'meta':  # shapes only (bench_memory's estimate): nothing to draw
+        return model.to(dtype)
+    model.to(dtype).to_empty(device=device)
+    if config.tie_embeddings:  # to_empty gives every parameter its own storage
+        model.wte.weight = model.lm_head.weight
+    with torch.no_grad(), RandomOnCPU() if cpu_draws else nullcontext():
+        for module in model.modules():  # what the constructors drew, in their order
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.reset_parameters()
+        model.init_weights()
+    return model.to(dtype)  # the buffers init_weights recomputed in fp32 (LLaMA's rotary tables)
+
+
+def configure_memory(model, cfg):
+    """The model's activation-memory options (memory_options.py): checkpointing, offload to the host, chunked loss."""
+    return memory_options.apply(model, activation_checkpointing=cfg['activation_checkpointing'],
+                        checkpoint_sublayers=cfg['checkpoint_sublayers'],
+                        activation_offload=cfg['activation_offload'], loss_chunk=cfg['loss_chunk'])
+
+
+def weight_dtype(precision):
+    """The dtype of the weights: fp32 under 'amp', bf16 under 'bf16' and 'bf16_master'."""
+    return torch.float32 if precision == 'amp' else torch.bfloat16
+
+
+def cast_model(model, precision):
+    """bf16 weights for 'bf16' and 'bf16_master' (in place: the Parameter objects stay the same)."""
+    if precision != 'amp':
+        model.to(weight_dtype(precision))
+    return model
+
+
+def build_optimizer(model, cfg, device_type, host_scope=nullcontext):
+    """The optimizer over ALL parameters, built before anything is frozen, so every block can train
+    later (LMFlow's bug: an optimizer over the trainable parameters only never trains the others)."""
+    betas, lr, wd = (cfg['beta1'], cfg['beta2']), cfg['learning_rate'], cfg['weight_decay']
+    master = cfg['precision'] == 'bf16_master'
+    if cfg['method'] in GALORE_METHODS:
+        svd_steps = math.ceil(cfg['golore_svd_fraction'] * cfg['max_iters']) if cfg['method'] == 'golore' else 0
+        return galore.build_optimizer(model, wd, lr, betas, rank=cfg['galore_rank'],
+                                      update_proj_gap=cfg['galore_update_proj_gap'], scale=cfg['galore_scale'],
+                                      projection='svd' if cfg['method'] == 'galore' else 'random',
+                                      seed=cfg['omgd_seed'], svd_steps=svd_steps, master=master,
+                                      master_device=cfg['master_device'] or None, host_scope=host_scope)
+    if master:
+        return MasterAdamW(param_groups(model, wd), lr=lr, betas=betas, master_device=cfg['master_device'] or None,
+                           host_scope=host_scope)
+    if cfg['optimizer'] == 'adamw':
+        return adamw(model, wd, lr, betas, device_type)
+    return torch.optim.SGD(param_groups(model, wd), lr=lr, momentum=cfg['momentum'])
+
+
+def build_cycler(model, optimizer, cfg):
+    """omgd's layer cycler for the config's method ('full' for GaLore/GoLore: every block trains)."""
+    method = 'full' if cfg['method'] in GALORE_METHODS else cfg['method']
+    config = omgd.CyclerConfig(method, cfg['omgd_gamma'], cfg['omgd_period'], cfg['omgd_warmup'], cfg['omgd_ratio'],
+                               cfg['omgd_state'], cfg['omgd_seed'],
+                               tuple(part for part in cfg['omgd_always'].split(',') if part))
+    return omgd.build_cycler(model, optimizer, config)
+
+
+def build(cfg, device, vocab_size=0, model=None, shard=None, cpu_draws=True, host_scope=nullcontext):
+    """The model, its optimizer and its cycler, as every script trains them.
+
+    model: an already built model (a resume, a pretrained import); None builds one from scratch,
+    directly on `device` in its weight dtype (new_model; seed the RNG before: the init draws from it). shard(model): a hook that runs after the model
+    is on its device and before the optimizer sees its parameters (train.py's FSDP2 sharding).
+    cpu_draws: new_model's. host_scope: the fp32 masters' (optim.MasterWeights): the memory estimate
+    counts what is allocated inside it as host memory."""
+    if model is None:
+        model = new_model(TransformerConfig(**gpt_kwargs(cfg, vocab_size)), device, weight_dtype(cfg['precision']), cpu_draws)
+    cast_model(configure_memory(model, cfg), cfg['precision']).to(device)
+    if shard is not None:
+        shard(model)
+    optimizer = build_optimizer(model, cfg, torch.device(device).type, host_scope)  # over ALL parameters
+    return model, optimizer, build_cycler(model, optimizer, cfg)
