@@ -92,6 +92,37 @@ def run_train(*args, expect_ok=True):
     return result
 
 
+def files_per_iteration(argv, run=None):
+    """The project files whose functions train.py calls from the first Trainer.step to the end of
+    the last one (the loop's work between steps included: stop agreement, logging, records),
+    found with sys.setprofile while train.main(argv) runs in this process. Generators count when
+    resumed (the data iterator). Returns (exit status, sorted paths relative to the checkout)."""
+    import train
+    from trainer import Trainer
+    step, root = Trainer.step.__code__, os.path.realpath(ROOT) + os.sep
+    calls, marks = [], []  # the file of every project call; where each step began and ended
+
+    def profile(frame, event, arg):
+        if event == 'call':
+            path = frame.f_code.co_filename  # '<frozen abc>', '<string>': not a file
+            path = os.path.realpath(path) if os.path.isabs(path) else ''
+            if path.startswith(root) and not path.startswith(os.path.join(root, 'tests')):
+                calls.append(path[len(root):])
+        if frame.f_code is step and event in ('call', 'return'):
+            marks.append(len(calls) - (event == 'call'))
+
+    sys.setprofile(profile)
+    try:
+        status = (run or train.main)(argv)
+    finally:
+        sys.setprofile(None)
+    assert len(marks) >= 2, "Trainer.step never ran"
+    return status, sorted(set(calls[marks[0]:marks[-1]]))
+
+
+ITERATION_FILES = ['dataloader.py', 'model.py', 'omgd.py', 'train.py', 'trainer.py']  # README "Code map"
+
+
 def assert_one_line_error(result, pattern):
     assert result.returncode != 0
     assert 'Traceback' not in result.stderr, result.stderr

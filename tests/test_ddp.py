@@ -29,9 +29,9 @@ from functools import partial
 import pytest
 import torch
 
-from conftest import (DDP_TINY as TINY, LINEAR, ONE_RANK, ROOT, TORCHRUN, TWO_RANKS, Launch,  # noqa: F401
-                      assert_same_state, copy_checkpoint, load, records, stop_with_sigterm as _stop_with_sigterm,
-                      torchrun_train as train)
+from conftest import (DDP_TINY as TINY, ITERATION_FILES, LINEAR, ONE_RANK, ROOT, TORCHRUN, TWO_RANKS, Launch,  # noqa: F401
+                      assert_same_state, copy_checkpoint, files_per_iteration, load, records,
+                      stop_with_sigterm as _stop_with_sigterm, torchrun_train as train)
 import ddp_check  # noqa: E402
 import omgd  # noqa: E402
 from model import Transformer, TransformerConfig  # noqa: E402
@@ -119,6 +119,7 @@ def many_runs(tmp_path_factory):
     runs = [(m, [f'--out_dir={root / m}', f'--method={m}', '--max_iters=5', '--omgd_period=2', '--ddp_check=True',
                  '--galore_rank=8', '--galore_update_proj_gap=2', *TWO_RANKS]) for m in METHODS]
     runs.append(('straight', [f'--out_dir={root / "straight"}', f'--max_iters={STRAIGHT}', *RESUME]))
+    runs.append(('files', [f'--out_dir={root / "files"}', '--max_iters=7', *TWO_RANKS]))  # switches at 0, 3, 6
     run = Launch(TORCHRUN + ['tests/test_ddp.py'], env={'DDP_TEST_RUNS': json.dumps(runs)}).wait()
     assert run.proc.returncode == 0, run.out[-3000:]
     logs = dict(re.findall(r'=== (\w+)\n(.*?)(?==== |\Z)', run.out, flags=re.S))
@@ -147,6 +148,16 @@ def test_every_method_under_two_ranks(many_runs, method):
         assert [c[0] for c in checks] == ['0', '2', '4'], log
         assert [s['iter'] for s in records(root / method, 'switch') if s['ddp_rebuild_ms'] is not None] == [0, 2, 4]
     assert load(root / method)['iter_num'] == 5
+
+
+def test_a_torchrun_iteration_reads_the_same_five_files(many_runs):
+    """Under DDP too (a new wrapper at each switch, gradient sync, the stop agreement and the mean
+    loss over ranks), every rank's iterations call into the five files of one process."""
+    root, _ = many_runs
+    assert [s['iter'] for s in records(root / 'files', 'switch')] == [0, 3, 6]
+    for rank in (0, 1):
+        with open(root / 'files' / f'files_rank{rank}.json') as f:
+            assert json.load(f) == ITERATION_FILES, rank
 
 
 def test_check_names_every_broken_invariant_on_any_rank():
@@ -223,6 +234,11 @@ if __name__ == '__main__':
     for name, args in json.loads(os.environ['DDP_TEST_RUNS']):
         if os.environ.get('RANK') == '0':
             print(f"=== {name}", flush=True)
-        status = train_script.main([*TINY, *args])
+        if name == 'files':  # the files each rank's iterations call into
+            status, files = files_per_iteration([*TINY, *args])
+            with open(os.path.join(args[0].split('=', 1)[1], f"files_rank{os.environ['RANK']}.json"), 'w') as out:
+                json.dump(files, out)
+        else:
+            status = train_script.main([*TINY, *args])
         if status:
             sys.exit(status)

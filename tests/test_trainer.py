@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import train_defaults
+from conftest import ITERATION_FILES, TINY as TINY_ARGS, files_per_iteration, train_defaults
 
 import omgd
 import train_config
@@ -175,3 +175,12 @@ def test_new_model_drawn_on_the_device_is_initialised_like_a_cpu_build():
     for k in a:  # zeros stay zeros, ones ones, and the random ones have the same spread
         assert b[k].dtype == torch.bfloat16 and torch.isfinite(b[k].float()).all(), k
         assert abs(a[k].float().std().nan_to_num() - b[k].float().std().nan_to_num()) < 0.2 * a[k].float().std().nan_to_num() + 1e-6, k
+
+
+def test_one_iteration_reads_five_files(tmp_path):
+    """The loop's iterations, switches and dropped optimizer state included, call into five of the
+    project's files (train, trainer, omgd, model, dataloader), as the README says; torchrun's
+    iteration: test_ddp.py::test_a_torchrun_iteration_reads_the_same_five_files."""
+    status, files = files_per_iteration([*TINY_ARGS, f'--out_dir={tmp_path}', '--max_iters=8', '--omgd_state=drop'])
+    assert status == 0
+    assert files == ITERATION_FILES
