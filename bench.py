@@ -87,8 +87,7 @@ class MethodRun:
     def step(self, it, timed):
         self.sync()
         t0 = time.perf_counter()
-        self.trainer.iter_num = it
-        loss, switched = self.trainer.step()
+        loss, switched = self.trainer.step(it)
         self.sync()
         if timed:
             self.times.append(time.perf_counter() - t0)

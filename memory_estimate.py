@@ -423,14 +423,12 @@ def measure(cfg, device):
     if device.type == 'meta':  # the GPU's kernels and autocast, emulated on shapes (memory_estimate.py)
         dtype = train_config.PTDTYPES[cfg['dtype']] if cfg['precision'] == 'amp' and cfg['dtype'] != 'float32' else None
         autocast, backward = MetaAsCuda(dtype, cache=True), MetaAsCuda(dtype, cache=False).backward
-    # train.py's iteration, on a fresh batch per micro-step, on the device, as train.py's loader gives
-    trainer = Trainer(cfg, net, opt, cycler, random_batches(vocab, shape, device), device.type,
-                      autocast=autocast, backward=backward, observer=SimpleNamespace())
     gas = cfg['gradient_accumulation_steps']
     micro = min(cfg['micro_batches'] or gas, gas)
     sizes = {}
 
     def at_zero_grad(trainer):  # the observer's before_zero_grad: the step is done, the gradients still held
+        # (every iteration's; the measured iteration is the last)
         if cuda:
             torch.cuda.synchronize(device)
         states = [v for _, _, v in state_tensors(opt)]
@@ -441,10 +439,9 @@ def measure(cfg, device):
                      cpu_state=sum(v.numel() * v.element_size() for v in host),
                      projectors=sum(v.numel() * v.element_size() for v in projectors if not tracker.is_host(v)))
 
-    def iteration(it, micro_steps, hook=None):  # train.py's loop body, with this many micro-steps
-        trainer.iter_num, trainer.grad_accum, trainer.observer.before_zero_grad = it, micro_steps, hook
-        trainer.step()
-
+    # train.py's iteration, on a fresh batch per micro-step, on the device, as train.py's loader gives
+    trainer = Trainer(cfg, net, opt, cycler, random_batches(vocab, shape, device), device.type,
+                      autocast=autocast, backward=backward, observer=SimpleNamespace(before_zero_grad=at_zero_grad))
     tracker.add(list(net.parameters()), list(net.buffers()))
     period, start = cfg['omgd_period'], cfg['omgd_warmup']
     t0 = time.time()
@@ -454,13 +451,13 @@ def measure(cfg, device):
         # under 'keep' one iteration at every switch of a full cycle leaves state on every block
         switches = len(net.blocks) // cfg['omgd_gamma'] if cfg['omgd_state'] == 'keep' and cycler.schedule else 1
         for i in range(switches):
-            iteration(start + i * period, 1)
+            trainer.step(start + i * period, micro_steps=1)
         # measured: the next iteration, the second of a switching period
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         tracker.reset_peak()
-        iteration(start + (switches - 1) * period + 1, micro, at_zero_grad)
+        trainer.step(start + (switches - 1) * period + 1, micro_steps=micro)
         if cuda:
             torch.cuda.synchronize(device)
     seconds = time.time() - t0

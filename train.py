@@ -332,8 +332,7 @@ def train(cfg, given_keys, ranks, device):
     observer = ddp_check.RankCheck(parallel, fsdp_units(raw_model) if fsdp else None) \
         if cfg['ddp_check'] else None
     trainer = Trainer(cfg, raw_model, optimizer, cycler, train_batches.iterate(device), device_type,
-                      cfg['gradient_accumulation_steps'] // world_size, parallel, observer=observer)
-    trainer.iter_num = iter_num
+                      cfg['gradient_accumulation_steps'] // world_size, parallel, observer=observer, iter_num=iter_num)
     if checkpoint is not None:
         try:
             objects = {**trainer.state_objects(), 'data': train_batches}

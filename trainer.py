@@ -55,20 +55,21 @@ class Trainer:
     `data_position` is the position of the batch held for the next step: what a checkpoint stores.
     parallel: ParallelModel (below) (DDP/FSDP); None trains `model` in this process.
     grad_accum: micro-steps of this rank per iteration (default: the config's).
+    iter_num: the iteration the next step runs (a resume's: the checkpoint's).
     autocast, backward: replace the config's autocast and loss.backward() (bench_memory's meta device).
     observer: an object with after_switch(trainer, switched) and/or before_zero_grad(trainer),
     called inside each step (--ddp_check, the experiments' probes); None in a plain run.
     """
 
     def __init__(self, cfg, model, optimizer, cycler, batches, device_type='cpu', grad_accum=None, parallel=None,
-                 autocast=None, backward=None, observer=None):
+                 autocast=None, backward=None, observer=None, iter_num=0):
         self.cfg, self.model, self.optimizer, self.cycler, self.parallel = cfg, model, optimizer, cycler, parallel
         self.batches, self.batch = batches, None
         self.grad_accum = grad_accum or cfg['gradient_accumulation_steps']
         self.autocast = autocast if autocast is not None else autocast_context(cfg, device_type)
         self.scaler = grad_scaler(cfg, device_type)  # float16 gradients underflow without loss scaling
         self.backward, self.observer = backward, observer
-        self.iter_num = 0
+        self.iter_num = iter_num
 
     @property
     def data_position(self):
@@ -79,10 +80,12 @@ class Trainer:
         x, y, position = self.batch = next(self.batches)
         return x, y
 
-    def step(self):
+    def step(self, iter_num=None, micro_steps=None):
         """Iteration `iter_num`: learning rate, switch, prefetch, DDP rebuild, then train_step.
-        Returns (the loss as a detached tensor, whether the cycler switched)."""
-        it = self.iter_num
+        Returns (the loss as a detached tensor, whether the cycler switched).
+        iter_num: run this iteration rather than the next (the benchmarks jump to switches);
+        micro_steps: this many micro-batches rather than grad_accum (the memory estimate's few)."""
+        it = self.iter_num if iter_num is None else iter_num
         for group in self.optimizer.param_groups:
             group['lr'] = get_lr(it, self.cfg)
         switched = self.cycler.step(it)
@@ -95,19 +98,19 @@ class Trainer:
         after_switch = getattr(self.observer, 'after_switch', None)
         if after_switch is not None:
             after_switch(self, switched)
-        loss = self.train_step(model, sync)
-        self.iter_num += 1
+        loss = self.train_step(model, sync, micro_steps)
+        self.iter_num = it + 1
         return loss, switched
 
-    def train_step(self, model, sync=None):
-        """One optimizer step over grad_accum micro-batches; returns the loss (detached tensor).
+    def train_step(self, model, sync=None, micro_steps=None):
+        """One optimizer step over grad_accum (or micro_steps) micro-batches; returns the loss (detached tensor).
 
         The next micro-batch is fetched right after each forward, so the host prepares data while
         the GPU computes. The OMGD scale goes once per step, after all micro-steps, before or after
         clipping (cfg's omgd_scale_after_clip: the paper's code clips first). loss: the last
         micro-batch's (no sync here). sync(last): DDP/FSDP gradient sync on the last micro-step only.
         """
-        grad_accum, scaler = self.grad_accum, self.scaler or torch.amp.GradScaler(enabled=False)
+        grad_accum, scaler = micro_steps or self.grad_accum, self.scaler or torch.amp.GradScaler(enabled=False)
         grad_clip, scale_after_clip = self.cfg['grad_clip'], self.cfg['omgd_scale_after_clip']
         if self.batch is None:
             self.next_batch()

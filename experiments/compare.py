@@ -163,8 +163,7 @@ def measure_memory(method, args):
         trainer = Trainer(cfg, model, opt, cycler, batches(), 'cpu',  # train.py's iteration
                           observer=SimpleNamespace(before_zero_grad=record))
         for k in range(periods):
-            trainer.iter_num = cfg['omgd_warmup'] + k * cfg['omgd_period']  # a switch (after any full-training warm-up)
-            trainer.step()
+            trainer.step(cfg['omgd_warmup'] + k * cfg['omgd_period'])  # a switch (after any full-training warm-up)
         mem['periods_measured'] = periods
         mem['n_params'] = sum(p.numel() for p in model.parameters())
         if method in GALORE_METHODS:

@@ -26,10 +26,10 @@ def steps(monkeypatch):
     """Every call of Trainer.train_step, by the values it steps with; the step itself still runs."""
     calls, step = [], Trainer.train_step
 
-    def recorded(trainer, *args, **kw):
-        calls.append(dict(grad_accum=trainer.grad_accum, grad_clip=trainer.cfg['grad_clip'],
+    def recorded(trainer, model, sync=None, micro_steps=None):
+        calls.append(dict(grad_accum=micro_steps or trainer.grad_accum, grad_clip=trainer.cfg['grad_clip'],
                           scale_after_clip=trainer.cfg['omgd_scale_after_clip']))
-        return step(trainer, *args, **kw)
+        return step(trainer, model, sync, micro_steps)
     monkeypatch.setattr(Trainer, 'train_step', recorded)
     return calls
 

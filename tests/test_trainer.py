@@ -9,7 +9,7 @@ from conftest import ITERATION_FILES, TINY as TINY_ARGS, files_per_iteration, tr
 import omgd
 import train_config
 import builder
-from trainer import Trainer
+from trainer import Trainer, get_lr
 
 TINY = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64, omgd_gamma=2, omgd_period=2,
             galore_rank=4, learning_rate=1e-2)
@@ -184,3 +184,19 @@ def test_one_iteration_reads_five_files(tmp_path):
     status, files = files_per_iteration([*TINY_ARGS, f'--out_dir={tmp_path}', '--max_iters=8', '--omgd_state=drop'])
     assert status == 0
     assert files == ITERATION_FILES
+
+
+def test_step_runs_the_iteration_it_is_given_with_the_micro_steps_it_is_given():
+    """step(iter_num, micro_steps), as the benchmarks jump to a switch: that iteration's learning
+    rate and switch, that many micro-batches; the next plain step() continues from there."""
+    cfg = train_defaults(**{**TINY, "omgd_period": 3}, warmup_iters=2, lr_decay_iters=20)
+    torch.manual_seed(0)
+    model, opt, cycler = builder.build(cfg, 'cpu')
+    trainer = Trainer(cfg, model, opt, cycler, batches(), 'cpu', grad_accum=2)
+    _, switched = trainer.step(6, micro_steps=3)
+    assert switched and cycler.last_switch == 6 and trainer.iter_num == 7
+    assert opt.param_groups[0]['lr'] == get_lr(6, cfg)
+    assert trainer.data_position == 3  # batches 0-2 trained, batch 3 fetched ahead
+    _, switched = trainer.step()
+    assert not switched and trainer.iter_num == 8 and opt.param_groups[0]['lr'] == get_lr(7, cfg)
+    assert trainer.data_position == 5  # grad_accum=2 micro-batches
