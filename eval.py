@@ -336,15 +336,15 @@ def evaluate(cfg, log=print):
 
 def check_exportable(hf_dir, dataset, out_dir):
     """Refuse lm-eval on a checkpoint whose dataset has no tokenizer Hugging Face reads (characters)."""
-    from export import dataset_tokenizer
+    from hf import dataset_tokenizer
     if not hf_dir and dataset_tokenizer(dataset)[0] not in ('gpt2', 'hf'):
         raise EvalError(f"lm-eval needs a tokenizer Hugging Face reads, and the dataset of {out_dir} has none (a "
                         f"character-level vocabulary); score the mc file without --lm_eval")
 
 
 def export_for_lm_eval(out_dir, hf_dir):
-    """The checkpoint as a Hugging Face directory (export.py's) that lm-eval loads."""
-    from export import ExportError, export
+    """The checkpoint as a Hugging Face directory (hf.export, as export.py writes it) that lm-eval loads."""
+    from hf import ExportError, export
     try:
         export(out_dir, hf_dir, overwrite=True, log=lambda line: None)
     except ExportError as e:

@@ -249,7 +249,7 @@ def test_checkpoint_that_does_not_load_is_one_error_line(run, tmp_path):
 def hf_gpt2(tmp_path_factory):
     """(directory, model): a tiny GPT-2 with GPT-2's vocabulary in Hugging Face form, as export.py writes it."""
     import hf
-    from export import write_gpt2_tokenizer
+    from hf import write_gpt2_tokenizer
     torch.manual_seed(0)
     model = Transformer(tiny_model_config('gpt2', vocab_size=50257, block_size=64, n_layer=1, n_embd=16, n_head=2)).eval()
     with torch.no_grad():

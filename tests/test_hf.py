@@ -1,4 +1,4 @@
-"""Hugging Face import and export (hf.py, export.py) against transformers itself, offline: tiny random
+"""Hugging Face import and export (hf.py; export.py is its command line) against transformers itself, offline: tiny random
 GPT2LMHeadModel / LlamaForCausalLM models are built and saved inside each test."""
 import contextlib
 import io
@@ -261,7 +261,7 @@ def train(*args):
 
 def export_dir(out_dir, hf_dir):
     lines = []
-    export.export(str(out_dir), str(hf_dir), log=lines.append)
+    hf.export(str(out_dir), str(hf_dir), log=lines.append)
     return '\n'.join(lines)
 
 
@@ -355,7 +355,7 @@ def test_gpt2_bpe_dataset_exports_gpt2s_tokenizer(tmp_path):
     config = json.loads((tmp_path / 'out' / 'config.json').read_text())
     assert config['eos_token_id'] == config['bos_token_id'] == 50256
     assert json.loads((tmp_path / 'out' / 'generation_config.json').read_text())['eos_token_id'] == 50256
-    with pytest.raises(export.ExportError, match=r"already holds config\.json; .* --overwrite=True"):
+    with pytest.raises(hf.ExportError, match=r"already holds config\.json; .* --overwrite=True"):
         export_dir(tmp_path / 'run', tmp_path / 'out')
 
 
@@ -370,7 +370,7 @@ def test_a_sharded_export_generates_our_greedy_tokens_in_transformers(tmp_path, 
     torch.save({'model': model.state_dict(), 'model_args': vars(model.config), 'iter_num': 0,
                 'config': {'dataset': str(tmp_path / 'data')}}, tmp_path / 'run' / 'ckpt.pt')
     lines = []
-    export.export(str(tmp_path / 'run'), str(tmp_path / 'out'), max_shard_size='2MB', log=lines.append)
+    hf.export(str(tmp_path / 'run'), str(tmp_path / 'out'), max_shard_size='2MB', log=lines.append)
     shards = sorted(p.name for p in (tmp_path / 'out').glob('model-*.safetensors'))
     assert len(shards) > 1 and f"{len(shards)} shards with model.safetensors.index.json" in lines[0]
     index = json.loads((tmp_path / 'out' / 'model.safetensors.index.json').read_text())
@@ -383,8 +383,8 @@ def test_a_sharded_export_generates_our_greedy_tokens_in_transformers(tmp_path, 
         generated = theirs.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert generated.tolist() == expected.tolist()
     assert hf.load(str(tmp_path / 'out')).state_dict().keys() == model.state_dict().keys()  # our import reads shards
-    with pytest.raises(export.ExportError, match=r"max_shard_size must be a size like '5GB'"):
-        export.export(str(tmp_path / 'run'), str(tmp_path / 'bad'), max_shard_size='big')
+    with pytest.raises(hf.ExportError, match=r"max_shard_size must be a size like '5GB'"):
+        hf.export(str(tmp_path / 'run'), str(tmp_path / 'bad'), max_shard_size='big')
 
 
 def test_hf_tokenizer_dataset_exports_its_tokenizer_files(tmp_path):
