@@ -131,12 +131,14 @@ def build(cfg, device, vocab_size=0, model=None, shard=None, cpu_draws=True, hos
     """The model, its optimizer and its cycler, as every script trains them.
 
     model: an already built model (a resume, a pretrained import); None builds one from scratch,
-    directly on `device` in its weight dtype (new_model; seed the RNG before: the init draws from it). shard(model): a hook that runs after the model
-    is on its device and before the optimizer sees its parameters (train.py's FSDP2 sharding).
+    directly on `device` in its weight dtype (new_model; seed the RNG before: the init draws from it).
+    shard(model): a hook that runs after the model is on its device and before the optimizer sees
+    its parameters (train.py's FSDP2 sharding).
     cpu_draws: new_model's. host_scope: the fp32 masters' (optim.MasterWeights): the memory estimate
     counts what is allocated inside it as host memory."""
     if model is None:
-        model = new_model(TransformerConfig(**gpt_kwargs(cfg, vocab_size)), device, weight_dtype(cfg['precision']), cpu_draws)
+        model = new_model(TransformerConfig(**gpt_kwargs(cfg, vocab_size)), device, weight_dtype(cfg['precision']),
+                          cpu_draws)
     cast_model(configure_memory(model, cfg), cfg['precision']).to(device)
     if shard is not None:
         shard(model)

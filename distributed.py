@@ -115,10 +115,6 @@ def shard_fsdp(model, ranks, device_type, param_dtype):
     return model
 
 
-
-
-
-
 def _param_names(model, optimizer):
     """Fully qualified names of the optimizer's parameters, in the order of its param_groups (the
     order that numbers them in a torch.optim state dict; the tied head goes by its first name)."""

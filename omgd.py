@@ -14,9 +14,10 @@ optimizer state (StatePolicy below; memory_estimate.memory_bytes counts what is 
 index in model.blocks, never by parameter names, so nothing changes under DDP or torch.compile.
 
 Read top to bottom: the methods, build_cycler (the entry point), the Cycler it returns (called
-once per iteration by trainer.py), the StatePolicy of its frozen units, the GroupSchedule that draws the Cycler's groups, and the
-random partitions those groups come from. Algorithm 1 on the paper's least-squares example
-(masks over coordinates, the order of (mask, sample) pairs) is experiments/linreg.py.
+once per iteration by trainer.py), the StatePolicy of its frozen units, the GroupSchedule that
+draws the Cycler's groups, and the random partitions those groups come from. Algorithm 1 on the
+paper's least-squares example (masks over coordinates, the order of (mask, sample) pairs) is
+experiments/linreg.py.
 """
 import math
 from dataclasses import dataclass

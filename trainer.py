@@ -9,6 +9,7 @@ gradient scale) -> model.py's forward and backward, the next batch from dataload
 """
 import gc
 import math
+import re
 import time
 import weakref
 from contextlib import nullcontext
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from train_config import PTDTYPES
+
 
 def get_lr(it, cfg):
     """The learning rate of iteration `it`: linear warm-up, then cosine decay to min_lr (nanoGPT's)."""
@@ -345,7 +347,6 @@ PEAK_BF16_FLOPS = {
 
 
 def _words(name):
-    import re
     return re.findall(r'[a-z0-9]+', name.lower())
 
 

@@ -29,8 +29,8 @@ from functools import partial
 import pytest
 import torch
 
-from conftest import (DDP_TINY as TINY, ITERATION_FILES, LINEAR, ONE_RANK, ROOT, TORCHRUN, TWO_RANKS, Launch,  # noqa: F401
-                      assert_same_state, copy_checkpoint, files_per_iteration, load, records,
+from conftest import (DDP_TINY as TINY, ITERATION_FILES, LINEAR, ONE_RANK, ROOT, TORCHRUN, TWO_RANKS,  # noqa: F401
+                      Launch, assert_same_state, copy_checkpoint, files_per_iteration, load, records,
                       stop_with_sigterm as _stop_with_sigterm, torchrun_train as train)
 import ddp_check  # noqa: E402
 import omgd  # noqa: E402
