@@ -28,7 +28,7 @@ ARCH_KEYS = ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', '
              'rope_theta')
 
 
-def gpt_kwargs(cfg, vocab_size=0):
+def transformer_kwargs(cfg, vocab_size=0):
     """TransformerConfig keywords from the config's model keys (a preset's architecture overrides them).
     vocab_size: the dataset's (0: the config's, else the preset's, else GPT-2's padded 50304)."""
     vocab_size = vocab_size or cfg['vocab_size']
@@ -58,7 +58,7 @@ class RandomOnCPU(TorchDispatchMode):
 
 
 def new_model(config, device, dtype=torch.float32, cpu_draws=True):
-    """A freshly initialised GPT built directly on `device` with `dtype` weights: never a full fp32
+    """A freshly initialised Transformer built directly on `device` with `dtype` weights: never a full fp32
     copy on the host (LLaMA-7B: 27 GB before it reached the GPU). Built on meta, then filled with
     the random draws of a CPU build in their order (the modules' constructors, then init_weights),
     so the weights are bitwise those of Transformer(config) cast to `dtype`, whatever the device.
@@ -137,8 +137,8 @@ def build(cfg, device, vocab_size=0, model=None, shard=None, cpu_draws=True, hos
     cpu_draws: new_model's. host_scope: the fp32 masters' (optim.MasterWeights): the memory estimate
     counts what is allocated inside it as host memory."""
     if model is None:
-        model = new_model(TransformerConfig(**gpt_kwargs(cfg, vocab_size)), device, weight_dtype(cfg['precision']),
-                          cpu_draws)
+        config = TransformerConfig(**transformer_kwargs(cfg, vocab_size))
+        model = new_model(config, device, weight_dtype(cfg['precision']), cpu_draws)
     cast_model(configure_memory(model, cfg), cfg['precision']).to(device)
     if shard is not None:
         shard(model)

@@ -161,7 +161,7 @@ def prepare_if_embedded(dataset, verbose=True):
 
 def dataset_vocab(dataset, vocab_size=0):
     """The vocabulary a run uses: vocab_size, else the one meta.pkl records for a character set or a
-    Hugging Face tokenizer, else 0 for GPT-2 BPE (builder.gpt_kwargs then takes the preset's, else
+    Hugging Face tokenizer, else 0 for GPT-2 BPE (builder.transformer_kwargs then takes the preset's, else
     GPT-2's 50257 padded to 50304). A one-line ValueError for a meta.pkl that cannot be read."""
     if vocab_size:
         return vocab_size

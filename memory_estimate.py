@@ -340,7 +340,7 @@ def dataset_vocab(cfg):
 def model_config(cfg):
     """The TransformerConfig builder.build makes of cfg (one-line error for an impossible shape)."""
     try:
-        return TransformerConfig(**builder.gpt_kwargs(cfg, dataset_vocab(cfg)))
+        return TransformerConfig(**builder.transformer_kwargs(cfg, dataset_vocab(cfg)))
     except (ValueError, TypeError) as e:
         raise ValueError(f"model shape: {e}") from None
 

@@ -267,7 +267,7 @@ def train(cfg, given_keys, ranks, device):
     iter_num, best_val_loss, checkpoint, saved_iter, wandb_id = 0, 1e9, None, None, None
     try:
         if init_from == 'scratch':
-            model_config = TransformerConfig(**builder.gpt_kwargs(cfg, vocab_size))
+            model_config = TransformerConfig(**builder.transformer_kwargs(cfg, vocab_size))
             dtype = builder.weight_dtype(cfg['precision'])
             # before it is allocated: a one-line refusal, not the OOM killer
             check_fits(model_config, device, dtype.itemsize, world_size=world_size, fsdp=fsdp,

@@ -191,7 +191,7 @@ def check(cfg):
 
 
 def check_preset(cfg):
-    """A preset sets the architecture (builder.gpt_kwargs): a shape key changed next to it would be
+    """A preset sets the architecture (builder.transformer_kwargs): a shape key changed next to it would be
     silently ignored, so refuse it (vocab_size is the exception: the tokenizer's, it overrides)."""
     from model import PRESETS, check_preset as check_name
     if cfg['preset']:

@@ -112,7 +112,8 @@ def main(argv):
     # the model and a full AdamW state, built as train.py builds them (sharded under fsdp)
     torch.manual_seed(0)
     model, optimizer, cycler = builder.build(train_cfg, 'cpu', model=builder.new_model(
-        __import__('model').TransformerConfig(**builder.gpt_kwargs(train_cfg, cfg['vocab_size'])), 'cpu'), shard=shard)
+        __import__('model').TransformerConfig(**builder.transformer_kwargs(train_cfg, cfg['vocab_size'])), 'cpu'),
+        shard=shard)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()

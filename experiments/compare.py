@@ -112,7 +112,7 @@ def run_all(variants, seeds, args, runs_dir):
 def train_config(method, args):
     """The config train.py runs `method` with under these flags: train_args (the --train_args ones
     included) read as train.py reads them, and the vocabulary train.py
-    would use (vocab_size, else the dataset's meta.pkl, else 0: builder.gpt_kwargs' 50304)."""
+    would use (vocab_size, else the dataset's meta.pkl, else 0: builder.transformer_kwargs' 50304)."""
     from dataloader import dataset_vocab
     cfg = runner.config_of(train_args({'method': method, 'sampling': 'rr'}, 0, args))
     return cfg, dataset_vocab(cfg['dataset'], cfg['vocab_size'])

@@ -176,7 +176,8 @@ def cpu_checkpoint_after_one_step(cfg, path):
     x = torch.randint(cfg['vocab_size'], (2, cfg['block_size']))
     Trainer(cfg, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu').step()
     checkpoint.save(path, Ranks(), {'model': model, 'optimizer': optimizer, 'cycler': cycler},
-                    {'iter_num': 1, 'config': cfg, 'data': {}, 'model_args': builder.gpt_kwargs(cfg, cfg['vocab_size'])})
+                    {'iter_num': 1, 'config': cfg, 'data': {},
+                     'model_args': builder.transformer_kwargs(cfg, cfg['vocab_size'])})
     return model, optimizer
 
 

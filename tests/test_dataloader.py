@@ -125,7 +125,7 @@ def test_datasets_prepared_before_meta_keys_still_read(tmp_path):
     assert dataset_vocab(d) == 3
     bpe = dataset(tmp_path, np.arange(3000), None, 'bpe')  # GPT-2 BPE folders had no meta.pkl
     assert read_meta(bpe) == {'tokenizer': 'gpt2', 'vocab_size': 50257, 'dtype': 'uint16'}
-    assert dataset_vocab(bpe) == 0  # the preset's, else GPT-2's padded 50304 (builder.gpt_kwargs)
+    assert dataset_vocab(bpe) == 0  # the preset's, else GPT-2's padded 50304 (builder.transformer_kwargs)
     check_vocab(bpe, 3000, open_splits(bpe, 15, 4, 'rr', 1)[0])  # no recorded vocabulary: the ids decide
     with pytest.raises(ValueError, match=r"train.bin holds token id 2999, not below vocab_size=2048"):
         check_vocab(bpe, 2048, open_splits(bpe, 15, 4, 'rr', 1)[0])

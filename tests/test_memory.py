@@ -416,7 +416,7 @@ def test_unit_params_and_the_estimate_of_one_device():
     from conftest import train_defaults
     from model import TransformerConfig
     train_cfg = train_defaults(n_layer=3, n_head=4, n_embd=32, block_size=16, vocab_size=64, batch_size=2)
-    cfg = TransformerConfig(**builder.gpt_kwargs(train_cfg))
+    cfg = TransformerConfig(**builder.transformer_kwargs(train_cfg))
     model = Transformer(cfg)
     block, root = memory_estimate.unit_params(cfg)
     assert block == sum(p.numel() for p in model.blocks[0].parameters())
