@@ -58,16 +58,18 @@ class FrozenLinear(torch.autograd.Function):
 EMULATED_AUTOCAST = {}
 
 
-@torch.compiler.assume_constant_result  # the dynamo of torch 2.11 and older cannot trace it (a graph break)
-def _autocast_available(device_type):
-    return torch.amp.is_autocast_available(device_type)
+# the device types autocast exists for: a fixed fact, read once here, because the dynamo of torch 2.11
+# and older cannot trace torch.amp.is_autocast_available in a compiled block (a graph break), and
+# torch.compiler.assume_constant_result would import dynamo (about a second) in every process
+AUTOCAST_DEVICE_TYPES = frozenset(t for t in ('cpu', 'cuda', 'xpu', 'mps', 'hpu', 'mtia')
+                                  if torch.amp.is_autocast_available(t))
 
 
 def autocast_dtype(device_type):
     """The dtype autocast casts matmuls to on `device_type` now (or emulates: EMULATED_AUTOCAST), or None."""
     if device_type in EMULATED_AUTOCAST:
         return EMULATED_AUTOCAST[device_type]
-    if _autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if device_type in AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
 
