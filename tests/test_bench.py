@@ -9,6 +9,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import bench_memory  # noqa: E402
+from conftest import run_script  # noqa: E402
 import memory_estimate  # noqa: E402
 
 GIB = 2 ** 30
@@ -135,14 +136,10 @@ def test_attention_saves_no_t_by_t_matrix():
     assert tracker.peak < 4 * 1024 * 1024 * 2 / 4  # far below one T x T score matrix per head
 
 
-def run_script(*args, timeout=120):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
 def test_bench_memory_script_writes_outputs(tmp_path):
     prefix = str(tmp_path / 'mem')
-    proc = run_script('bench_memory.py', '--preset=llama-60m', '--methods=full,lisa_wor', '--batch_size=4',
-                      '--block_size=64', '--device=meta', f'--out={prefix}')
+    proc = run_script('bench_memory.py', ['--preset=llama-60m', '--methods=full,lisa_wor', '--batch_size=4',
+                                          '--block_size=64', '--device=meta', f'--out={prefix}'])
     assert proc.returncode == 0, proc.stderr
     for ext in ('.md', '.json', '.png'):
         assert os.path.getsize(prefix + ext) > 0
@@ -154,9 +151,9 @@ def test_bench_memory_script_writes_outputs(tmp_path):
 
 
 def test_bench_memory_rejects_unknown_keys():
-    proc = run_script('bench_memory.py', '--batchsize=4')
+    proc = run_script('bench_memory.py', ['--batchsize=4'])
     assert proc.returncode != 0 and 'unknown config key' in proc.stderr and 'batch_size' in proc.stderr
-    proc = run_script('bench_memory.py', '--methods=lisa_wor+master')  # the old suffixes are gone
+    proc = run_script('bench_memory.py', ['--methods=lisa_wor+master'])  # the old suffixes are gone
     assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
         "error: unknown method 'lisa_wor+master'; choose one of full, lisa, lisa_scale, lisa_wor, lisa_wor_noscale, "
         "tensor_wor, tensor_iid, galore, golore"]
@@ -164,9 +161,9 @@ def test_bench_memory_rejects_unknown_keys():
 
 def test_bench_script_runs(tmp_path):
     out = str(tmp_path / 'bench.md')
-    proc = run_script('bench.py', '--arch=llama', '--n_layer=2', '--n_embd=64', '--vocab_size=512', '--batch_size=2',
-                      '--block_size=32', '--steps=2', '--warmup_steps=1', '--methods=full,lisa_wor,galore',
-                      '--precisions=amp,bf16_master:cpu', '--compile=False', f'--out={out}')
+    proc = run_script('bench.py', ['--arch=llama', '--n_layer=2', '--n_embd=64', '--vocab_size=512', '--batch_size=2',
+                                   '--block_size=32', '--steps=2', '--warmup_steps=1', '--methods=full,lisa_wor,galore',
+                                   '--precisions=amp,bf16_master:cpu', '--compile=False', f'--out={out}'])
     assert proc.returncode == 0, proc.stderr
     text = open(out).read()
     rows = [line.split('|')[1:-1] for line in text.splitlines() if line.startswith('| ')]
@@ -324,7 +321,6 @@ def test_sublayer_checkpointing_lowers_the_peak_with_offload():
 
 
 def test_the_memory_benchmark_says_how_far_along_it_is(tmp_path):
-    from conftest import run_script
     result = run_script('bench_memory.py', ["--preset=", '--arch=llama', '--n_layer=2', '--n_head=2', '--n_embd=32',
                                             '--vocab_size=64', '--block_size=16', '--batch_size=2',
                                             '--methods=full,lisa_wor', '--device=meta', f'--out={tmp_path}/r'])
