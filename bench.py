@@ -46,11 +46,11 @@ import time
 import torch
 
 import memory_options
+import builder
 import memory_estimate
 import train_config
-import builder
-from trainer import Trainer, mfu, peak_bf16_flops
 from configurator import at_least, command_line
+from trainer import Trainer, mfu, peak_bf16_flops
 
 # keys of this script only (train.py has none of these names); `device` has its own values here
 OWN_KEYS = dict(methods='', precisions='', steps=20, warmup_steps=5, interleave=False, out='', profile='')

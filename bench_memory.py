@@ -78,8 +78,8 @@ import time
 
 import torch
 
-import train_config
 import builder
+import train_config
 from configurator import at_least, check_rule, command_line
 from memory_estimate import check_fits, measure, model_config, model_name, precision_label, resolve_device, row_configs
 

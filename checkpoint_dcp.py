@@ -346,9 +346,9 @@ def resume(path, device, config, given):
     """(values, model) to resume from the step folder `path`: check_resume's refusals, then the
     model of the saved model_args on `device` in the weight dtype of the config, weights not yet
     loaded (load() fills them once the model is sharded)."""
+    import builder
     from checkpoint import ResumeRefused, check_resume
     from model import TransformerConfig
-    import builder
     values = read_values(path)
     try:
         check_resume(values, config, given)

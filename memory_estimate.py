@@ -33,12 +33,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import builder
 import dataloader
 import memory_options
 import train_config
-import builder
-from trainer import Trainer, random_batches
 from model import EMULATED_AUTOCAST, TransformerConfig
+from trainer import Trainer, random_batches
 
 
 def state_tensors(optimizer):

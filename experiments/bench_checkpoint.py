@@ -26,11 +26,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
 import checkpoint as ckpt_io  # noqa: E402
 import checkpoint_dcp  # noqa: E402
+import builder  # noqa: E402
 import distributed  # noqa: E402
 import train_config  # noqa: E402
-import builder  # noqa: E402
-from trainer import grad_scaler  # noqa: E402
 from configurator import command_line  # noqa: E402
+from trainer import grad_scaler  # noqa: E402
 
 DEFAULTS = dict(preset='gpt2', vocab_size=50304, parallel='fsdp', out_dir='bench-checkpoint',
                 formats='file,dcp,dcp_async', phase='both')

@@ -135,8 +135,8 @@ def measure_memory(method, args):
     (train_config). Returns a dict, or {'error': ...}."""
     import torch
 
-    import memory_estimate
     import builder
+    import memory_estimate
     from train_config import GALORE_METHODS
     from trainer import Trainer
     try:

@@ -156,9 +156,9 @@ def finetune_start(s, out_dir, runs_dir):
     train.py's checkpoint format (resumed with --init_from=resume)."""
     import torch
 
-    import checkpoint
     import builder
-    from trainer import grad_scaler
+    import checkpoint
+    from trainer import Ranks, grad_scaler
     pre = os.path.join(runs_dir, run_name(stage_specs('m4_pre', [])[0]), 'ckpt.pt')  # the pre-training run
     if not os.path.exists(pre):
         raise FileNotFoundError(f"{pre} not found: the pre-training run must finish first")
@@ -171,7 +171,6 @@ def finetune_start(s, out_dir, runs_dir):
     train_batches, _ = open_splits(cfg['dataset'], cfg['block_size'], cfg['batch_size'], cfg['sampling'],
                                    cfg['data_seed'])
     os.makedirs(out_dir, exist_ok=True)
-    from trainer import Ranks
     objects = {'model': model, 'optimizer': opt, 'cycler': cycler, 'scaler': grad_scaler(cfg, 'cpu')}
     values = {'data': train_batches.state_dict(), 'model_args': pretrained['model_args'], 'iter_num': 0,
               'best_val_loss': 1e9, 'config': cfg, 'wandb_id': None}

@@ -76,8 +76,8 @@ def _probe(s, cfg, out_dir, runs_dir):
     import torch
 
     import builder
-    from trainer import Trainer
     from dataloader import TokenBatches, data_dir, dataset_vocab
+    from trainer import Trainer
     torch.manual_seed(cfg['seed'])
     model, opt, cycler = builder.build(cfg, 'cpu', dataset_vocab(cfg['dataset']))
     torch.manual_seed(cfg['seed'])

@@ -167,10 +167,9 @@ def cpu_checkpoint_after_one_step(cfg, path):
     returns (model, optimizer) as saved (tests/test_checkpoint.py, tests/test_gpu.py)."""
     import itertools
     import torch
-    import checkpoint
     import builder
-    from trainer import Trainer
-    from trainer import Ranks
+    import checkpoint
+    from trainer import Ranks, Trainer
     torch.manual_seed(0)
     model, optimizer, cycler = builder.build(cfg, 'cpu')
     x = torch.randint(cfg['vocab_size'], (2, cfg['block_size']))

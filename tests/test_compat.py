@@ -141,8 +141,8 @@ def test_fsdp_optimizer_state_loads_with_parameters_that_have_none():
     On a one-rank gloo group, in this process."""
     import itertools
     import builder
-    from trainer import Trainer
     from conftest import train_defaults
+    from trainer import Trainer
     if dist.is_initialized():
         pytest.skip('a process group exists already')
     dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)

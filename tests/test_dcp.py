@@ -161,13 +161,12 @@ def test_an_incomplete_folder_never_resumes_and_is_removed(tmp_path):
 
 
 def test_a_non_finite_state_is_never_saved(tmp_path):
-    import checkpoint
-    import checkpoint_dcp
-    from trainer import Ranks
     import itertools
     import builder
-    from trainer import Trainer
+    import checkpoint
+    import checkpoint_dcp
     from conftest import train_defaults
+    from trainer import Ranks, Trainer
     cfg = train_defaults(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
     model, optimizer, cycler = builder.build(cfg, 'cpu')
     x = torch.randint(32, (2, 8))

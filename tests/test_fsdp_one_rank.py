@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import builder
 import ddp_check
 import distributed
-import builder
 from conftest import train_defaults
 from trainer import ParallelModel, Ranks, Trainer, fsdp_units, reshard_fsdp
 

@@ -5,14 +5,13 @@ import os
 import pytest
 import torch
 
-import checkpoint
-import memory_options
-import memory_estimate
 import builder
-from trainer import peak_bf16_flops
-from model import Linear
+import checkpoint
+import memory_estimate
+import memory_options
 from conftest import assert_same_state, cpu_checkpoint_after_one_step, load, run_train, train_defaults
-from trainer import Ranks
+from model import Linear
+from trainer import Ranks, peak_bf16_flops
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')]
 

@@ -411,8 +411,8 @@ def test_check_fits_under_fsdp_counts_this_ranks_shards(monkeypatch):
 
 
 def test_unit_params_and_the_estimate_of_one_device():
-    import memory_estimate
     import builder
+    import memory_estimate
     from conftest import train_defaults
     from model import TransformerConfig
     train_cfg = train_defaults(n_layer=3, n_head=4, n_embd=32, block_size=16, vocab_size=64, batch_size=2)

@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-import train_config
 import builder
+import train_config
 from conftest import ROOT, TINY, assert_one_line_error, assert_same_state, load, run_train, train_defaults
 from dataloader import TokenBatches
 

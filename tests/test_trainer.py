@@ -6,9 +6,9 @@ import torch
 
 from conftest import ITERATION_FILES, TINY as TINY_ARGS, files_per_iteration, train_defaults
 
+import builder
 import omgd
 import train_config
-import builder
 from trainer import Trainer, get_lr
 
 TINY = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64, omgd_gamma=2, omgd_period=2,
