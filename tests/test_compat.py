@@ -102,8 +102,7 @@ APIS = [
     ('torch.distributed.checkpoint.state_dict', 'StateDictOptions'),
     ('torch.distributed.algorithms.ddp_comm_hooks.default_hooks', 'allreduce_hook'),  # ddp_check
     ('torch.compiler', 'disable'),  # memory_options.compile_blocks
-    ('torch.compiler', 'assume_constant_result'),  # model.autocast_dtype
-    ('torch.amp', 'is_autocast_available'),  # model.Linear, ChunkedLinearCE
+    ('torch.amp', 'is_autocast_available'),  # model.AUTOCAST_DEVICE_TYPES, memory_options.ChunkedLinearCE
     ('torch', 'get_autocast_dtype'),
     ('torch.nn', 'RMSNorm'),  # model.py (LLaMA)
     ('torch.nn.functional', 'rms_norm'),  # memory_estimate.MetaAsCuda
