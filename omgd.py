@@ -10,8 +10,9 @@ refilled when fewer than gamma remain), the others are frozen, and the gradients
 active blocks are scaled by N_L / gamma.
 
 Frozen here means what saves memory: requires_grad=False, grad=None, and (policy 'drop') no
-optimizer state (StatePolicy below; memory_estimate.memory_bytes counts what is left). Blocks are chosen by their
-index in model.blocks, never by parameter names, so nothing changes under DDP or torch.compile.
+optimizer state (StatePolicy; memory_estimate.memory_bytes counts what is left). Blocks are chosen
+by their index in model.blocks, never by parameter names, so nothing changes under DDP or
+torch.compile.
 
 Read top to bottom: the methods, build_cycler (the entry point), the Cycler it returns (called
 once per iteration by trainer.py), the StatePolicy of its frozen units, the GroupSchedule that
@@ -26,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from configurator import above, at_least, check_rule, one_of
+from memory_options import OffloadedState
 
 
 class Method(NamedTuple):
@@ -87,7 +89,6 @@ def build_cycler(model, optimizer, config):
     parts it leaves out stay frozen for the whole run. Tensor methods cycle the outer parts
     too, so they accept only the default (every outer part of the model).
     """
-    config.check(len(model.blocks))
     outer = model.outer_modules()
     if METHODS.get(config.method) and METHODS[config.method].unit == 'tensor':
         if not set(outer) <= set(config.always):
@@ -96,12 +97,13 @@ def build_cycler(model, optimizer, config):
         units = [[p] for p in model.parameters()]  # parameters() dedupes the tied head
         return Cycler(units, optimizer, config)
     units = [list(block.parameters()) for block in model.blocks]
+    cycler = Cycler(units, optimizer, config)  # checks the config before anything is frozen
     trained = {id(p) for part in config.always if part in outer for p in outer[part].parameters()}
     trained |= {id(p) for unit in units for p in unit}
     for p in model.parameters():
         if id(p) not in trained:
             p.requires_grad_(False)
-    return Cycler(units, optimizer, config)
+    return cycler
 
 
 # -----------------------------------------------------------------------------
@@ -125,7 +127,7 @@ class Cycler:
             raise ValueError("every parameter layer cycling may activate must be in the optimizer; "
                              "build the optimizer over all parameters before freezing anything")
         self.units, self.config = units, config
-        self.optimizer_state = StatePolicy(optimizer, config.state)
+        self.optimizer_state = state_policy(optimizer, config.state)
         self.active = list(range(len(units)))  # everything trains until the first switch
         self.last_switch, self.scale = -1, 1.0
         self.schedule = None if config.method == 'full' else self._schedule()
@@ -232,86 +234,37 @@ class Cycler:
 
 
 # -----------------------------------------------------------------------------
-# The optimizer state of frozen units. When a unit freezes, its state follows `omgd_state`:
-#   keep     stays where it is (no saving; the paper's GPT-2 setting)
-#   drop     is deleted; the unit restarts from zero moments and step 0 when it trains again
-#   offload  is parked in CPU memory (pinned under CUDA) and copied back when the unit trains again;
-#            prefetch() starts that copy a period's last iteration early, on a side stream under CUDA
+# The optimizer state of frozen units (omgd_state)
 
 
 class StatePolicy:
-    """What happens to the optimizer state of a parameter that freezes, and what brings it back."""
+    """What happens to the optimizer state of a parameter that freezes: 'keep' leaves it where it is
+    (no saving; the paper's GPT-2 setting), 'drop' deletes it (the unit restarts from zero moments
+    and step 0 when it trains again). 'offload' is memory_options.OffloadedState, with the same
+    methods: the state parked in host memory and copied back, a period early."""
 
     def __init__(self, optimizer, policy):
         self.optimizer, self.policy = optimizer, policy
-        self.offloaded = {}  # param -> {state key: original device}
-        self.prefetched = {}  # param -> {state key: its copy back, started by prefetch()}
-        self.streams, self.events, self.sources = {}, {}, []  # CUDA: per device; pinned tensors being read
 
     def release(self, p):
-        """The parameter froze: drop or park its state (nothing under 'keep')."""
-        state = self.optimizer.state.get(p)
-        if not state or self.policy == 'keep' or p in self.offloaded:
-            return
         if self.policy == 'drop':
-            del self.optimizer.state[p]
-            return
-        # offload: park the moments (not scalar 'step's) in CPU memory, pinned under CUDA so the copy back
-        # overlaps compute; the copy out blocks, so a checkpoint saved right after reads finished data.
-        devices = {}
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.dim() > 0:
-                if value.device.type == 'cpu' and p.device.type != 'cpu':
-                    continue  # a master or moment in host memory already (master_device='cpu'): it stays
-                devices[key] = value.device
-                parked = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
-                state[key] = parked.copy_(value)
-        self.offloaded[p] = devices
+            self.optimizer.state.pop(p, None)
 
     def restore(self, p):
-        """The parameter trains again: put its parked state back, the prefetched copy if there is one."""
-        devices = self.offloaded.pop(p, None)
-        if devices is None:
-            return
-        state, ready = self.optimizer.state[p], self.prefetched.pop(p, {})
-        for key, device in devices.items():
-            if key in ready:
-                if ready[key].is_cuda:  # made on the side stream, used on this one from now on
-                    ready[key].record_stream(torch.cuda.current_stream(device))
-                state[key] = ready[key]
-            else:  # not prefetched (e.g. right after a resume)
-                state[key] = state[key].to(device, non_blocking=True, copy=True)
+        pass
 
     def prefetch(self, params):
-        """Under 'offload', start copying back the parked state of `params` (the next group's): on a
-        side stream under CUDA, at once elsewhere (the same path on every device)."""
-        if self.policy != 'offload':
-            return
-        for event in self.events.values():  # the previous copies, done a period ago: free their sources
-            event.synchronize()
-        self.sources = []
-        for p in (p for p in params if p in self.offloaded and p not in self.prefetched):
-            self.prefetched[p] = {key: self._copy_back(self.optimizer.state[p][key], device)
-                                  for key, device in self.offloaded[p].items()}
-        self.events = {device: stream.record_event() for device, stream in self.streams.items()}
-
-    def _copy_back(self, parked, device):
-        if device.type != 'cuda':
-            return parked.to(device, copy=True)
-        if device not in self.streams:
-            self.streams[device] = torch.cuda.Stream(device)
-        self.sources.append(parked)  # keep the source alive until the copy has read it
-        with torch.cuda.stream(self.streams[device]):
-            return parked.to(device, non_blocking=True)
+        pass
 
     def wait_for_prefetch(self):
-        """Before a switch: the compute stream waits for the prefetched copies."""
-        for device, event in self.events.items():
-            torch.cuda.current_stream(device).wait_event(event)
+        pass
 
     def forget_prefetched(self):
-        """After a switch: copies of units left frozen (a switch made by hand) are not needed."""
-        self.prefetched = {}
+        pass
+
+
+def state_policy(optimizer, policy):
+    return OffloadedState(optimizer) if policy == 'offload' else StatePolicy(optimizer, policy)
 
 
 # -----------------------------------------------------------------------------

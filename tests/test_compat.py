@@ -1,9 +1,11 @@
 """The torch versions the code supports (requirements.txt: the tested range, torch 2.9.1 to 2.14; .ci/run
-runs the suite on the oldest too): the APIs it relies on exist, and where the API changed inside
+runs the suite on every minor release of it): the APIs it relies on exist, and where the API changed inside
 the range, the code picks what the installed torch has. Fake torch classes stand in for the versions
 that are not installed."""
 import importlib
 import inspect
+import os
+import re
 
 import pytest
 import torch
@@ -172,3 +174,18 @@ def test_fsdp_optimizer_state_loads_with_parameters_that_have_none():
                 assert torch.equal(torch.as_tensor(loaded['state'][i][key]), torch.as_tensor(value)), (i, key)
     finally:
         dist.destroy_process_group()
+
+
+def test_ci_runs_the_suite_on_every_torch_of_the_supported_range():
+    """The supported range (requirements.txt) is the tested range: .ci/run's versions are the lower
+    bound and one release of every minor version up to the upper bound."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    low, high = re.search(r'^torch>=([\d.]+),<([\d.]+)', open(os.path.join(root, 'requirements.txt')).read(),
+                          re.M).groups()
+    run = open(os.path.join(root, '.ci', 'run')).read()
+    versions = [re.search(r'^NEWEST=([\d.]+)', run, re.M).group(1),
+                *re.search(r'^OTHERS="([\d. ]+)"', run, re.M).group(1).split()]
+    minor = lambda v: tuple(int(part) for part in v.split('.')[:2])
+    (major, first), (_, last) = minor(low), minor(high)
+    assert sorted(minor(v) for v in versions) == [(major, m) for m in range(first, last)], versions
+    assert low in versions  # the bound itself, not another release of its minor
