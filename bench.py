@@ -206,6 +206,8 @@ def check(cfg):
 
 def main(argv):
     cfg = command_line(argv, DEFAULTS, RULES, __doc__, train_config.meanings())
+    if cfg['device'] in ('auto', 'cuda') and torch.cuda.is_available():  # before CUDA's first allocation
+        print(memory_options.cuda_allocator(), flush=True)
     try:
         device, row_cfgs, config = check(cfg)
     except ValueError as e:

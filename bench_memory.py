@@ -79,6 +79,7 @@ import time
 import torch
 
 import builder
+import memory_options
 import train_config
 from configurator import at_least, check_rule, command_line
 from memory_estimate import check_fits, measure, model_config, model_name, precision_label, resolve_device, row_configs
@@ -281,6 +282,8 @@ def output_prefix(cfg):
 
 def main(argv):
     cfg = command_line(argv, DEFAULTS, RULES, __doc__, train_config.meanings())
+    if cfg['device'] in ('auto', 'cuda') and torch.cuda.is_available():  # before CUDA's first allocation
+        print(memory_options.cuda_allocator(), flush=True)
     try:
         result = run(cfg, argv)
     except ValueError as e:

@@ -76,7 +76,8 @@ class NonFiniteState(CheckpointError):
 def all_finite(model, optimizer):
     """Whether every weight and every optimizer-state tensor of this rank (its shards) is finite."""
     tensors = [p for p in model.parameters()]
-    tensors += [t for state in optimizer.state.values() for t in state.values()
+    # through state_dict(): its hooks wait for asynchronous copies of the state (optimizer_offload)
+    tensors += [t for state in optimizer.state_dict()['state'].values() for t in state.values()
                 if torch.is_tensor(t) and t.is_floating_point()]
     return all(bool(torch.isfinite(t.to_local() if hasattr(t, 'to_local') else t).all()) for t in tensors)
 

@@ -10,8 +10,9 @@ apply       the options a config chooses, applied from outside the model (builde
             loss_chunk                head and cross-entropy this many tokens at a time (ChunkedLinearCE)
 is_weight   whether a tensor saved for the backward is a weight (offloading leaves weights alone).
 compile_blocks  compile=True's regional compilation, per block, without a recompile per requires_grad pattern.
-OffloadedState  omgd_state='offload': the optimizer state of frozen blocks parked in host memory.
+cuda_allocator  the CUDA caching allocator's expandable segments, set before the first allocation.
 """
+import os
 import weakref
 from contextlib import nullcontext
 from functools import partial
@@ -59,7 +60,8 @@ def compile_blocks(model, method, **kwargs):
     to 2^(its tensors) patterns. There the modules that hold parameters (the Linears and norms) run
     eagerly, outside the graphs (torch.compiler.disable), and the compiled graphs hold the
     parameter-free computation between them (attention, rotary positions, activation functions,
-    residuals, dropout): their inputs are activations, whose patterns are few whatever trains."""
+    residuals, dropout): their inputs are activations, whose patterns are few whatever trains.
+    The loss of low-precision logits is compiled too (model.LinearCrossEntropy's two passes over the logits)."""
     import omgd
     kind = omgd.METHODS.get(method)  # None: full, and GaLore's methods (every block trains)
     for block in model.blocks:
@@ -68,7 +70,23 @@ def compile_blocks(model, method, **kwargs):
                 if next(module.parameters(recurse=False), None) is not None and 'forward' not in vars(module):
                     module.forward = torch.compiler.disable(module.forward)
         block.compile(**kwargs)
+    model.compile_loss(**kwargs)  # the cross-entropy of low-precision logits, its own region
     return model
+
+
+ALLOCATOR_SETTING = 'expandable_segments:True'
+
+
+def cuda_allocator(environ=os.environ):
+    """Expandable segments for the CUDA caching allocator, unless the user configured it: one growing
+    segment instead of fixed-size ones, so memory freed at a switch or between micro-batches is reused
+    whatever the sizes (without them LLaMA-7B LISA-wor reserved 17.58 GiB for 16.94 allocated on an
+    H200). Call before CUDA's first allocation, which reads the setting. Returns the log's line."""
+    for name in ('PYTORCH_CUDA_ALLOC_CONF', 'PYTORCH_ALLOC_CONF'):
+        if environ.get(name):
+            return f"CUDA allocator: {name}={environ[name]} (set by you)"
+    environ['PYTORCH_CUDA_ALLOC_CONF'] = ALLOCATOR_SETTING
+    return f"CUDA allocator: {ALLOCATOR_SETTING} (set PYTORCH_CUDA_ALLOC_CONF to choose otherwise)"
 
 
 def _shadow(module, name, method):
@@ -228,79 +246,6 @@ def to_device(host, device):
 # device type -> (to_host, to_device) of the offload copies, where they are not the ones above: the meta
 # device has no data to copy, and memory_estimate.offload_on_meta counts the copies there instead
 OFFLOAD_COPIES = {}
-
-
-class OffloadedState:
-    """omgd_state='offload' (omgd.StatePolicy's methods): the optimizer state of a unit that freezes
-    is parked in CPU memory (pinned under CUDA) and copied back when the unit trains again;
-    omgd.Cycler calls prefetch() a period's last iteration early, and under CUDA the copy runs on a
-    side stream, so it overlaps compute."""
-
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
-        self.offloaded = {}  # param -> {state key: original device}
-        self.prefetched = {}  # param -> {state key: its copy back, started by prefetch()}
-        self.streams, self.events, self.sources = {}, {}, []  # CUDA: per device; pinned tensors being read
-
-    def release(self, p):
-        """The parameter froze: park its state."""
-        state = self.optimizer.state.get(p)
-        if not state or p in self.offloaded:
-            return
-        # park the moments (not scalar 'step's) in CPU memory, pinned under CUDA so the copy back
-        # overlaps compute; the copy out blocks, so a checkpoint saved right after reads finished data.
-        devices = {}
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.dim() > 0:
-                if value.device.type == 'cpu' and p.device.type != 'cpu':
-                    continue  # a master or moment in host memory already (master_device='cpu'): it stays
-                devices[key] = value.device
-                parked = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
-                state[key] = parked.copy_(value)
-        self.offloaded[p] = devices
-
-    def restore(self, p):
-        """The parameter trains again: put its parked state back, the prefetched copy if there is one."""
-        devices = self.offloaded.pop(p, None)
-        if devices is None:
-            return
-        state, ready = self.optimizer.state[p], self.prefetched.pop(p, {})
-        for key, device in devices.items():
-            if key in ready:
-                if ready[key].is_cuda:  # made on the side stream, used on this one from now on
-                    ready[key].record_stream(torch.cuda.current_stream(device))
-                state[key] = ready[key]
-            else:  # not prefetched (e.g. right after a resume)
-                state[key] = state[key].to(device, non_blocking=True, copy=True)
-
-    def prefetch(self, params):
-        """Start copying back the parked state of `params` (the next group's): on a side stream
-        under CUDA, at once elsewhere (the same path on every device)."""
-        for event in self.events.values():  # the previous copies, done a period ago: free their sources
-            event.synchronize()
-        self.sources = []
-        for p in (p for p in params if p in self.offloaded and p not in self.prefetched):
-            self.prefetched[p] = {key: self._copy_back(self.optimizer.state[p][key], device)
-                                  for key, device in self.offloaded[p].items()}
-        self.events = {device: stream.record_event() for device, stream in self.streams.items()}
-
-    def _copy_back(self, parked, device):
-        if device.type != 'cuda':
-            return parked.to(device, copy=True)
-        if device not in self.streams:
-            self.streams[device] = torch.cuda.Stream(device)
-        self.sources.append(parked)  # keep the source alive until the copy has read it
-        with torch.cuda.stream(self.streams[device]):
-            return parked.to(device, non_blocking=True)
-
-    def wait_for_prefetch(self):
-        """Before a switch: the compute stream waits for the prefetched copies."""
-        for device, event in self.events.items():
-            torch.cuda.current_stream(device).wait_event(event)
-
-    def forget_prefetched(self):
-        """After a switch: copies of units left frozen (a switch made by hand) are not needed."""
-        self.prefetched = {}
 
 
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):

@@ -21,6 +21,7 @@ References:
 
 import math
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -85,6 +86,67 @@ class Linear(nn.Linear):
             if dtype is not None:
                 return FrozenLinear.apply(x, self.weight, self.bias, dtype)
         return super().forward(x)
+
+
+# -----------------------------------------------------------------------------
+# the loss of low-precision logits (bf16 autocast, bf16 weights): the head and cross-entropy in one
+# autograd function that keeps the logits as they are. F.cross_entropy(logits.float()) keeps fp32
+# log-probabilities (twice the logits' bytes) and takes about six passes over the (tokens x vocab)
+# logits in eager mode: 17% of GPT-2 124M's iteration on an H200 (results/gpu_validation_NVIDIA_H200.md).
+
+
+def cross_entropy_sum(logits, targets):
+    """The summed cross-entropy of (N, V) logits against targets (-1: ignored), in fp32 math, and each
+    row's log-sum-exp (what the backward needs besides the logits)."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return torch.where(targets != -1, lse - picked, 0.0).sum(), lse
+
+
+def cross_entropy_grad(logits, lse, targets, scale):
+    """scale x d(summed cross-entropy)/d(logits) = scale x (softmax - one_hot(target)), 0 on ignored rows,
+    in the logits' dtype; fp32 until the one rounding."""
+    grad = logits.float().sub_(lse.unsqueeze(1)).exp_()
+    valid = (targets != -1).unsqueeze(1)
+    grad.scatter_add_(1, targets.clamp(min=0).unsqueeze(1), -valid.float())
+    return grad.mul_(valid * scale).to(logits.dtype)
+
+
+class LossKernels(NamedTuple):
+    forward: Callable  # cross_entropy_sum
+    backward: Callable  # cross_entropy_grad
+
+
+EAGER_LOSS_KERNELS = LossKernels(cross_entropy_sum, cross_entropy_grad)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=-1) with the matmuls in `dtype`,
+    as autocast runs them. Keeps the logits in `dtype` and one fp32 log-sum-exp per token (autograd's
+    own keeps fp32 log-probabilities), x in `dtype`, and the weight itself (cast again in the backward,
+    as FrozenLinear does). kernels: the two elementwise passes, eager or compiled (Transformer.compile_loss)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, dtype, kernels):
+        ctx.x_dtype = x.dtype
+        x = x.to(dtype)
+        logits = F.linear(x, weight.to(dtype))
+        total, lse = kernels.forward(logits, targets)
+        count = (targets != -1).sum()
+        ctx.save_for_backward(x, weight, targets, logits, lse, count)
+        ctx.kernels = kernels
+        return total / count  # the mean over counted tokens, as ignore_index=-1 does
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight, targets, logits, lse, count = ctx.saved_tensors
+        dlogits = ctx.kernels.backward(logits, lse, targets, grad / count)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        dx = dlogits.mm(weight.to(dlogits.dtype)).to(ctx.x_dtype) if need_x else None
+        dw = dlogits.t().mm(x).to(weight.dtype) if need_w else None
+        return dx, dw, None, None, None
 
 
 # -----------------------------------------------------------------------------
@@ -391,6 +453,7 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             # weight tying as in GPT-2; LLaMA keeps a separate head unless its checkpoint ties them
             self.wte.weight = self.lm_head.weight
+        self.loss_kernels = EAGER_LOSS_KERNELS  # compile_loss() replaces them
         self.init_weights()
 
     @torch.no_grad()
@@ -475,8 +538,17 @@ class Transformer(nn.Module):
         """Mean cross-entropy of the head on hidden states x against targets (-1 = ignored).
         memory_options.apply's loss_chunk computes it a chunk of tokens at a time."""
         x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
-        # in fp32 also for bf16 weights: a bf16 loss is rounded to 3 significant digits
-        return F.cross_entropy(self.lm_head(x).float(), targets, ignore_index=-1)
+        weight = self.lm_head.weight
+        dtype = autocast_dtype(x.device.type) or (weight.dtype if weight.element_size() < 4 else None)
+        if dtype is None:  # fp32 logits
+            return F.cross_entropy(self.lm_head(x), targets, ignore_index=-1)
+        # low-precision logits: their cross-entropy in fp32 math, without an fp32 copy of them (LinearCrossEntropy)
+        return LinearCrossEntropy.apply(x, weight, targets, dtype, self.loss_kernels)
+
+    def compile_loss(self, **kwargs):
+        """torch.compile the cross-entropy of low-precision logits (compile=True; kwargs go to torch.compile):
+        each direction one fused pass over the logits instead of several eager ones."""
+        self.loss_kernels = LossKernels(*(torch.compile(f, **kwargs) for f in EAGER_LOSS_KERNELS))
 
     def crop_block_size(self, block_size):
         # model surgery to decrease the block size if necessary

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from configurator import above, at_least, check_rule, one_of
-from memory_options import OffloadedState
+from optimizer_offload import OffloadedState
 
 
 class Method(NamedTuple):
@@ -240,7 +240,7 @@ class Cycler:
 class StatePolicy:
     """What happens to the optimizer state of a parameter that freezes: 'keep' leaves it where it is
     (no saving; the paper's GPT-2 setting), 'drop' deletes it (the unit restarts from zero moments
-    and step 0 when it trains again). 'offload' is memory_options.OffloadedState, with the same
+    and step 0 when it trains again). 'offload' is optimizer_offload.OffloadedState, with the same
     methods: the state parked in host memory and copied back, a period early."""
 
     def __init__(self, optimizer, policy):

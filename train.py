@@ -134,8 +134,12 @@ def main(argv):
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
+    # before CUDA's first allocation, which reads it
+    allocator_note = memory_options.cuda_allocator() if cfg['device'].startswith('cuda') else None
     # distributed setup (distributed.py): torchrun sets RANK; every rank runs this same script
     ranks, device = distributed.setup(cfg['backend'], cfg['device'], cfg['dist_timeout_s'])
+    if allocator_note and ranks.master:
+        print(allocator_note, flush=True)
     created_out_dir = ranks.master and not os.path.exists(cfg['out_dir'])
     # one writer per out_dir (rank 0 holds the lock until it exits); --eval_only writes nothing
     lock = ckpt_io.OutDirLock(cfg['out_dir'])

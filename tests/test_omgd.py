@@ -387,8 +387,8 @@ def test_prefetch_copies_on_a_side_stream_and_the_switch_installs_them():
         for p, copies in seen['copies'].items():
             assert all(opt.state[p][k] is t and t.is_cuda for k, t in copies.items())
         if states.prefetched:
-            assert states.streams[device] != torch.cuda.current_stream(device)
-            states.events[device].synchronize()  # only so this test can read them
+            assert states.copies[device].stream != torch.cuda.current_stream(device)
+            states.prefetch_done[device].synchronize()  # only so this test can read them
             for p, copies in states.prefetched.items():
                 for key, t in copies.items():
                     parked = opt.state[p][key]

@@ -9,7 +9,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import omgd  # noqa: E402
 import memory_estimate  # noqa: E402
-import memory_options  # noqa: E402
+import optimizer_offload  # noqa: E402
 from model import Transformer, TransformerConfig  # noqa: E402
 from optim import MasterAdamW, adamw, param_groups  # noqa: E402
 
@@ -366,7 +366,7 @@ def test_offload_leaves_host_masters_of_device_parameters_in_place():
     opt = MasterAdamW([p], master_device='cpu')
     state = {'master': torch.randn(4, 3), 'exp_avg': torch.randn(4, 3), 'exp_avg_sq': torch.rand(4, 3), 'step': 3}
     opt.state[p] = dict(state)
-    policy = memory_options.OffloadedState(opt)
+    policy = optimizer_offload.OffloadedState(opt)
     policy.release(p)
     assert all(opt.state[p][k] is v for k, v in state.items())
     policy.prefetch([p])

@@ -1,0 +1,152 @@
+"""
+omgd_state='offload': the optimizer state of a frozen unit parked in host memory, and copied back a
+period before the unit trains again (omgd.Cycler calls these methods; omgd.StatePolicy has the same ones).
+
+On CUDA every copy runs on one side stream (CudaCopies), so neither the GPU nor the host waits for a
+switch: the copy out starts after the compute queued before it, into pinned buffers kept from one
+switch to the next, and the copy back is queued a period early. One event marks the end of the copies
+out; every reader of the parked state waits for it: a copy back on the compute stream (restore without
+a prefetch) on the GPU, a checkpoint (optimizer.state_dict(), through a hook) on the host, and the
+side stream's copies back by its order. Elsewhere (CPU, meta) copies happen at once (ImmediateCopies).
+As torchao's CPU-offload optimizer does it.
+"""
+import weakref
+
+import torch
+
+
+class ImmediateCopies:
+    """Copies done when they are asked for: devices without streams (CPU; meta has no data)."""
+
+    def to_host(self, value, buffer):
+        return buffer.copy_(value)
+
+    def to_device(self, parked, device):
+        return parked.to(device, copy=True)
+
+    def record(self):
+        return None
+
+    def wait_on_host(self, event):
+        pass
+
+    def wait_on_compute(self, event, device):
+        pass
+
+    def adopt(self, copy, device):
+        return copy
+
+
+class CudaCopies(ImmediateCopies):
+    """Every copy on one side stream, in the order asked; events mark where the copies have got to."""
+
+    def __init__(self, device):
+        self.stream = torch.cuda.Stream(device)
+
+    def to_host(self, value, buffer):
+        self.stream.wait_stream(torch.cuda.current_stream(value.device))  # after the step that wrote the value
+        with torch.cuda.stream(self.stream):
+            buffer.copy_(value, non_blocking=True)
+        value.record_stream(self.stream)  # its memory is not reused until the copy has read it
+        return buffer
+
+    def to_device(self, parked, device):
+        with torch.cuda.stream(self.stream):
+            return parked.to(device, non_blocking=True)
+
+    def record(self):
+        return self.stream.record_event()
+
+    def wait_on_host(self, event):
+        if event is not None:
+            event.synchronize()
+
+    def wait_on_compute(self, event, device):
+        if event is not None:
+            torch.cuda.current_stream(device).wait_event(event)
+
+    def adopt(self, copy, device):
+        copy.record_stream(torch.cuda.current_stream(device))  # made on the side stream, used on this one from now on
+        return copy
+
+
+def copies_for(device):
+    return CudaCopies(device) if device.type == 'cuda' else ImmediateCopies()
+
+
+class OffloadedState:
+    """The optimizer state of frozen parameters in host memory (pinned under CUDA).
+
+    release(p)      p froze: park its moments (not scalar 'step's), asynchronously under CUDA
+    prefetch(ps)    start copying back the parked state of ps (the next group), a period early
+    wait_for_prefetch()  before a switch: the compute stream waits for those copies
+    restore(p)      p trains again: its prefetched copy, or a copy back now
+    forget_prefetched()  after a switch: copies of units left frozen are dropped
+    copies: device -> ImmediateCopies or CudaCopies (tests give their own)."""
+
+    def __init__(self, optimizer, copies=copies_for):
+        self.optimizer, self.make_copies = optimizer, copies
+        self.copies = {}  # device -> its copies
+        self.offloaded = {}  # param -> {state key: original device}
+        self.buffers = {}  # param -> {state key: host buffer}, reused at every release
+        self.prefetched = {}  # param -> {state key: its copy back, started by prefetch()}
+        self.parked = {}  # device -> the event after its last copy out
+        self.prefetch_done = {}  # device -> the event after its last prefetch
+        # a checkpoint reads optimizer.state_dict() on the host: the copies out must have landed
+        # (a weak reference: the optimizer does not keep this object alive)
+        wait = weakref.WeakMethod(self.wait_parked)
+        optimizer.register_state_dict_pre_hook(lambda optimizer: wait() and wait()())
+
+    def _copies(self, device):
+        if device not in self.copies:
+            self.copies[device] = self.make_copies(device)
+        return self.copies[device]
+
+    def release(self, p):
+        state = self.optimizer.state.get(p)
+        if not state or p in self.offloaded:
+            return
+        devices, buffers = {}, self.buffers.setdefault(p, {})
+        copies = self._copies(p.device)
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                if value.device.type == 'cpu' and p.device.type != 'cpu':
+                    continue  # a master or moment in host memory already (master_device='cpu'): it stays
+                devices[key] = value.device
+                if key not in buffers:
+                    buffers[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                state[key] = copies.to_host(value, buffers[key])
+        self.offloaded[p] = devices
+        self.parked[p.device] = copies.record()
+
+    def restore(self, p):
+        devices = self.offloaded.pop(p, None)
+        if devices is None:
+            return
+        state, ready = self.optimizer.state[p], self.prefetched.pop(p, {})
+        copies = self._copies(p.device)
+        for key, device in devices.items():
+            if key in ready:
+                state[key] = copies.adopt(ready[key], device)
+            else:  # not prefetched (e.g. right after a resume): copied here, once the copy out has landed
+                copies.wait_on_compute(self.parked.get(p.device), device)
+                state[key] = state[key].to(device, non_blocking=True, copy=True)
+
+    def prefetch(self, params):
+        for p in (p for p in params if p in self.offloaded and p not in self.prefetched):
+            copies = self._copies(p.device)  # its stream orders these after the copies out
+            self.prefetched[p] = {key: copies.to_device(self.optimizer.state[p][key], device)
+                                  for key, device in self.offloaded[p].items()}
+            self.prefetch_done[p.device] = copies.record()
+
+    def wait_for_prefetch(self):
+        for device, event in self.prefetch_done.items():
+            self._copies(device).wait_on_compute(event, device)
+
+    def forget_prefetched(self):
+        self.prefetched = {}
+
+    def wait_parked(self):
+        """The host waits until every copy out has landed (before it reads the parked state)."""
+        for device, event in self.parked.items():
+            self._copies(device).wait_on_host(event)
