@@ -24,7 +24,8 @@ Resume loads the tensors into the model and optimizer as they are now built, sha
 checkpoint saved on N ranks (FSDP2 or DDP) resumes on any number of ranks (DCP reshards by the
 parameters' names and global shapes). Nothing in the folder is unpickled beyond plain data:
 values.pt is read with weights_only=True, DCP's .metadata with an unpickler that admits only DCP's
-own index classes, and the DCP part holds tensors only (no pickled objects).
+own index classes, and the DCP part holds tensors only: an index that declares anything else (a
+bytes item, which DCP would read with torch.load(weights_only=False)) is refused before any read.
 
 consolidate() reads a folder into one process's memory in ckpt.pt's format (sample.py, export.py,
 eval.py: checkpoint.read_any).
@@ -394,18 +395,52 @@ class _IndexUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("persistent ids are not part of a checkpoint index")
 
 
+def _refuse_bytes(path, key):
+    return CheckpointError(f"{path}/.metadata declares {key!r} a pickled Python object, which train.py never saves "
+                           f"and which could run code when read: refused; restore a backup or train from scratch")
+
+
+def _tensors_only(path, index):
+    """Train.py's step folders hold tensors only (Saver.save); DCP reads any other item (a
+    BytesStorageMetadata) with torch.load(weights_only=False), so an index declaring one is refused."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    for key, meta in getattr(index, 'state_dict_metadata', {}).items():
+        if not isinstance(meta, TensorStorageMetadata):
+            raise _refuse_bytes(path, key)
+
+
 class SafeReader(dcp.FileSystemReader):
-    """FileSystemReader whose index is read with _IndexUnpickler."""
+    """FileSystemReader whose index is read with _IndexUnpickler and holds tensors only; it never
+    reads a bytes item (belt and braces: the index check refuses them first)."""
 
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import StorageMeta
         path = self._get_metadata_path(kwargs.get('rank'))
         with self.fs.create_stream(path, 'rb') as f:
             metadata = _IndexUnpickler(io.BytesIO(f.read())).load()
+        _tensors_only(self.path, metadata)
         if getattr(metadata, 'storage_meta', None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan, planner):
+        from torch.distributed.checkpoint.planner import LoadItemType
+        for item in plan.items:  # before anything is read
+            if item.type == LoadItemType.BYTE_IO:
+                raise _refuse_bytes(self.path, item.dest_index.fqn)
+        return super().read_data(plan, planner)
+
+
+class _TensorsOnly(dcp.DefaultLoadPlanner):
+    """DCP's planner, less its load_bytes: the one place DCP's loading calls torch.load(weights_only=False)."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def load_bytes(self, read_item, value):
+        raise _refuse_bytes(self.path, read_item.dest_index.fqn)
 
 
 def read_values(path):
@@ -426,14 +461,35 @@ def _single_process_quiet():
         yield
 
 
+def _cannot_read(path, e):
+    return CheckpointError(f"cannot read checkpoint {path} ({type(e).__name__}: "
+                           f"{(str(e).strip().splitlines() or [''])[0][:200]}); it is corrupt, truncated or from "
+                           f"another program: restore a backup or train from scratch")
+
+
+def read_index(path):
+    """DCP's index of the step folder (its .metadata), checked to hold tensors only; a one-line
+    CheckpointError naming the folder otherwise."""
+    try:
+        return SafeReader(path).read_metadata()
+    except CheckpointError:
+        raise
+    except FAILURES as e:
+        raise _cannot_read(path, e) from None
+
+
 def _load(state, path, group=None):
+    # the index is checked here, on every rank alike (the same file), before DCP's collectives: inside
+    # dcp.load a refusal would reach the user wrapped in DCP's logged tracebacks
+    read_index(path)
     try:
         with _single_process_quiet():
-            dcp.load(state, storage_reader=SafeReader(path), process_group=group, no_dist=not dist.is_initialized())
+            dcp.load(state, storage_reader=SafeReader(path), planner=_TensorsOnly(path), process_group=group,
+                     no_dist=not dist.is_initialized())
     except FAILURES as e:
-        raise CheckpointError(f"cannot read checkpoint {path} ({type(e).__name__}: "
-                              f"{(str(e).strip().splitlines() or [''])[0][:200]}); it is corrupt, truncated or from "
-                              f"another program: restore a backup or train from scratch") from None
+        failures = getattr(e, 'failures', {}).values()  # DCP's CheckpointException: (error, trace) by rank
+        refused = [f[0] for f in failures if isinstance(f, tuple) and isinstance(f[0], CheckpointError)]
+        raise (refused[0] if refused else _cannot_read(path, e)) from None
 
 
 def load(path, values, model, optimizer, group=None):
@@ -463,17 +519,11 @@ def consolidate(path, optimizer=True):
     """The step folder as one process's checkpoint dict, in ckpt.pt's format (full tensors in host
     memory; the optimizer's state numbered as torch.optim numbers it). optimizer=False reads the
     weights only."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     values = read_values(path)
-    try:
-        index = SafeReader(path).read_metadata()
-    except FAILURES as e:
-        raise CheckpointError(f"cannot read checkpoint {path} ({type(e).__name__}: "
-                              f"{(str(e).strip().splitlines() or [''])[0][:200]}); it is corrupt, truncated or from "
-                              f"another program: restore a backup or train from scratch") from None
+    index = read_index(path)  # tensors only
     template = {}
     for key, meta in index.state_dict_metadata.items():
-        if isinstance(meta, TensorStorageMetadata) and (optimizer or key.startswith('model.')):
+        if optimizer or key.startswith('model.'):
             template[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     if not any(k.startswith('model.') for k in template):
         raise CheckpointError(f"checkpoint {path} holds no weights; restore a backup or train from scratch")
