@@ -6,6 +6,11 @@
 #   bash experiments/gpu_lease.sh LOGDIR       # logs, reports and profiles under LOGDIR
 #   bash experiments/gpu_lease.sh --verdict LOGDIR   # what failed in a lease's logs (exit 1 if anything)
 #
+# Optional, for the speed comparisons of phase 2 (each part is skipped when its variable is unset):
+#   BEFORE=DIR    a checkout of an earlier commit: its bench.py timed beside this one's (git worktree add DIR REV)
+#   NANOGPT=DIR   a checkout of karpathy/nanoGPT: its train.py and ours, the same GPT-2 124M, micro-batch 12 x
+#                 1024, compile, random tokens, timed one after the other
+#
 # Phase 1, side by side (memory peaks are per process, so they are not disturbed; times are not taken):
 #   tests: the tests marked cuda, then the whole suite (pytest-xdist where installed);
 #   paths: train.py on CUDA under every method, precision, state policy and memory option,
@@ -111,6 +116,19 @@ tests() {
     stamp "tests all rc=$? $(tail -1 "$L/tests_all.log")"
 }
 
+suite() {  # the whole suite alone, -v (each outcome named as it ends), the cuda-marked tests included
+    OMP_NUM_THREADS=1 timeout ${SUITE_S:-175} $PY -m pytest -v -rfEs -n ${XDIST_N:-8} -p no:cacheprovider tests \
+        > "$L/tests_all.log" 2>&1
+    local rc=$?
+    grep -E ' (FAILED|ERROR) ' "$L/tests_all.log" | head -40 >> "$L/progress.txt"
+    stamp "tests all rc=$rc $(tail -1 "$L/tests_all.log")"
+}
+
+memory_then_galore() {  # one after the other: LLaMA-7B's full row and GaLore's together would not fit an 80 GiB GPU
+    memory
+    galore7b
+}
+
 paths() {
     for m in full lisa lisa_wor tensor_wor galore golore; do path "compile_$m" --method=$m --compile=True & done
     path amp_fp16 --dtype=float16 --compile=False &
@@ -154,9 +172,6 @@ memory() {
     timeout 45 $PY bench_memory.py "${llama[@]}" --methods=lisa_wor --precisions=bf16_master,bf16_master:cpu \
         --out="$R/memory_llama-7b_lisa_wor_variants_$GPU" >> "$L/memory_llama.log" 2>&1
     stamp "memory llama-7b variants rc=$?"
-    timeout 50 $PY bench_memory.py "${llama[@]}" --methods=galore \
-        --out="$R/memory_llama-7b_galore_$GPU" >> "$L/memory_llama.log" 2>&1
-    stamp "memory llama-7b galore rc=$?"
 }
 
 memory_gpt2() {
@@ -189,6 +204,61 @@ switch_cost() {  # alone on the GPU: LISA-wor's switch under each state policy, 
             --profile="$L/profile_$s" --out="$R/bench_gpt2_switch_${s}_$GPU.md" >> "$L/bench.log" 2>&1
         stamp "bench $s rc=$?"
     done
+}
+
+speed_before() {  # the same rows from BEFORE's bench.py, alone on the GPU
+    [ -n "${BEFORE:-}" ] || return 0
+    (cd "$BEFORE" && timeout 150 $PY bench.py "${SPEED[@]}" --methods=full,lisa,lisa_wor,galore \
+        --out="$R/bench_gpt2_before_$GPU.md") > "$L/bench_before.log" 2>&1
+    stamp "bench before rc=$?"
+    (cd "$BEFORE" && timeout 70 $PY bench.py "${SPEED[@]}" --methods=lisa_wor --omgd_state=offload --warmup_steps=25 \
+        --out="$R/bench_gpt2_switch_offload_before_$GPU.md") >> "$L/bench_before.log" 2>&1
+    stamp "bench before offload rc=$?"
+}
+
+variants() {  # full AdamW under micro-batches, a whole-model compile, each SDPA kernel (experiments/speed_variants.py)
+    timeout 150 $PY experiments/speed_variants.py "${SPEED[@]}" --steps=8 --warmup_steps=3 \
+        --variants=${VARIANTS:-batch=16,batch=32,whole,sdpa=flash,batch=24,sdpa=efficient} \
+        --out="$R/speed_variants_$GPU.md" > "$L/variants.log" 2>&1
+    stamp "variants rc=$?"
+}
+
+nanogpt() {  # nanoGPT's train.py and ours on the same random tokens, model, micro-batch and compile
+    [ -n "${NANOGPT:-}" ] || return 0
+    local data=$W/tokens common=(--batch_size=12 --block_size=1024 --gradient_accumulation_steps=1 --max_iters=30
+                                 --eval_interval=100000 --eval_iters=1 --log_interval=1 --compile=True)
+    mkdir -p "$data/data/lease_tokens" data/lease_tokens
+    $PY -c "import numpy as np; g = np.random.default_rng(0)
+for split, n in (('train', 20_000_000), ('val', 200_000)):
+    g.integers(0, 50257, n, dtype=np.uint16).tofile(f'$data/data/lease_tokens/{split}.bin')"
+    cp "$data"/data/lease_tokens/*.bin data/lease_tokens/
+    cp "$NANOGPT/configurator.py" "$data/"  # nanoGPT's train.py reads it from the working directory
+    (cd "$data" && timeout 150 $PY "$NANOGPT/train.py" --dataset=lease_tokens --bias=True --dropout=0.0 \
+        --always_save_checkpoint=False --out_dir="$W/nanogpt_out" "${common[@]}") > "$L/nanogpt.log" 2>&1
+    stamp "nanogpt train.py rc=$?"
+    timeout 150 $PY train.py --dataset=lease_tokens --preset=gpt2 --vocab_size=50304 --method=full --sample_tokens=0 \
+        --out_dir="$W/ours_out" "${common[@]}" > "$L/ours_train.log" 2>&1
+    stamp "our train.py rc=$?"
+    rm -rf data/lease_tokens
+    $PY - "$L/nanogpt.log" "$L/ours_train.log" <<'PYEOF' > "$R/nanogpt_vs_ours_$GPU.md" 2>&1
+import re, statistics, sys
+print("| train.py | iterations timed | median ms/iter | tokens/s |\n|---|---|---|---|")
+for name, path in zip(('nanoGPT', 'this repository'), sys.argv[1:]):
+    ms = [float(t) for i, t in re.findall(r'iter (\d+): loss [^,]*, time ([0-9.]+)ms', open(path).read()) if int(i) >= 10]
+    print(f"| {name} | {len(ms)} | {statistics.median(ms):.1f} | {12 * 1024 / statistics.median(ms) * 1000:,.0f} |"
+          if ms else f"| {name} | 0 | – | – |")
+PYEOF
+    stamp "nanogpt vs ours: $(tr '\n' ' ' < "$R/nanogpt_vs_ours_$GPU.md")"
+}
+
+galore7b() {  # GaLore's LLaMA-7B row, and what one of its SVDs costs (224 of them at the first step)
+    $PY -c "import time, torch; a = torch.randn(4096, 11008, device='cuda'); torch.linalg.svd(a, full_matrices=False)
+torch.cuda.synchronize(); t = time.time(); torch.linalg.svd(a, full_matrices=False); torch.cuda.synchronize()
+print(f'one SVD of a 4096 x 11008 fp32 matrix: {time.time() - t:.2f} s')" > "$L/galore_svd.log" 2>&1
+    stamp "galore svd: $(tail -1 "$L/galore_svd.log")"
+    timeout 240 $PY bench_memory.py config/llama7b_lisa_wor.py --vocab_size=32000 --compile=False --methods=galore \
+        --out="$R/memory_llama-7b_galore_$GPU" > "$L/memory_galore.log" 2>&1
+    stamp "memory llama-7b galore rc=$?"
 }
 
 SPEED=(--preset=gpt2 --vocab_size=50304 --batch_size=12 --block_size=1024 --omgd_gamma=3 --omgd_period=5
