@@ -199,7 +199,7 @@ class Cycler:
                 else:
                     p.grad = None
                     self.optimizer_state.release(p)
-        self.optimizer_state.forget_prefetched()
+        self.optimizer_state.finish_switch()
 
     def scale_grads(self):
         """Multiply the gradients of the active units by the method's scale (once per step)."""
@@ -259,7 +259,7 @@ class StatePolicy:
     def wait_for_prefetch(self):
         pass
 
-    def forget_prefetched(self):
+    def finish_switch(self):
         pass
 
 

@@ -3,8 +3,8 @@ omgd_state='offload': the optimizer state of a frozen unit parked in host memory
 period before the unit trains again (omgd.Cycler calls these methods; omgd.StatePolicy has the same ones).
 
 On CUDA every copy runs on one side stream (CudaCopies), so neither the GPU nor the host waits for a
-switch: the copy out starts after the compute queued before it, into pinned buffers kept from one
-switch to the next, and the copy back is queued a period early. One event marks the end of the copies
+switch: the copies out, one batch per switch, start after the compute queued before them, into pinned
+buffers kept from one switch to the next, and the copies back are queued a period early. One event marks the end of the copies
 out; every reader of the parked state waits for it: a copy back on the compute stream (restore without
 a prefetch) on the GPU, a checkpoint (optimizer.state_dict(), through a hook) on the host, and the
 side stream's copies back by its order. Elsewhere (CPU, meta) copies happen at once (ImmediateCopies).
@@ -18,11 +18,14 @@ import torch
 class ImmediateCopies:
     """Copies done when they are asked for: devices without streams (CPU; meta has no data)."""
 
-    def to_host(self, value, buffer):
-        return buffer.copy_(value)
+    def to_host(self, pairs):
+        """[(value, host buffer)]: each value copied into its buffer."""
+        for value, buffer in pairs:
+            buffer.copy_(value)
 
     def to_device(self, parked, device):
-        return parked.to(device, copy=True)
+        """[host tensor]: their copies on `device`."""
+        return [t.to(device, copy=True) for t in parked]
 
     def record(self):
         return None
@@ -38,21 +41,26 @@ class ImmediateCopies:
 
 
 class CudaCopies(ImmediateCopies):
-    """Every copy on one side stream, in the order asked; events mark where the copies have got to."""
+    """Every copy on one side stream, in the order asked; events mark where the copies have got to.
+    A switch's copies go as one batch: one wait for the compute stream, one stream entry (a few CUDA
+    calls per tensor, not a dozen)."""
 
     def __init__(self, device):
         self.stream = torch.cuda.Stream(device)
 
-    def to_host(self, value, buffer):
-        self.stream.wait_stream(torch.cuda.current_stream(value.device))  # after the step that wrote the value
+    def to_host(self, pairs):
+        if not pairs:
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(pairs[0][0].device))  # after the step that wrote them
         with torch.cuda.stream(self.stream):
-            buffer.copy_(value, non_blocking=True)
-        value.record_stream(self.stream)  # its memory is not reused until the copy has read it
-        return buffer
+            for value, buffer in pairs:
+                buffer.copy_(value, non_blocking=True)
+        for value, _ in pairs:
+            value.record_stream(self.stream)  # its memory is not reused until the copy has read it
 
     def to_device(self, parked, device):
         with torch.cuda.stream(self.stream):
-            return parked.to(device, non_blocking=True)
+            return [t.to(device, non_blocking=True) for t in parked]
 
     def record(self):
         return self.stream.record_event()
@@ -77,11 +85,12 @@ def copies_for(device):
 class OffloadedState:
     """The optimizer state of frozen parameters in host memory (pinned under CUDA).
 
-    release(p)      p froze: park its moments (not scalar 'step's), asynchronously under CUDA
+    release(p)      p froze: its moments (not scalar 'step's) are parked at the end of the switch
     prefetch(ps)    start copying back the parked state of ps (the next group), a period early
     wait_for_prefetch()  before a switch: the compute stream waits for those copies
     restore(p)      p trains again: its prefetched copy, or a copy back now
-    forget_prefetched()  after a switch: copies of units left frozen are dropped
+    finish_switch() after a switch: the released states are parked, in one batch (asynchronously under
+                    CUDA), and copies of units left frozen are dropped
     copies: device -> ImmediateCopies or CudaCopies (tests give their own)."""
 
     def __init__(self, optimizer, copies=copies_for):
@@ -89,6 +98,7 @@ class OffloadedState:
         self.copies = {}  # device -> its copies
         self.offloaded = {}  # param -> {state key: original device}
         self.buffers = {}  # param -> {state key: host buffer}, reused at every release
+        self.releasing = []  # params released in this switch, parked by finish_switch()
         self.prefetched = {}  # param -> {state key: its copy back, started by prefetch()}
         self.parked = {}  # device -> the event after its last copy out
         self.prefetch_done = {}  # device -> the event after its last prefetch
@@ -103,21 +113,29 @@ class OffloadedState:
         return self.copies[device]
 
     def release(self, p):
-        state = self.optimizer.state.get(p)
-        if not state or p in self.offloaded:
-            return
-        devices, buffers = {}, self.buffers.setdefault(p, {})
-        copies = self._copies(p.device)
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.dim() > 0:
-                if value.device.type == 'cpu' and p.device.type != 'cpu':
-                    continue  # a master or moment in host memory already (master_device='cpu'): it stays
-                devices[key] = value.device
-                if key not in buffers:
-                    buffers[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
-                state[key] = copies.to_host(value, buffers[key])
-        self.offloaded[p] = devices
-        self.parked[p.device] = copies.record()
+        if self.optimizer.state.get(p) and p not in self.offloaded:
+            self.releasing.append(p)
+            self.offloaded[p] = {}  # its keys, once parked
+
+    def finish_switch(self):
+        by_device = {}
+        for p in self.releasing:
+            state, buffers = self.optimizer.state[p], self.buffers.setdefault(p, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    if value.device.type == 'cpu' and p.device.type != 'cpu':
+                        continue  # a master or moment in host memory already (master_device='cpu'): it stays
+                    self.offloaded[p][key] = value.device
+                    if key not in buffers:
+                        buffers[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                    by_device.setdefault(p.device, []).append((value, buffers[key]))
+                    state[key] = buffers[key]
+        for device, pairs in by_device.items():
+            copies = self._copies(device)
+            copies.to_host(pairs)
+            self.parked[device] = copies.record()
+        self.releasing = []
+        self.prefetched = {}
 
     def restore(self, p):
         devices = self.offloaded.pop(p, None)
@@ -133,18 +151,20 @@ class OffloadedState:
                 state[key] = state[key].to(device, non_blocking=True, copy=True)
 
     def prefetch(self, params):
+        by_device = {}
         for p in (p for p in params if p in self.offloaded and p not in self.prefetched):
-            copies = self._copies(p.device)  # its stream orders these after the copies out
-            self.prefetched[p] = {key: copies.to_device(self.optimizer.state[p][key], device)
-                                  for key, device in self.offloaded[p].items()}
-            self.prefetch_done[p.device] = copies.record()
+            by_device.setdefault(p.device, []).append(p)
+        for device, ps in by_device.items():
+            copies = self._copies(device)  # its stream orders these after the copies out
+            keys = [(p, key) for p in ps for key in self.offloaded[p]]  # each moment lives on its parameter's device
+            made = copies.to_device([self.optimizer.state[p][key] for p, key in keys], device)
+            for (p, key), copy in zip(keys, made):
+                self.prefetched.setdefault(p, {})[key] = copy
+            self.prefetch_done[device] = copies.record()
 
     def wait_for_prefetch(self):
         for device, event in self.prefetch_done.items():
             self._copies(device).wait_on_compute(event, device)
-
-    def forget_prefetched(self):
-        self.prefetched = {}
 
     def wait_parked(self):
         """The host waits until every copy out has landed (before it reads the parked state)."""

@@ -22,15 +22,15 @@ class DeferredCopies(optimizer_offload.ImmediateCopies):
     def __init__(self, device=None):
         self.queue, self.done, self.waits = [], 0, 0
 
-    def to_host(self, value, buffer):
-        buffer.fill_(math.nan)
-        self.queue.append((buffer, value))
-        return buffer
+    def to_host(self, pairs):
+        for value, buffer in pairs:
+            buffer.fill_(math.nan)
+            self.queue.append((buffer, value))
 
     def to_device(self, parked, device):
-        copy = torch.full_like(parked, math.nan, device=device)
-        self.queue.append((copy, parked))
-        return copy
+        copies = [torch.full_like(t, math.nan, device=device) for t in parked]
+        self.queue += list(zip(copies, parked))
+        return copies
 
     def record(self):
         return len(self.queue)
