@@ -23,6 +23,9 @@ DTYPES = {'uint16': 1 << 16, 'uint32': 1 << 32}  # dtype -> number of ids it can
 EOT_NAMES = ('<|endoftext|>', '<|end_of_text|>', '</s>', '<eos>')
 
 
+REPLACEMENT = '\ufffd'  # what decode() writes for an id the tokenizer lacks
+
+
 def token_dtype(vocab_size):
     """The narrowest dtype of train.bin / val.bin that holds ids up to vocab_size - 1."""
     return 'uint16' if vocab_size <= DTYPES['uint16'] else 'uint32'
@@ -154,6 +157,25 @@ class Tokenizer:
         return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids):
+        """The text of ids; an id the tokenizer lacks is REPLACEMENT: a padded vocabulary (GPT-2's 50257 ids
+        padded to 50304) gives the model ids no tokenizer decodes, and an untrained model samples them."""
+        known = self._known()
+        text, run = [], []
+        for i in ids:
+            if known(i):
+                run.append(i)
+            else:
+                text += [self._decode(run), REPLACEMENT]
+                run = []
+        return ''.join(text) + self._decode(run)
+
+    def _known(self):
+        """Whether the tokenizer has an id."""
+        if self.name == 'char':
+            return self.itos.__contains__
+        return lambda i: 0 <= i < self.vocab_size
+
+    def _decode(self, ids):
         if self.name == 'char':
             return ''.join(self.itos[i] for i in ids)
         if self.name == 'gpt2':

