@@ -142,3 +142,29 @@ def test_compile_blocks_compiles_the_loss():
         loss = model(x, y)[1]
     loss.backward()
     assert loss.isfinite() and model.lm_head.weight.grad is not None
+
+
+def test_eager_kernels_take_the_logits_a_block_of_rows_at_a_time(monkeypatch):
+    """Eager mode's fp32 temporaries are (EAGER_ROWS x vocab), not (tokens x vocab): the forward's peak stays near
+    the bf16 logits it keeps; loss and gradients are those of one block (within the order of the sums)."""
+    import model
+    torch.manual_seed(0)
+    n, C, V, rows = 512, 16, 1024, 64
+    x = torch.randn(n, C, requires_grad=True)
+    weight = torch.randn(V, C, requires_grad=True)
+    targets = torch.randint(0, V, (n,))
+    targets[::5] = -1
+    ref = loss_and_grads(lambda *a: LinearCrossEntropy.apply(*a, torch.bfloat16, EAGER_LOSS_KERNELS), x, weight,
+                         targets, 'all')  # n rows: one block
+    monkeypatch.setattr(model, 'EAGER_ROWS', rows)
+    tracker = LiveStorages(x, weight, targets)
+    with tracker:
+        loss = LinearCrossEntropy.apply(x, weight, targets, torch.bfloat16, EAGER_LOSS_KERNELS)
+    # kept: bf16 logits, x in bf16, a log-sum-exp per row; beyond them, a few blocks of fp32 temporaries
+    kept = n * V * 2 + n * C * 2 + n * 4
+    assert kept <= tracker.peak <= kept + 3 * rows * V * 4 + 4096
+    blocked = loss_and_grads(lambda *a: LinearCrossEntropy.apply(*a, torch.bfloat16, EAGER_LOSS_KERNELS), x, weight,
+                             targets, 'all')
+    torch.testing.assert_close(blocked[0], ref[0], rtol=1e-6, atol=0)
+    for g, r in zip(blocked[1], ref[1]):
+        assert torch.equal(g, r)
