@@ -19,7 +19,7 @@ torch.distributed._tools.mem_tracker.MemTracker is not used: it registers a grad
 parameter it sees, which fails on frozen ones.
 """
 import weakref
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import partial
 
 import gc
@@ -37,7 +37,7 @@ import builder
 import dataloader
 import memory_options
 import train_config
-from model import EMULATED_AUTOCAST, TransformerConfig
+from model import TransformerConfig, emulated_autocast
 from trainer import Trainer, random_batches
 
 
@@ -139,7 +139,7 @@ class MetaAsCuda(TorchFunctionMode):
       grad kept until the forward ends, like autocast's weight cache. None: no autocast.
     - with dtype, model.Linear takes the path it takes under CUDA autocast: a frozen layer goes
       through model.FrozenLinear, which keeps no low-precision copy of its weight for the backward
-      (EMULATED_AUTOCAST, set while the mode is on; the meta device has no autocast, so
+      (model.emulated_autocast while the mode is on; the meta device has no autocast, so
       without it the estimate would count a copy a CUDA run does not make). follow_cuda_linear=False
       turns this off (tests compare the two).
     Run the backward with backward() below (cache=False): activation checkpointing recomputes there.
@@ -158,15 +158,14 @@ class MetaAsCuda(TorchFunctionMode):
         self.casts = {}
 
     def __enter__(self):
-        self.emulated = dict(EMULATED_AUTOCAST)  # put back on exit (the modes nest)
+        self.emulation = ExitStack()
         if self.dtype is not None and self.follow_cuda_linear:
-            EMULATED_AUTOCAST.update(dict.fromkeys(self.EMULATES, self.dtype))
+            self.emulation.enter_context(emulated_autocast(self.EMULATES, self.dtype))
         return super().__enter__()
 
     def __exit__(self, *args):
         self.casts.clear()
-        EMULATED_AUTOCAST.clear()
-        EMULATED_AUTOCAST.update(self.emulated)
+        self.emulation.close()
         return super().__exit__(*args)
 
     def backward(self, loss):
@@ -218,13 +217,8 @@ def offload_on_meta(tracker):
         with tracker.host():
             return torch.empty_like(t)
 
-    saved = dict(memory_options.OFFLOAD_COPIES)  # put back on exit
-    memory_options.OFFLOAD_COPIES['meta'] = (to_host, lambda host, device: torch.empty_like(host))
-    try:
+    with memory_options.offload_copies('meta', to_host, lambda host, device: torch.empty_like(host)):
         yield
-    finally:
-        memory_options.OFFLOAD_COPIES.clear()
-        memory_options.OFFLOAD_COPIES.update(saved)
 
 
 # -----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ cuda_allocator  the CUDA caching allocator's expandable segments, set before the
 """
 import os
 import weakref
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import torch
@@ -243,9 +243,22 @@ def to_device(host, device):
     return host.to(device, non_blocking=True)
 
 
-# device type -> (to_host, to_device) of the offload copies, where they are not the ones above: the meta
-# device has no data to copy, and memory_estimate.offload_on_meta counts the copies there instead
+# device type -> (to_host, to_device) of the offload copies, where they are not the ones above (set only by
+# offload_copies)
 OFFLOAD_COPIES = {}
+
+
+@contextmanager
+def offload_copies(device_type, to_host, to_device):
+    """While it is on, OffloadActivations copies tensors of `device_type` with these two functions: the meta
+    device has no data to copy, and memory_estimate.offload_on_meta counts the copies there instead."""
+    saved = dict(OFFLOAD_COPIES)  # put back on exit
+    OFFLOAD_COPIES[device_type] = (to_host, to_device)
+    try:
+        yield
+    finally:
+        OFFLOAD_COPIES.clear()
+        OFFLOAD_COPIES.update(saved)
 
 
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):

@@ -20,6 +20,7 @@ References:
 """
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -53,10 +54,22 @@ class FrozenLinear(torch.autograd.Function):
         return dx, None, None, None
 
 
-# device type -> the dtype of an autocast that is emulated there, not run: memory_estimate.MetaAsCuda sets
-# it while it emulates CUDA's autocast on the meta device (which has no autocast of its own), so that
-# Linear takes the FrozenLinear path a CUDA run takes and the estimate counts what CUDA allocates
+# device type -> the dtype of an autocast that is emulated there, not run (set only by emulated_autocast)
 EMULATED_AUTOCAST = {}
+
+
+@contextmanager
+def emulated_autocast(device_types, dtype):
+    """While it is on, Linear and the loss take the paths of an autocast in `dtype` on `device_types`, which
+    is emulated, not run: memory_estimate.MetaAsCuda emulates CUDA's autocast on the meta device (which has
+    none of its own), so the estimate counts what a CUDA run allocates (FrozenLinear, LinearCrossEntropy)."""
+    saved = dict(EMULATED_AUTOCAST)  # put back on exit (the emulations nest)
+    EMULATED_AUTOCAST.update(dict.fromkeys(device_types, dtype))
+    try:
+        yield
+    finally:
+        EMULATED_AUTOCAST.clear()
+        EMULATED_AUTOCAST.update(saved)
 
 
 # the device types autocast exists for: a fixed fact, read once here, because the dynamo of torch 2.11

@@ -300,10 +300,10 @@ def test_activation_offload(arch, monkeypatch):
 
     monkeypatch.setattr(memory_options.OffloadActivations, 'keep_on', ())
     copies = []
-    monkeypatch.setitem(memory_options.OFFLOAD_COPIES, 'cpu', (
-        lambda t: copies.append(memory_options.to_host(t)) or copies[-1], memory_options.to_device))
     memory_options.apply(model, activation_offload=True)
-    loss, grads = run_grads(model, x, y)
+    with memory_options.offload_copies('cpu', lambda t: copies.append(memory_options.to_host(t)) or copies[-1],
+                                       memory_options.to_device):
+        loss, grads = run_grads(model, x, y)
     assert len(copies) == len(views) > 0
     assert all(c.device.type == 'cpu' for c in copies)
     assert torch.equal(loss, loss_ref) and all(torch.equal(grads[n], grads_ref[n]) for n in grads_ref)
