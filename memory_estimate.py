@@ -326,15 +326,11 @@ def check_fits(config, device, bytes_per_weight, estimate_peak=None, world_size=
 # the config: train.py's keys, one row per method x precision
 
 
-def dataset_vocab(cfg):
-    """The vocabulary train.py passes to builder.build for this config (dataloader.dataset_vocab)."""
-    return dataloader.dataset_vocab(cfg['dataset'], cfg['vocab_size'])
-
-
 def model_config(cfg):
     """The TransformerConfig builder.build makes of cfg (one-line error for an impossible shape)."""
     try:
-        return TransformerConfig(**builder.transformer_kwargs(cfg, dataset_vocab(cfg)))
+        vocab = dataloader.dataset_vocab(cfg['dataset'], cfg['vocab_size'])
+        return TransformerConfig(**builder.transformer_kwargs(cfg, vocab))
     except (ValueError, TypeError) as e:
         raise ValueError(f"model shape: {e}") from None
 
@@ -383,7 +379,8 @@ def resolve_device(name, allowed=('cuda', 'meta', 'cpu'), without_cuda='meta'):
 def build(cfg, device, host_scope=nullcontext):
     """builder.build, whose model is made directly on `device` (on meta: no memory, no
     initialisation cost), its random weights drawn there. (Model, optimizer, cycler.)"""
-    return builder.build(cfg, device, dataset_vocab(cfg), cpu_draws=False, host_scope=host_scope)
+    vocab = dataloader.dataset_vocab(cfg['dataset'], cfg['vocab_size'])
+    return builder.build(cfg, device, vocab, cpu_draws=False, host_scope=host_scope)
 
 
 # -----------------------------------------------------------------------------
