@@ -438,9 +438,11 @@ def main(argv=None):
         for v in variants:
             train_config(v['method'], args)  # a mistyped method or train_arg fails now, not after the others ran
         config = model_config(args)
+        os.makedirs(args.out_dir, exist_ok=True)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    os.makedirs(args.out_dir, exist_ok=True)
+    except OSError as e:  # a file where the folder should be, a read-only place
+        sys.exit(f"error: --out_dir={args.out_dir} cannot hold the reports ({e.strerror or e}); choose a folder")
     tmp = None
     runs_dir = args.runs_dir
     if not runs_dir:

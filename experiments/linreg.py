@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configurator import at_least, command_line  # noqa: E402
+from configurator import above, at_least, command_line  # noqa: E402
 import omgd  # noqa: E402  (the random partition of layer cycling's pool also splits the coordinates)
 
 METHODS = ('RR', 'RR_mask_wor', 'RR_mask_iid', 'RR_proj', 'IID')
@@ -451,12 +451,19 @@ COMMAND_DEFAULTS = dict(DEFAULTS, T=float(DEFAULTS['T']), methods=','.join(METHO
 MEANINGS = dict(T='iterations (1e6 is read as a number)', ratio='keep ratio r', c='eta_t = c / (t + t0)',
                 n_log='log-spaced logged steps', decompose="the paper's Figure 2 error decomposition (slower)",
                 out_dir='default out/ (git-ignored); results/ only when named')
-RULES = {k: at_least(1) for k in ('T', 'seeds', 'n', 'd', 'n_log', 'chunk')}
+RULES = {**{k: at_least(1) for k in ('T', 'seeds', 'n', 'd', 'n_log', 'chunk')}, 'warmup': at_least(0),
+         'ratio': above(0, 1),  # a mask keeps a share of the coordinates: 0 keeps none, above 1 is no share
+         'methods': ((lambda v: bool(v.strip(',')) and all(m in METHODS for m in v.split(',') if m)),
+                     f"a comma list of {', '.join(METHODS)}")}
 
 
 def main(argv=None):
     args = SimpleNamespace(**command_line(sys.argv[1:] if argv is None else argv, COMMAND_DEFAULTS, RULES, __doc__,
                                           MEANINGS))
+    try:  # before the run, not after it: a folder it can write
+        os.makedirs(args.out_dir, exist_ok=True)
+    except OSError as e:
+        sys.exit(f"error: --out_dir={args.out_dir} cannot hold the report ({e.strerror or e}); choose a folder")
     torch.set_num_threads(1)
     T = int(args.T)
     methods = [m for m in args.methods.split(',') if m]
@@ -474,7 +481,6 @@ def main(argv=None):
     print(f"decomposition check max ||D+R+C-e||/||e|| = {res['decomp_residual']}")
     print(f"runtime {runtime:.1f} s")
 
-    os.makedirs(args.out_dir, exist_ok=True)
     cmd = 'python experiments/linreg.py ' + ' '.join(sys.argv[1:] if argv is None else argv)
     plot_error(res, os.path.join(args.out_dir, 'linreg_error.png'))
     if args.decompose:

@@ -198,6 +198,15 @@ COMPARE = [
     ('--train_args=--lerning_rate=1', r"unknown config key 'lerning_rate'"),
     ('--train_args=--batch_size=0', r'batch_size must be >= 1'),
     ('--replot=True --name=nothing', r'nothing\.json, which does not exist: run the comparison first \(without --replot\)'),
+    ('--max_iters=40 --out_dir={files}/a_file', r'--out_dir=.*a_file cannot hold the reports'),
+]
+LINREG = [
+    ('--ratio=0', r'ratio must be in \(0, 1\], got 0'),
+    ('--ratio=2', r'ratio must be in \(0, 1\], got 2'),
+    ('--methods=bogus', r'methods must be a comma list of RR, '),
+    ('--methods=,', r'methods must be a comma list'),
+    ('--warmup=-1', r'warmup must be >= 0'),
+    ('--out_dir={files}/a_file', r'--out_dir=.*a_file cannot hold the report'),
 ]
 STUDY = [
     ('--stages=bogus', r"unknown stage 'bogus'; choose from"),
@@ -241,7 +250,7 @@ SHAPE = ('n_layer', 'n_head', 'n_embd', 'vocab_size')  # a preset sets them
 PROBES = ([('train.py', f'--overwrite=True {a}', p) for a, p in TRAIN] + [('train.py', *p) for p in OUT_DIR + RESUME] + [('sample.py', *p) for p in SAMPLE] +
           [('bench.py', *p) for p in BENCH] + [('bench_memory.py', *p) for p in BENCH_MEMORY] +
           [('experiments/compare.py', *p) for p in COMPARE] + [('experiments/study.py', *p) for p in STUDY] +
-          [('export.py', *p) for p in EXPORT] + PREPARE)
+          [('export.py', *p) for p in EXPORT] + [('experiments/linreg.py', *p) for p in LINREG] + PREPARE)
 
 
 def argv_of(script, args, out, files):
@@ -256,6 +265,8 @@ def argv_of(script, args, out, files):
         if any(a.startswith('--preset=') for a in argv) else SMALL_BENCH
     if script == 'experiments/compare.py':
         return ['--seeds=1', '--max_iters=4', '--memory=False', f'--out_dir={files}/reports', '--name=report', *argv]
+    if script == 'experiments/linreg.py':
+        return ['--T=200', '--seeds=1', '--decompose=False', f'--out_dir={files}/reports', *argv]
     if script == 'experiments/study.py':
         return [f'--runs_dir={files}/study_runs', f'--report_dir={files}/reports', '--name=report', *argv]
     if script == 'export.py':
