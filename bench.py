@@ -204,8 +204,9 @@ def check(cfg):
     return device, memory_estimate.row_configs(cfg), config
 
 
-def main(argv):
-    cfg = command_line(argv, DEFAULTS, RULES, __doc__, train_config.meanings())
+def setup(cfg):
+    """check(cfg), exiting with its one line; on CUDA, train.py's allocator and TF32 settings (the benchmarks
+    of experiments/ start the same way)."""
     if cfg['device'] in ('auto', 'cuda') and torch.cuda.is_available():  # before CUDA's first allocation
         print(memory_options.cuda_allocator(), flush=True)
     try:
@@ -215,6 +216,12 @@ def main(argv):
     if device.type == 'cuda':  # as train.py
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    return device, row_cfgs, config
+
+
+def main(argv):
+    cfg = command_line(argv, DEFAULTS, RULES, __doc__, train_config.meanings())
+    device, row_cfgs, config = setup(cfg)
     rows = bench(row_cfgs, device)
     text = markdown(cfg, rows, device, config, argv)
     print(text, end='')

@@ -8,7 +8,7 @@ Variants (all: the default):
   batch=B       the micro-batch of B sequences (per-block compile)
   whole         the whole model compiled as one graph (torch.compile of the model), not block by block:
                 what nothing switching (method full) would allow
-  sdpa=NAME     attention through one SDPA kernel only (flash, cudnn, efficient), the blocks compiled under it
+  sdpa=NAME     attention through one SDPA kernel only (flash, cudnn, efficient, math), the blocks compiled under it
 Prints a table of ms/iter (median), tokens/s and MFU, and writes it to --out when given.
 """
 import os
@@ -19,19 +19,29 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
 import bench  # noqa: E402
-import memory_options  # noqa: E402
 import train_config  # noqa: E402
 from configurator import command_line  # noqa: E402
 from trainer import peak_bf16_flops  # noqa: E402
 
 VARIANTS = 'batch=12,batch=16,batch=24,batch=32,whole,sdpa=flash,sdpa=cudnn,sdpa=efficient'
 DEFAULTS = {**bench.DEFAULTS, 'methods': 'full', 'variants': VARIANTS}
+SDPA = ('flash', 'cudnn', 'efficient', 'math')
+
+
+def known_variant(variant):
+    name, _, value = variant.partition('=')
+    return (name == 'batch' and value.isdigit() and int(value) > 0) or variant == 'whole' or \
+        (name == 'sdpa' and value in SDPA)
+
+
+RULES = {**bench.RULES, 'variants': ((lambda v: bool(v) and all(known_variant(x) for x in v.split(','))),
+                                     f"a comma list of batch=N, whole, sdpa={'|'.join(SDPA)}")}
 
 
 def sdpa_context(name):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backend = {'flash': SDPBackend.FLASH_ATTENTION, 'cudnn': SDPBackend.CUDNN_ATTENTION,
-               'efficient': SDPBackend.EFFICIENT_ATTENTION}[name]
+               'efficient': SDPBackend.EFFICIENT_ATTENTION, 'math': SDPBackend.MATH}[name]
     return sdpa_kernel(backend)
 
 
@@ -63,15 +73,8 @@ def run_variant(cfg, device, variant):
 
 
 def main(argv):
-    cfg = command_line(argv, DEFAULTS, bench.RULES, __doc__, train_config.meanings())
-    try:
-        device, _, _ = bench.check(cfg)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
-    if device.type == 'cuda':
-        print(memory_options.cuda_allocator(), flush=True)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    cfg = command_line(argv, DEFAULTS, RULES, __doc__, train_config.meanings())
+    device = bench.setup(cfg)[0]
     lines = [f"Machine: {bench.describe_machine(device)}; method {cfg['methods'].split(',')[0]}, "
              f"{cfg['steps']} timed iterations after {cfg['warmup_steps']}",
              f"Command: `python experiments/speed_variants.py {' '.join(argv)}`", '',

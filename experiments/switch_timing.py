@@ -18,7 +18,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
 import bench  # noqa: E402
-import memory_options  # noqa: E402
 import train_config  # noqa: E402
 from configurator import at_least, command_line  # noqa: E402
 
@@ -49,13 +48,7 @@ def time_iterations(cfg, device):
 
 def main(argv):
     cfg = command_line(argv, DEFAULTS, RULES, __doc__, train_config.meanings())
-    try:
-        device, _, _ = bench.check(cfg)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
-    if device.type == 'cuda':
-        print(memory_options.cuda_allocator(), flush=True)
-        torch.backends.cuda.matmul.allow_tf32 = True
+    device = bench.setup(cfg)[0]
     cfg['method'] = cfg['methods'].split(',')[0]
     for policy in cfg['policies'].split(','):
         rows = time_iterations({**cfg, 'omgd_state': policy}, device)

@@ -328,3 +328,34 @@ def test_the_memory_benchmark_says_how_far_along_it_is(tmp_path):
     progress = [line for line in result.stderr.splitlines() if line.startswith('measured ')]
     assert [p.split(' in ')[0] for p in progress] == ['measured 1/2 rows (full, amp)', 'measured 2/2 rows (lisa_wor, amp)']
     assert progress[-1].endswith('about 0 s left')
+
+
+EXPERIMENT_ARGS = ['--preset=', '--n_layer=4', '--n_head=2', '--n_embd=32', '--vocab_size=256', '--block_size=32',
+         '--batch_size=2', '--device=cpu', '--compile=False']
+
+
+def test_speed_variants_times_each_variant(tmp_path):
+    """experiments/speed_variants.py: one row per variant, in order, the report written where --out says; a
+    variant it does not know is refused in one line before anything runs."""
+    out = tmp_path / 'variants.md'
+    proc = run_script('experiments/speed_variants.py', [*EXPERIMENT_ARGS, '--steps=2', '--warmup_steps=1',
+                                                         '--variants=batch=2,batch=4,sdpa=math', f'--out={out}'])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split(' | ') for line in out.read_text().splitlines() if line.startswith(('| batch=', '| sdpa'))]
+    assert [r[0] for r in rows] == ['| batch=2', '| batch=4', '| sdpa=math']
+    assert all(float(r[2].replace(',', '')) > 0 for r in rows)  # tokens/s
+    proc = run_script('experiments/speed_variants.py', [*EXPERIMENT_ARGS, '--variants=batch=2,sdpa=fast'])
+    assert proc.returncode == 1 and 'Traceback' not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: variants must be a comma list of batch=N")
+
+
+def test_switch_timing_splits_switch_iterations(tmp_path):
+    """experiments/switch_timing.py: every iteration shown once, the switches marked where the cycler switched
+    (a switch every 2 iterations), per policy."""
+    proc = run_script('experiments/switch_timing.py', [*EXPERIMENT_ARGS, '--omgd_gamma=1', '--omgd_period=2',
+                                                       '--iters=8', '--shown=4', '--policies=keep,offload'])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for policy in ('keep', 'offload'):
+        section = proc.stdout.split(f'omgd_state={policy}:')[1].splitlines()[1:5]
+        assert [line.split()[0] for line in section] == ['4', '5', '6', '7']
+        assert [line.split()[1] == 'S' for line in section] == [True, False, True, False]

@@ -4,7 +4,6 @@ in an extra .distcp file; DCP's default planner would read it with torch.load(we
 Every reader of step folders (train.py --init_from=resume and auto, in one process and under
 torchrun; sample.py, eval.py, export.py) refuses it in one `error:` line naming the folder: the
 payload never runs, and nothing in out_dir is removed."""
-import hashlib
 import os
 import pickle
 import re
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from conftest import assert_one_line_error, run_script, run_train, torchrun_train
+from test_foreign_files import digest
 
 REFUSED = r"\.metadata declares 'model\.[\w.]+' a pickled Python object, which train\.py never saves and which " \
           r"could run code when read: refused; restore a backup or train from scratch$"
@@ -44,16 +44,6 @@ def plant(folder, marker):
         pickle.dump(index, f)
 
 
-def digest(folder):
-    """{relative path: sha256} of every file under `folder` but the out_dir lock."""
-    found = {}
-    for parent, _, names in os.walk(folder):
-        for name in names:
-            if name != '.lock':
-                path = os.path.join(parent, name)
-                with open(path, 'rb') as f:
-                    found[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
-    return found
 
 
 @pytest.fixture(scope='module')
