@@ -1,85 +1,230 @@
 """
-The checkpoint that train.py writes (out_dir/ckpt.pt): saving it, reading it (train.py and
-sample.py alike), and resuming from it.
+The checkpoints of a run, one home: Checkpointer starts or resumes train.py's run in out_dir and
+saves it, whatever the format; read_any() reads out_dir's newest checkpoint (sample.py, eval.py,
+export.py, hf.py).
 
-A checkpoint is one torch.save'd dict: the state_dict() of each object train.py hands over
-(model, optimizer, cycler, scaler), and plain values (data position, model_args, iter_num,
-best_val_loss, config), plus world_size and every rank's RNG. It is never written with a
-non-finite weight or optimizer state, goes to disk (fsync) before it atomically replaces the
-previous one, and is read with weights_only=True, so a file from elsewhere cannot run code.
+Two formats, each a back end of its own:
+- 'file' (checkpoint_file.py): out_dir/ckpt.pt, one torch.save'd dict, gathered and written by
+  rank 0; the default in one process.
+- 'dcp' (checkpoint_dcp.py): out_dir/step_NNNNNNN/ folders, every rank writes its own shards
+  (torch.distributed.checkpoint); the default under torchrun.
+A resume continues whichever holds the later iteration, on any number of ranks. Neither is ever
+written with a non-finite state, and neither is read with anything that could run code.
 """
-import contextlib
 import glob
 import os
-import zipfile
-from pathlib import Path
+import sys
 
 import torch
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing or cannot be read; the message is one line and says what to do."""
-
-
-def read(path, map_location='cpu', mmap=False):
-    """The checkpoint dict at `path`, or a CheckpointError naming the problem in one line.
-
-    mmap=True maps the tensors instead of reading them: cheap enough to look at iter_num of a
-    multi-GB checkpoint."""
-    if not os.path.exists(path):
-        raise CheckpointError(f"no checkpoint at {path}; train one first: python train.py "
-                              f"--out_dir={os.path.dirname(path) or '.'}")
-    if mmap and not zipfile.is_zipfile(path):  # not torch.save's format (nothing to map): torch's error names it
-        mmap = False
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except Exception as e:
-        # torch's messages run to several sentences (advice to switch weights_only off, which we must not
-        # follow); the first names the problem
-        reason = str(e).strip().splitlines()[0].split('. ')[0].rstrip('.') if str(e).strip() else ''
-        raise CheckpointError(f"cannot read checkpoint {path} ({type(e).__name__}: {reason[:200]}); it is "
-                              f"corrupt, truncated or from another program: restore a backup or train from "
-                              f"scratch") from None
+import checkpoint_dcp
+import checkpoint_file
+import train_config
+# the 'file' format's functions, as the scripts and tests call them (checkpoint.read, checkpoint.save, ...)
+from checkpoint_file import (CheckpointError, NonFiniteState, check_finite, load_state, read, restore_rng,  # noqa: F401
+                             resume, save)
 
 
-@contextlib.contextmanager
-def atomic_path(path: Path):
-    """Yield a hidden temporary path next to ``path``; on success it replaces ``path``.
+class Checkpointer:
+    """out_dir's checkpoints for one run of train.py, whatever their format. Every rank makes one:
 
-    On any error the temporary file is removed and ``path`` keeps its old content, so a failed
-    write never leaves a half-written file behind. The pid keeps parallel writers apart.
-    (data/common.py's prepare scripts write their files through it too.)
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        yield tmp
-        with open(tmp, 'rb+') as f:  # on disk before it replaces the old file: a power cut leaves one of the two
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if tmp.exists():
-            os.remove(tmp)
-        raise
+        cfg = checkpointer.start(cfg, given)    # the lock; scratch, resume or auto; the checkpoint's config
+        model = checkpointer.model(cfg, given)  # a resume's model (init_from == 'resume')
+        checkpointer.load(objects, data)        # a resume's optimizer, cycler, scaler, data position, RNG
+        checkpointer.save(objects, values)      # a collective; returns the path where this rank wrote
+        checkpointer.finish()                   # the last background write is on disk
+        checkpointer.close(failed)              # out_dir's lock (and an out_dir the run left empty)
+
+    What it refuses is a CheckpointError: one line that says what to do."""
+
+    def __init__(self, out_dir, ranks, device, writes=True):
+        self.out_dir, self.ranks, self.device, self.writes = out_dir, ranks, device, writes  # writes: not eval_only
+        self.device_type = 'cuda' if device.startswith('cuda') else 'cpu'
+        self.lock = OutDirLock(out_dir)
+        # an out_dir this run makes is removed again when the run fails before it saved anything
+        self.made_out_dir = ranks.master and not os.path.exists(out_dir)
+        self.init_from, self.found, self.checkpoint, self.fsdp, self.seed = None, None, None, False, None
+        self.iter_num, self.best_val_loss, self.wandb_id = 0, 1e9, None  # where the run starts
+        self.path, self.saved_iter = None, None  # the last good checkpoint, which an error names
+        self.replaced = []  # an earlier run's checkpoints (overwrite=True), removed once this run saved one
+        self.saver = None  # the step folders' writer (checkpoint_dcp.Saver); None: ckpt.pt
+
+    def start(self, cfg, given, fsdp=False):
+        """Start or resume the run; returns its config (a resume's: the checkpoint's, the keys this
+        command gave on top). The writer (rank 0) takes out_dir's lock, refuses to replace an earlier
+        run's checkpoint unless overwrite=True, and removes what an interrupted save left. Sets
+        init_from ('resume', 'scratch' or a pretrained model's name) and where the run starts
+        (iter_num, best_val_loss, wandb_id)."""
+        master, out_dir = self.ranks.master, self.out_dir
+        if master and self.writes:
+            try:
+                self.lock.acquire()
+            except CheckpointError:
+                self.made_out_dir = False  # held by the other run
+                raise
+        self.found, self.fsdp = find(out_dir), fsdp
+        self.init_from = cfg['init_from']
+        if self.init_from == 'auto':  # a restarted job resumes; the first launch starts from scratch
+            self.init_from = 'resume' if self.found else 'scratch'
+        if self.init_from == 'resume':
+            cfg = self._resume_config(cfg, given)
+        elif self.found and self.writes:
+            self._replace(cfg['overwrite'])
+        if master and self.writes:  # the writer (it holds the lock): an unusable out_dir is found now
+            check_out_dir(out_dir)
+            removed = checkpoint_dcp.remove_incomplete(out_dir)  # what a crash in the middle of a save left
+            if removed:
+                print(f"removed {', '.join(removed)} from {out_dir}: checkpoint(s) left incomplete by an interrupted save")
+        self.seed = cfg['seed']
+        fmt = cfg['checkpoint_format']  # 'auto': one file in one process; sharded folders on several ranks
+        if fmt == 'dcp' or (fmt == 'auto' and self.ranks.world_size > 1):
+            self.saver = checkpoint_dcp.Saver(out_dir, self.ranks, cfg['keep_last'], checkpoint_dcp.background(
+                cfg['checkpoint_async'], self.device_type))  # in the background on a GPU (checkpoint_async)
+            self.saver.replaces = self.replaced if master else []
+        return cfg
+
+    def _resume_config(self, cfg, given):
+        if self.found is None:
+            raise CheckpointError(f"no checkpoint at {os.path.join(self.out_dir, 'ckpt.pt')} to resume from; train "
+                                  f"with init_from='scratch' first")
+        fmt, path, _ = self.found
+        saved = read(path, mmap=True) if fmt == 'file' else checkpoint_dcp.read_values(path)
+        try:
+            cfg = train_config.resume_config(saved['config'], saved['model_args'], cfg, given)
+            self.iter_num, self.best_val_loss, self.wandb_id = (saved['iter_num'], saved['best_val_loss'],
+                                                                saved.get('wandb_id'))
+        except (KeyError, TypeError) as e:
+            raise CheckpointError(f"cannot resume from {path}: it holds no config or model_args ({e}); it is not a "
+                                  f"checkpoint of train.py: restore a backup or train from scratch") from None
+        except ValueError as e:  # keys of this command that cannot continue it (train_config.check_resume)
+            raise CheckpointError(e) from None
+        self.path, self.saved_iter = path, self.iter_num
+        return cfg
+
+    def _replace(self, overwrite):
+        """A new run saves over out_dir's checkpoints: losing a long run to a re-typed command must be asked for."""
+        _, path, it = self.found
+        earlier = f"iteration {it} of an earlier run" if it >= 0 else "an unreadable checkpoint"
+        if not overwrite:
+            raise CheckpointError(f"{path} holds {earlier}; continue it with --init_from=resume, choose another "
+                                  f"--out_dir, or pass --overwrite=True to replace it (--init_from=auto resumes when "
+                                  f"there is one)")
+        self.replaced = all_checkpoints(self.out_dir)
+        if self.ranks.master:
+            print(f"{path} holds {earlier}; this run's first save replaces it (overwrite=True)")
+
+    def model(self, cfg, given):
+        """A resume's model on the device, in the config's weight dtype (a step folder's weights come
+        with load(), once the model is sharded)."""
+        fmt, path, _ = self.found
+        back_end = checkpoint_file if fmt == 'file' else checkpoint_dcp
+        self.checkpoint, model = back_end.resume(path, self.device, cfg, given)
+        return model
+
+    def load(self, objects, data):
+        """A resume's state into the objects built since (model, optimizer, cycler, scaler) and into
+        the data loader `data`; a collective. Then the state must be finite, and each rank's dropout
+        continues (seeded afresh when the checkpoint was saved on another number of ranks)."""
+        if self.checkpoint is None:
+            return
+        checkpoint, (fmt, path, _), ranks = self.checkpoint, self.found, self.ranks
+        model, optimizer, objects = objects['model'], objects['optimizer'], {**objects, 'data': data}
+        try:
+            if fmt == 'dcp':  # each rank reads its shards, whatever the ranks that wrote them
+                checkpoint_dcp.load(path, checkpoint, model, optimizer, ranks.cpu_group)
+                objects = {k: v for k, v in objects.items() if k not in ('model', 'optimizer')}
+            load_state(checkpoint, objects, self.fsdp)
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"cannot resume from {path}: {e}") from None
+        try:
+            check_finite(ranks, model, optimizer)
+        except NonFiniteState:
+            raise CheckpointError(f"{path} holds weights or optimizer state that are not finite (iteration "
+                                  f"{self.iter_num}): it cannot be resumed; restore a backup of it, or start again "
+                                  f"with --init_from=scratch --overwrite=True") from None
+        saved_tokens = checkpoint['data'].get('n_tokens')
+        if saved_tokens is not None and saved_tokens != data.n_tokens and ranks.master:
+            print(f"warning: {data.path} has {data.n_tokens:,} tokens, the checkpoint's data had {saved_tokens:,}: "
+                  f"the file changed, and the saved position now points into another order of windows",
+                  file=sys.stderr, flush=True)
+        if not restore_rng(checkpoint, ranks, self.device_type, self.seed, self.iter_num) and ranks.master:
+            print(f"resuming a {checkpoint.get('world_size', 1)}-rank checkpoint on {ranks.world_size} "
+                  f"rank{'s' * (ranks.world_size > 1)}: same data position, not bitwise the run it would have been")
+        self.checkpoint = None  # free memory
+
+    def save(self, objects, values):
+        """Save the checkpoint of values['iter_num'] in the run's format; a collective, on every rank.
+        A non-finite state is never saved: a CheckpointError names the last good checkpoint instead.
+        Returns the checkpoint's path on the rank that wrote it (rank 0), None on the others."""
+        try:
+            if self.saver is not None:  # every rank writes its shards of a step folder
+                path, wrote = self.saver.save(objects, values, self.device_type), self.ranks.master
+            else:  # rank 0 writes out_dir/ckpt.pt
+                path = os.path.join(self.out_dir, 'ckpt.pt')
+                wrote = save(path, self.ranks, objects, values, self.fsdp, self.device_type)
+        except NonFiniteState:
+            raise CheckpointError(f"the weights or optimizer state are not finite at iteration {values['iter_num']}; "
+                                  f"{self.last_good()}; lower learning_rate or raise warmup_iters") from None
+        self.path, self.saved_iter = path, values['iter_num']
+        if not wrote:
+            return None
+        if self.saver is None:  # an earlier run's step folders (overwrite=True) go with the first save
+            checkpoint_dcp.remove_checkpoints([p for p in self.replaced if p != path])
+            self.replaced = []
+        background = self.saver is not None and self.saver.use_async
+        note = ' (copied to host memory, written to disk in the background)' if background else ''
+        print(f"saved checkpoint to {path}{note}")
+        return path
+
+    def last_good(self):
+        """What a failing run leaves behind, in words, for its error line."""
+        return (f"kept the last good checkpoint {self.path} (iteration {self.saved_iter})" if self.saved_iter is not None
+                else "this run saved no checkpoint")
+
+    def finish(self):
+        """At the end of the run, on every rank: the last background save is on disk, complete (or its
+        failure raised as a CheckpointError)."""
+        if self.saver is not None:
+            self.saver.finish()
+
+    def close(self, failed=False):
+        """Let go of out_dir. After a failure (no collective then) a background save of a good state
+        ends first, and an out_dir this run made and left empty is removed."""
+        if failed and self.saver is not None:
+            self.saver.abandon()
+        left_empty = (failed and self.made_out_dir and os.path.isdir(self.out_dir)
+                      and set(os.listdir(self.out_dir)) <= {'.lock'})
+        self.lock.release(remove=left_empty)
+        if left_empty:
+            os.rmdir(self.out_dir)  # a run that saved nothing leaves no empty out_dir behind
 
 
-def gather_rng(ranks, device_type):
-    """Every rank's RNG state (dropout), in rank order; a collective, call on every rank."""
-    return ranks.gather({'torch': torch.get_rng_state(),
-                         'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None})
+def find(out_dir):
+    """(format, path, iter_num) of the checkpoint a resume of out_dir continues, or None: the one of
+    the highest iteration among out_dir/ckpt.pt and the complete step folders (the step folder when
+    they tie; an unreadable ckpt.pt counts as older than any folder, and alone it is still found so
+    that the resume names what is wrong with it: iter_num -1)."""
+    found = []
+    steps = checkpoint_dcp.complete_steps(out_dir)
+    if steps:
+        found.append((steps[-1][0], 1, 'dcp', steps[-1][1]))
+    path = os.path.join(out_dir, 'ckpt.pt')
+    if os.path.exists(path):
+        try:
+            it = read(path, mmap=True)['iter_num']
+        except (CheckpointError, KeyError, TypeError):
+            it = -1
+        found.append((it, 0, 'file', path))
+    if not found:
+        return None
+    it, _, fmt, path = max(found)
+    return fmt, path, it
 
 
-class NonFiniteState(CheckpointError):
-    """The weights or the optimizer state hold inf or NaN: such a state is never saved."""
-
-
-def all_finite(model, optimizer):
-    """Whether every weight and every optimizer-state tensor of this rank (its shards) is finite."""
-    tensors = [p for p in model.parameters()]
-    # through state_dict(): its hooks wait for asynchronous copies of the state (optimizer_offload)
-    tensors += [t for state in optimizer.state_dict()['state'].values() for t in state.values()
-                if torch.is_tensor(t) and t.is_floating_point()]
-    return all(bool(torch.isfinite(t.to_local() if hasattr(t, 'to_local') else t).all()) for t in tensors)
+def all_checkpoints(out_dir):
+    """Every checkpoint in out_dir: ckpt.pt and the complete step folders."""
+    path = os.path.join(out_dir, 'ckpt.pt')
+    return ([path] if os.path.exists(path) else []) + [p for _, p in checkpoint_dcp.complete_steps(out_dir)]
 
 
 def check_out_dir(out_dir):
@@ -96,154 +241,6 @@ def check_out_dir(out_dir):
                               f"directory with --out_dir") from None
     for stale in glob.glob(os.path.join(glob.escape(out_dir), '.ckpt.pt.tmp-*')):
         os.remove(stale)
-
-
-def save(path, ranks, objects, values, fsdp=False, device_type='cpu'):
-    """Write {name: obj.state_dict() for objects} and `values` (plain data) to `path`.
-
-    Call on every rank (collectives: the finiteness vote, the RNG states, FSDP's full state
-    dicts); rank 0 writes. objects holds 'model' and 'optimizer' (gathered from their shards under
-    FSDP) and whatever else has a state_dict. Raises NonFiniteState, on every rank alike, before
-    anything is written; a failed write (disk full, read-only) raises CheckpointError and leaves
-    the previous file as it was (atomic_path). Returns whether this rank wrote the file."""
-    model, optimizer = objects['model'], objects['optimizer']
-    if ranks.any(not all_finite(model, optimizer)):
-        raise NonFiniteState(f"the weights or optimizer state hold inf or NaN; {path} was not written")
-    rank_rngs = gather_rng(ranks, device_type)
-    if fsdp:  # gathered to rank 0 (a collective); the same file format as one process writes
-        import distributed
-        states = dict(zip(('model', 'optimizer'), distributed.full_state_dicts(model, optimizer)))
-    else:
-        states = {'model': model.state_dict(), 'optimizer': optimizer.state_dict()}
-    if not ranks.master:
-        return False
-    states.update({name: obj.state_dict() for name, obj in objects.items() if name not in states})
-    checkpoint = {**states, **values, 'world_size': ranks.world_size, 'rng': {'ranks': rank_rngs}}
-    try:
-        with atomic_path(Path(path)) as tmp_path:
-            torch.save(checkpoint, tmp_path)
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError of its zip writer
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:200]
-        raise CheckpointError(f"cannot write {path} ({reason}); the previous checkpoint is intact: free "
-                              f"space or choose another --out_dir, then resume") from None
-    return True
-
-
-class ResumeRefused(ValueError):
-    """The config cannot continue the checkpoint; the message is one line and says what to pass."""
-
-
-def check_resume(checkpoint, config, given):
-    """Refuse (ResumeRefused) a config that cannot continue `checkpoint`: architecture overrides
-    that conflict with it, another block_size, another precision."""
-    from builder import ARCH_KEYS
-    model_args = checkpoint['model_args']
-    for k in ARCH_KEYS:
-        if k != 'vocab_size' and k in given and config[k] != model_args[k]:
-            raise ResumeRefused(f"{k}={config[k]!r} conflicts with the checkpoint's {model_args[k]!r}; "
-                                f"drop the override")
-    # The data position counts windows of block_size+1 tokens, so another length would continue on
-    # another window grid (and gpt2's learned positions have the checkpoint's length in the
-    # weights and the optimizer state): an exact resume needs the same block_size.
-    if config['block_size'] != model_args['block_size']:
-        raise ResumeRefused(f"block_size={config['block_size']} differs from the checkpoint's "
-                            f"{model_args['block_size']} (the data position counts windows of block_size+1 "
-                            f"tokens); resume with --block_size={model_args['block_size']}")
-    # the cycler's saved groups, scale and draw, and the data position, belong to these values
-    for key in ('dataset', 'method', 'omgd_gamma', 'omgd_ratio', 'omgd_always'):
-        saved = checkpoint['config'].get(key, config[key])
-        if saved != config[key]:
-            raise ResumeRefused(f"{key}={config[key]!r} differs from the checkpoint's {saved!r} (its layer schedule "
-                                f"and data position belong to it); resume with --{key}={saved}, or start a new "
-                                f"run with --init_from=scratch in another --out_dir")
-    saved_precision = checkpoint['config'].get('precision', 'amp')  # older checkpoints: amp
-    if saved_precision != config['precision']:
-        raise ResumeRefused(f"precision={config['precision']!r} differs from the checkpoint's {saved_precision!r} "
-                            f"(its optimizer state is kept in that precision); resume with "
-                            f"--precision={saved_precision}")
-
-
-def earlier_run(path):
-    """What the checkpoint at `path` holds, in words, for the message that refuses to replace it."""
-    try:
-        return f"iteration {read(path, mmap=True)['iter_num']} of an earlier run"
-    except (CheckpointError, KeyError):
-        return "an unreadable checkpoint"
-
-
-def resume(path, device, config, given):
-    """(checkpoint, model) to resume from `path`, the model on `device` in the checkpoint's weight dtype;
-    a one-line ValueError when there is none, it does not load, or the config cannot continue it
-    (load_model).
-
-    The checkpoint is read into host memory, never onto `device`: the RNG states must stay CPU
-    tensors (torch.set_rng_state and torch.cuda.set_rng_state take nothing else), the optimizer
-    state goes where its parameters are when load_state loads it (torch's loading, and
-    optim.MasterWeights' for master_device='cpu', which keeps its masters in host memory), and no
-    rank holds the whole file on its GPU. So a file written on one device type resumes on any
-    other, through this same path. For a GPU the file is mapped (mmap: the ranks of a node share
-    its pages, and no rank reads it whole), since everything is copied out of it; a CPU run reads
-    it, as its optimizer state would stay the file's pages (torch's loading keeps a tensor that is
-    on the right device already), holding the replaced file's disk space after the next save."""
-    if not os.path.exists(path):
-        raise CheckpointError(f"no checkpoint at {path} to resume from; train with init_from='scratch' first")
-    checkpoint = read(path, map_location='cpu', mmap=torch.device(device).type != 'cpu')
-    model = load_model(checkpoint, path, config, given)
-    from builder import weight_dtype
-    # cast where it was read, then moved once: a bf16 run never holds fp32 weights on the device
-    model.to(weight_dtype(config['precision'])).to(device)  # check_resume: the saved precision
-    if model.config.tie_embeddings:  # a move to a device of another kind (meta) gives each module its own
-        model.wte.weight = model.lm_head.weight
-    return checkpoint, model
-
-
-def load_model(checkpoint, path, config, given):
-    """The GPT saved in `checkpoint`, with the config's dropout, after check_resume: ResumeRefused,
-    or a one-line CheckpointError for a checkpoint that does not load."""
-    from model import Transformer, TransformerConfig
-    try:
-        check_resume(checkpoint, config, given)
-        model_args = checkpoint['model_args']
-        model_args['dropout'] = config['dropout']
-        model = Transformer(TransformerConfig(**model_args))
-        model.load_state_dict(checkpoint['model'])
-    except ResumeRefused:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"cannot load checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                              f"it is corrupt or from another version: start from scratch or restore a backup") from None
-    return model
-
-
-def load_state(checkpoint, objects, fsdp=False):
-    """Load each object's state from `checkpoint` (the model is loaded when it is built: not here).
-    ValueError or KeyError when it does not fit. A scaler loads only when loss scaling is on and
-    the checkpoint has its state (saved with float16)."""
-    for name, obj in objects.items():
-        if name == 'optimizer' and fsdp:  # the file holds full tensors; each rank keeps its shards
-            import distributed
-            distributed.load_optimizer_state(objects['model'], obj, checkpoint['optimizer'])
-        elif name == 'scaler':
-            if obj.is_enabled() and checkpoint.get('scaler'):
-                obj.load_state_dict(checkpoint['scaler'])
-        elif name != 'model':
-            obj.load_state_dict(checkpoint[name])
-
-
-def restore_rng(checkpoint, ranks, device_type, seed, iter_num):
-    """Continue each rank's dropout stream from `checkpoint`; returns False when it was saved on
-    another number of ranks. Then (the data loader accepted the position, see dataloader.py) the
-    run goes on from the same weights, schedule and windows, but the per-rank dropout streams
-    cannot continue, and the gradient sum runs in another order, so it is not bitwise: each rank
-    is seeded afresh."""
-    rank_rngs = checkpoint['rng'].get('ranks', [])
-    if len(rank_rngs) != ranks.world_size:
-        torch.manual_seed(seed + ranks.rank + 1_000_003 * iter_num)
-        return False
-    torch.set_rng_state(rank_rngs[ranks.rank]['torch'])
-    if device_type == 'cuda' and rank_rngs[ranks.rank]['cuda'] is not None:
-        torch.cuda.set_rng_state(rank_rngs[ranks.rank]['cuda'])
-    return True
 
 
 class OutDirLock:
@@ -289,17 +286,12 @@ class OutDirLock:
             self.file = None
 
 
-# -----------------------------------------------------------------------------
-# any format: ckpt.pt or sharded step folders (checkpoint_dcp.py), for the readers of a run
-
-
 def read_any(out_dir, map_location='cpu', mmap=False, optimizer=True):
     """(checkpoint dict, path) of out_dir's newest checkpoint, ckpt.pt's format whatever was written:
     out_dir/ckpt.pt, or the newest complete step folder (checkpoint_dcp.py) consolidated in host
     memory (optimizer=False reads its weights only), whichever holds the later iteration. A
     one-line CheckpointError when there is none or it cannot be read."""
-    import checkpoint_dcp
-    found = checkpoint_dcp.find(out_dir)
+    found = find(out_dir)
     if found is None or found[0] == 'file':
         path = os.path.join(out_dir, 'ckpt.pt')
         return read(path, map_location=map_location, mmap=mmap), path

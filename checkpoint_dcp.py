@@ -28,7 +28,7 @@ own index classes, and the DCP part holds tensors only: an index that declares a
 bytes item, which DCP would read with torch.load(weights_only=False)) is refused before any read.
 
 consolidate() reads a folder into one process's memory in ckpt.pt's format (sample.py, export.py,
-eval.py: checkpoint.read_any).
+eval.py: checkpoint.read_any). checkpoint.py's Checkpointer drives the saves and resumes of train.py.
 """
 import contextlib
 import io
@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from checkpoint import CheckpointError, NonFiniteState, all_finite, gather_rng
+import train_config
+from checkpoint_file import CheckpointError, check_finite, gather_rng, read
 
 from torch.distributed.checkpoint.api import CheckpointException as _DCPException  # a BaseException
 
@@ -172,8 +173,7 @@ class Saver:
         alike, before anything is written) for a non-finite weight or optimizer state; a
         CheckpointError when the write fails. Returns the folder's final path."""
         model, optimizer = objects['model'], objects['optimizer']
-        if self.ranks.any(not all_finite(model, optimizer)):
-            raise NonFiniteState("the weights or optimizer state hold inf or NaN; no checkpoint was written")
+        check_finite(self.ranks, model, optimizer)
         self.wait()  # the previous background save is complete (or failed: raised here) before this one
         rank_rngs = gather_rng(self.ranks, device_type)
         final = os.path.join(self.out_dir, step_name(values['iter_num']))
@@ -294,13 +294,7 @@ def background(setting, device_type):
     return setting == 'yes' or (setting == 'auto' and device_type == 'cuda')
 
 
-_SAVERS = []  # savers not finished: train.main waits for their background writes on an error path
-
-
-def abandon_all():
-    """Before a run that failed leaves its process group: every background save has ended."""
-    for saver in list(_SAVERS):
-        saver.abandon()
+_SAVERS = []  # savers not finished (what a test reaches the run's background writes through)
 
 
 def remove_checkpoints(paths):
@@ -314,49 +308,18 @@ def remove_checkpoints(paths):
             os.remove(path)
 
 
-def find(out_dir):
-    """(format, path, iter_num) of the checkpoint a resume of out_dir continues, or None: the one of
-    the highest iteration among out_dir/ckpt.pt and the complete step folders (the step folder when
-    they tie; an unreadable ckpt.pt counts as older than any folder, and alone it is still found so
-    that the resume names what is wrong with it)."""
-    from checkpoint import read
-    found = []
-    steps = complete_steps(out_dir)
-    if steps:
-        found.append((steps[-1][0], 1, 'dcp', steps[-1][1]))
-    path = os.path.join(out_dir, 'ckpt.pt')
-    if os.path.exists(path):
-        try:
-            it = read(path, mmap=True)['iter_num']
-        except (CheckpointError, KeyError, TypeError):
-            it = -1
-        found.append((it, 0, 'file', path))
-    if not found:
-        return None
-    it, _, fmt, path = max(found)
-    return fmt, path, it
-
-
-def all_checkpoints(out_dir):
-    """Every checkpoint in out_dir: ckpt.pt and the complete step folders."""
-    path = os.path.join(out_dir, 'ckpt.pt')
-    return ([path] if os.path.exists(path) else []) + [p for _, p in complete_steps(out_dir)]
-
-
-def resume(path, device, config, given):
-    """(values, model) to resume from the step folder `path`: check_resume's refusals, then the
-    model of the saved model_args on `device` in the weight dtype of the config, weights not yet
-    loaded (load() fills them once the model is sharded)."""
+def resume(path, device, config, given=()):
+    """(values, model) to resume from the step folder `path`: the refusals of the `given` keys that
+    cannot continue it (train_config.check_resume), then the model of the saved model_args on
+    `device` in the weight dtype of the config, weights not yet loaded (load() fills them once the
+    model is sharded)."""
     import builder
-    from checkpoint import ResumeRefused, check_resume
     from model import TransformerConfig
     values = read_values(path)
+    train_config.check_resume(values.get('config', {}), values.get('model_args', {}), config, given)
     try:
-        check_resume(values, config, given)
         model_args = {**values['model_args'], 'dropout': config['dropout']}
         return values, builder.new_model(TransformerConfig(**model_args), device, builder.weight_dtype(config['precision']))
-    except ResumeRefused:
-        raise
     except FAILURES as e:
         raise CheckpointError(f"cannot load checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                               f"it is corrupt or from another version: start from scratch or restore a backup") from None
@@ -445,7 +408,6 @@ class _TensorsOnly(dcp.DefaultLoadPlanner):
 
 def read_values(path):
     """The values.pt of a step folder (everything but the tensors of the model and optimizer)."""
-    from checkpoint import read
     values = read(os.path.join(path, VALUES), mmap=False)
     if not isinstance(values, dict) or values.get('format') != 'dcp':
         raise CheckpointError(f"{path}/{VALUES} is not a values file of train.py's sharded checkpoint; restore a "

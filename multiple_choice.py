@@ -59,9 +59,10 @@ def mc_example(doc, where):
     return {'query': query, 'choices': choices, 'gold': label}
 
 
-def read_mc(path, limit=0):
+def read_mc(path, limit=0, encode=None):
     """The examples of a HellaSwag-format jsonl file (mc_example each), the first `limit` when limit > 0;
-    an EvalError naming the file and line of anything else."""
+    an EvalError naming the file and line of anything else. encode: every text must encode (train.py's
+    eval_mc_path: text the tokenizer cannot encode is refused at the start, not at an evaluation)."""
     try:
         with open(path, encoding='utf-8') as f:
             lines = f.readlines()
@@ -82,6 +83,12 @@ def read_mc(path, limit=0):
             break
     if not examples:
         raise EvalError(f"mc_path={path} holds no examples; a HellaSwag file holds one JSON object a line")
+    for number, ex in enumerate(examples if encode is not None else [], 1):
+        try:
+            for text in (ex['query'], *ex['choices']):
+                encode(text)
+        except ValueError as e:
+            raise EvalError(f"{path}, example {number}: {e}") from None
     return examples
 
 

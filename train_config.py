@@ -150,6 +150,8 @@ def load(argv, defaults=None, given=None):
     cfg = configure(defaults or DEFAULTS, argv, given=given)
     check(cfg)
     check_device(cfg['device'])
+    if int(os.environ.get('RANK', -1)) != -1:  # under torchrun (distributed.setup): what its ranks cannot train,
+        check_parallel(cfg, int(os.environ.get('WORLD_SIZE', 1)), cfg['parallel'] == 'fsdp')  # before they join
     return cfg
 
 
@@ -217,11 +219,12 @@ THIS_COMMAND = ('init_from', 'out_dir', 'overwrite', 'eval_only', 'device', 'dty
                 'checkpoint_async')
 
 
-def resume_config(saved, model_args, cfg, given):
-    """The config of a resume: the checkpoint's (`saved`), with the keys this command gave (`given`)
-    on top. A given key that cannot continue the run is refused, every such key in one message.
-    model_args: the checkpoint's (its architecture is the truth; a config may predate that rule)."""
-    truth = {**saved, **{k: v for k, v in model_args.items() if k in SHAPE_KEYS or k == 'block_size'}}
+def check_resume(saved, model_args, cfg, given):
+    """Refuse (one-line ValueError) the keys this command gave (`given`) that cannot continue a
+    checkpoint of config `saved` and `model_args`: every such key in one message. Returns what the
+    checkpoint fixes: its config, its architecture on top (a config may predate that rule)."""
+    truth = {'precision': 'amp', **saved,  # older checkpoints: amp
+             **{k: v for k, v in model_args.items() if k in SHAPE_KEYS or k == 'block_size'}}
     conflicts = []
     for k, why in FIXED_ON_RESUME.items():
         if k in given and k in truth and cfg[k] != truth[k]:
@@ -231,6 +234,13 @@ def resume_config(saved, model_args, cfg, given):
                              f"--{k}={truth[k]}{new_run}")
     if conflicts:  # every one at once (a resume takes the checkpoint's config: dropping them is enough)
         raise ValueError('; '.join(conflicts))
+    return truth
+
+
+def resume_config(saved, model_args, cfg, given):
+    """The config of a resume: the checkpoint's (`saved`), with the keys this command gave (`given`)
+    on top, after check_resume."""
+    truth = check_resume(saved, model_args, cfg, given)
     merged = {**cfg, **{k: v for k, v in truth.items() if k in cfg and k not in given and k not in THIS_COMMAND}}
     check(merged)
     return merged

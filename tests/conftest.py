@@ -147,8 +147,8 @@ def records(out_dir, kind):
 
 def copy_checkpoint(src, dst):
     """Copy out_dir `src`'s newest checkpoint (ckpt.pt or step folder) into out_dir `dst`."""
-    import checkpoint_dcp
-    fmt, path, _ = checkpoint_dcp.find(str(src))
+    import checkpoint
+    fmt, path, _ = checkpoint.find(str(src))
     os.makedirs(dst, exist_ok=True)
     if fmt == 'file':
         shutil.copyfile(path, os.path.join(dst, 'ckpt.pt'))

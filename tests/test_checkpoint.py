@@ -157,3 +157,21 @@ def test_a_mapped_read_names_a_bad_file_as_a_plain_read_does(tmp_path):
             checkpoint.read(str(path), mmap=mmap)
         messages.append(str(e.value))
     assert messages[0] == messages[1] and 'UnpicklingError: Weights only load failed' in messages[1]
+
+
+def test_the_resume_rules_are_one_rule_for_every_reader(tmp_path):
+    """train_config.check_resume is the only place the rules are written: a config saved before the
+    precision key (amp then) resumes as amp and refuses a given --precision=bf16, and a back end's own
+    resume (checkpoint.resume, which the benchmarks call directly) refuses a given key that cannot
+    continue it in the same words as train.py; keys not given are the checkpoint's."""
+    import train_config
+    saved = {k: v for k, v in CFG.items() if k != 'precision'}
+    model_args = builder.transformer_kwargs(CFG, CFG['vocab_size'])
+    assert train_config.resume_config(saved, model_args, {**CFG, 'precision': 'bf16'}, set())['precision'] == 'amp'
+    with pytest.raises(ValueError, match=r"^precision='bf16' differs from the checkpoint's 'amp' .*--precision=amp$"):
+        train_config.resume_config(saved, model_args, {**CFG, 'precision': 'bf16'}, {'precision'})
+    path = str(tmp_path / 'ckpt.pt')
+    cpu_checkpoint_after_one_step(CFG, path)
+    with pytest.raises(ValueError, match=r"^n_layer=3 conflicts with the checkpoint's 2 \(the weights have that shape\)"):
+        checkpoint.resume(path, 'cpu', {**CFG, 'n_layer': 3}, {'n_layer'})
+    assert checkpoint.resume(path, 'cpu', {**CFG, 'n_layer': 3}, set())[1].config.n_layer == 2

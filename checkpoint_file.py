@@ -1,0 +1,193 @@
+"""
+The 'file' checkpoint format, out_dir/ckpt.pt (one process's default), and the parts both formats
+share: the errors, the weights_only read, the finiteness vote and the RNG states. The step folders
+(checkpoint_dcp.py) build on these; checkpoint.py's Checkpointer picks the format of a run.
+
+A checkpoint is one torch.save'd dict: the state_dict() of each object train.py hands over
+(model, optimizer, cycler, scaler), and plain values (data position, model_args, iter_num,
+best_val_loss, config), plus world_size and every rank's RNG. It is never written with a
+non-finite weight or optimizer state, goes to disk (fsync) before it atomically replaces the
+previous one, and is read with weights_only=True, so a file from elsewhere cannot run code.
+"""
+import contextlib
+import os
+import zipfile
+from pathlib import Path
+
+import torch
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing or cannot be read; the message is one line and says what to do."""
+
+
+class NonFiniteState(CheckpointError):
+    """The weights or the optimizer state hold inf or NaN: such a state is never saved."""
+
+
+def read(path, map_location='cpu', mmap=False):
+    """The checkpoint dict at `path`, or a CheckpointError naming the problem in one line.
+
+    mmap=True maps the tensors instead of reading them: cheap enough to look at iter_num of a
+    multi-GB checkpoint."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"no checkpoint at {path}; train one first: python train.py "
+                              f"--out_dir={os.path.dirname(path) or '.'}")
+    if mmap and not zipfile.is_zipfile(path):  # not torch.save's format (nothing to map): torch's error names it
+        mmap = False
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as e:
+        # torch's messages run to several sentences (advice to switch weights_only off, which we must not
+        # follow); the first names the problem
+        reason = str(e).strip().splitlines()[0].split('. ')[0].rstrip('.') if str(e).strip() else ''
+        raise CheckpointError(f"cannot read checkpoint {path} ({type(e).__name__}: {reason[:200]}); it is "
+                              f"corrupt, truncated or from another program: restore a backup or train from "
+                              f"scratch") from None
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path):
+    """Yield a hidden temporary path next to ``path``; on success it replaces ``path``.
+
+    On any error the temporary file is removed and ``path`` keeps its old content, so a failed
+    write never leaves a half-written file behind. The pid keeps parallel writers apart.
+    (data/common.py's prepare scripts write their files through it too.)
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        with open(tmp, 'rb+') as f:  # on disk before it replaces the old file: a power cut leaves one of the two
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if tmp.exists():
+            os.remove(tmp)
+        raise
+
+
+def gather_rng(ranks, device_type):
+    """Every rank's RNG state (dropout), in rank order; a collective, call on every rank."""
+    return ranks.gather({'torch': torch.get_rng_state(),
+                         'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None})
+
+
+def all_finite(model, optimizer):
+    """Whether every weight and every optimizer-state tensor of this rank (its shards) is finite."""
+    tensors = [p for p in model.parameters()]
+    # through state_dict(): its hooks wait for asynchronous copies of the state (optimizer_offload)
+    tensors += [t for state in optimizer.state_dict()['state'].values() for t in state.values()
+                if torch.is_tensor(t) and t.is_floating_point()]
+    return all(bool(torch.isfinite(t.to_local() if hasattr(t, 'to_local') else t).all()) for t in tensors)
+
+
+def check_finite(ranks, model, optimizer):
+    """Raise NonFiniteState on every rank alike (a vote: a collective) when the weights or optimizer
+    state of any rank hold inf or NaN; before a save of either format, and after a resume."""
+    if ranks.any(not all_finite(model, optimizer)):
+        raise NonFiniteState("the weights or optimizer state hold inf or NaN; no checkpoint was written")
+
+
+def save(path, ranks, objects, values, fsdp=False, device_type='cpu'):
+    """Write {name: obj.state_dict() for objects} and `values` (plain data) to `path`.
+
+    Call on every rank (collectives: the finiteness vote, the RNG states, FSDP's full state
+    dicts); rank 0 writes. objects holds 'model' and 'optimizer' (gathered from their shards under
+    FSDP) and whatever else has a state_dict. Raises NonFiniteState, on every rank alike, before
+    anything is written; a failed write (disk full, read-only) raises CheckpointError and leaves
+    the previous file as it was (atomic_path). Returns whether this rank wrote the file."""
+    model, optimizer = objects['model'], objects['optimizer']
+    check_finite(ranks, model, optimizer)
+    rank_rngs = gather_rng(ranks, device_type)
+    if fsdp:  # gathered to rank 0 (a collective); the same file format as one process writes
+        import distributed
+        states = dict(zip(('model', 'optimizer'), distributed.full_state_dicts(model, optimizer)))
+    else:
+        states = {'model': model.state_dict(), 'optimizer': optimizer.state_dict()}
+    if not ranks.master:
+        return False
+    states.update({name: obj.state_dict() for name, obj in objects.items() if name not in states})
+    checkpoint = {**states, **values, 'world_size': ranks.world_size, 'rng': {'ranks': rank_rngs}}
+    try:
+        with atomic_path(Path(path)) as tmp_path:
+            torch.save(checkpoint, tmp_path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError of its zip writer
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:200]
+        raise CheckpointError(f"cannot write {path} ({reason}); the previous checkpoint is intact: free "
+                              f"space or choose another --out_dir, then resume") from None
+    return True
+
+
+def resume(path, device, config, given=()):
+    """(checkpoint, model) to resume from `path`, the model on `device` in the checkpoint's weight dtype;
+    a one-line ValueError when there is none, it does not load, or the `given` keys of the config
+    cannot continue it (train_config.check_resume).
+
+    The checkpoint is read into host memory, never onto `device`: the RNG states must stay CPU
+    tensors (torch.set_rng_state and torch.cuda.set_rng_state take nothing else), the optimizer
+    state goes where its parameters are when load_state loads it (torch's loading, and
+    optim.MasterWeights' for master_device='cpu', which keeps its masters in host memory), and no
+    rank holds the whole file on its GPU. So a file written on one device type resumes on any
+    other, through this same path. For a GPU the file is mapped (mmap: the ranks of a node share
+    its pages, and no rank reads it whole), since everything is copied out of it; a CPU run reads
+    it, as its optimizer state would stay the file's pages (torch's loading keeps a tensor that is
+    on the right device already), holding the replaced file's disk space after the next save."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"no checkpoint at {path} to resume from; train with init_from='scratch' first")
+    checkpoint = read(path, map_location='cpu', mmap=torch.device(device).type != 'cpu')
+    import train_config  # here, not above: the data prepare scripts import this file for atomic_path alone
+    train_config.check_resume(checkpoint.get('config', {}), checkpoint.get('model_args', {}), config, given)
+    model = load_model(checkpoint, path, config)
+    from builder import weight_dtype
+    # cast where it was read, then moved once: a bf16 run never holds fp32 weights on the device
+    model.to(weight_dtype(config['precision'])).to(device)  # check_resume: the saved precision
+    if model.config.tie_embeddings:  # a move to a device of another kind (meta) gives each module its own
+        model.wte.weight = model.lm_head.weight
+    return checkpoint, model
+
+
+def load_model(checkpoint, path, config):
+    """The GPT saved in `checkpoint`, with the config's dropout; a one-line CheckpointError for a
+    checkpoint that does not load."""
+    from model import Transformer, TransformerConfig
+    try:
+        model_args = checkpoint['model_args']
+        model_args['dropout'] = config['dropout']
+        model = Transformer(TransformerConfig(**model_args))
+        model.load_state_dict(checkpoint['model'])
+    except Exception as e:
+        raise CheckpointError(f"cannot load checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                              f"it is corrupt or from another version: start from scratch or restore a backup") from None
+    return model
+
+
+def load_state(checkpoint, objects, fsdp=False):
+    """Load each object's state from `checkpoint` (the model is loaded when it is built: not here).
+    ValueError or KeyError when it does not fit. A scaler loads only when loss scaling is on and
+    the checkpoint has its state (saved with float16)."""
+    for name, obj in objects.items():
+        if name == 'optimizer' and fsdp:  # the file holds full tensors; each rank keeps its shards
+            import distributed
+            distributed.load_optimizer_state(objects['model'], obj, checkpoint['optimizer'])
+        elif name == 'scaler':
+            if obj.is_enabled() and checkpoint.get('scaler'):
+                obj.load_state_dict(checkpoint['scaler'])
+        elif name != 'model':
+            obj.load_state_dict(checkpoint[name])
+
+
+def restore_rng(checkpoint, ranks, device_type, seed, iter_num):
+    """Continue each rank's dropout stream from `checkpoint`; returns False when it was saved on
+    another number of ranks. Then (the data loader accepted the position, see dataloader.py) the
+    run goes on from the same weights, schedule and windows, but the per-rank dropout streams
+    cannot continue, and the gradient sum runs in another order, so it is not bitwise: each rank
+    is seeded afresh."""
+    rank_rngs = checkpoint['rng'].get('ranks', [])
+    if len(rank_rngs) != ranks.world_size:
+        torch.manual_seed(seed + ranks.rank + 1_000_003 * iter_num)
+        return False
+    torch.set_rng_state(rank_rngs[ranks.rank]['torch'])
+    if device_type == 'cuda' and rank_rngs[ranks.rank]['cuda'] is not None:
+        torch.cuda.set_rng_state(rank_rngs[ranks.rank]['cuda'])
+    return True
