@@ -72,9 +72,13 @@ class Checkpointer:
             self._replace(cfg['overwrite'])
         if master and self.writes:  # the writer (it holds the lock): an unusable out_dir is found now
             check_out_dir(out_dir)
-            removed = checkpoint_dcp.remove_incomplete(out_dir)  # what a crash in the middle of a save left
+            removed, left = checkpoint_dcp.remove_incomplete(out_dir)  # what a crash in the middle of a save left
             if removed:
                 print(f"removed {', '.join(removed)} from {out_dir}: checkpoint(s) left incomplete by an interrupted save")
+            if left:
+                print(f"warning: {', '.join(left)} in {out_dir}: not a complete checkpoint, and no save of train.py "
+                      f"was writing it; left as it is (a copy missing its .complete file does not resume)",
+                      file=sys.stderr, flush=True)
         self.seed = cfg['seed']
         fmt = cfg['checkpoint_format']  # 'auto': one file in one process; sharded folders on several ranks
         if fmt == 'dcp' or (fmt == 'auto' and self.ranks.world_size > 1):

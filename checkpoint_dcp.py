@@ -50,6 +50,9 @@ from torch.distributed.checkpoint.api import CheckpointException as _DCPExceptio
 
 FAILURES = (Exception, _DCPException)
 MARKER = '.complete'
+# written first into a folder a save writes, or a removal removes: what an interrupted one leaves is known to
+# be this code's by what it wrote, never by its name
+WRITING, REMOVING = '.writing', '.removing'
 VALUES = 'values.pt'
 STEP = re.compile(r'^step_(\d{7,})$')
 
@@ -80,24 +83,35 @@ def latest(out_dir):
 
 
 def remove_incomplete(out_dir):
-    """Remove what interrupted saves left in out_dir: step_*.tmp folders, and step folders without
-    .complete (a prune cut short). Only the holder of out_dir's lock may call this."""
-    removed = []
+    """What interrupted saves and removals of this code left in out_dir: folders holding its WRITING or
+    REMOVING marker are removed. Anything else is left as it is, and a folder that looks like a step
+    folder (it holds values.pt) but would not resume is named. Returns (removed, left) names. Only the
+    holder of out_dir's lock may call this."""
+    removed, left = [], []
     for name in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
         path = os.path.join(out_dir, name)
-        if name.startswith('step_') and os.path.isdir(path) and not (STEP.match(name) and
-                                                                      os.path.isfile(os.path.join(path, MARKER))):
+        if not os.path.isdir(path):
+            continue
+        if any(os.path.isfile(os.path.join(path, m)) for m in (WRITING, REMOVING)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(name)
-    return removed
+        elif os.path.isfile(os.path.join(path, VALUES)) and not (STEP.match(name) and
+                                                                 os.path.isfile(os.path.join(path, MARKER))):
+            left.append(name)  # it looks like a step folder, yet it would not resume
+    return removed, left
 
 
 def prune(out_dir, keep_last):
     """Remove the oldest complete checkpoints beyond the newest keep_last (0 keeps all)."""
     steps = complete_steps(out_dir)
-    for _, path in steps[:-keep_last] if keep_last else []:
-        os.remove(os.path.join(path, MARKER))  # first: a half-removed folder must not count as complete
-        shutil.rmtree(path, ignore_errors=True)
+    remove_checkpoints([path for _, path in steps[:-keep_last]] if keep_last else [])
+
+
+def _mark(folder, marker):
+    with open(os.path.join(folder, marker), 'w') as f:
+        f.write(f"{marker[1:]} by train.py (checkpoint_dcp.py)\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _fsync_dir(path):
@@ -185,9 +199,12 @@ class Saver:
             checkpoint = {**states, **values, 'world_size': self.ranks.world_size, 'rng': {'ranks': rank_rngs},
                           'optimizer_rest': optim_rest, 'tied': tied, 'format': 'dcp'}
             try:
-                if os.path.exists(tmp):
-                    shutil.rmtree(tmp)
+                if os.path.exists(tmp) and not os.path.isfile(os.path.join(tmp, WRITING)):
+                    raise FileExistsError(f"{tmp} exists and no save of train.py wrote it: move it away")
+                if os.path.exists(tmp):  # this code's save of the same iteration, cut short
+                    remove_checkpoints([tmp])
                 os.makedirs(tmp)
+                _mark(tmp, WRITING)  # first: a save cut short is known as this code's by it
                 with open(os.path.join(tmp, VALUES), 'wb') as f:
                     torch.save(checkpoint, f)
                     f.flush()
@@ -229,10 +246,9 @@ class Saver:
                 f.write('complete\n')
                 f.flush()
                 os.fsync(f.fileno())
+            os.remove(os.path.join(tmp, WRITING))
             if os.path.exists(final):  # this iteration's folder of an earlier run (overwrite=True)
-                if os.path.exists(os.path.join(final, MARKER)):
-                    os.remove(os.path.join(final, MARKER))
-                shutil.rmtree(final)
+                remove_checkpoints([final])
             os.replace(tmp, final)
             _fsync_dir(self.out_dir)
             # an earlier run's (overwrite=True) first: pruning then counts only this run's folders
@@ -298,9 +314,11 @@ _SAVERS = []  # savers not finished (what a test reaches the run's background wr
 
 
 def remove_checkpoints(paths):
-    """Remove checkpoints (ckpt.pt files, step folders: the marker first)."""
+    """Remove checkpoints (ckpt.pt files; step folders: REMOVING, then the complete marker, first, so a
+    removal cut short leaves a folder that neither resumes nor is mistaken for someone else's)."""
     for path in paths:
         if os.path.isdir(path):
+            _mark(path, REMOVING)
             if os.path.exists(os.path.join(path, MARKER)):
                 os.remove(os.path.join(path, MARKER))
             shutil.rmtree(path, ignore_errors=True)

@@ -143,17 +143,31 @@ def test_keep_last_prunes_and_an_overwrite_removes_the_earlier_run(tmp_path):
     assert load(tmp_path)['iter_num'] == 5 and folders(tmp_path)[-1] == 'step_0000005'
 
 
-def test_an_incomplete_folder_never_resumes_and_is_removed(tmp_path):
-    run_train(f'--out_dir={tmp_path}', '--max_iters=4', '--eval_interval=2', '--checkpoint_format=dcp')
+def test_an_incomplete_folder_never_resumes_and_only_what_a_save_wrote_is_removed(tmp_path):
+    """A save or a removal of this code cut short leaves its marker (checkpoint_dcp.WRITING, REMOVING): the
+    next writer removes such folders. A folder it did not write stays, whatever its name, and one that looks
+    like a checkpoint is named in a warning: a copy that skipped dotfiles (no .complete), a user's backups."""
+    import checkpoint_dcp
     import shutil
-    # a save cut short: shards without the marker, under both names a crash can leave
-    for name in ('step_0000006.tmp', 'step_0000008'):
-        shutil.copytree(tmp_path / 'step_0000004', tmp_path / name)
+    run_train(f'--out_dir={tmp_path}', '--max_iters=4', '--eval_interval=2', '--checkpoint_format=dcp')
+    for name, marker in (('step_0000006.tmp', checkpoint_dcp.WRITING), ('step_0000008', checkpoint_dcp.REMOVING)):
+        shutil.copytree(tmp_path / 'step_0000004', tmp_path / name)  # cut short: shards without .complete
         os.remove(tmp_path / name / '.complete')
+        (tmp_path / name / marker).write_text('cut short\n')
+    foreign = ['step_0000010', 'step_20', 'step_0000020.bak', 'step_0000010_before_lr_change', 'step_notes']
+    for name in foreign[:-1]:
+        shutil.copytree(tmp_path / 'step_0000004', tmp_path / name)
+    os.remove(tmp_path / 'step_0000010' / '.complete')  # an intact copy that skipped dotfiles
+    (tmp_path / 'step_notes').mkdir()
+    (tmp_path / 'step_notes' / 'README.txt').write_text('my notes\n')
     run = run_train(f'--out_dir={tmp_path}', '--max_iters=5', '--eval_interval=5', '--init_from=auto')
     assert f"resuming from iteration 4 of {tmp_path / 'step_0000004'}" in run.stdout
     assert 'removed step_0000006.tmp, step_0000008 from' in run.stdout
-    assert folders(tmp_path) == ['step_0000002', 'step_0000004', 'step_0000005']
+    warning = [line for line in run.stderr.splitlines() if line.startswith('warning: ') and 'left as it is' in line]
+    assert len(warning) == 1 and all(name in warning[0] for name in foreign[:-1]), run.stderr
+    assert 'step_notes' not in warning[0]  # it does not look like a checkpoint
+    assert folders(tmp_path) == sorted(['step_0000002', 'step_0000004', 'step_0000005', *foreign])
+    assert (tmp_path / 'step_notes' / 'README.txt').read_text() == 'my notes\n'
     # a config that cannot continue the step folder is refused in one line, as for ckpt.pt
     refused = run_train(f'--out_dir={tmp_path}', '--max_iters=8', '--init_from=resume', '--n_layer=6',
                         '--block_size=16', expect_ok=False)
