@@ -66,6 +66,8 @@ class Checkpointer:
         self.init_from = cfg['init_from']
         if self.init_from == 'auto':  # a restarted job resumes; the first launch starts from scratch
             self.init_from = 'resume' if self.found else 'scratch'
+        if self.init_from == 'resume' and self.found:
+            self.found = self._newest_loadable()
         if self.init_from == 'resume':
             cfg = self._resume_config(cfg, given)
         elif self.found and self.writes:
@@ -86,6 +88,37 @@ class Checkpointer:
                 cfg['checkpoint_async'], self.device_type))  # in the background on a GPU (checkpoint_async)
             self.saver.replaces = self.replaced if master else []
         return cfg
+
+    def _newest_loadable(self):
+        """The newest checkpoint that can be read; each newer one that cannot is named in a warning and
+        kept, moved aside to NAME.damaged so that this run's save of the same iteration does not replace it
+        (a preempted job's requeue then resumes, as torchtitan's and litgpt's do). All damaged: the newest,
+        whose error the resume then reports. Rank 0 decides, for every rank alike."""
+        chosen, skipped = self.found, []
+        for fmt, path, it in candidates(self.out_dir):
+            try:
+                read(path, mmap=True) if fmt == 'file' else checkpoint_dcp.check_readable(path)
+            except CheckpointError as e:
+                skipped.append((path, str(e).split('; ')[0]))
+                continue
+            chosen = fmt, path, it
+            break
+        else:
+            skipped = []  # none loads: the newest's own error, at the resume
+        chosen, skipped = self.ranks.gather((chosen, skipped))[0]
+        if skipped and self.ranks.master:
+            kept = []
+            for path, _ in skipped:
+                aside = path + '.damaged'
+                if self.writes and not os.path.exists(aside):
+                    os.replace(path, aside)
+                    path = aside
+                kept.append(path)
+            print(f"warning: cannot resume from {'; '.join(f'{p} ({why})' for p, why in skipped)}: resuming from "
+                  f"{chosen[1]} instead; kept as {', '.join(kept)}", file=sys.stderr, flush=True)
+        if self.ranks.enabled:
+            self.ranks.gather(None)  # every rank reads on once the damaged are moved aside
+        return tuple(chosen)
 
     def _resume_config(self, cfg, given):
         if self.found is None:
@@ -223,6 +256,19 @@ def find(out_dir):
         return None
     it, _, fmt, path = max(found)
     return fmt, path, it
+
+
+def candidates(out_dir):
+    """[(format, path, iter_num)] of every checkpoint in out_dir, newest first; an unreadable ckpt.pt
+    (iter_num -1) first of all: it may be the newest, so a fall-back names it."""
+    found = [(it, 1, 'dcp', path) for it, path in checkpoint_dcp.complete_steps(out_dir)]
+    path = os.path.join(out_dir, 'ckpt.pt')
+    if os.path.exists(path):
+        try:
+            found.append((read(path, mmap=True)['iter_num'], 0, 'file', path))
+        except (CheckpointError, KeyError, TypeError):
+            found.append((-1, 0, 'file', path))
+    return [(fmt, path, it) for it, _, fmt, path in sorted(found, key=lambda f: (f[0] < 0, f[:2]), reverse=True)]
 
 
 def all_checkpoints(out_dir):

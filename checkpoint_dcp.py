@@ -458,6 +458,20 @@ def read_index(path):
         raise _cannot_read(path, e) from None
 
 
+def check_readable(path):
+    """A CheckpointError naming what is wrong when the step folder cannot be resumed from: its values,
+    its index, or a shard the index points into that is missing or shorter than the index says (what a
+    copy cut short or a lost file leaves). Reads no tensor data."""
+    read_values(path)
+    index = read_index(path)
+    for info in getattr(index, 'storage_data', {}).values():
+        shard = os.path.join(path, info.relative_path)
+        size = os.path.getsize(shard) if os.path.isfile(shard) else None
+        if size is None or size < info.offset + info.length:
+            state = 'missing' if size is None else f'{size} bytes, the index needs {info.offset + info.length}'
+            raise CheckpointError(f"{path}: shard {info.relative_path} is {state}")
+
+
 def _load(state, path, group=None):
     # the index is checked here, on every rank alike (the same file), before DCP's collectives: inside
     # dcp.load a refusal would reach the user wrapped in DCP's logged tracebacks

@@ -240,3 +240,35 @@ def test_checkpoint_async_is_the_background_on_a_gpu_and_what_is_asked_elsewhere
     import checkpoint_dcp
     assert checkpoint_dcp.background('auto', 'cuda') and not checkpoint_dcp.background('auto', 'cpu')
     assert checkpoint_dcp.background('yes', 'cpu') and not checkpoint_dcp.background('no', 'cuda')
+
+
+@pytest.mark.parametrize('damage', ['truncated shard', 'missing shard', 'zeroed index', 'truncated ckpt.pt'])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_that_loads(tmp_path, damage):
+    """--init_from=auto (what a requeued job runs) resumes from the newest checkpoint that loads, names the
+    damaged one and why in a warning, and keeps it, moved aside so that this run's save of the same
+    iteration does not replace it."""
+    fmt = 'file' if damage == 'truncated ckpt.pt' else 'dcp'
+    run_train(f'--out_dir={tmp_path}', '--max_iters=4', '--eval_interval=2', '--checkpoint_format=dcp')
+    newest = tmp_path / 'step_0000004'
+    if fmt == 'file':  # a ckpt.pt of iteration 6 beside the folders, cut short
+        run_train(f'--out_dir={tmp_path}', '--max_iters=6', '--eval_interval=6', '--init_from=resume',
+                  '--checkpoint_format=file')
+        newest = tmp_path / 'ckpt.pt'
+        newest.write_bytes(newest.read_bytes()[:5000])
+    else:
+        shards = sorted(newest.glob('*.distcp'))
+        if damage == 'truncated shard':
+            shards[0].write_bytes(shards[0].read_bytes()[:100])
+        elif damage == 'missing shard':
+            shards[0].unlink()
+        else:
+            (newest / '.metadata').write_bytes(bytes(len((newest / '.metadata').read_bytes())))
+    damaged = sorted(p.name for p in newest.rglob('*')) if newest.is_dir() else newest.read_bytes()
+    run = run_train(f'--out_dir={tmp_path}', '--max_iters=8', '--eval_interval=4', '--init_from=auto')
+    resumed = tmp_path / 'step_0000004' if fmt == 'file' else tmp_path / 'step_0000002'
+    assert f"resuming from iteration {4 if fmt == 'file' else 2} of {resumed}" in run.stdout, run.stdout[-2000:]
+    warning = [line for line in run.stderr.splitlines() if line.startswith('warning: cannot resume from')]
+    assert len(warning) == 1 and str(newest) in warning[0] and f'kept as {newest}.damaged' in warning[0], run.stderr
+    aside = tmp_path / f'{newest.name}.damaged'
+    assert (sorted(p.name for p in aside.rglob('*')) if aside.is_dir() else aside.read_bytes()) == damaged
+    assert load(tmp_path)['iter_num'] == 8
