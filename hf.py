@@ -473,6 +473,71 @@ def write_gpt2_tokenizer(hf_dir, block_size, files=None):
     return EOT, EOT
 
 
+CHAR_SPLIT = r'[\s\S]'  # the export's pre-tokenizer: every character (newlines too) a piece of its own
+
+
+def char_vocabulary(itos, where):
+    """{character: id} of a character-level dataset's itos (meta.pkl's id -> character), or ExportError."""
+    vocab = {c: i for i, c in itos.items()}
+    if not all(isinstance(c, str) and len(c) == 1 for c in vocab) or len(vocab) != len(itos) \
+            or sorted(itos) != list(range(len(itos))):
+        raise ExportError(f"the itos of {where} is not ids 0..N-1 of distinct single characters; prepare the dataset "
+                          f"again, or pass --tokenizer=none to export the weights only")
+    return vocab
+
+
+def char_tokenizer(vocab):
+    """A `tokenizers` Tokenizer that encodes text as data/tokenizer.py's 'char' does, one id per character
+    (WordLevel over the characters, each character split off by the pre-tokenizer; no added tokens, no unknown
+    token: a character outside the vocabulary is an error, as here) and decodes by joining them."""
+    try:
+        from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+        from tokenizers.models import WordLevel
+    except ImportError:
+        raise ExportError("a character-level tokenizer is written with the `tokenizers` package: pip install "
+                          "tokenizers (or pass --tokenizer=none to export the weights only)") from None
+    tok = Tokenizer(WordLevel(vocab))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(CHAR_SPLIT), behavior='isolated')
+    tok.decoder = decoders.Fuse()
+    return tok
+
+
+def write_char_tokenizer(hf_dir, tokenizer, block_size):
+    """tokenizer.json (char_tokenizer's) and a tokenizer_config.json for transformers' PreTrainedTokenizerFast, which
+    AutoTokenizer then loads; clean_up_tokenization_spaces off, so that decode gives the text back (' ,' stays).
+    bos_token is the newline, where the vocabulary has one: the start sample.py gives a character model, and the
+    token lm-eval puts before a text it scores from its start (it needs a bos or eos token; encoding adds none).
+    Being a special token, it is what decode(skip_special_tokens=True) drops: decode without it to keep newlines.
+    Returns (bos id or None, eos None)."""
+    tokenizer.save(os.path.join(hf_dir, 'tokenizer.json'))
+    config = dict(tokenizer_class='PreTrainedTokenizerFast', model_max_length=block_size,
+                  clean_up_tokenization_spaces=False)
+    bos = tokenizer.token_to_id('\n')
+    if bos is not None:
+        config['bos_token'] = '\n'
+    with open(os.path.join(hf_dir, 'tokenizer_config.json'), 'w') as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    return bos, None
+
+
+def read_char_tokenizer(hf_dir):
+    """{id: character} when hf_dir's tokenizer.json is a character tokenizer as export() writes it (so that
+    this repository encodes with its own 'char' tokenizer, data/tokenizer.py), else None."""
+    try:
+        found = _read_json(os.path.join(hf_dir, 'tokenizer.json'))
+    except (OSError, ValueError):
+        return None
+    model, split = found.get('model') or {}, found.get('pre_tokenizer') or {}
+    vocab = model.get('vocab')
+    if model.get('type') != 'WordLevel' or not isinstance(vocab, dict) or found.get('added_tokens') \
+            or split.get('type') != 'Split' or split.get('pattern') != {'Regex': CHAR_SPLIT} \
+            or (found.get('decoder') or {}).get('type') != 'Fuse' or found.get('normalizer') is not None:
+        return None
+    if not all(len(c) == 1 for c in vocab) or sorted(vocab.values()) != list(range(len(vocab))):
+        return None
+    return {i: c for c, i in vocab.items()}
+
+
 def _read_json(path):
     if not os.path.exists(path):
         return {}
@@ -560,6 +625,11 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_s
         kind, where = dataset_tokenizer(dataset)
         check_vocabulary(kind, where, model.config.vocab_size, dataset)
     files = gpt2_tokenizer_files() if kind == 'gpt2' else None  # every refusal before the first file is written
+    if kind == 'char':
+        from data.tokenizer import read_meta
+        from dataloader import data_dir
+        vocab = char_vocabulary(read_meta(data_dir(dataset))['itos'], where)
+        char_tok = char_tokenizer(vocab)
     try:
         os.makedirs(hf_dir, exist_ok=True)
     except OSError as e:
@@ -573,9 +643,9 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_s
         bos = eos = None
         note = "none (--tokenizer=none); only the weights are exported"
     elif kind == 'char':
-        bos = eos = None
-        note = (f"none: the dataset is character-level, its vocabulary is {where} (stoi/itos), which "
-                f"Hugging Face tokenizers cannot read; only the weights are exported")
+        bos, eos = write_char_tokenizer(hf_dir, char_tok, model.config.block_size)
+        note = (f"tokenizer.json, tokenizer_config.json: the {len(vocab)} characters of {where} (character-level, "
+                f"one id a character, as this repository encodes)")
     else:
         bos = eos = None
         note = f"none: {where} records a vocabulary but no tokenizer; only the weights are exported"

@@ -110,7 +110,11 @@ TRAIN = [
     ('--compile=maybe', r'not a valid bool'),
     ('--max_iters', r"expected --key=value, got '--max_iters'"),
     ('--dataset=', r'dataset must be a non-empty name'),
-    ('--dataset=no_such_dataset', r'python data/no_such_dataset/prepare\.py'),
+    # a mistyped name: the datasets there are, not a prepare script that does not exist
+    ('--dataset=no_such_dataset', r"dataset 'no_such_dataset' has no prepared splits in .*no_such_dataset; there is "
+                                  r"no data/no_such_dataset/prepare\.py either: the datasets are c4, openwebtext, "
+                                  r"shakespeare, shakespeare_char(, [\w.-]+)* \(or give the path of a prepared "
+                                  r"folder\)$"),
     ('{files}/syntax.py', r"syntax\.py', line 2: SyntaxError"),
     ('{files}/latin1.py', r'latin1\.py.* is not UTF-8 text'),
     ('{files}/exits.py', r'exits\.py.* calls exit\(\); a config file only assigns keys'),

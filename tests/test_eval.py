@@ -4,6 +4,7 @@ import importlib.util
 import json
 import math
 import os
+import pickle
 import re
 import sys
 
@@ -13,8 +14,8 @@ import torch
 from torch.nn import functional as F
 
 from conftest import assert_one_line_error, assert_same_state, run_script, run_train, tiny_model_config
-from eval import full_loss, window_loss, write_mc_task, MC_TASK
-from multiple_choice import continuation_logprobs, mc_accuracy, mc_example, read_mc
+from eval import full_loss, load_checkpoint_model, window_loss, write_mc_task, MC_TASK
+from multiple_choice import continuation_logprobs, encode_pair, mc_accuracy, mc_example, read_mc
 from model import Transformer
 
 HAS_LM_EVAL = importlib.util.find_spec('lm_eval') is not None
@@ -214,6 +215,13 @@ def test_train_py_refuses_a_bad_mc_file_before_training(tmp_path):
                                                          r"vocabulary"),
     (['--mc_path={mc}'], [''], r"holds no examples"),
     (['--split=test'], None, r"unknown split 'test' of dataset 'shakespeare_char'; its prepared splits: train, val"),
+    # a mistyped name: the datasets there are, not a prepare script that does not exist
+    (['--dataset=shakespeare_chars'], None, r"dataset 'shakespeare_chars' has no prepared splits in .*shakespeare_chars; "
+                                            r"there is no data/shakespeare_chars/prepare.py either: the datasets are "
+                                            r"c4, openwebtext, shakespeare, shakespeare_char(, [\w.-]+)* \(or give the "
+                                            r"path of a prepared folder\)$"),
+    (['--dataset=openwebtext'], None, r"dataset 'openwebtext' has no prepared splits in .*; run "
+                                      r"`python data/openwebtext/prepare.py` first$"),
     (['--block_size=64'], None, r"block_size=64 is longer than the model's 32 positions"),
     (['--out_dir={tmp}'], None, r"no checkpoint at .*ckpt.pt"),
     (['--out_dir={tmp}/ckpt.pt'], None, r"no checkpoint at"),
@@ -228,6 +236,19 @@ def test_bad_input_is_one_error_line(run, tmp_path, args, docs, pattern):
     mc = write_jsonl(tmp_path / 'mc.jsonl', docs) if docs is not None else ''
     args = [a.format(tmp=tmp_path, mc=mc) for a in args]
     assert_one_line_error(run_script('eval.py', [f'--out_dir={out_dir}', *args]), pattern)
+
+
+def test_a_run_of_step_folders_is_named_by_the_folder_read(tmp_path):
+    """eval.py names the checkpoint it read: a run that wrote step folders (any run on several ranks; one rank with
+    checkpoint_format=dcp here) by its newest folder, not an out_dir/ckpt.pt that does not exist; --help says so."""
+    run_train(f'--out_dir={tmp_path}', '--max_iters=4', '--eval_interval=2', '--checkpoint_format=dcp')
+    assert not (tmp_path / 'ckpt.pt').exists()
+    result = run_script('eval.py', [f'--out_dir={tmp_path}', '--device=cpu'])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"model: {tmp_path / 'step_0000004'} (iteration 4), gpt2,"), result.stdout
+    result = run_script('eval.py', ['--help'])
+    assert re.search(r"^\s*--out_dir=\S+\s+the run whose checkpoint \(ckpt.pt or newest step folder\) to evaluate$",
+                     result.stdout, re.M), result.stdout
 
 
 def test_checkpoint_that_does_not_load_is_one_error_line(run, tmp_path):
@@ -273,37 +294,101 @@ def test_mc_on_a_hugging_face_directory(hf_gpt2, tmp_path):
         f"mc {path}: acc {expected['acc']:.4f}, acc_norm {expected['acc_norm']:.4f} (3 examples)"]
 
 
-@pytest.mark.skipif(not HAS_LM_EVAL, reason='lm-evaluation-harness is not installed (pip install "lm-eval[hf]")')
-def test_lm_eval_scores_the_same_log_probabilities(hf_gpt2, run, tmp_path):
-    """lm-eval's HFLM on the exported directory (transformers' GPT-2) gives each ending the log-probability
-    eval.py gives it, and so the same acc and acc_norm; offline, from the local task eval.py writes."""
+# CI's newest torch installs lm-eval and sets OMGD_LM_EVAL=required (.ci/run): there the cross-checks below run,
+# and a missing lm-eval fails them instead of skipping them
+LM_EVAL_REQUIRED = os.environ.get('OMGD_LM_EVAL') == 'required'
+needs_lm_eval = pytest.mark.skipif(not HAS_LM_EVAL and not LM_EVAL_REQUIRED,
+                                   reason='lm-evaluation-harness is not installed (pip install "lm-eval[hf]")')
+
+
+def test_ci_runs_the_lm_eval_cross_checks():
+    """.ci/run installs lm-eval before the suite on its newest torch and requires it there, so that the cross-checks
+    below run against the real harness in CI instead of skipping."""
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), '.ci', 'run')) as f:
+        run = f.read()
+    install = re.search(r'^python -m pip install .*"lm-eval\[hf\]==[\d.]+"$', run, re.M)
+    suite = re.search(r'^OMGD_LM_EVAL=required python -m pytest -q tests$', run, re.M)
+    assert install and suite and install.start() < suite.start(), run
+
+
+def lm_eval_samples(directory, examples, tmp_path):
+    """lm-evaluation-harness itself (HFLM on a Hugging Face directory, transformers' model and tokenizer) on the
+    examples as eval.py's local task, offline: (its results, each example's per-ending log-probabilities)."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
-    from data.tokenizer import Tokenizer
-    from eval import encode_pair
-    directory, model = hf_gpt2
-    examples = read_mc(write_jsonl(tmp_path / 'mc.jsonl', EXAMPLES))
     task_dir = tmp_path / 'task'
     task_dir.mkdir()
     write_mc_task(examples, str(task_dir))
     results = lm_eval.simple_evaluate(model=HFLM(pretrained=directory, device='cpu', batch_size=4), tasks=[MC_TASK],
                                       task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
                                       num_fewshot=0)
-    theirs = [[resp[0] for resp in sample['filtered_resps']] for sample in results['samples'][MC_TASK]]
-    encode = Tokenizer('gpt2').encode
+    return results, [[resp[0] for resp in sample['filtered_resps']] for sample in results['samples'][MC_TASK]]
+
+
+def assert_lm_eval_agrees(directory, model, encode, tmp_path):
+    """Every ending's log-probability in lm-eval equals eval.py's to 1e-4, and so do acc and acc_norm."""
+    examples = read_mc(write_jsonl(tmp_path / 'mc.jsonl', EXAMPLES))
+    results, theirs = lm_eval_samples(directory, examples, tmp_path)
     ours = [continuation_logprobs(model, [encode_pair(encode, ex['query'], ' ' + c) for c in ex['choices']])
             for ex in examples]
     assert np.allclose(theirs, ours, atol=1e-4)
     expected = mc_accuracy(model, examples, encode)
     assert results['results'][MC_TASK]['acc,none'] == pytest.approx(expected['acc'])
     assert results['results'][MC_TASK]['acc_norm,none'] == pytest.approx(expected['acc_norm'])
+    return expected
+
+
+@needs_lm_eval
+def test_lm_eval_scores_the_same_log_probabilities(hf_gpt2, tmp_path):
+    """lm-eval's HFLM on the exported directory (transformers' GPT-2) gives each ending the log-probability
+    eval.py gives it, and so the same acc and acc_norm; offline, from the local task eval.py writes."""
+    from data.tokenizer import Tokenizer
+    directory, model = hf_gpt2
+    expected = assert_lm_eval_agrees(directory, model, Tokenizer('gpt2').encode, tmp_path)
     # and through eval.py
     result = run_script('eval.py', [f'--hf_dir={directory}', f'--mc_path={tmp_path / "mc.jsonl"}',
                                     '--lm_eval=True', '--device=cpu'])
     assert result.returncode == 0, result.stderr
     assert f"lm-eval {MC_TASK}: acc {expected['acc']:.4f}, acc_norm {expected['acc_norm']:.4f}" in result.stdout
-    # a character-level checkpoint has no tokenizer Hugging Face reads
-    result = run_script('eval.py', [f'--out_dir={run[0]}', '--loss=False', f'--mc_path={tmp_path / "mc.jsonl"}',
-                                    '--lm_eval=True'])
-    assert_one_line_error(result, r"lm-eval needs a tokenizer Hugging Face reads, and the dataset of .* has none")
+
+
+@needs_lm_eval
+def test_lm_eval_on_a_character_level_model(run, tmp_path):
+    """train.py's default (character-level) model: export writes its characters as a tokenizer transformers
+    reads, so lm-eval scores every ending as eval.py does, from the checkpoint and from the exported directory;
+    a directory exported without a tokenizer, or with another dataset's, is refused in one line."""
+    import hf
+    from data.tokenizer import Tokenizer, read_meta
+    from dataloader import data_dir
+    mc = ['--loss=False', f'--mc_path={write_jsonl(tmp_path / "mc.jsonl", EXAMPLES)}', '--lm_eval=True', '--device=cpu']
+    # the tiny run's 32 positions are fewer than the longest ending's 36 characters: lm-eval would assert
+    assert_one_line_error(run_script('eval.py', [f'--out_dir={run[0]}', *mc]),
+                          r"mc.jsonl, example 1: an ending of 36 tokens is longer than the model's 32 positions, "
+                          r"which lm-eval cannot score; shorten it")
+    out_dir = tmp_path / 'run'
+    run_train(f'--out_dir={out_dir}', '--max_iters=4', '--eval_interval=4', '--block_size=64')
+    model, checkpoint, _ = load_checkpoint_model(str(out_dir))
+    tok = Tokenizer.from_meta(read_meta(data_dir(checkpoint['config']['dataset'])))
+    hf.export(str(out_dir), str(tmp_path / 'hf'), log=lambda line: None)
+    expected = assert_lm_eval_agrees(str(tmp_path / 'hf'), model.eval(), tok.encode, tmp_path)
+    scores = f"acc {expected['acc']:.4f}, acc_norm {expected['acc_norm']:.4f}"
+    for source in ([f'--out_dir={out_dir}'], [f'--hf_dir={tmp_path / "hf"}', '--dataset=shakespeare_char'],
+                   [f'--hf_dir={tmp_path / "hf"}']):
+        result = run_script('eval.py', source + mc)
+        assert result.returncode == 0, result.stderr
+        assert f"mc {tmp_path / 'mc.jsonl'}: {scores} (3 examples)" in result.stdout, result.stdout
+        assert f"lm-eval {MC_TASK}: {scores}" in result.stdout, result.stdout
+    hf.export(str(out_dir), str(tmp_path / 'weights'), tokenizer='none', log=lambda line: None)
+    assert_one_line_error(run_script('eval.py', [f'--hf_dir={tmp_path / "weights"}', '--dataset=shakespeare_char',
+                                                 *mc]),
+                          r"holds no tokenizer \(tokenizer.json, .*\), and lm-eval would read it with an empty one; "
+                          r"export the checkpoint again")
+    other = tmp_path / 'other'  # a character dataset of other characters: other ids for the same text
+    other.mkdir()
+    letters = sorted(set(''.join(tok.itos.values())), reverse=True)
+    with open(other / 'meta.pkl', 'wb') as f:
+        pickle.dump({'vocab_size': len(letters), 'itos': dict(enumerate(letters)),
+                     'stoi': {c: i for i, c in enumerate(letters)}}, f)
+    assert_one_line_error(run_script('eval.py', [f'--hf_dir={tmp_path / "hf"}', f'--dataset={other}', *mc]),
+                          r"the tokenizer of .* encodes the mc texts differently from dataset .*'s")

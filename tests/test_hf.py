@@ -319,6 +319,24 @@ def train_error(*args):
     return message
 
 
+def test_the_cpu_run_of_docs_models_md_runs_as_written(tmp_path):
+    """docs/models.md's stand-in run of config/finetune_shakespeare_lisa_wor.py (a GPU config) on the CPU, as written
+    there: DIR a tiny random 8-block GPT-2 (there: 48 blocks), out_dir a temporary one. It trains, switches and
+    saves; without its --device=cpu it would be refused on a machine without CUDA."""
+    import shlex
+    from conftest import run_script
+    text = open(os.path.join(ROOT, 'docs', 'models.md')).read()
+    command = re.search(r'^python train\.py config/finetune_shakespeare_lisa_wor\.py --init_from=DIR .*?(?=\n```)',
+                        text, re.M | re.S).group(0)
+    argv = shlex.split(command.replace('\\\n', ' '))[2:]
+    config = transformers.GPT2Config(n_embd=16, n_layer=8, n_head=2, n_positions=1024, vocab_size=50257)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / 'in')
+    argv = [a.replace('=DIR', f'={tmp_path / "in"}') for a in argv] + [f'--out_dir={tmp_path / "run"}']
+    result = run_script('train.py', argv)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert 'cycle 1: active blocks' in result.stdout and (tmp_path / 'run' / 'ckpt.pt').exists()
+
+
 def test_train_refuses_what_does_not_fit_the_pretrained_model(tmp_path):
     save_hf('llama-gqa', tmp_path / 'in')
     run = f'--out_dir={tmp_path / "run"}'
@@ -410,6 +428,36 @@ def test_hf_tokenizer_dataset_exports_its_tokenizer_files(tmp_path):
     assert (config['bos_token_id'], config['eos_token_id']) == (0, 1)
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / 'out')
     assert tok('to be or not to be')['input_ids'] == [3, 4, 5, 6, 3, 4]
+
+
+def test_character_level_dataset_exports_a_tokenizer_transformers_reads(tmp_path):
+    """The default model's vocabulary (data/shakespeare_char: one id a character, meta.pkl's itos) is exported
+    as tokenizer.json, a word-level tokenizer over the characters: AutoTokenizer encodes any text of them as
+    data/tokenizer.py does and decodes it back, and eval.py reads the directory as that character tokenizer."""
+    from data.tokenizer import Tokenizer
+    chars = sorted(set("ROMEO: But soft, what light through yonder window breaks?\n\t'\"-\u00e9"))
+    itos = dict(enumerate(chars))
+    (tmp_path / 'data').mkdir()
+    with open(tmp_path / 'data' / 'meta.pkl', 'wb') as f:
+        pickle.dump({'vocab_size': len(chars), 'itos': itos, 'stoi': {c: i for i, c in itos.items()}}, f)
+    fake_checkpoint(tmp_path / 'run', tmp_path / 'data', vocab_size=len(chars))
+    note = export_dir(tmp_path / 'run', tmp_path / 'out')
+    assert f"\ntokenizer: tokenizer.json, tokenizer_config.json: the {len(chars)} characters of " in note, note
+    ours = Tokenizer('char', itos)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / 'out')
+    for text in ('ROMEO:', "ROMEO:\nBut soft , what light\n\n  through yonder  window breaks ?\t'\"-\u00e9", ' ', '\n'):
+        ids = tok(text)['input_ids']
+        assert ids == ours.encode(text) and tok.decode(ids) == text, text
+    assert tok('ROMEO:', return_tensors='pt')['input_ids'].tolist() == [ours.encode('ROMEO:')]
+    # the newline is bos, the start lm-eval and sample.py give a character model; no eos, no unknown token
+    assert tok.bos_token_id == ours.stoi['\n'] and tok.eos_token_id is None and len(tok) == len(chars)
+    config = json.loads((tmp_path / 'out' / 'config.json').read_text())
+    assert config['bos_token_id'] == ours.stoi['\n'] and config.get('eos_token_id') is None
+    with pytest.raises(Exception, match='UNK'):  # a character outside the vocabulary: an error, as ours
+        tok('ROMEO\u00a7')
+    assert hf.read_char_tokenizer(str(tmp_path / 'out')) == itos
+    from eval import tokenizer_for
+    assert tokenizer_for('', str(tmp_path / 'out')).encode('ROMEO: soft') == ours.encode('ROMEO: soft')
 
 
 def test_export_refusals_are_one_line(tmp_path, capsys):

@@ -2,8 +2,9 @@
 import importlib
 import os
 import re
+import shlex
 
-from conftest import ROOT
+from conftest import ROOT, run_script, run_train
 
 
 def readme_section(start, end):
@@ -29,3 +30,21 @@ def test_where_to_look_names_what_the_code_defines():
         for attribute in attributes:
             assert hasattr(obj, attribute), f"README names {name}, which {module}.py does not define"
             obj = getattr(obj, attribute)
+
+
+def test_after_training_commands_run_on_the_quick_starts_out(tmp_path):
+    """The README's "After training" commands for the quick start's out/ run as written, on a tiny run of the same
+    dataset in its place (out/ -> a temporary out/): each exits 0, and the export's tokenizer is the characters."""
+    block = readme_section('**After training**', '## Methods')
+    commands = [shlex.split(line.split('  #')[0]) for line in block.splitlines()
+                if line.startswith('python ') and re.search(r'=out( |/|$)', line)]
+    assert [c[1] for c in commands] == ['eval.py', 'sample.py', 'export.py', 'eval.py'], commands
+    run_train(f'--out_dir={tmp_path / "out"}', '--max_iters=4', '--eval_interval=4')
+    for python, script, *args in commands:
+        args = [re.sub(r'^(--\w+=)out(?=/|$)', rf'\g<1>{tmp_path / "out"}', a) for a in args]
+        result = run_script(script, args)
+        assert result.returncode == 0, (script, args, result.stdout[-2000:], result.stderr[-2000:])
+        if script == 'export.py':
+            assert 'tokenizer: tokenizer.json, tokenizer_config.json: the ' in result.stdout, result.stdout
+        if script == 'eval.py':
+            assert re.search(r'^val loss [\d.]+, perplexity', result.stdout, re.M), result.stdout

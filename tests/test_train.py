@@ -63,8 +63,11 @@ def test_float16_trains_with_loss_scaling_and_resumes(tmp_path):
 
 
 def test_missing_data_names_the_prepare_command(tmp_path):
+    result = run_train(f'--out_dir={tmp_path}', '--dataset=openwebtext', expect_ok=False)  # a script, no data yet
+    assert_one_line_error(result, r'openwebtext/train.bin not found; run `python data/openwebtext/prepare.py` first$')
+    # a name with no prepare script (mistyped): the datasets there are, not a command that cannot run
     result = run_train(f'--out_dir={tmp_path}', '--dataset=openwebtext_missing', expect_ok=False)
-    assert_one_line_error(result, r'python data/openwebtext_missing/prepare.py')
+    assert_one_line_error(result, r"no data/openwebtext_missing/prepare.py either: the datasets are c4, openwebtext, ")
 
 
 def refusal(*args, world_size=1, fsdp=False):
