@@ -50,7 +50,8 @@ import builder
 import memory_estimate
 import train_config
 from configurator import at_least, command_line
-from trainer import Trainer, mfu, peak_bf16_flops
+from metrics import mfu, peak_bf16_flops
+from trainer import Trainer
 
 # keys of this script only (train.py has none of these names); `device` has its own values here
 OWN_KEYS = dict(methods='', precisions='', steps=20, warmup_steps=5, interleave=False, out='', profile='')

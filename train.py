@@ -17,10 +17,9 @@ $ torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOS
       --rdzv-id=gpt2 train.py config/gpt2_lisa_wor.py
 
 Besides the log, every evaluation, logged iteration, switch and save is a record (one JSON object
-a line) in out_dir/metrics.jsonl: what the experiments read and what a user plots.
+a line) in out_dir/metrics.jsonl (metrics.py): what the experiments read and what a user plots.
 """
 import contextlib
-import json
 import math
 import os
 import signal
@@ -42,8 +41,9 @@ from configurator import ConfigError, format_config, help_text, wants_help
 from dataloader import check_vocab, data_dir, dataset_vocab, open_splits, prepare_if_embedded
 from data.tokenizer import Tokenizer, read_meta
 from memory_estimate import check_fits, estimate_iteration
+from metrics import LogOutlivesItsReader, Metrics
 from model import TransformerConfig
-from trainer import ParallelModel, Trainer, fsdp_units, get_lr, mfu, peak_bf16_flops
+from trainer import ParallelModel, Trainer, fsdp_units
 
 
 class RunError(Exception):
@@ -113,8 +113,8 @@ def train(cfg, given_keys, ranks, device, checkpointer):
     # scratch, resume or auto, whatever the checkpoint's format; the lock, an earlier run's checkpoint,
     # incomplete saves: checkpoint.py. A resume takes the checkpoint's config.
     cfg = checkpointer.start(cfg, given_keys, fsdp)
-    records = Records(cfg['out_dir'], master and not cfg['eval_only'], wandb_log=cfg['wandb_log'] and master,
-                      resumed_from=checkpointer.iter_num if checkpointer.init_from == 'resume' else None)
+    with refused(ImportError):  # the log lines, out_dir/metrics.jsonl and wandb (metrics.py)
+        metrics = Metrics(cfg, ranks, device, checkpointer.iter_num if checkpointer.init_from == 'resume' else None)
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
     torch.manual_seed(cfg['seed'])  # same model init on every rank (DDP broadcasts rank 0's; FSDP needs it)
     if device_type == 'cuda':
@@ -133,17 +133,14 @@ def train(cfg, given_keys, ranks, device, checkpointer):
     trainer = build_trainer(cfg, raw_model, ranks, device, fsdp, train_batches, checkpointer.iter_num)
     raw_model, cycler, parallel = trainer.model, trainer.cycler, trainer.parallel
     checkpointer.load(trainer.state_objects(), train_batches)  # a resume's optimizer, cycler, scaler, data, RNG
-    wandb_id = records.start_wandb(cfg, checkpointer.wandb_id)
+    wandb_id = metrics.start_wandb(checkpointer.wandb_id)
 
     def save():  # on every rank; never a non-finite state
         values = {'data': trainer.data_position, 'model_args': model_args, 'iter_num': trainer.iter_num,
                   'best_val_loss': best_val_loss, 'config': cfg, 'wandb_id': wandb_id}
-        path = checkpointer.save(trainer.state_objects(), values)
-        if path is not None:
-            records.write('save', iter=trainer.iter_num, path=path)
+        metrics.save(trainer.iter_num, checkpointer.save(trainer.state_objects(), values))
 
     max_iters, eval_interval, log_interval = cfg['max_iters'], cfg['eval_interval'], cfg['log_interval']
-    peak_flops = peak_bf16_flops(device)
     # SIGTERM/SIGINT: all ranks finish the iteration, save and stop together (StopRequest). Installed
     # only now: during the setup above, Ctrl-C must stop the run at once, as there is nothing to save.
     stop_request = StopRequest()
@@ -151,8 +148,9 @@ def train(cfg, given_keys, ranks, device, checkpointer):
         trainer.next_batch()  # fetched one ahead (the step fetches each next one right after a forward)
     except ValueError as e:  # a token id the model cannot embed, found as a large file is read
         raise RunError(f"{e}; {checkpointer.last_good()}") from None
-    run_start = t0 = time.time()
-    first_iter, best_val_loss, running_mfu, seconds_per_iter = trainer.iter_num, checkpointer.best_val_loss, -1.0, None
+    first_iter, best_val_loss, seconds_per_iter = trainer.iter_num, checkpointer.best_val_loss, None
+    metrics.begin(raw_model, train_batches, tokens_per_iter, first_iter)
+    t0 = time.time()
     while True:
         stop = stop_request.agreed(ranks)
         if stop:
@@ -164,7 +162,7 @@ def train(cfg, given_keys, ranks, device, checkpointer):
             break
         it = trainer.iter_num
         if it % eval_interval == 0 or it >= max_iters or cfg['eval_only']:
-            losses = evaluate(cfg, trainer, eval_batches, mc, ranks, device, records)
+            losses = evaluate(cfg, trainer, eval_batches, mc, ranks, device, metrics)
             check_finite(losses, trainer.iter_num, checkpointer)
             improved = losses['val'] < best_val_loss
             best_val_loss = min(best_val_loss, losses['val'])
@@ -181,11 +179,8 @@ def train(cfg, given_keys, ranks, device, checkpointer):
             raise RunError(f"{e}; {checkpointer.last_good()}") from None
         except ddp_check.CheckFailed as e:
             raise RunError(f"ddp check failed at iteration {it}, not on every rank: {e}") from None
-        if switched and master:
-            rebuild = f", DDP rebuilt in {parallel.rebuild_ms:.1f} ms" if ranks.enabled and not fsdp else ""
-            print(f"iter {it}: {cycler.describe()}{rebuild}")
-            records.write('switch', iter=it, active=list(cycler.active), description=cycler.describe(),
-                          ddp_rebuild_ms=parallel.rebuild_ms if ranks.enabled and not fsdp else None)
+        if switched:
+            metrics.switch(it, cycler, parallel.rebuild_ms if ranks.enabled and not fsdp else None)
         if trainer.observer is not None and trainer.observer.summary and master and (switched or it == max_iters - 1):
             print(f"iter {it}: {trainer.observer.summary}")
 
@@ -195,19 +190,10 @@ def train(cfg, given_keys, ranks, device, checkpointer):
         if it % log_interval == 0:
             lossf = ranks.mean(loss.item(), device)
             check_finite({'train': lossf}, trainer.iter_num, checkpointer)
-            if master:
-                if peak_flops and it - first_iter >= 5:  # MFU once the first iterations' warm-up is behind
-                    iter_mfu = mfu(raw_model.estimate_flops_per_token(), tokens_per_iter, dt, peak_flops, world_size)
-                    running_mfu = iter_mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * iter_mfu
-                log_iteration(records, cfg, it, lossf, dt, tokens_per_iter, train_batches.epochs(),
-                              running_mfu if running_mfu != -1.0 else None, seconds_per_iter, device_type)
+            metrics.iteration(it, lossf, dt, seconds_per_iter)  # its log line and record (rank 0)
     stop_request.release()  # Ctrl-C during the sample below stops at once
     checkpointer.finish()  # the last background save is on disk, complete, before the run ends
-    if master:
-        elapsed = time.time() - run_start
-        print(f"{'stopped' if stop else 'done'}: iterations {first_iter} to {trainer.iter_num} in "
-              f"{format_duration(elapsed)}")
-        records.write('end', iter=trainer.iter_num, seconds=elapsed, stopped=bool(stop))
+    metrics.end(trainer.iter_num, stop)
     # under FSDP every rank runs the sample's forwards (each all-gathers the weights); rank 0 prints
     if (master or fsdp) and cfg['sample_tokens'] > 0 and not stop:
         sample(cfg, raw_model, trainer.autocast, device, master)
@@ -307,38 +293,16 @@ def build_trainer(cfg, raw_model, ranks, device, fsdp, train_batches, iter_num):
                    cfg['gradient_accumulation_steps'] // ranks.world_size, parallel, observer=observer, iter_num=iter_num)
 
 
-def evaluate(cfg, trainer, eval_batches, mc, ranks, device, records):
+def evaluate(cfg, trainer, eval_batches, mc, ranks, device, metrics):
     """{split: loss} of the evaluation of this iteration, averaged over ranks; rank 0 logs and records it
     (with the multiple-choice scores of eval_mc_path)."""
-    it = trainer.iter_num
     losses = trainer.evaluate(eval_batches, cfg['eval_iters'], ranks, device)
     scores = {}
     if mc is not None:  # every rank alike: the same weights, the same scores
         found = multiple_choice.mc_accuracy(trainer.model, *mc, device, trainer.autocast)
         scores = {'mc_acc': found['acc'], 'mc_acc_norm': found['acc_norm']}
-    if ranks.master:
-        shown = f", mc acc {scores['mc_acc']:.4f}, acc_norm {scores['mc_acc_norm']:.4f}" if scores else ''
-        print(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{shown}")
-        records.write('eval', iter=it, train_loss=losses['train'], val_loss=losses['val'], lr=get_lr(it, cfg), **scores)
+    metrics.evaluation(trainer.iter_num, losses, scores)
     return losses
-
-
-def log_iteration(records, cfg, it, loss, dt, tokens_per_iter, epoch, running_mfu, seconds_per_iter, device_type):
-    """The log line of a logged iteration, and its record: loss, time, throughput, epoch, MFU (on a
-    GPU of known peak), CUDA memory, and the time left at the mean pace."""
-    fields = dict(iter=it, loss=loss, ms=dt * 1000, tok_per_s=tokens_per_iter / dt, epoch=epoch, lr=get_lr(it, cfg))
-    line = f"iter {it}: loss {loss:.4f}, time {dt * 1000:.1f}ms, tok/s {tokens_per_iter / dt:,.0f}, epoch {epoch:.2f}"
-    if running_mfu is not None:
-        fields['mfu'] = running_mfu
-        line += f", mfu {running_mfu * 100:.2f}%"
-    if device_type == 'cuda':
-        fields.update(mem_alloc_gib=torch.cuda.max_memory_allocated() / 2**30,
-                      mem_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
-        line += f", mem {fields['mem_alloc_gib']:.2f}/{fields['mem_reserved_gib']:.2f} GiB alloc/reserved"
-    max_iters = cfg['max_iters']
-    line += f", {it + 1}/{max_iters}, {format_duration(seconds_per_iter * (max_iters - it - 1))} left"
-    print(line, flush=True)
-    records.write('iter', **fields)
 
 
 def check_finite(losses, iter_num, checkpointer):
@@ -362,63 +326,7 @@ def sample(cfg, raw_model, autocast, device, master):
 
 
 # -----------------------------------------------------------------------------
-# the run's records, its stop on a signal, its log's stdout
-
-
-class Records:
-    """out_dir/metrics.jsonl, written by rank 0: one JSON object a line, each with its `kind`
-    ('eval', 'iter', 'switch', 'save', 'end') and `iter`. A resume first drops the records after
-    the checkpoint's iteration, so the file always describes the run that continues. With wandb
-    (wandb_log, rank 0) the numbers of the evaluations and logged iterations go there too."""
-
-    def __init__(self, out_dir, enabled, resumed_from=None, wandb_log=False):
-        self.path, self.enabled, self.wandb = os.path.join(out_dir, 'metrics.jsonl'), enabled, None
-        self.resumed_from, self.started = resumed_from, False
-        if wandb_log:  # imported now: a missing package stops the run before anything is built
-            try:
-                import wandb
-            except ImportError:
-                raise RunError("wandb_log=True needs the wandb package: pip install wandb, or drop --wandb_log") from None
-            self.wandb = wandb
-
-    def start_wandb(self, cfg, run_id):
-        """The wandb run's id (None without wandb): a resumed run continues the wandb run of its
-        checkpoint (`run_id`), restarts included."""
-        if self.wandb is not None:
-            run_id = run_id or self.wandb.util.generate_id()
-            self.wandb.init(project=cfg['wandb_project'], name=cfg['wandb_run_name'], config=cfg, id=run_id,
-                            resume='allow')
-        return run_id
-
-    def _start(self):
-        """At the first record, not before: a run refused at start leaves the earlier file as it was."""
-        self.started = True
-        if os.path.exists(self.path):
-            kept = []
-            if self.resumed_from is not None:
-                with open(self.path) as f:
-                    kept = [line for line in f if self._kept(line, self.resumed_from)]
-            with open(self.path, 'w') as f:  # a new run in this out_dir (overwrite=True) starts a new file
-                f.writelines(kept)
-
-    @staticmethod
-    def _kept(line, resumed_from):
-        """Records of iterations before the checkpoint's, and its save; not a line cut by a crash."""
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            return False
-        return rec['iter'] < resumed_from or (rec['iter'] == resumed_from and rec['kind'] == 'save')
-
-    def write(self, kind, **fields):
-        if self.enabled:
-            if not self.started:
-                self._start()
-            with open(self.path, 'a') as f:
-                f.write(json.dumps({'kind': kind, **fields}) + '\n')
-        if self.wandb is not None and kind in ('eval', 'iter'):
-            self.wandb.log({f'{kind}/{k}': v for k, v in fields.items() if isinstance(v, (int, float))},
-                           step=fields['iter'])
+# the run's stop on a signal
 
 
 class StopRequest:
@@ -445,35 +353,6 @@ class StopRequest:
 
     def agreed(self, ranks):
         return ranks.any(self.requested)
-
-
-def format_duration(seconds):
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-
-
-class LogOutlivesItsReader:
-    """stdout that survives its reader: after `python train.py | head`, the rest of the log goes to
-    /dev/null and the run trains on, instead of dying of BrokenPipeError at its next print."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text):
-        try:
-            return self.stream.write(text)
-        except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # also for the flush at exit
-            return len(text)
-
-    def flush(self):
-        try:
-            self.stream.flush()
-        except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
 
 
 if __name__ == '__main__':

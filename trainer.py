@@ -1,15 +1,15 @@
 """
 Trainer, the owner of one training iteration, and what an iteration needs around it: the
-learning rate, the parallel model that syncs gradients over ranks (a DDP wrapper rebuilt at every
-switch, or FSDP2 resharded), the ranks' collectives, peak FLOP/s and MFU. train.py, the
-benchmarks and the experiments all step the same Trainer (builder.py builds what it trains).
+learning rate (get_lr), autocast and the loss scaler, the parallel model that syncs gradients over
+ranks (ParallelModel: a DDP wrapper rebuilt at every switch, or FSDP2 resharded), the ranks'
+collectives (Ranks). train.py, the benchmarks and the experiments all step the same Trainer
+(builder.py builds what it trains); what a run reports (log lines, records, MFU) is metrics.py's.
 
 One iteration's path: train.py's loop -> Trainer.step -> omgd.Cycler (switch, optimizer state,
 gradient scale) -> model.py's forward and backward, the next batch from dataloader.py.
 """
 import gc
 import math
-import re
 import time
 import weakref
 from contextlib import nullcontext
@@ -325,50 +325,3 @@ class Ranks:
         t = torch.tensor(value, dtype=torch.float64, device=device)
         dist.all_reduce(t)
         return t.item() / self.world_size
-
-
-# -----------------------------------------------------------------------------
-# model FLOPs utilization (MFU), as in the log line of train.py and in bench.py
-
-# peak dense bf16 tensor FLOP/s per GPU, from NVIDIA's datasheets (their "with sparsity" figures
-# halved). An entry matches a GPU when each of its words is a word of torch.cuda.get_device_name()
-# (case-insensitive, in any order, whole words: 'H100' is not a word of 'GH100'), and the matching
-# entry with the most words wins, so a variant's entry beats its family's: 'NVIDIA H100 NVL' gets
-# 'H100 NVL', 'NVIDIA H100 80GB HBM3' (the SXM part) gets 'H100'. Two best matches of the same
-# length are ambiguous: no MFU, rather than a wrong one.
-PEAK_BF16_FLOPS = {
-    'H100': 989.4e12,  # SXM5; its name has no variant word ('NVIDIA H100 80GB HBM3')
-    'H100 PCIe': 756e12, 'H100 NVL': 835e12,
-    'H200': 989e12,  # SXM ('NVIDIA H200')
-    'H200 NVL': 835e12, 'GH200': 989e12,
-    'A100': 312e12,  # SXM4 and PCIe alike
-    'B200': 2250e12, 'L40S': 362e12, 'L4': 121e12, 'A10': 125e12, 'A10G': 125e12, 'RTX 4090': 165e12,
-}
-
-
-def _words(name):
-    return re.findall(r'[a-z0-9]+', name.lower())
-
-
-def peak_for_name(name):
-    """PEAK_BF16_FLOPS' figure for a GPU named `name`, or None (no entry, or an ambiguous name)."""
-    words = set(_words(name))
-    matches = [(len(_words(key)), flops) for key, flops in PEAK_BF16_FLOPS.items() if set(_words(key)) <= words]
-    if not matches:
-        return None
-    best = max(n for n, _ in matches)
-    flops = {f for n, f in matches if n == best}
-    return flops.pop() if len(flops) == 1 else None
-
-
-def peak_bf16_flops(device):
-    """The GPU's peak from PEAK_BF16_FLOPS, or None (CPU, unknown GPU: no MFU is reported)."""
-    device = torch.device(device)
-    if device.type != 'cuda':
-        return None
-    return peak_for_name(torch.cuda.get_device_name(device))
-
-
-def mfu(flops_per_token, tokens_per_iter, dt, peak_flops, world_size=1):
-    """The share of `world_size` GPUs' peak FLOP/s that an iteration of `dt` seconds used."""
-    return flops_per_token * tokens_per_iter / dt / (peak_flops * world_size)

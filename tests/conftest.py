@@ -120,7 +120,12 @@ def files_per_iteration(argv, run=None):
     return status, sorted(set(calls[marks[0]:marks[-1]]))
 
 
-ITERATION_FILES = ['dataloader.py', 'model.py', 'omgd.py', 'train.py', 'trainer.py']  # README "Code map"
+# README "Code map": the files an iteration calls into (train.py's loop, Trainer.step, the cycler, the forward
+# and backward, the next batch). An iteration that logs or writes a record (its log line, a switch's line: the
+# records of out_dir/metrics.jsonl) calls metrics.py too, on every rank (rank 0 prints and writes), so a run
+# that logs every iteration (log_interval=1) calls into LOGGED_ITERATION_FILES.
+ITERATION_FILES = ['dataloader.py', 'model.py', 'omgd.py', 'train.py', 'trainer.py']
+LOGGED_ITERATION_FILES = sorted([*ITERATION_FILES, 'metrics.py'])
 
 
 def assert_one_line_error(result, pattern):

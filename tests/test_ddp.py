@@ -157,7 +157,7 @@ def test_a_torchrun_iteration_reads_the_same_five_files(many_runs):
     assert [s['iter'] for s in records(root / 'files', 'switch')] == [0, 3]
     for rank in (0, 1):
         with open(root / 'files' / f'files_rank{rank}.json') as f:
-            assert json.load(f) == ITERATION_FILES, rank
+            assert json.load(f) == sorted([*ITERATION_FILES, 'metrics.py']), rank  # log_interval=1: each iteration logs
 
 
 def test_check_names_every_broken_invariant_on_any_rank():
@@ -242,3 +242,22 @@ if __name__ == '__main__':
             status = train_script.main([*TINY, *args])
         if status:
             sys.exit(status)
+
+
+def test_the_small_config_runs_on_two_ranks_and_a_refusal_is_one_line(tmp_path):
+    """config/shakespeare_lisa_wor.py runs under the torchrun command of its comment (its gradient_accumulation_steps
+    is a multiple of 2 ranks), shortened here; what 2 ranks cannot train is refused by one `error:` line, not one
+    per rank (torchrun's own report of the failed workers follows it)."""
+    config = os.path.join(ROOT, 'config', 'shakespeare_lisa_wor.py')
+    assert '# $ torchrun --standalone --nproc_per_node=2 train.py config/shakespeare_lisa_wor.py' in open(config).read()
+    short = ['--max_iters=2', '--eval_interval=2', '--eval_iters=1', '--n_layer=2', '--omgd_gamma=1',
+             '--block_size=32', '--sample_tokens=0', '--compile=False']
+    cmd = [*TORCHRUN, 'train.py', 'config/shakespeare_lisa_wor.py', f'--out_dir={tmp_path}', *short]
+    run = Launch(cmd).wait()
+    assert run.proc.returncode == 0, run.out[-3000:]
+    assert re.search(r'tokens per iteration: 1,024 \(2 ranks', run.out), run.out[-3000:]  # 2 micro-steps x 16 x 32
+    refused = Launch(cmd + ['--gradient_accumulation_steps=3', '--overwrite=True']).wait()
+    errors = [line for line in refused.out.splitlines() if 'error: ' in line]
+    assert refused.proc.returncode != 0 and len(errors) == 1, refused.out[-3000:]
+    assert errors[0].startswith("error: gradient_accumulation_steps=3 counts micro-steps summed over all ranks and "
+                                "must be a multiple of the 2 ranks, e.g. --gradient_accumulation_steps=4"), errors

@@ -10,8 +10,9 @@ import checkpoint
 import memory_estimate
 import memory_options
 from conftest import assert_same_state, cpu_checkpoint_after_one_step, load, run_train, train_defaults
+from metrics import peak_bf16_flops
 from model import Linear
-from trainer import Ranks, peak_bf16_flops
+from trainer import Ranks
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')]
 

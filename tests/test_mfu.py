@@ -1,10 +1,10 @@
-"""trainer.py's MFU: the peak FLOP/s of the GPU a run is on, looked up by its name (fake names here:
+"""metrics.py's MFU: the peak FLOP/s of the GPU a run is on, looked up by its name (fake names here:
 no GPU needed)."""
 import pytest
 import torch
 
-import trainer
-from trainer import PEAK_BF16_FLOPS, mfu, peak_bf16_flops, peak_for_name
+import metrics
+from metrics import PEAK_BF16_FLOPS, mfu, peak_bf16_flops, peak_for_name
 
 
 @pytest.mark.parametrize('name, tflops', [
@@ -29,7 +29,7 @@ from trainer import PEAK_BF16_FLOPS, mfu, peak_bf16_flops, peak_for_name
 def test_peak_by_exact_variant_whatever_the_order_of_the_table(name, tflops, monkeypatch):
     expected = None if tflops is None else tflops * 1e12
     for table in (dict(PEAK_BF16_FLOPS), dict(reversed(list(PEAK_BF16_FLOPS.items())))):
-        monkeypatch.setattr(trainer, 'PEAK_BF16_FLOPS', table)
+        monkeypatch.setattr(metrics, 'PEAK_BF16_FLOPS', table)
         assert peak_for_name(name) == expected, (name, list(table)[0])
         # what train.py and bench.py call, with the name torch would report
         monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device=None: name)
@@ -38,7 +38,7 @@ def test_peak_by_exact_variant_whatever_the_order_of_the_table(name, tflops, mon
 
 def test_no_peak_off_gpu_and_for_ambiguous_names(monkeypatch):
     assert peak_bf16_flops('cpu') is None and peak_bf16_flops('meta') is None
-    monkeypatch.setattr(trainer, 'PEAK_BF16_FLOPS', {'X1': 1e12, 'Y1': 2e12})
+    monkeypatch.setattr(metrics, 'PEAK_BF16_FLOPS', {'X1': 1e12, 'Y1': 2e12})
     assert peak_for_name('X1 Y1') is None  # two entries of one length: no guess
     assert peak_for_name('X1') == 1e12
 

@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import ITERATION_FILES, TINY as TINY_ARGS, files_per_iteration, train_defaults
+from conftest import ITERATION_FILES, LOGGED_ITERATION_FILES, TINY as TINY_ARGS, files_per_iteration, train_defaults
 
 import builder
 import omgd
@@ -179,9 +179,16 @@ def test_new_model_drawn_on_the_device_is_initialised_like_a_cpu_build():
 
 def test_one_iteration_reads_five_files(tmp_path):
     """The loop's iterations, switches and dropped optimizer state included, call into five of the
-    project's files (train, trainer, omgd, model, dataloader), as the README says; torchrun's
-    iteration: test_ddp.py::test_a_torchrun_iteration_reads_the_same_five_files."""
+    project's files (train, trainer, omgd, model, dataloader), as the README says, and an iteration
+    that logs or records (its log line, a switch's) into metrics.py besides; torchrun's iteration:
+    test_ddp.py::test_a_torchrun_iteration_reads_the_same_five_files."""
     status, files = files_per_iteration([*TINY_ARGS, f'--out_dir={tmp_path}', '--max_iters=8', '--omgd_state=drop'])
+    assert status == 0
+    assert files == LOGGED_ITERATION_FILES  # log_interval=1: every iteration logs
+    # iterations 8 and 9 of the resumed run neither log (log_interval=100), nor switch (at 6, then 9: after the
+    # last traced step), nor evaluate: the five files, and nothing else
+    status, files = files_per_iteration([*TINY_ARGS, f'--out_dir={tmp_path}', '--max_iters=10', '--init_from=resume',
+                                         '--log_interval=100', '--omgd_state=drop'])
     assert status == 0
     assert files == ITERATION_FILES
 

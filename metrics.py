@@ -1,0 +1,232 @@
+"""
+What a run reports: the log lines of its events (an evaluation, a logged iteration, a switch, the
+end), their records in out_dir/metrics.jsonl (`Records`, also sent to wandb), model FLOPs
+utilization (MFU) with the table of GPU peaks it divides by, and the stdout the log goes to
+(`LogOutlivesItsReader`).
+
+train.py makes one `Metrics` and calls one method per event, on every rank (rank 0 prints and
+writes, the others return). bench.py and the experiments use `mfu` and `peak_bf16_flops`.
+"""
+import json
+import os
+import re
+import time
+
+import torch
+
+from trainer import get_lr
+
+
+class Metrics:
+    """train.py's reports, one method per event:
+
+        metrics = Metrics(cfg, ranks, device, resumed_from)  # wandb imported now: a missing package stops the run
+        wandb_id = metrics.start_wandb(checkpointer.wandb_id)
+        metrics.begin(model, batches, tokens_per_iter, first_iter)  # the loop starts: the run's clock
+        metrics.evaluation(it, losses, scores)
+        metrics.switch(it, cycler, rebuild_ms)
+        metrics.iteration(it, loss, dt, seconds_per_iter)   # a logged iteration: loss, speed, MFU, memory
+        metrics.save(it, path)
+        metrics.end(it, stopped)
+
+    Rank 0 prints; it writes the records unless the run is eval_only (which writes nothing)."""
+
+    def __init__(self, cfg, ranks, device, resumed_from=None):
+        self.cfg, self.master, self.world_size = cfg, ranks.master, ranks.world_size
+        self.device_type = 'cuda' if device.startswith('cuda') else 'cpu'
+        self.peak_flops = peak_bf16_flops(device)
+        self.records = Records(cfg['out_dir'], self.master and not cfg['eval_only'], resumed_from=resumed_from,
+                               wandb_log=cfg['wandb_log'] and self.master)
+        self.running_mfu = None  # the moving average of the logged iterations' MFU
+
+    def start_wandb(self, run_id):
+        return self.records.start_wandb(self.cfg, run_id)
+
+    def begin(self, model, batches, tokens_per_iter, first_iter):
+        self.model, self.batches, self.tokens_per_iter, self.first_iter = model, batches, tokens_per_iter, first_iter
+        self.run_start = time.time()
+
+    def evaluation(self, it, losses, scores):
+        """{split: loss} and the multiple-choice scores (eval_mc_path) of the evaluation at iteration `it`."""
+        if self.master:
+            shown = f", mc acc {scores['mc_acc']:.4f}, acc_norm {scores['mc_acc_norm']:.4f}" if scores else ''
+            print(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{shown}")
+            self.records.write('eval', iter=it, train_loss=losses['train'], val_loss=losses['val'],
+                               lr=get_lr(it, self.cfg), **scores)
+
+    def switch(self, it, cycler, rebuild_ms):
+        """The cycler switched at iteration `it`; rebuild_ms: the DDP wrapper's rebuild (None without DDP)."""
+        if self.master:
+            rebuild = f", DDP rebuilt in {rebuild_ms:.1f} ms" if rebuild_ms is not None else ""
+            print(f"iter {it}: {cycler.describe()}{rebuild}")
+            self.records.write('switch', iter=it, active=list(cycler.active), description=cycler.describe(),
+                               ddp_rebuild_ms=rebuild_ms)
+
+    def iteration(self, it, loss, dt, seconds_per_iter):
+        """The log line of a logged iteration, and its record: loss, time, throughput, epoch, MFU (on a
+        GPU of known peak), CUDA memory, and the time left at the mean pace (seconds_per_iter)."""
+        if not self.master:
+            return
+        tokens_per_iter, max_iters = self.tokens_per_iter, self.cfg['max_iters']
+        if self.peak_flops and it - self.first_iter >= 5:  # MFU once the first iterations' warm-up is behind
+            iter_mfu = mfu(self.model.estimate_flops_per_token(), tokens_per_iter, dt, self.peak_flops, self.world_size)
+            self.running_mfu = iter_mfu if self.running_mfu is None else 0.9 * self.running_mfu + 0.1 * iter_mfu
+        epoch = self.batches.epochs()
+        fields = dict(iter=it, loss=loss, ms=dt * 1000, tok_per_s=tokens_per_iter / dt, epoch=epoch,
+                      lr=get_lr(it, self.cfg))
+        line = f"iter {it}: loss {loss:.4f}, time {dt * 1000:.1f}ms, tok/s {tokens_per_iter / dt:,.0f}, epoch {epoch:.2f}"
+        if self.running_mfu is not None:
+            fields['mfu'] = self.running_mfu
+            line += f", mfu {self.running_mfu * 100:.2f}%"
+        if self.device_type == 'cuda':
+            fields.update(mem_alloc_gib=torch.cuda.max_memory_allocated() / 2**30,
+                          mem_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
+            line += f", mem {fields['mem_alloc_gib']:.2f}/{fields['mem_reserved_gib']:.2f} GiB alloc/reserved"
+        line += f", {it + 1}/{max_iters}, {format_duration(seconds_per_iter * (max_iters - it - 1))} left"
+        print(line, flush=True)
+        self.records.write('iter', **fields)
+
+    def save(self, it, path):
+        """A checkpoint of iteration `it` written at `path` (None on a rank that wrote nothing)."""
+        if path is not None:
+            self.records.write('save', iter=it, path=path)
+
+    def end(self, it, stopped):
+        """The run ends at iteration `it`, done or stopped by a signal."""
+        if self.master:
+            elapsed = time.time() - self.run_start
+            print(f"{'stopped' if stopped else 'done'}: iterations {self.first_iter} to {it} in "
+                  f"{format_duration(elapsed)}")
+            self.records.write('end', iter=it, seconds=elapsed, stopped=bool(stopped))
+
+
+class Records:
+    """out_dir/metrics.jsonl, written by rank 0: one JSON object a line, each with its `kind`
+    ('eval', 'iter', 'switch', 'save', 'end') and `iter`. A resume first drops the records after
+    the checkpoint's iteration, so the file always describes the run that continues. With wandb
+    (wandb_log, rank 0) the numbers of the evaluations and logged iterations go there too."""
+
+    def __init__(self, out_dir, enabled, resumed_from=None, wandb_log=False):
+        self.path, self.enabled, self.wandb = os.path.join(out_dir, 'metrics.jsonl'), enabled, None
+        self.resumed_from, self.started = resumed_from, False
+        if wandb_log:  # imported now: a missing package stops the run before anything is built
+            try:
+                import wandb
+            except ImportError:
+                raise ImportError("wandb_log=True needs the wandb package: pip install wandb, or drop --wandb_log") from None
+            self.wandb = wandb
+
+    def start_wandb(self, cfg, run_id):
+        """The wandb run's id (None without wandb): a resumed run continues the wandb run of its
+        checkpoint (`run_id`), restarts included."""
+        if self.wandb is not None:
+            run_id = run_id or self.wandb.util.generate_id()
+            self.wandb.init(project=cfg['wandb_project'], name=cfg['wandb_run_name'], config=cfg, id=run_id,
+                            resume='allow')
+        return run_id
+
+    def _start(self):
+        """At the first record, not before: a run refused at start leaves the earlier file as it was."""
+        self.started = True
+        if os.path.exists(self.path):
+            kept = []
+            if self.resumed_from is not None:
+                with open(self.path) as f:
+                    kept = [line for line in f if self._kept(line, self.resumed_from)]
+            with open(self.path, 'w') as f:  # a new run in this out_dir (overwrite=True) starts a new file
+                f.writelines(kept)
+
+    @staticmethod
+    def _kept(line, resumed_from):
+        """Records of iterations before the checkpoint's, and its save; not a line cut by a crash."""
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return False
+        return rec['iter'] < resumed_from or (rec['iter'] == resumed_from and rec['kind'] == 'save')
+
+    def write(self, kind, **fields):
+        if self.enabled:
+            if not self.started:
+                self._start()
+            with open(self.path, 'a') as f:
+                f.write(json.dumps({'kind': kind, **fields}) + '\n')
+        if self.wandb is not None and kind in ('eval', 'iter'):
+            self.wandb.log({f'{kind}/{k}': v for k, v in fields.items() if isinstance(v, (int, float))},
+                           step=fields['iter'])
+
+
+def format_duration(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class LogOutlivesItsReader:
+    """stdout that survives its reader: after `python train.py | head`, the rest of the log goes to
+    /dev/null and the run trains on, instead of dying of BrokenPipeError at its next print."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # also for the flush at exit
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+# -----------------------------------------------------------------------------
+# model FLOPs utilization (MFU), as in the log line of train.py and in bench.py
+
+# peak dense bf16 tensor FLOP/s per GPU, from NVIDIA's datasheets (their "with sparsity" figures
+# halved). An entry matches a GPU when each of its words is a word of torch.cuda.get_device_name()
+# (case-insensitive, in any order, whole words: 'H100' is not a word of 'GH100'), and the matching
+# entry with the most words wins, so a variant's entry beats its family's: 'NVIDIA H100 NVL' gets
+# 'H100 NVL', 'NVIDIA H100 80GB HBM3' (the SXM part) gets 'H100'. Two best matches of the same
+# length are ambiguous: no MFU, rather than a wrong one.
+PEAK_BF16_FLOPS = {
+    'H100': 989.4e12,  # SXM5; its name has no variant word ('NVIDIA H100 80GB HBM3')
+    'H100 PCIe': 756e12, 'H100 NVL': 835e12,
+    'H200': 989e12,  # SXM ('NVIDIA H200')
+    'H200 NVL': 835e12, 'GH200': 989e12,
+    'A100': 312e12,  # SXM4 and PCIe alike
+    'B200': 2250e12, 'L40S': 362e12, 'L4': 121e12, 'A10': 125e12, 'A10G': 125e12, 'RTX 4090': 165e12,
+}
+
+
+def _words(name):
+    return re.findall(r'[a-z0-9]+', name.lower())
+
+
+def peak_for_name(name):
+    """PEAK_BF16_FLOPS' figure for a GPU named `name`, or None (no entry, or an ambiguous name)."""
+    words = set(_words(name))
+    matches = [(len(_words(key)), flops) for key, flops in PEAK_BF16_FLOPS.items() if set(_words(key)) <= words]
+    if not matches:
+        return None
+    best = max(n for n, _ in matches)
+    flops = {f for n, f in matches if n == best}
+    return flops.pop() if len(flops) == 1 else None
+
+
+def peak_bf16_flops(device):
+    """The GPU's peak from PEAK_BF16_FLOPS, or None (CPU, unknown GPU: no MFU is reported)."""
+    device = torch.device(device)
+    if device.type != 'cuda':
+        return None
+    return peak_for_name(torch.cuda.get_device_name(device))
+
+
+def mfu(flops_per_token, tokens_per_iter, dt, peak_flops, world_size=1):
+    """The share of `world_size` GPUs' peak FLOP/s that an iteration of `dt` seconds used."""
+    return flops_per_token * tokens_per_iter / dt / (peak_flops * world_size)
