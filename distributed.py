@@ -31,6 +31,21 @@ def setup(backend, device, timeout_s=600):
     return Ranks(True, dist.get_rank(), local_rank, dist.get_world_size(), cpu_group), device
 
 
+def check_same_config(ranks, cfg):
+    """Every rank runs one config, or each refuses before anything is built: a ValueError naming the first
+    key that differs from rank 0's. A wrapper or a per-node environment can give ranks different commands;
+    a different seed or learning rate then trains silently apart, a different method or max_iters ends in
+    a collective's crash."""
+    if not ranks.enabled:
+        return
+    configs = ranks.gather(cfg)
+    for rank, other in enumerate(configs[1:], 1):
+        for key in sorted(set(configs[0]) | set(other)):
+            if other.get(key) != configs[0].get(key):
+                raise ValueError(f"rank {rank} was given {key}={other.get(key)!r} and rank 0 {key}="
+                                 f"{configs[0].get(key)!r}: every rank must run the same command and config")
+
+
 def attempt_store(timeout):
     """init_process_group's store, rank and world size for a restart by torchrun, else {} (env://).
     torchrun keeps one store (its agent's) for every restart of a job: the keys that a killed

@@ -80,6 +80,13 @@ def main(argv):
     allocator_note = memory_options.cuda_allocator() if cfg['device'].startswith('cuda') else None
     # distributed setup (distributed.py): torchrun sets RANK; every rank runs this same script
     ranks, device = distributed.setup(cfg['backend'], cfg['device'], cfg['dist_timeout_s'])
+    try:  # before anything is built: ranks given different configs would train apart or crash in a collective
+        distributed.check_same_config(ranks, cfg)
+    except ValueError as e:
+        if ranks.master:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        return 1
     if allocator_note and ranks.master:
         print(allocator_note, flush=True)
     # out_dir's checkpoints (checkpoint.py); one writer per out_dir (the lock); --eval_only writes nothing
