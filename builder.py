@@ -20,23 +20,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import galore
 import memory_options
 import omgd
-from model import Transformer, TransformerConfig, PRESETS
+from model import PRESET_KEYS, PRESETS, SHAPE_KEYS, Transformer, TransformerConfig
 from optim import MasterAdamW, adamw, param_groups
 from train_config import GALORE_METHODS
 
-ARCH_KEYS = ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias', 'vocab_size', 'norm_eps',
-             'rope_theta')
 
 
 def transformer_kwargs(cfg, vocab_size=0):
     """TransformerConfig keywords from the config's model keys (a preset's architecture overrides them).
     vocab_size: the dataset's (0: the config's, else the preset's, else GPT-2's padded 50304)."""
     vocab_size = vocab_size or cfg['vocab_size']
-    args = {k: cfg[k] for k in ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias',
-                                'block_size', 'dropout')}
+    args = {k: cfg[k] for k in (*SHAPE_KEYS, 'block_size', 'dropout')}
     args['vocab_size'] = vocab_size or 50304
     if cfg['preset']:
-        args.update({k: v for k, v in PRESETS[cfg['preset']].items() if k in ARCH_KEYS})
+        args.update({k: v for k, v in PRESETS[cfg['preset']].items() if k in PRESET_KEYS})
         args['vocab_size'] = vocab_size or PRESETS[cfg['preset']]['vocab_size']
     return args
 

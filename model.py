@@ -231,6 +231,10 @@ class TransformerConfig:
 # LLaMA sizes follow GaLore's pre-training configs. GaLore trained all of them
 # with a sequence length of 256, so that is the default here, 7b included;
 # override with config_from_preset('llama-7b', block_size=2048) for longer contexts.
+# the config fields that give the weights their shapes (train.py's keys of the same names), and what a preset
+# sets: those, the vocabulary and the architecture's constants
+SHAPE_KEYS = ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias')
+PRESET_KEYS = (*SHAPE_KEYS, 'vocab_size', 'norm_eps', 'rope_theta')
 _LLAMA = dict(arch='llama', vocab_size=32000, block_size=256, bias=False, norm_eps=1e-6)
 _GPT2 = dict(arch='gpt2', vocab_size=50257, block_size=1024, bias=True)
 PRESETS: dict[str, dict] = {

@@ -42,7 +42,7 @@ from dataloader import check_vocab, data_dir, dataset_vocab, open_splits, prepar
 from data.tokenizer import Tokenizer, read_meta
 from memory_estimate import check_fits, estimate_iteration
 from metrics import LogOutlivesItsReader, Metrics
-from model import TransformerConfig
+from model import PRESET_KEYS, TransformerConfig
 from trainer import ParallelModel, Trainer, fsdp_units
 
 
@@ -131,7 +131,7 @@ def train(cfg, given_keys, ranks, device, checkpointer):
     raw_model = initial_model(cfg, given_keys, checkpointer, ranks, device, fsdp)
     model_args = asdict(raw_model.config)  # what was built, after any crop: sample.py and resumes rebuild it
     # the printed and saved config describes the model that trains, whatever init_from built it from
-    cfg.update({k: model_args[k] for k in (*builder.ARCH_KEYS, 'block_size') if k in cfg})
+    cfg.update({k: model_args[k] for k in (*PRESET_KEYS, 'block_size') if k in cfg})
     with refused(ValueError):  # every id of the data needs a row of the embedding
         check_vocab(cfg['dataset'], raw_model.config.vocab_size, train_batches, *eval_batches.values())
     tokens_per_iter = cfg['gradient_accumulation_steps'] * cfg['batch_size'] * cfg['block_size']

@@ -18,7 +18,7 @@ import galore
 import memory_options
 import omgd
 from configurator import above, at_least, between, check_rule, configure, one_of
-from model import check_arch
+from model import SHAPE_KEYS, check_arch
 
 CUDA = torch.cuda.is_available()
 
@@ -205,7 +205,6 @@ def check_preset(cfg):
                              f"would be ignored; pass --preset='' to give the shape by its keys")
 
 
-SHAPE_KEYS = ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias')
 # what a resume cannot change, and why: the checkpoint's schedule, data position, state and weights belong to them
 FIXED_ON_RESUME = {
     **{k: 'its layer schedule and data position belong to it' for k in ('dataset', 'method', 'omgd_gamma',
