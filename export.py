@@ -16,6 +16,10 @@ Keys: out_dir, hf_dir, dtype ('' keeps the checkpoint's; float32, bfloat16, floa
 (write into an hf_dir that already holds a model), tokenizer ('' the dataset's, 'none' the weights only),
 max_shard_size (default '5GB', transformers' default: a larger model is written as shards
 model-0000K-of-0000N.safetensors with model.safetensors.index.json).
+The files are written into a temporary folder inside hf_dir and moved in only once all are complete: a
+failed export (a full disk) leaves hf_dir as it was. An earlier export's files that this one does not
+write (its shards, a GPT-2 vocab.json beside a new character tokenizer; .export_files.json lists them)
+are removed; any other file in hf_dir is kept.
 A tokenizer with more ids than the model embeds (a character-level model whose meta.pkl is gone
 would get GPT-2's) is refused, as is a checkpoint with NaN or inf weights.
 """

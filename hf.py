@@ -5,7 +5,8 @@ becomes this repository's GPT and back, with the same tensors both ways.
 
     load(hf_dir)                  GPT from a local directory: json and safetensors, no transformers
     from_pretrained(name_or_dir)  load(), or a GPT-2 hub name through transformers (cache or network)
-    save(model, hf_dir)           config.json, model.safetensors, generation_config.json
+    save(model, hf_dir)           config.json, model.safetensors, generation_config.json (staged: written whole,
+                                  then moved in; files of hf_dir that no export wrote are kept)
     export(out_dir, hf_dir)       train.py's checkpoint and its dataset's tokenizer as a model directory
                                   (export.py's command line; eval.py's lm-eval)
 
@@ -15,8 +16,10 @@ place here) raises HFError, one line that names it.
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
+import tempfile
 import zipfile
 
 import torch
@@ -186,11 +189,10 @@ def _weight_files(hf_dir):
         if os.path.exists(path):
             return [(path, kind)]
         if os.path.exists(index):
-            try:
-                with open(index) as f:
-                    shards = sorted(set(json.load(f)['weight_map'].values()))
-            except (ValueError, KeyError, AttributeError):
-                raise HFError(f"{index} is not a Hugging Face index (a JSON object with a weight_map)") from None
+            shards = _index_shards(index)
+            if shards is None:
+                raise HFError(f"{index} is not a Hugging Face index (a JSON object whose weight_map maps tensor "
+                              f"names to file names); download the model again")
             paths = [os.path.join(hf_dir, shard) for shard in shards]
             missing = [p for p in paths if not os.path.exists(p)]
             if missing:
@@ -198,6 +200,21 @@ def _weight_files(hf_dir):
             return [(p, kind) for p in paths]
     raise HFError(f"{hf_dir} holds no weights: expected model.safetensors, model.safetensors.index.json with its "
                   f"shards, or pytorch_model.bin")
+
+
+def _index_shards(index):
+    """The sorted file names an index's weight_map lists, or None when it is not a JSON object with a
+    weight_map of names to file names (a JSON list, a number, damaged JSON), which would otherwise end in a
+    traceback."""
+    try:
+        with open(index, encoding='utf-8') as f:
+            found = json.load(f)
+    except ValueError:  # UnicodeDecodeError included
+        return None
+    weight_map = found.get('weight_map') if isinstance(found, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+        return None
+    return sorted(set(weight_map.values()))
 
 
 def read_tensors(hf_dir):
@@ -363,24 +380,151 @@ def hf_state_dict(model, dtype=None):
 def save(model, hf_dir, dtype=None, bos_token_id=None, eos_token_id=None, max_shard_size='5GB'):
     """Write config.json, the weights and generation_config.json of our model into hf_dir. The weights:
     model.safetensors, or shards of at most max_shard_size with model.safetensors.index.json
-    (huggingface_hub.save_torch_state_dict, what transformers' save_pretrained writes). Returns the
-    weight files' names."""
+    (huggingface_hub.save_torch_state_dict, what transformers' save_pretrained writes). Written as
+    export() writes (staged(): complete before anything in hf_dir is replaced; other files kept).
+    Returns the weight files' names."""
+    with staged(hf_dir) as folder:
+        return write_model(model, folder, dtype, bos_token_id, eos_token_id, max_shard_size)
+
+
+def write_model(model, folder, dtype=None, bos_token_id=None, eos_token_id=None, max_shard_size='5GB'):
+    """save()'s files, written into `folder` (a new, empty one: staged()'s)."""
     from huggingface_hub import save_torch_state_dict
-    os.makedirs(hf_dir, exist_ok=True)
-    for name in os.listdir(hf_dir):  # an earlier export's shards must not mix with these
-        if name.startswith('model') and name.endswith(('.safetensors', '.safetensors.index.json')):
-            os.remove(os.path.join(hf_dir, name))
     tensors = hf_state_dict(model, dtype)
     stored = next(iter(tensors.values())).dtype
-    save_torch_state_dict(tensors, hf_dir, max_shard_size=max_shard_size, metadata={'format': 'pt'})
+    save_torch_state_dict(tensors, folder, max_shard_size=max_shard_size, metadata={'format': 'pt'})
     config = config_to_hf(model.config, stored, bos_token_id, eos_token_id)
     generation = {k: v for k, v in dict(bos_token_id=bos_token_id, eos_token_id=eos_token_id).items()
                   if v is not None}
     for name, content in (('config.json', config), ('generation_config.json', generation)):
-        with open(os.path.join(hf_dir, name), 'w') as f:
+        with open(os.path.join(folder, name), 'w') as f:
             json.dump(content, f, indent=2, sort_keys=True)
             f.write('\n')
-    return sorted(n for n in os.listdir(hf_dir) if n.startswith('model') and n.endswith('.safetensors'))
+    return sorted(n for n in os.listdir(folder) if n.startswith('model') and n.endswith('.safetensors'))
+
+
+# -----------------------------------------------------------------------------
+# writing a model directory: staged, then only our own files replaced
+
+# the names of the files an export (or save) wrote into its directory, so that the next one replaces or
+# removes those and no other (an earlier export's GPT-2 vocab.json beside a new character tokenizer)
+MANIFEST = '.export_files.json'
+SHARD = re.compile(r'model-\d+-of-\d+\.safetensors')  # save_torch_state_dict's shard names
+# written last, so that a directory is never described by a config or an index before its files are there
+METADATA = ('model.safetensors.index.json', 'config.json', 'generation_config.json', MANIFEST)
+
+
+class staged:
+    """`with staged(hf_dir) as folder:` write the new files into `folder`, a new temporary folder inside
+    hf_dir; when the block ends, each file is flushed to disk (fsync), then moved into hf_dir, replacing
+    the file of that name, and the files an earlier export wrote that this one does not are removed
+    (previous_files()). Any other file of hf_dir stays as it is. A write that fails (a full disk) removes
+    the temporary folder and leaves hf_dir as it was: ExportError, one line."""
+
+    def __init__(self, hf_dir):
+        self.hf_dir = hf_dir
+
+    def __enter__(self):
+        hf_dir = self.hf_dir
+        self.created = not os.path.isdir(hf_dir)
+        try:
+            os.makedirs(hf_dir, exist_ok=True)
+        except OSError as e:
+            raise ExportError(f"cannot create --hf_dir={hf_dir} ({e.strerror}); give a writable directory") from None
+        try:
+            self.folder = tempfile.mkdtemp(prefix='.export-tmp-', dir=hf_dir)
+        except OSError as e:
+            self._remove_created()
+            raise ExportError(f"cannot write into --hf_dir={hf_dir} ({e.strerror}); give a writable "
+                              f"directory") from None
+        return self.folder
+
+    def _remove_created(self):
+        if self.created:
+            try:
+                os.rmdir(self.hf_dir)  # only when empty: nothing but what this export made
+            except OSError:
+                pass
+
+    def __exit__(self, kind, error, tb):
+        if error is None:
+            try:
+                written = sorted(os.listdir(self.folder))
+                with open(os.path.join(self.folder, MANIFEST), 'w') as f:
+                    json.dump({'written_by': 'export.py (hf.py)', 'files': written}, f, indent=2)
+                    f.write('\n')
+                _sync(self.folder)
+            except (OSError, SafetensorError) as e:
+                error = e
+        if error is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self._remove_created()
+            if isinstance(error, (OSError, SafetensorError)):
+                reason = getattr(error, 'strerror', None) or str(error).strip().splitlines()[0][:200]
+                raise ExportError(f"cannot write the export into {self.hf_dir} ({reason}); {self.hf_dir} is left as "
+                                  f"it was: free space (or give another --hf_dir) and export again") from None
+            return False  # anything else (ExportError, KeyboardInterrupt, a bug) goes on as it was
+        try:
+            _publish(self.folder, self.hf_dir)
+        except OSError as e:
+            raise ExportError(f"cannot move the new files into {self.hf_dir} ({e.strerror}); it may hold part of "
+                              f"the new export: fix that and export again") from None
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        return False
+
+
+def _sync(folder):
+    """Every file of folder, and folder itself, on disk (fsync): complete before any old one is replaced."""
+    for name in os.listdir(folder):
+        fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def previous_files(hf_dir):
+    """The names in hf_dir that an earlier export wrote: those its MANIFEST lists, the shards its
+    model.safetensors.index.json lists (named as save_torch_state_dict names them; an export from before
+    the manifest), and model.safetensors and its index, whose names say they are the directory's weights.
+    What cannot be read is taken to list nothing."""
+    names = {'model.safetensors', 'model.safetensors.index.json'}
+    try:
+        with open(os.path.join(hf_dir, MANIFEST), encoding='utf-8') as f:
+            listed = json.load(f).get('files')
+        if isinstance(listed, list):
+            names.update(n for n in listed if isinstance(n, str))
+    except (OSError, ValueError, AttributeError):
+        pass
+    index = os.path.join(hf_dir, 'model.safetensors.index.json')
+    if os.path.isfile(index):
+        names.update(n for n in _index_shards(index) or () if SHARD.fullmatch(n))
+    # a plain name of a file in hf_dir, never a path out of it (a manifest that lists '../x')
+    return {n for n in names if n not in ('', '.', '..') and os.path.basename(n) == n}
+
+
+def _publish(folder, hf_dir):
+    """Move folder's files into hf_dir (metadata last), then remove what an earlier export wrote there
+    that this one did not; fsync hf_dir."""
+    new = os.listdir(folder)
+    stale = previous_files(hf_dir) - set(new)
+    for name in sorted(new, key=lambda n: (n in METADATA, METADATA.index(n) if n in METADATA else 0, n)):
+        os.replace(os.path.join(folder, name), os.path.join(hf_dir, name))
+    for name in sorted(stale):
+        path = os.path.join(hf_dir, name)
+        if os.path.isfile(path) or os.path.islink(path):
+            os.remove(path)
+    fd = os.open(hf_dir, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # -----------------------------------------------------------------------------
@@ -566,8 +710,7 @@ def copy_hf_tokenizer(tokenizer_dir, hf_dir):
     if not copied:
         raise ExportError(f"{tokenizer_dir} holds no tokenizer files (tokenizer.json, tokenizer_config.json, ...)")
     for name in copied:
-        if os.path.abspath(tokenizer_dir) != os.path.abspath(hf_dir):
-            shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(hf_dir, name))
+        shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(hf_dir, name))
     return hf_token_ids(tokenizer_dir), copied
 
 
@@ -597,7 +740,10 @@ def read_model(out_dir):
 
 def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_size='5GB', log=print):
     """Write out_dir/ckpt.pt's model and its dataset's tokenizer (tokenizer='none': no tokenizer) into
-    hf_dir; ExportError or CheckpointError, before anything is written."""
+    hf_dir; ExportError or CheckpointError, before anything is written. The files are written into a temporary
+    folder and replace their namesakes in hf_dir only once all are complete (staged()); an earlier export's files
+    that this one does not write are removed, every other file of hf_dir is kept. A write that fails (a full disk)
+    leaves hf_dir as it was."""
     if not hf_dir:
         raise ExportError("--hf_dir is required: the directory to write, e.g. --hf_dir=out/hf")
     if dtype and dtype not in DTYPES:
@@ -630,26 +776,25 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_s
         from dataloader import data_dir
         vocab = char_vocabulary(read_meta(data_dir(dataset))['itos'], where)
         char_tok = char_tokenizer(vocab)
-    try:
-        os.makedirs(hf_dir, exist_ok=True)
-    except OSError as e:
-        raise ExportError(f"cannot create --hf_dir={hf_dir} ({e.strerror}); give a writable directory") from None
-    if kind == 'gpt2':
-        (bos, eos), note = write_gpt2_tokenizer(hf_dir, model.config.block_size, files), "GPT-2 BPE (vocab.json, merges.txt)"
-    elif kind == 'hf':
-        (bos, eos), copied = copy_hf_tokenizer(where, hf_dir)
-        note = f"{', '.join(copied)} of {where}"
-    elif kind == 'none':
-        bos = eos = None
-        note = "none (--tokenizer=none); only the weights are exported"
-    elif kind == 'char':
-        bos, eos = write_char_tokenizer(hf_dir, char_tok, model.config.block_size)
-        note = (f"tokenizer.json, tokenizer_config.json: the {len(vocab)} characters of {where} (character-level, "
-                f"one id a character, as this repository encodes)")
-    else:
-        bos = eos = None
-        note = f"none: {where} records a vocabulary but no tokenizer; only the weights are exported"
-    weights = save(model, hf_dir, stored, bos, eos, max_shard_size)
+    # written into a new folder inside hf_dir, moved in only once complete (staged): a failure leaves hf_dir as it was
+    with staged(hf_dir) as folder:
+        if kind == 'gpt2':
+            (bos, eos), note = write_gpt2_tokenizer(folder, model.config.block_size, files), \
+                "GPT-2 BPE (vocab.json, merges.txt)"
+        elif kind == 'hf':
+            (bos, eos), copied = copy_hf_tokenizer(where, folder)
+            note = f"{', '.join(copied)} of {where}"
+        elif kind == 'none':
+            bos = eos = None
+            note = "none (--tokenizer=none); only the weights are exported"
+        elif kind == 'char':
+            bos, eos = write_char_tokenizer(folder, char_tok, model.config.block_size)
+            note = (f"tokenizer.json, tokenizer_config.json: the {len(vocab)} characters of {where} (character-level, "
+                    f"one id a character, as this repository encodes)")
+        else:
+            bos = eos = None
+            note = f"none: {where} records a vocabulary but no tokenizer; only the weights are exported"
+        weights = write_model(model, folder, stored, bos, eos, max_shard_size)
     shards = weights[0] if len(weights) == 1 else f"{len(weights)} shards with model.safetensors.index.json"
     log(f"wrote {hf_dir}: config.json ({ARCHITECTURES[model.config.arch]}), {shards} "
         f"({str(stored).removeprefix('torch.')}, iteration {checkpoint.get('iter_num', '?')} of {out_dir}), "

@@ -9,14 +9,25 @@ import sys
 import torch
 
 
-def load_codec(data_dir):
+def load_codec(data_dir, model_vocab=None):
     """(encode, decode) with the tokenizer the dataset's meta.pkl records (data/tokenizer.py): GPT-2
-    BPE, characters or a local Hugging Face tokenizer; a one-line error when it cannot be loaded."""
+    BPE, characters or a local Hugging Face tokenizer; a one-line error when it cannot be loaded, or
+    when it has more ids than the model embeds (model_vocab): not the tokenizer the model trained on
+    (a character-level model whose meta.pkl is gone would get GPT-2's BPE, and its ids an IndexError)."""
     from data.tokenizer import Tokenizer, read_meta
     try:
         tok = Tokenizer.from_meta(read_meta(data_dir))
     except ValueError as e:
         sys.exit(f"error: {e}")
+    if model_vocab is not None and tok.vocab_size > model_vocab:
+        meta = os.path.join(data_dir, 'meta.pkl')
+        what = f"GPT-2's BPE, since there is no {meta}" if not os.path.exists(meta) else f"{tok.name}, from {meta}"
+        name = os.path.basename(os.path.normpath(data_dir))
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', name, 'prepare.py')
+        again = f"python data/{name}/prepare.py" if os.path.isfile(script) else "its prepare script"
+        sys.exit(f"error: the checkpoint's vocab_size is {model_vocab} but the tokenizer of its dataset ({what}) has "
+                 f"{tok.vocab_size} ids: not the tokenizer the model trained on; restore that meta.pkl, or prepare "
+                 f"the dataset again ({again}) as it was prepared for this run")
     return (lambda text: tok.encode(text, special=True)), tok.decode
 
 
@@ -54,8 +65,13 @@ def main(argv):
     except (RuntimeError, KeyError, TypeError) as e:  # a readable file that is not one of train.py's checkpoints
         sys.exit(f"error: {path} is not a checkpoint of train.py ({type(e).__name__}); give the "
                  f"out_dir of a train.py run")
+    # a diverged run's weights: every sample would be NaN logits, printed as nothing
+    bad = [k for k, t in checkpoint['model'].items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        sys.exit(f"error: {path} holds non-finite weights (NaN or inf in {len(bad)} tensor(s), e.g. {bad[0]}): the "
+                 f"run diverged before this save; sample from an earlier checkpoint (or resume from one)")
     model.eval().to(cfg['device'])
-    encode, decode = load_codec(data_dir(checkpoint['config']['dataset']))
+    encode, decode = load_codec(data_dir(checkpoint['config']['dataset']), model.config.vocab_size)
     torch.manual_seed(cfg['seed'])
     start = cfg['start']
     if start.startswith('FILE:'):

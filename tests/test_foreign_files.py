@@ -188,7 +188,8 @@ def test_a_tokenizer_larger_than_the_model_is_not_exported(tmp_path):
     result = run_script('export.py', [*export, '--tokenizer=none'])
     assert result.returncode == 0, result.stderr[-2000:]
     assert 'tokenizer: none (--tokenizer=none)' in result.stdout
-    assert sorted(os.listdir(tmp_path / 'hf')) == ['config.json', 'generation_config.json', 'model.safetensors']
+    assert sorted(os.listdir(tmp_path / 'hf')) == ['.export_files.json', 'config.json', 'generation_config.json',
+                                                 'model.safetensors']  # the manifest: the files this export wrote
 
 
 def test_a_model_much_larger_than_its_tokenizer_exports_with_a_warning(tmp_path):

@@ -468,3 +468,98 @@ def test_export_refusals_are_one_line(tmp_path, capsys):
             export.main(argv)
         assert str(e.value.code).startswith('error: ') and '\n' not in str(e.value.code)
         assert re.search(pattern, str(e.value.code)), e.value.code
+
+
+# -----------------------------------------------------------------------------
+# what an export replaces: its own files only, and only once the new ones are complete
+
+
+def char_dataset(path, chars='ROMEO: soft,\n'):
+    path.mkdir()
+    itos = dict(enumerate(sorted(set(chars))))
+    with open(path / 'meta.pkl', 'wb') as f:
+        pickle.dump({'vocab_size': len(itos), 'itos': itos, 'stoi': {c: i for i, c in itos.items()}}, f)
+    return len(itos)
+
+
+def files_of(folder):
+    """{name: bytes} of every file in folder, hidden ones included."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_export_replaces_only_its_own_files(tmp_path):
+    """A file the export did not write stays (a model_backup.safetensors was deleted, without --overwrite); an
+    earlier export's files that the new one does not write go (its shards, a GPT-2 vocab.json and merges.txt
+    beside a new character-level tokenizer): .export_files.json lists what an export wrote."""
+    (tmp_path / 'bpe').mkdir()  # no meta.pkl: GPT-2 BPE
+    fake_checkpoint(tmp_path / 'gpt2_run', tmp_path / 'bpe', vocab_size=50304)  # 3.2 MB of weights: 2 shards
+    fake_checkpoint(tmp_path / 'char_run', tmp_path / 'chars', vocab_size=char_dataset(tmp_path / 'chars'))
+    out = tmp_path / 'out'
+    out.mkdir()
+    foreign = {'model_backup.safetensors': b'the user\'s own weights', 'README.md': b'notes',
+               'model-00001-of-00002.safetensors.bak': b'a copy', 'vocab.txt': b'not ours'}
+    for name, content in foreign.items():
+        (out / name).write_bytes(content)
+    hf.export(str(tmp_path / 'gpt2_run'), str(out), max_shard_size='2MB', log=lambda line: None)
+    written = files_of(out)
+    shards = sorted(n for n in written if n.startswith('model-') and n.endswith('-of-00002.safetensors'))
+    assert len(shards) == 2 and {'vocab.json', 'merges.txt', 'model.safetensors.index.json'} <= written.keys()
+    assert all(written[name] == content for name, content in foreign.items())
+    assert json.loads(written[hf.MANIFEST])['files'] == sorted(set(written) - set(foreign) - {hf.MANIFEST})
+    assert not [n for n in os.listdir(out) if n.startswith('.export-tmp-')]
+    with pytest.raises(hf.ExportError, match=r"already holds config\.json; .* --overwrite=True"):
+        hf.export(str(tmp_path / 'char_run'), str(out), log=lambda line: None)
+    hf.export(str(tmp_path / 'char_run'), str(out), overwrite=True, log=lambda line: None)
+    after = files_of(out)
+    assert all(after[name] == content for name, content in foreign.items())
+    ours = {'config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json',
+            hf.MANIFEST}
+    assert set(after) == set(foreign) | ours, sorted(after)  # no GPT-2 vocab.json, merges.txt, shards or index
+    assert hf.read_char_tokenizer(str(out)) is not None
+    assert hf.load(str(out)).config.vocab_size == len(set('ROMEO: soft,\n'))
+    transformers.AutoTokenizer.from_pretrained(out)  # a character tokenizer, no GPT-2 files beside it
+    # an export from before the manifest: the shards its index lists are its own, other files are not
+    hf.export(str(tmp_path / 'gpt2_run'), str(out), overwrite=True, max_shard_size='2MB', log=lambda line: None)
+    (out / hf.MANIFEST).unlink()
+    hf.export(str(tmp_path / 'char_run'), str(out), overwrite=True, log=lambda line: None)
+    left = os.listdir(out)
+    assert not [n for n in left if hf.SHARD.fullmatch(n)] and 'model.safetensors.index.json' not in left
+    assert all((out / name).read_bytes() == content for name, content in foreign.items())
+
+
+def test_an_export_that_cannot_write_leaves_the_directory_as_it_was(tmp_path, monkeypatch):
+    """The disk fills while the weights are written (safetensors' write raises ENOSPC half-way): the old export
+    and the user's files are all still there, byte for byte, and export.py ends in one line, no traceback;
+    a directory that did not exist is not left behind."""
+    import errno
+    import safetensors.torch
+    from conftest import assert_one_line_error, run_script
+    fake_checkpoint(tmp_path / 'run', tmp_path / 'chars', vocab_size=char_dataset(tmp_path / 'chars'))
+    out = tmp_path / 'out'
+    hf.export(str(tmp_path / 'run'), str(out), log=lambda line: None)
+    (out / 'notes.txt').write_text('mine')
+    before = files_of(out)
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, 'wb') as f:
+            f.write(b'\0' * 1000)  # part of the file, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(safetensors.torch, 'save_file', full_disk)
+    for hf_dir in (out, tmp_path / 'new' / 'hf'):
+        result = run_script('export.py', [f'--out_dir={tmp_path / "run"}', f'--hf_dir={hf_dir}', '--overwrite=True'])
+        assert_one_line_error(result, rf"cannot write the export into {re.escape(str(hf_dir))} \(No space left on "
+                                      rf"device\); .* is left as it was: free space")
+    assert files_of(out) == before and sorted(os.listdir(out)) == sorted(before)  # no temporary folder either
+    assert not (tmp_path / 'new' / 'hf').exists()
+
+
+@pytest.mark.parametrize('index', ['[1, 2]', '{"weight_map": [1]}', '{"weight_map": {"a": 3}}', '"text"'])
+def test_an_index_that_is_not_an_object_of_file_names_is_one_line(tmp_path, index):
+    save_hf('gpt2', tmp_path / 'in')
+    (tmp_path / 'in' / 'model.safetensors').unlink()
+    (tmp_path / 'in' / 'model.safetensors.index.json').write_text(index)
+    for read in (hf.load, hf.from_pretrained):
+        with pytest.raises(hf.HFError, match=r"model\.safetensors\.index\.json is not a Hugging Face index \(a JSON "
+                                             r"object whose weight_map maps tensor names to file names\)"):
+            read(str(tmp_path / 'in'))

@@ -44,3 +44,36 @@ def test_ids_the_tokenizer_lacks_decode_as_a_replacement_character():
     assert gpt2.decode(hello + world) == 'Hello world'
     chars = Tokenizer('char', itos={0: 'a', 1: 'b'})
     assert chars.decode([0, 5, 1, -1]) == f'a{REPLACEMENT}b{REPLACEMENT}'
+
+
+def test_a_dataset_whose_meta_pkl_is_gone_and_a_nan_checkpoint_are_one_line_errors(tmp_path):
+    """A character-level run whose dataset lost its meta.pkl would decode with GPT-2's BPE (an IndexError in
+    the embedding, before); a checkpoint with NaN weights would print nothing and exit 0: each is one line."""
+    import os
+    import shutil
+    import torch
+    from dataloader import data_dir
+    from conftest import assert_one_line_error
+    run_train(f'--out_dir={tmp_path / "run"}', '--max_iters=2', '--eval_interval=2')
+    ckpt = torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)
+    # the run's dataset copied without its meta.pkl (the shared prepared one stays as it is)
+    gone = tmp_path / 'data'
+    shutil.copytree(data_dir(ckpt['config']['dataset']), gone, ignore=shutil.ignore_patterns('meta.pkl'))
+    ckpt['config']['dataset'] = str(gone)
+    (tmp_path / 'no_meta').mkdir()
+    torch.save(ckpt, tmp_path / 'no_meta' / 'ckpt.pt')
+    result = run_script('sample.py', [f'--out_dir={tmp_path / "no_meta"}', '--max_new_tokens=5'])
+    vocab = ckpt['model_args']['vocab_size']
+    assert_one_line_error(result, rf"the checkpoint's vocab_size is {vocab} but the tokenizer of its dataset "
+                                  rf"\(GPT-2's BPE, since there is no .*meta\.pkl\) has 50257 ids: .*restore that "
+                                  rf"meta\.pkl, or prepare the dataset again")
+    assert not result.stdout
+    ckpt = torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)
+    name = next(k for k, t in ckpt['model'].items() if t.is_floating_point())
+    ckpt['model'][name] = torch.full_like(ckpt['model'][name], float('nan'))
+    (tmp_path / 'nan').mkdir()
+    torch.save(ckpt, tmp_path / 'nan' / 'ckpt.pt')
+    result = run_script('sample.py', [f'--out_dir={tmp_path / "nan"}', '--max_new_tokens=5'])
+    assert_one_line_error(result, rf"{os.path.join(tmp_path, 'nan', 'ckpt.pt')} holds non-finite weights \(NaN or "
+                                  rf"inf in 1 tensor\(s\), e\.g\. {name}\): .*sample from an earlier checkpoint")
+    assert not result.stdout
