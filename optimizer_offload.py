@@ -4,11 +4,11 @@ period before the unit trains again (omgd.Cycler calls these methods; omgd.State
 
 On CUDA every copy runs on one side stream (CudaCopies), so neither the GPU nor the host waits for a
 switch: the copies out, one batch per switch, start after the compute queued before them, into pinned
-buffers kept from one switch to the next, and the copies back are queued a period early. One event marks the end of the copies
-out; every reader of the parked state waits for it: a copy back on the compute stream (restore without
-a prefetch) on the GPU, a checkpoint (optimizer.state_dict(), through a hook) on the host, and the
-side stream's copies back by its order. Elsewhere (CPU, meta) copies happen at once (ImmediateCopies).
-As torchao's CPU-offload optimizer does it.
+buffers kept from one switch to the next, and the copies back are queued a period early. One event
+marks the end of the copies out; every reader of the parked state waits for it: a copy back on the
+compute stream (restore without a prefetch) on the GPU, a checkpoint (optimizer.state_dict(), through
+a hook) on the host, and the side stream's copies back by its order. Elsewhere (CPU, meta) copies
+happen at once (ImmediateCopies). As torchao's CPU-offload optimizer does it.
 """
 import weakref
 

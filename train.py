@@ -338,7 +338,7 @@ def sample(cfg, raw_model, autocast, device, master):
 
 class StopRequest:
     """Preemption (SIGTERM from a cluster or from torchrun, which forwards its own SIGTERM/SIGINT to
-    every worker; Ctrl-C): finish the current iteration, then all ranks save and stop together.
+    every worker; Ctrl-C; SIGHUP): finish the current iteration, then all ranks save and stop together.
     A signal may reach only some ranks, so every iteration starts with `agreed()`, an
     all_reduce(MAX) of the flag: all ranks then leave the loop at the same iteration. torchrun
     kills the workers 30 s after forwarding a signal (--shutdown-timeout), so a stop saves at
@@ -347,7 +347,9 @@ class StopRequest:
     def __init__(self):
         self.requested = False
         self.exit_status = 128 + signal.SIGTERM  # also on ranks that stop only because another rank was asked
-        self.previous = {sig: signal.signal(sig, self._request) for sig in (signal.SIGTERM, signal.SIGINT)}
+        # SIGHUP too: a closed terminal or ssh session, which would otherwise end the run with no save
+        self.previous = {sig: signal.signal(sig, self._request)
+                         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
 
     def release(self):
         """Put back the handlers there were before: after the loop a signal stops the process at once."""

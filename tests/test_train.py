@@ -181,8 +181,10 @@ def test_new_run_does_not_silently_replace_a_checkpoint(tmp_path):
     assert f"resuming from iteration 2 of {tmp_path / 'ckpt.pt'}" in out
 
 
-def test_sigterm_saves_and_exits_with_the_signal_status(tmp_path):
+@pytest.mark.parametrize('signame', ['SIGTERM', 'SIGHUP'])  # SIGHUP: a closed terminal or ssh session
+def test_sigterm_saves_and_exits_with_the_signal_status(tmp_path, signame):
     import signal
+    sig = getattr(signal, signame)
     proc = subprocess.Popen([sys.executable, 'train.py', *TINY, f'--out_dir={tmp_path}', '--max_iters=100000',
                              '--eval_interval=100000'], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -190,10 +192,10 @@ def test_sigterm_saves_and_exits_with_the_signal_status(tmp_path):
     for line in proc.stdout:
         lines.append(line)
         if line.startswith('iter 3: loss'):
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
             break
     out = ''.join(lines) + proc.stdout.read()
-    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, out[-2000:]  # 143: not a finished run
+    assert proc.wait(timeout=120) == 128 + sig, out[-2000:]  # 143 (129): not a finished run
     stopped = int(re.search(r'rank 0: stop requested, stopping at iteration (\d+)', out).group(1))
     assert load(tmp_path)['iter_num'] == stopped > 3
 
