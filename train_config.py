@@ -258,6 +258,11 @@ def warnings(cfg):
     if cfg['decay_lr'] and cfg['warmup_iters'] >= run > 0:
         lines.append(f"warmup_iters={cfg['warmup_iters']} is as long as the run (max_iters={run}): the learning rate "
                      f"never reaches learning_rate={cfg['learning_rate']}; lower --warmup_iters")
+    if run == 0 and cfg['init_from'] != 'resume' and not cfg['eval_only']:
+        lines.append("max_iters=0: this run evaluates the initial model and trains nothing; raise --max_iters")
+    if cfg['learning_rate'] > 1:  # AdamW and SGD alike: steps of that size diverge at once
+        lines.append(f"learning_rate={cfg['learning_rate']} is above 1, where training diverges (AdamW's usual "
+                     f"values are 1e-4 to 1e-2); lower --learning_rate")
     return lines
 
 

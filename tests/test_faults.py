@@ -67,6 +67,12 @@ def test_values_longer_than_the_run_are_named_in_a_warning(tmp_path):
         "learning_rate=0.002; lower --warmup_iters"]
     assert load(tmp_path / 'b')['iter_num'] == 4  # the runs trained
     assert not warnings_of(run_train(f'--out_dir={tmp_path / "c"}', '--max_iters=8'))
+    assert warnings_of(run_train(f'--out_dir={tmp_path / "d"}', '--max_iters=0', '--warmup_iters=0')) == [
+        "warning: max_iters=0: this run evaluates the initial model and trains nothing; raise --max_iters"]
+    assert warnings_of(run_train(f'--out_dir={tmp_path / "e"}', '--max_iters=8', '--learning_rate=10',
+                                 '--warmup_iters=0', expect_ok=False)) == [
+        "warning: learning_rate=10.0 is above 1, where training diverges (AdamW's usual values are 1e-4 to 1e-2); "
+        "lower --learning_rate"]
 
 
 def test_a_resume_that_would_train_nothing_says_so(tmp_path):
