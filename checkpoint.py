@@ -309,9 +309,10 @@ class OutDirLock:
         try:
             os.makedirs(self.out_dir, exist_ok=True)
             self.file = open(self.path, 'a+')
-        except OSError as e:
-            raise CheckpointError(f"out_dir={self.out_dir!r} cannot hold checkpoints ({e.strerror or e}); choose a "
-                                  f"writable directory with --out_dir") from None
+        except OSError as e:  # a full disk, a read-only place, a .lock that is a folder: named
+            raise CheckpointError(f"out_dir={self.out_dir!r} cannot hold checkpoints: its lock file {self.path} cannot "
+                                  f"be written ({e.strerror or e}); choose a writable directory with --out_dir, or "
+                                  f"remove what is at {self.path}") from None
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

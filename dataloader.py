@@ -37,6 +37,8 @@ def open_tokens(path, prepare_hint, dtype='uint16'):
     """The ids of a .bin file, memory-mapped; a one-line error for a missing, empty or cut file."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found; run `{prepare_hint}` first")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is a directory, not a file of token ids; run `{prepare_hint}` again")
     size, itemsize = os.path.getsize(path), np.dtype(dtype).itemsize
     if size == 0 or size % itemsize:
         raise ValueError(f"{path} has {size} bytes, not a whole number of {dtype} ids ({itemsize} bytes each): "

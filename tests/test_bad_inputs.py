@@ -134,6 +134,9 @@ OUT_DIR = [
     ('--out_dir={files}/a_file', r"out_dir=.*a_file' cannot hold checkpoints"),
     ('--out_dir={files}/a_file/sub', r"out_dir=.*a_file/sub' cannot hold checkpoints"),
     ('--out_dir={files}/empty --init_from=resume', r'no checkpoint at .*empty/ckpt\.pt to resume from'),
+    ('--out_dir={files}/locked', r'its lock file .*locked/\.lock cannot be written \(Is a directory\)'),
+    ('--out_dir={files}/bins --dataset={files}/dir_bin --vocab_size=96',
+     r'dir_bin/train\.bin is a directory, not a file of token ids'),
 ]
 # against the trained run in {out}
 RESUME = [
@@ -293,6 +296,11 @@ def test_bad_input_is_one_line_error_and_loses_nothing(script, args, pattern, tr
     before, reports = digest(trained), digest(files / 'reports')
     if '{files}/empty' in args:
         (files / 'empty').mkdir(exist_ok=True)
+    if '{files}/locked' in args:  # a .lock that is a folder
+        (files / 'locked' / '.lock').mkdir(parents=True, exist_ok=True)
+    if '{files}/dir_bin' in args:  # train.bin a folder
+        (files / 'dir_bin' / 'train.bin').mkdir(parents=True, exist_ok=True)
+        (files / 'dir_bin' / 'val.bin').write_bytes(bytes(200))
     result = run_script(script, argv_of(script, args, trained, files))
     assert result.returncode != 0, result.stdout[-1500:]
     assert 'Traceback' not in result.stderr, result.stderr[-3000:]
