@@ -10,6 +10,7 @@ writes, the others return). bench.py and the experiments use `mfu` and `peak_bf1
 import json
 import os
 import re
+import sys
 import time
 
 import torch
@@ -147,10 +148,16 @@ class Records:
 
     def write(self, kind, **fields):
         if self.enabled:
-            if not self.started:
-                self._start()
-            with open(self.path, 'a') as f:
-                f.write(json.dumps({'kind': kind, **fields}) + '\n')
+            try:
+                if not self.started:
+                    self._start()
+                with open(self.path, 'a') as f:
+                    f.write(json.dumps({'kind': kind, **fields}) + '\n')
+            except OSError as e:  # a full disk, a read-only file, a folder of that name: the training goes on
+                self.enabled = False
+                print(f"warning: cannot write {self.path} ({e.strerror or e}): this run's records stop here, its "
+                      f"checkpoints and log go on; free space or fix that path before the next run",
+                      file=sys.stderr, flush=True)
         if self.wandb is not None and kind in ('eval', 'iter'):
             self.wandb.log({f'{kind}/{k}': v for k, v in fields.items() if isinstance(v, (int, float))},
                            step=fields['iter'])

@@ -186,3 +186,14 @@ def test_a_large_data_seed_trains():
         for sampling in ('rr', 'iid'):
             starts = TokenBatches(f'{d}/t.bin', 15, 4, sampling, seed=10**18).next_starts()
             assert len(starts) == 4 and torch.all(starts < 5000)
+
+
+def test_records_that_cannot_be_written_stop_with_a_warning_and_the_run_goes_on(tmp_path):
+    """out_dir/metrics.jsonl not writable (here a folder of that name): one warning, then the run trains and
+    saves as it would (was: an IsADirectoryError traceback at the first record)."""
+    (tmp_path / 'metrics.jsonl').mkdir()
+    result = run_train(f'--out_dir={tmp_path}', '--max_iters=2', '--eval_interval=2')
+    assert [w for w in warnings_of(result) if 'metrics.jsonl' in w] == [
+        f"warning: cannot write {tmp_path / 'metrics.jsonl'} (Is a directory): this run's records stop here, its "
+        f"checkpoints and log go on; free space or fix that path before the next run"]
+    assert load(tmp_path)['iter_num'] == 2
