@@ -105,6 +105,10 @@ def main(argv):
         if dist.is_initialized():
             dist.destroy_process_group()
         return 1
+    except KeyboardInterrupt:  # Ctrl-C outside the loop (the loop's own stop saves): nothing is half-written
+        print("error: interrupted (Ctrl-C); the last checkpoint, if any, is as it was", file=sys.stderr, flush=True)
+        checkpointer.close(failed=True)
+        return 128 + signal.SIGINT
     distributed.teardown(ranks)  # a barrier, then destroy_process_group (distributed.py: why)
     checkpointer.close()
     return status

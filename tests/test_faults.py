@@ -197,3 +197,19 @@ def test_records_that_cannot_be_written_stop_with_a_warning_and_the_run_goes_on(
         f"warning: cannot write {tmp_path / 'metrics.jsonl'} (Is a directory): this run's records stop here, its "
         f"checkpoints and log go on; free space or fix that path before the next run"]
     assert load(tmp_path)['iter_num'] == 2
+
+
+def test_ctrl_c_during_the_setup_is_one_line(tmp_path, monkeypatch, capsys):
+    """Ctrl-C before the loop installs its own stop (here while the data is opened): one error line, exit 130,
+    no traceback, and no out_dir left behind by a run that saved nothing."""
+    import train
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, 'open_data', interrupted)
+    from conftest import TINY
+    status = train.main([*TINY, f'--out_dir={tmp_path / "run"}'])
+    err = capsys.readouterr().err
+    assert status == 130 and not (tmp_path / 'run').exists()
+    assert err.strip().splitlines()[-1] == "error: interrupted (Ctrl-C); the last checkpoint, if any, is as it was"
+    assert 'Traceback' not in err
