@@ -477,12 +477,12 @@ class staged:
 def _sync(folder):
     """Every file of folder, and folder itself, on disk (fsync): complete before any old one is replaced."""
     for name in os.listdir(folder):
-        fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    fd = os.open(folder, os.O_RDONLY)
+        _fsync(os.path.join(folder, name))
+    _fsync(folder)
+
+
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -520,11 +520,7 @@ def _publish(folder, hf_dir):
         path = os.path.join(hf_dir, name)
         if os.path.isfile(path) or os.path.islink(path):
             os.remove(path)
-    fd = os.open(hf_dir, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(hf_dir)
 
 
 # -----------------------------------------------------------------------------
