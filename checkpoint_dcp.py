@@ -25,7 +25,7 @@ checkpoint saved on N ranks (FSDP2 or DDP) resumes on any number of ranks (DCP r
 parameters' names and global shapes). Nothing in the folder is unpickled beyond plain data:
 values.pt is read with weights_only=True, DCP's .metadata with an unpickler that admits only DCP's
 own index classes, and the DCP part holds tensors only: an index that declares anything else (a
-bytes item, which DCP would read with torch.load(weights_only=False)) is refused before any read.
+bytes item, which DCP would unpickle with torch.load and its full unpickler) is refused before any read.
 
 consolidate() reads a folder into one process's memory in ckpt.pt's format (sample.py, export.py,
 eval.py: checkpoint.read_any). checkpoint.py's Checkpointer drives the saves and resumes of train.py.
@@ -383,7 +383,7 @@ def _refuse_bytes(path, key):
 
 def _tensors_only(path, index):
     """Train.py's step folders hold tensors only (Saver.save); DCP reads any other item (a
-    BytesStorageMetadata) with torch.load(weights_only=False), so an index declaring one is refused."""
+    BytesStorageMetadata) with torch.load's full unpickler, so an index declaring one is refused."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     for key, meta in getattr(index, 'state_dict_metadata', {}).items():
         if not isinstance(meta, TensorStorageMetadata):
@@ -414,7 +414,7 @@ class SafeReader(dcp.FileSystemReader):
 
 
 class _TensorsOnly(dcp.DefaultLoadPlanner):
-    """DCP's planner, less its load_bytes: the one place DCP's loading calls torch.load(weights_only=False)."""
+    """DCP's planner, less its load_bytes: the one place DCP's loading unpickles with torch.load's full unpickler."""
 
     def __init__(self, path):
         super().__init__()
