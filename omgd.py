@@ -10,13 +10,13 @@ refilled when fewer than gamma remain), the others are frozen, and the gradients
 active blocks are scaled by N_L / gamma.
 
 Frozen here means what saves memory: requires_grad=False, grad=None, and (policy 'drop') no
-optimizer state (optimizer_offload.StatePolicy; memory_estimate.memory_bytes counts what is left). Blocks are chosen
+optimizer state (StatePolicy; memory_estimate.memory_bytes counts what is left). Blocks are chosen
 by their index in model.blocks, never by parameter names, so nothing changes under DDP or
 torch.compile.
 
 Read top to bottom: the methods, build_cycler (the entry point), the Cycler it returns (called
-once per iteration by trainer.py; the state policy of its frozen units is optimizer_offload.py's),
-the GroupSchedule that draws the Cycler's groups, and the random partitions those groups come from. Algorithm 1 on the
+once per iteration by trainer.py), the StatePolicy of its frozen units, the GroupSchedule that
+draws the Cycler's groups, and the random partitions those groups come from. Algorithm 1 on the
 paper's least-squares example (masks over coordinates, the order of (mask, sample) pairs) is
 experiments/linreg.py.
 """
@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from configurator import above, at_least, check_rule, one_of
-from optimizer_offload import state_policy
+from optimizer_offload import OffloadedState
 
 
 class Method(NamedTuple):
@@ -46,7 +46,7 @@ METHODS = {
     'tensor_iid': Method('tensor', with_replacement=True, scaled=True),
 }
 OUTER_PARTS = ('embed', 'pos', 'norm', 'head')
-STATE_POLICIES = ('drop', 'offload', 'keep')  # what a frozen unit's optimizer state does (optimizer_offload.py)
+STATE_POLICIES = ('drop', 'offload', 'keep')  # what a frozen unit's optimizer state does (StatePolicy)
 # the rule of each train.py key a cycler reads (train_config.py checks a whole config with them)
 RULES = {'omgd_gamma': at_least(1), 'omgd_period': at_least(1), 'omgd_warmup': at_least(0),
          'omgd_ratio': above(0, upper=1), 'omgd_state': one_of(*STATE_POLICIES)}
@@ -231,6 +231,40 @@ class Cycler:
         if self.schedule is not None:
             self.schedule.load_state_dict(state['schedule'])
         self.apply(state['active'])
+
+
+# -----------------------------------------------------------------------------
+# The optimizer state of frozen units (omgd_state)
+
+
+class StatePolicy:
+    """What happens to the optimizer state of a parameter that freezes: 'keep' leaves it where it is
+    (no saving; the paper's GPT-2 setting), 'drop' deletes it (the unit restarts from zero moments
+    and step 0 when it trains again). 'offload' is optimizer_offload.OffloadedState, with the same
+    methods: the state parked in host memory and copied back, a period early."""
+
+    def __init__(self, optimizer, policy):
+        self.optimizer, self.policy = optimizer, policy
+
+    def release(self, p):
+        if self.policy == 'drop':
+            self.optimizer.state.pop(p, None)
+
+    def restore(self, p):
+        pass
+
+    def prefetch(self, params):
+        pass
+
+    def wait_for_prefetch(self):
+        pass
+
+    def finish_switch(self):
+        pass
+
+
+def state_policy(optimizer, policy):
+    return OffloadedState(optimizer) if policy == 'offload' else StatePolicy(optimizer, policy)
 
 
 # -----------------------------------------------------------------------------

@@ -1,7 +1,6 @@
 """
-The optimizer state of frozen units (omgd_state; omgd.Cycler calls these policies' methods): 'keep' and
-'drop' (StatePolicy), and 'offload' (OffloadedState): the state of a frozen unit parked in host memory,
-and copied back a period before the unit trains again.
+omgd_state='offload': the optimizer state of a frozen unit parked in host memory, and copied back a
+period before the unit trains again (omgd.Cycler calls these methods; omgd.StatePolicy has the same ones).
 
 On CUDA every copy runs on one side stream (CudaCopies), so neither the GPU nor the host waits for a
 switch: the copies out, one batch per switch, start after the compute queued before them, into pinned
@@ -171,37 +170,3 @@ class OffloadedState:
         """The host waits until every copy out has landed (before it reads the parked state)."""
         for device, event in self.parked.items():
             self._copies(device).wait_on_host(event)
-
-
-# -----------------------------------------------------------------------------
-# 'keep' and 'drop', and the policy of a name
-
-
-class StatePolicy:
-    """What happens to the optimizer state of a parameter that freezes: 'keep' leaves it where it is
-    (no saving; the paper's GPT-2 setting), 'drop' deletes it (the unit restarts from zero moments
-    and step 0 when it trains again). 'offload' is OffloadedState above, with the same
-    methods: the state parked in host memory and copied back, a period early."""
-
-    def __init__(self, optimizer, policy):
-        self.optimizer, self.policy = optimizer, policy
-
-    def release(self, p):
-        if self.policy == 'drop':
-            self.optimizer.state.pop(p, None)
-
-    def restore(self, p):
-        pass
-
-    def prefetch(self, params):
-        pass
-
-    def wait_for_prefetch(self):
-        pass
-
-    def finish_switch(self):
-        pass
-
-
-def state_policy(optimizer, policy):
-    return OffloadedState(optimizer) if policy == 'offload' else StatePolicy(optimizer, policy)
