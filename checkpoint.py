@@ -11,7 +11,6 @@ Two formats, each a back end of its own:
 A resume continues whichever holds the later iteration, on any number of ranks. Neither is ever
 written with a non-finite state, and neither is read with anything that could run code.
 """
-import glob
 import os
 import sys
 
@@ -22,7 +21,7 @@ import checkpoint_file
 import train_config
 # the 'file' format's functions, as the scripts and tests call them (checkpoint.read, checkpoint.save, ...)
 from checkpoint_file import (CheckpointError, NonFiniteState, check_finite, load_state, read, restore_rng,  # noqa: F401
-                             resume, save)
+                             remove_interrupted_write, resume, save)
 
 
 class Checkpointer:
@@ -279,7 +278,7 @@ def all_checkpoints(out_dir):
 
 def check_out_dir(out_dir):
     """Refuse (CheckpointError) an out_dir that cannot hold a checkpoint, before any training; remove
-    the temporary files an interrupted save left there."""
+    the temporary file a killed save of ckpt.pt left there, as that save's record names it."""
     try:
         os.makedirs(out_dir, exist_ok=True)
         probe = os.path.join(out_dir, f'.write-test-{os.getpid()}')
@@ -289,8 +288,7 @@ def check_out_dir(out_dir):
     except OSError as e:
         raise CheckpointError(f"out_dir={out_dir!r} cannot hold checkpoints ({e.strerror or e}); choose a writable "
                               f"directory with --out_dir") from None
-    for stale in glob.glob(os.path.join(glob.escape(out_dir), '.ckpt.pt.tmp-*')):
-        os.remove(stale)
+    remove_interrupted_write(os.path.join(out_dir, 'ckpt.pt'))
 
 
 class OutDirLock:
@@ -308,7 +306,7 @@ class OutDirLock:
         import time
         try:
             os.makedirs(self.out_dir, exist_ok=True)
-            self.file = open(self.path, 'a+')
+            self.file = open(self.path, 'a+b', buffering=0)  # unbuffered: a failed write fails there, not in close()
         except OSError as e:  # a full disk, a read-only place, a .lock that is a folder: named
             raise CheckpointError(f"out_dir={self.out_dir!r} cannot hold checkpoints: its lock file {self.path} cannot "
                                   f"be written ({e.strerror or e}); choose a writable directory with --out_dir, or "
@@ -317,15 +315,19 @@ class OutDirLock:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             self.file.seek(0)
-            holder = self.file.read().strip() or 'another process'
+            holder = self.file.read().decode(errors='replace').strip() or 'another process'
             self.file.close()
             raise CheckpointError(f"out_dir={self.out_dir!r} is in use by {holder}; wait for that run to end or stop "
                                   f"it, or choose another --out_dir") from None
-        self.file.seek(0)
-        self.file.truncate()
-        self.file.write(f"the run of pid {os.getpid()} on {socket.gethostname()}, started "
-                        f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
-        self.file.flush()
+        try:
+            self.file.seek(0)
+            self.file.truncate()
+            self.file.write(f"the run of pid {os.getpid()} on {socket.gethostname()}, started "
+                            f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+        except OSError as e:  # a full disk or quota: refused now, not at the first save after hours of training
+            self.release()
+            raise CheckpointError(f"out_dir={self.out_dir!r} cannot hold checkpoints: its lock file {self.path} cannot "
+                                  f"be written ({e.strerror or e}); free space or choose another --out_dir") from None
         return self
 
     def release(self, remove=False):

@@ -11,6 +11,7 @@ previous one, and is read with weights_only=True, so a file from elsewhere canno
 """
 import contextlib
 import os
+import re
 import zipfile
 from pathlib import Path
 
@@ -109,14 +110,41 @@ def save(path, ranks, objects, values, fsdp=False, device_type='cpu'):
         return False
     states.update({name: obj.state_dict() for name, obj in objects.items() if name not in states})
     checkpoint = {**states, **values, 'world_size': ranks.world_size, 'rng': {'ranks': rank_rngs}}
+    record = write_record(path)
     try:
         with atomic_path(Path(path)) as tmp_path:
+            with open(record, 'w') as f:  # names the temporary file, for the next run if this one is killed
+                f.write(tmp_path.name)
             torch.save(checkpoint, tmp_path)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError of its zip writer
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:200]
         raise CheckpointError(f"cannot write {path} ({reason}); the previous checkpoint is intact: free "
                               f"space or choose another --out_dir, then resume") from None
+    finally:
+        if os.path.isfile(record):
+            os.remove(record)
     return True
+
+
+def write_record(path):
+    """The file a save of `path` writes first and removes last: it names the save's temporary file."""
+    return os.path.join(os.path.dirname(path), f'.{os.path.basename(path)}.writing')
+
+
+def remove_interrupted_write(path):
+    """Remove the temporary file a killed save of `path` left, found through the record that save wrote
+    (write_record), never by its name alone: a file this code did not write is left. Returns its name or None."""
+    record = write_record(path)
+    if not os.path.isfile(record):
+        return None
+    with open(record, errors='replace') as f:
+        name = f.read().strip()
+    os.remove(record)
+    tmp = os.path.join(os.path.dirname(path), name)  # only the form atomic_path gives, in the same folder
+    if re.fullmatch(rf'\.{re.escape(os.path.basename(path))}\.tmp-\d+', name) and os.path.isfile(tmp):
+        os.remove(tmp)
+        return name
+    return None
 
 
 def resume(path, device, config, given=()):

@@ -33,8 +33,10 @@ RULES = {'sampling': one_of('rr', 'iid')}  # train.py's keys that TokenBatches r
 SCAN_LIMIT = 1 << 28  # ids check_vocab scans at start (512 MiB of uint16, about a second)
 
 
-def open_tokens(path, prepare_hint, dtype='uint16'):
-    """The ids of a .bin file, memory-mapped; a one-line error for a missing, empty or cut file."""
+def open_tokens(path, prepare_hint, dtype='uint16', n_ids=None):
+    """The ids of a .bin file, memory-mapped; a one-line error for a missing, empty or cut file, or one
+    whose ids are not `dtype` wide: its size is that of the n_ids meta.pkl records in the other width,
+    or (a meta.pkl without counts) uint32 ids read as uint16 would train on every id followed by a 0."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found; run `{prepare_hint}` first")
     if not os.path.isfile(path):
@@ -43,19 +45,28 @@ def open_tokens(path, prepare_hint, dtype='uint16'):
     if size == 0 or size % itemsize:
         raise ValueError(f"{path} has {size} bytes, not a whole number of {dtype} ids ({itemsize} bytes each): "
                          f"it is empty, cut short or of another dataset; run `{prepare_hint}` again")
-    return np.memmap(path, dtype=dtype, mode='r')
+    other = {'uint16': 'uint32', 'uint32': 'uint16'}[dtype]
+    if n_ids and size == n_ids * np.dtype(other).itemsize:  # another length: the file changed (a resume warns)
+        raise ValueError(f"{path} holds the {n_ids} ids meta.pkl records as {other} ({size} bytes), but meta.pkl "
+                         f"says dtype={dtype}; run `{prepare_hint}` again, or fix meta.pkl's dtype")
+    ids = np.memmap(path, dtype=dtype, mode='r')
+    head = ids[:min(len(ids), 1 << 16) // 2 * 2]
+    if dtype == 'uint16' and len(head) >= 2048 and not head[1::2].any() and head[0::2].any():
+        raise ValueError(f"{path} looks like uint32 ids (every second uint16 is 0) but meta.pkl says dtype=uint16 "
+                         f"(or there is no meta.pkl); run `{prepare_hint}` again, or fix meta.pkl's dtype")
+    return ids
 
 
 class TokenBatches:
 
     def __init__(self, path, block_size, batch_size, sampling='rr', seed=1337, rank=0,
-                 world_size=1, prepare_hint='python data/<dataset>/prepare.py', dtype='uint16'):
+                 world_size=1, prepare_hint='python data/<dataset>/prepare.py', dtype='uint16', n_ids=None):
         check_rule('sampling', sampling, RULES['sampling'])
         self.path, self.prepare_hint, self.dtype = path, prepare_hint, dtype
         self.block_size, self.batch_size, self.sampling = block_size, batch_size, sampling
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.vocab_size = None  # set by check_vocab when this file is too large to scan at start
-        n_tokens = len(open_tokens(path, prepare_hint, dtype))
+        n_tokens = len(open_tokens(path, prepare_hint, dtype, n_ids))
         # every epoch has the same number of windows, whatever its offset in [0, block_size]
         self.windows_per_epoch = (n_tokens - block_size) // (block_size + 1)
         self.steps_per_epoch = self.windows_per_epoch // (batch_size * world_size)
@@ -217,11 +228,12 @@ def open_splits(dataset, block_size, batch_size, sampling, seed, rank=0, world_s
     advice = prepare_advice(dataset)
     if not os.path.exists(os.path.join(data_dir(dataset), 'train.bin')) and not advice.startswith('run '):
         raise ValueError(f"dataset {dataset!r} has no prepared splits in {data_dir(dataset)}; {advice}")  # mistyped
-    dtype = read_meta(data_dir(dataset))['dtype']
+    meta = read_meta(data_dir(dataset))
 
     def batches(split, order, seed):
         return TokenBatches(os.path.join(data_dir(dataset), f'{split}.bin'), block_size, batch_size, order, seed,
-                            rank, world_size, f"python data/{dataset}/prepare.py", dtype)
+                            rank, world_size, f"python data/{dataset}/prepare.py", meta['dtype'],
+                            meta.get('n_ids', {}).get(split))
     evaluation = {split: batches(split, 'iid', seed + 1) for split in ('train', 'val')}
     for split_batches in evaluation.values():
         split_batches.start = split_batches.state_dict()

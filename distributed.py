@@ -6,7 +6,10 @@ ranks' collectives) is trainer.py's; the invariant checks of `--ddp_check=True` 
 Everything here is told what it needs through arguments (a `Ranks`, the model, the optimizer).
 """
 import datetime
+import json
 import os
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -16,9 +19,14 @@ from trainer import Ranks, fsdp_units
 
 def setup(backend, device, timeout_s=600):
     """Join torchrun's process group when RANK is set; returns the Ranks and this rank's device.
-    timeout_s: how long a collective waits for a stuck or dead rank before it fails (every group)."""
+    timeout_s: how long a collective waits for a stuck or dead rank before it fails (every group).
+    A backend the machine cannot run is a one-line ValueError, before any group is made."""
     if int(os.environ.get('RANK', -1)) == -1:
         return Ranks(), device
+    if backend == 'nccl' and not (device.startswith('cuda') and torch.cuda.is_available()):
+        raise ValueError(f"backend=nccl needs CUDA GPUs and this run's device is {device!r}"
+                         f"{'' if torch.cuda.is_available() else ' (torch finds no CUDA GPU here)'}: pass "
+                         f"--backend=gloo to train on CPUs")
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend=backend, timeout=timeout, **attempt_store(timeout))
     local_rank = int(os.environ['LOCAL_RANK'])
@@ -29,6 +37,23 @@ def setup(backend, device, timeout_s=600):
     # a flag back from a GPU tensor at every iteration would stall the GPU's queue of work.
     cpu_group = dist.new_group(backend='gloo', timeout=timeout) if backend != 'gloo' else dist.group.WORLD
     return Ranks(True, dist.get_rank(), local_rank, dist.get_world_size(), cpu_group), device
+
+
+def report_error(error, printed=True):
+    """End a run in its one `error:` line, printed unless `printed` is False (a rank that leaves it to
+    another); returns the exit status, 1. Under torchrun the line also goes into this rank's error file,
+    which torchrun's failure summary then shows as the root cause, instead of a link to its docs."""
+    line = f"error: {error}"
+    if printed:
+        print(line, file=sys.stderr, flush=True)
+    path = os.environ.get('TORCHELASTIC_ERROR_FILE')
+    if path:
+        try:
+            with open(path, 'w') as f:
+                json.dump({'message': line, 'timestamp': int(time.time())}, f)
+        except OSError:  # the summary then points at torchrun's docs, as before; the line was printed
+            pass
+    return 1
 
 
 def check_same_config(ranks, cfg):

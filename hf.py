@@ -18,6 +18,7 @@ import os
 import pickle
 import re
 import shutil
+import socket
 import sys
 import tempfile
 import zipfile
@@ -409,6 +410,8 @@ def write_model(model, folder, dtype=None, bos_token_id=None, eos_token_id=None,
 # the names of the files an export (or save) wrote into its directory, so that the next one replaces or
 # removes those and no other (an earlier export's GPT-2 vocab.json beside a new character tokenizer)
 MANIFEST = '.export_files.json'
+# written first into a staging folder ('pid@host'): the folder of a killed export is known by it, never by its name
+STAGING = '.export-staging'
 SHARD = re.compile(r'model-\d+-of-\d+\.safetensors')  # save_torch_state_dict's shard names
 # written last, so that a directory is never described by a config or an index before its files are there
 METADATA = ('model.safetensors.index.json', 'config.json', 'generation_config.json', MANIFEST)
@@ -421,8 +424,8 @@ class staged:
     (previous_files()). Any other file of hf_dir stays as it is. A write that fails (a full disk) removes
     the temporary folder and leaves hf_dir as it was: ExportError, one line."""
 
-    def __init__(self, hf_dir):
-        self.hf_dir = hf_dir
+    def __init__(self, hf_dir, log=None):
+        self.hf_dir, self.log = hf_dir, log
 
     def __enter__(self):
         hf_dir = self.hf_dir
@@ -431,9 +434,17 @@ class staged:
             os.makedirs(hf_dir, exist_ok=True)
         except OSError as e:
             raise ExportError(f"cannot create --hf_dir={hf_dir} ({e.strerror}); give a writable directory") from None
+        removed = remove_killed_stagings(hf_dir)
+        if removed and self.log:
+            self.log(f"removed {', '.join(removed)} from {hf_dir}: left by an export that was killed")
+        self.folder = None
         try:
             self.folder = tempfile.mkdtemp(prefix='.export-tmp-', dir=hf_dir)
+            with open(os.path.join(self.folder, STAGING), 'w') as f:
+                f.write(f"{os.getpid()}@{socket.gethostname()}")
         except OSError as e:
+            if self.folder:
+                shutil.rmtree(self.folder, ignore_errors=True)
             self._remove_created()
             raise ExportError(f"cannot write into --hf_dir={hf_dir} ({e.strerror}); give a writable "
                               f"directory") from None
@@ -449,6 +460,7 @@ class staged:
     def __exit__(self, kind, error, tb):
         if error is None:
             try:
+                os.remove(os.path.join(self.folder, STAGING))  # not one of the export's files
                 written = sorted(os.listdir(self.folder))
                 with open(os.path.join(self.folder, MANIFEST), 'w') as f:
                     json.dump({'written_by': 'export.py (hf.py)', 'files': written}, f, indent=2)
@@ -472,6 +484,30 @@ class staged:
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
         return False
+
+
+def remove_killed_stagings(hf_dir):
+    """Remove the staging folders that killed exports (SIGKILL, a power cut) left in hf_dir: the folders
+    holding the STAGING file staged() writes first, naming a process of this machine that is gone. Every
+    other folder stays, a running export's and one of another machine included. Returns their names."""
+    removed = []
+    for name in sorted(os.listdir(hf_dir)):
+        path = os.path.join(hf_dir, name)
+        if os.path.islink(path) or not os.path.isfile(os.path.join(path, STAGING)):
+            continue
+        try:
+            with open(os.path.join(path, STAGING)) as f:
+                pid, host = f.read().split('@', 1)
+            os.kill(int(pid), 0)  # raises ProcessLookupError once the process is gone
+            continue
+        except ProcessLookupError:
+            if host != socket.gethostname():
+                continue
+        except (OSError, ValueError):  # unreadable, not ours to judge; or alive under another user
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(name)
+    return removed
 
 
 def _sync(folder):
@@ -773,7 +809,7 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_s
         vocab = char_vocabulary(read_meta(data_dir(dataset))['itos'], where)
         char_tok = char_tokenizer(vocab)
     # written into a new folder inside hf_dir, moved in only once complete (staged): a failure leaves hf_dir as it was
-    with staged(hf_dir) as folder:
+    with staged(hf_dir, log) as folder:
         if kind == 'gpt2':
             (bos, eos), note = write_gpt2_tokenizer(folder, model.config.block_size, files), \
                 "GPT-2 BPE (vocab.json, merges.txt)"

@@ -72,21 +72,18 @@ def main(argv):
         if cfg['gpu_config'] and cfg['device'] == 'cpu' and not any(a.startswith('--device=') for a in argv):
             raise ValueError(f"this is a GPU config (gpu_config=True) and this machine has no CUDA GPU (torch "
                              f"{torch.__version__}); run it on a GPU, or pass --device=cpu to run it on the CPU anyway")
-    except (ConfigError, ValueError) as e:
-        if os.environ.get('LOCAL_RANK', '0') == '0':  # every rank of a node refuses the same config: one line
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+    except (ConfigError, ValueError) as e:  # every rank of a node refuses the same config: one line
+        return distributed.report_error(e, printed=os.environ.get('LOCAL_RANK', '0') == '0')
     # before CUDA's first allocation, which reads it
     allocator_note = memory_options.cuda_allocator() if cfg['device'].startswith('cuda') else None
     # distributed setup (distributed.py): torchrun sets RANK; every rank runs this same script
-    ranks, device = distributed.setup(cfg['backend'], cfg['device'], cfg['dist_timeout_s'])
     try:  # before anything is built: ranks given different configs would train apart or crash in a collective
+        ranks, device = distributed.setup(cfg['backend'], cfg['device'], cfg['dist_timeout_s'])
         distributed.check_same_config(ranks, cfg)
     except ValueError as e:
-        if ranks.master:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        dist.destroy_process_group()
-        return 1
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return distributed.report_error(e, printed=os.environ.get('RANK', '0') == '0')
     if allocator_note and ranks.master:
         print(allocator_note, flush=True)
     # out_dir's checkpoints (checkpoint.py); one writer per out_dir (the lock); --eval_only writes nothing
@@ -100,13 +97,13 @@ def main(argv):
             e = (f"rank {ranks.rank}: a collective with the other ranks failed ({str(e).strip().splitlines()[0][:160]}): "
                  f"another rank is stuck or dead; the last checkpoint in {cfg['out_dir']} is kept: resume with "
                  f"--init_from=auto (raise --dist_timeout_s={cfg['dist_timeout_s']} if a rank is only slow)")
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        distributed.report_error(e)
         checkpointer.close(failed=True)  # a background save of a good state ends before the group goes
         if dist.is_initialized():
             dist.destroy_process_group()
         return 1
     except KeyboardInterrupt:  # Ctrl-C outside the loop (the loop's own stop saves): nothing is half-written
-        print("error: interrupted (Ctrl-C); the last checkpoint, if any, is as it was", file=sys.stderr, flush=True)
+        distributed.report_error("interrupted (Ctrl-C); the last checkpoint, if any, is as it was")
         checkpointer.close(failed=True)
         return 128 + signal.SIGINT
     distributed.teardown(ranks)  # a barrier, then destroy_process_group (distributed.py: why)

@@ -261,7 +261,7 @@ def write_dataset(out_dir, splits: Mapping[str, Iterable], meta: Mapping, totals
                 raise ValueError(f"{split}.bin would hold no tokens (the input is too short to split); nothing was "
                                  f"written: give a longer text")
         with open(files.enter_context(atomic_path(out_dir / "meta.pkl")), "wb") as f:
-            pickle.dump(dict(meta), f)
+            pickle.dump({**meta, "n_ids": counts}, f)  # each split's ids: a .bin of another width is refused
     return counts
 
 

@@ -7,6 +7,7 @@ meta.pkl, written by every data/*/prepare.py next to train.bin and val.bin:
     vocab_size  every id in train.bin and val.bin is below it
     dtype       the width of the ids: 'uint16' while they fit (vocab_size <= 65,536), else 'uint32'
     stoi, itos  'char' only: character -> id, id -> character
+    n_ids       {'train': ids in train.bin, 'val': ...}: a .bin of another width or length is refused
 Datasets prepared before these keys existed still read: a meta.pkl with vocab_size, stoi and itos
 only is 'char', a folder without meta.pkl is GPT-2 BPE; both are uint16. A meta.pkl with only a
 vocab_size gives the vocabulary (tokenizer None) but nothing to decode with.
@@ -70,6 +71,10 @@ def _meta_problem(meta):
         return f"vocab_size={vocab} does not fit dtype={dtype}"
     if name is not None and (not isinstance(name, str) or not name):  # None: a bare vocabulary, no tokenizer
         return f"tokenizer={name!r} names no tokenizer ('gpt2', 'char' or a directory)"
+    counts = meta.get('n_ids', {})
+    if not isinstance(counts, dict) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                               for n in counts.values()):
+        return f"n_ids={counts!r} is not a dict of id counts"
     if name == 'char' and not (isinstance(meta.get('stoi'), dict) and isinstance(meta.get('itos'), dict)):
         return "tokenizer='char' without its stoi and itos"
     return None

@@ -320,11 +320,37 @@ def test_a_run_that_fails_before_saving_leaves_no_empty_out_dir(tmp_path):
 def test_stale_temporary_files_of_an_interrupted_save_are_removed(trained, tmp_path):
     out = tmp_path / 'run'
     shutil.copytree(trained, out)
-    (out / '.ckpt.pt.tmp-12345').write_bytes(b'half a checkpoint')
+    (out / '.ckpt.pt.tmp-12345').write_bytes(b'half a checkpoint')  # what a killed save leaves: its record too
+    (out / '.ckpt.pt.writing').write_text('.ckpt.pt.tmp-12345')
     result = run_script('train.py', [*TINY, f'--out_dir={out}', '--init_from=resume', '--max_iters=5',
                                      '--eval_interval=5'])
     assert result.returncode == 0, result.stderr[-2000:]
     assert sorted(os.listdir(out)) == ['.lock', 'ckpt.pt', 'metrics.jsonl']
+
+
+def test_nccl_without_cuda_under_torchrun_is_one_line_that_torchrun_names(tmp_path, monkeypatch):
+    """--backend=nccl without a CUDA device, under torchrun (RANK set): one line before any process group
+    is made; the line also goes to the rank's error file, which torchrun's failure summary shows as the
+    root cause. A rank that leaves the printing to another (LOCAL_RANK 1 of a refused config) writes it too."""
+    import json
+    error_file = tmp_path / 'error.json'
+    env = dict(RANK='0', LOCAL_RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1', MASTER_PORT='9',
+               TORCHELASTIC_ERROR_FILE=str(error_file))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / 'run'
+    result = run_script('train.py', [*TINY, f'--out_dir={out}', '--backend=nccl', '--device=cpu',
+                                     '--dist_timeout_s=20'])
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        "error: backend=nccl needs CUDA GPUs and this run's device is 'cpu'" + (
+            '' if __import__('torch').cuda.is_available() else " (torch finds no CUDA GPU here)") +
+        ": pass --backend=gloo to train on CPUs"], result.stderr[-2000:]
+    assert json.loads(error_file.read_text())['message'] == result.stderr.strip()
+    assert not out.exists()
+    monkeypatch.setenv('LOCAL_RANK', '1')
+    result = run_script('train.py', [*TINY, '--max_iters=-5'])
+    assert result.returncode == 1 and result.stderr == ''
+    assert json.loads(error_file.read_text())['message'] == "error: max_iters must be >= 0, got -5"
 
 
 def test_a_model_that_cannot_fit_is_refused_before_it_is_allocated(monkeypatch):

@@ -105,10 +105,43 @@ def test_the_file_is_synced_before_it_replaces_the_old_one(tmp_path, monkeypatch
     assert order == ['fsync', 'replace']
 
 
-def test_out_dir_checked_and_stale_temporaries_removed(tmp_path):
+def test_out_dir_checked_and_the_temporary_of_a_killed_save_removed(tmp_path):
+    """A killed save leaves its temporary file and the record naming it: both go. A file of the same
+    form that no record names (a user's, a copy's) stays, and so does anything a record names that is
+    not a temporary of ckpt.pt in this folder."""
     (tmp_path / '.ckpt.pt.tmp-999').write_bytes(b'from a save that was killed')
+    (tmp_path / '.ckpt.pt.writing').write_text('.ckpt.pt.tmp-999')
+    (tmp_path / '.ckpt.pt.tmp-1000').write_bytes(b'no record names it')
     (tmp_path / 'ckpt.pt').write_bytes(b'kept')
     checkpoint.check_out_dir(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ['.ckpt.pt.tmp-1000', 'ckpt.pt']
+    for named in ('ckpt.pt', '../ckpt.pt.tmp-1', '.ckpt.pt.tmp-1000/'):
+        (tmp_path / '.ckpt.pt.writing').write_text(named)
+        checkpoint.check_out_dir(str(tmp_path))
+        assert sorted(os.listdir(tmp_path)) == ['.ckpt.pt.tmp-1000', 'ckpt.pt'], named
+
+
+def test_a_save_records_its_temporary_file_until_it_is_in_place(tmp_path, monkeypatch):
+    """What a kill in the middle of torch.save leaves (the record and the temporary it names) is what
+    check_out_dir removes; a save that ends, well or not, leaves neither."""
+    seen = []
+    real_save = torch.save
+
+    def save_and_look(obj, f):
+        real_save(obj, f)
+        seen.append(sorted(os.listdir(tmp_path)))
+        seen.append((tmp_path / '.ckpt.pt.writing').read_text())
+    monkeypatch.setattr(torch, 'save', save_and_look)
+    save(tmp_path / 'ckpt.pt', build())
+    tmp_name = f'.ckpt.pt.tmp-{os.getpid()}'
+    assert seen == [sorted(['.ckpt.pt.writing', tmp_name]), tmp_name]
+    assert sorted(os.listdir(tmp_path)) == ['ckpt.pt']
+
+    def disk_full(obj, f):
+        raise OSError(errno.ENOSPC, 'No space left on device')
+    monkeypatch.setattr(torch, 'save', disk_full)
+    with pytest.raises(checkpoint.CheckpointError, match='No space left'):
+        save(tmp_path / 'ckpt.pt', build())
     assert sorted(os.listdir(tmp_path)) == ['ckpt.pt']
     (tmp_path / 'file').write_text('x')
     with pytest.raises(checkpoint.CheckpointError, match="cannot hold checkpoints"):

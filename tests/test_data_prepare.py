@@ -224,7 +224,8 @@ def test_bpe_prepare_roundtrip(tmp_path, sample_file):
     assert enc.decode(val.tolist()) == val_txt
     assert stats["train_tokens"] == len(train) and stats["val_tokens"] == len(val)
     assert sorted(p.name for p in out.iterdir()) == ["meta.pkl", "train.bin", "val.bin"]
-    assert read_meta(out) == {"tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16"}
+    assert read_meta(out) == {"tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16",
+                              "n_ids": {"train": len(train), "val": len(val)}}
 
 
 @pytest.mark.parametrize("script", ["data/shakespeare_char/prepare.py", "data/shakespeare/prepare.py"])
@@ -429,7 +430,8 @@ def test_c4_prepare_local_shards(tmp_path, c4_shards, big_tokenizer, num_proc, s
     assert train.tolist() == _ids(tok, train_docs)  # both shards, in file order, </s> after each document
     assert np.fromfile(out / "val.bin", dtype=np.uint32).tolist() == _ids(tok, val_docs)
     assert train.max() > 65_535 and (train == 70_000).any()  # above uint16, and [UNK]
-    assert read_meta(out) == {"tokenizer": str(big_tokenizer), "vocab_size": 70_002, "dtype": "uint32"}
+    assert read_meta(out) == {"tokenizer": str(big_tokenizer), "vocab_size": 70_002, "dtype": "uint32",
+                              "n_ids": {"train": len(train), "val": len(_ids(tok, val_docs))}}
     assert sorted(p.name for p in out.iterdir()) == ["meta.pkl", "train.bin", "val.bin"]
 
 
@@ -442,7 +444,8 @@ def test_c4_prepare_caps_and_gpt2(tmp_path, c4_shards):
     expected = [i for d in train_docs[:9] for i in enc.encode_ordinary(d) + [EOT]]
     assert np.fromfile(tmp_path / "docs" / "train.bin", dtype=np.uint16).tolist() == expected
     assert stats["val_tokens"] == len([i for d in val_docs[:2] for i in enc.encode_ordinary(d) + [EOT]])
-    assert read_meta(tmp_path / "docs") == {"tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16"}
+    assert read_meta(tmp_path / "docs") == {"tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16",
+                                            "n_ids": {"train": len(expected), "val": stats["val_tokens"]}}
     # a token cap cuts the last document: exactly the first N ids of the whole split
     whole = [i for d in train_docs for i in enc.encode_ordinary(d) + [EOT]]
     for n in (1, 101, len(whole) + 10):

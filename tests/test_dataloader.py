@@ -91,11 +91,12 @@ def test_missing_file_and_too_little_data(tmp_path, tokens):
 # --------------------------------------------------------------------------- datasets: meta.pkl, widths, vocabularies
 
 
-def dataset(tmp_path, ids, meta, name='ds'):
-    """A prepared dataset folder: ids in train.bin and val.bin, and meta.pkl (None: none)."""
+def dataset(tmp_path, ids, meta, name='ds', dtype=None):
+    """A prepared dataset folder: ids in train.bin and val.bin (as meta's dtype unless dtype is given),
+    and meta.pkl (None: none)."""
     d = tmp_path / name
     d.mkdir()
-    dtype = (meta or {}).get('dtype', 'uint16')
+    dtype = dtype or (meta or {}).get('dtype', 'uint16')
     for split in ('train', 'val'):
         np.asarray(ids, dtype=dtype).tofile(d / f'{split}.bin')
     if meta is not None:
@@ -195,6 +196,49 @@ def test_bin_files_of_the_wrong_size(tmp_path):
     open(os.path.join(d, 'val.bin'), 'wb').close()
     with pytest.raises(ValueError, match="val.bin has 0 bytes"):
         open_splits(d, 7, 2, 'rr', 1)
+
+
+def test_ids_of_another_width_than_meta_pkl_says_are_refused(tmp_path):
+    """uint32 files under a meta.pkl that says uint16 (a hand-made or older meta.pkl) would train on
+    every id followed by a 0: refused, by the counts meta.pkl records, or without them by the zeros."""
+    ids = np.arange(100, 3100)
+    d = dataset(tmp_path, ids, {'tokenizer': 'gpt2', 'vocab_size': 50257}, dtype='uint32')
+    with pytest.raises(ValueError, match=r"train.bin looks like uint32 ids \(every second uint16 is 0\) but "
+                                         r"meta.pkl says dtype=uint16 \(or there is no meta.pkl\); run `python "
+                                         r"data/.*/prepare.py` again, or fix meta.pkl's dtype"):
+        open_splits(d, 15, 4, 'rr', 1)
+    counted = dataset(tmp_path, ids, {'tokenizer': 'gpt2', 'vocab_size': 50257,
+                                      'n_ids': {'train': 6000, 'val': 6000}}, 'counted', dtype='uint32')
+    with pytest.raises(ValueError, match=r"train.bin looks like uint32"):  # counts that fit the size: the zeros tell
+        open_splits(counted, 15, 4, 'rr', 1)
+    counted = dataset(tmp_path, ids, {'tokenizer': 'gpt2', 'vocab_size': 50257,
+                                      'n_ids': {'train': 3000, 'val': 3000}}, 'counted2', dtype='uint32')
+    with pytest.raises(ValueError, match=r"train.bin holds the 3000 ids meta.pkl records as uint32 \(12000 bytes\), "
+                                         r"but meta.pkl says dtype=uint16; run `python data/.*/prepare.py` again, or "
+                                         r"fix meta.pkl's dtype"):
+        open_splits(counted, 15, 4, 'rr', 1)
+    narrow = dataset(tmp_path, ids, {'tokenizer': '/t', 'vocab_size': 75_000, 'dtype': 'uint32',
+                                     'n_ids': {'train': 3000, 'val': 3000}}, 'narrow', dtype='uint16')
+    with pytest.raises(ValueError, match=r"train.bin holds the 3000 ids meta.pkl records as uint16 \(6000 bytes\), "
+                                         r"but meta.pkl says dtype=uint32"):
+        open_splits(narrow, 15, 4, 'rr', 1)
+    right = dataset(tmp_path, ids, {'tokenizer': 'gpt2', 'vocab_size': 50257, 'n_ids': {'train': 3000, 'val': 3000}},
+                    'right')
+    assert open_splits(right, 15, 4, 'rr', 1)[0].n_tokens == 3000
+    with pytest.raises(ValueError, match=r"meta.pkl: n_ids=\{'train': -1\} is not a dict of id counts"):
+        read_meta(dataset(tmp_path, ids, {'vocab_size': 50257, 'n_ids': {'train': -1}}, 'bad'))
+
+
+def test_prepare_records_the_id_counts_that_the_loader_checks(tmp_path):
+    from data.common import write_splits
+    from data.tokenizer import Tokenizer
+    meta = Tokenizer('char', {0: 'a', 1: 'b'}).record()
+    write_splits([0, 1] * 50, [1, 0] * 20, tmp_path / 'ds', meta)
+    assert read_meta(str(tmp_path / 'ds'))['n_ids'] == {'train': 100, 'val': 40}
+    ids = np.fromfile(tmp_path / 'ds' / 'val.bin', dtype=np.uint16)
+    ids.astype(np.uint32).tofile(tmp_path / 'ds' / 'val.bin')  # the same 40 ids, written 4 bytes wide
+    with pytest.raises(ValueError, match=r"val.bin holds the 40 ids meta.pkl records as uint32 \(160 bytes\)"):
+        open_splits(str(tmp_path / 'ds'), 7, 2, 'rr', 1)
 
 
 def test_sample_decodes_with_the_recorded_tokenizer(tmp_path):

@@ -257,7 +257,10 @@ def test_the_small_config_runs_on_two_ranks_and_a_refusal_is_one_line(tmp_path):
     assert run.proc.returncode == 0, run.out[-3000:]
     assert re.search(r'tokens per iteration: 1,024 \(2 ranks', run.out), run.out[-3000:]  # 2 micro-steps x 16 x 32
     refused = Launch(cmd + ['--gradient_accumulation_steps=3', '--overwrite=True']).wait()
-    errors = [line for line in refused.out.splitlines() if 'error: ' in line]
+    errors = [line for line in refused.out.splitlines() if line.startswith('error: ')]
     assert refused.proc.returncode != 0 and len(errors) == 1, refused.out[-3000:]
     assert errors[0].startswith("error: gradient_accumulation_steps=3 counts micro-steps summed over all ranks and "
                                 "must be a multiple of the 2 ranks, e.g. --gradient_accumulation_steps=4"), errors
+    # torchrun's failure summary that follows names the line as its root cause, not a link to its docs
+    root_cause = refused.out[refused.out.rindex('Root Cause'):]
+    assert f'traceback : {errors[0]}' in root_cause and 'To enable traceback' not in refused.out, root_cause

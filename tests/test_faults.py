@@ -36,6 +36,24 @@ def test_a_second_writer_is_refused_and_a_crashed_one_leaves_no_lock(tmp_path):
     assert f'resuming from iteration {iteration}' in resumed.stdout
 
 
+def test_a_lock_that_cannot_be_written_is_refused_before_training(tmp_path):
+    """No byte can be written (a full disk, a quota; here the file size limit, which fails a write as a full
+    disk does): the lock file's first write fails, and the run stops there in one line naming the lock, not
+    at the first save after the training time is spent."""
+    import dataloader
+    dataloader.prepare_if_embedded('shakespeare_char', verbose=False)  # before the limit: reading needs no writes
+    out = tmp_path / 'run'
+    limited = ("import resource, runpy, signal, sys, torch; sys.path.insert(0, '.'); import builder, checkpoint; "
+               "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)); sys.argv = sys.argv[1:]; "
+               "runpy.run_path('train.py', run_name='__main__')")
+    result = subprocess.run([sys.executable, '-c', limited, 'train.py', *TINY, f'--out_dir={out}', '--max_iters=2'],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert_one_line_error(result, rf"out_dir='{out}' cannot hold checkpoints: its lock file {out}/\.lock cannot be "
+                                  r"written \(File too large\); free space or choose another --out_dir")
+    assert 'iter ' not in result.stdout  # nothing trained
+
+
 def test_a_log_reader_that_goes_away_does_not_kill_the_run(tmp_path):
     """`python train.py | head -1`: the log is cut, the run trains on and saves."""
     cmd = f"{sys.executable} train.py {' '.join(TINY)} --out_dir={tmp_path} --max_iters=6 --eval_interval=6 | head -1"

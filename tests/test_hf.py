@@ -527,6 +527,32 @@ def test_export_replaces_only_its_own_files(tmp_path):
     assert all((out / name).read_bytes() == content for name, content in foreign.items())
 
 
+def test_the_staging_folder_of_a_killed_export_is_removed_and_no_other(tmp_path):
+    """A killed export (SIGKILL) leaves its staging folder, with the file it wrote first naming its process:
+    the next export removes that folder, and says so. A folder of the same name form without that file, one
+    whose process still runs, and one of another machine stay."""
+    import socket
+    import subprocess
+    fake_checkpoint(tmp_path / 'run', tmp_path / 'chars', vocab_size=char_dataset(tmp_path / 'chars'))
+    out = tmp_path / 'out'
+    out.mkdir()
+    gone = subprocess.Popen(['true'])  # a process that has ended: its pid names no process
+    gone.wait()
+    host = socket.gethostname()
+    owners = {'.export-tmp-killed': f'{gone.pid}@{host}', '.export-tmp-running': f'{os.getpid()}@{host}',
+              '.export-tmp-elsewhere': f'{gone.pid}@not-{host}', '.export-tmp-no-marker': None}
+    for name, owner in owners.items():
+        (out / name).mkdir()
+        (out / name / 'model.safetensors').write_bytes(b'half of the weights')
+        if owner:
+            (out / name / hf.STAGING).write_text(owner)
+    lines = []
+    hf.export(str(tmp_path / 'run'), str(out), log=lines.append)
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(set(owners) - {'.export-tmp-killed'})
+    assert lines[0] == f"removed .export-tmp-killed from {out}: left by an export that was killed"
+    assert hf.STAGING not in os.listdir(out) and hf.load(str(out)).config.vocab_size > 0
+
+
 def test_an_export_that_cannot_write_leaves_the_directory_as_it_was(tmp_path, monkeypatch):
     """The disk fills while the weights are written (safetensors' write raises ENOSPC half-way): the old export
     and the user's files are all still there, byte for byte, and export.py ends in one line, no traceback;
