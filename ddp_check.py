@@ -155,7 +155,7 @@ class CheckFailed(RuntimeError):
 
 class RankCheck:
     """The Trainer's observer for `--ddp_check=True`: after each rebuild of `parallel`
-    (trainer.ParallelModel) it starts counting the new wrapper's communication and snapshots the
+    (distributed.ParallelModel) it starts counting the new wrapper's communication and snapshots the
     frozen weights; after every optimizer step, gradients still in place, it runs the checks and
     raises CheckFailed, on every rank alike, when a report differs. `summary` holds the last step's
     one-line summary."""

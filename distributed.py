@@ -1,20 +1,64 @@
 """
-Joining and leaving torchrun's process group, and what is done to a model once rather than every
-iteration: FSDP2 sharding at build time, full-state checkpoints of a sharded model. What runs every
-iteration under torchrun (the DDP rebuild at a switch, the FSDP reshard, gradient sync, the
-ranks' collectives) is trainer.py's; the invariant checks of `--ddp_check=True` are ddp_check.py.
-Everything here is told what it needs through arguments (a `Ranks`, the model, the optimizer).
+Everything torchrun brings: who this process is and the loop's collectives (Ranks), joining and
+leaving the process group (restarts included), the model the Trainer runs and syncs
+(ParallelModel: a DDP wrapper rebuilt at every switch, or FSDP2 resharded), FSDP2 sharding at
+build, and full-state checkpoints of a sharded model. One process meets only Ranks() here.
+The invariant checks of `--ddp_check=True` are ddp_check.py's. Everything here is told what it
+needs through arguments (a `Ranks`, the model, the optimizer).
 """
 import datetime
+import gc
 import json
 import os
 import sys
 import time
+import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from trainer import Ranks, fsdp_units
+
+# -----------------------------------------------------------------------------
+# who this process is, and the collectives of the loop (setup makes it)
+
+
+@dataclass
+class Ranks:
+    """Who this process is. `enabled`: launched by torchrun (RANK is set), with a process group."""
+    enabled: bool = False
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    cpu_group: object = None
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    def gather(self, obj):
+        """A list of `obj` from every rank (in rank order), on every rank."""
+        if not self.enabled:
+            return [obj]
+        objs = [None] * self.world_size
+        dist.all_gather_object(objs, obj, group=self.cpu_group)
+        return objs
+
+    def any(self, flag):
+        """True on every rank when `flag` is true on any rank (an all_reduce(MAX) on the CPU group)."""
+        t = torch.tensor(float(flag))
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return t.item() > 0
+
+    def mean(self, value, device):
+        """The mean of a Python float over ranks (on the compute device's group)."""
+        if not self.enabled:
+            return value
+        t = torch.tensor(value, dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        return t.item() / self.world_size
+
 
 
 def setup(backend, device, timeout_s=600):
@@ -119,12 +163,122 @@ def teardown(ranks):
     dist.destroy_process_group()
 
 
+# -----------------------------------------------------------------------------
+# the parallel model: what the Trainer runs and syncs under torchrun
 
 
+class ParallelModel:
+    """What the Trainer runs and syncs: `model` is the DDP wrapper over the parameters that
+    train now, rebuilt after every switch (a wrapper over all parameters would allocate the
+    full-size gradient buckets that layer cycling is meant to avoid), or the model itself, resharded
+    at every switch (FSDP2), or the model itself (one process).
+
+    on_switch(): at the first iteration and after every switch, before the next forward.
+    sync(last): gradient sync on the last micro-step only; earlier ones accumulate locally.
+    switches, old_wrapper, wrapper_in_gc_cycle: what the last on_switch did (ddp_check reads them)."""
+
+    def __init__(self, raw_model, ranks, device_type, fsdp):
+        self.raw_model, self.ranks, self.device_type, self.fsdp = raw_model, ranks, device_type, fsdp
+        self.model = None
+        self.rebuild_ms = None  # the last DDP rebuild
+        self.switches, self.old_wrapper, self.wrapper_in_gc_cycle = 0, None, False
+
+    def on_switch(self):
+        self.old_wrapper, self.wrapper_in_gc_cycle = None, False
+        if self.fsdp:
+            # nothing to rebuild: FSDP2 reduce-scatters only the gradients that exist (ddp_check counts)
+            self.model = reshard_fsdp(self.raw_model)  # so the next forward sees the new requires_grad
+        else:
+            self.old_wrapper = weakref.ref(self.model) if self.ranks.enabled and self.model is not None else None
+            # `self.model` is the last reference to the old wrapper: dropping it frees its reducer, whose
+            # destructor removes its autograd hooks and frees its buckets before the new ones exist
+            self.model = None
+            # a wrapper that outlives its last reference sits in a garbage-collector reference cycle
+            self.wrapper_in_gc_cycle = self.old_wrapper is not None and self.old_wrapper() is not None
+            if self.wrapper_in_gc_cycle:
+                gc.collect()  # free its buckets before the new wrapper allocates (ddp_check verifies this)
+            t = time.time()
+            # the first wrapper broadcasts rank 0's weights
+            self.model = wrap_ddp(self.raw_model, self.ranks, self.device_type, init_sync=self.old_wrapper is None)
+            self.rebuild_ms = (time.time() - t) * 1000
+        self.switches += 1
+
+    def sync(self, last):
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(last)
+        else:
+            self.model.require_backward_grad_sync = last
+
+    @property
+    def wrapper(self):
+        """The DDP wrapper, or None (one process, or FSDP, where the model itself is sharded)."""
+        return self.model if self.ranks.enabled and not self.fsdp else None
 
 
 # -----------------------------------------------------------------------------
-# FSDP2
+# DDP
+
+
+def wrap_ddp(model, ranks, device_type, init_sync):
+    """DDP over the parameters that train now.
+
+    DDP allocates gradient buckets for, and all-reduces, exactly the parameters with
+    requires_grad=True at construction, so ParallelModel builds a new wrapper after every switch:
+    frozen blocks then cost no bucket memory and no communication. The alternative, one wrapper
+    for the whole run plus our own all-reduce of the active gradients, would either wait for the
+    end of backward (no overlap of communication with compute) or re-implement DDP's bucketed
+    autograd hooks, which is what DDP's C++ reducer already does, well tested, with no_sync and
+    compile support. A rebuild is local (no collective with init_sync=False: the weights are
+    already equal on every rank) and costs milliseconds, plus one bucket re-ordering in the next
+    backward, once every omgd_period iterations (results/ddp_switch_cost.md).
+    gradient_as_bucket_view: the gradients of the active parameters live in the buckets rather
+    than next to them, which saves one copy of the active gradients.
+    No buffer broadcast before every forward: the only buffers (LLaMA's RoPE tables) are constants
+    that every rank computes alike (no_buffer_sync: the argument that says so in this torch).
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    if not ranks.enabled:
+        return model
+    return DDP(model, device_ids=[ranks.local_rank] if device_type == 'cuda' else None, init_sync=init_sync,
+               gradient_as_bucket_view=True, **no_buffer_sync(DDP))
+
+
+def no_buffer_sync(ddp_class):
+    """DDP's keyword argument that turns off the broadcast of buffers before every forward, in the
+    installed torch: forward_sync_buffers=False from torch 2.13 (which deprecates broadcast_buffers),
+    broadcast_buffers=False before it (torch 2.9 to 2.12 have no forward_sync_buffers). The two
+    differ only at construction: broadcast_buffers=False also skips the buffers' broadcast of
+    init_sync, which constant buffers do not need."""
+    import inspect
+    if 'forward_sync_buffers' in inspect.signature(ddp_class.__init__).parameters:
+        return {'forward_sync_buffers': False}
+    return {'broadcast_buffers': False}
+
+
+# -----------------------------------------------------------------------------
+# FSDP2 at a switch (the sharding itself is done once, at build: shard_fsdp below)
+
+
+def fsdp_units(model):
+    """The FSDP units of shard_fsdp, in sharding order: every block, then the root."""
+    return [*model.blocks, model]
+
+
+def reshard_fsdp(model):
+    """Call at every switch, before the next forward. The root unit keeps its weights all-gathered
+    after a forward that had no backward (an evaluation): FSDP2's root does not reshard after
+    forward, and its next forward then reuses those unsharded parameters as they are, with the
+    requires_grad they had before the switch. A frozen root parameter (tensor methods) would still
+    get a gradient, and it would be reduce-scattered and applied (ddp_check catches it). Resharding
+    registers the sharded parameters again, so the next all-gather copies their requires_grad. It
+    frees memory and costs nothing: the next forward all-gathers anyway."""
+    for unit in fsdp_units(model):
+        unit.reshard()
+    return model
+
+
+# -----------------------------------------------------------------------------
+# FSDP2 at build
 
 
 def shard_fsdp(model, ranks, device_type, param_dtype):

@@ -43,7 +43,8 @@ from data.tokenizer import Tokenizer, read_meta
 from memory_estimate import check_fits, estimate_iteration
 from metrics import LogOutlivesItsReader, Metrics
 from model import PRESET_KEYS, TransformerConfig
-from trainer import ParallelModel, Trainer, fsdp_units
+from distributed import ParallelModel, fsdp_units
+from trainer import Trainer
 
 
 class RunError(Exception):
@@ -196,7 +197,7 @@ def train(cfg, given_keys, ranks, device, checkpointer):
         dt, t0 = t1 - t0, t1
         seconds_per_iter = dt if seconds_per_iter is None else 0.9 * seconds_per_iter + 0.1 * dt
         if it % log_interval == 0:
-            lossf = ranks.mean(loss.item(), device)
+            lossf = ranks.mean(loss.item(), device) if ranks.enabled else loss.item()
             check_finite({'train': lossf}, trainer.iter_num, checkpointer)
             metrics.iteration(it, lossf, dt, seconds_per_iter)  # its log line and record (rank 0)
     stop_request.release()  # Ctrl-C during the sample below stops at once
@@ -294,7 +295,7 @@ def build_trainer(cfg, raw_model, ranks, device, fsdp, train_batches, iter_num):
         # (trainable or frozen); a whole-model compile recompiles for every pattern and gives up after 8
         memory_options.compile_blocks(raw_model, cfg['method'])
     # under torchrun the DDP wrapper is rebuilt over the active parameters after every switch
-    # (trainer.ParallelModel), FSDP reshards; one process trains the model as it is
+    # (distributed.ParallelModel), FSDP reshards; one process trains the model as it is
     parallel = ParallelModel(raw_model, ranks, device_type, fsdp) if ranks.enabled or cfg['ddp_check'] else None
     observer = ddp_check.RankCheck(parallel, fsdp_units(raw_model) if fsdp else None) if cfg['ddp_check'] else None
     return Trainer(cfg, raw_model, optimizer, cycler, train_batches.iterate(device), device_type,
@@ -362,7 +363,7 @@ class StopRequest:
         self.exit_status = 128 + signum
 
     def agreed(self, ranks):
-        return ranks.any(self.requested)
+        return ranks.any(self.requested) if ranks.enabled else self.requested  # one process: its own flag
 
 
 if __name__ == '__main__':

@@ -32,7 +32,7 @@ import distributed  # noqa: E402
 import omgd  # noqa: E402
 from configurator import at_least, command_line  # noqa: E402
 from model import Transformer, TransformerConfig, config_from_preset  # noqa: E402
-from trainer import wrap_ddp  # noqa: E402
+from distributed import wrap_ddp  # noqa: E402
 
 DEFAULTS = dict(preset='gpt2', gamma=3, switches=5, batch_size=1, block_size=64)
 MEANINGS = dict(preset="a model.py preset, or 'tiny' (the tests' 4x32 model)",

@@ -158,7 +158,8 @@ def finetune_start(s, out_dir, runs_dir):
 
     import builder
     import checkpoint
-    from trainer import Ranks, grad_scaler
+    from distributed import Ranks
+    from trainer import grad_scaler
     pre = os.path.join(runs_dir, run_name(stage_specs('m4_pre', [])[0]), 'ckpt.pt')  # the pre-training run
     if not os.path.exists(pre):
         raise FileNotFoundError(f"{pre} not found: the pre-training run must finish first")

@@ -174,7 +174,8 @@ def cpu_checkpoint_after_one_step(cfg, path):
     import torch
     import builder
     import checkpoint
-    from trainer import Ranks, Trainer
+    from distributed import Ranks
+    from trainer import Trainer
     torch.manual_seed(0)
     model, optimizer, cycler = builder.build(cfg, 'cpu')
     x = torch.randint(cfg['vocab_size'], (2, cfg['block_size']))

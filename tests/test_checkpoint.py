@@ -10,7 +10,8 @@ import torch
 import builder
 import checkpoint
 from conftest import cpu_checkpoint_after_one_step, train_defaults
-from trainer import Ranks, Trainer
+from distributed import Ranks
+from trainer import Trainer
 
 CFG = train_defaults(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
 

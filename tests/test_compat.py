@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import ddp_check
 import distributed
-from trainer import Ranks, no_buffer_sync, wrap_ddp
+from distributed import Ranks, no_buffer_sync, wrap_ddp
 
 
 class DDP211:
@@ -92,8 +92,8 @@ APIS = [
     ('torch.distributed.fsdp', 'fully_shard'),  # distributed.shard_fsdp (public from torch 2.6)
     ('torch.distributed.fsdp', 'MixedPrecisionPolicy'),
     ('torch.distributed.fsdp', 'FSDPModule.set_custom_reduce_scatter'),  # ddp_check
-    ('torch.distributed.fsdp', 'FSDPModule.set_requires_gradient_sync'),  # trainer.ParallelModel.sync
-    ('torch.distributed.fsdp', 'FSDPModule.reshard'),  # trainer.reshard_fsdp
+    ('torch.distributed.fsdp', 'FSDPModule.set_requires_gradient_sync'),  # distributed.ParallelModel.sync
+    ('torch.distributed.fsdp', 'FSDPModule.reshard'),  # distributed.reshard_fsdp
     ('torch.distributed.fsdp', 'FSDPModule._get_fsdp_state'),  # distributed.shard_fsdp's early lazy init
     ('torch.distributed.fsdp._fully_shard._fsdp_state', 'FSDPState._lazy_init'),
     ('torch.distributed.fsdp._fully_shard._fsdp_api', 'ReduceScatter'),  # ddp_check.CountedReduceScatter

@@ -180,7 +180,8 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
     import checkpoint
     import checkpoint_dcp
     from conftest import train_defaults
-    from trainer import Ranks, Trainer
+    from distributed import Ranks
+    from trainer import Trainer
     cfg = train_defaults(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
     model, optimizer, cycler = builder.build(cfg, 'cpu')
     x = torch.randint(32, (2, 8))

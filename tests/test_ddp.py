@@ -35,7 +35,7 @@ from conftest import (DDP_TINY as TINY, ITERATION_FILES, LINEAR, ONE_RANK, ROOT,
 import ddp_check  # noqa: E402
 import omgd  # noqa: E402
 from model import Transformer, TransformerConfig  # noqa: E402
-from trainer import Ranks  # noqa: E402
+from distributed import Ranks  # noqa: E402
 
 pytestmark = pytest.mark.torchrun  # launches torchrun (deselect with -m "not torchrun")
 
@@ -150,14 +150,15 @@ def test_every_method_under_two_ranks(many_runs, method):
     assert load(root / method)['iter_num'] == 5
 
 
-def test_a_torchrun_iteration_reads_the_same_five_files(many_runs):
-    """Under DDP too (a new wrapper at each switch, gradient sync, the stop agreement and the mean
-    loss over ranks), every rank's iterations call into the five files of one process."""
+def test_a_torchrun_iteration_reads_the_five_files_and_distributed_py(many_runs):
+    """Under DDP (a new wrapper at each switch, gradient sync, the stop agreement and the mean loss over
+    ranks), every rank's iterations call into the five files of one process, and distributed.py, where
+    all of torchrun's work lives."""
     root, _ = many_runs
     assert [s['iter'] for s in records(root / 'files', 'switch')] == [0, 3]
     for rank in (0, 1):
-        with open(root / 'files' / f'files_rank{rank}.json') as f:
-            assert json.load(f) == sorted([*ITERATION_FILES, 'metrics.py']), rank  # log_interval=1: each iteration logs
+        with open(root / 'files' / f'files_rank{rank}.json') as f:  # log_interval=1: each iteration logs
+            assert json.load(f) == sorted([*ITERATION_FILES, 'metrics.py', 'distributed.py']), rank
 
 
 def test_check_names_every_broken_invariant_on_any_rank():

@@ -11,7 +11,8 @@ import builder
 import ddp_check
 import distributed
 from conftest import train_defaults
-from trainer import ParallelModel, Ranks, Trainer, fsdp_units, reshard_fsdp
+from distributed import ParallelModel, Ranks, fsdp_units, reshard_fsdp
+from trainer import Trainer
 
 CFG = train_defaults(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=32, omgd_gamma=1, omgd_period=1,
                      omgd_state='drop')

@@ -12,7 +12,7 @@ import memory_options
 from conftest import assert_same_state, cpu_checkpoint_after_one_step, load, run_train, train_defaults
 from metrics import peak_bf16_flops
 from model import Linear
-from trainer import Ranks
+from distributed import Ranks
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')]
 

@@ -130,8 +130,7 @@ def test_memory_options_train_the_same():
                                 "precision='bf16_master' has; add --precision=bf16_master"),
     (dict(precision='bf16', dtype='float16'), "dtype='float16' is the autocast dtype of precision='amp'"),
     (dict(precision='bf16_master', optimizer='sgd'), "precision='bf16_master' keeps AdamW's fp32 master weights"),
-    (dict(method='lisa_wr'), "unknown method 'lisa_wr'; choose one of full, lisa, lisa_scale, lisa_wor, "
-                             "lisa_wor_noscale, tensor_wor, tensor_iid, galore, golore"),
+    (dict(method='lisa_wr'), f"unknown method 'lisa_wr'; choose one of {', '.join(train_config.METHOD_NAMES)}"),
 ])
 def test_impossible_combinations_are_refused(cfg, message):
     with pytest.raises(ValueError) as e:
@@ -181,7 +180,7 @@ def test_one_iteration_reads_five_files(tmp_path):
     """The loop's iterations, switches and dropped optimizer state included, call into five of the
     project's files (train, trainer, omgd, model, dataloader), as the README says, and an iteration
     that logs or records (its log line, a switch's) into metrics.py besides; torchrun's iteration:
-    test_ddp.py::test_a_torchrun_iteration_reads_the_same_five_files."""
+    test_ddp.py::test_a_torchrun_iteration_reads_the_five_files_and_distributed_py."""
     status, files = files_per_iteration([*TINY_ARGS, f'--out_dir={tmp_path}', '--max_iters=8', '--omgd_state=drop'])
     assert status == 0
     assert files == LOGGED_ITERATION_FILES  # log_interval=1: every iteration logs
