@@ -10,6 +10,7 @@ Configs are dicts with train.py's keys. Precision (`precision`):
   moments of the parameters that train now only (BAdam's idea, optim.MasterAdamW), on the device
   or, with master_device='cpu', on the CPU together with the AdamW arithmetic (ZeRO-Offload style).
 """
+import dataclasses
 import math
 from contextlib import nullcontext
 
@@ -20,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import galore
 import memory_options
 import omgd
-from model import PRESET_KEYS, PRESETS, SHAPE_KEYS, Transformer, TransformerConfig
+from model import PRESET_KEYS, PRESETS, Transformer, TransformerConfig
 from optim import MasterAdamW, adamw, param_groups
 from train_config import GALORE_METHODS
 
@@ -30,7 +31,8 @@ def transformer_kwargs(cfg, vocab_size=0):
     """TransformerConfig keywords from the config's model keys (a preset's architecture overrides them).
     vocab_size: the dataset's (0: the config's, else the preset's, else GPT-2's padded 50304)."""
     vocab_size = vocab_size or cfg['vocab_size']
-    args = {k: cfg[k] for k in (*SHAPE_KEYS, 'block_size', 'dropout')}
+    # every TransformerConfig field that is a train.py key: a fork's new field (qk_norm) needs no list here
+    args = {f.name: cfg[f.name] for f in dataclasses.fields(TransformerConfig) if f.name in cfg}
     args['vocab_size'] = vocab_size or 50304
     if cfg['preset']:
         args.update({k: v for k, v in PRESETS[cfg['preset']].items() if k in PRESET_KEYS})
@@ -118,10 +120,7 @@ def build_optimizer(model, cfg, device_type, host_scope=nullcontext):
 def build_cycler(model, optimizer, cfg):
     """omgd's layer cycler for the config's method ('full' for GaLore/GoLore: every block trains)."""
     method = 'full' if cfg['method'] in GALORE_METHODS else cfg['method']
-    config = omgd.CyclerConfig(method, cfg['omgd_gamma'], cfg['omgd_period'], cfg['omgd_warmup'], cfg['omgd_ratio'],
-                               cfg['omgd_state'], cfg['omgd_seed'],
-                               tuple(part for part in cfg['omgd_always'].split(',') if part))
-    return omgd.build_cycler(model, optimizer, config)
+    return omgd.build_cycler(model, optimizer, omgd.CyclerConfig.from_config(cfg, method))
 
 
 def build(cfg, device, vocab_size=0, model=None, shard=None, cpu_draws=True, host_scope=nullcontext):

@@ -134,6 +134,22 @@ def config_from_hf(hf, where='config.json'):
                 tie_embeddings=tied)
 
 
+# the TransformerConfig fields config_to_hf maps (or, as dropout, that transformers' model need not know)
+MAPPED_FIELDS = ('arch', 'block_size', 'vocab_size', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden',
+                 'dropout', 'bias', 'rope_theta', 'norm_eps', 'gelu', 'tie_embeddings')
+
+
+def check_exportable(config):
+    """ExportError for a model transformers would compute differently: a TransformerConfig field that
+    config_to_hf does not map (a fork's qk_norm), set to anything but its default."""
+    import dataclasses
+    for f in dataclasses.fields(config):
+        if f.name not in MAPPED_FIELDS and getattr(config, f.name) != f.default:
+            raise ExportError(f"the model sets {f.name}={getattr(config, f.name)!r}, which the Hugging Face "
+                              f"{ARCHITECTURES[config.arch]} export does not map: transformers would load it and "
+                              f"compute other logits; map it in hf.config_to_hf and hf_state_dict first")
+
+
 def config_to_hf(config, dtype=torch.float32, bos_token_id=None, eos_token_id=None):
     """The config.json dict of a TransformerConfig (transformers 4 and 5 both read it)."""
     dtype = str(dtype).removeprefix('torch.')
@@ -384,6 +400,7 @@ def save(model, hf_dir, dtype=None, bos_token_id=None, eos_token_id=None, max_sh
     (huggingface_hub.save_torch_state_dict, what transformers' save_pretrained writes). Written as
     export() writes (staged(): complete before anything in hf_dir is replaced; other files kept).
     Returns the weight files' names."""
+    check_exportable(model.config)
     with staged(hf_dir) as folder:
         return write_model(model, folder, dtype, bos_token_id, eos_token_id, max_shard_size)
 
@@ -767,6 +784,7 @@ def read_model(out_dir):
     if bad:
         raise ExportError(f"{path} holds NaN or inf weights ({len(bad)} tensor(s), e.g. {bad[0]}); nothing was "
                           f"exported: export a checkpoint saved before the run diverged")
+    check_exportable(model.config)
     return model, checkpoint, path
 
 

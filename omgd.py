@@ -21,7 +21,7 @@ paper's least-squares example (masks over coordinates, the order of (mask, sampl
 experiments/linreg.py.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -70,6 +70,15 @@ class CyclerConfig:
     state: str = 'drop'  # the optimizer state policy of frozen units (omgd.STATE_POLICIES)
     seed: int = 0  # seeds the draws, independent of the global RNG
     always: tuple = OUTER_PARTS  # block methods: the outer parts that train at every step
+
+    @classmethod
+    def from_config(cls, cfg, method=None):
+        """From train.py's config: `method` (default cfg's) and each field's omgd_<field> key, so a field
+        a fork adds needs only its key in train_config.py."""
+        values = {f.name: cfg[f'omgd_{f.name}'] for f in fields(cls) if f'omgd_{f.name}' in cfg}
+        if isinstance(values.get('always'), str):  # 'embed,pos,norm,head' on the command line
+            values['always'] = tuple(part for part in values['always'].split(',') if part)
+        return cls(method or cfg['method'], **values)
 
     def check(self, n_units):
         """Raise a one-line ValueError for a configuration that cannot run on n_units units."""

@@ -31,7 +31,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """nanoGPT's decay split: matrices and embeddings decay, biases and norm weights don't.
 
     Every parameter is returned whether or not it currently requires grad
-    (parameters() already dedupes the tied embedding/head).
+    (parameters() already dedupes the tied embedding/head). A group may also carry 'lr_scale':
+    Trainer.step then gives it the schedule's learning rate times that (a slower rate for the
+    blocks, say), as nanochat's groups scale their own rate; groups without it get the rate itself.
     """
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]

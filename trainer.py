@@ -83,8 +83,9 @@ class Trainer:
         iter_num: run this iteration rather than the next (the benchmarks jump to switches);
         micro_steps: this many micro-batches rather than grad_accum (the memory estimate's few)."""
         it = self.iter_num if iter_num is None else iter_num
-        for group in self.optimizer.param_groups:
-            group['lr'] = get_lr(it, self.cfg)
+        lr = get_lr(it, self.cfg)
+        for group in self.optimizer.param_groups:  # a group's own lr_scale (optim.py) scales the schedule's rate
+            group['lr'] = lr * group['lr_scale'] if 'lr_scale' in group else lr
         switched = self.cycler.step(it)
         self.cycler.prefetch(it)  # on a period's last iteration: start copying back the next group's offloaded state
         model, sync = self.model, None

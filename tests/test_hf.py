@@ -487,6 +487,23 @@ def files_of(folder):
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
+def test_a_model_field_the_export_does_not_map_is_refused_before_writing(tmp_path):
+    """A fork's new TransformerConfig field (qk_norm) that hf.py does not map: exporting it would write a model
+    transformers loads and runs without it, computing other logits. Set, it is refused and nothing is written;
+    at its default the model exports as before."""
+    import dataclasses
+    from model import Transformer, TransformerConfig
+    forked = dataclasses.make_dataclass('ForkedConfig', [('qk_norm', bool, False)], bases=(TransformerConfig,))
+    shape = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32)
+    with pytest.raises(hf.ExportError, match=r"^the model sets qk_norm=True, which the Hugging Face GPT2LMHeadModel "
+                                             r"export does not map: transformers would load it and compute other "
+                                             r"logits; map it in hf.config_to_hf and hf_state_dict first$"):
+        hf.save(Transformer(forked(**shape, qk_norm=True)), str(tmp_path / 'hf'))
+    assert not (tmp_path / 'hf').exists()
+    hf.save(Transformer(forked(**shape)), str(tmp_path / 'hf'))
+    assert hf.load(str(tmp_path / 'hf')).config.n_embd == 16
+
+
 def test_export_replaces_only_its_own_files(tmp_path):
     """A file the export did not write stays (a model_backup.safetensors was deleted, without --overwrite); an
     earlier export's files that the new one does not write go (its shards, a GPT-2 vocab.json and merges.txt
