@@ -223,7 +223,13 @@ def setup(cfg):
 def main(argv):
     cfg = command_line(argv, DEFAULTS, RULES, __doc__, train_config.meanings())
     device, row_cfgs, config = setup(cfg)
-    rows = bench(row_cfgs, device)
+    try:
+        rows = bench(row_cfgs, device)
+    except RuntimeError as e:  # torch.OutOfMemoryError (CUDA), or the CPU allocator refusing a size
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        sys.exit(f"error: a row does not fit in the memory of {device.type} ({str(e).strip().splitlines()[0][:160]}); "
+                 f"lower --batch_size or --block_size, or choose a smaller model")
     text = markdown(cfg, rows, device, config, argv)
     print(text, end='')
     if cfg['out']:

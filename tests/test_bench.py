@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -216,6 +217,18 @@ def test_bench_errors(argv, message):
     with pytest.raises(SystemExit) as e:
         bench.main(['--device=cpu', *argv] if not argv[0].startswith('--device') else argv)
     assert str(e.value).startswith('error: ') and message in str(e.value) and '\n' not in str(e.value)
+
+
+@pytest.mark.skipif(open('/proc/sys/vm/overcommit_memory').read().strip() == '1',
+                    reason='this kernel grants any allocation (overcommit_memory=1): the batch would be filled, not refused')
+def test_a_batch_too_large_for_memory_is_one_line():
+    """--batch_size=1000000000: the row's 512 GB batch is refused by the allocator; one line, not its traceback."""
+    import bench
+    with pytest.raises(SystemExit) as e:
+        bench.main(['--device=cpu', '--batch_size=1000000000', '--n_layer=1', '--n_embd=16', '--n_head=2',
+                    '--block_size=64', '--steps=1', '--warmup_steps=0', '--methods=full', '--compile=False'])
+    assert re.fullmatch(r"error: a row does not fit in the memory of cpu \(.*can't allocate memory.*\); lower "
+                        r"--batch_size or --block_size, or choose a smaller model", str(e.value)), str(e.value)
 
 
 def gpu_script_commands():
