@@ -191,6 +191,17 @@ class LogOutlivesItsReader:
     def __getattr__(self, name):
         return getattr(self.stream, name)
 
+    @classmethod
+    def install(cls):
+        """Make sys.stdout one, once, when it is a real file (not a test's StringIO)."""
+        if isinstance(sys.stdout, cls) or not hasattr(sys.stdout, 'fileno'):
+            return
+        try:
+            sys.stdout.fileno()
+        except (OSError, ValueError):  # not a real file: nothing can break
+            return
+        sys.stdout = cls(sys.stdout)
+
 
 # -----------------------------------------------------------------------------
 # model FLOPs utilization (MFU), as in the log line of train.py and in bench.py

@@ -10,14 +10,9 @@ $ torchrun --standalone --nproc_per_node=4 train.py config/gpt2_lisa_wor.py
 FSDP2 (each block sharded over the ranks), for weights that do not fit on one GPU:
 $ torchrun --standalone --nproc_per_node=4 train.py config/gpt2_lisa_wor.py --parallel=fsdp
 Preemptible clusters: --init_from=auto resumes from out_dir when it holds a checkpoint, so a
-restarted job (torchrun --max-restarts, a SLURM requeue) continues by itself.
-
-Several nodes (the same command on every node; HOST is one of them; the rendezvous assigns ranks):
-$ torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
-      --rdzv-id=gpt2 train.py config/gpt2_lisa_wor.py
-
-Besides the log, every evaluation, logged iteration, switch and save is a record (one JSON object
-a line) in out_dir/metrics.jsonl (metrics.py): what the experiments read and what a user plots.
+restarted job (torchrun --max-restarts, a SLURM requeue) continues by itself. Several nodes:
+docs/distributed.md. Besides the log, every evaluation, logged iteration, switch and save is a
+record in out_dir/metrics.jsonl (metrics.py).
 """
 import contextlib
 import math
@@ -367,10 +362,5 @@ class StopRequest:
 
 
 if __name__ == '__main__':
-    if not isinstance(sys.stdout, LogOutlivesItsReader) and hasattr(sys.stdout, 'fileno'):
-        try:
-            sys.stdout.fileno()
-            sys.stdout = LogOutlivesItsReader(sys.stdout)
-        except (OSError, ValueError):  # not a real file (a test's StringIO): nothing can break
-            pass
+    LogOutlivesItsReader.install()  # `python train.py | head`: the run trains on (metrics.py)
     sys.exit(main(sys.argv[1:]))

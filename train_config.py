@@ -121,9 +121,6 @@ DEFAULTS = {k: v for k, v in dict(globals()).items()
 PRECISIONS = ('amp', 'bf16', 'bf16_master')
 GALORE_METHODS = ('galore', 'golore')  # galore.py's optimizers; every block trains
 METHOD_NAMES = (*omgd.METHODS, *GALORE_METHODS)
-# the model's keys: the TransformerConfig fields train.py has a key for (vocab_size is the data's, dropout the run's)
-ARCH_KEYS = tuple(f.name for f in dataclasses.fields(TransformerConfig)
-                  if f.name in DEFAULTS and f.name not in ('vocab_size', 'dropout', 'block_size'))
 PTDTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
 # the rule each value follows on its own (configurator.py checks them with the types);
@@ -215,7 +212,11 @@ FIXED_ON_RESUME = {
                                                                          'omgd_ratio', 'omgd_always')},
     'block_size': 'the data position counts windows of block_size+1 tokens',
     'precision': 'its optimizer state is kept in that precision',
-    **{k: 'the weights have that shape' if k in SHAPE_KEYS else 'its model was built with it' for k in ARCH_KEYS},
+    # every TransformerConfig field with a key of its own (a fork's new one too), but the data's vocab_size and
+    # the run's dropout
+    **{f.name: 'the weights have that shape' if f.name in SHAPE_KEYS else 'its model was built with it'
+       for f in dataclasses.fields(TransformerConfig) if f.name in DEFAULTS and f.name not in ('vocab_size', 'dropout',
+                                                                                               'block_size')},
 }
 # taken from this command (or this machine's defaults), never from the checkpoint
 THIS_COMMAND = ('init_from', 'out_dir', 'overwrite', 'eval_only', 'device', 'dtype', 'compile', 'backend',
@@ -227,11 +228,11 @@ def check_resume(saved, model_args, cfg, given):
     checkpoint of config `saved` and `model_args`: every such key in one message. Returns what the
     checkpoint fixes: its config, its architecture on top (a config may predate that rule)."""
     truth = {'precision': 'amp', **saved,  # older checkpoints: amp
-             **{k: v for k, v in model_args.items() if k in ARCH_KEYS or k == 'block_size'}}
+             **{k: v for k, v in model_args.items() if k in FIXED_ON_RESUME}}
     conflicts = []
     for k, why in FIXED_ON_RESUME.items():
         if k in given and k in truth and cfg[k] != truth[k]:
-            verb = 'conflicts with' if k in ARCH_KEYS else 'differs from'
+            verb = 'conflicts with' if k in model_args and k != 'block_size' else 'differs from'
             new_run = ', or start a new run with --init_from=scratch in another --out_dir' if 'schedule' in why else ''
             conflicts.append(f"{k}={cfg[k]!r} {verb} the checkpoint's {truth[k]!r} ({why}); resume with "
                              f"--{k}={truth[k]}{new_run}")
