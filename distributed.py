@@ -60,7 +60,6 @@ class Ranks:
         return t.item() / self.world_size
 
 
-
 def setup(backend, device, timeout_s=600):
     """Join torchrun's process group when RANK is set; returns the Ranks and this rank's device.
     timeout_s: how long a collective waits for a stuck or dead rank before it fails (every group).

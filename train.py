@@ -38,7 +38,6 @@ from data.tokenizer import Tokenizer, read_meta
 from memory_estimate import check_fits, estimate_iteration
 from metrics import LogOutlivesItsReader, Metrics
 from model import PRESET_KEYS, TransformerConfig
-from distributed import ParallelModel, fsdp_units
 from trainer import Trainer
 
 
@@ -291,8 +290,10 @@ def build_trainer(cfg, raw_model, ranks, device, fsdp, train_batches, iter_num):
         memory_options.compile_blocks(raw_model, cfg['method'])
     # under torchrun the DDP wrapper is rebuilt over the active parameters after every switch
     # (distributed.ParallelModel), FSDP reshards; one process trains the model as it is
-    parallel = ParallelModel(raw_model, ranks, device_type, fsdp) if ranks.enabled or cfg['ddp_check'] else None
-    observer = ddp_check.RankCheck(parallel, fsdp_units(raw_model) if fsdp else None) if cfg['ddp_check'] else None
+    parallel = (distributed.ParallelModel(raw_model, ranks, device_type, fsdp) if ranks.enabled or cfg['ddp_check']
+                else None)
+    observer = (ddp_check.RankCheck(parallel, distributed.fsdp_units(raw_model) if fsdp else None) if cfg['ddp_check']
+                else None)
     return Trainer(cfg, raw_model, optimizer, cycler, train_batches.iterate(device), device_type,
                    cfg['gradient_accumulation_steps'] // ranks.world_size, parallel, observer=observer, iter_num=iter_num)
 
