@@ -50,6 +50,9 @@ STATE_POLICIES = ('drop', 'offload', 'keep')  # what a frozen unit's optimizer s
 # the rule of each train.py key a cycler reads (train_config.py checks a whole config with them)
 RULES = {'omgd_gamma': at_least(1), 'omgd_period': at_least(1), 'omgd_warmup': at_least(0),
          'omgd_ratio': above(0, upper=1), 'omgd_state': one_of(*STATE_POLICIES)}
+# the keys a resume cannot change: the checkpoint's pool and partitions were drawn with them
+FIXED_ON_RESUME = {k: 'its layer schedule and data position belong to it' for k in ('omgd_gamma', 'omgd_ratio',
+                                                                                   'omgd_always')}
 
 
 def check_always(parts):
@@ -84,8 +87,9 @@ class CyclerConfig:
         """Raise a one-line ValueError for a configuration that cannot run on n_units units."""
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        for field in ('gamma', 'period', 'warmup', 'ratio', 'state'):
-            check_rule(f'omgd_{field}', getattr(self, field), RULES[f'omgd_{field}'])
+        for f in fields(self):  # each field with a rule: a field a fork adds is checked by its rule alone
+            if f'omgd_{f.name}' in RULES:
+                check_rule(f'omgd_{f.name}', getattr(self, f.name), RULES[f'omgd_{f.name}'])
         check_always(self.always)
         if METHODS[self.method] and METHODS[self.method].unit == 'block' and self.gamma > n_units:
             raise ValueError(f"omgd_gamma must be in 1..{n_units} (the model's number of blocks), got {self.gamma}")

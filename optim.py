@@ -26,6 +26,12 @@ from contextlib import nullcontext
 
 import torch
 
+from configurator import one_of
+
+# the rule of the train.py key this file reads, and what a resume cannot change (train_config.py merges both)
+RULES = {'optimizer': one_of('adamw', 'sgd')}
+FIXED_ON_RESUME = {'optimizer': 'its optimizer state is that optimizer\'s'}
+
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """nanoGPT's decay split: matrices and embeddings decay, biases and norm weights don't.

@@ -18,6 +18,7 @@ import dataloader
 import galore
 import memory_options
 import omgd
+import optim
 from configurator import above, at_least, between, check_rule, configure, one_of
 from model import SHAPE_KEYS, TransformerConfig, check_arch
 
@@ -88,7 +89,7 @@ warmup_iters = 50  # linear warm-up iterations
 lr_decay_iters = 1000  # iterations of the cosine decay (then min_lr)
 min_lr = 2e-4  # the learning rate at the end of the decay
 # layer cycling (omgd.py); see the README's table of methods
-method = 'lisa_wor'  # full, lisa, lisa_scale, lisa_wor, lisa_wor_noscale, tensor_wor, tensor_iid, galore, golore
+method = 'lisa_wor'  # a method of omgd.METHODS (the README's table of methods), galore or golore
 omgd_gamma = 2  # active middle blocks per period
 omgd_period = 25  # K: iterations between switches
 omgd_warmup = 0  # iterations of full training before cycling starts
@@ -131,7 +132,7 @@ RULES = {
     'gradient_accumulation_steps': at_least(1), 'batch_size': at_least(1),
     'block_size': at_least(1), 'n_layer': at_least(1), 'n_head': at_least(1),
     'n_kv_head': at_least(0), 'n_embd': at_least(1), 'mlp_hidden': at_least(0), 'dropout': between(0, 1),
-    'vocab_size': at_least(0), 'optimizer': one_of('adamw', 'sgd'),
+    'vocab_size': at_least(0),
     'learning_rate': above(0), 'max_iters': at_least(0), 'weight_decay': at_least(0),
     'beta1': between(0, 1), 'beta2': between(0, 1), 'momentum': between(0, 1),
     'grad_clip': at_least(0), 'warmup_iters': at_least(0), 'lr_decay_iters': at_least(0), 'min_lr': at_least(0),
@@ -140,7 +141,7 @@ RULES = {
     'master_device': one_of('', 'cpu', described="'' (the weights' device) or 'cpu'"), 'dtype': one_of(*PTDTYPES, label='dtype'), 'backend': one_of('nccl', 'gloo'),
     'parallel': one_of('ddp', 'fsdp'), 'dist_timeout_s': at_least(1),
     'checkpoint_format': one_of('auto', 'file', 'dcp'), 'keep_last': at_least(0), 'eval_mc_limit': at_least(0), 'checkpoint_async': one_of('auto', 'yes', 'no'),
-    **omgd.RULES, **galore.RULES, **dataloader.RULES, **memory_options.RULES,  # the libraries' own keys, each rule written once, there
+    **omgd.RULES, **optim.RULES, **galore.RULES, **dataloader.RULES, **memory_options.RULES,  # the libraries' own keys, each rule written once, there
 }
 
 
@@ -208,10 +209,11 @@ def check_preset(cfg):
 
 # what a resume cannot change, and why: the checkpoint's schedule, data position, state and weights belong to them
 FIXED_ON_RESUME = {
-    **{k: 'its layer schedule and data position belong to it' for k in ('dataset', 'method', 'omgd_gamma',
-                                                                         'omgd_ratio', 'omgd_always')},
+    **{k: 'its layer schedule and data position belong to it' for k in ('dataset', 'method')},
+    **omgd.FIXED_ON_RESUME,  # the libraries' own keys, each written there
     'block_size': 'the data position counts windows of block_size+1 tokens',
     'precision': 'its optimizer state is kept in that precision',
+    **optim.FIXED_ON_RESUME,
     # every TransformerConfig field with a key of its own (a fork's new one too), but the data's vocab_size and
     # the run's dropout
     **{f.name: 'the weights have that shape' if f.name in SHAPE_KEYS else 'its model was built with it'

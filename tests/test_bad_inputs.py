@@ -149,6 +149,9 @@ RESUME = [
     ('--init_from=resume --n_layer=6', r"n_layer=6 conflicts with the checkpoint's 4"),  # 6 is the default: given all the same
     ('--init_from=resume --n_embd=64', r"n_embd=64 conflicts with the checkpoint's 32"),
     ('--init_from=resume --omgd_always=embed', r"omgd_always='embed' differs from the checkpoint's"),
+    # AdamW's state loaded into SGD was a KeyError: 'momentum' traceback at the first step
+    ('--init_from=resume --optimizer=sgd', r"optimizer='sgd' differs from the checkpoint's 'adamw' \(its optimizer "
+                                           r"state is that optimizer's\); resume with --optimizer=adamw$"),
     ('--wandb_log=True --init_from=resume --max_iters=6', r'wandb_log=True needs the wandb package'),
 ]
 SAMPLE = [
