@@ -45,12 +45,12 @@ import time
 
 import torch
 
-import memory_options
+from infra import memory_options
 import builder
-import memory_estimate
+from infra import memory_estimate
 import train_config
 from configurator import at_least, command_line
-from metrics import mfu, peak_bf16_flops
+from infra.metrics import mfu, peak_bf16_flops
 from trainer import Trainer
 
 # keys of this script only (train.py has none of these names); `device` has its own values here

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import galore
-import memory_options
+from infra import memory_options
 import omgd
 from model import PRESET_KEYS, PRESETS, Transformer, TransformerConfig
 from optim import MasterAdamW, adamw, param_groups
@@ -79,7 +79,7 @@ def new_model(config, device, dtype=torch.float32, cpu_draws=True):
 
 
 def configure_memory(model, cfg):
-    """The model's activation-memory options (memory_options.py): checkpointing, offload to the host, chunked loss."""
+    """The model's activation-memory options (infra/memory_options.py): checkpointing, offload to the host, chunked loss."""
     return memory_options.apply(model, activation_checkpointing=cfg['activation_checkpointing'],
                         checkpoint_sublayers=cfg['checkpoint_sublayers'],
                         activation_offload=cfg['activation_offload'], loss_chunk=cfg['loss_chunk'])

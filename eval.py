@@ -17,7 +17,7 @@ $ python eval.py --hf_dir=out/hf --mc_path=hellaswag_val.jsonl --lm_eval=True   
 - lm_eval: lm-evaluation-harness (pip install "lm-eval[hf]") on the Hugging Face form of the model: the mc
   file as a local task (the same texts, offline), and any of its tasks named in lm_eval_tasks.
 
-The multiple-choice scoring lives in multiple_choice.py, which train.py's eval_mc_path calls too.
+The multiple-choice scoring lives in infra/multiple_choice.py, which train.py's eval_mc_path calls too.
 """
 import json
 import math
@@ -28,7 +28,7 @@ from contextlib import nullcontext
 
 import torch
 
-from multiple_choice import EvalError, mc_accuracy, read_mc  # EvalError: the scoring's errors and this script's alike
+from infra.multiple_choice import EvalError, mc_accuracy, read_mc  # EvalError: the scoring's errors and this script's alike
 
 LM_EVAL_INSTALL = 'pip install "lm-eval[hf]"'
 MC_TASK = 'local_mc'  # the lm-eval task name of the mc file
@@ -68,8 +68,8 @@ def rules():
 
 def load_checkpoint_model(out_dir):
     """(GPT on the CPU, checkpoint dict, its path) of train.py's out_dir/ckpt.pt or newest step folder (read with
-    weights_only, checkpoint.py; mapped: the optimizer state is never read)."""
-    from checkpoint import read_any
+    weights_only, infra/checkpoint.py; mapped: the optimizer state is never read)."""
+    from infra.checkpoint import read_any
     from model import Transformer, TransformerConfig
     checkpoint, path = read_any(out_dir, map_location='cpu', mmap=True, optimizer=False)  # or the newest step folder
     try:
@@ -83,7 +83,7 @@ def load_checkpoint_model(out_dir):
 
 
 def load_hf_model(hf_dir):
-    import hf
+    from infra import hf
     if not os.path.isdir(hf_dir):
         raise EvalError(f"hf_dir={hf_dir} is not a directory; give a Hugging Face model directory (export.py "
                         f"writes one)")
@@ -115,7 +115,7 @@ def tokenizer_for(dataset, hf_dir):
     export.py's character tokenizer), or GPT-2's BPE when its vocab.json is GPT-2's."""
     from data.tokenizer import Tokenizer, read_meta
     from dataloader import data_dir
-    from hf import read_char_tokenizer
+    from infra.hf import read_char_tokenizer
     try:
         if dataset:
             tok = Tokenizer.from_meta(read_meta(data_dir(dataset)))
@@ -343,7 +343,7 @@ def evaluate(cfg, log=print):
 def check_exportable(hf_dir, dataset, out_dir):
     """Refuse lm-eval on a checkpoint whose dataset has no tokenizer (a meta.pkl with a vocab_size only), and on
     a Hugging Face directory that holds none: transformers would hand lm-eval an empty GPT-2 tokenizer."""
-    from hf import dataset_tokenizer
+    from infra.hf import dataset_tokenizer
     if not hf_dir and dataset_tokenizer(dataset)[0] not in ('gpt2', 'hf', 'char'):
         raise EvalError(f"lm-eval needs a tokenizer Hugging Face reads, and the dataset of {out_dir} records none "
                         f"(its meta.pkl has a vocab_size only); score the mc file without --lm_eval")
@@ -356,7 +356,7 @@ def check_exportable(hf_dir, dataset, out_dir):
 def check_lm_eval_lengths(examples, encode, positions, mc_path):
     """lm-eval stops with an AssertionError on an ending longer than the model's positions (eval.py scores its
     last `positions` tokens): refuse it before the run, naming the example."""
-    from multiple_choice import encode_pair
+    from infra.multiple_choice import encode_pair
     for number, ex in enumerate(examples or [], 1):
         for choice in ex['choices']:
             n = len(encode_pair(encode, ex['query'], ' ' + choice)[1])
@@ -389,7 +389,7 @@ def check_same_tokens(hf_dir, dataset, examples):
 
 def export_for_lm_eval(out_dir, hf_dir):
     """The checkpoint as a Hugging Face directory (hf.export, as export.py writes it) that lm-eval loads."""
-    from hf import ExportError, export
+    from infra.hf import ExportError, export
     try:
         export(out_dir, hf_dir, overwrite=True, log=lambda line: None)
     except ExportError as e:
@@ -398,7 +398,7 @@ def export_for_lm_eval(out_dir, hf_dir):
 
 
 def main(argv):
-    from checkpoint import CheckpointError
+    from infra.checkpoint import CheckpointError
     from configurator import command_line
     from train_config import check_device
     cfg = command_line(argv, DEFAULTS, rules(), "usage: python eval.py [--key=value ...]", HELP)

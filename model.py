@@ -200,7 +200,7 @@ class TransformerConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     # gpt2's MLP: 'exact' (erf) GELU, nanoGPT's and every scratch run's; 'tanh', the approximation
-    # GPT-2's own weights were trained with (hf.py sets it for imported GPT-2 checkpoints)
+    # GPT-2's own weights were trained with (infra/hf.py sets it for imported GPT-2 checkpoints)
     gelu: str = 'exact'
     tie_embeddings: bool | None = None  # head = token embedding; None -> True for gpt2, False for llama
 
@@ -286,7 +286,7 @@ def causal_attention(q, k, v, dropout):
 
 
 class GPT2Attention(nn.Module):
-    """GPT-2's multi-head attention: q, k and v from one fused matrix (its checkpoint layout, hf.py)."""
+    """GPT-2's multi-head attention: q, k and v from one fused matrix (its checkpoint layout, infra/hf.py)."""
 
     def __init__(self, config):
         super().__init__()
@@ -412,7 +412,7 @@ def make_norm(config):
 
 class Block(nn.Module):
     """A pre-norm residual block, x + attention(norm(x)) then x + mlp(norm(x)), with the parts of
-    config.arch. The two halves are methods of their own (memory_options.py can recompute them apart)."""
+    config.arch. The two halves are methods of their own (infra/memory_options.py can recompute them apart)."""
 
     def __init__(self, config):
         super().__init__()
@@ -564,7 +564,7 @@ class Transformer(nn.Module):
         if cache is None:
             for block in self.blocks:
                 x = block(x, rope)
-        else:  # the blocks' halves, called directly: a block's forward may be wrapped for training (memory_options.py)
+        else:  # the blocks' halves, called directly: a block's forward may be wrapped for training (infra/memory_options.py)
             for block, layer_cache in zip(self.blocks, cache.layers):
                 x = block.mlp_part(block.attention_part(x, rope, layer_cache))
         return self.ln_f(x)

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from configurator import above, at_least, check_rule, one_of
-from optimizer_offload import OffloadedState
+from infra.optimizer_offload import OffloadedState
 
 
 class Method(NamedTuple):

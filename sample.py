@@ -47,7 +47,7 @@ def rules():
 
 
 def main(argv):
-    from checkpoint import CheckpointError, read_any
+    from infra.checkpoint import CheckpointError, read_any
     from configurator import command_line
     from dataloader import data_dir
     from model import Transformer, TransformerConfig

@@ -12,7 +12,7 @@ $ torchrun --standalone --nproc_per_node=4 train.py config/gpt2_lisa_wor.py --pa
 Preemptible clusters: --init_from=auto resumes from out_dir when it holds a checkpoint, so a
 restarted job (torchrun --max-restarts, a SLURM requeue) continues by itself. Several nodes:
 docs/distributed.md. Besides the log, every evaluation, logged iteration, switch and save is a
-record in out_dir/metrics.jsonl (metrics.py).
+record in out_dir/metrics.jsonl (infra/metrics.py).
 """
 import contextlib
 import math
@@ -26,17 +26,17 @@ import torch
 import torch.distributed as dist
 
 import builder
-import ddp_check
-import distributed
-import memory_options
-import multiple_choice
+from infra import ddp_check
+from infra import distributed
+from infra import memory_options
+from infra import multiple_choice
 import train_config
-from checkpoint import CheckpointError, Checkpointer
+from infra.checkpoint import CheckpointError, Checkpointer
 from configurator import ConfigError, format_config, help_text, wants_help
 from dataloader import check_vocab, data_dir, dataset_vocab, open_splits, prepare_if_embedded
 from data.tokenizer import Tokenizer, read_meta
-from memory_estimate import check_fits, estimate_iteration
-from metrics import LogOutlivesItsReader, Metrics
+from infra.memory_estimate import check_fits, estimate_iteration
+from infra.metrics import LogOutlivesItsReader, Metrics
 from model import PRESET_KEYS, TransformerConfig
 from trainer import Trainer
 
@@ -71,7 +71,7 @@ def main(argv):
         return distributed.report_error(e, printed=os.environ.get('LOCAL_RANK', '0') == '0')
     # before CUDA's first allocation, which reads it
     allocator_note = memory_options.cuda_allocator() if cfg['device'].startswith('cuda') else None
-    # distributed setup (distributed.py): torchrun sets RANK; every rank runs this same script
+    # distributed setup (infra/distributed.py): torchrun sets RANK; every rank runs this same script
     try:  # before anything is built: ranks given different configs would train apart or crash in a collective
         ranks, device = distributed.setup(cfg['backend'], cfg['device'], cfg['dist_timeout_s'])
         distributed.check_same_config(ranks, cfg)
@@ -81,7 +81,7 @@ def main(argv):
         return distributed.report_error(e, printed=os.environ.get('RANK', '0') == '0')
     if allocator_note and ranks.master:
         print(allocator_note, flush=True)
-    # out_dir's checkpoints (checkpoint.py); one writer per out_dir (the lock); --eval_only writes nothing
+    # out_dir's checkpoints (infra/checkpoint.py); one writer per out_dir (the lock); --eval_only writes nothing
     checkpointer = Checkpointer(cfg['out_dir'], ranks, device, writes=not cfg['eval_only'])
     try:
         status = train(cfg, given_keys, ranks, device, checkpointer)
@@ -101,7 +101,7 @@ def main(argv):
         distributed.report_error("interrupted (Ctrl-C); the last checkpoint, if any, is as it was")
         checkpointer.close(failed=True)
         return 128 + signal.SIGINT
-    distributed.teardown(ranks)  # a barrier, then destroy_process_group (distributed.py: why)
+    distributed.teardown(ranks)  # a barrier, then destroy_process_group (infra/distributed.py: why)
     checkpointer.close()
     return status
 
@@ -114,9 +114,9 @@ def train(cfg, given_keys, ranks, device, checkpointer):
     with refused(ValueError):
         train_config.check_parallel(cfg, world_size, fsdp)
     # scratch, resume or auto, whatever the checkpoint's format; the lock, an earlier run's checkpoint,
-    # incomplete saves: checkpoint.py. A resume takes the checkpoint's config.
+    # incomplete saves: infra/checkpoint.py. A resume takes the checkpoint's config.
     cfg = checkpointer.start(cfg, given_keys, fsdp)
-    with refused(ImportError):  # the log lines, out_dir/metrics.jsonl and wandb (metrics.py)
+    with refused(ImportError):  # the log lines, out_dir/metrics.jsonl and wandb (infra/metrics.py)
         metrics = Metrics(cfg, ranks, device, checkpointer.iter_num if checkpointer.init_from == 'resume' else None)
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
     torch.manual_seed(cfg['seed'])  # same model init on every rank (DDP broadcasts rank 0's; FSDP needs it)
@@ -228,8 +228,8 @@ def open_data(cfg, ranks):
 
 
 def initial_model(cfg, given_keys, checkpointer, ranks, device, fsdp):
-    """The model the run starts from: out_dir's checkpoint's (checkpoint.py), a new one, or a pretrained
-    GPT-2 / Hugging Face directory (hf.py); cropped to the config's block_size."""
+    """The model the run starts from: out_dir's checkpoint's (infra/checkpoint.py), a new one, or a pretrained
+    GPT-2 / Hugging Face directory (infra/hf.py); cropped to the config's block_size."""
     vocab_size = cfg['vocab_size']
     if not vocab_size:
         vocab_size = dataset_vocab(cfg['dataset'])
@@ -246,7 +246,7 @@ def initial_model(cfg, given_keys, checkpointer, ranks, device, fsdp):
                        estimate_peak=lambda: estimate_iteration(cfg, vocab_size)['peak'])
             model = builder.new_model(model_config, device, dtype)  # on the device, in its dtype
         else:  # a GPT-2 name or a local Hugging Face model directory
-            import hf
+            from infra import hf
             model = hf.from_pretrained(cfg['init_from'], cfg['dropout'], cfg['block_size'])
     if cfg['block_size'] < model.config.block_size:
         model.crop_block_size(cfg['block_size'])
@@ -285,7 +285,7 @@ def build_trainer(cfg, raw_model, ranks, device, fsdp, train_batches, iter_num):
         print(cycler.cycle_note())
     torch.manual_seed(cfg['seed'] + ranks.rank)  # from here on (dropout) each rank draws its own random numbers
     if cfg['compile']:
-        # Regional compilation (memory_options.py): one graph per block, which sees two requires_grad patterns
+        # Regional compilation (infra/memory_options.py): one graph per block, which sees two requires_grad patterns
         # (trainable or frozen); a whole-model compile recompiles for every pattern and gives up after 8
         memory_options.compile_blocks(raw_model, cfg['method'])
     # under torchrun the DDP wrapper is rebuilt over the active parameters after every switch
@@ -363,5 +363,5 @@ class StopRequest:
 
 
 if __name__ == '__main__':
-    LogOutlivesItsReader.install()  # `python train.py | head`: the run trains on (metrics.py)
+    LogOutlivesItsReader.install()  # `python train.py | head`: the run trains on (infra/metrics.py)
     sys.exit(main(sys.argv[1:]))

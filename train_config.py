@@ -16,7 +16,7 @@ import torch
 
 import dataloader
 import galore
-import memory_options
+from infra import memory_options
 import omgd
 import optim
 from configurator import above, at_least, between, check_rule, configure, one_of
@@ -39,7 +39,7 @@ eval_interval = 100  # iterations between evaluations (and checkpoint saves)
 log_interval = 10  # iterations between log lines
 eval_iters = 20  # batches per split and evaluation
 eval_only = False  # evaluate once and exit
-eval_mc_path = ''  # a HellaSwag-format jsonl file scored at every evaluation (acc, acc_norm; multiple_choice.py)
+eval_mc_path = ''  # a HellaSwag-format jsonl file scored at every evaluation (acc, acc_norm; infra/multiple_choice.py)
 eval_mc_limit = 0  # score its first N examples only (0: all)
 always_save_checkpoint = True  # if False, save only when the val loss improves
 checkpoint_format = 'auto'  # 'file': out_dir/ckpt.pt, gathered and written by rank 0; 'dcp': out_dir/step_NNNNNNN/ folders, each rank writes its shards (torch.distributed.checkpoint); 'auto': file in one process, dcp on several ranks

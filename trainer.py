@@ -2,8 +2,8 @@
 Trainer, the owner of one training iteration, and what an iteration needs around it: the
 learning rate (get_lr), autocast and the loss scaler. train.py, the benchmarks and the experiments
 all step the same Trainer (builder.py builds what it trains); what a run reports (log lines,
-records, MFU) is metrics.py's; under torchrun, the model it runs and syncs (ParallelModel: DDP
-rebuilt at every switch, or FSDP2 resharded) and the ranks' collectives (Ranks) are distributed.py's.
+records, MFU) is infra/metrics.py's; under torchrun, the model it runs and syncs (ParallelModel: DDP
+rebuilt at every switch, or FSDP2 resharded) and the ranks' collectives (Ranks) are infra/distributed.py's.
 
 One iteration's path: train.py's loop -> Trainer.step -> omgd.Cycler (switch, optimizer state,
 gradient scale) -> model.py's forward and backward, the next batch from dataloader.py.
@@ -157,7 +157,7 @@ class Trainer:
         return out
 
     def state_objects(self):
-        """The objects whose state_dict() a checkpoint holds (checkpoint.py)."""
+        """The objects whose state_dict() a checkpoint holds (infra/checkpoint.py)."""
         return {'model': self.model, 'optimizer': self.optimizer, 'cycler': self.cycler, 'scaler': self.scaler}
 
 

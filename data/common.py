@@ -35,7 +35,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from checkpoint_file import atomic_path  # noqa: F401  (also data.common.atomic_path, as before)
+from infra.checkpoint_file import atomic_path  # noqa: F401  (also data.common.atomic_path, as before)
 from data.gpt2_bpe import EOT, INSTALL_HINT, gpt2_encode, gpt2_encoding  # noqa: F401  (re-exported)
 from data.tokenizer import DTYPES, Tokenizer, token_dtype
 

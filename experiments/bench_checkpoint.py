@@ -1,6 +1,6 @@
 """
 Checkpoint save and load under torchrun: today's single file (ckpt.pt: the full state gathered and
-written by rank 0) against sharded step folders (checkpoint_dcp.py: every rank writes its shards),
+written by rank 0) against sharded step folders (infra/checkpoint_dcp.py: every rank writes its shards),
 as train.py saves and resumes them. Prints seconds and each rank's peak host memory (VmHWM, reset
 before each phase through /proc/self/clear_refs) for a model of a preset, AdamW state for every
 parameter (method 'full': the largest state a checkpoint holds).
@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
-import checkpoint as ckpt_io  # noqa: E402
-import checkpoint_dcp  # noqa: E402
+from infra import checkpoint as ckpt_io  # noqa: E402
+from infra import checkpoint_dcp  # noqa: E402
 import builder  # noqa: E402
-import distributed  # noqa: E402
+from infra import distributed  # noqa: E402
 import train_config  # noqa: E402
 from configurator import command_line  # noqa: E402
 from trainer import grad_scaler  # noqa: E402

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
-import distributed  # noqa: E402
+from infra import distributed  # noqa: E402
 import omgd  # noqa: E402
 from configurator import at_least, command_line  # noqa: E402
 from model import Transformer, TransformerConfig, config_from_preset  # noqa: E402
-from distributed import wrap_ddp  # noqa: E402
+from infra.distributed import wrap_ddp  # noqa: E402
 
 DEFAULTS = dict(preset='gpt2', gamma=3, switches=5, batch_size=1, block_size=64)
 MEANINGS = dict(preset="a model.py preset, or 'tiny' (the tests' 4x32 model)",
@@ -107,4 +107,4 @@ if rank == 0:
     med = [statistics.median(r[k] for r in rows) for k in (2, 3, 4, 5)]
     print(f"| median | | {med[0]:.1f} | {med[1]:.1f} | {med[2]:.1f} | {med[3]:.1f} |")
     print(f"all_reduce of all {total / 1e6:.2f}M elements, as without layer cycling: {reduce_all:.1f} ms (median of 3)")
-distributed.teardown(ranks)  # a barrier, then destroy_process_group (distributed.py: why)
+distributed.teardown(ranks)  # a barrier, then destroy_process_group (infra/distributed.py: why)

@@ -36,7 +36,7 @@ def rules():
 def build(cfg):
     from model import Transformer, TransformerConfig, config_from_preset
     if cfg['out_dir']:
-        from checkpoint import read_any
+        from infra.checkpoint import read_any
         checkpoint, path = read_any(cfg['out_dir'], map_location='cpu', mmap=True, optimizer=False)
         model = Transformer(TransformerConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
@@ -59,7 +59,7 @@ def timed(model, idx, new_tokens, use_cache, device, autocast):
 
 def main(argv):
     from contextlib import nullcontext
-    from checkpoint import CheckpointError
+    from infra.checkpoint import CheckpointError
     from configurator import command_line
     from train_config import check_device
     cfg = command_line(argv, DEFAULTS, rules(), "usage: python experiments/bench_generate.py [--key=value ...]", HELP)

@@ -78,7 +78,8 @@ path() {  # path NAME ARGS...: one train.py run on the GPU, its last lines and e
 
 same_weights() {  # same_weights A B: the final weights of two runs, bit for bit or their largest difference
     $PY - "$1" "$2" <<'EOF' >> "$L/paths.txt" 2>&1
-import sys, torch, checkpoint
+import sys, torch
+from infra import checkpoint
 a, b = (checkpoint.read_any(d, 'cpu', optimizer=False)[0]['model'] for d in sys.argv[1:3])
 diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 print(f"compare {sys.argv[1]} {sys.argv[2]}: {'BITWISE EQUAL' if diff == 0 else f'max abs diff {diff:.3g}'}")

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import bench  # noqa: E402
 import train_config  # noqa: E402
 from configurator import command_line  # noqa: E402
-from metrics import peak_bf16_flops  # noqa: E402
+from infra.metrics import peak_bf16_flops  # noqa: E402
 
 VARIANTS = 'batch=12,batch=16,batch=24,batch=32,whole,sdpa=flash,sdpa=cudnn,sdpa=efficient'
 DEFAULTS = {**bench.DEFAULTS, 'methods': 'full', 'variants': VARIANTS}

@@ -157,8 +157,8 @@ def finetune_start(s, out_dir, runs_dir):
     import torch
 
     import builder
-    import checkpoint
-    from distributed import Ranks
+    from infra import checkpoint
+    from infra.distributed import Ranks
     from trainer import grad_scaler
     pre = os.path.join(runs_dir, run_name(stage_specs('m4_pre', [])[0]), 'ckpt.pt')  # the pre-training run
     if not os.path.exists(pre):

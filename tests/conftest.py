@@ -122,10 +122,10 @@ def files_per_iteration(argv, run=None):
 
 # README "Code map": the files an iteration calls into (train.py's loop, Trainer.step, the cycler, the forward
 # and backward, the next batch). An iteration that logs or writes a record (its log line, a switch's line: the
-# records of out_dir/metrics.jsonl) calls metrics.py too, on every rank (rank 0 prints and writes), so a run
+# records of out_dir/metrics.jsonl) calls infra/metrics.py too, on every rank (rank 0 prints and writes), so a run
 # that logs every iteration (log_interval=1) calls into LOGGED_ITERATION_FILES.
 ITERATION_FILES = ['dataloader.py', 'model.py', 'omgd.py', 'train.py', 'trainer.py']
-LOGGED_ITERATION_FILES = sorted([*ITERATION_FILES, 'metrics.py'])
+LOGGED_ITERATION_FILES = sorted([*ITERATION_FILES, 'infra/metrics.py'])
 
 
 def assert_one_line_error(result, pattern):
@@ -138,7 +138,7 @@ def assert_one_line_error(result, pattern):
 def load(out_dir):
     """The checkpoint train.py wrote in out_dir, in ckpt.pt's format whatever was written: ckpt.pt, or
     the newest step folder (checkpoint_format='dcp', the default under torchrun) consolidated."""
-    import checkpoint
+    from infra import checkpoint
     return checkpoint.read_any(str(out_dir))[0]
 
 
@@ -152,7 +152,7 @@ def records(out_dir, kind):
 
 def copy_checkpoint(src, dst):
     """Copy out_dir `src`'s newest checkpoint (ckpt.pt or step folder) into out_dir `dst`."""
-    import checkpoint
+    from infra import checkpoint
     fmt, path, _ = checkpoint.find(str(src))
     os.makedirs(dst, exist_ok=True)
     if fmt == 'file':
@@ -173,8 +173,8 @@ def cpu_checkpoint_after_one_step(cfg, path):
     import itertools
     import torch
     import builder
-    import checkpoint
-    from distributed import Ranks
+    from infra import checkpoint
+    from infra.distributed import Ranks
     from trainer import Trainer
     torch.manual_seed(0)
     model, optimizer, cycler = builder.build(cfg, 'cpu')

@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import bench_memory  # noqa: E402
 from conftest import run_script  # noqa: E402
-import memory_estimate  # noqa: E402
+from infra import memory_estimate  # noqa: E402
 
 GIB = 2 ** 30
 
@@ -77,7 +77,7 @@ def test_cpu_build_keeps_gpt2_head_tied_to_embedding():
 def test_train_py_memory_keys_reach_the_measurement():
     """Keys that builder.build applies change the estimate with no code here: loss_chunk, and
     activation_offload, whose host copies the meta device emulates (and the emulation is undone)."""
-    import memory_options
+    from infra import memory_options
     others = {name: bench_memory.run(config(**SMALL, device='meta', methods='lisa_wor', **kw))['rows'][0]['others']
               for name, kw in dict(plain={}, offload=dict(activation_offload=True), chunk=dict(loss_chunk=8)).items()}
     assert others['offload'] < others['plain'] and others['chunk'] < others['plain'], others

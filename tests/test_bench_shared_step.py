@@ -11,7 +11,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, 'experiments'))
 import bench  # noqa: E402
 import bench_memory  # noqa: E402
-import memory_estimate  # noqa: E402
+from infra import memory_estimate  # noqa: E402
 import compare  # noqa: E402
 import train_config  # noqa: E402
 from trainer import Trainer  # noqa: E402

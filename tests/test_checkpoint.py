@@ -1,4 +1,4 @@
-"""checkpoint.py: what is saved, what is never saved (a non-finite state), and a failed write that
+"""infra/checkpoint.py: what is saved, what is never saved (a non-finite state), and a failed write that
 leaves the previous checkpoint as it was; in-process, on a tiny model."""
 import errno
 import itertools
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import builder
-import checkpoint
+from infra import checkpoint
 from conftest import cpu_checkpoint_after_one_step, train_defaults
-from distributed import Ranks
+from infra.distributed import Ranks
 from trainer import Trainer
 
 CFG = train_defaults(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)

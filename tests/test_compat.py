@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import ddp_check
-import distributed
-from distributed import Ranks, no_buffer_sync, wrap_ddp
+from infra import ddp_check
+from infra import distributed
+from infra.distributed import Ranks, no_buffer_sync, wrap_ddp
 
 
 class DDP211:

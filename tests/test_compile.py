@@ -4,7 +4,7 @@ CPU, dynamo with the aot_eager backend (its guards, and so its recompiles, do no
 import pytest
 import torch
 
-import memory_options
+from infra import memory_options
 import omgd
 from model import Transformer, TransformerConfig
 from train_config import GALORE_METHODS

@@ -130,7 +130,7 @@ def test_defaults_are_data_importable_without_running_a_script():
 
 @pytest.mark.parametrize('key, value, library_call', [
     ('sampling', 'seq', lambda path: __import__('dataloader').TokenBatches(path, 8, 2, sampling='seq')),
-    ('loss_chunk', -1, lambda path: __import__('memory_options').apply(tiny_model(), loss_chunk=-1)),
+    ('loss_chunk', -1, lambda path: __import__('infra.memory_options', fromlist=['apply']).apply(tiny_model(), loss_chunk=-1)),
     ('omgd_period', 0, lambda path: cycler_of(period=0)),
     ('omgd_ratio', 1.5, lambda path: cycler_of(method='tensor_iid', ratio=1.5)),
     ('omgd_state', 'free', lambda path: cycler_of(state='free')),

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (checkpoint_dcp.py): checkpoint_format='dcp', the default under torchrun.
+"""Sharded checkpoints (infra/checkpoint_dcp.py): checkpoint_format='dcp', the default under torchrun.
 
 What is checked, and how:
 - Exact resume: 2 FSDP ranks, N iterations + resume + N more end bit for bit where a straight 2N
@@ -147,7 +147,7 @@ def test_an_incomplete_folder_never_resumes_and_only_what_a_save_wrote_is_remove
     """A save or a removal of this code cut short leaves its marker (checkpoint_dcp.WRITING, REMOVING): the
     next writer removes such folders. A folder it did not write stays, whatever its name, and one that looks
     like a checkpoint is named in a warning: a copy that skipped dotfiles (no .complete), a user's backups."""
-    import checkpoint_dcp
+    from infra import checkpoint_dcp
     import shutil
     run_train(f'--out_dir={tmp_path}', '--max_iters=4', '--eval_interval=2', '--checkpoint_format=dcp')
     for name, marker in (('step_0000006.tmp', checkpoint_dcp.WRITING), ('step_0000008', checkpoint_dcp.REMOVING)):
@@ -177,10 +177,10 @@ def test_an_incomplete_folder_never_resumes_and_only_what_a_save_wrote_is_remove
 def test_a_non_finite_state_is_never_saved(tmp_path):
     import itertools
     import builder
-    import checkpoint
-    import checkpoint_dcp
+    from infra import checkpoint
+    from infra import checkpoint_dcp
     from conftest import train_defaults
-    from distributed import Ranks
+    from infra.distributed import Ranks
     from trainer import Trainer
     cfg = train_defaults(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
     model, optimizer, cycler = builder.build(cfg, 'cpu')
@@ -238,7 +238,7 @@ if __name__ == '__main__':
 
 
 def test_checkpoint_async_is_the_background_on_a_gpu_and_what_is_asked_elsewhere():
-    import checkpoint_dcp
+    from infra import checkpoint_dcp
     assert checkpoint_dcp.background('auto', 'cuda') and not checkpoint_dcp.background('auto', 'cpu')
     assert checkpoint_dcp.background('yes', 'cpu') and not checkpoint_dcp.background('no', 'cuda')
 

@@ -98,8 +98,8 @@ def test_the_read_path_itself_never_unpickles_bytes(planted, monkeypatch):
     (whatever the reader); through dcp.load, the same one line."""
     import io
     import torch.distributed.checkpoint as dcp
-    import checkpoint
-    import checkpoint_dcp
+    from infra import checkpoint
+    from infra import checkpoint_dcp
     _, folder, marker = planted
     unrun(planted)
     monkeypatch.setattr(checkpoint_dcp, '_tensors_only', lambda path, index: None)

@@ -32,10 +32,10 @@ import torch
 from conftest import (DDP_TINY as TINY, ITERATION_FILES, LINEAR, ONE_RANK, ROOT, TORCHRUN, TWO_RANKS,  # noqa: F401
                       Launch, assert_same_state, copy_checkpoint, files_per_iteration, load, records,
                       stop_with_sigterm as _stop_with_sigterm, torchrun_train as train)
-import ddp_check  # noqa: E402
+from infra import ddp_check  # noqa: E402
 import omgd  # noqa: E402
 from model import Transformer, TransformerConfig  # noqa: E402
-from distributed import Ranks  # noqa: E402
+from infra.distributed import Ranks  # noqa: E402
 
 pytestmark = pytest.mark.torchrun  # launches torchrun (deselect with -m "not torchrun")
 
@@ -152,13 +152,13 @@ def test_every_method_under_two_ranks(many_runs, method):
 
 def test_a_torchrun_iteration_reads_the_five_files_and_distributed_py(many_runs):
     """Under DDP (a new wrapper at each switch, gradient sync, the stop agreement and the mean loss over
-    ranks), every rank's iterations call into the five files of one process, and distributed.py, where
+    ranks), every rank's iterations call into the five files of one process, and infra/distributed.py, where
     all of torchrun's work lives."""
     root, _ = many_runs
     assert [s['iter'] for s in records(root / 'files', 'switch')] == [0, 3]
     for rank in (0, 1):
         with open(root / 'files' / f'files_rank{rank}.json') as f:  # log_interval=1: each iteration logs
-            assert json.load(f) == sorted([*ITERATION_FILES, 'metrics.py', 'distributed.py']), rank
+            assert json.load(f) == sorted([*ITERATION_FILES, 'infra/metrics.py', 'infra/distributed.py']), rank
 
 
 def test_check_names_every_broken_invariant_on_any_rank():

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from conftest import assert_one_line_error, assert_same_state, run_script, run_train, tiny_model_config
 from eval import full_loss, load_checkpoint_model, window_loss, write_mc_task, MC_TASK
-from multiple_choice import continuation_logprobs, encode_pair, mc_accuracy, mc_example, read_mc
+from infra.multiple_choice import continuation_logprobs, encode_pair, mc_accuracy, mc_example, read_mc
 from model import Transformer
 
 HAS_LM_EVAL = importlib.util.find_spec('lm_eval') is not None
@@ -86,7 +86,7 @@ def test_acc_norm_is_not_per_token(monkeypatch):
     """Log-probabilities where the three rules disagree: the largest sum (acc) is ending 0, the largest per
     character (acc_norm) ending 2, the largest per token (llm.c's normalisation: ' ' + ending is one token
     a character here) ending 1."""
-    import multiple_choice as evaluation
+    from infra import multiple_choice as evaluation
     lls = [-2.0, -3.0, -5.6]  # per character: -1, -0.75, -0.7; per token (3, 5, 9): -0.67, -0.6, -0.62
     scored = []
     monkeypatch.setattr(evaluation, 'continuation_logprobs', lambda model, requests, *a, **kw: scored.append(
@@ -144,7 +144,7 @@ def test_loss_is_the_one_train_py_printed(run, tmp_path):
                      f"windows: 2 batches of 8 x 32 tokens, seed 1338\\)$", result.stdout, re.M), result.stdout
     # the full pass, through eval.py, on a split written here (a dataset given by its path)
     np.random.default_rng(1).integers(0, 65, 300).astype(np.uint16).tofile(tmp_path / 'val.bin')
-    from checkpoint import read
+    from infra.checkpoint import read
     from model import TransformerConfig
     model = Transformer(TransformerConfig(**read(os.path.join(out_dir, 'ckpt.pt'))['model_args']))
     model.load_state_dict(read(os.path.join(out_dir, 'ckpt.pt'))['model'])
@@ -171,7 +171,7 @@ def test_mc_on_a_checkpoint_and_lm_eval_refused_without_the_package(run, tmp_pat
 def test_train_py_scores_the_mc_file_at_every_evaluation(tmp_path):
     """eval_mc_path: the eval records (and the log line) carry the scores multiple_choice.mc_accuracy gives the
     weights of that iteration; the last evaluation's are those of the checkpoint."""
-    from checkpoint import read
+    from infra.checkpoint import read
     from data.tokenizer import Tokenizer, read_meta
     from dataloader import data_dir
     from model import TransformerConfig
@@ -269,8 +269,8 @@ def test_checkpoint_that_does_not_load_is_one_error_line(run, tmp_path):
 @pytest.fixture(scope='module')
 def hf_gpt2(tmp_path_factory):
     """(directory, model): a tiny GPT-2 with GPT-2's vocabulary in Hugging Face form, as export.py writes it."""
-    import hf
-    from hf import write_gpt2_tokenizer
+    from infra import hf
+    from infra.hf import write_gpt2_tokenizer
     torch.manual_seed(0)
     model = Transformer(tiny_model_config('gpt2', vocab_size=50257, block_size=64, n_layer=1, n_embd=16, n_head=2)).eval()
     with torch.no_grad():
@@ -358,7 +358,7 @@ def test_lm_eval_on_a_character_level_model(run, tmp_path):
     """train.py's default (character-level) model: export writes its characters as a tokenizer transformers
     reads, so lm-eval scores every ending as eval.py does, from the checkpoint and from the exported directory;
     a directory exported without a tokenizer, or with another dataset's, is refused in one line."""
-    import hf
+    from infra import hf
     from data.tokenizer import Tokenizer, read_meta
     from dataloader import data_dir
     mc = ['--loss=False', f'--mc_path={write_jsonl(tmp_path / "mc.jsonl", EXAMPLES)}', '--lm_eval=True', '--device=cpu']

@@ -43,7 +43,7 @@ def test_a_lock_that_cannot_be_written_is_refused_before_training(tmp_path):
     import dataloader
     dataloader.prepare_if_embedded('shakespeare_char', verbose=False)  # before the limit: reading needs no writes
     out = tmp_path / 'run'
-    limited = ("import resource, runpy, signal, sys, torch; sys.path.insert(0, '.'); import builder, checkpoint; "
+    limited = ("import resource, runpy, signal, sys, torch; sys.path.insert(0, '.'); import builder; from infra import checkpoint; "
                "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
                "resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)); sys.argv = sys.argv[1:]; "
                "runpy.run_path('train.py', run_name='__main__')")

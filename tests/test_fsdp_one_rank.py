@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 
 import builder
-import ddp_check
-import distributed
+from infra import ddp_check
+from infra import distributed
 from conftest import train_defaults
-from distributed import ParallelModel, Ranks, fsdp_units, reshard_fsdp
+from infra.distributed import ParallelModel, Ranks, fsdp_units, reshard_fsdp
 from trainer import Trainer
 
 CFG = train_defaults(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=32, omgd_gamma=1, omgd_period=1,

@@ -1,5 +1,5 @@
 """Transformer.generate with a KV cache (model.KVCache): the tokens of the uncached loop, for GPT-2 and LLaMA
-(grouped-query attention included), across the block_size crop, under memory_options.py's wrappers."""
+(grouped-query attention included), across the block_size crop, under infra/memory_options.py's wrappers."""
 import pytest
 import torch
 
@@ -86,8 +86,8 @@ def test_sampling_draws_the_same_tokens(name):
 
 
 def test_long_prompt_and_memory_wrappers():
-    """A prompt longer than block_size crops as before; memory_options.py's wrapped forwards leave the cache alone."""
-    import memory_options
+    """A prompt longer than block_size crops as before; infra/memory_options.py's wrapped forwards leave the cache alone."""
+    from infra import memory_options
     model = tiny('llama-gqa')
     long_prompt = prompt(model, t=20)
     assert torch.equal(model.generate(long_prompt, 6, top_k=1),

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import builder
-import checkpoint
-import memory_estimate
-import memory_options
+from infra import checkpoint
+from infra import memory_estimate
+from infra import memory_options
 from conftest import assert_same_state, cpu_checkpoint_after_one_step, load, run_train, train_defaults
-from metrics import peak_bf16_flops
+from infra.metrics import peak_bf16_flops
 from model import Linear
-from distributed import Ranks
+from infra.distributed import Ranks
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')]
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import memory_options  # noqa: E402
+from infra import memory_options  # noqa: E402
 from model import EAGER_LOSS_KERNELS, LinearCrossEntropy, Transformer  # noqa: E402
 from conftest import random_batch as batch, tiny_model_config as tiny  # noqa: E402
 from test_memory import LiveStorages  # noqa: E402

@@ -1,4 +1,4 @@
-"""memory_options.py: the memory options (activation checkpointing, offload, chunked loss), and model.py's frozen
+"""infra/memory_options.py: the memory options (activation checkpointing, offload, chunked loss), and model.py's frozen
 Linear; each must leave the numbers as they are and keep less."""
 import math
 import os
@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import memory_options  # noqa: E402
+from infra import memory_options  # noqa: E402
 from model import EMULATED_AUTOCAST, Linear, Transformer  # noqa: E402
 
 torch.set_num_threads(1)  # the CPU is shared; tiny models don't need more
@@ -379,7 +379,7 @@ def test_check_fits_under_fsdp_counts_this_ranks_shards(monkeypatch):
     """An iteration whose weights, gradients and AdamW state need 10 GiB on one device, with 1 GiB of
     activations, on ranks with 4 GiB free: refused on one device and under DDP (every rank holds all),
     accepted under FSDP over 8 ranks (about 10/8 + 1 GiB, plus the units gathered at once)."""
-    import memory_estimate
+    from infra import memory_estimate
     cfg = tiny('llama', n_layer=8)
     gib = 2**30
     row = dict(params=2 * gib, grads=2 * gib, optimizer=6 * gib, others=gib)
@@ -412,7 +412,7 @@ def test_check_fits_under_fsdp_counts_this_ranks_shards(monkeypatch):
 
 def test_unit_params_and_the_estimate_of_one_device():
     import builder
-    import memory_estimate
+    from infra import memory_estimate
     from conftest import train_defaults
     from model import TransformerConfig
     train_cfg = train_defaults(n_layer=3, n_head=4, n_embd=32, block_size=16, vocab_size=64, batch_size=2)
@@ -434,7 +434,7 @@ def test_meta_estimate_takes_the_frozen_linear_path_of_cuda(monkeypatch):
     frozen block's matrices more, and the loss's fp32 log-probabilities; the bf16 precision (no autocast) does
     not change."""
     import bench_memory
-    import memory_estimate
+    from infra import memory_estimate
     from configurator import configure
     small = dict(preset='', arch='gpt2', bias=True, n_layer=6, n_head=4, n_embd=64, vocab_size=512, block_size=32,
                  batch_size=2, micro_batches=1, omgd_gamma=2, device='meta', methods='lisa_wor,full',

@@ -1,10 +1,10 @@
-"""metrics.py's MFU: the peak FLOP/s of the GPU a run is on, looked up by its name (fake names here:
+"""infra/metrics.py's MFU: the peak FLOP/s of the GPU a run is on, looked up by its name (fake names here:
 no GPU needed)."""
 import pytest
 import torch
 
-import metrics
-from metrics import PEAK_BF16_FLOPS, mfu, peak_bf16_flops, peak_for_name
+from infra import metrics
+from infra.metrics import PEAK_BF16_FLOPS, mfu, peak_bf16_flops, peak_for_name
 
 
 @pytest.mark.parametrize('name, tflops', [

@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import optimizer_offload  # noqa: E402
+from infra import optimizer_offload  # noqa: E402
 from test_omgd import assert_same_training, make_cycling, run_cycling  # noqa: E402
 
 

@@ -56,7 +56,7 @@ if __name__ == '__main__':
     # preempted node or an OOM kill) when it reaches iteration KILL_AT_ITER, on the first launch only,
     # once the background write of the last checkpoint has ended (else that checkpoint is lost too)
     sys.path.insert(0, ROOT)
-    import checkpoint_dcp
+    from infra import checkpoint_dcp
     import train
     from trainer import Trainer
     step = Trainer.step

@@ -179,7 +179,7 @@ def test_new_model_drawn_on_the_device_is_initialised_like_a_cpu_build():
 def test_one_iteration_reads_five_files(tmp_path):
     """The loop's iterations, switches and dropped optimizer state included, call into five of the
     project's files (train, trainer, omgd, model, dataloader), as the README says, and an iteration
-    that logs or records (its log line, a switch's) into metrics.py besides; torchrun's iteration:
+    that logs or records (its log line, a switch's) into infra/metrics.py besides; torchrun's iteration:
     test_ddp.py::test_a_torchrun_iteration_reads_the_five_files_and_distributed_py."""
     status, files = files_per_iteration([*TINY_ARGS, f'--out_dir={tmp_path}', '--max_iters=8', '--omgd_state=drop'])
     assert status == 0

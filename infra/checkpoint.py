@@ -16,11 +16,11 @@ import sys
 
 import torch
 
-import checkpoint_dcp
-import checkpoint_file
+from infra import checkpoint_dcp
+from infra import checkpoint_file
 import train_config
 # the 'file' format's functions, as the scripts and tests call them (checkpoint.read, checkpoint.save, ...)
-from checkpoint_file import (CheckpointError, NonFiniteState, check_finite, load_state, read, restore_rng,  # noqa: F401
+from infra.checkpoint_file import (CheckpointError, NonFiniteState, check_finite, load_state, read, restore_rng,  # noqa: F401
                              remove_interrupted_write, resume, save)
 
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import train_config
-from checkpoint_file import CheckpointError, check_finite, gather_rng, read
+from infra.checkpoint_file import CheckpointError, check_finite, gather_rng, read
 
 from torch.distributed.checkpoint.api import CheckpointException as _DCPException  # a BaseException
 

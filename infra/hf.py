@@ -767,7 +767,7 @@ def read_model(out_dir):
     """(GPT, checkpoint dict) of out_dir's train.py checkpoint (ckpt.pt, or the newest step folder
     consolidated); ExportError for one that lacks a part, does not make a model, or holds non-finite
     weights (CheckpointError for a file that cannot be read)."""
-    from checkpoint import read_any
+    from infra.checkpoint import read_any
     checkpoint, path = read_any(out_dir, optimizer=False)  # ckpt.pt, or the newest step folder consolidated
     for key, what in (('model', 'weights'), ('model_args', 'shape')):
         if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(key), dict):

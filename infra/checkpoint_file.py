@@ -102,7 +102,7 @@ def save(path, ranks, objects, values, fsdp=False, device_type='cpu'):
     check_finite(ranks, model, optimizer)
     rank_rngs = gather_rng(ranks, device_type)
     if fsdp:  # gathered to rank 0 (a collective); the same file format as one process writes
-        import distributed
+        from infra import distributed
         states = dict(zip(('model', 'optimizer'), distributed.full_state_dicts(model, optimizer)))
     else:
         states = {'model': model.state_dict(), 'optimizer': optimizer.state_dict()}
@@ -196,7 +196,7 @@ def load_state(checkpoint, objects, fsdp=False):
     the checkpoint has its state (saved with float16)."""
     for name, obj in objects.items():
         if name == 'optimizer' and fsdp:  # the file holds full tensors; each rank keeps its shards
-            import distributed
+            from infra import distributed
             distributed.load_optimizer_state(objects['model'], obj, checkpoint['optimizer'])
         elif name == 'scaler':
             if obj.is_enabled() and checkpoint.get('scaler'):

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_leaves
 
 import builder
 import dataloader
-import memory_options
+from infra import memory_options
 import train_config
 from model import TransformerConfig, emulated_autocast
 from trainer import Trainer, random_batches
