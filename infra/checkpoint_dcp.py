@@ -442,9 +442,13 @@ def _single_process_quiet():
 
 
 def _cannot_read(path, e):
-    return CheckpointError(f"cannot read checkpoint {path} ({type(e).__name__}: "
-                           f"{(str(e).strip().splitlines() or [''])[0][:200]}); it is corrupt, truncated or from "
-                           f"another program: restore a backup or train from scratch")
+    # DCP's CheckpointException says only which ranks failed ("ranks:dict_keys([0])"): name the first rank's error
+    failures = [f[0] for f in getattr(e, 'failures', {}).values() if isinstance(f, tuple) and f]
+    if failures:
+        e = failures[0]
+    reason = (str(e).strip().splitlines() or [''])[0][:200]
+    return CheckpointError(f"cannot read checkpoint {path} ({type(e).__name__}{': ' + reason if reason else ''}); "
+                           f"it is corrupt, truncated or from another program: restore a backup or train from scratch")
 
 
 def read_index(path):
@@ -463,19 +467,24 @@ def check_readable(path):
     its index, or a shard the index points into that is missing or shorter than the index says (what a
     copy cut short or a lost file leaves). Reads no tensor data."""
     read_values(path)
-    index = read_index(path)
+    check_shards(path, read_index(path))
+
+
+def check_shards(path, index):
+    """A CheckpointError naming the first shard file the index points into that is missing or too short."""
     for info in getattr(index, 'storage_data', {}).values():
         shard = os.path.join(path, info.relative_path)
         size = os.path.getsize(shard) if os.path.isfile(shard) else None
         if size is None or size < info.offset + info.length:
             state = 'missing' if size is None else f'{size} bytes, the index needs {info.offset + info.length}'
-            raise CheckpointError(f"{path}: shard {info.relative_path} is {state}")
+            raise CheckpointError(f"{path}: shard {info.relative_path} is {state} (a copy cut short or a lost file): "
+                                  f"restore a backup or train from scratch")
 
 
 def _load(state, path, group=None):
-    # the index is checked here, on every rank alike (the same file), before DCP's collectives: inside
-    # dcp.load a refusal would reach the user wrapped in DCP's logged tracebacks
-    read_index(path)
+    # the index and the shards' sizes are checked here, on every rank alike (the same files), before DCP's
+    # collectives: inside dcp.load a refusal would reach the user wrapped in DCP's logged tracebacks
+    check_shards(path, read_index(path))
     try:
         with _single_process_quiet():
             dcp.load(state, storage_reader=SafeReader(path), planner=_TensorsOnly(path), process_group=group,

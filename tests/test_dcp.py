@@ -243,6 +243,19 @@ def test_checkpoint_async_is_the_background_on_a_gpu_and_what_is_asked_elsewhere
     assert checkpoint_dcp.background('yes', 'cpu') and not checkpoint_dcp.background('no', 'cuda')
 
 
+@pytest.mark.parametrize('script', ['sample.py', 'eval.py', 'export.py'])
+def test_a_step_folder_with_a_short_shard_is_named_by_every_reader(tmp_path, script):
+    """sample.py, eval.py and export.py read the newest step folder: a shard cut short is named, with its size
+    and the size the index needs (DCP's own error said only 'CheckpointException ranks:dict_keys([0])')."""
+    run_train(f'--out_dir={tmp_path}', '--max_iters=2', '--eval_interval=2', '--checkpoint_format=dcp')
+    shard = sorted((tmp_path / 'step_0000002').glob('*.distcp'))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    extra = {'sample.py': ['--max_new_tokens=2'], 'eval.py': ['--eval_iters=1'], 'export.py': [f'--hf_dir={tmp_path}/hf']}
+    result = run_script(script, [f'--out_dir={tmp_path}', *extra[script]])
+    assert_one_line_error(result, rf"step_0000002: shard {shard.name} is 100 bytes, the index needs \d+ \(a copy cut "
+                                  r"short or a lost file\): restore a backup or train from scratch$")
+
+
 @pytest.mark.parametrize('damage', ['truncated shard', 'missing shard', 'zeroed index', 'truncated ckpt.pt'])
 def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_that_loads(tmp_path, damage):
     """--init_from=auto (what a requeued job runs) resumes from the newest checkpoint that loads, names the
