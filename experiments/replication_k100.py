@@ -423,6 +423,21 @@ def load_runs(path):
         return [{'kind': 'train', **r} for r in json.load(f)['runs']]
 
 
+def restore(runs_dir, path):
+    """Write RUNS/NAME/result.json for every run that a report's JSON keeps and runs_dir lacks (a runs folder
+    lost with its machine): the runner then skips them as finished, and the report counts them. A result the
+    folder holds is never replaced. Returns the names written."""
+    written = []
+    for r in load_runs(path):
+        name = run_name(r)
+        if runner.read_result(runs_dir, name) is None:
+            os.makedirs(os.path.join(runs_dir, name), exist_ok=True)
+            with open(runner.result_path(runs_dir, name), 'w') as f:
+                json.dump({**r, 'restored_from': os.path.abspath(path)}, f, indent=1)
+            written.append(name)
+    return written
+
+
 def report(results, study_results, report_dir='', name='replication_k100', command='', source='', n_seeds=N_SEEDS):
     a = analyse(results, study_results, n_seeds)
     md = markdown(a, command, source)
@@ -436,11 +451,14 @@ def report(results, study_results, report_dir='', name='replication_k100', comma
     return a, md
 
 
-DEFAULTS = dict(runs_dir=os.path.join(ROOT, 'out', 'k100', 'runs'), report_only=False, runs_from='', report_dir='',
+DEFAULTS = dict(runs_dir=os.path.join(ROOT, 'out', 'k100', 'runs'), report_only=False, runs_from='', restore_from='',
+                report_dir='',
                 name='replication_k100', study=STUDY_JSON, seeds=N_SEEDS, stop_at='', power=False)
 MEANINGS = dict(runs_dir='the runs folder (RUNS/../data holds the 470k-token prefix)',
                 report_only='report from the runs there (or --runs_from), run nothing',
                 runs_from="report from the runs a report's NAME.json keeps (no runs folder needed)",
+                restore_from="first write the runs a report's NAME.json keeps into runs_dir (a lost runs folder): "
+                             "they are not run again",
                 report_dir='write NAME.md and NAME.json there (empty: print the report only)', name='report file stem',
                 study="issue 31's report (its runs of seeds 100-109: the reproduction check and the pooled estimate)",
                 seeds=f'fresh seeds from {FIRST_SEED} (the plan: {N_SEEDS})',
@@ -459,6 +477,12 @@ def main(argv=None):
     runs_dir = os.path.abspath(args.runs_dir)
     command = ' '.join(['python experiments/replication_k100.py', *argv])
     status = 0
+    if args.restore_from:
+        try:
+            restored = restore(runs_dir, args.restore_from)
+        except (OSError, ValueError, KeyError) as e:
+            sys.exit(f"error: cannot restore the runs of {args.restore_from}: {type(e).__name__}: {e}")
+        print(f"restored {len(restored)} run(s) of {args.restore_from} into {runs_dir}", flush=True)
     if not args.report_only:
         if args.runs_from:
             sys.exit('error: --runs_from reports from a JSON and runs nothing: add --report_only=True')

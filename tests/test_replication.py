@@ -140,3 +140,33 @@ def test_command_line_reports_from_a_json(tmp_path, capsys):
     assert '| PRIMARY: keep, train loss | 4 | -0.0125 [' in out and 'Not run yet.' in out
     with pytest.raises(SystemExit, match='add --report_only=True'):
         rep.main([f'--runs_from={tmp_path / "r.json"}'])
+
+
+def test_a_lost_runs_folder_is_restored_from_the_report_and_not_run_again(tmp_path, monkeypatch, capsys):
+    """--restore_from=results/replication_k100.json writes the runs the report keeps into an empty runs folder:
+    the runner skips them (nothing of them runs again), the report counts them, and a run the folder holds
+    keeps its own result."""
+    monkeypatch.setattr(study, 'make_multi_dataset', lambda *a, **k: None)
+    kept = results_for({1000: -0.02, 1001: 0.01})
+    (tmp_path / 'r.json').write_text(json.dumps({'runs': [{k: r[k] for k in rep.RUN_FIELDS if k in r} for r in kept]}))
+    runs = str(tmp_path / 'runs')
+    own = rep.cell_spec('keep', 'lisa', 1001)
+    os.makedirs(os.path.join(runs, study_plan.run_name(own)))
+    with open(runner.result_path(runs, study_plan.run_name(own)), 'w') as f:
+        json.dump(fake(own, 1.5), f)
+    assert len(rep.restore(runs, str(tmp_path / 'r.json'))) == 3 and rep.restore(runs, str(tmp_path / 'r.json')) == []
+    assert runner.load_result(runs, study_plan.run_name(own))['train_loss'][-1] == 1.5
+    calls = []
+
+    def launch(s, out_dir, runs_dir):
+        calls.append((s['seed'], s['state'], s['method']))
+        return fake(s, 2.0)
+    rep.run(runs, n_seeds=2, launch=launch)
+    assert not [c for c in calls if c[0] in (1000, 1001) and c[1] == 'keep']  # the restored pairs did not run again
+    assert (1000, 'drop', 'lisa') in calls
+    fresh = str(tmp_path / 'fresh')
+    assert rep.main(['--report_only=True', f'--runs_dir={fresh}', f'--restore_from={tmp_path / "r.json"}',
+                     f'--study={tmp_path / "r.json"}']) == 0
+    out = capsys.readouterr().out
+    assert f"restored 4 run(s) of {tmp_path / 'r.json'} into {fresh}" in out and '| PRIMARY: keep, train loss | 2 |' in out
+
