@@ -32,7 +32,7 @@ from infra import memory_options
 from infra import multiple_choice
 import train_config
 from infra.checkpoint import CheckpointError, Checkpointer
-from configurator import ConfigError, format_config, help_text, wants_help
+from configurator import ConfigError, help_text, wants_help
 from dataloader import check_vocab, data_dir, dataset_vocab, open_splits, prepare_if_embedded
 from data.tokenizer import Tokenizer, read_meta
 from infra.memory_estimate import check_fits, estimate_iteration
@@ -131,8 +131,7 @@ def train(cfg, given_keys, ranks, device, checkpointer):
     with refused(ValueError):  # every id of the data needs a row of the embedding
         check_vocab(cfg['dataset'], raw_model.config.vocab_size, train_batches, *eval_batches.values())
     tokens_per_iter = cfg['gradient_accumulation_steps'] * cfg['batch_size'] * cfg['block_size']
-    if master:
-        describe(cfg, raw_model, checkpointer, tokens_per_iter, world_size)
+    metrics.header(raw_model, checkpointer, tokens_per_iter)  # warnings, the config, the model (rank 0)
     trainer = build_trainer(cfg, raw_model, ranks, device, fsdp, train_batches, checkpointer.iter_num)
     raw_model, cycler, parallel = trainer.model, trainer.cycler, trainer.parallel
     checkpointer.load(trainer.state_objects(), train_batches)  # a resume's optimizer, cycler, scaler, data, RNG
@@ -251,22 +250,6 @@ def initial_model(cfg, given_keys, checkpointer, ranks, device, fsdp):
     if cfg['block_size'] < model.config.block_size:
         model.crop_block_size(cfg['block_size'])
     return model
-
-
-def describe(cfg, raw_model, checkpointer, tokens_per_iter, world_size):
-    """The head of the log (rank 0): warnings, the config, the model, what the run starts from."""
-    for line in train_config.warnings(cfg):
-        print(f"warning: {line}", file=sys.stderr, flush=True)
-    resuming = checkpointer.init_from == 'resume'
-    if resuming and checkpointer.iter_num >= cfg['max_iters'] and not cfg['eval_only']:
-        print(f"warning: the checkpoint is at iteration {checkpointer.iter_num} and max_iters={cfg['max_iters']}: "
-              f"this run evaluates and trains nothing; raise --max_iters to train on", file=sys.stderr, flush=True)
-    print(f"config:\n{format_config(cfg)}")
-    print(f"model: {cfg['arch']}, {cfg['n_layer']} blocks, {raw_model.get_num_params() / 1e6:.2f}M parameters "
-          f"(from {'a checkpoint' if resuming else checkpointer.init_from})")
-    print(f"tokens per iteration: {tokens_per_iter:,} ({world_size} rank{'s' * (world_size > 1)})")
-    if resuming:
-        print(f"resuming from iteration {checkpointer.iter_num} of {checkpointer.path}")
 
 
 def build_trainer(cfg, raw_model, ranks, device, fsdp, train_batches, iter_num):

@@ -22,6 +22,7 @@ class Metrics:
     """train.py's reports, one method per event:
 
         metrics = Metrics(cfg, ranks, device, resumed_from)  # wandb imported now: a missing package stops the run
+        metrics.header(model, checkpointer, tokens_per_iter)  # the head of the log
         wandb_id = metrics.start_wandb(checkpointer.wandb_id)
         metrics.begin(model, batches, tokens_per_iter, first_iter)  # the loop starts: the run's clock
         metrics.evaluation(it, losses, scores)
@@ -42,6 +43,25 @@ class Metrics:
 
     def start_wandb(self, run_id):
         return self.records.start_wandb(self.cfg, run_id)
+
+    def header(self, model, checkpointer, tokens_per_iter):
+        """The head of the log: warnings, the config, the model, what the run starts from."""
+        if not self.master:
+            return
+        from configurator import format_config
+        from train_config import warnings
+        cfg, resuming = self.cfg, checkpointer.init_from == 'resume'
+        for line in warnings(cfg):
+            print(f"warning: {line}", file=sys.stderr, flush=True)
+        if resuming and checkpointer.iter_num >= cfg['max_iters'] and not cfg['eval_only']:
+            print(f"warning: the checkpoint is at iteration {checkpointer.iter_num} and max_iters={cfg['max_iters']}: "
+                  f"this run evaluates and trains nothing; raise --max_iters to train on", file=sys.stderr, flush=True)
+        print(f"config:\n{format_config(cfg)}")
+        print(f"model: {cfg['arch']}, {cfg['n_layer']} blocks, {model.get_num_params() / 1e6:.2f}M parameters "
+              f"(from {'a checkpoint' if resuming else checkpointer.init_from})")
+        print(f"tokens per iteration: {tokens_per_iter:,} ({self.world_size} rank{'s' * (self.world_size > 1)})")
+        if resuming:
+            print(f"resuming from iteration {checkpointer.iter_num} of {checkpointer.path}")
 
     def begin(self, model, batches, tokens_per_iter, first_iter):
         self.model, self.batches, self.tokens_per_iter, self.first_iter = model, batches, tokens_per_iter, first_iter
