@@ -229,7 +229,8 @@ def check_resume(saved, model_args, cfg, given):
     """Refuse (one-line ValueError) the keys this command gave (`given`) that cannot continue a
     checkpoint of config `saved` and `model_args`: every such key in one message. Returns what the
     checkpoint fixes: its config, its architecture on top (a config may predate that rule)."""
-    truth = {'precision': 'amp', **saved,  # older checkpoints: amp
+    # a key newer than the checkpoint: it trained as that key's default does (precision: amp)
+    truth = {**{k: DEFAULTS[k] for k in FIXED_ON_RESUME if k in DEFAULTS}, **saved,
              **{k: v for k, v in model_args.items() if k in FIXED_ON_RESUME}}
     conflicts = []
     for k, why in FIXED_ON_RESUME.items():

@@ -56,3 +56,18 @@ def test_a_group_scales_the_schedule_by_its_own_lr_scale():
         trainer.step()
         assert optimizer.param_groups[0]['lr'] == get_lr(it, cfg)
         assert optimizer.param_groups[1]['lr'] == get_lr(it, cfg) * 0.1
+
+
+def test_a_key_newer_than_the_checkpoint_is_held_to_its_default_on_resume(monkeypatch):
+    """A fork adds a key a resume cannot change (here: its optimizer) after a checkpoint was saved: that run
+    trained as the key's default does, so giving another value on resume is refused in one line (it was let
+    through, to end in torch's 'different number of parameter groups')."""
+    import pytest
+    import train_config
+    cfg = train_defaults(**TINY)
+    saved = {k: v for k, v in cfg.items() if k != 'optimizer'}  # the checkpoint's config, from before the key
+    model_args = builder.transformer_kwargs(cfg)
+    with pytest.raises(ValueError, match=r"^optimizer='sgd' differs from the checkpoint's 'adamw' \(its optimizer "
+                                         r"state is that optimizer's\); resume with --optimizer=adamw$"):
+        train_config.check_resume(saved, model_args, {**cfg, 'optimizer': 'sgd'}, {'optimizer'})
+    assert train_config.check_resume(saved, model_args, cfg, {'optimizer'})['optimizer'] == 'adamw'
