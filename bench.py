@@ -45,9 +45,8 @@ import time
 
 import torch
 
-from infra import memory_options
+from infra import memory_estimate, memory_options
 import builder
-from infra import memory_estimate
 import train_config
 from configurator import at_least, command_line
 from infra.metrics import mfu, peak_bf16_flops

@@ -26,15 +26,12 @@ import torch
 import torch.distributed as dist
 
 import builder
-from infra import ddp_check
-from infra import distributed
-from infra import memory_options
-from infra import multiple_choice
 import train_config
-from infra.checkpoint import CheckpointError, Checkpointer
 from configurator import ConfigError, help_text, wants_help
-from dataloader import check_vocab, data_dir, dataset_vocab, open_splits, prepare_if_embedded
 from data.tokenizer import Tokenizer, read_meta
+from dataloader import check_vocab, data_dir, dataset_vocab, open_splits, prepare_if_embedded
+from infra import ddp_check, distributed, memory_options, multiple_choice
+from infra.checkpoint import CheckpointError, Checkpointer
 from infra.memory_estimate import check_fits, estimate_iteration
 from infra.metrics import LogOutlivesItsReader, Metrics
 from model import PRESET_KEYS, TransformerConfig

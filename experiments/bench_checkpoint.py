@@ -25,9 +25,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
 from infra import checkpoint as ckpt_io  # noqa: E402
-from infra import checkpoint_dcp  # noqa: E402
+from infra import checkpoint_dcp, distributed  # noqa: E402
 import builder  # noqa: E402
-from infra import distributed  # noqa: E402
 import train_config  # noqa: E402
 from configurator import command_line  # noqa: E402
 from trainer import grad_scaler  # noqa: E402

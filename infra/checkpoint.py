@@ -16,12 +16,11 @@ import sys
 
 import torch
 
-from infra import checkpoint_dcp
-from infra import checkpoint_file
 import train_config
+from infra import checkpoint_dcp, checkpoint_file
 # the 'file' format's functions, as the scripts and tests call them (checkpoint.read, checkpoint.save, ...)
-from infra.checkpoint_file import (CheckpointError, NonFiniteState, check_finite, load_state, read, restore_rng,  # noqa: F401
-                             remove_interrupted_write, resume, save)
+from infra.checkpoint_file import (CheckpointError, NonFiniteState, check_finite, load_state,  # noqa: F401
+                                   read, remove_interrupted_write, restore_rng, resume, save)
 
 
 # the values a resume reads besides the states of the objects (every checkpoint of train.py has them)

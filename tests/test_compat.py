@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from infra import ddp_check
-from infra import distributed
+from infra import ddp_check, distributed
 from infra.distributed import Ranks, no_buffer_sync, wrap_ddp
 
 

@@ -8,8 +8,7 @@ import torch
 import torch.distributed as dist
 
 import builder
-from infra import ddp_check
-from infra import distributed
+from infra import ddp_check, distributed
 from conftest import train_defaults
 from infra.distributed import ParallelModel, Ranks, fsdp_units, reshard_fsdp
 from trainer import Trainer

@@ -6,9 +6,7 @@ import pytest
 import torch
 
 import builder
-from infra import checkpoint
-from infra import memory_estimate
-from infra import memory_options
+from infra import checkpoint, memory_estimate, memory_options
 from conftest import assert_same_state, cpu_checkpoint_after_one_step, load, run_train, train_defaults
 from infra.metrics import peak_bf16_flops
 from model import Linear
