@@ -139,12 +139,14 @@ def remove_interrupted_write(path):
         return None
     with open(record, errors='replace') as f:
         name = f.read().strip()
-    os.remove(record)
-    tmp = os.path.join(os.path.dirname(path), name)  # only the form atomic_path gives, in the same folder
-    if re.fullmatch(rf'\.{re.escape(os.path.basename(path))}\.tmp-\d+', name) and os.path.isfile(tmp):
+    # only a record in the form a save writes, naming atomic_path's form in the same folder, is ours
+    if not re.fullmatch(rf'\.{re.escape(os.path.basename(path))}\.tmp-\d+', name):
+        return None
+    tmp = os.path.join(os.path.dirname(path), name)
+    if os.path.isfile(tmp):
         os.remove(tmp)
-        return name
-    return None
+    os.remove(record)
+    return name
 
 
 def resume(path, device, config, given=()):

@@ -116,10 +116,10 @@ def test_out_dir_checked_and_the_temporary_of_a_killed_save_removed(tmp_path):
     (tmp_path / 'ckpt.pt').write_bytes(b'kept')
     checkpoint.check_out_dir(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == ['.ckpt.pt.tmp-1000', 'ckpt.pt']
-    for named in ('ckpt.pt', '../ckpt.pt.tmp-1', '.ckpt.pt.tmp-1000/'):
+    for named in ('ckpt.pt', '../ckpt.pt.tmp-1', '.ckpt.pt.tmp-1000/'):  # not a save's record: nothing removed
         (tmp_path / '.ckpt.pt.writing').write_text(named)
         checkpoint.check_out_dir(str(tmp_path))
-        assert sorted(os.listdir(tmp_path)) == ['.ckpt.pt.tmp-1000', 'ckpt.pt'], named
+        assert sorted(os.listdir(tmp_path)) == ['.ckpt.pt.tmp-1000', '.ckpt.pt.writing', 'ckpt.pt'], named
 
 
 def test_a_save_records_its_temporary_file_until_it_is_in_place(tmp_path, monkeypatch):
