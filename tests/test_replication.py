@@ -170,3 +170,10 @@ def test_a_lost_runs_folder_is_restored_from_the_report_and_not_run_again(tmp_pa
     out = capsys.readouterr().out
     assert f"restored 4 run(s) of {tmp_path / 'r.json'} into {fresh}" in out and '| PRIMARY: keep, train loss | 2 |' in out
 
+
+
+def test_a_restore_from_a_file_that_is_not_a_report_is_one_line(tmp_path):
+    (tmp_path / 'bad.json').write_text('{"not": "a report"}')
+    for path in (tmp_path / 'bad.json', tmp_path / 'missing.json'):
+        with pytest.raises(SystemExit, match=rf"^error: cannot restore the runs of {path}: (KeyError|FileNotFoundError)"):
+            rep.main(['--report_only=True', f'--runs_dir={tmp_path / "runs"}', f'--restore_from={path}'])
