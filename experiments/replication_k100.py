@@ -7,7 +7,8 @@ statistics the plan names.
 The runs are issue 31's K = 100 cells exactly (study_plan.spec('paper', 'adamw', METHOD, STATE,
 n_layer=12, gamma=3, K=100, iters=10_000): the k31_k100 and k31_k100_drop stages' specs, the same
 run names), launched through experiments/study.py's launcher and runner.run_all (resumable: a run
-with a result.json and no error is skipped), one run at a time, one thread each. Order:
+with a result.json and no error is skipped), one run at a time (--jobs=2: a pair's two runs side
+by side), one thread each. Order:
 1. reproduction: the study's seeds 100, 101, 102 under keep (LISA, LISA-wor);
 2. fresh seeds 1000..1033, seed-major: keep LISA, keep LISA-wor, drop LISA, drop LISA-wor;
 3. reproduction under drop: seeds 100, 101, 102 (last: the lowest priority).
@@ -41,7 +42,7 @@ import runner  # noqa: E402
 import stats  # noqa: E402
 import study  # noqa: E402
 import study_plan  # noqa: E402
-from configurator import at_least, command_line  # noqa: E402
+from configurator import at_least, between, command_line  # noqa: E402
 from study_plan import run_name, spec  # noqa: E402
 
 # -----------------------------------------------------------------------------
@@ -115,8 +116,9 @@ def launch(s, out_dir, runs_dir):
             'code': frozen_label(), 'threads': os.environ.get('OMP_NUM_THREADS', '')}
 
 
-def run(runs_dir, n_seeds=N_SEEDS, stop_at='', launch=launch):
-    """Run the plan's unfinished runs, pair by pair; returns (finished, failed names, runs not started)."""
+def run(runs_dir, n_seeds=N_SEEDS, stop_at='', launch=launch, jobs=1):
+    """Run the plan's unfinished runs, pair by pair, `jobs` runs of a pair at a time (each at the thread
+    count the environment sets); returns (finished, failed names, runs not started)."""
     deadline = study.stop_time(stop_at) if stop_at else None
     specs = plan_specs(n_seeds)
     for s in specs:
@@ -136,7 +138,7 @@ def run(runs_dir, n_seeds=N_SEEDS, stop_at='', launch=launch):
         if deadline and time.time() >= deadline:
             not_started += len(missing)
             continue
-        got = study.run_specs(pair, runs_dir, jobs=1, launch=launch)
+        got = study.run_specs(pair, runs_dir, jobs=jobs, launch=launch)
         failed += [name for name, r in got.items() if 'error' in r]
     done = len(specs) - sum(runner.load_result(runs_dir, run_name(s)) is None for s in specs)
     print(f"[{time.strftime('%H:%M:%S')}] {done}/{len(specs)} runs finished"
@@ -453,7 +455,7 @@ def report(results, study_results, report_dir='', name='replication_k100', comma
 
 DEFAULTS = dict(runs_dir=os.path.join(ROOT, 'out', 'k100', 'runs'), report_only=False, runs_from='', restore_from='',
                 report_dir='',
-                name='replication_k100', study=STUDY_JSON, seeds=N_SEEDS, stop_at='', power=False)
+                name='replication_k100', study=STUDY_JSON, seeds=N_SEEDS, stop_at='', jobs=1, power=False)
 MEANINGS = dict(runs_dir='the runs folder (RUNS/../data holds the 470k-token prefix)',
                 report_only='report from the runs there (or --runs_from), run nothing',
                 runs_from="report from the runs a report's NAME.json keeps (no runs folder needed)",
@@ -463,12 +465,13 @@ MEANINGS = dict(runs_dir='the runs folder (RUNS/../data holds the 470k-token pre
                 study="issue 31's report (its runs of seeds 100-109: the reproduction check and the pooled estimate)",
                 seeds=f'fresh seeds from {FIRST_SEED} (the plan: {N_SEEDS})',
                 stop_at='HH:MM (UTC): start no (seed, state) pair after it; the same command resumes',
+                jobs="runs of a (seed, state) pair at a time: 1 (the plan), 2 (its two runs side by side)",
                 power="print the plan's power numbers and exit")
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = SimpleNamespace(**command_line(argv, DEFAULTS, {'seeds': at_least(1)}, __doc__, MEANINGS))
+    args = SimpleNamespace(**command_line(argv, DEFAULTS, {'seeds': at_least(1), 'jobs': between(1, 2, closed=True)}, __doc__, MEANINGS))
     if args.power:
         print(f"pairs for 80% power (D = -{POWER_EFFECT}, sd {POWER_SD}, 95% two-sided paired t): {pairs_needed()}")
         for n in (6, 10, 13, 16, 20, 25, 30, 33, 34, 40):
@@ -486,7 +489,7 @@ def main(argv=None):
     if not args.report_only:
         if args.runs_from:
             sys.exit('error: --runs_from reports from a JSON and runs nothing: add --report_only=True')
-        _, failed, _ = run(runs_dir, args.seeds, args.stop_at)
+        _, failed, _ = run(runs_dir, args.seeds, args.stop_at, jobs=args.jobs)
         status = 1 if failed else 0
     try:
         results = load_runs(args.runs_from) if args.runs_from else runner.all_results(runs_dir)

@@ -84,6 +84,24 @@ def test_runs_resume_pair_by_pair_and_stop_at_starts_nothing(tmp_path, monkeypat
     assert rep.run(runs, n_seeds=2, launch=launch)[0] == 20 and calls == [(1001, 'drop', 'lisa_wor')]
 
 
+def test_jobs_2_runs_the_two_runs_of_a_pair_side_by_side_and_never_two_pairs(tmp_path, monkeypatch):
+    import threading
+    monkeypatch.setattr(study, 'make_multi_dataset', lambda *a, **k: None)
+    met = threading.Barrier(2, timeout=60)  # both runs of a pair must be running at once to pass it
+    calls = []
+
+    def launch(s, out_dir, runs_dir):
+        met.wait()
+        calls.append((s['seed'], s['state']))
+        return fake(s, 2.0)
+
+    done, failed, _ = rep.run(str(tmp_path / 'runs'), n_seeds=1, launch=launch, jobs=2)
+    pairs = [(s[0]['seed'], s[0]['state']) for s in rep.pairs_of(rep.plan_specs(1))]
+    assert done == 16 and not failed and calls == [p for p in pairs for _ in range(2)]
+    with pytest.raises(SystemExit, match='jobs'):
+        rep.main(['--jobs=3', '--report_only=True'])
+
+
 def results_for(d_keep, d_drop=None, base=1.9, host='h'):
     out = []
     for seed, d in d_keep.items():
