@@ -397,3 +397,13 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_allocated(monkeypatch):
     monkeypatch.setattr(memory_estimate, 'available_bytes', lambda device: 100 * n)
     memory_estimate.check_fits(config, 'cpu', 4, lambda: calls.append(1) or 1000 * n)  # small: no estimate asked
     assert calls == [1, 1]
+
+
+def test_an_error_file_that_cannot_be_written_still_ends_in_the_printed_line(tmp_path, monkeypatch, capsys):
+    """torchrun's error file in a folder that is gone (a cleaned /tmp): the line is still printed, the exit
+    status is still 1, and the failure to write the file is not a second error on top of it."""
+    from infra import distributed
+    monkeypatch.setenv('TORCHELASTIC_ERROR_FILE', str(tmp_path / 'gone' / 'error.json'))
+    assert distributed.report_error('max_iters must be >= 0, got -5') == 1
+    assert capsys.readouterr().err == "error: max_iters must be >= 0, got -5\n"
+    assert not (tmp_path / 'gone').exists()

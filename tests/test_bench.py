@@ -231,6 +231,19 @@ def test_a_batch_too_large_for_memory_is_one_line():
                         r"--batch_size or --block_size, or choose a smaller model", str(e.value)), str(e.value)
 
 
+def test_a_runtime_error_that_is_not_out_of_memory_keeps_its_traceback(monkeypatch):
+    """Only running out of memory becomes the one-line advice to lower the batch: any other RuntimeError
+    (a bug, a kernel's failure) goes on as it was, its message and traceback intact."""
+    import bench
+
+    def failing(row_cfgs, device):
+        raise RuntimeError('mat1 and mat2 shapes cannot be multiplied (8x16 and 32x16)')
+    monkeypatch.setattr(bench, 'bench', failing)
+    with pytest.raises(RuntimeError, match='shapes cannot be multiplied'):
+        bench.main(['--device=cpu', '--n_layer=1', '--n_embd=16', '--n_head=2', '--block_size=64', '--steps=1',
+                    '--warmup_steps=0', '--methods=full', '--compile=False'])
+
+
 def gpu_script_commands():
     """(script, [arguments]) of every `run python SCRIPT.py ...` command of experiments/gpu_benchmarks.sh."""
     import shlex

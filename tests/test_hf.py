@@ -570,6 +570,29 @@ def test_the_staging_folder_of_a_killed_export_is_removed_and_no_other(tmp_path)
     assert hf.STAGING not in os.listdir(out) and hf.load(str(out)).config.vocab_size > 0
 
 
+def test_a_staging_marker_that_cannot_be_written_leaves_no_folder_and_ends_in_one_line(tmp_path, monkeypatch):
+    """The disk is full when staged() writes its marker, the first file of its folder: the folder it made is
+    removed (without the marker no later export would ever know it as one to remove), hf_dir keeps the
+    user's files, a hf_dir this export created is removed again, and the error is ExportError's one line."""
+    import builtins
+    import errno
+
+    def full_disk(path, *args, **kwargs):
+        if os.path.basename(str(path)) == hf.STAGING:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return builtins.open(path, *args, **kwargs)
+    monkeypatch.setattr(hf, 'open', full_disk, raising=False)
+    mine = tmp_path / 'out'
+    mine.mkdir()
+    (mine / 'notes.txt').write_text('mine')
+    for hf_dir in (mine, tmp_path / 'new'):
+        with pytest.raises(hf.ExportError) as e:
+            with hf.staged(str(hf_dir)):
+                pytest.fail('the block ran without a marker')
+        assert str(e.value) == f"cannot write into --hf_dir={hf_dir} (No space left on device); give a writable directory"
+    assert os.listdir(mine) == ['notes.txt'] and not (tmp_path / 'new').exists()
+
+
 def test_an_export_that_cannot_write_leaves_the_directory_as_it_was(tmp_path, monkeypatch):
     """The disk fills while the weights are written (safetensors' write raises ENOSPC half-way): the old export
     and the user's files are all still there, byte for byte, and export.py ends in one line, no traceback;
