@@ -1,24 +1,15 @@
 """
-Omni-Masked Gradient Descent (OMGD) and its LLM instance, LISA-wor layer cycling.
+Omni-Masked Gradient Descent (OMGD) and its LLM instance, LISA-wor layer cycling (Yang, Ren, Jiang,
+Tian, Peng: "Omni-Masked Gradient Descent"). Algorithm 1 traverses (mask, sample) pairs without
+replacement: a cycle's M masks are disjoint and sum to M * ones. Algorithm 2 (LISA-wor): every K
+iterations gamma middle blocks are drawn from a pool of blocks not yet used in this cycle (refilled
+when fewer than gamma remain), the others are frozen, and active gradients are scaled by N_L / gamma.
 
-Paper: "Omni-Masked Gradient Descent: Memory-Efficient Optimization via Mask Traversal with
-Improved Convergence" (Yang, Ren, Jiang, Tian, Peng). Algorithm 1 traverses (mask, sample) pairs without
-replacement: a cycle's M masks are disjoint and sum to M * ones, and every mask meets every
-sample once. Algorithm 2 (LISA-wor) applies that to transformer blocks: every K iterations,
-gamma middle blocks are drawn from a pool of blocks not yet used in this cycle (the pool is
-refilled when fewer than gamma remain), the others are frozen, and the gradients of the
-active blocks are scaled by N_L / gamma.
-
-Frozen here means what saves memory: requires_grad=False, grad=None, and (policy 'drop') no
-optimizer state (StatePolicy; memory_estimate.memory_bytes counts what is left). Blocks are chosen
-by their index in model.blocks, never by parameter names, so nothing changes under DDP or
-torch.compile.
-
-Read top to bottom: the methods, build_cycler (the entry point), the Cycler it returns (called
-once per iteration by trainer.py), the StatePolicy of its frozen units, the GroupSchedule that
-draws the Cycler's groups, and the random partitions those groups come from. Algorithm 1 on the
-paper's least-squares example (masks over coordinates, the order of (mask, sample) pairs) is
-experiments/linreg.py.
+Frozen means what saves memory: requires_grad=False, grad=None and (policy 'drop') no optimizer
+state. Blocks are chosen by their index in model.blocks, never by parameter names, so nothing
+changes under DDP or torch.compile. Read top to bottom: the methods, build_cycler, the Cycler it
+returns (called every iteration by trainer.py), the StatePolicy of frozen units, the GroupSchedule
+that draws the groups, the random partitions. Algorithm 1 on the paper's least squares: experiments/linreg.py.
 """
 import math
 from dataclasses import dataclass, fields
@@ -96,12 +87,9 @@ class CyclerConfig:
 
 
 def build_cycler(model, optimizer, config):
-    """A Cycler over model.blocks (LISA methods) or over every tensor (tensor methods).
-
-    config.always names the outer parts that train at every step under the LISA methods; the
-    parts it leaves out stay frozen for the whole run. Tensor methods cycle the outer parts
-    too, so they accept only the default (every outer part of the model).
-    """
+    """A Cycler over model.blocks (LISA methods) or over every tensor (tensor methods). config.always:
+    the outer parts that train at every step under the LISA methods (the others stay frozen); tensor
+    methods cycle the outer parts too, so they accept only the default (every outer part)."""
     outer = model.outer_modules()
     if METHODS.get(config.method) and METHODS[config.method].unit == 'tensor':
         if not set(outer) <= set(config.always):
@@ -124,13 +112,10 @@ def build_cycler(model, optimizer, config):
 
 
 class Cycler:
-    """The mask of a method over a model's units (blocks or tensors), drawn by a GroupSchedule:
-    freezes and unfreezes the units, applies their optimizer state policy, scales active gradients.
-
-    units: list of parameter lists that are switched on and off together. Parameters in no
-    unit are left alone (build_cycler sets which of them train).
-    Per iteration: step(it), prefetch(it), forward/backward, scale_grads(), optimizer step.
-    """
+    """A method's mask over a model's units (lists of parameters switched on and off together; a
+    parameter in no unit is left alone), drawn by a GroupSchedule: freezes and unfreezes the units,
+    applies their optimizer state policy, scales active gradients.
+    Per iteration: step(it), prefetch(it), forward/backward, scale_grads(), optimizer step."""
 
     def __init__(self, units, optimizer, config):
         config.check(len(units))
@@ -285,16 +270,11 @@ def state_policy(optimizer, policy):
 
 
 class GroupSchedule:
-    """Hands out one group of units per period.
-
-    Without replacement (OMGD) the groups of a cycle are one random partition of the units,
-    used one after the other; when none is left a new cycle draws a new partition. For
-    LISA-wor the partition is floor(N_L/gamma) groups of gamma blocks: exactly Algorithm 2's
-    pool, whose leftover (< gamma blocks) is dropped by the reset. With replacement (LISA,
-    i.i.d. masks) every period draws a fresh partition and uses only its first group.
-    peek() tells the next group a period early (for prefetching) without changing the draws.
-    partitions_drawn: the cycle number without replacement, the period number with it.
-    """
+    """Hands out one group of units per period. Without replacement (OMGD) a cycle's groups are one
+    random partition of the units, used in turn, then a new cycle draws a new one; for LISA-wor that
+    is floor(N_L/gamma) groups of gamma blocks, exactly Algorithm 2's pool, whose leftover (< gamma
+    blocks) the reset drops. With replacement (LISA, i.i.d. masks) every period draws a partition and
+    uses its first group. partitions_drawn: the cycle number without replacement, else the period."""
 
     def __init__(self, partition, replacement, generator):
         self.partition, self.replacement, self.generator = partition, replacement, generator
@@ -342,11 +322,8 @@ def random_partition(n, sizes, generator):
 
 
 def balanced_partition(sizes, num_groups, generator):
-    """Split items at random into num_groups groups of about equal total size.
-
-    Items are visited in random order and each goes to the currently lightest group, so the
-    split is random, disjoint and complete, and the groups' sizes differ by at most one item.
-    """
+    """Split items at random into num_groups groups of about equal total size: visited in random order,
+    each goes to the lightest group: disjoint, complete, totals within one item of each other."""
     groups, totals = [[] for _ in range(num_groups)], [0] * num_groups
     for i in torch.randperm(len(sizes), generator=generator).tolist():
         lightest = totals.index(min(totals))
