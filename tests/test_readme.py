@@ -21,6 +21,13 @@ def test_the_code_map_names_files_that_exist():
             assert os.path.exists(os.path.join(ROOT, name)), name
 
 
+def test_infra_readme_names_every_file_of_infra_and_no_other():
+    rows = [line for line in open(os.path.join(ROOT, 'infra', 'README.md')).read().splitlines() if line.startswith('| `')]
+    named = [name for row in rows for name in re.findall(r'`(\w+\.py)`', row.split('|')[1])]
+    assert sorted(named) == sorted(f for f in os.listdir(os.path.join(ROOT, 'infra'))
+                                   if f.endswith('.py') and f != '__init__.py')
+
+
 def test_where_to_look_names_what_the_code_defines():
     names = re.findall(r'`([a-z_]+(?:\.[A-Za-z_]+)+)(?:/\w+)?`', readme_section('Where to look:', 'One iteration'))
     assert len(names) >= 15, names  # the fifteen everyday concerns, at least
