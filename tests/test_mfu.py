@@ -46,3 +46,34 @@ def test_no_peak_off_gpu_and_for_ambiguous_names(monkeypatch):
 def test_mfu_is_the_share_of_the_peak():
     # 1e9 FLOPs per token, 1e4 tokens in 0.1 s on two GPUs of 1e14: 1e14 / 2e14
     assert mfu(1e9, 1e4, 0.1, 1e14, world_size=2) == pytest.approx(0.5)
+
+
+def test_the_flops_of_the_mfu_are_counted_once_per_switch(tmp_path):
+    """A logged iteration's MFU uses the FLOPs of the blocks that train now, counted after each switch and not at
+    every logged iteration (a walk over every parameter while the GPU waits): two counts for a switch among five
+    logged iterations, and each record's MFU is the one of the FLOPs at its iteration."""
+    import json
+    from types import SimpleNamespace
+    from model import Transformer, TransformerConfig
+    model = Transformer(TransformerConfig(n_layer=3, n_head=2, n_embd=16, block_size=8, vocab_size=32))
+    counts = []
+    count_flops = model.estimate_flops_per_token
+    model.estimate_flops_per_token = lambda: counts.append(count_flops()) or counts[-1]
+    cfg = dict(out_dir=str(tmp_path), eval_only=False, wandb_log=False, max_iters=100, decay_lr=False, learning_rate=1e-3)
+    m = metrics.Metrics(cfg, SimpleNamespace(master=True, world_size=1), 'cpu')
+    m.peak_flops = 1e9  # a GPU of known peak, on the CPU
+    m.begin(model, SimpleNamespace(epochs=lambda: 0.0), tokens_per_iter=80, first_iter=0)
+    for it in (10, 11, 12):
+        m.iteration(it, 2.0, 0.5, 0.5)
+    for p in model.blocks[0].parameters():  # the cycler freezes block 0: the FLOPs fall
+        p.requires_grad_(False)
+    m.switch(13, SimpleNamespace(describe=lambda: 'block 0 frozen', active=[1, 2]), None)
+    for it in (13, 14):
+        m.iteration(it, 2.0, 0.5, 0.5)
+    assert len(counts) == 2 and counts[1] < counts[0]
+    logged = [r['mfu'] for r in map(json.loads, open(tmp_path / 'metrics.jsonl')) if r['kind'] == 'iter']
+    expected, running = [], None
+    for flops in [counts[0]] * 3 + [counts[1]] * 2:
+        running = mfu(flops, 80, 0.5, 1e9) if running is None else 0.9 * running + 0.1 * mfu(flops, 80, 0.5, 1e9)
+        expected.append(running)
+    assert logged == pytest.approx(expected, rel=1e-12)
