@@ -210,6 +210,7 @@ def check_preset(cfg):
 # what a resume cannot change, and why: the checkpoint's schedule, data position, state and weights belong to them
 FIXED_ON_RESUME = {
     **{k: 'its layer schedule and data position belong to it' for k in ('dataset', 'method')},
+    **{k: 'its data position is a place in that order' for k in ('sampling', 'data_seed')},
     **omgd.FIXED_ON_RESUME,  # the libraries' own keys, each written there
     'block_size': 'the data position counts windows of block_size+1 tokens',
     'precision': 'its optimizer state is kept in that precision',

@@ -149,6 +149,10 @@ RESUME = [
     ('--init_from=resume --n_layer=6', r"n_layer=6 conflicts with the checkpoint's 4"),  # 6 is the default: given all the same
     ('--init_from=resume --n_embd=64', r"n_embd=64 conflicts with the checkpoint's 32"),
     ('--init_from=resume --omgd_always=embed', r"omgd_always='embed' differs from the checkpoint's"),
+    # refused by the data loader only after the model was built, in a line that named no key
+    ('--init_from=resume --data_seed=5', r"data_seed=5 differs from the checkpoint's 1337 \(its data position is a place "
+                                         r"in that order\); resume with --data_seed=1337$"),
+    ('--init_from=resume --sampling=iid', r"sampling='iid' differs from the checkpoint's 'rr' .*; resume with --sampling=rr$"),
     # AdamW's state loaded into SGD was a KeyError: 'momentum' traceback at the first step
     ('--init_from=resume --optimizer=sgd', r"optimizer='sgd' differs from the checkpoint's 'adamw' \(its optimizer "
                                            r"state is that optimizer's\); resume with --optimizer=adamw$"),

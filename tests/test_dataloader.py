@@ -59,6 +59,16 @@ def test_position_round_trip_continues_exactly(tokens):
             assert torch.equal(a.next_starts(), b.next_starts())
 
 
+def test_a_position_of_another_order_is_refused(tokens):
+    """A position is a place in one order (sampling, seed): in another it would be a different place, so the
+    loader refuses it rather than continue on windows the run did not reach (train.py refuses such a resume
+    earlier, by its keys, train_config.FIXED_ON_RESUME)."""
+    saved = TokenBatches(tokens, block_size=15, batch_size=4, seed=3).state_dict()
+    for other in (dict(seed=4), dict(sampling='iid', seed=3)):
+        with pytest.raises(ValueError, match=r"^checkpoint data order is sampling='rr' seed=3; resume with the same"):
+            TokenBatches(tokens, block_size=15, batch_size=4, **other).load_state_dict(saved)
+
+
 def test_iid_samples_with_replacement(tokens):
     loader = TokenBatches(tokens, block_size=15, batch_size=64, sampling='iid')
     starts = [s for _ in range(20) for s in loader.next_starts().tolist()]
