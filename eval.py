@@ -75,7 +75,15 @@ def load_checkpoint_model(out_dir):
     try:
         model = Transformer(TransformerConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
-        checkpoint['config']['dataset'], checkpoint['iter_num']  # what evaluate() reads
+        config = checkpoint['config']
+        checkpoint['iter_num']  # what evaluate() reads: the dataset, iter_num, and these when the file has them
+        integers = {**{k: config[k] for k in ('batch_size', 'eval_iters', 'data_seed') if k in config},
+                    'world_size': checkpoint.get('world_size', 1)}
+        wrong = [f'{k}={v!r}' for k, v in integers.items() if not isinstance(v, int) or isinstance(v, bool)]
+        if not isinstance(config['dataset'], str):
+            wrong.insert(0, f"dataset={config['dataset']!r}")
+        if wrong:
+            raise TypeError(f"it holds {wrong[0]}")
     except Exception as e:  # a readable file that is not one of train.py's checkpoints
         raise EvalError(f"{path} is not a checkpoint of train.py ({type(e).__name__}: "
                         f"{(str(e).splitlines() or [''])[0][:200]}); give the out_dir of a train.py run") from None

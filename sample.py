@@ -60,6 +60,9 @@ def main(argv):
         checkpoint, path = read_any(cfg['out_dir'], map_location='cpu', mmap=True, optimizer=False)
         model = Transformer(TransformerConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
+        dataset = checkpoint['config']['dataset']  # its tokenizer is the dataset's
+        if not isinstance(dataset, str):
+            raise TypeError(f"config['dataset'] is {dataset!r}")
     except (CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
     except (RuntimeError, KeyError, TypeError) as e:  # a readable file that is not one of train.py's checkpoints
@@ -71,7 +74,7 @@ def main(argv):
         sys.exit(f"error: {path} holds non-finite weights (NaN or inf in {len(bad)} tensor(s), e.g. {bad[0]}): the "
                  f"run diverged before this save; sample from an earlier checkpoint (or resume from one)")
     model.eval().to(cfg['device'])
-    encode, decode = load_codec(data_dir(checkpoint['config']['dataset']), model.config.vocab_size)
+    encode, decode = load_codec(data_dir(dataset), model.config.vocab_size)
     torch.manual_seed(cfg['seed'])
     start = cfg['start']
     if start.startswith('FILE:'):

@@ -11,6 +11,7 @@ Two formats, each a back end of its own:
 A resume continues whichever holds the later iteration, on any number of ranks. Neither is ever
 written with a non-finite state, and neither is read with anything that could run code.
 """
+import dataclasses
 import os
 import sys
 
@@ -21,10 +22,12 @@ from infra import checkpoint_dcp, checkpoint_file
 # the 'file' format's functions, as the scripts and tests call them (checkpoint.read, checkpoint.save, ...)
 from infra.checkpoint_file import (CheckpointError, NonFiniteState, check_finite, load_state,  # noqa: F401
                                    read, remove_interrupted_write, restore_rng, resume, save)
+from model import TransformerConfig
 
 
-# the values a resume reads besides the states of the objects (every checkpoint of train.py has them)
-RESUME_KEYS = ('config', 'model_args', 'iter_num', 'best_val_loss', 'data', 'rng')
+# the values a resume reads besides the states of the objects (every checkpoint of train.py has them), by type
+RESUME_KEYS = {'config': dict, 'model_args': dict, 'iter_num': int, 'best_val_loss': (int, float), 'data': dict,
+               'rng': dict}
 
 
 class Checkpointer:
@@ -132,13 +135,18 @@ class Checkpointer:
         if missing:
             raise CheckpointError(f"cannot resume from {path}: it lacks {', '.join(map(repr, missing))}, which every "
                                   f"checkpoint of train.py holds; restore a backup or train from scratch")
+        wrong = wrong_values(saved)
+        if wrong:
+            raise CheckpointError(f"cannot resume from {path}: its {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} "
+                                  f"not what train.py writes; the file is damaged or not train.py's: restore a backup or "
+                                  f"train from scratch")
         try:
             cfg = train_config.resume_config(saved['config'], saved['model_args'], cfg, given)
             self.iter_num, self.best_val_loss, self.wandb_id = (saved['iter_num'], saved['best_val_loss'],
                                                                 saved.get('wandb_id'))
         except (KeyError, TypeError) as e:
-            raise CheckpointError(f"cannot resume from {path}: it holds no config or model_args ({e}); it is not a "
-                                  f"checkpoint of train.py: restore a backup or train from scratch") from None
+            raise CheckpointError(f"cannot resume from {path}: its config is not train.py's ({e}); restore a backup or "
+                                  f"train from scratch") from None
         except ValueError as e:  # keys of this command that cannot continue it (train_config.check_resume)
             raise CheckpointError(e) from None
         self.path, self.saved_iter = path, self.iter_num
@@ -177,8 +185,11 @@ class Checkpointer:
                 checkpoint_dcp.load(path, checkpoint, model, optimizer, ranks.cpu_group)
                 objects = {k: v for k, v in objects.items() if k not in ('model', 'optimizer')}
             load_state(checkpoint, objects, self.fsdp)
-        except (ValueError, KeyError) as e:
+        except ValueError as e:  # the loaders' own refusals, each saying what to do
             raise CheckpointError(f"cannot resume from {path}: {e}") from None
+        except (KeyError, TypeError, AttributeError, IndexError) as e:  # a state that is not its object's
+            raise CheckpointError(f"cannot resume from {path}: {type(e).__name__}: {str(e)[:200]}; the file is damaged "
+                                  f"or not train.py's: restore a backup or train from scratch") from None
         try:
             check_finite(ranks, model, optimizer)
         except NonFiniteState:
@@ -190,7 +201,12 @@ class Checkpointer:
             print(f"warning: {data.path} has {data.n_tokens:,} tokens, the checkpoint's data had {saved_tokens:,}: "
                   f"the file changed, and the saved position now points into another order of windows",
                   file=sys.stderr, flush=True)
-        if not restore_rng(checkpoint, ranks, self.device_type, self.seed, self.iter_num) and ranks.master:
+        try:
+            same_ranks = restore_rng(checkpoint, ranks, self.device_type, self.seed, self.iter_num)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:  # set_rng_state's
+            raise CheckpointError(f"cannot resume from {path}: its random number states cannot be restored "
+                                  f"({type(e).__name__}: {str(e)[:200]}); restore a backup or train from scratch") from None
+        if not same_ranks and ranks.master:
             print(f"resuming a {checkpoint.get('world_size', 1)}-rank checkpoint on {ranks.world_size} "
                   f"rank{'s' * (ranks.world_size > 1)}: same data position, not bitwise the run it would have been")
         self.checkpoint = None  # free memory
@@ -253,15 +269,27 @@ def find(out_dir):
         found.append((steps[-1][0], 1, 'dcp', steps[-1][1]))
     path = os.path.join(out_dir, 'ckpt.pt')
     if os.path.exists(path):
-        try:
-            it = read(path, mmap=True)['iter_num']
-        except (CheckpointError, KeyError, TypeError):
-            it = -1
-        found.append((it, 0, 'file', path))
+        found.append((file_iteration(path), 0, 'file', path))
     if not found:
         return None
     it, _, fmt, path = max(found)
     return fmt, path, it
+
+
+def wrong_values(saved):
+    """The values of a checkpoint (RESUME_KEYS, and model_args' TransformerConfig fields) that are not of the
+    type train.py writes, as 'key=value': a hand-edited or foreign file, whose values would otherwise fail
+    later in a traceback (iter_num 'x' at the loop's first comparison) or in a misleading line."""
+    def right(value, kind):
+        return isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+    wrong = [f'{k}={v!r}'[:80] for k, kind in RESUME_KEYS.items() if not right(v := saved[k], kind)
+             or k == 'iter_num' and v < 0]
+    if isinstance(saved['model_args'], dict):
+        kinds = {f.name: (int, float) if type(f.default) is float else type(f.default)
+                 for f in dataclasses.fields(TransformerConfig) if f.default is not None}
+        wrong += [f"model_args['{k}']={v!r}"[:80] for k, v in saved['model_args'].items()
+                  if k in kinds and not right(v, kinds[k])]
+    return wrong
 
 
 def candidates(out_dir):
@@ -270,11 +298,18 @@ def candidates(out_dir):
     found = [(it, 1, 'dcp', path) for it, path in checkpoint_dcp.complete_steps(out_dir)]
     path = os.path.join(out_dir, 'ckpt.pt')
     if os.path.exists(path):
-        try:
-            found.append((read(path, mmap=True)['iter_num'], 0, 'file', path))
-        except (CheckpointError, KeyError, TypeError):
-            found.append((-1, 0, 'file', path))
+        found.append((file_iteration(path), 0, 'file', path))
     return [(fmt, path, it) for it, _, fmt, path in sorted(found, key=lambda f: (f[0] < 0, f[:2]), reverse=True)]
+
+
+def file_iteration(path):
+    """The iteration of the ckpt.pt at `path`; -1 when it cannot be read or holds no iteration (a resume of
+    it then says what is wrong)."""
+    try:
+        it = read(path, mmap=True)['iter_num']
+    except (CheckpointError, KeyError, TypeError, IndexError):
+        return -1
+    return it if isinstance(it, int) and not isinstance(it, bool) and it >= 0 else -1
 
 
 def all_checkpoints(out_dir):

@@ -814,7 +814,8 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_s
     if tokenizer == 'none':
         kind, where = 'none', None
     else:
-        dataset = (checkpoint.get('config') or {}).get('dataset')
+        config = checkpoint.get('config')
+        dataset = config.get('dataset') if isinstance(config, dict) else None
         if not isinstance(dataset, str):
             raise ExportError(f"{path} does not record the dataset it trained on (config['dataset']), so its "
                               f"tokenizer is unknown; pass --tokenizer=none to export the weights only")

@@ -3,11 +3,12 @@ do, no traceback, and an existing checkpoint and existing reports left byte for 
 In-process (conftest.run_script): the scripts' own checks are under test, not Python's start-up."""
 import hashlib
 import os
+import re
 import shutil
 
 import pytest
 
-from conftest import TINY, run_script
+from conftest import TINY, assert_one_line_error, run_script
 
 
 def digest(folder):
@@ -340,6 +341,49 @@ def test_a_checkpoint_missing_a_value_is_one_line_naming_it(trained, tmp_path, k
         f"error: cannot resume from {out}/ckpt.pt: it lacks {key!r}, which every checkpoint of train.py holds; "
         f"restore a backup or train from scratch"], result.stderr[-2000:]
     assert digest(out) == before
+
+
+@pytest.mark.parametrize('edit, message', [
+    # each was a traceback: a TypeError at the loop's first comparison, an AttributeError, a misleading line
+    (dict(iter_num='x'), r"its iter_num='x' is not what train\.py writes"),
+    (dict(best_val_loss='x', rng=5), r"its best_val_loss='x', rng=5 are not what train\.py writes"),
+    (dict(model_args={'n_embd': 'x'}), r"its model_args\['n_embd'\]='x' is not what train\.py writes"),
+    (dict(rng={'ranks': [5]}), r"its random number states cannot be restored \(TypeError: "),
+    (dict(cycler=None), r"TypeError: 'NoneType' object is not subscriptable; the file is damaged or not train\.py's"),
+])
+def test_a_checkpoint_value_of_the_wrong_type_is_one_line(trained, tmp_path, edit, message):
+    """A ckpt.pt whose values are not of the types train.py writes (hand-edited, or another program's): the resume
+    ends in one line that says so, with --init_from=resume as with auto, and changes nothing."""
+    import torch
+    out = tmp_path / 'run'
+    shutil.copytree(trained, out)
+    checkpoint = torch.load(out / 'ckpt.pt', weights_only=True)
+    for key, value in edit.items():
+        checkpoint[key] = {**checkpoint[key], **value} if key == 'model_args' else value
+    torch.save(checkpoint, out / 'ckpt.pt')
+    before = digest(out)
+    for init_from in ('resume', 'auto'):
+        result = run_script('train.py', [*TINY, f'--out_dir={out}', f'--init_from={init_from}', '--max_iters=6'])
+        assert_one_line_error(result, rf"^error: cannot resume from {re.escape(str(out))}/ckpt\.pt: .*{message}.*restore "
+                                      rf"a backup or train from scratch$")
+    assert digest(out) == before
+
+
+@pytest.mark.parametrize('config', [5, {'dataset': 3}])
+def test_a_foreign_config_is_one_line_for_every_reader(trained, tmp_path, config):
+    """sample.py, eval.py and export.py read a checkpoint's config for its dataset: a config that is not a dict,
+    or a dataset that is not a name, is one line (sample.py and export.py ended in a traceback)."""
+    import torch
+    out = tmp_path / 'run'
+    shutil.copytree(trained, out)
+    checkpoint = torch.load(out / 'ckpt.pt', weights_only=True)
+    checkpoint['config'] = config
+    torch.save(checkpoint, out / 'ckpt.pt')
+    for script, args in (('sample.py', ['--max_new_tokens=2', '--num_samples=1']), ('eval.py', ['--eval_iters=1']),
+                         ('export.py', [f'--hf_dir={tmp_path / "hf"}'])):
+        result = run_script(script, [f'--out_dir={out}', *args])
+        assert_one_line_error(result, r"^error: .*ckpt\.pt (is not a checkpoint of train\.py|does not record the dataset)")
+    assert not (tmp_path / 'hf').exists()
 
 
 def test_stale_temporary_files_of_an_interrupted_save_are_removed(trained, tmp_path):
