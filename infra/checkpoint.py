@@ -280,16 +280,19 @@ def wrong_values(saved):
     """The values of a checkpoint (RESUME_KEYS, and model_args' TransformerConfig fields) that are not of the
     type train.py writes, as 'key=value': a hand-edited or foreign file, whose values would otherwise fail
     later in a traceback (iter_num 'x' at the loop's first comparison) or in a misleading line."""
-    def right(value, kind):
-        return isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
-    wrong = [f'{k}={v!r}'[:80] for k, kind in RESUME_KEYS.items() if not right(v := saved[k], kind)
+    wrong = [f'{k}={v!r}'[:80] for k, kind in RESUME_KEYS.items() if not of_type(v := saved[k], kind)
              or k == 'iter_num' and v < 0]
     if isinstance(saved['model_args'], dict):
         kinds = {f.name: (int, float) if type(f.default) is float else type(f.default)
                  for f in dataclasses.fields(TransformerConfig) if f.default is not None}
         wrong += [f"model_args['{k}']={v!r}"[:80] for k, v in saved['model_args'].items()
-                  if k in kinds and not right(v, kinds[k])]
+                  if k in kinds and not of_type(v, kinds[k])]
     return wrong
+
+
+def of_type(value, kind):
+    """isinstance, but a bool is no number (True would pass for an iteration)."""
+    return isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
 
 
 def candidates(out_dir):
@@ -309,7 +312,7 @@ def file_iteration(path):
         it = read(path, mmap=True)['iter_num']
     except (CheckpointError, KeyError, TypeError, IndexError):
         return -1
-    return it if isinstance(it, int) and not isinstance(it, bool) and it >= 0 else -1
+    return it if of_type(it, int) and it >= 0 else -1
 
 
 def all_checkpoints(out_dir):
