@@ -471,7 +471,8 @@ MEANINGS = dict(runs_dir='the runs folder (RUNS/../data holds the 470k-token pre
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = SimpleNamespace(**command_line(argv, DEFAULTS, {'seeds': at_least(1), 'jobs': between(1, 2, closed=True)}, __doc__, MEANINGS))
+    rules = {'seeds': at_least(1), 'jobs': between(1, 2, closed=True)}
+    args = SimpleNamespace(**command_line(argv, DEFAULTS, rules, __doc__, MEANINGS))
     if args.power:
         print(f"pairs for 80% power (D = -{POWER_EFFECT}, sd {POWER_SD}, 95% two-sided paired t): {pairs_needed()}")
         for n in (6, 10, 13, 16, 20, 25, 30, 33, 34, 40):

@@ -79,7 +79,7 @@ class Metrics:
     def switch(self, it, cycler, rebuild_ms):
         """The cycler switched at iteration `it`; rebuild_ms: the DDP wrapper's rebuild (None without DDP)."""
         # the FLOPs depend on which blocks train: counted again at the next logged iteration, and only then,
-        # since counting walks every parameter in Python while a logging GPU waits (0.8 ms at GPT-2 124M)
+        # since counting walks every parameter in Python while a logging GPU waits (0.2-0.8 ms at GPT-2 124M)
         self.flops_per_token = None
         if self.master:
             rebuild = f", DDP rebuilt in {rebuild_ms:.1f} ms" if rebuild_ms is not None else ""
