@@ -110,18 +110,22 @@ def save(path, ranks, objects, values, fsdp=False, device_type='cpu'):
         return False
     states.update({name: obj.state_dict() for name, obj in objects.items() if name not in states})
     checkpoint = {**states, **values, 'world_size': ranks.world_size, 'rng': {'ranks': rank_rngs}}
-    record = write_record(path)
+    record, ours = write_record(path), False
     try:
         with atomic_path(Path(path)) as tmp_path:
-            with open(record, 'w') as f:  # names the temporary file, for the next run if this one is killed
-                f.write(tmp_path.name)
+            try:  # names the temporary file, for the next run if this one is killed
+                with open(record, 'x') as f:  # never over a record no save wrote (check_out_dir left it)
+                    ours = True
+                    f.write(tmp_path.name)
+            except FileExistsError:
+                pass
             torch.save(checkpoint, tmp_path)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError of its zip writer
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:200]
         raise CheckpointError(f"cannot write {path} ({reason}); the previous checkpoint is intact: free "
                               f"space or choose another --out_dir, then resume") from None
     finally:
-        if os.path.isfile(record):
+        if ours:  # only the record this save wrote, never one found under its name
             os.remove(record)
     return True
 

@@ -122,6 +122,22 @@ def test_out_dir_checked_and_the_temporary_of_a_killed_save_removed(tmp_path):
         assert sorted(os.listdir(tmp_path)) == ['.ckpt.pt.tmp-1000', '.ckpt.pt.writing', 'ckpt.pt'], named
 
 
+def test_a_save_never_replaces_or_removes_a_record_it_did_not_write(tmp_path, monkeypatch):
+    """A .ckpt.pt.writing that no save wrote (check_out_dir leaves it): the save goes on without a record of its
+    own, and the file stays, byte for byte, during the save and after it."""
+    (tmp_path / '.ckpt.pt.writing').write_text('ckpt.pt')
+    seen = []
+    real_save = torch.save
+
+    def save_and_look(obj, f):
+        real_save(obj, f)
+        seen.append((tmp_path / '.ckpt.pt.writing').read_text())
+    monkeypatch.setattr(torch, 'save', save_and_look)
+    save(tmp_path / 'ckpt.pt', build())
+    assert seen == ['ckpt.pt'] and (tmp_path / '.ckpt.pt.writing').read_text() == 'ckpt.pt'
+    assert sorted(os.listdir(tmp_path)) == ['.ckpt.pt.writing', 'ckpt.pt']
+
+
 def test_a_save_records_its_temporary_file_until_it_is_in_place(tmp_path, monkeypatch):
     """What a kill in the middle of torch.save leaves (the record and the temporary it names) is what
     check_out_dir removes; a save that ends, well or not, leaves neither."""
