@@ -69,19 +69,19 @@ def rules():
 def load_checkpoint_model(out_dir):
     """(GPT on the CPU, checkpoint dict, its path) of train.py's out_dir/ckpt.pt or newest step folder (read with
     weights_only, infra/checkpoint.py; mapped: the optimizer state is never read)."""
-    from infra.checkpoint import read_any
+    from infra.checkpoint import of_type, read_any, trained_dataset
     from model import Transformer, TransformerConfig
     checkpoint, path = read_any(out_dir, map_location='cpu', mmap=True, optimizer=False)  # or the newest step folder
     try:
         model = Transformer(TransformerConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
+        if trained_dataset(checkpoint) is None:
+            raise TypeError("its config records no dataset")
         config = checkpoint['config']
         checkpoint['iter_num']  # what evaluate() reads: the dataset, iter_num, and these when the file has them
         integers = {**{k: config[k] for k in ('batch_size', 'eval_iters', 'data_seed') if k in config},
                     'world_size': checkpoint.get('world_size', 1)}
-        wrong = [f'{k}={v!r}' for k, v in integers.items() if not isinstance(v, int) or isinstance(v, bool)]
-        if not isinstance(config['dataset'], str):
-            wrong.insert(0, f"dataset={config['dataset']!r}")
+        wrong = [f'{k}={v!r}' for k, v in integers.items() if not of_type(v, int)]
         if wrong:
             raise TypeError(f"it holds {wrong[0]}")
     except Exception as e:  # a readable file that is not one of train.py's checkpoints

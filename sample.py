@@ -47,7 +47,7 @@ def rules():
 
 
 def main(argv):
-    from infra.checkpoint import CheckpointError, read_any
+    from infra.checkpoint import CheckpointError, read_any, trained_dataset
     from configurator import command_line
     from dataloader import data_dir
     from model import Transformer, TransformerConfig
@@ -60,9 +60,9 @@ def main(argv):
         checkpoint, path = read_any(cfg['out_dir'], map_location='cpu', mmap=True, optimizer=False)
         model = Transformer(TransformerConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
-        dataset = checkpoint['config']['dataset']  # its tokenizer is the dataset's
-        if not isinstance(dataset, str):
-            raise TypeError(f"config['dataset'] is {dataset!r}")
+        dataset = trained_dataset(checkpoint)  # its tokenizer is the dataset's
+        if dataset is None:
+            raise KeyError('config.dataset')
     except (CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
     except (RuntimeError, KeyError, TypeError) as e:  # a readable file that is not one of train.py's checkpoints

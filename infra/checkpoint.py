@@ -315,6 +315,14 @@ def file_iteration(path):
     return it if of_type(it, int) and it >= 0 else -1
 
 
+def trained_dataset(checkpoint):
+    """The dataset a checkpoint trained on (config['dataset'], whose tokenizer reads its ids), or None when the
+    file records none: the readers' one check of a config that is not a dict or a dataset that is not a name."""
+    config = checkpoint.get('config') if isinstance(checkpoint, dict) else None
+    dataset = config.get('dataset') if isinstance(config, dict) else None
+    return dataset if isinstance(dataset, str) else None
+
+
 def all_checkpoints(out_dir):
     """Every checkpoint in out_dir: ckpt.pt and the complete step folders."""
     path = os.path.join(out_dir, 'ckpt.pt')

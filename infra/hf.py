@@ -814,9 +814,9 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_s
     if tokenizer == 'none':
         kind, where = 'none', None
     else:
-        config = checkpoint.get('config')
-        dataset = config.get('dataset') if isinstance(config, dict) else None
-        if not isinstance(dataset, str):
+        from infra.checkpoint import trained_dataset
+        dataset = trained_dataset(checkpoint)
+        if dataset is None:
             raise ExportError(f"{path} does not record the dataset it trained on (config['dataset']), so its "
                               f"tokenizer is unknown; pass --tokenizer=none to export the weights only")
         kind, where = dataset_tokenizer(dataset)
