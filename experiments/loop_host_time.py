@@ -3,7 +3,7 @@ Host time of the parts of train.py's loop around Trainer.step that run while a l
 (after the logged loss's .item() the GPU's queue is empty until the host queues the next iteration):
 the logged iteration's report (infra.metrics.Metrics.iteration, MFU included) at GPT-2 124M, and one
 12 x 1024 training batch from dataloader.TokenBatches beside nanoGPT's get_batch. CPU only (the model
-is on the meta device); the figures are host time, which the GPU machine's faster CPU shortens.
+is on the meta device); the figures are this machine's host time, not the GPU machine's.
 
     python experiments/loop_host_time.py
 """

@@ -346,6 +346,7 @@ def test_a_checkpoint_missing_a_value_is_one_line_naming_it(trained, tmp_path, k
 @pytest.mark.parametrize('edit, message', [
     # each was a traceback: a TypeError at the loop's first comparison, an AttributeError, a misleading line
     (dict(iter_num='x'), r"its iter_num='x' is not what train\.py writes"),
+    (dict(iter_num=-3), r"its iter_num=-3 is not what train\.py writes"),
     (dict(best_val_loss='x', rng=5), r"its best_val_loss='x', rng=5 are not what train\.py writes"),
     (dict(model_args={'n_embd': 'x'}), r"its model_args\['n_embd'\]='x' is not what train\.py writes"),
     (dict(rng={'ranks': [5]}), r"its random number states cannot be restored \(TypeError: "),
