@@ -35,6 +35,7 @@ count allows. MFU counts the FLOPs an iteration executes as train.py does: 6N pe
 trainable matrices, 4N for frozen blocks (no weight-gradient GEMMs), 2N for frozen blocks below
 every trainable parameter (forward only), plus attention.
 """
+
 import gc
 import itertools
 import os
@@ -45,10 +46,10 @@ import time
 
 import torch
 
-from infra import memory_estimate, memory_options
 import builder
 import train_config
 from configurator import at_least, command_line
+from infra import memory_estimate, memory_options
 from infra.metrics import mfu, peak_bf16_flops
 from trainer import Trainer
 
@@ -75,8 +76,7 @@ class MethodRun:
         x = torch.randint(0, vocab, (cfg['batch_size'], cfg['block_size']), generator=gen).to(device)
         batches = itertools.repeat((x, torch.roll(x, -1, dims=1), None))  # the same batch every micro-step
         # train.py's iteration; the learning rate stays at learning_rate (no schedule)
-        self.trainer = Trainer({**cfg, 'decay_lr': False}, self.net, self.opt, self.cycler, batches,
-                               device.type)
+        self.trainer = Trainer({**cfg, 'decay_lr': False}, self.net, self.opt, self.cycler, batches, device.type)
         self.tokens = cfg['batch_size'] * cfg['block_size'] * cfg['gradient_accumulation_steps']
         self.times, self.switch_times, self.flops, self.loss = [], [], [], None
 
@@ -99,6 +99,7 @@ class MethodRun:
     def profile(self, it, path):
         """One more iteration under torch.profiler; its operators by self time go to `path`."""
         from torch.profiler import ProfilerActivity, profile
+
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == 'cuda' else [])
         with profile(activities=activities) as prof:
             self.step(it, timed=False)
@@ -109,12 +110,20 @@ class MethodRun:
     def row(self, peak_flops, with_memory):
         # the median iteration: robust to the odd slow step (a switch, another process on the machine)
         dt = statistics.median(self.times)
-        row = dict(method=self.cfg['method'], precision=self.label, ms=1000 * dt,
-                   mean_ms=1000 * sum(self.times) / len(self.times), tokens_per_s=self.tokens / dt, loss=self.loss,
-                   mfu=mfu(statistics.mean(self.flops), self.tokens, dt, peak_flops) if peak_flops else None,
-                   peak_gib=None, reserved_gib=None, n_params=self.n_params,
-                   flops_per_token=statistics.mean(self.flops),
-                   switch_ms=1000 * statistics.mean(self.switch_times) if self.switch_times else None)
+        row = dict(
+            method=self.cfg['method'],
+            precision=self.label,
+            ms=1000 * dt,
+            mean_ms=1000 * sum(self.times) / len(self.times),
+            tokens_per_s=self.tokens / dt,
+            loss=self.loss,
+            mfu=mfu(statistics.mean(self.flops), self.tokens, dt, peak_flops) if peak_flops else None,
+            peak_gib=None,
+            reserved_gib=None,
+            n_params=self.n_params,
+            flops_per_token=statistics.mean(self.flops),
+            switch_ms=1000 * statistics.mean(self.switch_times) if self.switch_times else None,
+        )
         if with_memory:
             row['peak_gib'] = torch.cuda.max_memory_allocated(self.device) / 2**30
             row['reserved_gib'] = torch.cuda.max_memory_reserved(self.device) / 2**30
@@ -148,7 +157,11 @@ def bench(row_cfgs, device):
         if cfg['profile']:  # after the timing and the memory peak, so neither includes the profiler
             run.profile(total, f"{cfg['profile']}_{run.cfg['method']}_{run.label}.txt")
         r = rows[-1]
-        print(f"{r['method']} ({r['precision']}): {r['ms']:.1f} ms/iter, {r['tokens_per_s']:,.0f} tokens/s, loss {r['loss']:.3f}", flush=True)
+        print(
+            f"{r['method']} ({r['precision']}): {r['ms']:.1f} ms/iter, {r['tokens_per_s']:,.0f} tokens/s, "
+            f"loss {r['loss']:.3f}",
+            flush=True,
+        )
         del run
         if cuda:
             gc.collect()
@@ -159,28 +172,36 @@ def bench(row_cfgs, device):
 def describe_machine(device):
     if device.type == 'cuda':
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    return (f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), "
-            f"{torch.get_num_threads()} torch threads, torch {torch.__version__}")
+    return (
+        f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), "
+        f"{torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    )
 
 
 def markdown(cfg, rows, device, config, argv):
     n_params = rows[0]['n_params']
     amp = ''  # what precision=amp computes in (autocast_context)
     if any(r['precision'] == 'amp' for r in rows):
-        amp = f" (amp: {cfg['dtype']} autocast)" if device.type == 'cuda' and cfg['dtype'] != 'float32' else \
-            " (amp: fp32 compute)"
-    out = [f"Machine: {describe_machine(device)}",
-           f"Model: {memory_estimate.model_name(cfg)} ({config.arch}, {config.n_layer} blocks, n_embd {config.n_embd}, "
-           f"vocab {config.vocab_size}, {n_params / 1e6:.1f}M parameters); batch {cfg['batch_size']} x "
-           f"{cfg['block_size']} tokens x {cfg['gradient_accumulation_steps']} micro-batches; "
-           f"precision {', '.join(dict.fromkeys(r['precision'] for r in rows))}{amp}; "
-           f"compile={cfg['compile']}; {'rows interleaved step by step; ' if cfg['interleave'] else ''}"
-           f"{cfg['steps']} timed iterations after {cfg['warmup_steps']} warm-up; LISA: {cfg['omgd_gamma']} "
-           f"blocks, switching every {cfg['omgd_period']}, omgd_state '{cfg['omgd_state']}'",
-           f"Command: `python bench.py {' '.join(argv)}`", '',
-           '| Method | Precision | ms/iter (median) | ms/iter (mean) | switch ms/iter | tokens/s | vs full '
-           '| FLOP limit vs full | MFU | peak alloc GiB | peak reserved GiB |',
-           '|---|---|---|---|---|---|---|---|---|---|---|']
+        amp = (
+            f" (amp: {cfg['dtype']} autocast)"
+            if device.type == 'cuda' and cfg['dtype'] != 'float32'
+            else " (amp: fp32 compute)"
+        )
+    out = [
+        f"Machine: {describe_machine(device)}",
+        f"Model: {memory_estimate.model_name(cfg)} ({config.arch}, {config.n_layer} blocks, n_embd {config.n_embd}, "
+        f"vocab {config.vocab_size}, {n_params / 1e6:.1f}M parameters); batch {cfg['batch_size']} x "
+        f"{cfg['block_size']} tokens x {cfg['gradient_accumulation_steps']} micro-batches; "
+        f"precision {', '.join(dict.fromkeys(r['precision'] for r in rows))}{amp}; "
+        f"compile={cfg['compile']}; {'rows interleaved step by step; ' if cfg['interleave'] else ''}"
+        f"{cfg['steps']} timed iterations after {cfg['warmup_steps']} warm-up; LISA: {cfg['omgd_gamma']} "
+        f"blocks, switching every {cfg['omgd_period']}, omgd_state '{cfg['omgd_state']}'",
+        f"Command: `python bench.py {' '.join(argv)}`",
+        '',
+        '| Method | Precision | ms/iter (median) | ms/iter (mean) | switch ms/iter | tokens/s | vs full '
+        '| FLOP limit vs full | MFU | peak alloc GiB | peak reserved GiB |',
+        '|---|---|---|---|---|---|---|---|---|---|---|',
+    ]
     for r in rows:
         # against full training at the same precision
         full = next((f for f in rows if f['method'] == 'full' and f['precision'] == r['precision']), None)
@@ -190,8 +211,10 @@ def markdown(cfg, rows, device, config, argv):
         switch = '–' if r['switch_ms'] is None else f"{r['switch_ms']:.1f} ({r['switch_ms'] / r['ms'] - 1:+.0%})"
         mfu_shown = '–' if r['mfu'] is None else f"{100 * r['mfu']:.1f}%"
         mem = ['–' if r[k] is None else f"{r[k]:.2f}" for k in ('peak_gib', 'reserved_gib')]
-        out.append(f"| {r['method']} | {r['precision']} | {r['ms']:.1f} | {r['mean_ms']:.1f} | {switch} "
-                   f"| {r['tokens_per_s']:,.0f} | {speed} | {limit} | {mfu_shown} | {mem[0]} | {mem[1]} |")
+        out.append(
+            f"| {r['method']} | {r['precision']} | {r['ms']:.1f} | {r['mean_ms']:.1f} | {switch} "
+            f"| {r['tokens_per_s']:,.0f} | {speed} | {limit} | {mfu_shown} | {mem[0]} | {mem[1]} |"
+        )
     return '\n'.join(out) + '\n'
 
 
@@ -200,7 +223,9 @@ def check(cfg):
     device = memory_estimate.resolve_device(cfg['device'], ('cuda', 'cpu'), without_cuda='cpu')
     train_config.check_preset(cfg)
     config = memory_estimate.model_config(cfg)
-    memory_estimate.check_fits(config, device, builder.weight_dtype(cfg['precision']).itemsize)  # before a row allocates it
+    memory_estimate.check_fits(
+        config, device, builder.weight_dtype(cfg['precision']).itemsize
+    )  # before a row allocates it
     return device, memory_estimate.row_configs(cfg), config
 
 
@@ -227,8 +252,10 @@ def main(argv):
     except RuntimeError as e:  # torch.OutOfMemoryError (CUDA), or the CPU allocator refusing a size
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
             raise
-        sys.exit(f"error: a row does not fit in the memory of {device.type} ({str(e).strip().splitlines()[0][:160]}); "
-                 f"lower --batch_size or --block_size, or choose a smaller model")
+        sys.exit(
+            f"error: a row does not fit in the memory of {device.type} ({str(e).strip().splitlines()[0][:160]}); "
+            f"lower --batch_size or --block_size, or choose a smaller model"
+        )
     text = markdown(cfg, rows, device, config, argv)
     print(text, end='')
     if cfg['out']:
@@ -237,8 +264,9 @@ def main(argv):
             with open(cfg['out'], 'w') as f:
                 f.write(text)
         except OSError as e:  # a full disk, a read-only folder, a file where a folder should be
-            sys.exit(f"error: cannot write the report {cfg['out']} ({e.strerror or e}); free space or choose "
-                     f"another --out")
+            sys.exit(
+                f"error: cannot write the report {cfg['out']} ({e.strerror or e}); free space or choose another --out"
+            )
 
 
 if __name__ == '__main__':

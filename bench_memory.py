@@ -71,6 +71,7 @@ Where it runs (--device):
 On cuda LiveBytes runs too, and its peak is stored in the JSON ('tracked_peak') to check the
 meta estimator against the measurement.
 """
+
 import json
 import os
 import sys
@@ -79,10 +80,18 @@ import time
 import torch
 
 import builder
-from infra import memory_options
 import train_config
 from configurator import at_least, check_rule, command_line
-from infra.memory_estimate import check_fits, measure, model_config, model_name, precision_label, resolve_device, row_configs
+from infra import memory_options
+from infra.memory_estimate import (
+    check_fits,
+    measure,
+    model_config,
+    model_name,
+    precision_label,
+    resolve_device,
+    row_configs,
+)
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -94,11 +103,15 @@ assert not set(OWN_KEYS) & set(train_config.DEFAULTS)
 DEFAULTS = {**train_config.gpu_defaults(), 'device': 'auto', **OWN_KEYS}
 RULES = {**train_config.RULES, 'micro_batches': at_least(0)}
 
-GIB = 2 ** 30
+GIB = 2**30
 # the paper's Table (GiB), for comparison when the preset is llama-7b
-PAPER_LLAMA_7B = {'full': (12.55, 12.55, 25.10, 14.66, 64.86), 'galore': (12.55, 12.55, 1.73, 4.40, 31.23),
-                  'golore': (12.55, 12.55, 1.73, 4.40, 31.23), 'lisa': (12.55, 1.24, 2.48, 3.29, 19.56),
-                  'lisa_wor': (12.55, 1.24, 2.48, 3.29, 19.56)}
+PAPER_LLAMA_7B = {
+    'full': (12.55, 12.55, 25.10, 14.66, 64.86),
+    'galore': (12.55, 12.55, 1.73, 4.40, 31.23),
+    'golore': (12.55, 12.55, 1.73, 4.40, 31.23),
+    'lisa': (12.55, 1.24, 2.48, 3.29, 19.56),
+    'lisa_wor': (12.55, 1.24, 2.48, 3.29, 19.56),
+}
 
 
 # -----------------------------------------------------------------------------
@@ -119,45 +132,63 @@ PRECISION_NOTES = {
     'amp': "fp32 weights, gradients and AdamW state, forward under {dtype} autocast (nanoGPT's setting)",
     'bf16': "bf16 weights, gradients and AdamW state, no fp32 master (the paper's table)",
     'bf16_master': "bf16 weights and gradients, fp32 master copy and fp32 moments of the trainable parameters "
-                   "on the GPU (Optimizer column)",
+    "on the GPU (Optimizer column)",
     'bf16_master:cpu': "bf16 weights and gradients on the GPU; fp32 master copy, fp32 moments and the AdamW step "
-                       "on the CPU (CPU state column, not GPU memory)",
+    "on the CPU (CPU state column, not GPU memory)",
 }
 
 
 def notes_for(cfg, device, estimate, n_params, precisions):
     lines = []
     if estimate:
-        how = ("attention as FlashAttention/memory-efficient kernels, CUDA autocast emulated"
-               if device.type == 'meta' else "the CPU's own kernels, fp32 compute as train.py on a CPU")
-        lines.append(f"ESTIMATE on the {device.type} device, not a GPU measurement. Weights, gradients and "
-                     "optimizer state are exact tensor bytes; Others = the peak of live tensor bytes counted op "
-                     f"by op (memory_estimate.LiveBytes; {how}) minus those three. Allocator "
-                     "rounding/fragmentation, cuBLAS workspaces and the CUDA context are not included; no "
-                     "reserved figure.")
+        how = (
+            "attention as FlashAttention/memory-efficient kernels, CUDA autocast emulated"
+            if device.type == 'meta'
+            else "the CPU's own kernels, fp32 compute as train.py on a CPU"
+        )
+        lines.append(
+            f"ESTIMATE on the {device.type} device, not a GPU measurement. Weights, gradients and "
+            "optimizer state are exact tensor bytes; Others = the peak of live tensor bytes counted op "
+            f"by op (memory_estimate.LiveBytes; {how}) minus those three. Allocator "
+            "rounding/fragmentation, cuBLAS workspaces and the CUDA context are not included; no "
+            "reserved figure."
+        )
     else:
-        lines.append("Measured on the GPU: Total = torch.cuda.max_memory_allocated over the measured iteration, "
-                     "Reserved = max_memory_reserved; Others = Total - Model - Gradients - Optimizer.")
+        lines.append(
+            "Measured on the GPU: Total = torch.cuda.max_memory_allocated over the measured iteration, "
+            "Reserved = max_memory_reserved; Others = Total - Model - Gradients - Optimizer."
+        )
     config = model_config(cfg)
-    lines.append(f"Model {model_name(cfg)}: {config.arch}, {config.n_layer} blocks, n_embd {config.n_embd}, MLP "
-                 f"{config.mlp_hidden}, vocab {config.vocab_size}, {n_params:,} parameters.")
+    lines.append(
+        f"Model {model_name(cfg)}: {config.arch}, {config.n_layer} blocks, n_embd {config.n_embd}, MLP "
+        f"{config.mlp_hidden}, vocab {config.vocab_size}, {n_params:,} parameters."
+    )
     for p, d in precisions:
-        lines.append(f"precision={precision_label(p, d)}: "
-                     + PRECISION_NOTES[precision_label(p, d)].format(dtype=cfg['dtype']) + '.')
-    lines.append(f"Micro-batch {cfg['batch_size']} x {cfg['block_size']} tokens (of "
-                 f"{cfg['gradient_accumulation_steps']} accumulation steps; the measured iteration runs "
-                 f"{min(cfg['micro_batches'] or cfg['gradient_accumulation_steps'], cfg['gradient_accumulation_steps'])}); "
-                 f"activation checkpointing {'on' if cfg['activation_checkpointing'] else 'off'}; "
-                 f"{'compiled per block' if cfg['compile'] and device.type == 'cuda' else 'eager'}; "
-                 f"grad_clip {cfg['grad_clip']:g}, OMGD scale {'after' if cfg['omgd_scale_after_clip'] else 'before'} "
-                 f"clipping.")
-    lines.append(f"State policy omgd_state='{cfg['omgd_state']}'. LISA methods: {cfg['omgd_gamma']} active blocks "
-                 f"plus {cfg['omgd_always']}. GaLore/GoLore: rank {cfg['galore_rank']} on every attention and MLP "
-                 f"matrix, projected on the smaller side; embeddings, head and norms have full AdamW state. "
-                 f"Projection matrices are not counted as optimizer state (they are inside Others).")
-    lines.append("Measured iteration = train.py's (Trainer.step), the second of a switching period "
-                 "(optimizer state already exists); the peak is over forward/backward of every micro-batch, "
-                 "clipping, scaling and the step.")
+        lines.append(
+            f"precision={precision_label(p, d)}: "
+            + PRECISION_NOTES[precision_label(p, d)].format(dtype=cfg['dtype'])
+            + '.'
+        )
+    lines.append(
+        f"Micro-batch {cfg['batch_size']} x {cfg['block_size']} tokens (of "
+        f"{cfg['gradient_accumulation_steps']} accumulation steps; the measured iteration runs "
+        f"{min(cfg['micro_batches'] or cfg['gradient_accumulation_steps'], cfg['gradient_accumulation_steps'])}); "
+        f"activation checkpointing {'on' if cfg['activation_checkpointing'] else 'off'}; "
+        f"{'compiled per block' if cfg['compile'] and device.type == 'cuda' else 'eager'}; "
+        f"grad_clip {cfg['grad_clip']:g}, OMGD scale {'after' if cfg['omgd_scale_after_clip'] else 'before'} "
+        f"clipping."
+    )
+    lines.append(
+        f"State policy omgd_state='{cfg['omgd_state']}'. LISA methods: {cfg['omgd_gamma']} active blocks "
+        f"plus {cfg['omgd_always']}. GaLore/GoLore: rank {cfg['galore_rank']} on every attention and MLP "
+        f"matrix, projected on the smaller side; embeddings, head and norms have full AdamW state. "
+        f"Projection matrices are not counted as optimizer state (they are inside Others)."
+    )
+    lines.append(
+        "Measured iteration = train.py's (Trainer.step), the second of a switching period "
+        "(optimizer state already exists); the peak is over forward/backward of every micro-batch, "
+        "clipping, scaling and the step."
+    )
     return lines
 
 
@@ -166,14 +197,21 @@ def title(result):
     cfg = result['config']
     where = 'one device' if result['estimate'] else f"one {result['device']}"
     precisions = ', '.join(precision_label(p, d) for p, d in result['precisions'])
-    options = [name for name, on in (
-        ('activation_checkpointing', cfg['activation_checkpointing']),
-        ('checkpoint_sublayers', cfg.get('checkpoint_sublayers')),  # .get: absent from older results/*.json
-        (f"loss_chunk={cfg['loss_chunk']}", cfg['loss_chunk']),
-        ('activation_offload', cfg['activation_offload'])) if on]
-    return (f"Memory breakdown (GiB), {model_name(cfg)}, {where}, micro-batch {cfg['batch_size']} x "
-            f"{cfg['block_size']}, precision {precisions}, omgd_state {cfg['omgd_state']}, "
-            + (' + '.join(options) if options else 'no memory options'))
+    options = [
+        name
+        for name, on in (
+            ('activation_checkpointing', cfg['activation_checkpointing']),
+            ('checkpoint_sublayers', cfg.get('checkpoint_sublayers')),  # .get: absent from older results/*.json
+            (f"loss_chunk={cfg['loss_chunk']}", cfg['loss_chunk']),
+            ('activation_offload', cfg['activation_offload']),
+        )
+        if on
+    ]
+    return (
+        f"Memory breakdown (GiB), {model_name(cfg)}, {where}, micro-batch {cfg['batch_size']} x "
+        f"{cfg['block_size']}, precision {precisions}, omgd_state {cfg['omgd_state']}, "
+        + (' + '.join(options) if options else 'no memory options')
+    )
 
 
 def markdown(result):
@@ -195,10 +233,15 @@ def markdown(result):
         cells += [f"{gib(r[k]):.2f}" for k, _ in extra]
         out.append('| ' + ' | '.join(cells) + ' |')
     if cfg['preset'] == 'llama-7b' and model_config(cfg).vocab_size == 32000:
-        out += ['', "The paper's table (GiB, pure bf16, vocab 32000), for comparison. Its Others/Total were "
-                "measured on an RTX PRO 6000 with its own code; a commented-out passage of the paper's source says "
-                "the full-parameter row was estimated from proportions after running out of memory.", '',
-                '| Method | Model | Gradients | Optimizer | Others | Total |', '|---|---|---|---|---|---|']
+        out += [
+            '',
+            "The paper's table (GiB, pure bf16, vocab 32000), for comparison. Its Others/Total were "
+            "measured on an RTX PRO 6000 with its own code; a commented-out passage of the paper's source says "
+            "the full-parameter row was estimated from proportions after running out of memory.",
+            '',
+            '| Method | Model | Gradients | Optimizer | Others | Total |',
+            '|---|---|---|---|---|---|',
+        ]
         for name, values in PAPER_LLAMA_7B.items():
             out.append(f"| {name} | " + ' | '.join(f"{v:.2f}" for v in values) + ' |')
     return '\n'.join(out) + '\n'
@@ -206,9 +249,12 @@ def markdown(result):
 
 def plot(result, path):
     import matplotlib
+
     matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
     import textwrap
+
+    import matplotlib.pyplot as plt
+
     rows = result['rows']
     parts = [('params', 'Model'), ('grads', 'Gradients'), ('optimizer', 'Optimizer'), ('others', 'Others')]
     colors = ['#4c72b0', '#dd8452', '#55a868', '#c44e52']
@@ -224,8 +270,9 @@ def plot(result, path):
         ax.text(i, bottom[i], f"{gib(r['peak']):.2f}", ha='center', va='bottom', fontsize=9)
     ax.set_xticks(list(x), [row_label(r, result) for r in rows], rotation=20)
     ax.set_ylabel('GiB')
-    text = (title(result).replace('Memory breakdown (GiB), ', 'GPU memory, ')
-            + (f" (ESTIMATE, {result['device']} device)" if result['estimate'] else ''))
+    text = title(result).replace('Memory breakdown (GiB), ', 'GPU memory, ') + (
+        f" (ESTIMATE, {result['device']} device)" if result['estimate'] else ''
+    )
     # wrapped to the figure's width (about 14 characters an inch at 9 pt), so that no title is clipped
     ax.set_title(textwrap.fill(text, width=int(13 * width), break_on_hyphens=False), fontsize=9)
     ax.set_ylim(0, max(bottom) * 1.12)
@@ -251,14 +298,25 @@ def run(cfg, argv=()):
     for i, row in enumerate(row_cfgs, 1):  # a 7B row takes a minute or more: say how far along it is
         rows.append(measure(row, device))
         spent = time.time() - t0
-        print(f"measured {i}/{len(row_cfgs)} rows ({row['method']}, {precision_label(row['precision'], row['master_device'])})"
-              f" in {spent:.0f} s, about {spent / i * (len(row_cfgs) - i):.0f} s left", file=sys.stderr, flush=True)
+        print(
+            f"measured {i}/{len(row_cfgs)} rows "
+            f"({row['method']}, {precision_label(row['precision'], row['master_device'])})"
+            f" in {spent:.0f} s, about {spent / i * (len(row_cfgs) - i):.0f} s left",
+            file=sys.stderr,
+            flush=True,
+        )
     estimate = device.type != 'cuda'
     precisions = list(dict.fromkeys((r['precision'], r['master_device']) for r in rows))
-    return dict(estimate=estimate, device=device.type if estimate else torch.cuda.get_device_name(device),
-                torch=torch.__version__, config=cfg, precisions=precisions,
-                command=' '.join(['python bench_memory.py', *argv]),
-                notes=notes_for(cfg, device, estimate, rows[0]['n_params'], precisions), rows=rows)
+    return dict(
+        estimate=estimate,
+        device=device.type if estimate else torch.cuda.get_device_name(device),
+        torch=torch.__version__,
+        config=cfg,
+        precisions=precisions,
+        command=' '.join(['python bench_memory.py', *argv]),
+        notes=notes_for(cfg, device, estimate, rows[0]['n_params'], precisions),
+        rows=rows,
+    )
 
 
 def write(result, prefix):
@@ -266,9 +324,26 @@ def write(result, prefix):
     text = markdown(result)
     with open(prefix + '.md', 'w') as f:
         f.write(text)
-    rows = [{**r, **{f'{k}_gib': (None if r[k] is None else round(gib(r[k]), 4))
-                     for k in ('params', 'grads', 'optimizer', 'others', 'peak', 'reserved', 'projectors',
-                               'cpu_state', 'tracked_peak')}} for r in result['rows']]
+    rows = [
+        {
+            **r,
+            **{
+                f'{k}_gib': (None if r[k] is None else round(gib(r[k]), 4))
+                for k in (
+                    'params',
+                    'grads',
+                    'optimizer',
+                    'others',
+                    'peak',
+                    'reserved',
+                    'projectors',
+                    'cpu_state',
+                    'tracked_peak',
+                )
+            },
+        }
+        for r in result['rows']
+    ]
     with open(prefix + '.json', 'w') as f:
         json.dump({**result, 'rows': rows}, f, indent=1)
     plot(result, prefix + '.png')

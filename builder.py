@@ -10,6 +10,7 @@ Configs are dicts with train.py's keys. Precision (`precision`):
   moments of the parameters that train now only (BAdam's idea, optim.MasterAdamW), on the device
   or, with master_device='cpu', on the CPU together with the AdamW arithmetic (ZeRO-Offload style).
 """
+
 import dataclasses
 import math
 from contextlib import nullcontext
@@ -19,12 +20,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import galore
-from infra import memory_options
 import omgd
+from infra import memory_options
 from model import PRESET_KEYS, PRESETS, Transformer, TransformerConfig
 from optim import MasterAdamW, adamw, param_groups
 from train_config import GALORE_METHODS
-
 
 
 def transformer_kwargs(cfg, vocab_size=0):
@@ -45,6 +45,7 @@ class RandomOnCPU(TorchDispatchMode):
     on the CPU in fp32 from torch's default generator, then copied (cast) into the tensor: a model
     initialised on a GPU, or in bf16, gets bitwise the weights of a CPU fp32 build then cast, for
     the same seed, one tensor of host memory at a time."""
+
     FILLS = (torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -79,10 +80,15 @@ def new_model(config, device, dtype=torch.float32, cpu_draws=True):
 
 
 def configure_memory(model, cfg):
-    """The model's activation-memory options (infra/memory_options.py): checkpointing, offload to the host, chunked loss."""
-    return memory_options.apply(model, activation_checkpointing=cfg['activation_checkpointing'],
-                        checkpoint_sublayers=cfg['checkpoint_sublayers'],
-                        activation_offload=cfg['activation_offload'], loss_chunk=cfg['loss_chunk'])
+    """The model's activation-memory options (infra/memory_options.py): checkpointing, offload to the host,
+    chunked loss."""
+    return memory_options.apply(
+        model,
+        activation_checkpointing=cfg['activation_checkpointing'],
+        checkpoint_sublayers=cfg['checkpoint_sublayers'],
+        activation_offload=cfg['activation_offload'],
+        loss_chunk=cfg['loss_chunk'],
+    )
 
 
 def weight_dtype(precision):
@@ -104,14 +110,29 @@ def build_optimizer(model, cfg, device_type, host_scope=nullcontext):
     master = cfg['precision'] == 'bf16_master'
     if cfg['method'] in GALORE_METHODS:
         svd_steps = math.ceil(cfg['golore_svd_fraction'] * cfg['max_iters']) if cfg['method'] == 'golore' else 0
-        return galore.build_optimizer(model, wd, lr, betas, rank=cfg['galore_rank'],
-                                      update_proj_gap=cfg['galore_update_proj_gap'], scale=cfg['galore_scale'],
-                                      projection='svd' if cfg['method'] == 'galore' else 'random',
-                                      seed=cfg['omgd_seed'], svd_steps=svd_steps, master=master,
-                                      master_device=cfg['master_device'] or None, host_scope=host_scope)
+        return galore.build_optimizer(
+            model,
+            wd,
+            lr,
+            betas,
+            rank=cfg['galore_rank'],
+            update_proj_gap=cfg['galore_update_proj_gap'],
+            scale=cfg['galore_scale'],
+            projection='svd' if cfg['method'] == 'galore' else 'random',
+            seed=cfg['omgd_seed'],
+            svd_steps=svd_steps,
+            master=master,
+            master_device=cfg['master_device'] or None,
+            host_scope=host_scope,
+        )
     if master:
-        return MasterAdamW(param_groups(model, wd), lr=lr, betas=betas, master_device=cfg['master_device'] or None,
-                           host_scope=host_scope)
+        return MasterAdamW(
+            param_groups(model, wd),
+            lr=lr,
+            betas=betas,
+            master_device=cfg['master_device'] or None,
+            host_scope=host_scope,
+        )
     if cfg['optimizer'] == 'adamw':
         return adamw(model, wd, lr, betas, device_type)
     return torch.optim.SGD(param_groups(model, wd), lr=lr, momentum=cfg['momentum'])

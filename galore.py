@@ -62,6 +62,7 @@ Remaining differences from the reference code, on purpose:
   parameter (optim.MasterWeights, shared with MasterAdamW), projector and moments computed from
   the fp32-widened grad; with master_device='cpu' all of it, and the arithmetic, on the CPU.
 """
+
 import math
 from contextlib import nullcontext
 
@@ -77,15 +78,14 @@ CONVENTIONS = ('galore', 'torch')  # whose AdamW arithmetic: the references' or 
 RULES = {'galore_rank': at_least(1), 'galore_update_proj_gap': at_least(1), 'galore_scale': above(0)}
 
 
-def galore_adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, back=None,
-                       scale=1.0):
+def galore_adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, back=None, scale=1.0):
     """One AdamW step in place, galore_torch/adamw.py's arithmetic op for op (GoLore's is the same),
     with optim.adamw_step_'s arguments: `back` maps the normalised low-rank update to param's shape."""
     beta1, beta2 = betas
     exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
     denom = exp_avg_sq.sqrt().add_(eps)  # eps against the uncorrected root
-    step_size = lr * math.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step)
+    step_size = lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
     update = exp_avg / denom
     if back is not None:
         update = back(update) * scale
@@ -113,8 +113,19 @@ class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
     torch.optim.AdamW's), for every group; see the module docstring.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, seed=0,
-                 master=False, master_device=None, host_scope=nullcontext, convention='galore'):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-6,
+        weight_decay=0.01,
+        seed=0,
+        master=False,
+        master_device=None,
+        host_scope=nullcontext,
+        convention='galore',
+    ):
         check_adamw_settings(lr, betas, eps, weight_decay)
         if master_device is not None and not master:
             raise ValueError(f"master_device={master_device!r} needs master=True")
@@ -205,7 +216,10 @@ class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
             grad = grad @ proj if right else proj.T @ grad
         if 'exp_avg' not in state:
             if self.master:
-                state['exp_avg'], state['exp_avg_sq'] = self._state_zeros(p, grad.shape), self._state_zeros(p, grad.shape)
+                state['exp_avg'], state['exp_avg_sq'] = (
+                    self._state_zeros(p, grad.shape),
+                    self._state_zeros(p, grad.shape),
+                )
             else:
                 state['exp_avg'] = torch.zeros_like(grad, memory_format=torch.preserve_format)
                 state['exp_avg_sq'] = torch.zeros_like(grad, memory_format=torch.preserve_format)
@@ -214,20 +228,48 @@ class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
         back = None
         if projected:  # the normalised low-rank update, mapped back to the matrix
             back = (lambda u: u @ proj.T) if right else (lambda u: proj @ u)
-        self.adamw_step_(target, grad, state['exp_avg'], state['exp_avg_sq'], step, group['lr'], group['betas'],
-                         group['eps'], group['weight_decay'], back=back, scale=group.get('scale', 1.0))
+        self.adamw_step_(
+            target,
+            grad,
+            state['exp_avg'],
+            state['exp_avg_sq'],
+            step,
+            group['lr'],
+            group['betas'],
+            group['eps'],
+            group['weight_decay'],
+            back=back,
+            scale=group.get('scale', 1.0),
+        )
         return target
 
 
 def projector_bytes(optimizer):
     """Bytes of the GaLore/GoLore projection matrices (0 for other optimizers)."""
-    return sum(s['projector'].numel() * s['projector'].element_size()
-               for s in optimizer.state.values() if torch.is_tensor(s.get('projector')))
+    return sum(
+        s['projector'].numel() * s['projector'].element_size()
+        for s in optimizer.state.values()
+        if torch.is_tensor(s.get('projector'))
+    )
 
 
-def build_optimizer(model, weight_decay, lr, betas, rank=128, update_proj_gap=200, scale=0.25,
-                    projection='svd', eps=1e-6, seed=0, svd_steps=0, master=False, master_device=None,
-                    convention='galore', host_scope=nullcontext):
+def build_optimizer(
+    model,
+    weight_decay,
+    lr,
+    betas,
+    rank=128,
+    update_proj_gap=200,
+    scale=0.25,
+    projection='svd',
+    eps=1e-6,
+    seed=0,
+    svd_steps=0,
+    master=False,
+    master_device=None,
+    convention='galore',
+    host_scope=nullcontext,
+):
     """GaLore (projection='svd') or GoLore ('random') on every matrix inside model.blocks (the
     attention and MLP weights), plain AdamW with optim.param_groups' decay split elsewhere
     (embeddings, head, norms, biases). Built over all parameters, frozen ones included.
@@ -242,8 +284,26 @@ def build_optimizer(model, weight_decay, lr, betas, rank=128, update_proj_gap=20
         if rest:
             groups.append({**group, 'params': rest})
     if projected:
-        groups.append({'params': projected, 'weight_decay': weight_decay, 'rank': rank,
-                       'update_proj_gap': update_proj_gap, 'scale': scale, 'projection': projection,
-                       'svd_steps': svd_steps})
-    return GaLoreAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, seed=seed,
-                       master=master, master_device=master_device, convention=convention, host_scope=host_scope)
+        groups.append(
+            {
+                'params': projected,
+                'weight_decay': weight_decay,
+                'rank': rank,
+                'update_proj_gap': update_proj_gap,
+                'scale': scale,
+                'projection': projection,
+                'svd_steps': svd_steps,
+            }
+        )
+    return GaLoreAdamW(
+        groups,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        seed=seed,
+        master=master,
+        master_device=master_device,
+        convention=convention,
+        host_scope=host_scope,
+    )

@@ -28,7 +28,6 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-
 # -----------------------------------------------------------------------------
 # the linear layer of every matrix: nn.Linear that keeps no low-precision copy of a frozen weight
 # under autocast (what makes a frozen block cheap in memory under amp)
@@ -49,7 +48,7 @@ class FrozenLinear(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        weight, = ctx.saved_tensors
+        (weight,) = ctx.saved_tensors
         dx = torch.matmul(grad.to(ctx.dtype), weight.to(ctx.dtype)) if ctx.needs_input_grad[0] else None
         return dx, None, None, None
 
@@ -75,8 +74,9 @@ def emulated_autocast(device_types, dtype):
 # the device types autocast exists for: a fixed fact, read once here, because the dynamo of torch 2.11
 # and older cannot trace torch.amp.is_autocast_available in a compiled block (a graph break), and
 # torch.compiler.assume_constant_result would import dynamo (about a second) in every process
-AUTOCAST_DEVICE_TYPES = frozenset(t for t in ('cpu', 'cuda', 'xpu', 'mps', 'hpu', 'mtia')
-                                  if torch.amp.is_autocast_available(t))
+AUTOCAST_DEVICE_TYPES = frozenset(
+    t for t in ('cpu', 'cuda', 'xpu', 'mps', 'hpu', 'mtia') if torch.amp.is_autocast_available(t)
+)
 
 
 def autocast_dtype(device_type):
@@ -93,8 +93,11 @@ class Linear(nn.Linear):
     FrozenLinear."""
 
     def forward(self, x):
-        if (not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
-                and torch.is_grad_enabled()):
+        if (
+            not self.weight.requires_grad
+            and (self.bias is None or not self.bias.requires_grad)
+            and torch.is_grad_enabled()
+        ):
             dtype = autocast_dtype(x.device.type)
             if dtype is not None:
                 return FrozenLinear.apply(x, self.weight, self.bias, dtype)
@@ -238,15 +241,15 @@ PRESET_KEYS = (*SHAPE_KEYS, 'vocab_size', 'norm_eps', 'rope_theta')
 _LLAMA = dict(arch='llama', vocab_size=32000, block_size=256, bias=False, norm_eps=1e-6)
 _GPT2 = dict(arch='gpt2', vocab_size=50257, block_size=1024, bias=True)
 PRESETS: dict[str, dict] = {
-    'gpt2':        dict(_GPT2, n_layer=12, n_head=12, n_embd=768),    # 124M
-    'gpt2-medium': dict(_GPT2, n_layer=24, n_head=16, n_embd=1024),   # 350M
-    'gpt2-large':  dict(_GPT2, n_layer=36, n_head=20, n_embd=1280),   # 774M
-    'gpt2-xl':     dict(_GPT2, n_layer=48, n_head=25, n_embd=1600),   # 1558M
-    'llama-60m':   dict(_LLAMA, n_layer=8, n_head=8, n_embd=512, mlp_hidden=1376),
-    'llama-130m':  dict(_LLAMA, n_layer=12, n_head=12, n_embd=768, mlp_hidden=2048),
-    'llama-350m':  dict(_LLAMA, n_layer=24, n_head=16, n_embd=1024, mlp_hidden=2736),
-    'llama-1b':    dict(_LLAMA, n_layer=24, n_head=32, n_embd=2048, mlp_hidden=5461),
-    'llama-7b':    dict(_LLAMA, n_layer=32, n_head=32, n_embd=4096, mlp_hidden=11008),
+    'gpt2': dict(_GPT2, n_layer=12, n_head=12, n_embd=768),  # 124M
+    'gpt2-medium': dict(_GPT2, n_layer=24, n_head=16, n_embd=1024),  # 350M
+    'gpt2-large': dict(_GPT2, n_layer=36, n_head=20, n_embd=1280),  # 774M
+    'gpt2-xl': dict(_GPT2, n_layer=48, n_head=25, n_embd=1600),  # 1558M
+    'llama-60m': dict(_LLAMA, n_layer=8, n_head=8, n_embd=512, mlp_hidden=1376),
+    'llama-130m': dict(_LLAMA, n_layer=12, n_head=12, n_embd=768, mlp_hidden=2048),
+    'llama-350m': dict(_LLAMA, n_layer=24, n_head=16, n_embd=1024, mlp_hidden=2736),
+    'llama-1b': dict(_LLAMA, n_layer=24, n_head=32, n_embd=2048, mlp_hidden=5461),
+    'llama-7b': dict(_LLAMA, n_layer=32, n_head=32, n_embd=4096, mlp_hidden=11008),
 }
 
 
@@ -333,8 +336,9 @@ class Rotary(nn.Module):
     def reset_parameters(self, block_size=None):
         """(Re)compute the tables in fp32, for block_size positions (default: as many as now)."""
         device, block_size = self.cos.device, block_size or self.cos.size(0)
-        inv_freq = 1.0 / (self.theta ** (
-            torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim))
+        inv_freq = 1.0 / (
+            self.theta ** (torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim)
+        )
         t = torch.arange(block_size, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -342,7 +346,7 @@ class Rotary(nn.Module):
 
     def forward(self, T, start=0):
         """The tables of positions start .. start + T - 1 (start > 0: generation with a KV cache)."""
-        return self.cos[start:start + T], self.sin[start:start + T]
+        return self.cos[start : start + T], self.sin[start : start + T]
 
 
 class LlamaAttention(nn.Module):
@@ -461,7 +465,7 @@ class LayerCache:
             B, H, _, D = k.shape
             self.k, self.v = k.new_empty(B, H, self.max_len, D), v.new_empty(B, H, self.max_len, D)
         end = self.length + k.size(2)
-        self.k[:, :, self.length:end], self.v[:, :, self.length:end] = k, v
+        self.k[:, :, self.length : end], self.v[:, :, self.length : end] = k, v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
@@ -552,8 +556,9 @@ class Transformer(nn.Module):
         b, t = idx.size()
         start = 0 if cache is None else cache.length  # the position of idx[:, 0]
         if start + t > self.config.block_size:
-            raise ValueError(f"cannot forward a sequence of length {start + t}, "
-                             f"block size is only {self.config.block_size}")
+            raise ValueError(
+                f"cannot forward a sequence of length {start + t}, block size is only {self.config.block_size}"
+            )
         if cache is not None and start + t > cache.max_len:
             raise ValueError(f"cannot forward a sequence of length {start + t}, the KV cache holds {cache.max_len}")
         x = self.wte(idx)  # (b, t, n_embd)
@@ -564,7 +569,8 @@ class Transformer(nn.Module):
         if cache is None:
             for block in self.blocks:
                 x = block(x, rope)
-        else:  # the blocks' halves, called directly: a block's forward may be wrapped for training (infra/memory_options.py)
+        # the blocks' halves, called directly: a block's forward may be wrapped for training (infra/memory_options.py)
+        else:
             for block, layer_cache in zip(self.blocks, cache.layers):
                 x = block.mlp_part(block.attention_part(x, rope, layer_cache))
         return self.ln_f(x)
@@ -626,6 +632,7 @@ class Transformer(nn.Module):
         if not torch.distributed.is_available():
             return False
         from torch.distributed.fsdp import FSDPModule
+
         return isinstance(self.blocks[0], FSDPModule)
 
     @torch.no_grad()
@@ -649,7 +656,7 @@ class Transformer(nn.Module):
         for _ in range(max_new_tokens):
             if cache is not None and idx.size(1) <= block_size:
                 # the cache holds every position but the newest token's (at the first step: none, the prompt)
-                x = self.hidden_states(idx[:, cache.length:], cache)
+                x = self.hidden_states(idx[:, cache.length :], cache)
                 logits = self.lm_head(x[:, [-1], :])
             else:
                 # if the sequence context is growing too long we must crop it at block_size

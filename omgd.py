@@ -11,6 +11,7 @@ changes under DDP or torch.compile. Read top to bottom: the methods, build_cycle
 returns (called every iteration by trainer.py), the StatePolicy of frozen units, the GroupSchedule
 that draws the groups, the random partitions. Algorithm 1 on the paper's least squares: experiments/linreg.py.
 """
+
 import math
 from dataclasses import dataclass, fields
 from typing import NamedTuple
@@ -39,11 +40,17 @@ METHODS = {
 OUTER_PARTS = ('embed', 'pos', 'norm', 'head')
 STATE_POLICIES = ('drop', 'offload', 'keep')  # what a frozen unit's optimizer state does (StatePolicy)
 # the rule of each train.py key a cycler reads (train_config.py checks a whole config with them)
-RULES = {'omgd_gamma': at_least(1), 'omgd_period': at_least(1), 'omgd_warmup': at_least(0),
-         'omgd_ratio': above(0, upper=1), 'omgd_state': one_of(*STATE_POLICIES)}
+RULES = {
+    'omgd_gamma': at_least(1),
+    'omgd_period': at_least(1),
+    'omgd_warmup': at_least(0),
+    'omgd_ratio': above(0, upper=1),
+    'omgd_state': one_of(*STATE_POLICIES),
+}
 # the keys a resume cannot change: the checkpoint's pool and partitions were drawn with them
-FIXED_ON_RESUME = {k: 'its layer schedule and data position belong to it' for k in ('omgd_gamma', 'omgd_ratio',
-                                                                                   'omgd_always')}
+FIXED_ON_RESUME = {
+    k: 'its layer schedule and data position belong to it' for k in ('omgd_gamma', 'omgd_ratio', 'omgd_always')
+}
 
 
 def check_always(parts):
@@ -56,6 +63,7 @@ def check_always(parts):
 @dataclass(frozen=True)
 class CyclerConfig:
     """What a cycler does: train.py's `method` and `omgd_*` keys, without the prefix."""
+
     method: str = 'lisa_wor'
     gamma: int = 1  # block methods: active blocks per period
     period: int = 1  # K: iterations between switches
@@ -93,8 +101,10 @@ def build_cycler(model, optimizer, config):
     outer = model.outer_modules()
     if METHODS.get(config.method) and METHODS[config.method].unit == 'tensor':
         if not set(outer) <= set(config.always):
-            raise ValueError(f"{config.method} cycles every tensor, outer parts included; omgd_always must be "
-                             f"{','.join(outer)} (the default), got {','.join(config.always) or 'nothing'}")
+            raise ValueError(
+                f"{config.method} cycles every tensor, outer parts included; omgd_always must be "
+                f"{','.join(outer)} (the default), got {','.join(config.always) or 'nothing'}"
+            )
         units = [[p] for p in model.parameters()]  # parameters() dedupes the tied head
         return Cycler(units, optimizer, config)
     units = [list(block.parameters()) for block in model.blocks]
@@ -122,8 +132,10 @@ class Cycler:
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group['params']}
         if any(id(p) not in in_optimizer for unit in units for p in unit):
             # else the blocks frozen when the optimizer was built would never train
-            raise ValueError("every parameter layer cycling may activate must be in the optimizer; "
-                             "build the optimizer over all parameters before freezing anything")
+            raise ValueError(
+                "every parameter layer cycling may activate must be in the optimizer; "
+                "build the optimizer over all parameters before freezing anything"
+            )
         self.units, self.config = units, config
         self.optimizer_state = state_policy(optimizer, config.state)
         self.active = list(range(len(units)))  # everything trains until the first switch
@@ -152,9 +164,11 @@ class Cycler:
         k, kind = len(self.units) % gamma, METHODS[method]
         if self.schedule is None or kind.unit != 'block' or kind.with_replacement or k == 0:
             return None
-        return (f"{method} with N_L={len(self.units)}, gamma={gamma}: N_L mod gamma = {k} random "
-                f"block{'s sit' if k > 1 else ' sits'} out each cycle, so a cycle's masks do not sum to "
-                f"M x 1 (Algorithm 1 holds only when gamma divides N_L)")
+        return (
+            f"{method} with N_L={len(self.units)}, gamma={gamma}: N_L mod gamma = {k} random "
+            f"block{'s sit' if k > 1 else ' sits'} out each cycle, so a cycle's masks do not sum to "
+            f"M x 1 (Algorithm 1 holds only when gamma divides N_L)"
+        )
 
     def _switches_at(self, iter_num):
         warmup = self.config.warmup
@@ -217,14 +231,20 @@ class Cycler:
         return f'cycle {self.schedule.partitions_drawn}: active {unit}s {active}, grad scale {self.scaling():g}'
 
     def state_dict(self):
-        return {'method': self.config.method, 'active': self.active, 'last_switch': self.last_switch,
-                'schedule': self.schedule.state_dict() if self.schedule else None}
+        return {
+            'method': self.config.method,
+            'active': self.active,
+            'last_switch': self.last_switch,
+            'schedule': self.schedule.state_dict() if self.schedule else None,
+        }
 
     def load_state_dict(self, state):
         """Restore the schedule and re-apply the active set (call after loading the optimizer)."""
         if state['method'] != self.config.method:
-            raise ValueError(f"checkpoint was trained with method={state['method']!r}, not "
-                             f"{self.config.method!r}; resume with --method={state['method']}")
+            raise ValueError(
+                f"checkpoint was trained with method={state['method']!r}, not "
+                f"{self.config.method!r}; resume with --method={state['method']}"
+            )
         self.last_switch = state['last_switch']
         if self.schedule is not None:
             self.schedule.load_state_dict(state['schedule'])
@@ -300,8 +320,12 @@ class GroupSchedule:
         return self.ahead[0]
 
     def state_dict(self):
-        return {'pending': self.pending, 'partitions_drawn': self.partitions_drawn, 'rng': self.generator.get_state(),
-                'ahead': self.ahead}  # the generator has moved past it: a resume must not redraw
+        return {
+            'pending': self.pending,
+            'partitions_drawn': self.partitions_drawn,
+            'rng': self.generator.get_state(),
+            'ahead': self.ahead,
+        }  # the generator has moved past it: a resume must not redraw
 
     def load_state_dict(self, state):
         # checkpoints written before 2026-11-26 name the count 'cycle'
@@ -316,7 +340,7 @@ def random_partition(n, sizes, generator):
     perm = torch.randperm(n, generator=generator).tolist()
     groups, start = [], 0
     for size in sizes:
-        groups.append(sorted(perm[start:start + size]))
+        groups.append(sorted(perm[start : start + size]))
         start += size
     return groups
 

@@ -22,6 +22,7 @@ style), in pinned memory when the parameters are on CUDA: the device holds bf16 
 What crosses between them goes through HostStaging's reused pinned buffers: every gradient down,
 asynchronously, then one wait; every rounded weight up, asynchronously.
 """
+
 from contextlib import nullcontext
 
 import torch
@@ -61,8 +62,7 @@ def adamw(model, weight_decay, learning_rate, betas, device_type):
 
 def check_adamw_settings(lr, betas, eps, weight_decay):
     if lr < 0 or eps < 0 or weight_decay < 0 or len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-        raise ValueError(f"invalid AdamW settings lr={lr}, betas={betas}, eps={eps}, "
-                         f"weight_decay={weight_decay}")
+        raise ValueError(f"invalid AdamW settings lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
 
 
 def adamw_foreach_(params, grads, exp_avgs, exp_avg_sqs, steps, lr, betas, eps, weight_decay):
@@ -77,9 +77,9 @@ def adamw_foreach_(params, grads, exp_avgs, exp_avg_sqs, steps, lr, betas, eps, 
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
     denoms = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denoms, [(1 - beta2 ** step) ** 0.5 for step in steps])
+    torch._foreach_div_(denoms, [(1 - beta2**step) ** 0.5 for step in steps])
     torch._foreach_add_(denoms, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr / (1 - beta1 ** step) for step in steps])
+    torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr / (1 - beta1**step) for step in steps])
 
 
 def foreach_bitwise(device):
@@ -99,8 +99,8 @@ def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_d
         param.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1 ** step
-    denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)  # ** 0.5 as torch writes it
+    bias_correction1 = 1 - beta1**step
+    denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)  # ** 0.5 as torch writes it
     if back is None:
         param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
     else:
@@ -158,6 +158,7 @@ class MasterWeights:
     (master, moments, a GaLore projector) lives on master_home(p), pinned for CUDA parameters with
     CPU masters. `master` False (GaLoreAdamW's default) leaves torch's state loading in charge.
     """
+
     master = True
 
     # the staging path (HostStaging) for parameters whose masters live in host memory: None, for CUDA
@@ -218,8 +219,9 @@ class MasterWeights:
             if self._stages(p):  # down in the weight's dtype through a buffer of its own (slot -1)
                 weight = self._staging(p).download(weight, slot=-1)
                 self.staging.wait(p.device)
-            state['master'] = torch.empty(p.shape, dtype=torch.float32, device=self.master_home(p),
-                                          pin_memory=self._pinned(p)).copy_(weight)
+            state['master'] = torch.empty(
+                p.shape, dtype=torch.float32, device=self.master_home(p), pin_memory=self._pinned(p)
+            ).copy_(weight)
         return state['master']
 
     def _widened_grad(self, p, master):
@@ -262,8 +264,10 @@ class MasterWeights:
         params = [p for g in self.param_groups for p in g['params']]
         for i, p in zip(saved_ids, params):
             if i in state_dict['state']:
-                self.state[p] = {key: self._place(value, p) if torch.is_tensor(value) else value
-                                 for key, value in state_dict['state'][i].items()}
+                self.state[p] = {
+                    key: self._place(value, p) if torch.is_tensor(value) else value
+                    for key, value in state_dict['state'][i].items()
+                }
 
 
 class MasterAdamW(MasterWeights, torch.optim.Optimizer):
@@ -284,10 +288,20 @@ class MasterAdamW(MasterWeights, torch.optim.Optimizer):
     microseconds against the arithmetic), and holding the widened gradients together raises the
     peak (a quarter more in bench_memory's GPT-2 test on the CPU).
     """
+
     FOREACH_BYTES = 256 * 2**20
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 master_device=None, host_scope=nullcontext, foreach=False):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        master_device=None,
+        host_scope=nullcontext,
+        foreach=False,
+    ):
         check_adamw_settings(lr, betas, eps, weight_decay)
         self._init_master(master_device, host_scope)
         self.foreach = foreach
@@ -311,8 +325,9 @@ class MasterAdamW(MasterWeights, torch.optim.Optimizer):
                 state = self.state[p]
                 with self.host_scope():
                     if 'master' not in state:
-                        state.update(exp_avg=self._state_zeros(p, p.shape),
-                                     exp_avg_sq=self._state_zeros(p, p.shape), step=0)
+                        state.update(
+                            exp_avg=self._state_zeros(p, p.shape), exp_avg_sq=self._state_zeros(p, p.shape), step=0
+                        )
                     master = self._master(p, state)
                     state['step'] += 1
                     grad = self._widened_grad(p, master)
@@ -324,8 +339,17 @@ class MasterAdamW(MasterWeights, torch.optim.Optimizer):
                         batch, nbytes = [], 0
                     continue
                 with self.host_scope():
-                    adamw_step_(master, grad, state['exp_avg'], state['exp_avg_sq'], state['step'],
-                                group['lr'], group['betas'], group['eps'], group['weight_decay'])
+                    adamw_step_(
+                        master,
+                        grad,
+                        state['exp_avg'],
+                        state['exp_avg_sq'],
+                        state['step'],
+                        group['lr'],
+                        group['betas'],
+                        group['eps'],
+                        group['weight_decay'],
+                    )
                     del grad
                 self._round_into(p, master)
             self._update_together(batch, group)
@@ -340,10 +364,17 @@ class MasterAdamW(MasterWeights, torch.optim.Optimizer):
             by_device.setdefault(item[1].device, []).append(item)
         with self.host_scope():
             for items in by_device.values():
-                adamw_foreach_([m for _, m, _, _ in items], [g for _, _, g, _ in items],
-                               [s['exp_avg'] for *_, s in items], [s['exp_avg_sq'] for *_, s in items],
-                               [s['step'] for *_, s in items], group['lr'], group['betas'], group['eps'],
-                               group['weight_decay'])
+                adamw_foreach_(
+                    [m for _, m, _, _ in items],
+                    [g for _, _, g, _ in items],
+                    [s['exp_avg'] for *_, s in items],
+                    [s['exp_avg_sq'] for *_, s in items],
+                    [s['step'] for *_, s in items],
+                    group['lr'],
+                    group['betas'],
+                    group['eps'],
+                    group['weight_decay'],
+                )
         for p, master, _, _ in batch:
             self._round_into(p, master)
         batch.clear()  # the widened gradients go

@@ -3,6 +3,7 @@ Sample text from a trained checkpoint (char-level or GPT-2 BPE, picked from the 
 
 $ python sample.py --out_dir=out --start="ROMEO:" --num_samples=2 --max_new_tokens=200
 """
+
 import os
 import sys
 
@@ -15,6 +16,7 @@ def load_codec(data_dir, model_vocab=None):
     when it has more ids than the model embeds (model_vocab): not the tokenizer the model trained on
     (a character-level model whose meta.pkl is gone would get GPT-2's BPE, and its ids an IndexError)."""
     from data.tokenizer import Tokenizer, read_meta
+
     try:
         tok = Tokenizer.from_meta(read_meta(data_dir))
     except ValueError as e:
@@ -25,33 +27,57 @@ def load_codec(data_dir, model_vocab=None):
         name = os.path.basename(os.path.normpath(data_dir))
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', name, 'prepare.py')
         again = f"python data/{name}/prepare.py" if os.path.isfile(script) else "its prepare script"
-        sys.exit(f"error: the checkpoint's vocab_size is {model_vocab} but the tokenizer of its dataset ({what}) has "
-                 f"{tok.vocab_size} ids: not the tokenizer the model trained on; restore that meta.pkl, or prepare "
-                 f"the dataset again ({again}) as it was prepared for this run")
+        sys.exit(
+            f"error: the checkpoint's vocab_size is {model_vocab} but the tokenizer of its dataset ({what}) has "
+            f"{tok.vocab_size} ids: not the tokenizer the model trained on; restore that meta.pkl, or prepare "
+            f"the dataset again ({again}) as it was prepared for this run"
+        )
     return (lambda text: tok.encode(text, special=True)), tok.decode
 
 
 # keys (--key=value) and their rules; configurator.py checks both, as for train.py
-DEFAULTS = dict(out_dir='out', start='\n', num_samples=1, max_new_tokens=300, temperature=0.8, top_k=200, seed=1337,
-                device='cuda' if torch.cuda.is_available() else 'cpu')
-HELP = dict(out_dir='the run whose checkpoint (ckpt.pt or newest step folder) to sample from', start="the prompt, or FILE:path to read it from a file",
-            num_samples='how many samples', max_new_tokens='tokens generated per sample',
-            temperature='> 0; lower is more predictable', top_k='sample among the k likeliest tokens (0: all)',
-            seed='seeds the sampling', device="'cpu', 'cuda' or 'cuda:N'")
+DEFAULTS = dict(
+    out_dir='out',
+    start='\n',
+    num_samples=1,
+    max_new_tokens=300,
+    temperature=0.8,
+    top_k=200,
+    seed=1337,
+    device='cuda' if torch.cuda.is_available() else 'cpu',
+)
+HELP = dict(
+    out_dir='the run whose checkpoint (ckpt.pt or newest step folder) to sample from',
+    start="the prompt, or FILE:path to read it from a file",
+    num_samples='how many samples',
+    max_new_tokens='tokens generated per sample',
+    temperature='> 0; lower is more predictable',
+    top_k='sample among the k likeliest tokens (0: all)',
+    seed='seeds the sampling',
+    device="'cpu', 'cuda' or 'cuda:N'",
+)
 
 
 def rules():
     from configurator import above, at_least
-    return dict(out_dir=at_least(1, 'a non-empty path', len), start=at_least(1, 'a non-empty prompt', len),
-                num_samples=at_least(1), max_new_tokens=at_least(1), temperature=above(0), top_k=at_least(0))
+
+    return dict(
+        out_dir=at_least(1, 'a non-empty path', len),
+        start=at_least(1, 'a non-empty prompt', len),
+        num_samples=at_least(1),
+        max_new_tokens=at_least(1),
+        temperature=above(0),
+        top_k=at_least(0),
+    )
 
 
 def main(argv):
-    from infra.checkpoint import CheckpointError, read_any, trained_dataset
     from configurator import command_line
     from dataloader import data_dir
+    from infra.checkpoint import CheckpointError, read_any, trained_dataset
     from model import Transformer, TransformerConfig
     from train_config import check_device
+
     cfg = command_line(argv, DEFAULTS, rules(), "usage: python sample.py [--key=value ...]", HELP)
     try:
         check_device(cfg['device'])
@@ -66,13 +92,16 @@ def main(argv):
     except (CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
     except (RuntimeError, KeyError, TypeError) as e:  # a readable file that is not one of train.py's checkpoints
-        sys.exit(f"error: {path} is not a checkpoint of train.py ({type(e).__name__}); give the "
-                 f"out_dir of a train.py run")
+        sys.exit(
+            f"error: {path} is not a checkpoint of train.py ({type(e).__name__}); give the out_dir of a train.py run"
+        )
     # a diverged run's weights: every sample would be NaN logits, printed as nothing
     bad = [k for k, t in checkpoint['model'].items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
-        sys.exit(f"error: {path} holds non-finite weights (NaN or inf in {len(bad)} tensor(s), e.g. {bad[0]}): the "
-                 f"run diverged before this save; sample from an earlier checkpoint (or resume from one)")
+        sys.exit(
+            f"error: {path} holds non-finite weights (NaN or inf in {len(bad)} tensor(s), e.g. {bad[0]}): the "
+            f"run diverged before this save; sample from an earlier checkpoint (or resume from one)"
+        )
     model.eval().to(cfg['device'])
     encode, decode = load_codec(data_dir(dataset), model.config.vocab_size)
     torch.manual_seed(cfg['seed'])

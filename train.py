@@ -14,6 +14,7 @@ restarted job (torchrun --max-restarts, a SLURM requeue) continues by itself. Se
 docs/distributed.md. Besides the log, every evaluation, logged iteration, switch and save is a
 record in out_dir/metrics.jsonl (infra/metrics.py).
 """
+
 import contextlib
 import math
 import os
@@ -31,7 +32,7 @@ from configurator import ConfigError, help_text, wants_help
 from data.tokenizer import Tokenizer, read_meta
 from dataloader import check_vocab, data_dir, dataset_vocab, open_splits, prepare_if_embedded
 from infra import ddp_check, distributed, memory_options, multiple_choice
-from infra.checkpoint import CheckpointError, Checkpointer
+from infra.checkpoint import Checkpointer, CheckpointError
 from infra.memory_estimate import check_fits, estimate_iteration
 from infra.metrics import LogOutlivesItsReader, Metrics
 from model import PRESET_KEYS, TransformerConfig
@@ -55,15 +56,19 @@ def main(argv):
     # the config: train_config.py holds every key with its default and its rule; config files and
     # --key=value override them, in order, all checked before anything is built
     if wants_help(argv):
-        print(f"usage: python train.py [config/FILE.py ...] [--key=value ...]\n\nkeys (default, meaning):\n"
-              f"{help_text(train_config.DEFAULTS, train_config.meanings())}")
+        print(
+            f"usage: python train.py [config/FILE.py ...] [--key=value ...]\n\nkeys (default, meaning):\n"
+            f"{help_text(train_config.DEFAULTS, train_config.meanings())}"
+        )
         return 0
     given_keys = set()  # the keys the command line and config files set: a resume refuses architecture overrides
     try:
         cfg = train_config.load(argv, given=given_keys)
         if cfg['gpu_config'] and cfg['device'] == 'cpu' and not any(a.startswith('--device=') for a in argv):
-            raise ValueError(f"this is a GPU config (gpu_config=True) and this machine has no CUDA GPU (torch "
-                             f"{torch.__version__}); run it on a GPU, or pass --device=cpu to run it on the CPU anyway")
+            raise ValueError(
+                f"this is a GPU config (gpu_config=True) and this machine has no CUDA GPU (torch "
+                f"{torch.__version__}); run it on a GPU, or pass --device=cpu to run it on the CPU anyway"
+            )
     except (ConfigError, ValueError) as e:  # every rank of a node refuses the same config: one line
         return distributed.report_error(e, printed=os.environ.get('LOCAL_RANK', '0') == '0')
     # before CUDA's first allocation, which reads it
@@ -82,13 +87,20 @@ def main(argv):
     checkpointer = Checkpointer(cfg['out_dir'], ranks, device, writes=not cfg['eval_only'])
     try:
         status = train(cfg, given_keys, ranks, device, checkpointer)
-    except (RunError, CheckpointError, RuntimeError) as e:  # one line; the last good checkpoint, if any, stays as it was
+    except (
+        RunError,
+        CheckpointError,
+        RuntimeError,
+    ) as e:  # one line; the last good checkpoint, if any, stays as it was
         if isinstance(e, RuntimeError) and not distributed.lost_rank(e):
             raise  # a bug: its traceback
         if isinstance(e, RuntimeError):
-            e = (f"rank {ranks.rank}: a collective with the other ranks failed ({str(e).strip().splitlines()[0][:160]}): "
-                 f"another rank is stuck or dead; the last checkpoint in {cfg['out_dir']} is kept: resume with "
-                 f"--init_from=auto (raise --dist_timeout_s={cfg['dist_timeout_s']} if a rank is only slow)")
+            e = (
+                f"rank {ranks.rank}: a collective with the other ranks failed "
+                f"({str(e).strip().splitlines()[0][:160]}): "
+                f"another rank is stuck or dead; the last checkpoint in {cfg['out_dir']} is kept: resume with "
+                f"--init_from=auto (raise --dist_timeout_s={cfg['dist_timeout_s']} if a rank is only slow)"
+            )
         distributed.report_error(e)
         checkpointer.close(failed=True)  # a background save of a good state ends before the group goes
         if dist.is_initialized():
@@ -135,8 +147,14 @@ def train(cfg, given_keys, ranks, device, checkpointer):
     wandb_id = metrics.start_wandb(checkpointer.wandb_id)
 
     def save():  # on every rank; never a non-finite state
-        values = {'data': trainer.data_position, 'model_args': model_args, 'iter_num': trainer.iter_num,
-                  'best_val_loss': best_val_loss, 'config': cfg, 'wandb_id': wandb_id}
+        values = {
+            'data': trainer.data_position,
+            'model_args': model_args,
+            'iter_num': trainer.iter_num,
+            'best_val_loss': best_val_loss,
+            'config': cfg,
+            'wandb_id': wandb_id,
+        }
         metrics.save(trainer.iter_num, checkpointer.save(trainer.state_objects(), values))
 
     max_iters, eval_interval, log_interval = cfg['max_iters'], cfg['eval_interval'], cfg['log_interval']
@@ -156,7 +174,9 @@ def train(cfg, given_keys, ranks, device, checkpointer):
             print(f"rank {ranks.rank}: stop requested, stopping at iteration {trainer.iter_num}", flush=True)
             if trainer.iter_num > first_iter:  # else nothing trained since the start or the resume
                 save()
-            if ranks.enabled:  # rank 0 has written the file before any rank exits non-zero, when torchrun stops the rest
+            if (
+                ranks.enabled
+            ):  # rank 0 has written the file before any rank exits non-zero, when torchrun stops the rest
                 dist.barrier(group=ranks.cpu_group)
             break
         it = trainer.iter_num
@@ -213,8 +233,15 @@ def open_data(cfg, ranks):
     if ranks.enabled:
         dist.barrier()
     with refused(FileNotFoundError, ValueError):
-        train_batches, eval_batches = open_splits(cfg['dataset'], cfg['block_size'], cfg['batch_size'],
-                                                  cfg['sampling'], cfg['data_seed'], ranks.rank, ranks.world_size)
+        train_batches, eval_batches = open_splits(
+            cfg['dataset'],
+            cfg['block_size'],
+            cfg['batch_size'],
+            cfg['sampling'],
+            cfg['data_seed'],
+            ranks.rank,
+            ranks.world_size,
+        )
     mc = None  # eval_mc_path: the multiple-choice benchmark of every evaluation
     if cfg['eval_mc_path']:
         with refused(ValueError, RuntimeError, OSError, prefix='eval_mc_path: '):
@@ -238,11 +265,18 @@ def initial_model(cfg, given_keys, checkpointer, ranks, device, fsdp):
             model_config = TransformerConfig(**builder.transformer_kwargs(cfg, vocab_size))
             dtype = builder.weight_dtype(cfg['precision'])
             # before it is allocated: a one-line refusal, not the OOM killer
-            check_fits(model_config, device, dtype.itemsize, world_size=ranks.world_size, fsdp=fsdp,
-                       estimate_peak=lambda: estimate_iteration(cfg, vocab_size)['peak'])
+            check_fits(
+                model_config,
+                device,
+                dtype.itemsize,
+                world_size=ranks.world_size,
+                fsdp=fsdp,
+                estimate_peak=lambda: estimate_iteration(cfg, vocab_size)['peak'],
+            )
             model = builder.new_model(model_config, device, dtype)  # on the device, in its dtype
         else:  # a GPT-2 name or a local Hugging Face model directory
             from infra import hf
+
             model = hf.from_pretrained(cfg['init_from'], cfg['dropout'], cfg['block_size'])
     if cfg['block_size'] < model.config.block_size:
         model.crop_block_size(cfg['block_size'])
@@ -256,8 +290,12 @@ def build_trainer(cfg, raw_model, ranks, device, fsdp, train_batches, iter_num):
 
     def shard(model):  # FSDP2, before the optimizer and the cycler (they must see the sharded parameters)
         amp_dtype = train_config.PTDTYPES[cfg['dtype']]
-        distributed.shard_fsdp(model, ranks, device_type, amp_dtype if device_type == 'cuda' and
-                               cfg['precision'] == 'amp' and amp_dtype != torch.float32 else None)
+        distributed.shard_fsdp(
+            model,
+            ranks,
+            device_type,
+            amp_dtype if device_type == 'cuda' and cfg['precision'] == 'amp' and amp_dtype != torch.float32 else None,
+        )
 
     with refused(ValueError):
         raw_model, optimizer, cycler = builder.build(cfg, device, model=raw_model, shard=shard if fsdp else None)
@@ -270,12 +308,24 @@ def build_trainer(cfg, raw_model, ranks, device, fsdp, train_batches, iter_num):
         memory_options.compile_blocks(raw_model, cfg['method'])
     # under torchrun the DDP wrapper is rebuilt over the active parameters after every switch
     # (distributed.ParallelModel), FSDP reshards; one process trains the model as it is
-    parallel = (distributed.ParallelModel(raw_model, ranks, device_type, fsdp) if ranks.enabled or cfg['ddp_check']
-                else None)
-    observer = (ddp_check.RankCheck(parallel, distributed.fsdp_units(raw_model) if fsdp else None) if cfg['ddp_check']
-                else None)
-    return Trainer(cfg, raw_model, optimizer, cycler, train_batches.iterate(device), device_type,
-                   cfg['gradient_accumulation_steps'] // ranks.world_size, parallel, observer=observer, iter_num=iter_num)
+    parallel = (
+        distributed.ParallelModel(raw_model, ranks, device_type, fsdp) if ranks.enabled or cfg['ddp_check'] else None
+    )
+    observer = (
+        ddp_check.RankCheck(parallel, distributed.fsdp_units(raw_model) if fsdp else None) if cfg['ddp_check'] else None
+    )
+    return Trainer(
+        cfg,
+        raw_model,
+        optimizer,
+        cycler,
+        train_batches.iterate(device),
+        device_type,
+        cfg['gradient_accumulation_steps'] // ranks.world_size,
+        parallel,
+        observer=observer,
+        iter_num=iter_num,
+    )
 
 
 def evaluate(cfg, trainer, eval_batches, mc, ranks, device, metrics):
@@ -294,8 +344,10 @@ def check_finite(losses, iter_num, checkpointer):
     """Stop at a loss that is not finite (the values are all-reduced, so every rank stops here alike)."""
     for split, value in losses.items():
         if not math.isfinite(value):
-            raise RunError(f"{split} loss is {value} at iteration {iter_num}; {checkpointer.last_good()}; lower "
-                           f"learning_rate or raise warmup_iters")
+            raise RunError(
+                f"{split} loss is {value} at iteration {iter_num}; {checkpointer.last_good()}; lower "
+                f"learning_rate or raise warmup_iters"
+            )
 
 
 def sample(cfg, raw_model, autocast, device, master):
@@ -326,8 +378,9 @@ class StopRequest:
         self.requested = False
         self.exit_status = 128 + signal.SIGTERM  # also on ranks that stop only because another rank was asked
         # SIGHUP too: a closed terminal or ssh session, which would otherwise end the run with no save
-        self.previous = {sig: signal.signal(sig, self._request)
-                         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        self.previous = {
+            sig: signal.signal(sig, self._request) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        }
 
     def release(self):
         """Put back the handlers there were before: after the loop a signal stops the process at once."""

@@ -8,6 +8,7 @@ train.py, sample.py's resume of a run, the benchmarks and the experiments all st
 A config is a plain dict (what checkpoints store). `python train.py --help` lists the keys with
 the comments below.
 """
+
 import dataclasses
 import math
 import os
@@ -16,10 +17,10 @@ import torch
 
 import dataloader
 import galore
-from infra import memory_options
 import omgd
 import optim
 from configurator import above, at_least, between, check_rule, configure, one_of
+from infra import memory_options
 from model import SHAPE_KEYS, TransformerConfig, check_arch
 
 CUDA = torch.cuda.is_available()
@@ -27,8 +28,12 @@ CUDA = torch.cuda.is_available()
 
 def machine_defaults(cuda):
     """The keys whose default depends on whether the machine has CUDA."""
-    return dict(device='cuda' if cuda else 'cpu', dtype='bfloat16' if cuda else 'float32', compile=cuda,
-                backend='nccl' if cuda else 'gloo')
+    return dict(
+        device='cuda' if cuda else 'cpu',
+        dtype='bfloat16' if cuda else 'float32',
+        compile=cuda,
+        backend='nccl' if cuda else 'gloo',
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -42,10 +47,16 @@ eval_only = False  # evaluate once and exit
 eval_mc_path = ''  # a HellaSwag-format jsonl file scored at every evaluation (acc, acc_norm; infra/multiple_choice.py)
 eval_mc_limit = 0  # score its first N examples only (0: all)
 always_save_checkpoint = True  # if False, save only when the val loss improves
-checkpoint_format = 'auto'  # 'file': out_dir/ckpt.pt, gathered and written by rank 0; 'dcp': out_dir/step_NNNNNNN/ folders, each rank writes its shards (torch.distributed.checkpoint); 'auto': file in one process, dcp on several ranks
+# 'file': out_dir/ckpt.pt, gathered and written by rank 0; 'dcp': out_dir/step_NNNNNNN/ folders, each rank writes its
+# shards (torch.distributed.checkpoint); 'auto': file in one process, dcp on several ranks
+checkpoint_format = 'auto'
 keep_last = 3  # dcp: how many of the newest step folders to keep (0: all)
-checkpoint_async = 'auto'  # dcp: write step folders in a background thread: 'auto' (when the weights are on a GPU), 'yes' or 'no'
-init_from = 'scratch'  # 'scratch', 'resume' (from out_dir), 'auto' (resume when out_dir holds a checkpoint, else scratch: restarts), a GPT-2 name or a Hugging Face model directory
+checkpoint_async = (
+    'auto'  # dcp: write step folders in a background thread: 'auto' (when the weights are on a GPU), 'yes' or 'no'
+)
+# 'scratch', 'resume' (from out_dir), 'auto' (resume when out_dir holds a checkpoint, else scratch: restarts), a GPT-2
+# name or a Hugging Face model directory
+init_from = 'scratch'
 overwrite = False  # let a run that does not resume replace the checkpoint already in out_dir
 sample_tokens = 300  # length of the sample printed at the end (0: none)
 # wandb logging (optional, off by default; never needed to run or test)
@@ -71,7 +82,9 @@ dropout = 0.0  # dropout probability
 bias = False  # biases in linears and LayerNorms (gpt2)
 vocab_size = 0  # 0: from the dataset (meta.pkl), else GPT-2's 50304 (padded 50257)
 activation_checkpointing = False  # recompute each block's activations in the backward
-checkpoint_sublayers = False  # with activation_checkpointing: recompute attention and MLP apart (lower peak, more saved inputs)
+checkpoint_sublayers = (
+    False  # with activation_checkpointing: recompute attention and MLP apart (lower peak, more saved inputs)
+)
 activation_offload = False  # keep the tensors saved for the backward in host memory
 loss_chunk = 0  # >0: head and cross-entropy this many tokens at a time; the full logits never exist (slower)
 # optimizer
@@ -102,22 +115,34 @@ omgd_always = 'embed,pos,norm,head'  # parts trained at every step
 galore_rank = 128  # rank of the gradient projection
 galore_update_proj_gap = 200  # iterations between projection refreshes
 galore_scale = 0.25  # scale of the projected update
-golore_svd_fraction = 0.0  # golore: fraction of max_iters on SVD (GaLore) projections before random ones; GoLore's scripts use 0.8
+golore_svd_fraction = (
+    0.0  # golore: fraction of max_iters on SVD (GaLore) projections before random ones; GoLore's scripts use 0.8
+)
 # system
 device = machine_defaults(CUDA)['device']  # 'cpu', 'cuda' or 'cuda:N' (torchrun picks the GPU of each rank)
-precision = 'amp'  # 'amp' (fp32 weights, autocast), 'bf16' (all bf16) or 'bf16_master' (bf16 + fp32 masters of the active parameters)
-master_device = ''  # bf16_master: '' keeps masters and moments on the weights' device, 'cpu' moves them and the AdamW step to the CPU
-dtype = machine_defaults(CUDA)['dtype']  # amp's autocast dtype: float32, bfloat16 or float16 (loss-scaled); CPU runs in float32
+# 'amp' (fp32 weights, autocast), 'bf16' (all bf16) or 'bf16_master' (bf16 + fp32 masters of the active parameters)
+precision = 'amp'
+# bf16_master: '' keeps masters and moments on the weights' device, 'cpu' moves them and the AdamW step to the CPU
+master_device = ''
+dtype = machine_defaults(CUDA)[
+    'dtype'
+]  # amp's autocast dtype: float32, bfloat16 or float16 (loss-scaled); CPU runs in float32
 compile = machine_defaults(CUDA)['compile']  # torch.compile each block separately (regional compilation)
 backend = machine_defaults(CUDA)['backend']  # torch.distributed backend under torchrun: 'nccl' or 'gloo'
 parallel = 'ddp'  # under torchrun: 'ddp' (replicated weights) or 'fsdp' (FSDP2, weights sharded per block)
-gpu_config = False  # a config meant for GPUs (config/*.py of large runs): refused on a machine without CUDA unless --device is given
+# a config meant for GPUs (config/*.py of large runs): refused on a machine without CUDA unless --device is given
+gpu_config = False
 seed = 1337  # seeds the model's init (and dropout)
-dist_timeout_s = 600  # under torchrun: a collective waiting this long for a stuck or dead rank ends the run with one line
+dist_timeout_s = (
+    600  # under torchrun: a collective waiting this long for a stuck or dead rank ends the run with one line
+)
 ddp_check = False  # assert the DDP or FSDP invariants at every iteration on every rank (tests; hashes all weights)
 # -----------------------------------------------------------------------------
-DEFAULTS = {k: v for k, v in dict(globals()).items()
-            if not k.startswith('_') and k not in ('CUDA',) and isinstance(v, (int, float, bool, str))}
+DEFAULTS = {
+    k: v
+    for k, v in dict(globals()).items()
+    if not k.startswith('_') and k not in ('CUDA',) and isinstance(v, (int, float, bool, str))
+}
 
 PRECISIONS = ('amp', 'bf16', 'bf16_master')
 GALORE_METHODS = ('galore', 'golore')  # galore.py's optimizers; every block trains
@@ -127,21 +152,49 @@ PTDTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': tor
 # the rule each value follows on its own (configurator.py checks them with the types);
 # combinations are check()'s. A key a library reads has its rule in that library, which checks it too
 RULES = {
-    'out_dir': at_least(1, 'a non-empty path', len), 'eval_interval': at_least(1), 'log_interval': at_least(1),
-    'eval_iters': at_least(1), 'sample_tokens': at_least(0), 'dataset': at_least(1, 'a non-empty name', len),
-    'gradient_accumulation_steps': at_least(1), 'batch_size': at_least(1),
-    'block_size': at_least(1), 'n_layer': at_least(1), 'n_head': at_least(1),
-    'n_kv_head': at_least(0), 'n_embd': at_least(1), 'mlp_hidden': at_least(0), 'dropout': between(0, 1),
+    'out_dir': at_least(1, 'a non-empty path', len),
+    'eval_interval': at_least(1),
+    'log_interval': at_least(1),
+    'eval_iters': at_least(1),
+    'sample_tokens': at_least(0),
+    'dataset': at_least(1, 'a non-empty name', len),
+    'gradient_accumulation_steps': at_least(1),
+    'batch_size': at_least(1),
+    'block_size': at_least(1),
+    'n_layer': at_least(1),
+    'n_head': at_least(1),
+    'n_kv_head': at_least(0),
+    'n_embd': at_least(1),
+    'mlp_hidden': at_least(0),
+    'dropout': between(0, 1),
     'vocab_size': at_least(0),
-    'learning_rate': above(0), 'max_iters': at_least(0), 'weight_decay': at_least(0),
-    'beta1': between(0, 1), 'beta2': between(0, 1), 'momentum': between(0, 1),
-    'grad_clip': at_least(0), 'warmup_iters': at_least(0), 'lr_decay_iters': at_least(0), 'min_lr': at_least(0),
+    'learning_rate': above(0),
+    'max_iters': at_least(0),
+    'weight_decay': at_least(0),
+    'beta1': between(0, 1),
+    'beta2': between(0, 1),
+    'momentum': between(0, 1),
+    'grad_clip': at_least(0),
+    'warmup_iters': at_least(0),
+    'lr_decay_iters': at_least(0),
+    'min_lr': at_least(0),
     'method': one_of(*METHOD_NAMES, label='method'),
-    'golore_svd_fraction': between(0, 1, closed=True), 'precision': one_of(*PRECISIONS, label='precision'),
-    'master_device': one_of('', 'cpu', described="'' (the weights' device) or 'cpu'"), 'dtype': one_of(*PTDTYPES, label='dtype'), 'backend': one_of('nccl', 'gloo'),
-    'parallel': one_of('ddp', 'fsdp'), 'dist_timeout_s': at_least(1),
-    'checkpoint_format': one_of('auto', 'file', 'dcp'), 'keep_last': at_least(0), 'eval_mc_limit': at_least(0), 'checkpoint_async': one_of('auto', 'yes', 'no'),
-    **omgd.RULES, **optim.RULES, **galore.RULES, **dataloader.RULES, **memory_options.RULES,  # the libraries' own keys, each rule written once, there
+    'golore_svd_fraction': between(0, 1, closed=True),
+    'precision': one_of(*PRECISIONS, label='precision'),
+    'master_device': one_of('', 'cpu', described="'' (the weights' device) or 'cpu'"),
+    'dtype': one_of(*PTDTYPES, label='dtype'),
+    'backend': one_of('nccl', 'gloo'),
+    'parallel': one_of('ddp', 'fsdp'),
+    'dist_timeout_s': at_least(1),
+    'checkpoint_format': one_of('auto', 'file', 'dcp'),
+    'keep_last': at_least(0),
+    'eval_mc_limit': at_least(0),
+    'checkpoint_async': one_of('auto', 'yes', 'no'),
+    **omgd.RULES,
+    **optim.RULES,
+    **galore.RULES,
+    **dataloader.RULES,
+    **memory_options.RULES,  # the libraries' own keys, each rule written once, there
 }
 
 
@@ -162,49 +215,72 @@ def check(cfg):
     together (nothing is built yet)."""
     for key, rule in RULES.items():
         check_rule(key, cfg[key], rule)
-    if cfg['init_from'] not in ('scratch', 'resume', 'auto') and not cfg['init_from'].startswith('gpt2') \
-            and not os.path.isdir(cfg['init_from']):
-        raise ValueError(f"init_from must be 'scratch', 'resume', 'auto', a GPT-2 name or a Hugging Face model directory, "
-                         f"got {cfg['init_from']!r}")
+    if (
+        cfg['init_from'] not in ('scratch', 'resume', 'auto')
+        and not cfg['init_from'].startswith('gpt2')
+        and not os.path.isdir(cfg['init_from'])
+    ):
+        raise ValueError(
+            f"init_from must be 'scratch', 'resume', 'auto', a GPT-2 name or a Hugging Face model directory, "
+            f"got {cfg['init_from']!r}"
+        )
     check_preset(cfg)
     check_arch(cfg['arch'])
     omgd.check_always([part for part in cfg['omgd_always'].split(',') if part])
     if cfg['min_lr'] > cfg['learning_rate']:
-        raise ValueError(f"min_lr={cfg['min_lr']} is above learning_rate={cfg['learning_rate']}; the schedule decays "
-                         f"to min_lr: lower --min_lr")
+        raise ValueError(
+            f"min_lr={cfg['min_lr']} is above learning_rate={cfg['learning_rate']}; the schedule decays "
+            f"to min_lr: lower --min_lr"
+        )
     if cfg['decay_lr'] and cfg['lr_decay_iters'] < cfg['warmup_iters']:
-        raise ValueError(f"lr_decay_iters={cfg['lr_decay_iters']} ends before warmup_iters={cfg['warmup_iters']}; "
-                         f"raise --lr_decay_iters (usually max_iters)")
+        raise ValueError(
+            f"lr_decay_iters={cfg['lr_decay_iters']} ends before warmup_iters={cfg['warmup_iters']}; "
+            f"raise --lr_decay_iters (usually max_iters)"
+        )
     if cfg['master_device'] and cfg['precision'] != 'bf16_master':
-        raise ValueError(f"master_device={cfg['master_device']!r} places fp32 master weights, which only "
-                         f"precision='bf16_master' has; add --precision=bf16_master")
+        raise ValueError(
+            f"master_device={cfg['master_device']!r} places fp32 master weights, which only "
+            f"precision='bf16_master' has; add --precision=bf16_master"
+        )
     if cfg['precision'] != 'amp' and cfg['dtype'] == 'float16':
-        raise ValueError(f"dtype='float16' is the autocast dtype of precision='amp'; precision={cfg['precision']!r} "
-                         f"trains bf16 weights: drop --dtype or use --precision=amp")
+        raise ValueError(
+            f"dtype='float16' is the autocast dtype of precision='amp'; precision={cfg['precision']!r} "
+            f"trains bf16 weights: drop --dtype or use --precision=amp"
+        )
     if cfg['precision'] == 'bf16_master' and cfg['optimizer'] == 'sgd' and cfg['method'] not in GALORE_METHODS:
-        raise ValueError("precision='bf16_master' keeps AdamW's fp32 master weights; use --optimizer=adamw, "
-                         "or --precision=bf16 for SGD on bf16 weights")
+        raise ValueError(
+            "precision='bf16_master' keeps AdamW's fp32 master weights; use --optimizer=adamw, "
+            "or --precision=bf16 for SGD on bf16 weights"
+        )
     # a shape no machine holds is refused here, before building it takes forever or overflows in torch
     width, depth, vocab = max(cfg['n_embd'], 1), cfg['n_layer'], cfg['vocab_size'] or 50304
-    if cfg['preset'] == '' and depth * 12 * width ** 2 + 2 * vocab * width > 10 ** 14:
-        raise ValueError(f"n_layer={depth}, n_embd={width} and vocab_size={vocab} make a model of over 10^14 "
-                         f"parameters; lower --n_layer or --n_embd")
+    if cfg['preset'] == '' and depth * 12 * width**2 + 2 * vocab * width > 10**14:
+        raise ValueError(
+            f"n_layer={depth}, n_embd={width} and vocab_size={vocab} make a model of over 10^14 "
+            f"parameters; lower --n_layer or --n_embd"
+        )
     if cfg['checkpoint_sublayers'] and not cfg['activation_checkpointing']:
-        raise ValueError("checkpoint_sublayers=True splits activation checkpointing per sublayer; add "
-                         "--activation_checkpointing=True or drop --checkpoint_sublayers")
+        raise ValueError(
+            "checkpoint_sublayers=True splits activation checkpointing per sublayer; add "
+            "--activation_checkpointing=True or drop --checkpoint_sublayers"
+        )
 
 
 def check_preset(cfg):
     """A preset sets the architecture (builder.transformer_kwargs): a shape key changed next to it would be
     silently ignored, so refuse it (vocab_size is the exception: the tokenizer's, it overrides)."""
-    from model import PRESETS, check_preset as check_name
+    from model import PRESETS
+    from model import check_preset as check_name
+
     if cfg['preset']:
         check_name(cfg['preset'])
         preset = PRESETS[cfg['preset']]  # the keys it sets; a value equal to the preset's is consistent
         changed = [k for k in SHAPE_KEYS if k in preset and cfg[k] not in (DEFAULTS[k], preset[k])]
         if changed:
-            raise ValueError(f"preset={cfg['preset']!r} sets the architecture, so {changed[0]}={cfg[changed[0]]!r} "
-                             f"would be ignored; pass --preset='' to give the shape by its keys")
+            raise ValueError(
+                f"preset={cfg['preset']!r} sets the architecture, so {changed[0]}={cfg[changed[0]]!r} "
+                f"would be ignored; pass --preset='' to give the shape by its keys"
+            )
 
 
 # what a resume cannot change, and why: the checkpoint's schedule, data position, state and weights belong to them
@@ -217,13 +293,24 @@ FIXED_ON_RESUME = {
     **optim.FIXED_ON_RESUME,
     # every TransformerConfig field with a key of its own (a fork's new one too), but the data's vocab_size and
     # the run's dropout
-    **{f.name: 'the weights have that shape' if f.name in SHAPE_KEYS else 'its model was built with it'
-       for f in dataclasses.fields(TransformerConfig) if f.name in DEFAULTS and f.name not in ('vocab_size', 'dropout',
-                                                                                               'block_size')},
+    **{
+        f.name: 'the weights have that shape' if f.name in SHAPE_KEYS else 'its model was built with it'
+        for f in dataclasses.fields(TransformerConfig)
+        if f.name in DEFAULTS and f.name not in ('vocab_size', 'dropout', 'block_size')
+    },
 }
 # taken from this command (or this machine's defaults), never from the checkpoint
-THIS_COMMAND = ('init_from', 'out_dir', 'overwrite', 'eval_only', 'device', 'dtype', 'compile', 'backend',
-                'checkpoint_async')
+THIS_COMMAND = (
+    'init_from',
+    'out_dir',
+    'overwrite',
+    'eval_only',
+    'device',
+    'dtype',
+    'compile',
+    'backend',
+    'checkpoint_async',
+)
 
 
 def check_resume(saved, model_args, cfg, given):
@@ -231,15 +318,19 @@ def check_resume(saved, model_args, cfg, given):
     checkpoint of config `saved` and `model_args`: every such key in one message. Returns what the
     checkpoint fixes: its config, its architecture on top (a config may predate that rule)."""
     # a key newer than the checkpoint: it trained as that key's default does (precision: amp)
-    truth = {**{k: DEFAULTS[k] for k in FIXED_ON_RESUME if k in DEFAULTS}, **saved,
-             **{k: v for k, v in model_args.items() if k in FIXED_ON_RESUME}}
+    truth = {
+        **{k: DEFAULTS[k] for k in FIXED_ON_RESUME if k in DEFAULTS},
+        **saved,
+        **{k: v for k, v in model_args.items() if k in FIXED_ON_RESUME},
+    }
     conflicts = []
     for k, why in FIXED_ON_RESUME.items():
         if k in given and k in truth and cfg[k] != truth[k]:
             verb = 'conflicts with' if k in model_args and k != 'block_size' else 'differs from'
             new_run = ', or start a new run with --init_from=scratch in another --out_dir' if 'schedule' in why else ''
-            conflicts.append(f"{k}={cfg[k]!r} {verb} the checkpoint's {truth[k]!r} ({why}); resume with "
-                             f"--{k}={truth[k]}{new_run}")
+            conflicts.append(
+                f"{k}={cfg[k]!r} {verb} the checkpoint's {truth[k]!r} ({why}); resume with --{k}={truth[k]}{new_run}"
+            )
     if conflicts:  # every one at once (a resume takes the checkpoint's config: dropping them is enough)
         raise ValueError('; '.join(conflicts))
     return truth
@@ -259,19 +350,27 @@ def warnings(cfg):
     lines, run = [], cfg['max_iters']
     cycles = cfg['method'] in omgd.METHODS and cfg['method'] != 'full'
     if cycles and cfg['omgd_warmup'] >= run > 0:
-        lines.append(f"omgd_warmup={cfg['omgd_warmup']} covers the whole run (max_iters={run}): every block trains "
-                     f"at every step and {cfg['method']} never starts; lower --omgd_warmup")
+        lines.append(
+            f"omgd_warmup={cfg['omgd_warmup']} covers the whole run (max_iters={run}): every block trains "
+            f"at every step and {cfg['method']} never starts; lower --omgd_warmup"
+        )
     elif cycles and cfg['omgd_period'] >= run - cfg['omgd_warmup'] > 0:
-        lines.append(f"omgd_period={cfg['omgd_period']} is as long as the cycling part of the run ({run - cfg['omgd_warmup']} "
-                     f"iterations): the active set never switches, so most blocks never train; lower --omgd_period")
+        lines.append(
+            f"omgd_period={cfg['omgd_period']} is as long as the cycling part of the run ({run - cfg['omgd_warmup']} "
+            f"iterations): the active set never switches, so most blocks never train; lower --omgd_period"
+        )
     if cfg['decay_lr'] and cfg['warmup_iters'] >= run > 0:
-        lines.append(f"warmup_iters={cfg['warmup_iters']} is as long as the run (max_iters={run}): the learning rate "
-                     f"never reaches learning_rate={cfg['learning_rate']}; lower --warmup_iters")
+        lines.append(
+            f"warmup_iters={cfg['warmup_iters']} is as long as the run (max_iters={run}): the learning rate "
+            f"never reaches learning_rate={cfg['learning_rate']}; lower --warmup_iters"
+        )
     if run == 0 and cfg['init_from'] != 'resume' and not cfg['eval_only']:
         lines.append("max_iters=0: this run evaluates the initial model and trains nothing; raise --max_iters")
     if cfg['learning_rate'] > 1:  # AdamW and SGD alike: steps of that size diverge at once
-        lines.append(f"learning_rate={cfg['learning_rate']} is above 1, where training diverges (AdamW's usual "
-                     f"values are 1e-4 to 1e-2); lower --learning_rate")
+        lines.append(
+            f"learning_rate={cfg['learning_rate']} is above 1, where training diverges (AdamW's usual "
+            f"values are 1e-4 to 1e-2); lower --learning_rate"
+        )
     return lines
 
 
@@ -282,8 +381,10 @@ def check_device(device):
     if device.startswith('cpu:'):
         raise ValueError(f"device={device!r}: torch counts the CPU as one device; use --device=cpu")
     if device.startswith('cuda') and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but this machine has no CUDA GPU (torch {torch.__version__}); "
-                         f"use --device=cpu or install a CUDA build of torch")
+        raise ValueError(
+            f"device={device!r} but this machine has no CUDA GPU (torch {torch.__version__}); "
+            f"use --device=cpu or install a CUDA build of torch"
+        )
 
 
 def check_parallel(cfg, world_size, fsdp):
@@ -291,27 +392,39 @@ def check_parallel(cfg, world_size, fsdp):
     FSDP2 (fsdp=True) or not; known once the process group is up (distributed.setup)."""
     if fsdp and cfg['dtype'] == 'float16':
         # GradScaler's overflow check would see only this rank's gradient shards, so ranks could disagree
-        raise ValueError("dtype='float16' is not supported with parallel='fsdp' (its loss scaling sees only local "
-                         "shards); use --dtype=bfloat16")
+        raise ValueError(
+            "dtype='float16' is not supported with parallel='fsdp' (its loss scaling sees only local "
+            "shards); use --dtype=bfloat16"
+        )
     if fsdp and cfg['omgd_state'] == 'offload':
-        raise ValueError("omgd_state='offload' is not supported with parallel='fsdp' (the sharded optimizer state "
-                         "stays on its device); use --omgd_state=drop or --omgd_state=keep")
+        raise ValueError(
+            "omgd_state='offload' is not supported with parallel='fsdp' (the sharded optimizer state "
+            "stays on its device); use --omgd_state=drop or --omgd_state=keep"
+        )
     if fsdp and cfg['precision'] == 'bf16_master':
-        raise ValueError("precision='bf16_master' is not supported with parallel='fsdp' (FSDP2 keeps fp32 shards and "
-                         "computes in bf16 under precision='amp', which is its own master-weight scheme); use "
-                         "--precision=amp")
+        raise ValueError(
+            "precision='bf16_master' is not supported with parallel='fsdp' (FSDP2 keeps fp32 shards and "
+            "computes in bf16 under precision='amp', which is its own master-weight scheme); use "
+            "--precision=amp"
+        )
     if fsdp and cfg['eval_mc_path']:
-        raise ValueError("eval_mc_path is not supported with parallel='fsdp' (its scoring calls the sharded head "
-                         "directly); score the checkpoints with eval.py --mc_path, or use --parallel=ddp")
+        raise ValueError(
+            "eval_mc_path is not supported with parallel='fsdp' (its scoring calls the sharded head "
+            "directly); score the checkpoints with eval.py --mc_path, or use --parallel=ddp"
+        )
     if fsdp and cfg['method'] in GALORE_METHODS:
-        raise ValueError(f"method={cfg['method']!r} is not supported with parallel='fsdp' (its projections need "
-                         f"whole gradients); use --parallel=ddp")
+        raise ValueError(
+            f"method={cfg['method']!r} is not supported with parallel='fsdp' (its projections need "
+            f"whole gradients); use --parallel=ddp"
+        )
     steps = cfg['gradient_accumulation_steps']
     if steps % world_size:
-        raise ValueError(f"gradient_accumulation_steps={steps} counts micro-steps summed over all ranks and must be "
-                         f"a multiple of the {world_size} ranks, e.g. --gradient_accumulation_steps="
-                         f"{world_size * math.ceil(steps / world_size)} (tokens per iteration = "
-                         f"gradient_accumulation_steps x batch_size x block_size)")
+        raise ValueError(
+            f"gradient_accumulation_steps={steps} counts micro-steps summed over all ranks and must be "
+            f"a multiple of the {world_size} ranks, e.g. --gradient_accumulation_steps="
+            f"{world_size * math.ceil(steps / world_size)} (tokens per iteration = "
+            f"gradient_accumulation_steps x batch_size x block_size)"
+        )
 
 
 def gpu_defaults():

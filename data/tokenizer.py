@@ -14,6 +14,7 @@ vocab_size gives the vocabulary (tokenizer None) but nothing to decode with.
 
 Importing this module imports neither numpy nor a tokenizer library; each is loaded on first use.
 """
+
 import json
 import os
 import pickle
@@ -72,8 +73,9 @@ def _meta_problem(meta):
     if name is not None and (not isinstance(name, str) or not name):  # None: a bare vocabulary, no tokenizer
         return f"tokenizer={name!r} names no tokenizer ('gpt2', 'char' or a directory)"
     counts = meta.get('n_ids', {})
-    if not isinstance(counts, dict) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                                               for n in counts.values()):
+    if not isinstance(counts, dict) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts.values()
+    ):
         return f"n_ids={counts!r} is not a dict of id counts"
     if name == 'char' and not (isinstance(meta.get('stoi'), dict) and isinstance(meta.get('itos'), dict)):
         return "tokenizer='char' without its stoi and itos"
@@ -90,8 +92,10 @@ class Tokenizer:
     def __init__(self, name='gpt2', itos=None):
         if name == 'char':
             if itos is None:
-                raise ValueError("--tokenizer=char: characters are read from the text by "
-                                 "data/shakespeare_char/prepare.py; give 'gpt2' or a Hugging Face tokenizer directory")
+                raise ValueError(
+                    "--tokenizer=char: characters are read from the text by "
+                    "data/shakespeare_char/prepare.py; give 'gpt2' or a Hugging Face tokenizer directory"
+                )
             self.itos, self.stoi = dict(itos), {c: i for i, c in itos.items()}
             self.vocab_size, self.eot = len(itos), None
         elif name == 'gpt2':
@@ -110,16 +114,21 @@ class Tokenizer:
         """The tokenizer a read_meta() dict records; ValueError when it is gone or has changed."""
         name = meta['tokenizer']
         if name is None:
-            raise ValueError("the dataset's meta.pkl records a vocab_size but no tokenizer to decode with; prepare "
-                             "the dataset again")
+            raise ValueError(
+                "the dataset's meta.pkl records a vocab_size but no tokenizer to decode with; prepare the dataset again"
+            )
         if name not in ('char', 'gpt2') and not os.path.isfile(os.path.join(name, 'tokenizer.json')):
-            raise ValueError(f"the dataset's tokenizer {name} (recorded in its meta.pkl) has no tokenizer.json any "
-                             f"more; restore that directory or prepare the dataset again")
+            raise ValueError(
+                f"the dataset's tokenizer {name} (recorded in its meta.pkl) has no tokenizer.json any "
+                f"more; restore that directory or prepare the dataset again"
+            )
         tok = cls(name, meta.get('itos'))
         if tok.vocab_size > meta['vocab_size']:
-            raise ValueError(f"the tokenizer {tok.name} has {tok.vocab_size} ids, the dataset was prepared with "
-                             f"{meta['vocab_size']}: it is not the tokenizer of this dataset; restore it or prepare "
-                             f"the dataset again")
+            raise ValueError(
+                f"the tokenizer {tok.name} has {tok.vocab_size} ids, the dataset was prepared with "
+                f"{meta['vocab_size']}: it is not the tokenizer of this dataset; restore it or prepare "
+                f"the dataset again"
+            )
         return tok
 
     def record(self):
@@ -134,6 +143,7 @@ class Tokenizer:
         if getattr(self, '_loaded', None) is None:
             if self.name == 'gpt2':
                 from data.gpt2_bpe import gpt2_encoding
+
                 self._loaded = gpt2_encoding()
             else:
                 self._loaded = _hf_load(self.name)
@@ -191,8 +201,10 @@ class Tokenizer:
 def _hf_load(directory):
     path = os.path.join(directory, 'tokenizer.json')
     if not os.path.isfile(path):
-        raise ValueError(f"tokenizer {directory}: no tokenizer.json there; give a local Hugging Face tokenizer "
-                         f"directory (one with tokenizer.json), or 'gpt2'")
+        raise ValueError(
+            f"tokenizer {directory}: no tokenizer.json there; give a local Hugging Face tokenizer "
+            f"directory (one with tokenizer.json), or 'gpt2'"
+        )
     try:
         from tokenizers import Tokenizer as HFTokenizer
     except ImportError:
@@ -220,5 +232,7 @@ def _hf_eot(directory, tok):
     for name in names:
         if tok.token_to_id(name) is not None:
             return tok.token_to_id(name)
-    raise ValueError(f"tokenizer {directory} has no end-of-text token to put between documents (none of "
-                     f"{', '.join(names)}); name it as eos_token in its tokenizer_config.json")
+    raise ValueError(
+        f"tokenizer {directory} has no end-of-text token to put between documents (none of "
+        f"{', '.join(names)}); name it as eos_token in its tokenizer_config.json"
+    )

@@ -5,7 +5,8 @@ as train.py saves and resumes them. Prints seconds and each rank's peak host mem
 before each phase through /proc/self/clear_refs) for a model of a preset, AdamW state for every
 parameter (method 'full': the largest state a checkpoint holds).
 
-$ OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 experiments/bench_checkpoint.py --preset=gpt2 --parallel=fsdp
+$ OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 experiments/bench_checkpoint.py \\
+    --preset=gpt2 --parallel=fsdp
 
 Keys: preset, vocab_size, parallel ('fsdp' or 'ddp'), out_dir (where the checkpoints go), formats
 (comma-separated: file, dcp (written before save returns), dcp_async (returns once the state is
@@ -14,6 +15,7 @@ process; out_dir emptied first and removed at the end), or 'save' then 'load' in
 (memory a phase freed stays in the process's allocator, so a later phase's peak in the same
 process reads low). results/checkpoint_formats.md.
 """
+
 import gc
 import os
 import shutil
@@ -24,15 +26,21 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
-from infra import checkpoint as ckpt_io  # noqa: E402
-from infra import checkpoint_dcp, distributed  # noqa: E402
 import builder  # noqa: E402
 import train_config  # noqa: E402
 from configurator import command_line  # noqa: E402
+from infra import checkpoint as ckpt_io  # noqa: E402
+from infra import checkpoint_dcp, distributed  # noqa: E402
 from trainer import grad_scaler  # noqa: E402
 
-DEFAULTS = dict(preset='gpt2', vocab_size=50304, parallel='fsdp', out_dir='bench-checkpoint',
-                formats='file,dcp,dcp_async', phase='both')
+DEFAULTS = dict(
+    preset='gpt2',
+    vocab_size=50304,
+    parallel='fsdp',
+    out_dir='bench-checkpoint',
+    formats='file,dcp,dcp_async',
+    phase='both',
+)
 
 
 def rss_kib(field):
@@ -83,9 +91,18 @@ def main(argv):
     cfg = command_line(argv, DEFAULTS, usage=__doc__)
     ranks, device = distributed.setup('gloo', 'cpu')
     fsdp = ranks.enabled and cfg['parallel'] == 'fsdp'
-    train_cfg = {**train_config.DEFAULTS, **train_config.machine_defaults(cuda=False), 'preset': cfg['preset'],
-                 'vocab_size': cfg['vocab_size'], 'method': 'full', 'parallel': cfg['parallel'], 'compile': False,
-                 'out_dir': cfg['out_dir'], 'dropout': 0.0, 'block_size': 1024}
+    train_cfg = {
+        **train_config.DEFAULTS,
+        **train_config.machine_defaults(cuda=False),
+        'preset': cfg['preset'],
+        'vocab_size': cfg['vocab_size'],
+        'method': 'full',
+        'parallel': cfg['parallel'],
+        'compile': False,
+        'out_dir': cfg['out_dir'],
+        'dropout': 0.0,
+        'block_size': 1024,
+    }
     shard = (lambda m: distributed.shard_fsdp(m, ranks, 'cpu', None)) if fsdp else None
     out_dir = cfg['out_dir']
     if ranks.master and cfg['phase'] in ('both', 'save'):
@@ -99,33 +116,52 @@ def main(argv):
             rows.append((name, phase.seconds, stats, extra))
             r0 = stats[0]
             others = ', '.join(f"rank {r}: {s[1] / 2**20:.2f} GiB" for r, s in enumerate(stats) if r)
-            print(f"{name:<22} {phase.seconds:7.2f} s  rank 0: RSS {r0[0] / 2**20:.2f} GiB before, peak "
-                  f"{r0[1] / 2**20:.2f} GiB (+{(r0[1] - r0[0]) / 2**20:.2f})"
-                  f"{f'; peak {others}' if others else ''}{extra}", flush=True)
+            print(
+                f"{name:<22} {phase.seconds:7.2f} s  rank 0: RSS {r0[0] / 2**20:.2f} GiB before, peak "
+                f"{r0[1] / 2**20:.2f} GiB (+{(r0[1] - r0[0]) / 2**20:.2f})"
+                f"{f'; peak {others}' if others else ''}{extra}",
+                flush=True,
+            )
 
     formats = cfg['formats'].split(',')
-    where = {fmt: os.path.join(out_dir, 'ckpt.pt') if fmt == 'file' else checkpoint_dcp.latest(os.path.join(out_dir, fmt))
-             for fmt in formats}
+    where = {
+        fmt: os.path.join(out_dir, 'ckpt.pt') if fmt == 'file' else checkpoint_dcp.latest(os.path.join(out_dir, fmt))
+        for fmt in formats
+    }
     if cfg['phase'] == 'load':
         return load_phase(cfg, ranks, train_cfg, shard, fsdp, formats, where, report)
     # the model and a full AdamW state, built as train.py builds them (sharded under fsdp)
     torch.manual_seed(0)
-    model, optimizer, cycler = builder.build(train_cfg, 'cpu', model=builder.new_model(
-        __import__('model').TransformerConfig(**builder.transformer_kwargs(train_cfg, cfg['vocab_size'])), 'cpu'),
-        shard=shard)
+    model, optimizer, cycler = builder.build(
+        train_cfg,
+        'cpu',
+        model=builder.new_model(
+            __import__('model').TransformerConfig(**builder.transformer_kwargs(train_cfg, cfg['vocab_size'])), 'cpu'
+        ),
+        shard=shard,
+    )
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     n_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one
     if ranks.master:
-        print(f"{cfg['preset']} ({n_params / 1e6:.1f}M parameters), AdamW state for all, {cfg['parallel']} on "
-              f"{ranks.world_size} gloo rank(s), torch {torch.__version__}", flush=True)
-    objects = {'model': model, 'optimizer': optimizer, 'cycler': cycler,
-               'scaler': grad_scaler(train_cfg, 'cpu')}
+        print(
+            f"{cfg['preset']} ({n_params / 1e6:.1f}M parameters), AdamW state for all, {cfg['parallel']} on "
+            f"{ranks.world_size} gloo rank(s), torch {torch.__version__}",
+            flush=True,
+        )
+    objects = {'model': model, 'optimizer': optimizer, 'cycler': cycler, 'scaler': grad_scaler(train_cfg, 'cpu')}
     import dataclasses
-    values = {'data': {}, 'model_args': dataclasses.asdict(model.config), 'iter_num': 1, 'best_val_loss': 0.0,
-              'config': train_cfg, 'wandb_id': None}
+
+    values = {
+        'data': {},
+        'model_args': dataclasses.asdict(model.config),
+        'iter_num': 1,
+        'best_val_loss': 0.0,
+        'config': train_cfg,
+        'wandb_id': None,
+    }
     for fmt in formats:
         if fmt == 'file':
             path = os.path.join(out_dir, 'ckpt.pt')

@@ -18,6 +18,7 @@ For several LISA-wor switches this times, as the slowest rank sees it:
            steady backward communicates (and, once, of all the model's elements, for comparison).
 Rank 0 prints one row per switch and the medians.
 """
+
 import os
 import statistics
 import sys
@@ -28,21 +29,26 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
-from infra import distributed  # noqa: E402
 import omgd  # noqa: E402
 from configurator import at_least, command_line  # noqa: E402
-from model import Transformer, TransformerConfig, config_from_preset  # noqa: E402
+from infra import distributed  # noqa: E402
 from infra.distributed import wrap_ddp  # noqa: E402
+from model import Transformer, TransformerConfig, config_from_preset  # noqa: E402
 
 DEFAULTS = dict(preset='gpt2', gamma=3, switches=5, batch_size=1, block_size=64)
-MEANINGS = dict(preset="a model.py preset, or 'tiny' (the tests' 4x32 model)",
-                gamma='active blocks per period (the GPT-2 config: 3 of 12)', switches='switches timed')
+MEANINGS = dict(
+    preset="a model.py preset, or 'tiny' (the tests' 4x32 model)",
+    gamma='active blocks per period (the GPT-2 config: 3 of 12)',
+    switches='switches timed',
+)
 RULES = {k: at_least(1) for k in ('gamma', 'switches', 'batch_size', 'block_size')}
 args = SimpleNamespace(**command_line(sys.argv[1:], DEFAULTS, RULES, __doc__, MEANINGS))
 
 ranks, _ = distributed.setup('gloo', 'cpu')
 if not ranks.enabled:
-    raise SystemExit("error: run under torchrun, e.g. torchrun --standalone --nproc_per_node=2 experiments/bench_ddp_switch.py")
+    raise SystemExit(
+        "error: run under torchrun, e.g. torchrun --standalone --nproc_per_node=2 experiments/bench_ddp_switch.py"
+    )
 rank, world = ranks.rank, ranks.world_size
 torch.manual_seed(0)
 if args.preset == 'tiny':
@@ -79,11 +85,13 @@ def forward_backward():
 ddp = None
 rows = []
 for i in range(args.switches + 1):
+
     def switch():
         global ddp
         cycler.step(i)
         ddp = None  # the last reference: the old reducer goes now
         ddp = wrap_ddp(model, ranks, 'cpu', init_sync=(i == 0))
+
     cost = timed(switch)
     first, steady = timed(forward_backward), timed(forward_backward)
     active = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -96,11 +104,15 @@ total = sum(p.numel() for p in model.parameters())
 flat = torch.zeros(total)
 reduce_all = statistics.median(timed(lambda: dist.all_reduce(flat)) for _ in range(3))
 if rank == 0:
-    print(f"{args.preset}: {total / 1e6:.1f}M parameters, LISA-wor gamma={args.gamma} of {config.n_layer}, "
-          f"{world} ranks, gloo, batch {args.batch_size}x{args.block_size}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} thread(s) per rank")
-    print("| active blocks | active params | switch (ms) | first fwd+bwd (ms) | steady fwd+bwd (ms) | "
-          "all_reduce of the active grads (ms) |")
+    print(
+        f"{args.preset}: {total / 1e6:.1f}M parameters, LISA-wor gamma={args.gamma} of {config.n_layer}, "
+        f"{world} ranks, gloo, batch {args.batch_size}x{args.block_size}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s) per rank"
+    )
+    print(
+        "| active blocks | active params | switch (ms) | first fwd+bwd (ms) | steady fwd+bwd (ms) | "
+        "all_reduce of the active grads (ms) |"
+    )
     print("|---|---|---|---|---|---|")
     for blocks, active, cost, first, steady, reduce in rows:
         print(f"| {blocks} | {active / 1e6:.2f}M | {cost:.1f} | {first:.1f} | {steady:.1f} | {reduce:.1f} |")

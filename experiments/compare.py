@@ -24,8 +24,10 @@ Variants are METHOD or METHOD:SAMPLING (sampling rr by default), e.g.
 
 Outputs in --out_dir (default out/, git-ignored; results/ only when named): NAME.md (table),
 NAME.json (everything, curves included) and NAME_loss.png (val loss vs iteration, mean over seeds,
-band = min..max over seeds); NAME is --name, 'compare' by default. `--replot=True` rewrites the table and plot from an existing NAME.json without training.
+band = min..max over seeds); NAME is --name, 'compare' by default. `--replot=True` rewrites the table
+and plot from an existing NAME.json without training.
 """
+
 import json
 import math
 import os
@@ -41,10 +43,20 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runner  # noqa: E402
 import stats  # noqa: E402
+
 from configurator import at_least, command_line  # noqa: E402
 
-DEFAULT_VARIANTS = ('full', 'lisa', 'lisa_scale', 'lisa_wor', 'lisa_wor_noscale', 'galore', 'golore',
-                    'full:iid', 'lisa_wor:iid')
+DEFAULT_VARIANTS = (
+    'full',
+    'lisa',
+    'lisa_scale',
+    'lisa_wor',
+    'lisa_wor_noscale',
+    'galore',
+    'golore',
+    'full:iid',
+    'lisa_wor:iid',
+)
 SAMPLINGS = ('rr', 'iid')
 # model / schedule flags passed through to train.py unchanged (name, type, default)
 TRAIN_FLAGS = (
@@ -70,6 +82,8 @@ TRAIN_FLAGS = (
     ('galore_update_proj_gap', int, 50),
     ('galore_scale', float, 0.25),
 )
+
+
 def parse_variant(spec):
     method, _, sampling = spec.partition(':')
     sampling = sampling or 'rr'
@@ -80,9 +94,16 @@ def parse_variant(spec):
 
 def train_args(variant, seed, args):
     """train.py's arguments for one run (runner.train_argv adds the CPU flags and the out_dir)."""
-    argv = [f'--method={variant["method"]}', f'--sampling={variant["sampling"]}',
-            f'--seed={seed}', f'--data_seed={seed}', f'--omgd_seed={seed}',
-            f'--max_iters={args.max_iters}', f'--lr_decay_iters={args.max_iters}', '--decay_lr=True']
+    argv = [
+        f'--method={variant["method"]}',
+        f'--sampling={variant["sampling"]}',
+        f'--seed={seed}',
+        f'--data_seed={seed}',
+        f'--omgd_seed={seed}',
+        f'--max_iters={args.max_iters}',
+        f'--lr_decay_iters={args.max_iters}',
+        '--decay_lr=True',
+    ]
     argv += [f'--{name}={getattr(args, name)}' for name, _, _ in TRAIN_FLAGS]
     return argv + list(args.train_arg)
 
@@ -94,13 +115,17 @@ def run_name(variant, seed):
 def run_all(variants, seeds, args, runs_dir):
     """Every (variant, seed) run, seed-major (a partial batch still pairs methods), args.jobs at a
     time; a run already finished in runs_dir is read back, not re-run. Returns the results."""
-    jobs = [{'name': run_name(v, s), 'variant': v['name'], 'method': v['method'], 'sampling': v['sampling'],
-             'seed': s} for s in seeds for v in variants]
+    jobs = [
+        {'name': run_name(v, s), 'variant': v['name'], 'method': v['method'], 'sampling': v['sampling'], 'seed': s}
+        for s in seeds
+        for v in variants
+    ]
 
     def launch(job, out_dir):
         variant = {'name': job['variant'], 'method': job['method'], 'sampling': job['sampling']}
-        return runner.run_train(train_args(variant, job['seed'], args), out_dir, args.max_iters, args.threads,
-                                args.keep_checkpoints)
+        return runner.run_train(
+            train_args(variant, job['seed'], args), out_dir, args.max_iters, args.threads, args.keep_checkpoints
+        )
 
     return list(runner.run_all(jobs, runs_dir, launch, args.jobs).values())
 
@@ -114,6 +139,7 @@ def train_config(method, args):
     included) read as train.py reads them, and the vocabulary train.py
     would use (vocab_size, else the dataset's meta.pkl, else 0: builder.transformer_kwargs' 50304)."""
     from dataloader import dataset_vocab
+
     cfg = runner.config_of(train_args({'method': method, 'sampling': 'rr'}, 0, args))
     return cfg, dataset_vocab(cfg['dataset'], cfg['vocab_size'])
 
@@ -122,6 +148,7 @@ def model_config(args):
     """The TransformerConfig train.py builds for these flags (a bad --train_args key or model shape raises a
     one-line ValueError)."""
     from infra import memory_estimate
+
     return memory_estimate.model_config(train_config('full', args)[0])
 
 
@@ -139,6 +166,7 @@ def measure_memory(method, args):
     from infra import memory_estimate
     from train_config import GALORE_METHODS
     from trainer import Trainer
+
     try:
         cfg, vocab = train_config(method, args)  # checked as train.py checks it
         torch.manual_seed(0)
@@ -160,14 +188,22 @@ def measure_memory(method, args):
                 mem.update(now)
 
         periods = len(model.blocks) // max(1, cfg['omgd_gamma']) + 1
-        trainer = Trainer(cfg, model, opt, cycler, batches(), 'cpu',  # train.py's iteration
-                          observer=SimpleNamespace(before_zero_grad=record))
+        trainer = Trainer(
+            cfg,
+            model,
+            opt,
+            cycler,
+            batches(),
+            'cpu',  # train.py's iteration
+            observer=SimpleNamespace(before_zero_grad=record),
+        )
         for k in range(periods):
             trainer.step(cfg['omgd_warmup'] + k * cfg['omgd_period'])  # a switch (after any full-training warm-up)
         mem['periods_measured'] = periods
         mem['n_params'] = sum(p.numel() for p in model.parameters())
         if method in GALORE_METHODS:
             import galore
+
             mem['projector'] = galore.projector_bytes(opt)  # memory_estimate.memory_bytes leaves projectors out
         mem['grads_plus_optimizer'] = mem['grads'] + mem['optimizer']
         return mem
@@ -188,19 +224,30 @@ def summarize(variants, runs, memory):
         mean, std = stats.mean_std(finals)
         curve = None
         if ok and all(r['eval_iters'] == ok[0]['eval_iters'] for r in ok):
-            curve = {'iters': ok[0]['eval_iters'],
-                     'mean': [statistics.fmean(c) for c in zip(*[r['val_loss'] for r in ok])],
-                     'min': [min(c) for c in zip(*[r['val_loss'] for r in ok])],
-                     'max': [max(c) for c in zip(*[r['val_loss'] for r in ok])]}
+            curve = {
+                'iters': ok[0]['eval_iters'],
+                'mean': [statistics.fmean(c) for c in zip(*[r['val_loss'] for r in ok])],
+                'min': [min(c) for c in zip(*[r['val_loss'] for r in ok])],
+                'max': [max(c) for c in zip(*[r['val_loss'] for r in ok])],
+            }
         ms = [r['median_ms_per_iter'] for r in ok if r['median_ms_per_iter']]
-        rows.append({**v, 'seeds_ok': [r['seed'] for r in ok], 'final_val': dict(zip([r['seed'] for r in ok], finals)),
-                     'final_val_mean': mean, 'final_val_std': std,
-                     'final_val_min': min(finals) if finals else None, 'final_val_max': max(finals) if finals else None,
-                     'final_train_mean': stats.mean_std([r['train_loss'][-1] for r in ok])[0],
-                     'median_ms_per_iter': statistics.median(ms) if ms else None,
-                     'switches': ok[0]['switches'] if ok else None,
-                     'errors': sorted({r['error'] for r in mine if 'error' in r}),
-                     'val_curve': curve, 'memory': memory.get(v['method'])})
+        rows.append(
+            {
+                **v,
+                'seeds_ok': [r['seed'] for r in ok],
+                'final_val': dict(zip([r['seed'] for r in ok], finals)),
+                'final_val_mean': mean,
+                'final_val_std': std,
+                'final_val_min': min(finals) if finals else None,
+                'final_val_max': max(finals) if finals else None,
+                'final_train_mean': stats.mean_std([r['train_loss'][-1] for r in ok])[0],
+                'median_ms_per_iter': statistics.median(ms) if ms else None,
+                'switches': ok[0]['switches'] if ok else None,
+                'errors': sorted({r['error'] for r in mine if 'error' in r}),
+                'val_curve': curve,
+                'memory': memory.get(v['method']),
+            }
+        )
     return rows
 
 
@@ -212,9 +259,19 @@ def paired(rows, a, b):
     return {'a': a, 'b': b, **p} if p else None
 
 
-PAIRS = (('lisa_wor', 'lisa'), ('lisa_wor', 'lisa_scale'), ('lisa_wor', 'lisa_wor_noscale'),
-         ('lisa_scale', 'lisa'), ('lisa_wor_noscale', 'lisa'), ('lisa_wor', 'full'), ('lisa_wor', 'galore'),
-         ('lisa_wor', 'golore'), ('golore', 'galore'), ('full', 'full:iid'), ('lisa_wor', 'lisa_wor:iid'))
+PAIRS = (
+    ('lisa_wor', 'lisa'),
+    ('lisa_wor', 'lisa_scale'),
+    ('lisa_wor', 'lisa_wor_noscale'),
+    ('lisa_scale', 'lisa'),
+    ('lisa_wor_noscale', 'lisa'),
+    ('lisa_wor', 'full'),
+    ('lisa_wor', 'galore'),
+    ('lisa_wor', 'golore'),
+    ('golore', 'galore'),
+    ('full', 'full:iid'),
+    ('lisa_wor', 'lisa_wor:iid'),
+)
 
 
 def fmt(x, nd=4):
@@ -227,67 +284,100 @@ def kib(n):
 
 def write_markdown(path, report):
     cfg, rows = report['config'], report['rows']
-    lines = ['# Method comparison on character-level Shakespeare', '',
-         f"Generated by `experiments/compare.py`. Command: `{report['command']}`", '',
-         f"Machine: {report['machine']}. Wall time: {report['wall_s'] / 60:.1f} min "
-         f"({len(report['runs'])} runs, {cfg['jobs']} at a time).", '',
-         f"Model: GPT-2 style, {cfg['n_layer']} blocks, n_embd {cfg['n_embd']}, {cfg['n_head']} heads, "
-         f"block_size {cfg['block_size']}, batch {cfg['batch_size']}, {report['n_params']:,} parameters. "
-         f"{cfg['max_iters']} iterations for every method, AdamW lr {cfg['learning_rate']:g} "
-         f"(warm-up {cfg['warmup_iters']}, cosine to {cfg['min_lr']:g} at {cfg['max_iters']}), "
-         f"grad clip {cfg['grad_clip']:g}. Layer cycling: gamma={cfg['omgd_gamma']} of {cfg['n_layer']} blocks, "
-         f"period K={cfg['omgd_period']}, optimizer state '{cfg['omgd_state']}'. GaLore/GoLore: rank "
-         f"{cfg['galore_rank']}, update_proj_gap {cfg['galore_update_proj_gap']}, scale {cfg['galore_scale']:g}. "
-         f"Seeds {cfg['seeds']} (seed = data_seed = omgd_seed; same init, data order and eval windows "
-         f"for every method at one seed). Val loss: mean over {cfg['eval_iters']} fixed batches.", '',
-         '## Final validation loss', '',
-         '| variant | sampling | final val loss (mean ± std) | min .. max | per seed | final train loss '
-         '| grads + optimizer state (KiB) | trainable params after a switch | ms/iter (median) |',
-         '|---|---|---|---|---|---|---|---|---|']
+    lines = [
+        '# Method comparison on character-level Shakespeare',
+        '',
+        f"Generated by `experiments/compare.py`. Command: `{report['command']}`",
+        '',
+        f"Machine: {report['machine']}. Wall time: {report['wall_s'] / 60:.1f} min "
+        f"({len(report['runs'])} runs, {cfg['jobs']} at a time).",
+        '',
+        f"Model: GPT-2 style, {cfg['n_layer']} blocks, n_embd {cfg['n_embd']}, {cfg['n_head']} heads, "
+        f"block_size {cfg['block_size']}, batch {cfg['batch_size']}, {report['n_params']:,} parameters. "
+        f"{cfg['max_iters']} iterations for every method, AdamW lr {cfg['learning_rate']:g} "
+        f"(warm-up {cfg['warmup_iters']}, cosine to {cfg['min_lr']:g} at {cfg['max_iters']}), "
+        f"grad clip {cfg['grad_clip']:g}. Layer cycling: gamma={cfg['omgd_gamma']} of {cfg['n_layer']} blocks, "
+        f"period K={cfg['omgd_period']}, optimizer state '{cfg['omgd_state']}'. GaLore/GoLore: rank "
+        f"{cfg['galore_rank']}, update_proj_gap {cfg['galore_update_proj_gap']}, scale {cfg['galore_scale']:g}. "
+        f"Seeds {cfg['seeds']} (seed = data_seed = omgd_seed; same init, data order and eval windows "
+        f"for every method at one seed). Val loss: mean over {cfg['eval_iters']} fixed batches.",
+        '',
+        '## Final validation loss',
+        '',
+        '| variant | sampling | final val loss (mean ± std) | min .. max | per seed | final train loss '
+        '| grads + optimizer state (KiB) | trainable params after a switch | ms/iter (median) |',
+        '|---|---|---|---|---|---|---|---|---|',
+    ]
     for r in rows:
         mem = r['memory'] or {}
         if r['final_val_mean'] is None:
-            lines.append(f"| {r['name']} | {r['sampling']} | FAILED: {'; '.join(r['errors'])[:200]} | | | | "
-                     f"{kib(mem.get('grads_plus_optimizer'))} | | |")
+            lines.append(
+                f"| {r['name']} | {r['sampling']} | FAILED: {'; '.join(r['errors'])[:200]} | | | | "
+                f"{kib(mem.get('grads_plus_optimizer'))} | | |"
+            )
             continue
         per_seed = ', '.join(f'{v:.4f}' for v in r['final_val'].values())
         memtxt = kib(mem.get('grads_plus_optimizer')) if 'error' not in mem else f"n/a ({mem['error'][:60]})"
         trainable = mem.get('trainable_params')
-        lines.append(f"| {r['name']} | {r['sampling']} | {fmt(r['final_val_mean'])} ± {fmt(r['final_val_std'])} | "
-                 f"{fmt(r['final_val_min'])} .. {fmt(r['final_val_max'])} | {per_seed} | {fmt(r['final_train_mean'])} | "
-                 f"{memtxt} | {f'{trainable:,}' if isinstance(trainable, int) else '-'} | {fmt(r['median_ms_per_iter'], 0)} |")
+        lines.append(
+            f"| {r['name']} | {r['sampling']} | {fmt(r['final_val_mean'])} ± {fmt(r['final_val_std'])} | "
+            f"{fmt(r['final_val_min'])} .. {fmt(r['final_val_max'])} | {per_seed} | {fmt(r['final_train_mean'])} | "
+            f"{memtxt} | {f'{trainable:,}' if isinstance(trainable, int) else '-'} | "
+            f"{fmt(r['median_ms_per_iter'], 0)} |"
+        )
         if r['errors']:
             lines.append(f"|  | | ({len(r['errors'])} failed seed(s): {'; '.join(r['errors'])[:200]}) | | | | | | |")
-    lines += ['', 'std: sample standard deviation over seeds. Memory: NOT an allocator peak (CPU has none); the exact '
-          'bytes of gradients + optimizer state tensors right after an optimizer step that follows a switch '
-          '(largest over one cycle + 1 switch), built in-process from the runs\' own train.py arguments '
-          '(--train_args included) by builder.build and stepped by Trainer.step, as train.py does '
-          '(memory_estimate.memory_bytes; GaLore/GoLore projection matrices are not counted as optimizer state but listed '
-          'apart below, as in the GaLore paper). Parameters and activations excluded; identical for rr and iid. '
-          'ms/iter is wall time on a shared CPU and only indicative.', '']
+    lines += [
+        '',
+        'std: sample standard deviation over seeds. Memory: NOT an allocator peak (CPU has none); the exact '
+        'bytes of gradients + optimizer state tensors right after an optimizer step that follows a switch '
+        '(largest over one cycle + 1 switch), built in-process from the runs\' own train.py arguments '
+        '(--train_args included) by builder.build and stepped by Trainer.step, as train.py does '
+        '(memory_estimate.memory_bytes; GaLore/GoLore projection matrices are not counted as optimizer state '
+        'but listed apart below, as in the GaLore paper). Parameters and activations excluded; identical for rr '
+        'and iid. '
+        'ms/iter is wall time on a shared CPU and only indicative.',
+        '',
+    ]
     if report['pairs']:
-        lines += ['## Paired differences (same seed)', '',
-              'Final val loss of A minus B at each seed (negative: A is lower): mean [95% t interval] (* when it '
-              'excludes 0), sample std, t = mean / (std / sqrt(n)).', '',
-              '| A | B | per-seed A - B | mean [95% CI] | std | A lower in | t |', '|---|---|---|---|---|---|---|']
+        lines += [
+            '## Paired differences (same seed)',
+            '',
+            'Final val loss of A minus B at each seed (negative: A is lower): mean [95% t interval] (* when it '
+            'excludes 0), sample std, t = mean / (std / sqrt(n)).',
+            '',
+            '| A | B | per-seed A - B | mean [95% CI] | std | A lower in | t |',
+            '|---|---|---|---|---|---|---|',
+        ]
         for p in report['pairs']:
-            lines.append(f"| {p['a']} | {p['b']} | {', '.join(f'{d:+.4f}' for d in p['diffs'])} | {stats.fmt_pair(p)} | "
-                     f"{fmt(p['sd'])} | {p['a_wins']}/{len(p['diffs'])} | {fmt(p['t'], 2)} |")
+            lines.append(
+                f"| {p['a']} | {p['b']} | {', '.join(f'{d:+.4f}' for d in p['diffs'])} | {stats.fmt_pair(p)} | "
+                f"{fmt(p['sd'])} | {p['a_wins']}/{len(p['diffs'])} | {fmt(p['t'], 2)} |"
+            )
         lines.append('')
     mem_rows = [(m, v) for m, v in report['memory'].items()]
     if mem_rows:
-        lines += ['## Memory detail (bytes, right after a step that follows a switch; largest over N_L/gamma + 1 periods)', '',
-              '| method | params | grads | optimizer state | GaLore projectors (not in optimizer state) | grads + optimizer |',
-              '|---|---|---|---|---|---|']
+        lines += [
+            '## Memory detail (bytes, right after a step that follows a switch; largest over N_L/gamma + 1 periods)',
+            '',
+            '| method | params | grads | optimizer state | GaLore projectors (not in optimizer state) | '
+            'grads + optimizer |',
+            '|---|---|---|---|---|---|',
+        ]
         for m, v in mem_rows:
             if 'error' in v:
                 lines.append(f'| {m} | n/a: {v["error"]} | | | | |')
             else:
-                lines.append(f"| {m} | {v['params']:,} | {v['grads']:,} | {v['optimizer']:,} | "
-                         f"{v.get('projector', 0):,} | {v['grads_plus_optimizer']:,} |")
+                lines.append(
+                    f"| {m} | {v['params']:,} | {v['grads']:,} | {v['optimizer']:,} | "
+                    f"{v.get('projector', 0):,} | {v['grads_plus_optimizer']:,} |"
+                )
         lines.append('')
-    lines += [f"Loss curves: `{report.get('name', 'compare')}_loss.png` (val loss vs iteration, mean over seeds, "
-          f"band = min..max).", '']
+    lines += [
+        f"Loss curves: `{report.get('name', 'compare')}_loss.png` (val loss vs iteration, mean over seeds, "
+        f"band = min..max).",
+        '',
+    ]
     if report.get('replotted_with'):
         lines += [f"Table and plot rewritten from the JSON (no training) by `{report['replotted_with']}`.", '']
     with open(path, 'w') as f:
@@ -296,8 +386,10 @@ def write_markdown(path, report):
 
 def plot(path, report):
     import matplotlib
+
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
+
     rows = [r for r in report['rows'] if r['val_curve']]
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     cmap = plt.get_cmap('tab10')
@@ -312,8 +404,14 @@ def plot(path, report):
             start = next((i for i, x in enumerate(it) if x >= it[-1] / 2), 0) if zoom else 0
             if zoom:
                 zoomed += c['mean'][start:]
-            ax.plot(it[start:], c['mean'][start:], style, color=color, marker='.' if zoom else None,
-                    label=f"{r['name']} ({len(r['seeds_ok'])} seeds)")
+            ax.plot(
+                it[start:],
+                c['mean'][start:],
+                style,
+                color=color,
+                marker='.' if zoom else None,
+                label=f"{r['name']} ({len(r['seeds_ok'])} seeds)",
+            )
             if len(r['seeds_ok']) > 1:
                 ax.fill_between(it[start:], c['min'][start:], c['max'][start:], color=color, alpha=0.12)
         ax.set_xlabel('iteration')
@@ -325,9 +423,11 @@ def plot(path, report):
         axes[1].set_ylim(lo - 0.1 * (hi - lo) - 0.005, hi + 0.3 * (hi - lo) + 0.005)
     axes[0].legend(fontsize=8)
     cfg = report['config']
-    fig.suptitle(f"shakespeare_char, {cfg['n_layer']} blocks x {cfg['n_embd']}, gamma={cfg['omgd_gamma']}, "
-                 f"K={cfg['omgd_period']}, {cfg['max_iters']} iters; dashed = iid sampling, solid = reshuffling",
-                 fontsize=10)
+    fig.suptitle(
+        f"shakespeare_char, {cfg['n_layer']} blocks x {cfg['n_embd']}, gamma={cfg['omgd_gamma']}, "
+        f"K={cfg['omgd_period']}, {cfg['max_iters']} iters; dashed = iid sampling, solid = reshuffling",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -341,6 +441,7 @@ def n_params(config, memory):
     import torch
 
     from model import Transformer
+
     with torch.device('meta'):
         return sum(p.numel() for p in Transformer(config).parameters())
 
@@ -351,18 +452,24 @@ REPORT_KEYS = ('command', 'machine', 'wall_s', 'n_params', 'config', 'rows', 'me
 def read_report(path):
     """The NAME.json of an earlier comparison (--replot), or a one-line ValueError saying what to do."""
     if not os.path.exists(path):
-        raise ValueError(f"--replot=True rewrites the table and plot of {path}, which does not exist: run the comparison "
-                         f"first (without --replot), or give the --out_dir and --name it was written with")
+        raise ValueError(
+            f"--replot=True rewrites the table and plot of {path}, which does not exist: run the comparison "
+            f"first (without --replot), or give the --out_dir and --name it was written with"
+        )
     try:
         with open(path) as f:
             report = json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {str(e)[:100]}); run the comparison again "
-                         f"(without --replot) to rewrite it") from None
+        raise ValueError(
+            f"{path} cannot be read ({type(e).__name__}: {str(e)[:100]}); run the comparison again "
+            f"(without --replot) to rewrite it"
+        ) from None
     missing = [k for k in REPORT_KEYS if not isinstance(report, dict) or k not in report]
     if missing:
-        raise ValueError(f"{path} is not a report of compare.py (it lacks {missing[0]!r}); give the --name of one, "
-                         f"or run the comparison again (without --replot)")
+        raise ValueError(
+            f"{path} is not a report of compare.py (it lacks {missing[0]!r}); give the --name of one, "
+            f"or run the comparison again (without --replot)"
+        )
     return report
 
 
@@ -373,22 +480,36 @@ def write_json(path, report):
     os.replace(path + '.tmp', path)
 
 
-DEFAULTS = dict(methods=','.join(DEFAULT_VARIANTS), seeds='3', max_iters=240, out_dir=os.path.join(ROOT, 'out'),
-                name='compare', runs_dir='', jobs=1, threads=1, keep_checkpoints=False, memory=True, train_args='',
-                **{name: default for name, _, default in TRAIN_FLAGS}, replot=False)
+DEFAULTS = dict(
+    methods=','.join(DEFAULT_VARIANTS),
+    seeds='3',
+    max_iters=240,
+    out_dir=os.path.join(ROOT, 'out'),
+    name='compare',
+    runs_dir='',
+    jobs=1,
+    threads=1,
+    keep_checkpoints=False,
+    memory=True,
+    train_args='',
+    **{name: default for name, _, default in TRAIN_FLAGS},
+    replot=False,
+)
 MEANINGS = dict(
     methods='comma-separated METHOD or METHOD:SAMPLING (rr|iid; default rr)',
     seeds='a count N (seeds 0..N-1) or a comma-separated list',
     out_dir='where compare.* are written (default out/, git-ignored; results/ only when named)',
-    name='output file stem: NAME.md, NAME.json, NAME_loss.png', runs_dir='one out_dir per run (default: a temporary folder)',
+    name='output file stem: NAME.md, NAME.json, NAME_loss.png',
+    runs_dir='one out_dir per run (default: a temporary folder)',
     jobs='runs in parallel (2 cores here: keep 1 or 2)',
     threads='OMP_NUM_THREADS per run (0: torch default). 1 by default: on a shared 2-core machine two intra-op '
-            'threads per run made a step ~8x slower in wall time than one thread',
+    'threads per run made a step ~8x slower in wall time than one thread',
     memory='measure the gradient and optimizer-state bytes in process (cheap, no training)',
     train_args="more train.py arguments, space-separated, e.g. --train_args='--omgd_warmup=50 --arch=llama'",
     replot='no training: rewrite NAME.md and NAME_loss.png from OUT_DIR/NAME.json (re-measuring memory unless '
-           '--memory=False)',
-    **{name: 'passed to train.py' for name, _, _ in TRAIN_FLAGS})
+    '--memory=False)',
+    **{name: 'passed to train.py' for name, _, _ in TRAIN_FLAGS},
+)
 RULES = dict(max_iters=at_least(1), jobs=at_least(1), threads=at_least(0))
 
 
@@ -408,16 +529,20 @@ def main(argv=None):
         except ValueError as e:
             sys.exit(f"error: {e}")
         if report['memory'] and args.memory:  # cheap, no training: re-measure with the report's config
-            cfg = SimpleNamespace(**{n: report['config'][n] for n, _, _ in TRAIN_FLAGS},
-                                     max_iters=report['config']['max_iters'],
-                                     train_arg=report['config'].get('train_args', []))
+            cfg = SimpleNamespace(
+                **{n: report['config'][n] for n, _, _ in TRAIN_FLAGS},
+                max_iters=report['config']['max_iters'],
+                train_arg=report['config'].get('train_args', []),
+            )
             report['memory'] = {m: measure_memory(m, cfg) for m in report['memory']}
             for r in report['rows']:
                 r['memory'] = report['memory'].get(r['method'])
         report['pairs'] = [p for a, b in PAIRS if (p := paired(report['rows'], a, b))]
         report['name'] = args.name
-        report['replotted_with'] = ' '.join(['python', os.path.relpath(os.path.abspath(__file__), ROOT)] +
-                                            (sys.argv[1:] if argv is None else list(argv)))
+        report['replotted_with'] = ' '.join(
+            ['python', os.path.relpath(os.path.abspath(__file__), ROOT)]
+            + (sys.argv[1:] if argv is None else list(argv))
+        )
         write_json(path, report)
         write_markdown(os.path.join(args.out_dir, f'{args.name}.md'), report)
         plot(os.path.join(args.out_dir, f'{args.name}_loss.png'), report)
@@ -429,8 +554,11 @@ def main(argv=None):
         if not variants:
             raise ValueError("--methods names no method, e.g. --methods=lisa,lisa_wor")
         try:
-            seeds = list(range(int(args.seeds))) if args.seeds.strip().isdigit() else \
-                [int(s) for s in args.seeds.split(',') if s.strip()]
+            seeds = (
+                list(range(int(args.seeds)))
+                if args.seeds.strip().isdigit()
+                else [int(s) for s in args.seeds.split(',') if s.strip()]
+            )
         except ValueError:
             raise ValueError(f"--seeds={args.seeds!r}: give a count N or a list, e.g. --seeds=0,1,2") from None
         if not seeds:
@@ -461,23 +589,40 @@ def main(argv=None):
     rows = summarize(variants, runs, memory)
     pairs = [p for a, b in PAIRS if (p := paired(rows, a, b))]
     report = {
-        'command': ' '.join(['python', os.path.relpath(os.path.abspath(__file__), ROOT)] +
-                            (sys.argv[1:] if argv is None else list(argv))),
-        'name': args.name, 'machine': runner.machine(), 'wall_s': round(wall, 1), 'n_params': n_params(config, memory),
-        'config': {**{n: getattr(args, n) for n, _, _ in TRAIN_FLAGS}, 'max_iters': args.max_iters,
-                   'seeds': seeds, 'jobs': args.jobs, 'threads': args.threads, 'train_args': args.train_arg,
-                   'variants': [v['name'] for v in variants]},
-        'rows': rows, 'pairs': pairs, 'memory': memory, 'runs': runs,
+        'command': ' '.join(
+            ['python', os.path.relpath(os.path.abspath(__file__), ROOT)]
+            + (sys.argv[1:] if argv is None else list(argv))
+        ),
+        'name': args.name,
+        'machine': runner.machine(),
+        'wall_s': round(wall, 1),
+        'n_params': n_params(config, memory),
+        'config': {
+            **{n: getattr(args, n) for n, _, _ in TRAIN_FLAGS},
+            'max_iters': args.max_iters,
+            'seeds': seeds,
+            'jobs': args.jobs,
+            'threads': args.threads,
+            'train_args': args.train_arg,
+            'variants': [v['name'] for v in variants],
+        },
+        'rows': rows,
+        'pairs': pairs,
+        'memory': memory,
+        'runs': runs,
         'memory_note': 'exact bytes of gradients + optimizer state after an optimizer step following a switch '
-                       '(largest over one cycle + 1 switch), built on CPU by builder.build from the runs\' train.py '
-                       'arguments and stepped by Trainer.step (memory_estimate.memory_bytes); not an allocator peak',
+        '(largest over one cycle + 1 switch), built on CPU by builder.build from the runs\' train.py '
+        'arguments and stepped by Trainer.step (memory_estimate.memory_bytes); not an allocator peak',
     }
     failed = [r for r in runs if 'error' in r]
     if failed:  # the reports of an earlier, complete comparison stay as they were
         stem = os.path.join(args.out_dir, f'{args.name}.failed.json')
         write_json(stem, report)
-        print(f"error: {len(failed)} of {len(runs)} runs failed (first: {failed[0]['error']}); {args.name}.md/.json "
-              f"left as they were; this comparison is in {stem}, the runs' logs in {runs_dir}", file=sys.stderr)
+        print(
+            f"error: {len(failed)} of {len(runs)} runs failed (first: {failed[0]['error']}); {args.name}.md/.json "
+            f"left as they were; this comparison is in {stem}, the runs' logs in {runs_dir}",
+            file=sys.stderr,
+        )
         return 1
     write_json(os.path.join(args.out_dir, f'{args.name}.json'), report)
     write_markdown(os.path.join(args.out_dir, f'{args.name}.md'), report)
@@ -485,7 +630,9 @@ def main(argv=None):
     if tmp and not args.runs_dir:
         shutil.rmtree(tmp, ignore_errors=True)
     print(open(os.path.join(args.out_dir, f'{args.name}.md')).read())
-    print(f"wall time {wall / 60:.1f} min; wrote {args.name}.md, {args.name}.json, {args.name}_loss.png in {args.out_dir}")
+    print(
+        f"wall time {wall / 60:.1f} min; wrote {args.name}.md, {args.name}.json, {args.name}_loss.png in {args.out_dir}"
+    )
     return 0
 
 

@@ -39,6 +39,7 @@ vectorised per chunk; --decompose=False skips the decomposition.
     python experiments/linreg.py --out_dir=results    # T = 1e6, 10 seeds, all methods: results/linreg.*
     python experiments/linreg.py --T=1e5 --seeds=4    # writes out/linreg.* (the default, git-ignored)
 """
+
 import json
 import math
 import os
@@ -50,13 +51,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configurator import above, at_least, command_line  # noqa: E402
 import omgd  # noqa: E402  (the random partition of layer cycling's pool also splits the coordinates)
+from configurator import above, at_least, command_line  # noqa: E402
 
 METHODS = ('RR', 'RR_mask_wor', 'RR_mask_iid', 'RR_proj', 'IID')
 COMPRESSED = ('RR_mask_wor', 'RR_mask_iid', 'RR_proj')
-DEFAULTS = dict(T=10**6, seeds=10, n=1000, d=10, ratio=0.5, warmup=100, c=2.0, t0=100.0,
-                data_seed=0, n_log=300, chunk=4000)
+DEFAULTS = dict(
+    T=10**6, seeds=10, n=1000, d=10, ratio=0.5, warmup=100, c=2.0, t0=100.0, data_seed=0, n_log=300, chunk=4000
+)
 
 
 # -----------------------------------------------------------------------------
@@ -137,8 +139,8 @@ class Schedule:
         self.rng = np.random.default_rng(generator.initial_seed())
         self.n, self.d = X.shape
         self.k = max(1, round(ratio * self.d))  # coordinates kept by RR_mask_iid / rank of RR_proj
-        self.M = math.ceil(1 / ratio)            # masks per OMGD cycle
-        self.cycles = 0                          # OMGD cycles generated so far
+        self.M = math.ceil(1 / ratio)  # masks per OMGD cycle
+        self.cycles = 0  # OMGD cycles generated so far
         self.pieces, self.pos = [], 0
         if warmup > 0:
             if method == 'IID':
@@ -163,7 +165,7 @@ class Schedule:
         if self.method == 'RR':
             return idx, x, np.ones((n, d))
         if self.method == 'RR_mask_iid':
-            keep = self.rng.random((n, d)).argsort(axis=1)[:, :self.k]
+            keep = self.rng.random((n, d)).argsort(axis=1)[:, : self.k]
             mask = np.zeros((n, d))
             np.put_along_axis(mask, keep, d / self.k, axis=1)
             return idx, mask * x, mask
@@ -196,8 +198,9 @@ def stream_seed(seed, method):
 
 def make_schedules(methods, seeds, X, ratio, warmup):
     """One Schedule per (method, seed) row, method-major: the rows run() updates."""
-    return [Schedule(m, X, ratio, warmup, torch.Generator().manual_seed(stream_seed(s, m)))
-            for m in methods for s in seeds]
+    return [
+        Schedule(m, X, ratio, warmup, torch.Generator().manual_seed(stream_seed(s, m))) for m in methods for s in seeds
+    ]
 
 
 # -----------------------------------------------------------------------------
@@ -208,10 +211,24 @@ def log_times(T, n_log):
     return np.unique(np.round(np.logspace(0, math.log10(T), n_log)).astype(np.int64))
 
 
-def run(methods=METHODS, T=DEFAULTS['T'], seeds=DEFAULTS['seeds'], *, n=DEFAULTS['n'], d=DEFAULTS['d'],
-        ratio=DEFAULTS['ratio'], warmup=DEFAULTS['warmup'], c=DEFAULTS['c'], t0=DEFAULTS['t0'],
-        data_seed=DEFAULTS['data_seed'], n_log=DEFAULTS['n_log'], chunk=DEFAULTS['chunk'], seed_offset=0,
-        decompose=True, problem=None):
+def run(
+    methods=METHODS,
+    T=DEFAULTS['T'],
+    seeds=DEFAULTS['seeds'],
+    *,
+    n=DEFAULTS['n'],
+    d=DEFAULTS['d'],
+    ratio=DEFAULTS['ratio'],
+    warmup=DEFAULTS['warmup'],
+    c=DEFAULTS['c'],
+    t0=DEFAULTS['t0'],
+    data_seed=DEFAULTS['data_seed'],
+    n_log=DEFAULTS['n_log'],
+    chunk=DEFAULTS['chunk'],
+    seed_offset=0,
+    decompose=True,
+    problem=None,
+):
     """Run every method on `seeds` seeds for T steps (one vectorised loop over all of them).
 
     Returns a dict with 't' (the logged steps), 'err' / 'reshuffle' / 'compression' as
@@ -247,7 +264,7 @@ def run(methods=METHODS, T=DEFAULTS['T'], seeds=DEFAULTS['seeds'], *, n=DEFAULTS
         L = min(chunk, T - c0)
         parts = [s.take(L) for s in scheds]
         idx = np.stack([p[0] for p in parts], axis=1)  # (L, B)
-        U = np.stack([p[1] for p in parts], axis=1)    # (L, B, d)
+        U = np.stack([p[1] for p in parts], axis=1)  # (L, B, d)
         eta = step_sizes(np.arange(c0, c0 + L), c, t0)
         two_eta = 2.0 * eta
         xy = np.concatenate([X[idx], y[idx][..., None]], axis=2)  # (L, B, d+1)
@@ -267,7 +284,7 @@ def run(methods=METHODS, T=DEFAULTS['T'], seeds=DEFAULTS['seeds'], *, n=DEFAULTS
         sel = (times > c0) & (times <= c0 + L)
         s_log = times[sel] - c0  # positions in thetas (1..L)
         E = thetas[s_log, :, :d] - ts  # (nl, B, d)
-        err[:, sel] = (E ** 2).sum(-1).T
+        err[:, sel] = (E**2).sum(-1).T
         a = 1.0 - eta[:, None] * lam  # (L, d)
         P = np.concatenate([np.ones((1, d)), np.cumprod(a, axis=0)])  # prod_{u<s} (1 - eta_u lam)
         decay[sel] = ((P[s_log] * decay_term) ** 2).sum(-1)
@@ -292,12 +309,32 @@ def run(methods=METHODS, T=DEFAULTS['T'], seeds=DEFAULTS['seeds'], *, n=DEFAULTS
                 resid = max(resid, float(gap.max()))
         decay_term = P[L] * decay_term
 
-    out = dict(t=times, decay=decay, decomp_residual=resid if decompose else None,
-               lambda_min=float(lam[0]), lambda_max=float(lam[-1]), theta_star=ts,
-               err={}, reshuffle={}, compression={},
-               params=dict(methods=methods, T=T, seeds=seeds, seed_offset=seed_offset, n=n, d=d,
-                           ratio=ratio, warmup=warmup, c=c, t0=t0, data_seed=data_seed,
-                           alpha=float(c * lam[0]), chunk=chunk))
+    out = dict(
+        t=times,
+        decay=decay,
+        decomp_residual=resid if decompose else None,
+        lambda_min=float(lam[0]),
+        lambda_max=float(lam[-1]),
+        theta_star=ts,
+        err={},
+        reshuffle={},
+        compression={},
+        params=dict(
+            methods=methods,
+            T=T,
+            seeds=seeds,
+            seed_offset=seed_offset,
+            n=n,
+            d=d,
+            ratio=ratio,
+            warmup=warmup,
+            c=c,
+            t0=t0,
+            data_seed=data_seed,
+            alpha=float(c * lam[0]),
+            chunk=chunk,
+        ),
+    )
     for i, m in enumerate(methods):
         rs = slice(i * seeds, (i + 1) * seeds)
         out['err'][m] = err[rs]
@@ -322,12 +359,14 @@ def summarize(res):
     lo = T / 10
     rows = {}
     for m, e in res['err'].items():
-        row = dict(slope=fit_slope(t, e.mean(0), lo, T), final=float(e.mean(0)[-1]),
-                   slope_seeds=[fit_slope(t, es, lo, T) for es in e])
+        row = dict(
+            slope=fit_slope(t, e.mean(0), lo, T),
+            final=float(e.mean(0)[-1]),
+            slope_seeds=[fit_slope(t, es, lo, T) for es in e],
+        )
         if m in res['reshuffle']:
             row['reshuffle_slope'] = fit_slope(t, res['reshuffle'][m].mean(0), lo, T)
-            row['compression_slope'] = (fit_slope(t, res['compression'][m].mean(0), lo, T)
-                                        if m in COMPRESSED else None)
+            row['compression_slope'] = fit_slope(t, res['compression'][m].mean(0), lo, T) if m in COMPRESSED else None
         rows[m] = row
     return dict(fit_range=[lo, T], methods=rows, decay_slope=fit_slope(t, res['decay'], lo, T))
 
@@ -335,22 +374,28 @@ def summarize(res):
 # -----------------------------------------------------------------------------
 # outputs
 
-COLORS = {'RR': 'tab:blue', 'RR_mask_wor': 'tab:red', 'RR_mask_iid': 'tab:green',
-          'RR_proj': 'tab:orange', 'IID': 'tab:gray'}
+COLORS = {
+    'RR': 'tab:blue',
+    'RR_mask_wor': 'tab:red',
+    'RR_mask_iid': 'tab:green',
+    'RR_proj': 'tab:orange',
+    'IID': 'tab:gray',
+}
 
 
 def _reference_slopes(ax, t, anchors):
     """Dashed t^-1 and t^-2 lines through the given (t, value) anchor points."""
     tt = np.array([t[0] if t[0] > 10 else 10, t[-1]], dtype=np.float64)
     for p, (ta, va) in anchors.items():
-        ax.loglog(tt, va * (tt / ta) ** (-p), 'k--' if p == 1 else 'k:', lw=1,
-                  label=f'$t^{{-{p}}}$ reference')
+        ax.loglog(tt, va * (tt / ta) ** (-p), 'k--' if p == 1 else 'k:', lw=1, label=f'$t^{{-{p}}}$ reference')
 
 
 def plot_error(res, path):
     import matplotlib
+
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 4.5))
     t, T = res['t'], res['params']['T']
     for m, e in res['err'].items():
@@ -363,8 +408,9 @@ def plot_error(res, path):
     p = res['params']
     ax.set_xlabel('iteration t')
     ax.set_ylabel(r'$\|\theta_t-\theta^*\|^2$ (mean over %d seeds)' % p['seeds'])
-    ax.set_title(f"least squares n={p['n']}, d={p['d']}, r={p['ratio']}, "
-                 f"$\\eta_t$={p['c']:g}/(t+{p['t0']:g})", fontsize=9)
+    ax.set_title(
+        f"least squares n={p['n']}, d={p['d']}, r={p['ratio']}, $\\eta_t$={p['c']:g}/(t+{p['t0']:g})", fontsize=9
+    )
     ax.legend(fontsize=8)
     ax.grid(True, which='major', alpha=0.3)
     fig.tight_layout()
@@ -374,12 +420,18 @@ def plot_error(res, path):
 
 def plot_decomposition(res, path):
     import matplotlib
+
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
     t = res['t']
-    panels = [('err', r'(a) $\|\theta_t-\theta^*\|^2$'), ('decay', '(b) decay term'),
-              ('reshuffle', '(c) data-reshuffle term'), ('compression', '(d) compression-error term')]
+    panels = [
+        ('err', r'(a) $\|\theta_t-\theta^*\|^2$'),
+        ('decay', '(b) decay term'),
+        ('reshuffle', '(c) data-reshuffle term'),
+        ('compression', '(d) compression-error term'),
+    ]
     for ax, (key, title) in zip(axes, panels):
         if key == 'decay':
             ax.loglog(t, res['decay'], color='k', label='all methods (deterministic)')
@@ -404,15 +456,20 @@ def _fmt(x):
 
 def table(summary):
     lo, hi = summary['fit_range']
-    lines = [f"slopes of log ||.||^2 vs log t over t in [{lo:.0f}, {hi:.0f}] (mean over seeds)", '',
-             '| method | error slope | per-seed slopes (min..max) | final error | '
-             'data-reshuffle slope | compression slope |',
-             '|---|---|---|---|---|---|']
+    lines = [
+        f"slopes of log ||.||^2 vs log t over t in [{lo:.0f}, {hi:.0f}] (mean over seeds)",
+        '',
+        '| method | error slope | per-seed slopes (min..max) | final error | '
+        'data-reshuffle slope | compression slope |',
+        '|---|---|---|---|---|---|',
+    ]
     for m, r in summary['methods'].items():
         ps = r['slope_seeds']
-        lines.append(f"| {m} | {_fmt(r['slope'])} | {min(ps):.2f}..{max(ps):.2f} | {r['final']:.3e} | "
-                     f"{_fmt(r.get('reshuffle_slope'))} | "
-                     f"{_fmt(r.get('compression_slope')) if r.get('compression_slope') is not None else '0 (none)'} |")
+        lines.append(
+            f"| {m} | {_fmt(r['slope'])} | {min(ps):.2f}..{max(ps):.2f} | {r['final']:.3e} | "
+            f"{_fmt(r.get('reshuffle_slope'))} | "
+            f"{_fmt(r.get('compression_slope')) if r.get('compression_slope') is not None else '0 (none)'} |"
+        )
     lines.append(f"\ndecay term slope: {summary['decay_slope']:.2f} (common to all methods)")
     return '\n'.join(lines)
 
@@ -442,24 +499,36 @@ def verdict(summary):
             continue
         slope = rows[m]['slope']
         measured = -2 if slope < -1.5 else -1
-        lines.append(f"- {m}: paper O(t^{claim}), measured slope {slope:.2f} -> "
-                     f"{'agrees' if measured == claim else 'DISAGREES'}")
+        lines.append(
+            f"- {m}: paper O(t^{claim}), measured slope {slope:.2f} -> {'agrees' if measured == claim else 'DISAGREES'}"
+        )
     return 'Versus the paper (threshold -1.5 between the two rates):\n\n' + '\n'.join(lines)
 
 
 COMMAND_DEFAULTS = dict(DEFAULTS, T=float(DEFAULTS['T']), methods=','.join(METHODS), decompose=True, out_dir='out')
-MEANINGS = dict(T='iterations (1e6 is read as a number)', ratio='keep ratio r', c='eta_t = c / (t + t0)',
-                n_log='log-spaced logged steps', decompose="the paper's Figure 2 error decomposition (slower)",
-                out_dir='default out/ (git-ignored); results/ only when named')
-RULES = {**{k: at_least(1) for k in ('T', 'seeds', 'n', 'd', 'n_log', 'chunk')}, 'warmup': at_least(0),
-         'ratio': above(0, 1),  # a mask keeps a share of the coordinates: 0 keeps none, above 1 is no share
-         'methods': ((lambda v: bool(v.strip(',')) and all(m in METHODS for m in v.split(',') if m)),
-                     f"a comma list of {', '.join(METHODS)}")}
+MEANINGS = dict(
+    T='iterations (1e6 is read as a number)',
+    ratio='keep ratio r',
+    c='eta_t = c / (t + t0)',
+    n_log='log-spaced logged steps',
+    decompose="the paper's Figure 2 error decomposition (slower)",
+    out_dir='default out/ (git-ignored); results/ only when named',
+)
+RULES = {
+    **{k: at_least(1) for k in ('T', 'seeds', 'n', 'd', 'n_log', 'chunk')},
+    'warmup': at_least(0),
+    'ratio': above(0, 1),  # a mask keeps a share of the coordinates: 0 keeps none, above 1 is no share
+    'methods': (
+        (lambda v: bool(v.strip(',')) and all(m in METHODS for m in v.split(',') if m)),
+        f"a comma list of {', '.join(METHODS)}",
+    ),
+}
 
 
 def main(argv=None):
-    args = SimpleNamespace(**command_line(sys.argv[1:] if argv is None else argv, COMMAND_DEFAULTS, RULES, __doc__,
-                                          MEANINGS))
+    args = SimpleNamespace(
+        **command_line(sys.argv[1:] if argv is None else argv, COMMAND_DEFAULTS, RULES, __doc__, MEANINGS)
+    )
     try:  # before the run, not after it: a folder it can write
         os.makedirs(args.out_dir, exist_ok=True)
     except OSError as e:
@@ -468,15 +537,29 @@ def main(argv=None):
     T = int(args.T)
     methods = [m for m in args.methods.split(',') if m]
     start = time.time()
-    res = run(methods, T, args.seeds, n=args.n, d=args.d, ratio=args.ratio, warmup=args.warmup,
-              c=args.c, t0=args.t0, data_seed=args.data_seed, n_log=args.n_log, chunk=args.chunk,
-              decompose=args.decompose)
+    res = run(
+        methods,
+        T,
+        args.seeds,
+        n=args.n,
+        d=args.d,
+        ratio=args.ratio,
+        warmup=args.warmup,
+        c=args.c,
+        t0=args.t0,
+        data_seed=args.data_seed,
+        n_log=args.n_log,
+        chunk=args.chunk,
+        decompose=args.decompose,
+    )
     runtime = time.time() - start
     summ = summarize(res)
     tab = table(summ)
     p = res['params']
-    print(f"lambda_min(A) = {res['lambda_min']:.4f}, lambda_max(A) = {res['lambda_max']:.4f}, "
-          f"c * lambda_min = {p['alpha']:.3f}")
+    print(
+        f"lambda_min(A) = {res['lambda_min']:.4f}, lambda_max(A) = {res['lambda_max']:.4f}, "
+        f"c * lambda_min = {p['alpha']:.3f}"
+    )
     print(tab)
     print(f"decomposition check max ||D+R+C-e||/||e|| = {res['decomp_residual']}")
     print(f"runtime {runtime:.1f} s")
@@ -486,24 +569,38 @@ def main(argv=None):
     if args.decompose:
         plot_decomposition(res, os.path.join(args.out_dir, 'linreg_decomposition.png'))
     mean = lambda dct: {m: v.mean(0).tolist() for m, v in dct.items()}
-    blob = dict(command=cmd.strip(), runtime_s=round(runtime, 1), params=p,
-                lambda_min=res['lambda_min'], lambda_max=res['lambda_max'],
-                decomp_residual=res['decomp_residual'], summary=summ,
-                curves=dict(t=res['t'].tolist(), err=mean(res['err']), decay=res['decay'].tolist(),
-                            reshuffle=mean(res['reshuffle']), compression=mean(res['compression'])))
+    blob = dict(
+        command=cmd.strip(),
+        runtime_s=round(runtime, 1),
+        params=p,
+        lambda_min=res['lambda_min'],
+        lambda_max=res['lambda_max'],
+        decomp_residual=res['decomp_residual'],
+        summary=summ,
+        curves=dict(
+            t=res['t'].tolist(),
+            err=mean(res['err']),
+            decay=res['decay'].tolist(),
+            reshuffle=mean(res['reshuffle']),
+            compression=mean(res['compression']),
+        ),
+    )
     with open(os.path.join(args.out_dir, 'linreg.json'), 'w') as f:
         json.dump(blob, f, indent=1)
     with open(os.path.join(args.out_dir, 'linreg.md'), 'w') as f:
-        f.write(f"# Least squares: convergence rates of RR / OMGD / i.i.d. compression\n\n"
-                f"Command: `{cmd.strip()}` ({runtime:.0f} s)\n\n"
-                f"n={p['n']}, d={p['d']}, r={p['ratio']}, warm-up {p['warmup']} steps, T={T}, "
-                f"{p['seeds']} seeds, data seed {p['data_seed']}, eta_t = {p['c']:g}/(t+{p['t0']:g}); "
-                f"lambda_min(A)={res['lambda_min']:.3f}, lambda_max(A)={res['lambda_max']:.3f}, "
-                f"c*lambda_min={p['alpha']:.2f} (> 2, the condition of the paper's O(t^-2) theorem for RR and RR_mask_wor).\n\n"
-                f"{tab}\n\nmax ||D+R+C-e||/||e|| at the logged steps: {res['decomp_residual']}\n\n"
-                f"{verdict(summ)}\n\n{TERMS_DOC}\n"
-                f"Plots: `linreg_error.png` (error, t^-1 and t^-2 reference lines), "
-                f"`linreg_decomposition.png` (the paper's Figure 2 a-d).\n")
+        f.write(
+            f"# Least squares: convergence rates of RR / OMGD / i.i.d. compression\n\n"
+            f"Command: `{cmd.strip()}` ({runtime:.0f} s)\n\n"
+            f"n={p['n']}, d={p['d']}, r={p['ratio']}, warm-up {p['warmup']} steps, T={T}, "
+            f"{p['seeds']} seeds, data seed {p['data_seed']}, eta_t = {p['c']:g}/(t+{p['t0']:g}); "
+            f"lambda_min(A)={res['lambda_min']:.3f}, lambda_max(A)={res['lambda_max']:.3f}, "
+            f"c*lambda_min={p['alpha']:.2f} (> 2, the condition of the paper's O(t^-2) theorem for RR and "
+            f"RR_mask_wor).\n\n"
+            f"{tab}\n\nmax ||D+R+C-e||/||e|| at the logged steps: {res['decomp_residual']}\n\n"
+            f"{verdict(summ)}\n\n{TERMS_DOC}\n"
+            f"Plots: `linreg_error.png` (error, t^-1 and t^-2 reference lines), "
+            f"`linreg_decomposition.png` (the paper's Figure 2 a-d).\n"
+        )
     return res, summ
 
 

@@ -7,6 +7,7 @@ is on the meta device); the figures are this machine's host time, not the GPU ma
 
     python experiments/loop_host_time.py
 """
+
 import contextlib
 import io
 import os
@@ -59,19 +60,24 @@ def batch_times(scratch, block_size=1024, batch_size=12):
     def nanogpt_get_batch():  # nanoGPT's train.py, less the pinning and the copy to the GPU
         data = np.memmap(path, dtype=np.uint16, mode='r')
         ix = torch.randint(len(data) - block_size, (batch_size,))
-        x = torch.stack([torch.from_numpy((data[i:i + block_size]).astype(np.int64)) for i in ix])
-        y = torch.stack([torch.from_numpy((data[i + 1:i + 1 + block_size]).astype(np.int64)) for i in ix])
+        x = torch.stack([torch.from_numpy((data[i : i + block_size]).astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy((data[i + 1 : i + 1 + block_size]).astype(np.int64)) for i in ix])
         return x, y
+
     return timed(lambda: next(batches)), timed(nanogpt_get_batch)
 
 
 def main():
     with tempfile.TemporaryDirectory() as scratch:
         (report, flops), (ours, nanogpt) = report_time(scratch), batch_times(scratch)
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPU(s), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')}")
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} CPU(s), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')}"
+    )
     print(f"Metrics.iteration (log line, record, MFU), GPT-2 124M: median {report[0]:.3f} ms, min {report[1]:.3f} ms")
-    print(f"counting the MFU's FLOPs (estimate_flops_per_token; once a switch, no longer at every logged "
-          f"iteration): median {flops[0]:.3f} ms")
+    print(
+        f"counting the MFU's FLOPs (estimate_flops_per_token; once a switch, no longer at every logged "
+        f"iteration): median {flops[0]:.3f} ms"
+    )
     print(f"a 12 x 1024 batch, dataloader.TokenBatches: median {ours[0]:.3f} ms, min {ours[1]:.3f} ms")
     print(f"a 12 x 1024 batch, nanoGPT's get_batch: median {nanogpt[0]:.3f} ms, min {nanogpt[1]:.3f} ms")
 

@@ -24,13 +24,14 @@ Both runs of a (seed, state) pair run back to back; --stop_at starts no pair aft
     # the plan's power numbers
     python experiments/replication_k100.py --power=True
 """
+
 import functools
 import json
 import math
 import os
 import socket
-import subprocess
 import statistics
+import subprocess
 import sys
 import time
 from types import SimpleNamespace
@@ -42,8 +43,9 @@ import runner  # noqa: E402
 import stats  # noqa: E402
 import study  # noqa: E402
 import study_plan  # noqa: E402
-from configurator import at_least, between, command_line  # noqa: E402
 from study_plan import run_name, spec  # noqa: E402
+
+from configurator import at_least, between, command_line  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # the plan (results/replication_k100_plan.md)
@@ -65,8 +67,17 @@ EQUAL = 5e-5  # "equal at 4 decimals", the study's criterion for a run that repr
 
 
 def cell_spec(state, method, seed):
-    return spec(GEOMETRY['regime'], GEOMETRY['optimizer'], method, state, K=GEOMETRY['K'], gamma=GEOMETRY['gamma'],
-                seed=seed, n_layer=GEOMETRY['n_layer'], iters=GEOMETRY['iters'])
+    return spec(
+        GEOMETRY['regime'],
+        GEOMETRY['optimizer'],
+        method,
+        state,
+        K=GEOMETRY['K'],
+        gamma=GEOMETRY['gamma'],
+        seed=seed,
+        n_layer=GEOMETRY['n_layer'],
+        iters=GEOMETRY['iters'],
+    )
 
 
 def fresh_seeds(n_seeds=N_SEEDS):
@@ -102,8 +113,12 @@ def frozen_label():
         with open(path) as f:
             return f.read().strip()
     try:
-        return 'git ' + subprocess.run(['git', '-C', ROOT, 'rev-parse', '--short', 'HEAD'], capture_output=True,
-                                       text=True, check=True).stdout.strip()
+        return (
+            'git '
+            + subprocess.run(
+                ['git', '-C', ROOT, 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True, check=True
+            ).stdout.strip()
+        )
     except (OSError, subprocess.CalledProcessError):
         return 'unknown'
 
@@ -111,9 +126,16 @@ def frozen_label():
 def launch(s, out_dir, runs_dir):
     """study.py's launcher; the result also records where it ran (a pair split across machines is flagged)."""
     import torch
+
     r = study.default_launch(s, out_dir, runs_dir)
-    return {**r, 'host': socket.gethostname(), 'machine': runner.machine(), 'torch': torch.__version__,
-            'code': frozen_label(), 'threads': os.environ.get('OMP_NUM_THREADS', '')}
+    return {
+        **r,
+        'host': socket.gethostname(),
+        'machine': runner.machine(),
+        'torch': torch.__version__,
+        'code': frozen_label(),
+        'threads': os.environ.get('OMP_NUM_THREADS', ''),
+    }
 
 
 def run(runs_dir, n_seeds=N_SEEDS, stop_at='', launch=launch, jobs=1):
@@ -129,8 +151,11 @@ def run(runs_dir, n_seeds=N_SEEDS, stop_at='', launch=launch, jobs=1):
     study.make_multi_dataset(runs_dir, study_plan.PAPER_TOKENS)
     failed, not_started = [], 0
     todo = sum(runner.load_result(runs_dir, run_name(s)) is None for s in specs)
-    print(f"[{time.strftime('%H:%M:%S')}] K = 100 replication: {len(specs)} runs planned, {todo} to run "
-          f"({runs_dir}; code {frozen_label()})", flush=True)
+    print(
+        f"[{time.strftime('%H:%M:%S')}] K = 100 replication: {len(specs)} runs planned, {todo} to run "
+        f"({runs_dir}; code {frozen_label()})",
+        flush=True,
+    )
     for pair in pairs_of(specs):
         missing = [s for s in pair if runner.load_result(runs_dir, run_name(s)) is None]
         if not missing:
@@ -141,9 +166,12 @@ def run(runs_dir, n_seeds=N_SEEDS, stop_at='', launch=launch, jobs=1):
         got = study.run_specs(pair, runs_dir, jobs=jobs, launch=launch)
         failed += [name for name, r in got.items() if 'error' in r]
     done = len(specs) - sum(runner.load_result(runs_dir, run_name(s)) is None for s in specs)
-    print(f"[{time.strftime('%H:%M:%S')}] {done}/{len(specs)} runs finished"
-          + (f"; --stop_at={stop_at}: {not_started} not started (the same command resumes them)" if not_started else '')
-          + (f"; {len(failed)} failed (first: {failed[0]}; the same command retries them)" if failed else ''), flush=True)
+    print(
+        f"[{time.strftime('%H:%M:%S')}] {done}/{len(specs)} runs finished"
+        + (f"; --stop_at={stop_at}: {not_started} not started (the same command resumes them)" if not_started else '')
+        + (f"; {len(failed)} failed (first: {failed[0]}; the same command retries them)" if failed else ''),
+        flush=True,
+    )
     return done, failed, not_started
 
 
@@ -212,22 +240,38 @@ def paired_test(values):
     keys = sorted(values, key=str)
     xs = [values[k] for k in keys]
     n = len(xs)
-    out = {'n': n, 'seeds': keys, 'values': xs, 'wins': sum(x < 0 for x in xs), 'mean': statistics.fmean(xs) if xs else None,
-           'sd': statistics.stdev(xs) if n > 1 else None, 'ci95': None}
+    out = {
+        'n': n,
+        'seeds': keys,
+        'values': xs,
+        'wins': sum(x < 0 for x in xs),
+        'mean': statistics.fmean(xs) if xs else None,
+        'sd': statistics.stdev(xs) if n > 1 else None,
+        'ci95': None,
+    }
     if n >= MIN_SEEDS:
         _, lo, hi = stats.interval(xs)
         out['ci95'] = [lo, hi]
     lo, hi = out['ci95'] or (None, None)
-    out.update(verdict=decide(lo, hi), study_rule=study_rule(lo, hi),
-               excludes_study_estimate=None if lo is None else not lo <= STUDY_ESTIMATE <= hi,
-               power_at_n=power(n) if n >= MIN_SEEDS else None)
+    out.update(
+        verdict=decide(lo, hi),
+        study_rule=study_rule(lo, hi),
+        excludes_study_estimate=None if lo is None else not lo <= STUDY_ESTIMATE <= hi,
+        power_at_n=power(n) if n >= MIN_SEEDS else None,
+    )
     return out
 
 
 def is_cell_run(r):
-    return (r.get('kind', 'train') == 'train' and r.get('train_loss') and r.get('beta1') is None
-            and r.get('sampling', 'rr') == 'rr' and all(r.get(k) == v for k, v in GEOMETRY.items())
-            and r.get('method') in METHODS and r.get('state') in STATES)
+    return (
+        r.get('kind', 'train') == 'train'
+        and r.get('train_loss')
+        and r.get('beta1') is None
+        and r.get('sampling', 'rr') == 'rr'
+        and all(r.get(k) == v for k, v in GEOMETRY.items())
+        and r.get('method') in METHODS
+        and r.get('state') in STATES
+    )
 
 
 def finals(results):
@@ -255,15 +299,31 @@ def reproduction(results, study_results):
                 for split in ('train', 'val'):
                     a, b = now[(st, m)][split].get(s), then[(st, m)][split].get(s)
                     if a is not None and b is not None:
-                        runs.append({'state': st, 'seed': s, 'method': m, 'split': split, 'now': a, 'then': b,
-                                     'diff': a - b, 'equal': abs(a - b) < EQUAL})
+                        runs.append(
+                            {
+                                'state': st,
+                                'seed': s,
+                                'method': m,
+                                'split': split,
+                                'now': a,
+                                'then': b,
+                                'diff': a - b,
+                                'equal': abs(a - b) < EQUAL,
+                            }
+                        )
             d_now, d_then = d_values(now, st, 'train', [s]), d_values(then, st, 'train', [s])
             if s in d_now and s in d_then:
                 per_seed.append({'state': st, 'seed': s, 'd_now': d_now[s], 'd_then': d_then[s]})
     diffs = [abs(r['diff']) for r in runs]
-    return {'runs': runs, 'per_seed': per_seed, 'n': len(runs), 'equal': sum(r['equal'] for r in runs),
-            'max_abs': max(diffs, default=None), 'mean_abs': statistics.fmean(diffs) if diffs else None,
-            'reproduces': bool(runs) and all(r['equal'] for r in runs)}
+    return {
+        'runs': runs,
+        'per_seed': per_seed,
+        'n': len(runs),
+        'equal': sum(r['equal'] for r in runs),
+        'max_abs': max(diffs, default=None),
+        'mean_abs': statistics.fmean(diffs) if diffs else None,
+        'reproduces': bool(runs) and all(r['equal'] for r in runs),
+    }
 
 
 def study_d(study_results, state='keep', split='train'):
@@ -289,11 +349,20 @@ def analyse(results, study_results=(), n_seeds=N_SEEDS):
     tests = {f'{st}_{split}': paired_test(d_values(F, st, split, fresh)) for st in STATES for split in ('train', 'val')}
     keep_fresh = d_values(F, 'keep', 'train', fresh)
     study_keep = study_d(study_results) if study_results else {}
-    combined = paired_test({**{f'earlier{i + 1}': v for i, v in enumerate(EARLIER_FRESH)},
-                        **{f's{s}': v for s, v in keep_fresh.items()}})
-    everything = paired_test({**{f'study{s}': v for s, v in study_keep.items()},
-                          **{f'earlier{i + 1}': v for i, v in enumerate(EARLIER_FRESH)},
-                          **{f's{s}': v for s, v in keep_fresh.items()}}) if study_keep else None
+    combined = paired_test(
+        {**{f'earlier{i + 1}': v for i, v in enumerate(EARLIER_FRESH)}, **{f's{s}': v for s, v in keep_fresh.items()}}
+    )
+    everything = (
+        paired_test(
+            {
+                **{f'study{s}': v for s, v in study_keep.items()},
+                **{f'earlier{i + 1}': v for i, v in enumerate(EARLIER_FRESH)},
+                **{f's{s}': v for s, v in keep_fresh.items()},
+            }
+        )
+        if study_keep
+        else None
+    )
     per_seed = []
     for s in fresh:
         row = {'seed': s}
@@ -304,21 +373,37 @@ def analyse(results, study_results=(), n_seeds=N_SEEDS):
         if any(v is not None for k, v in row.items() if k != 'seed'):
             per_seed.append(row)
     cell_runs = [r for r in results if is_cell_run(r)]
-    return {'planned_fresh_seeds': [fresh[0], fresh[-1]], 'planned_pairs': n_seeds,
-            'pairs_done': {st: len(d_values(F, st, 'train', fresh)) for st in STATES},
-            'tests': tests, 'combined': combined, 'everything': everything,
-            'reproduction': reproduction(results, study_results) if study_results else None,
-            'per_seed': per_seed, 'split_pairs': split_pairs(results),
-            'means': {f'{st}_{m}_{split}': statistics.fmean(v) if (v := [F[(st, m)][split][s] for s in fresh
-                                                                          if s in F[(st, m)][split]]) else None
-                      for st in STATES for m in METHODS for split in ('train', 'val')},
-            'wall_s': sum(r.get('wall_s') or 0 for r in cell_runs), 'runs': len(cell_runs),
-            'hosts': sorted({r['host'] for r in cell_runs if r.get('host')}),
-            'machines': sorted({r['machine'] for r in cell_runs if r.get('machine')}),
-            'code': sorted({r['code'] for r in cell_runs if r.get('code')}),
-            'torch': sorted({r['torch'] for r in cell_runs if r.get('torch')}),
-            'power_design': {'effect': -POWER_EFFECT, 'sd': POWER_SD, 'pairs_for_80': pairs_needed(),
-                             'power_at_planned': power(n_seeds)}}
+    return {
+        'planned_fresh_seeds': [fresh[0], fresh[-1]],
+        'planned_pairs': n_seeds,
+        'pairs_done': {st: len(d_values(F, st, 'train', fresh)) for st in STATES},
+        'tests': tests,
+        'combined': combined,
+        'everything': everything,
+        'reproduction': reproduction(results, study_results) if study_results else None,
+        'per_seed': per_seed,
+        'split_pairs': split_pairs(results),
+        'means': {
+            f'{st}_{m}_{split}': statistics.fmean(v)
+            if (v := [F[(st, m)][split][s] for s in fresh if s in F[(st, m)][split]])
+            else None
+            for st in STATES
+            for m in METHODS
+            for split in ('train', 'val')
+        },
+        'wall_s': sum(r.get('wall_s') or 0 for r in cell_runs),
+        'runs': len(cell_runs),
+        'hosts': sorted({r['host'] for r in cell_runs if r.get('host')}),
+        'machines': sorted({r['machine'] for r in cell_runs if r.get('machine')}),
+        'code': sorted({r['code'] for r in cell_runs if r.get('code')}),
+        'torch': sorted({r['torch'] for r in cell_runs if r.get('torch')}),
+        'power_design': {
+            'effect': -POWER_EFFECT,
+            'sd': POWER_SD,
+            'pairs_for_80': pairs_needed(),
+            'power_at_planned': power(n_seeds),
+        },
+    }
 
 
 # -----------------------------------------------------------------------------
@@ -339,85 +424,154 @@ def fmt_test(t):
     return f"{fmt(t['mean'])} [{fmt(t['ci95'][0])}, {fmt(t['ci95'][1])}]"
 
 
-TEST_NAMES = {'keep_train': 'PRIMARY: keep, train loss', 'keep_val': 'keep, val loss (secondary)',
-              'drop_train': 'drop, train loss (secondary)', 'drop_val': 'drop, val loss (secondary)'}
+TEST_NAMES = {
+    'keep_train': 'PRIMARY: keep, train loss',
+    'keep_val': 'keep, val loss (secondary)',
+    'drop_train': 'drop, train loss (secondary)',
+    'drop_val': 'drop, val loss (secondary)',
+}
 
 
 def markdown(a, command='', source=''):
     n_keep = a['pairs_done']['keep']
     interim = n_keep < a['planned_pairs']
-    L = ['# K = 100 replication (issue 42)' + (f' — interim: {n_keep} of {a["planned_pairs"]} keep pairs' if interim else ''),
-         '',
-         f"Generated by `{command or 'experiments/replication_k100.py'}`; runs from `{source}`. Plan, rule and power: "
-         "`results/replication_k100_plan.md` (written before the runs). 12 blocks, gamma 3, K = 100, AdamW, 10,000 "
-         "iterations on the 470k-token 'paper' prefix (issue 31's K = 100 cells). D = LISA-wor - LISA final loss on "
-         "the fixed windows, per seed (negative: LISA-wor better); 95% Student-t interval over seeds (df = n - 1); "
-         f"wins = seeds with D < 0. Verdict: replicated = interval below 0; refuted = its low end above -{MARGIN} "
-         f"(a LISA-wor win of {MARGIN} or more ruled out); cannot tell otherwise. The study's rule (issue 31: refuted "
-         "= above 0 or inside (-0.01, +0.01)) beside it, for comparison only.", '',
-         f"Runs: {a['runs']} of the plan's cells finished, {a['wall_s'] / 60:.0f} min of runs' own wall time; "
-         f"machine(s): {'; '.join(a['machines']) or '-'}; host(s): {', '.join(a['hosts']) or '-'}; code: "
-         f"{', '.join(a['code']) or '-'}; torch {', '.join(a['torch']) or '-'}. Fresh seeds planned "
-         f"{a['planned_fresh_seeds'][0]}-{a['planned_fresh_seeds'][1]}; complete pairs: keep {n_keep}, drop "
-         f"{a['pairs_done']['drop']}."]
+    L = [
+        '# K = 100 replication (issue 42)'
+        + (f' — interim: {n_keep} of {a["planned_pairs"]} keep pairs' if interim else ''),
+        '',
+        f"Generated by `{command or 'experiments/replication_k100.py'}`; runs from `{source}`. Plan, rule and power: "
+        "`results/replication_k100_plan.md` (written before the runs). 12 blocks, gamma 3, K = 100, AdamW, 10,000 "
+        "iterations on the 470k-token 'paper' prefix (issue 31's K = 100 cells). D = LISA-wor - LISA final loss on "
+        "the fixed windows, per seed (negative: LISA-wor better); 95% Student-t interval over seeds (df = n - 1); "
+        f"wins = seeds with D < 0. Verdict: replicated = interval below 0; refuted = its low end above -{MARGIN} "
+        f"(a LISA-wor win of {MARGIN} or more ruled out); cannot tell otherwise. The study's rule (issue 31: refuted "
+        "= above 0 or inside (-0.01, +0.01)) beside it, for comparison only.",
+        '',
+        f"Runs: {a['runs']} of the plan's cells finished, {a['wall_s'] / 60:.0f} min of runs' own wall time; "
+        f"machine(s): {'; '.join(a['machines']) or '-'}; host(s): {', '.join(a['hosts']) or '-'}; code: "
+        f"{', '.join(a['code']) or '-'}; torch {', '.join(a['torch']) or '-'}. Fresh seeds planned "
+        f"{a['planned_fresh_seeds'][0]}-{a['planned_fresh_seeds'][1]}; complete pairs: keep {n_keep}, drop "
+        f"{a['pairs_done']['drop']}.",
+    ]
     if a['split_pairs']:
-        L += ['', f"**Pairs whose two runs ran on different machines (the plan re-runs them whole):** {a['split_pairs']}"]
+        L += [
+            '',
+            f"**Pairs whose two runs ran on different machines (the plan re-runs them whole):** {a['split_pairs']}",
+        ]
     if interim:
-        L += ['', f"**Interim.** The verdict is the plan's at {a['planned_pairs']} pairs; at {n_keep} the design's power for "
-                  f"D = -{POWER_EFFECT} (sd {POWER_SD}) is "
-                  + (f"{power(n_keep):.0%}" if n_keep >= MIN_SEEDS else '-') + '.']
-    L += ['', '## Fresh seeds (the replication)', '',
-          '| outcome | n | mean [95% CI] | sd | LISA-wor wins | verdict | study\'s rule | excludes the study\'s -0.023 | '
-          'power at n (D = -0.015, sd 0.03) |', '|---|---|---|---|---|---|---|---|---|']
+        L += [
+            '',
+            f"**Interim.** The verdict is the plan's at {a['planned_pairs']} pairs; at {n_keep} the design's power for "
+            f"D = -{POWER_EFFECT} (sd {POWER_SD}) is " + (f"{power(n_keep):.0%}" if n_keep >= MIN_SEEDS else '-') + '.',
+        ]
+    L += [
+        '',
+        '## Fresh seeds (the replication)',
+        '',
+        '| outcome | n | mean [95% CI] | sd | LISA-wor wins | verdict | study\'s rule | excludes the study\'s -0.023 | '
+        'power at n (D = -0.015, sd 0.03) |',
+        '|---|---|---|---|---|---|---|---|---|',
+    ]
     for key, name in TEST_NAMES.items():
         t = a['tests'][key]
-        L.append(f"| {name} | {t['n']} | {fmt_test(t)} | {fmt_sd(t['sd'])} | {t['wins']}/{t['n']} | **{t['verdict']}** | "
-                 f"{t['study_rule']} | {'-' if t['excludes_study_estimate'] is None else ('yes' if t['excludes_study_estimate'] else 'no')} | "
-                 f"{'-' if t['power_at_n'] is None else format(t['power_at_n'], '.0%')} |")
+        L.append(
+            f"| {name} | {t['n']} | {fmt_test(t)} | {fmt_sd(t['sd'])} | {t['wins']}/{t['n']} | **{t['verdict']}** | "
+            f"{t['study_rule']} | "
+            f"{'-' if t['excludes_study_estimate'] is None else ('yes' if t['excludes_study_estimate'] else 'no')} | "
+            f"{'-' if t['power_at_n'] is None else format(t['power_at_n'], '.0%')} |"
+        )
     m = a['means']
-    L += ['', 'Means over the fresh seeds: keep LISA train {} / LISA-wor {}; drop LISA {} / LISA-wor {}.'.format(
-        *(('-' if m[k] is None else f'{m[k]:.4f}') for k in ('keep_lisa_train', 'keep_lisa_wor_train',
-                                                              'drop_lisa_train', 'drop_lisa_wor_train')))]
+    L += [
+        '',
+        'Means over the fresh seeds: keep LISA train {} / LISA-wor {}; drop LISA {} / LISA-wor {}.'.format(
+            *(
+                ('-' if m[k] is None else f'{m[k]:.4f}')
+                for k in ('keep_lisa_train', 'keep_lisa_wor_train', 'drop_lisa_train', 'drop_lisa_wor_train')
+            )
+        ),
+    ]
     c, e = a['combined'], a['everything']
-    L += ['', '## Combined (keep, train loss)', '',
-          '| seeds | n | mean [95% CI] | sd | LISA-wor wins | verdict (same rule) |', '|---|---|---|---|---|---|',
-          f"| every fresh seed so far: issue 42's 6 earlier + this replication's | {c['n']} | {fmt_test(c)} | "
-          f"{fmt_sd(c['sd'])} | {c['wins']}/{c['n']} | {c['verdict']} |"]
+    L += [
+        '',
+        '## Combined (keep, train loss)',
+        '',
+        '| seeds | n | mean [95% CI] | sd | LISA-wor wins | verdict (same rule) |',
+        '|---|---|---|---|---|---|',
+        f"| every fresh seed so far: issue 42's 6 earlier + this replication's | {c['n']} | {fmt_test(c)} | "
+        f"{fmt_sd(c['sd'])} | {c['wins']}/{c['n']} | {c['verdict']} |",
+    ]
     if e:
-        L.append(f"| everything: the study's 10 (100-109) + the 6 earlier + this replication's (descriptive: the study's "
-                 f"10 are the result under test) | {e['n']} | {fmt_test(e)} | {fmt_sd(e['sd'])} | {e['wins']}/{e['n']} | "
-                 f"({e['verdict']}) |")
-    L += ['', "The 6 earlier values are issue 42's, printed to 3 decimals: " + ', '.join(f'{v:+.3f}' for v in EARLIER_FRESH) + '.']
+        L.append(
+            f"| everything: the study's 10 (100-109) + the 6 earlier + this replication's (descriptive: the study's "
+            f"10 are the result under test) | {e['n']} | {fmt_test(e)} | {fmt_sd(e['sd'])} | {e['wins']}/{e['n']} | "
+            f"({e['verdict']}) |"
+        )
+    L += [
+        '',
+        "The 6 earlier values are issue 42's, printed to 3 decimals: "
+        + ', '.join(f'{v:+.3f}' for v in EARLIER_FRESH)
+        + '.',
+    ]
     r = a['reproduction']
     L += ['', '## Reproduction: the study\'s seeds 100-102 on this machine', '']
     if not r or not r['n']:
         L.append('Not run yet.')
     else:
-        L += [f"{r['equal']} of {r['n']} final losses equal to the study's at 4 decimals (|diff| < {EQUAL}); largest "
-              f"|diff| {r['max_abs']:.4f}, mean {r['mean_abs']:.4f}: **{'reproduces' if r['reproduces'] else 'does not reproduce'}**.",
-              '', '| state | seed | method | split | study | now | now - study |', '|---|---|---|---|---|---|---|']
-        L += [f"| {x['state']} | {x['seed']} | {x['method']} | {x['split']} | {x['then']:.4f} | {x['now']:.4f} | "
-              f"{x['diff']:+.4f} |" for x in r['runs']]
+        L += [
+            f"{r['equal']} of {r['n']} final losses equal to the study's at 4 decimals (|diff| < {EQUAL}); largest "
+            f"|diff| {r['max_abs']:.4f}, mean {r['mean_abs']:.4f}: "
+            f"**{'reproduces' if r['reproduces'] else 'does not reproduce'}**.",
+            '',
+            '| state | seed | method | split | study | now | now - study |',
+            '|---|---|---|---|---|---|---|',
+        ]
+        L += [
+            f"| {x['state']} | {x['seed']} | {x['method']} | {x['split']} | {x['then']:.4f} | {x['now']:.4f} | "
+            f"{x['diff']:+.4f} |"
+            for x in r['runs']
+        ]
         if r['per_seed']:
             L += ['', '| state | seed | D (train) in the study | D now |', '|---|---|---|---|']
             L += [f"| {x['state']} | {x['seed']} | {x['d_then']:+.4f} | {x['d_now']:+.4f} |" for x in r['per_seed']]
-    L += ['', '## Per seed (final losses; D = LISA-wor - LISA)', '',
-          '| seed | keep LISA train | keep LISA-wor train | keep D train | keep D val | drop LISA train | '
-          'drop LISA-wor train | drop D train | drop D val |', '|---|---|---|---|---|---|---|---|---|']
+    L += [
+        '',
+        '## Per seed (final losses; D = LISA-wor - LISA)',
+        '',
+        '| seed | keep LISA train | keep LISA-wor train | keep D train | keep D val | drop LISA train | '
+        'drop LISA-wor train | drop D train | drop D val |',
+        '|---|---|---|---|---|---|---|---|---|',
+    ]
 
     def d(row, st, split):
         a_, b_ = row[f'{st}_lisa_wor_{split}'], row[f'{st}_lisa_{split}']
         return None if a_ is None or b_ is None else a_ - b_
+
     f4 = lambda x: '-' if x is None else f'{x:.4f}'  # noqa: E731
     for row in a['per_seed']:
-        L.append(f"| {row['seed']} | {f4(row['keep_lisa_train'])} | {f4(row['keep_lisa_wor_train'])} | "
-                 f"{fmt(d(row, 'keep', 'train'))} | {fmt(d(row, 'keep', 'val'))} | {f4(row['drop_lisa_train'])} | "
-                 f"{f4(row['drop_lisa_wor_train'])} | {fmt(d(row, 'drop', 'train'))} | {fmt(d(row, 'drop', 'val'))} |")
+        L.append(
+            f"| {row['seed']} | {f4(row['keep_lisa_train'])} | {f4(row['keep_lisa_wor_train'])} | "
+            f"{fmt(d(row, 'keep', 'train'))} | {fmt(d(row, 'keep', 'val'))} | {f4(row['drop_lisa_train'])} | "
+            f"{f4(row['drop_lisa_wor_train'])} | {fmt(d(row, 'drop', 'train'))} | {fmt(d(row, 'drop', 'val'))} |"
+        )
     return '\n'.join(L) + '\n'
 
 
-RUN_FIELDS = (*study_plan.KEY_FIELDS, 'seed', 'kind', 'wall_s', 'command', 'median_ms_per_iter', 'eval_iters',
-              'train_loss', 'val_loss', 'host', 'machine', 'torch', 'code', 'threads')
+RUN_FIELDS = (
+    *study_plan.KEY_FIELDS,
+    'seed',
+    'kind',
+    'wall_s',
+    'command',
+    'median_ms_per_iter',
+    'eval_iters',
+    'train_loss',
+    'val_loss',
+    'host',
+    'machine',
+    'torch',
+    'code',
+    'threads',
+)
 
 
 def load_runs(path):
@@ -448,25 +602,46 @@ def report(results, study_results, report_dir='', name='replication_k100', comma
         with open(os.path.join(report_dir, f'{name}.md'), 'w') as f:
             f.write(md)
         with open(os.path.join(report_dir, f'{name}.json'), 'w') as f:
-            json.dump({'command': command, 'source': source, 'analysis': a,
-                       'runs': [{k: r.get(k) for k in RUN_FIELDS} for r in results if is_cell_run(r)]}, f, indent=1)
+            json.dump(
+                {
+                    'command': command,
+                    'source': source,
+                    'analysis': a,
+                    'runs': [{k: r.get(k) for k in RUN_FIELDS} for r in results if is_cell_run(r)],
+                },
+                f,
+                indent=1,
+            )
     return a, md
 
 
-DEFAULTS = dict(runs_dir=os.path.join(ROOT, 'out', 'k100', 'runs'), report_only=False, runs_from='', restore_from='',
-                report_dir='',
-                name='replication_k100', study=STUDY_JSON, seeds=N_SEEDS, stop_at='', jobs=1, power=False)
-MEANINGS = dict(runs_dir='the runs folder (RUNS/../data holds the 470k-token prefix)',
-                report_only='report from the runs there (or --runs_from), run nothing',
-                runs_from="report from the runs a report's NAME.json keeps (no runs folder needed)",
-                restore_from="first write the runs a report's NAME.json keeps into runs_dir (a lost runs folder): "
-                             "they are not run again",
-                report_dir='write NAME.md and NAME.json there (empty: print the report only)', name='report file stem',
-                study="issue 31's report (its runs of seeds 100-109: the reproduction check and the pooled estimate)",
-                seeds=f'fresh seeds from {FIRST_SEED} (the plan: {N_SEEDS})',
-                stop_at='HH:MM (UTC): start no (seed, state) pair after it; the same command resumes',
-                jobs="runs of a (seed, state) pair at a time: 1 (the plan), 2 (its two runs side by side)",
-                power="print the plan's power numbers and exit")
+DEFAULTS = dict(
+    runs_dir=os.path.join(ROOT, 'out', 'k100', 'runs'),
+    report_only=False,
+    runs_from='',
+    restore_from='',
+    report_dir='',
+    name='replication_k100',
+    study=STUDY_JSON,
+    seeds=N_SEEDS,
+    stop_at='',
+    jobs=1,
+    power=False,
+)
+MEANINGS = dict(
+    runs_dir='the runs folder (RUNS/../data holds the 470k-token prefix)',
+    report_only='report from the runs there (or --runs_from), run nothing',
+    runs_from="report from the runs a report's NAME.json keeps (no runs folder needed)",
+    restore_from="first write the runs a report's NAME.json keeps into runs_dir (a lost runs folder): "
+    "they are not run again",
+    report_dir='write NAME.md and NAME.json there (empty: print the report only)',
+    name='report file stem',
+    study="issue 31's report (its runs of seeds 100-109: the reproduction check and the pooled estimate)",
+    seeds=f'fresh seeds from {FIRST_SEED} (the plan: {N_SEEDS})',
+    stop_at='HH:MM (UTC): start no (seed, state) pair after it; the same command resumes',
+    jobs="runs of a (seed, state) pair at a time: 1 (the plan), 2 (its two runs side by side)",
+    power="print the plan's power numbers and exit",
+)
 
 
 def main(argv=None):

@@ -9,6 +9,7 @@ run_all runs a list of jobs N at a time and skips every job whose result.json ex
 error, so an interrupted batch resumes where it stopped. SIGTERM or Ctrl-C stops the runs too
 (run_child): no train.py outlives the script that started it, to collide with the next attempt.
 """
+
 import contextlib
 import json
 import os
@@ -23,8 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # every run: eager CPU float32, no sample, a checkpoint only at the end (removed unless kept)
-CPU_ARGS = ('--compile=False', '--sample_tokens=0', '--always_save_checkpoint=False', '--device=cpu',
-            '--dtype=float32')
+CPU_ARGS = ('--compile=False', '--sample_tokens=0', '--always_save_checkpoint=False', '--device=cpu', '--dtype=float32')
 
 
 def read_records(out_dir):
@@ -41,12 +41,15 @@ def read_records(out_dir):
                     warn_once(path, f"{path}: skipped a line that is not a record ({line.strip()[:60]!r})")
     times = [r['ms'] for r in iters if r['iter'] > 0]  # the first logged iteration includes start-up work
     return {
-        'eval_iters': [r['iter'] for r in evals], 'train_loss': [r['train_loss'] for r in evals],
+        'eval_iters': [r['iter'] for r in evals],
+        'train_loss': [r['train_loss'] for r in evals],
         'val_loss': [r['val_loss'] for r in evals],
-        'log_iters': [r['iter'] for r in iters], 'step_loss': [r['loss'] for r in iters],
+        'log_iters': [r['iter'] for r in iters],
+        'step_loss': [r['loss'] for r in iters],
         'median_ms_per_iter': statistics.median(times) if times else None,
         'last_logged_epoch': iters[-1]['epoch'] if iters else None,  # fraction of the training set's windows seen
-        'switches': len(switches), 'first_switches': [f"iter {r['iter']}: {r['description']}" for r in switches[:3]],
+        'switches': len(switches),
+        'first_switches': [f"iter {r['iter']}: {r['description']}" for r in switches[:3]],
     }
 
 
@@ -90,8 +93,9 @@ def _on_signal(signum, frame):
     if _stop.is_set():  # a second signal: no more waiting
         _signal_children(signal.SIGKILL)
         return
-    _stopped.update(signal=signum, runs=len(_children), timer=threading.Timer(GRACE_S, _signal_children,
-                                                                               (signal.SIGKILL,)))
+    _stopped.update(
+        signal=signum, runs=len(_children), timer=threading.Timer(GRACE_S, _signal_children, (signal.SIGKILL,))
+    )
     _stop.set()
     _signal_children(signal.SIGTERM)
     _stopped['timer'].daemon = True
@@ -104,8 +108,7 @@ def children_stop_with_us():
     SIGKILL after GRACE_S, or at a second signal) and lets no new one start (Stopped); once the block
     is left, one `error:` line and exit status 128 + the signal. A no-op off the main thread (signal
     handlers live there) or inside another such block."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is _on_signal:
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is _on_signal:
         yield
         return
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -122,9 +125,13 @@ def children_stop_with_us():
         _stopped.update(signal=None, runs=0, timer=None)
         _stop.clear()
     if signum is not None:
-        print(f"error: stopped by {signal.Signals(signum).name}: {runs} run(s) in progress stopped, none started "
-              f"after it; run the same command again to resume (with the same runs folder, finished runs are "
-              f"not run again)", file=sys.stderr, flush=True)
+        print(
+            f"error: stopped by {signal.Signals(signum).name}: {runs} run(s) in progress stopped, none started "
+            f"after it; run the same command again to resume (with the same runs folder, finished runs are "
+            f"not run again)",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(128 + signum)
 
 
@@ -173,8 +180,12 @@ def run_train(args, out_dir, max_iters, threads=1, keep_checkpoints=False):
             remove_checkpoints(out_dir)
             raise Stopped(out_dir)
     wall = time.time() - t0
-    result = {'returncode': proc.returncode, 'wall_s': round(wall, 1), 'command': ' '.join(cmd[1:]),
-              **read_records(out_dir)}
+    result = {
+        'returncode': proc.returncode,
+        'wall_s': round(wall, 1),
+        'command': ' '.join(cmd[1:]),
+        **read_records(out_dir),
+    }
     if proc.returncode != 0:
         lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
         result['error'] = lines[-1][:300] if lines else f'exit code {proc.returncode}'
@@ -283,6 +294,7 @@ def all_results(runs_dir):
 
 def machine():
     import platform
+
     cpu = platform.processor() or platform.machine()
     try:
         with open('/proc/cpuinfo') as f:
@@ -298,4 +310,5 @@ def config_of(args, out_dir='out'):
     """The config train.py runs with for `args` (train_argv's arguments, read and checked as
     train.py reads them); a bad key or value raises a one-line ValueError."""
     import train_config
+
     return train_config.load(train_argv(args, out_dir))

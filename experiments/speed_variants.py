@@ -11,6 +11,7 @@ Variants (all: the default):
   sdpa=NAME     attention through one SDPA kernel only (flash, cudnn, efficient, math), the blocks compiled under it
 Prints a table of ms/iter (median), tokens/s and MFU, and writes it to --out when given.
 """
+
 import os
 import sys
 from contextlib import nullcontext
@@ -30,18 +31,31 @@ SDPA = ('flash', 'cudnn', 'efficient', 'math')
 
 def known_variant(variant):
     name, _, value = variant.partition('=')
-    return (name == 'batch' and value.isdigit() and int(value) > 0) or variant == 'whole' or \
-        (name == 'sdpa' and value in SDPA)
+    return (
+        (name == 'batch' and value.isdigit() and int(value) > 0)
+        or variant == 'whole'
+        or (name == 'sdpa' and value in SDPA)
+    )
 
 
-RULES = {**bench.RULES, 'variants': ((lambda v: bool(v) and all(known_variant(x) for x in v.split(','))),
-                                     f"a comma list of batch=N, whole, sdpa={'|'.join(SDPA)}")}
+RULES = {
+    **bench.RULES,
+    'variants': (
+        (lambda v: bool(v) and all(known_variant(x) for x in v.split(','))),
+        f"a comma list of batch=N, whole, sdpa={'|'.join(SDPA)}",
+    ),
+}
 
 
 def sdpa_context(name):
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    backend = {'flash': SDPBackend.FLASH_ATTENTION, 'cudnn': SDPBackend.CUDNN_ATTENTION,
-               'efficient': SDPBackend.EFFICIENT_ATTENTION, 'math': SDPBackend.MATH}[name]
+
+    backend = {
+        'flash': SDPBackend.FLASH_ATTENTION,
+        'cudnn': SDPBackend.CUDNN_ATTENTION,
+        'efficient': SDPBackend.EFFICIENT_ATTENTION,
+        'math': SDPBackend.MATH,
+    }[name]
     return sdpa_kernel(backend)
 
 
@@ -75,10 +89,14 @@ def run_variant(cfg, device, variant):
 def main(argv):
     cfg = command_line(argv, DEFAULTS, RULES, __doc__, train_config.meanings())
     device = bench.setup(cfg)[0]
-    lines = [f"Machine: {bench.describe_machine(device)}; method {cfg['methods'].split(',')[0]}, "
-             f"{cfg['steps']} timed iterations after {cfg['warmup_steps']}",
-             f"Command: `python experiments/speed_variants.py {' '.join(argv)}`", '',
-             '| variant | ms/iter | tokens/s | MFU | peak alloc GiB |', '|---|---|---|---|---|']
+    lines = [
+        f"Machine: {bench.describe_machine(device)}; method {cfg['methods'].split(',')[0]}, "
+        f"{cfg['steps']} timed iterations after {cfg['warmup_steps']}",
+        f"Command: `python experiments/speed_variants.py {' '.join(argv)}`",
+        '',
+        '| variant | ms/iter | tokens/s | MFU | peak alloc GiB |',
+        '|---|---|---|---|---|',
+    ]
     for variant in cfg['variants'].split(','):
         row = run_variant(cfg, device, variant)
         if row is None:

@@ -12,6 +12,7 @@ Stegun 26.7.1 with 26.5.27), evaluated by its continued fraction (Numerical Reci
 Lentz's method) and inverted by bisection to double precision. t_quantile(0.975, 9) = 2.2622,
 (0.975, 30) = 2.0423, (0.975, 1000) = 1.9623; tests/test_study.py checks these against the tables.
 """
+
 import functools
 import math
 import statistics
@@ -117,10 +118,17 @@ def paired(a, b):
     mean = statistics.fmean(diffs)
     sd = statistics.stdev(diffs) if n > 1 else None
     half = t975(n - 1) * sd / math.sqrt(n) if n > 1 else None
-    return {'seeds': seeds, 'diffs': diffs, 'n': n, 'mean': mean, 'sd': sd,
-            't': mean / (sd / math.sqrt(n)) if sd else None,
-            'ci95': [mean - half, mean + half] if half is not None else None,
-            'a_wins': sum(d < 0 for d in diffs), 'significant': half is not None and (mean - half > 0 or mean + half < 0)}
+    return {
+        'seeds': seeds,
+        'diffs': diffs,
+        'n': n,
+        'mean': mean,
+        'sd': sd,
+        't': mean / (sd / math.sqrt(n)) if sd else None,
+        'ci95': [mean - half, mean + half] if half is not None else None,
+        'a_wins': sum(d < 0 for d in diffs),
+        'significant': half is not None and (mean - half > 0 or mean + half < 0),
+    }
 
 
 def band(curves):

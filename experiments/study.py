@@ -22,9 +22,9 @@ Regimes (the dataset and the iterations of a run):
 - pre: the whole corpus, full AdamW: the model the fine-tuning runs start from (checkpoint kept).
 - ft: fine-tuning the 'pre' model on another text in the same characters: CPython's own reference
   documentation (pydoc_data.topics, shipped with Python), characters outside Shakespeare's set
-  dropped, written once to RUNS/../data/pydoc_char (FT_TOKENS train, a tenth of that val). Each run starts from a checkpoint
-  at iteration 0 (the pre-trained weights, a fresh optimizer, cycler and data order for its own
-  config) that train.py resumes (--init_from=resume).
+  dropped, written once to RUNS/../data/pydoc_char (FT_TOKENS train, a tenth of that val). Each run
+  starts from a checkpoint at iteration 0 (the pre-trained weights, a fresh optimizer, cycler and data
+  order for its own config) that train.py resumes (--init_from=resume).
 
 Stages, in the order they run (a stage's runs go seed-major, so a stage stopped part-way still pairs):
   M = 2 (4 blocks, gamma 2, K 10; multi 480 iterations = 10 epochs, sub 240):
@@ -66,7 +66,8 @@ core_multi_adamw (M = 2 stages) or m4_multi_adamw (M = 4 stages) (--policy=auto)
     python experiments/study.py --stages=m4_multi_sgd --layers=8 --name=study_m4   # the 8-block runs only
     python experiments/study.py --stages=core_multi_adamw,probe --seeds=5 --name=study_m2
     python experiments/study.py --report_only=True --name=study_m4 --report_dir=results
-    python experiments/study.py --stages=k31_keep,k31_k100 --first_seed=100 --seeds=10 --jobs=1 --stop_at=10:42 --name=study_k31
+    python experiments/study.py --stages=k31_keep,k31_k100 --first_seed=100 --seeds=10 --jobs=1 \\
+        --stop_at=10:42 --name=study_k31
 
 --stop_at=HH:MM (UTC) starts no seed group after that time (a stopped stage keeps complete pairs).
 
@@ -77,6 +78,7 @@ study_report.py (tables and plots) and study_probe.py (block schedules and the i
 Finished runs are skipped (resume). Writes REPORT_DIR/NAME.json (every run's curves and the paired
 statistics), NAME_tables.md, NAME_loss.png and NAME_probe.md (default REPORT_DIR: out/study).
 """
+
 import json
 import os
 import shutil
@@ -90,12 +92,12 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runner  # noqa: E402
 import study_plan  # noqa: E402
-from configurator import at_least, command_line, one_of  # noqa: E402
 from study_plan import ft_dataset, multi_dataset, run_name, stage_specs, train_args  # noqa: E402
 from study_probe import probe  # noqa: E402
 from study_report import report, runs_from_report  # noqa: E402
 from study_stats import resolve_policy  # noqa: E402
 
+from configurator import at_least, command_line, one_of  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # the data of the regimes, written once into RUNS/../data
@@ -103,6 +105,7 @@ from study_stats import resolve_policy  # noqa: E402
 
 def shakespeare_char():
     from dataloader import data_dir, prepare_if_embedded
+
     prepare_if_embedded('shakespeare_char')
     return data_dir('shakespeare_char')
 
@@ -110,13 +113,14 @@ def shakespeare_char():
 def make_multi_dataset(runs_dir, n_tokens=None):
     """The multi-epoch split: the first n_tokens tokens of train.bin, the full val.bin, the same meta.pkl."""
     import numpy as np
+
     dst = multi_dataset(runs_dir, n_tokens)
     if os.path.exists(os.path.join(dst, 'meta.pkl')):
         return dst
     source = shakespeare_char()
     os.makedirs(dst, exist_ok=True)
     train = np.memmap(os.path.join(source, 'train.bin'), dtype=np.uint16, mode='r')
-    np.array(train[:n_tokens or study_plan.MULTI_TOKENS]).tofile(os.path.join(dst, 'train.bin'))
+    np.array(train[: n_tokens or study_plan.MULTI_TOKENS]).tofile(os.path.join(dst, 'train.bin'))
     shutil.copyfile(os.path.join(source, 'val.bin'), os.path.join(dst, 'val.bin'))
     shutil.copyfile(os.path.join(source, 'meta.pkl'), os.path.join(dst, 'meta.pkl'))  # last: marks it complete
     return dst
@@ -125,10 +129,12 @@ def make_multi_dataset(runs_dir, n_tokens=None):
 def make_ft_dataset(runs_dir, n_tokens=None):
     """The fine-tuning text: CPython's reference documentation (pydoc_data.topics, in key order) in
     shakespeare_char's characters (others dropped): n_tokens train, n_tokens // 10 val, same meta.pkl."""
-    import numpy as np
     from pydoc_data.topics import topics
 
+    import numpy as np
+
     from data.tokenizer import read_meta  # data only: a meta.pkl never runs code
+
     dst = ft_dataset(runs_dir)
     if os.path.exists(os.path.join(dst, 'meta.pkl')):
         return dst
@@ -141,7 +147,7 @@ def make_ft_dataset(runs_dir, n_tokens=None):
         raise ValueError(f"pydoc_data.topics has {len(ids)} usable characters, fewer than {n_tokens + n_val}")
     os.makedirs(dst, exist_ok=True)
     np.array(ids[:n_tokens], dtype=np.uint16).tofile(os.path.join(dst, 'train.bin'))
-    np.array(ids[n_tokens:n_tokens + n_val], dtype=np.uint16).tofile(os.path.join(dst, 'val.bin'))
+    np.array(ids[n_tokens : n_tokens + n_val], dtype=np.uint16).tofile(os.path.join(dst, 'val.bin'))
     shutil.copyfile(os.path.join(source, 'meta.pkl'), os.path.join(dst, 'meta.pkl'))  # last: marks it complete
     return dst
 
@@ -160,6 +166,7 @@ def finetune_start(s, out_dir, runs_dir):
     from infra import checkpoint
     from infra.distributed import Ranks
     from trainer import grad_scaler
+
     pre = os.path.join(runs_dir, run_name(stage_specs('m4_pre', [])[0]), 'ckpt.pt')  # the pre-training run
     if not os.path.exists(pre):
         raise FileNotFoundError(f"{pre} not found: the pre-training run must finish first")
@@ -169,12 +176,20 @@ def finetune_start(s, out_dir, runs_dir):
     model, opt, cycler = builder.build(cfg, 'cpu', pretrained['model_args']['vocab_size'])
     model.load_state_dict(pretrained['model'])
     from dataloader import open_splits
-    train_batches, _ = open_splits(cfg['dataset'], cfg['block_size'], cfg['batch_size'], cfg['sampling'],
-                                   cfg['data_seed'])
+
+    train_batches, _ = open_splits(
+        cfg['dataset'], cfg['block_size'], cfg['batch_size'], cfg['sampling'], cfg['data_seed']
+    )
     os.makedirs(out_dir, exist_ok=True)
     objects = {'model': model, 'optimizer': opt, 'cycler': cycler, 'scaler': grad_scaler(cfg, 'cpu')}
-    values = {'data': train_batches.state_dict(), 'model_args': pretrained['model_args'], 'iter_num': 0,
-              'best_val_loss': 1e9, 'config': cfg, 'wandb_id': None}
+    values = {
+        'data': train_batches.state_dict(),
+        'model_args': pretrained['model_args'],
+        'iter_num': 0,
+        'best_val_loss': 1e9,
+        'config': cfg,
+        'wandb_id': None,
+    }
     checkpoint.save(os.path.join(out_dir, 'ckpt.pt'), Ranks(), objects, values)  # train.py's writer
 
 
@@ -191,8 +206,13 @@ def probe_launch(s, out_dir, runs_dir):
     os.makedirs(out_dir, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS='1')
     t0 = time.time()
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), f'--probe_spec={json.dumps(s)}',
-                           f'--runs_dir={runs_dir}'], cwd=ROOT, capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), f'--probe_spec={json.dumps(s)}', f'--runs_dir={runs_dir}'],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     r = {'returncode': proc.returncode, 'wall_s': round(time.time() - t0, 1)}
     if proc.returncode == 0:
         with open(os.path.join(out_dir, 'probe.json')) as f:
@@ -210,8 +230,13 @@ def default_launch(s, out_dir, runs_dir):
 def run_specs(specs, runs_dir, jobs=2, launch=default_launch, max_load=None):
     """Run the specs not finished yet, `jobs` at a time (runner.run_all); {run_name: result} for
     every saved result."""
-    return runner.run_all([{**s, 'name': run_name(s)} for s in specs], runs_dir,
-                          lambda job, out_dir: launch(job, out_dir, runs_dir), jobs, max_load)
+    return runner.run_all(
+        [{**s, 'name': run_name(s)} for s in specs],
+        runs_dir,
+        lambda job, out_dir: launch(job, out_dir, runs_dir),
+        jobs,
+        max_load,
+    )
 
 
 def result_path(runs_dir, s):
@@ -233,6 +258,7 @@ def stop_time(hhmm, now=None):
     """The epoch time of the next HH:MM UTC at or after `now` (today's, or tomorrow's once it has passed
     by more than 12 hours: a deadline set just after midnight for the evening before is past)."""
     import datetime
+
     h, m = (int(x) for x in hhmm.split(':'))
     if not (0 <= h < 24 and 0 <= m < 60):
         raise ValueError(hhmm)
@@ -243,23 +269,40 @@ def stop_time(hhmm, now=None):
     return t.timestamp()
 
 
-DEFAULTS = dict(stages=','.join(study_plan.STAGES), seeds=5, first_seed=0, stop_at='', jobs=2, max_load=0.0, layers='',
-                policy='auto', runs_dir=os.path.join(ROOT, 'out', 'study', 'runs'),
-                report_dir=os.path.join(ROOT, 'out', 'study'), name='study', report_only=False, runs_from='', earlier='',
-                probe_spec='')
-MEANINGS = dict(stages='comma-separated, in order', seeds='how many seeds: FIRST_SEED..FIRST_SEED+N-1',
-                first_seed='the first seed (the k31 stages: 100)',
-                stop_at='HH:MM (UTC): start no seed group after it (the runs that started finish; the rest are '
-                        'reported as not run, and a rerun resumes them)',
-                jobs='runs at a time (each OMP_NUM_THREADS=1)',
-                max_load='>0: start a second run beside the first only while the 1-minute load average is below it',
-                layers='only the runs of models with these numbers of blocks, e.g. 8,12',
-                policy='state policy of the later stages: keep, drop or auto', name='report file stem: NAME.json, ...',
-                report_only='write the reports from the runs there, run nothing',
-                runs_from="write the reports from the runs an earlier NAME.json keeps (a fresh checkout has no runs "
-                          "folder); with report_only=True",
-                earlier='an earlier NAME.json of the same runs: NAME_tests.md compares them run by run',
-                probe_spec='(internal) one probe run')
+DEFAULTS = dict(
+    stages=','.join(study_plan.STAGES),
+    seeds=5,
+    first_seed=0,
+    stop_at='',
+    jobs=2,
+    max_load=0.0,
+    layers='',
+    policy='auto',
+    runs_dir=os.path.join(ROOT, 'out', 'study', 'runs'),
+    report_dir=os.path.join(ROOT, 'out', 'study'),
+    name='study',
+    report_only=False,
+    runs_from='',
+    earlier='',
+    probe_spec='',
+)
+MEANINGS = dict(
+    stages='comma-separated, in order',
+    seeds='how many seeds: FIRST_SEED..FIRST_SEED+N-1',
+    first_seed='the first seed (the k31 stages: 100)',
+    stop_at='HH:MM (UTC): start no seed group after it (the runs that started finish; the rest are '
+    'reported as not run, and a rerun resumes them)',
+    jobs='runs at a time (each OMP_NUM_THREADS=1)',
+    max_load='>0: start a second run beside the first only while the 1-minute load average is below it',
+    layers='only the runs of models with these numbers of blocks, e.g. 8,12',
+    policy='state policy of the later stages: keep, drop or auto',
+    name='report file stem: NAME.json, ...',
+    report_only='write the reports from the runs there, run nothing',
+    runs_from="write the reports from the runs an earlier NAME.json keeps (a fresh checkout has no runs "
+    "folder); with report_only=True",
+    earlier='an earlier NAME.json of the same runs: NAME_tests.md compares them run by run',
+    probe_spec='(internal) one probe run',
+)
 RULES = {'seeds': at_least(1), 'jobs': at_least(1), 'max_load': at_least(0), 'policy': one_of('auto', 'keep', 'drop')}
 
 
@@ -313,8 +356,11 @@ def main(argv=None):
             print(f"[{time.strftime('%H:%M:%S')}] stage {stage}: {len(specs)} runs", flush=True)
             results, started = {}, sum(runner.load_result(runs_dir, run_name(s)) is None for s in specs)
             for group in seed_groups(specs) if deadline else [specs]:  # a seed's runs: complete pairs
-                if deadline and time.time() >= deadline and any(runner.load_result(runs_dir, run_name(s)) is None
-                                                                for s in group):
+                if (
+                    deadline
+                    and time.time() >= deadline
+                    and any(runner.load_result(runs_dir, run_name(s)) is None for s in group)
+                ):
                     not_started += sum(runner.load_result(runs_dir, run_name(s)) is None for s in group)
                     continue
                 results.update(run_specs(group, runs_dir, args.jobs, max_load=args.max_load or None))
@@ -323,20 +369,36 @@ def main(argv=None):
             if not failed and started and (not deadline or time.time() < deadline):  # the last one: below
                 report(runner.all_results(runs_dir), label, args.report_dir, seeds, command, args.name, args.jobs)
         if failed:  # earlier reports stay as they were; finished runs are kept, and rerun failures resume
-            print(f"error: {len(failed)} runs failed (first: {failed[0]}: see {runs_dir}/{failed[0]}); reports "
-                  f"not rewritten; run the same command again to retry them", file=sys.stderr)
+            print(
+                f"error: {len(failed)} runs failed (first: {failed[0]}: see {runs_dir}/{failed[0]}); reports "
+                f"not rewritten; run the same command again to retry them",
+                file=sys.stderr,
+            )
             return 1
         if not_started:
-            print(f"[{time.strftime('%H:%M:%S')}] --stop_at={args.stop_at}: {not_started} runs not started "
-                  f"(the same command resumes them)", flush=True)
+            print(
+                f"[{time.strftime('%H:%M:%S')}] --stop_at={args.stop_at}: {not_started} runs not started "
+                f"(the same command resumes them)",
+                flush=True,
+            )
     try:
         results = runs_from_report(args.runs_from) if args.runs_from else runner.all_results(runs_dir)
-        report(results, args.runs_from or label, args.report_dir, seeds, command, args.name, args.jobs,
-               args.earlier or None)
+        report(
+            results,
+            args.runs_from or label,
+            args.report_dir,
+            seeds,
+            command,
+            args.name,
+            args.jobs,
+            args.earlier or None,
+        )
     except (OSError, ValueError, KeyError) as e:  # a missing or foreign NAME.json
         sys.exit(f"error: cannot write the reports: {type(e).__name__}: {e}")
-    print(f"wrote {args.name}.json, {args.name}_tables.md, {args.name}_probe.md, {args.name}_loss.png "
-          f"in {args.report_dir}")
+    print(
+        f"wrote {args.name}.json, {args.name}_tables.md, {args.name}_probe.md, {args.name}_loss.png "
+        f"in {args.report_dir}"
+    )
     return 0
 
 

@@ -6,6 +6,7 @@ the seed) run at every seed, seed-major; train_args turns a spec into train.py's
 experiments/study.py runs the stages, study_stats.py computes the statistics, study_report.py
 writes the tables. The stages in words: study.py's docstring.
 """
+
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -14,9 +15,22 @@ MULTI_TOKENS = 100_000
 FT_TOKENS = 20_000
 # model and schedule of every run (train.py keys); the optimizer's and the regime's own values come
 # from OPTIMIZERS and REGIME_ARGS, the geometry (n_layer, gamma, K) and iterations from the spec
-BASE = dict(n_head=2, n_embd=32, block_size=64, batch_size=32, dropout=0.0, learning_rate=3e-3,
-            min_lr=3e-4, warmup_iters=20, weight_decay=0.1, grad_clip=1.0, eval_iters=8, log_interval=12,
-            omgd_period=10, omgd_state='keep')
+BASE = dict(
+    n_head=2,
+    n_embd=32,
+    block_size=64,
+    batch_size=32,
+    dropout=0.0,
+    learning_rate=3e-3,
+    min_lr=3e-4,
+    warmup_iters=20,
+    weight_decay=0.1,
+    grad_clip=1.0,
+    eval_iters=8,
+    log_interval=12,
+    omgd_period=10,
+    omgd_state='keep',
+)
 OPTIMIZERS = {'adamw': {}, 'sgd': dict(learning_rate=0.1, min_lr=0.01)}
 REGIME_ARGS = {'ft': dict(learning_rate=1e-3, min_lr=1e-4)}  # fine-tuning: a third of the pre-training rate
 ITERS = {'multi': 480, 'sub': 240, 'pre': 2000, 'ft': 600}  # M = 2 stages' iterations, and pre / ft
@@ -41,7 +55,7 @@ K31_AXIS = (3, 6, 12, 25)  # K at 600 iterations (the same iterations for every 
 K31_BETA1 = (0.5, 0.0)  # the K = 3 keep cell without most / all of the momentum (0.9 is the axis' own run)
 K31_STAGES = {
     'k31_keep': [dict(regime='multi', iters=M4_ITERS, state='keep', K=K) for K in K31_AXIS]
-                + [dict(regime='multi', iters=M4_ITERS, state='keep', K=3, beta1=b) for b in K31_BETA1],
+    + [dict(regime='multi', iters=M4_ITERS, state='keep', K=3, beta1=b) for b in K31_BETA1],
     'k31_k100': [dict(regime='paper', iters=10_000, state='keep', K=100)],  # 25 cycles of 4 periods
     'k31_drop': [dict(regime='multi', iters=M4_ITERS, state='drop', K=K) for K in K31_AXIS],
     'k31_k100_drop': [dict(regime='paper', iters=10_000, state='drop', K=100)],
@@ -53,13 +67,35 @@ PRETRAIN = dict(regime='pre', optimizer='adamw', method='full', n_layer=12, iter
 # run specifications
 
 
-def spec(regime, optimizer, method, state='keep', sampling='rr', K=None, gamma=None, seed=0, kind='train',
-         n_layer=4, iters=None, beta1=None):
+def spec(
+    regime,
+    optimizer,
+    method,
+    state='keep',
+    sampling='rr',
+    K=None,
+    gamma=None,
+    seed=0,
+    kind='train',
+    n_layer=4,
+    iters=None,
+    beta1=None,
+):
     full = method == 'full'
-    return {'regime': regime, 'optimizer': optimizer, 'method': method, 'state': 'na' if full else state,
-            'sampling': sampling, 'K': 0 if full else (K or BASE['omgd_period']),
-            'gamma': 0 if full else (gamma or 2), 'n_layer': n_layer, 'iters': iters or ITERS[regime],
-            'seed': seed, 'kind': kind, 'beta1': beta1}
+    return {
+        'regime': regime,
+        'optimizer': optimizer,
+        'method': method,
+        'state': 'na' if full else state,
+        'sampling': sampling,
+        'K': 0 if full else (K or BASE['omgd_period']),
+        'gamma': 0 if full else (gamma or 2),
+        'n_layer': n_layer,
+        'iters': iters or ITERS[regime],
+        'seed': seed,
+        'kind': kind,
+        'beta1': beta1,
+    }
 
 
 KEY_FIELDS = ('n_layer', 'regime', 'iters', 'optimizer', 'method', 'state', 'sampling', 'K', 'gamma', 'beta1')
@@ -69,8 +105,10 @@ def config_key(s):
     """The configuration without the seed: runs with the same key and different seeds are a group
     (a beta1 other than train.py's is appended; runs from before beta1 was a field have none)."""
     beta1 = s.get('beta1')
-    return (f"L{s['n_layer']}-{s['regime']}{s['iters']}-{s['optimizer']}-{s['method']}-{s['state']}-{s['sampling']}"
-            f"-K{s['K']}-g{s['gamma']}" + ('' if beta1 is None else f'-beta{beta1}'))
+    return (
+        f"L{s['n_layer']}-{s['regime']}{s['iters']}-{s['optimizer']}-{s['method']}-{s['state']}-{s['sampling']}"
+        f"-K{s['K']}-g{s['gamma']}" + ('' if beta1 is None else f'-beta{beta1}')
+    )
 
 
 def run_name(s):
@@ -97,19 +135,29 @@ def dataset(s, runs_dir):
     return ft_dataset(runs_dir) if s['regime'] == 'ft' else 'shakespeare_char'
 
 
-
 def train_args(s, runs_dir):
     """train.py's arguments for spec s (runner.train_argv adds the CPU flags and the out_dir)."""
-    flags = dict(BASE, n_layer=s['n_layer'], **DEPTH_ARGS.get(s['n_layer'], {}), **OPTIMIZERS[s['optimizer']],
-                 **REGIME_ARGS.get(s['regime'], {}))
+    flags = dict(
+        BASE,
+        n_layer=s['n_layer'],
+        **DEPTH_ARGS.get(s['n_layer'], {}),
+        **OPTIMIZERS[s['optimizer']],
+        **REGIME_ARGS.get(s['regime'], {}),
+    )
     flags.update(max_iters=s['iters'], lr_decay_iters=s['iters'], eval_interval=s['iters'] // EVALS)
     if s['method'] != 'full':
         flags.update(omgd_period=s['K'], omgd_gamma=s['gamma'], omgd_state=s['state'])
     if s.get('beta1') is not None:
         flags['beta1'] = s['beta1']
     flags['dataset'] = dataset(s, runs_dir)
-    args = [f"--method={s['method']}", f"--sampling={s['sampling']}",
-            f"--seed={s['seed']}", f"--data_seed={s['seed']}", f"--omgd_seed={s['seed']}", '--decay_lr=True']
+    args = [
+        f"--method={s['method']}",
+        f"--sampling={s['sampling']}",
+        f"--seed={s['seed']}",
+        f"--data_seed={s['seed']}",
+        f"--omgd_seed={s['seed']}",
+        '--decay_lr=True',
+    ]
     args += [f'--{k}={v}' for k, v in flags.items()]
     args += [f"--optimizer={s['optimizer']}", '--overwrite=True']
     return args + (['--init_from=resume'] if s['regime'] == 'ft' else [])
@@ -143,44 +191,100 @@ STAGES = {
     'aligned': ('every', cells(LISAS, [POLICY], K=EPOCH, **MULTI_ADAMW)),
     'probe': ('first', cells(LISAS, kind='probe', **MULTI_ADAMW)),
     'core_multi_sgd': ('every', cells(LISAS, regime='multi', optimizer='sgd')),
-    'core_sub_adamw': ('every', cells(['full'], ['keep'], regime='sub', optimizer='adamw')
-                       + cells(LISAS, regime='sub', optimizer='adamw')),
+    'core_sub_adamw': (
+        'every',
+        cells(['full'], ['keep'], regime='sub', optimizer='adamw') + cells(LISAS, regime='sub', optimizer='adamw'),
+    ),
     'core_sub_sgd': ('every', cells(LISAS, regime='sub', optimizer='sgd')),
     'offload': ('first', cells(['lisa_wor'], ['offload'], **MULTI_ADAMW)),
     # SGD is not scale-invariant: separates without-replacement from the N_L/gamma scale
     'methods_sgd': ('every', cells(['lisa_scale', 'lisa_wor_noscale'], [POLICY], regime='multi', optimizer='sgd')),
     'aligned_cycle': ('every', cells(LISAS, [POLICY], K=EPOCH // 2, **MULTI_ADAMW)),  # one cycle per epoch
     'iid': ('every', cells(LISAS, [POLICY], sampling='iid', **MULTI_ADAMW)),
-    'methods': ('every', cells(['lisa_scale', 'lisa_wor_noscale', 'tensor_wor', 'tensor_iid'], [POLICY],
-                               **MULTI_ADAMW)),
-    'sweep': ('every', [c for K, g in ((1, 2), (50, 2), (1, 1), (10, 1), (50, 1))
-                        for c in cells(LISAS, [POLICY], K=K, gamma=g, **MULTI_ADAMW)]),
+    'methods': (
+        'every',
+        cells(['lisa_scale', 'lisa_wor_noscale', 'tensor_wor', 'tensor_iid'], [POLICY], **MULTI_ADAMW),
+    ),
+    'sweep': (
+        'every',
+        [
+            c
+            for K, g in ((1, 2), (50, 2), (1, 1), (10, 1), (50, 1))
+            for c in cells(LISAS, [POLICY], K=K, gamma=g, **MULTI_ADAMW)
+        ],
+    ),
     # the sweep's K=1 cell under the other policy (the restart count at K=1 is the suspect)
     'k1_keep': ('every', cells(LISAS, [OTHER], K=1, **MULTI_ADAMW)),
     'm4_multi_adamw': ('every', [c for g in m4(**MULTI_ADAMW) for c in cells(LISAS, **g)]),
     # SGD is not scale-invariant: lisa_scale separates the scale's share
-    'm4_multi_sgd': ('every', [c for g in m4(regime='multi', optimizer='sgd')
-                               for c in cells(['lisa', 'lisa_scale', 'lisa_wor'], [POLICY], **g)]),
+    'm4_multi_sgd': (
+        'every',
+        [
+            c
+            for g in m4(regime='multi', optimizer='sgd')
+            for c in cells(['lisa', 'lisa_scale', 'lisa_wor'], [POLICY], **g)
+        ],
+    ),
     'm4_pre': ('own', [PRETRAIN]),  # what every fine-tuning run starts from: one model
-    'm4_ft': ('every', cells(['full'], ['keep'], regime='ft', optimizer='adamw', n_layer=FT_GEOMETRY['n_layer'],
-                             iters=FT_GEOMETRY['iters'])
-              + cells(LISAS, [POLICY], regime='ft', optimizer='adamw', **FT_GEOMETRY)),
+    'm4_ft': (
+        'every',
+        cells(
+            ['full'],
+            ['keep'],
+            regime='ft',
+            optimizer='adamw',
+            n_layer=FT_GEOMETRY['n_layer'],
+            iters=FT_GEOMETRY['iters'],
+        )
+        + cells(LISAS, [POLICY], regime='ft', optimizer='adamw', **FT_GEOMETRY),
+    ),
     'm4_sub_adamw': ('every', [c for g in m4(regime='sub', optimizer='adamw') for c in cells(LISAS, **g)]),
-    'm4_full': ('every', cells(['full'], ['keep'], **MULTI_ADAMW, n_layer=8, iters=M4_ITERS)
-                + cells(['full'], ['keep'], **MULTI_ADAMW, n_layer=12, iters=M4_ITERS)),
+    'm4_full': (
+        'every',
+        cells(['full'], ['keep'], **MULTI_ADAMW, n_layer=8, iters=M4_ITERS)
+        + cells(['full'], ['keep'], **MULTI_ADAMW, n_layer=12, iters=M4_ITERS),
+    ),
     'm4_probe': ('first', [c for g in m4(**MULTI_ADAMW, kind='probe')[::-1] for c in cells(LISAS, **g)]),
     # the CoLA ablation's axes around m4_ft's cell: K at gamma 3, gamma at K 3
-    'ft_sweep': ('every', [c for change in FT_SWEEP
-                           for c in cells(LISAS, [POLICY], regime='ft', optimizer='adamw', **{**FT_GEOMETRY, **change})]),
-    'm8_multi_adamw': ('every', cells(LISAS, n_layer=8, gamma=1, K=2, iters=800, **MULTI_ADAMW)),  # 50 cycles of 16 steps
+    'ft_sweep': (
+        'every',
+        [
+            c
+            for change in FT_SWEEP
+            for c in cells(LISAS, [POLICY], regime='ft', optimizer='adamw', **{**FT_GEOMETRY, **change})
+        ],
+    ),
+    'm8_multi_adamw': (
+        'every',
+        cells(LISAS, n_layer=8, gamma=1, K=2, iters=800, **MULTI_ADAMW),
+    ),  # 50 cycles of 16 steps
     # m4's 12-block keep cells with periods twice as long (25 cycles)
-    'k6_keep': ('every', [c for regime in ('multi', 'sub') for c in cells(
-        LISAS, ['keep'], regime=regime, optimizer='adamw', n_layer=12, gamma=3, K=2 * M4_K, iters=M4_ITERS)]),
+    'k6_keep': (
+        'every',
+        [
+            c
+            for regime in ('multi', 'sub')
+            for c in cells(
+                LISAS, ['keep'], regime=regime, optimizer='adamw', n_layer=12, gamma=3, K=2 * M4_K, iters=M4_ITERS
+            )
+        ],
+    ),
     # k6_keep's K = 6 at 8 blocks under keep, and at 12 blocks under drop
-    'k6_more': ('every', [c for (L, g), st in ((M4[0], 'keep'), (M4[1], 'drop'))
-                          for c in cells(LISAS, [st], n_layer=L, gamma=g, K=2 * M4_K, iters=M4_ITERS, **MULTI_ADAMW)]),
-    **{name: ('every', [dict(cell, optimizer='adamw', method=m, **K31_GEOMETRY) for cell in stage_cells for m in LISAS])
-       for name, stage_cells in K31_STAGES.items()},
+    'k6_more': (
+        'every',
+        [
+            c
+            for (L, g), st in ((M4[0], 'keep'), (M4[1], 'drop'))
+            for c in cells(LISAS, [st], n_layer=L, gamma=g, K=2 * M4_K, iters=M4_ITERS, **MULTI_ADAMW)
+        ],
+    ),
+    **{
+        name: (
+            'every',
+            [dict(cell, optimizer='adamw', method=m, **K31_GEOMETRY) for cell in stage_cells for m in LISAS],
+        )
+        for name, stage_cells in K31_STAGES.items()
+    },
 }
 
 
@@ -211,10 +315,20 @@ K31_TESTS = (
     ('H1a', 'the K = 3 loss replicates: D(K 3, keep) > 0', 'd', [k31_cell(K=3)], +1),
     ('H1b', 'the K = 6 win replicates: D(K 6, keep) < 0', 'd', [k31_cell(K=6)], -1),
     ('H1c', 'D falls as K grows (keep): slope of D on log2 K over K 3, 6, 12, 25 < 0', 'slope', AXIS_KEEP, -1),
-    ('H2', 'the momentum horizon: D(K 3, keep, beta1 0.9) - D(beta1 0) > 0', 'dd',
-     [k31_cell(K=3), k31_cell(K=3, beta1=0.0)], +1),
-    ('H3', "the paper's K = 100 (keep, 10,000 iterations): D < 0", 'd',
-     [k31_cell(regime='paper', iters=10_000, K=100)], -1),
+    (
+        'H2',
+        'the momentum horizon: D(K 3, keep, beta1 0.9) - D(beta1 0) > 0',
+        'dd',
+        [k31_cell(K=3), k31_cell(K=3, beta1=0.0)],
+        +1,
+    ),
+    (
+        'H3',
+        "the paper's K = 100 (keep, 10,000 iterations): D < 0",
+        'd',
+        [k31_cell(regime='paper', iters=10_000, K=100)],
+        -1,
+    ),
 )
 # exploratory (labelled so in every table): the same contrasts elsewhere
 K31_EXPLORE = (

@@ -4,12 +4,13 @@ each configuration, the paired comparisons of configurations that differ in one 
 and issue 31's pre-registered tests (study_plan.K31_TESTS) with the plan's decision rule. Paired
 intervals: experiments/stats.py. Nothing here runs or writes anything.
 """
+
 import math
 import statistics
 
 import stats
-from study_plan import (K31_EXPLORE, K31_GEOMETRY, K31_TESTS, KEY_FIELDS, M4, M4_ITERS, M4_K, config_key,
-                        k31_cells, spec)
+from study_plan import K31_EXPLORE, K31_GEOMETRY, K31_TESTS, KEY_FIELDS, M4, M4_ITERS, M4_K, config_key, k31_cells, spec
+
 
 def groups(results):
     """{config_key: {'spec': the configuration, 'train': {seed: final}, 'val': {...}, 'runs': [...]}} (train runs)."""
@@ -17,7 +18,9 @@ def groups(results):
     for r in results:
         if r.get('kind') != 'train' or not r.get('train_loss') or r.get('regime') == 'pre':
             continue
-        g = out.setdefault(config_key(r), {'spec': {k: r.get(k) for k in KEY_FIELDS}, 'train': {}, 'val': {}, 'runs': []})
+        g = out.setdefault(
+            config_key(r), {'spec': {k: r.get(k) for k in KEY_FIELDS}, 'train': {}, 'val': {}, 'runs': []}
+        )
         g['train'][r['seed']] = r['train_loss'][-1]
         g['val'][r['seed']] = r['val_loss'][-1]
         g['runs'].append(r)
@@ -40,10 +43,12 @@ def comparisons(G):
         method, state = s['method'], s['state']
         cand = []
         if method == 'lisa_wor':
-            cand += [('lisa_wor - lisa', other(s, method='lisa')),
-                     ('lisa_wor - lisa_scale', other(s, method='lisa_scale')),  # both scaled: without replacement alone
-                     ('lisa_wor - lisa_wor_noscale', other(s, method='lisa_wor_noscale')),
-                     ('lisa_wor - full', other(s, method='full'))]
+            cand += [
+                ('lisa_wor - lisa', other(s, method='lisa')),
+                ('lisa_wor - lisa_scale', other(s, method='lisa_scale')),  # both scaled: without replacement alone
+                ('lisa_wor - lisa_wor_noscale', other(s, method='lisa_wor_noscale')),
+                ('lisa_wor - full', other(s, method='full')),
+            ]
             if state == 'keep':
                 cand += [('keep - drop (lisa_wor)', other(s, state='drop'))]
             if state == 'offload':
@@ -51,8 +56,10 @@ def comparisons(G):
             if s['sampling'] == 'rr':
                 cand += [('rr - iid (lisa_wor)', other(s, sampling='iid'))]
             if s['n_layer'] == 4 and s['K'] != 10 and s['gamma'] == 2:
-                cand += [(f"lisa_wor K{s['K']} - lisa K10", other(s, method='lisa', K=10)),
-                         (f"lisa_wor K{s['K']} - lisa_wor K10", other(s, K=10))]
+                cand += [
+                    (f"lisa_wor K{s['K']} - lisa K10", other(s, method='lisa', K=10)),
+                    (f"lisa_wor K{s['K']} - lisa_wor K10", other(s, K=10)),
+                ]
         if method == 'lisa':
             cand += [('lisa - full', other(s, method='full'))]
             if state == 'keep':
@@ -71,25 +78,45 @@ def comparisons(G):
 
 def summarize(results):
     G = groups(results)
-    pairs = [{'label': label, 'a': a, 'b': b, 'train': stats.paired(G[a]['train'], G[b]['train']),
-              'val': stats.paired(G[a]['val'], G[b]['val'])} for label, a, b in comparisons(G)]
+    pairs = [
+        {
+            'label': label,
+            'a': a,
+            'b': b,
+            'train': stats.paired(G[a]['train'], G[b]['train']),
+            'val': stats.paired(G[a]['val'], G[b]['val']),
+        }
+        for label, a, b in comparisons(G)
+    ]
     rows = []
     for key, g in sorted(G.items()):
-        rows.append({'key': key, **g['spec'], 'seeds': sorted(g['train']),
-                     'train': g['train'], 'val': g['val'],
-                     'train_mean': statistics.fmean(g['train'].values()), 'val_mean': statistics.fmean(g['val'].values()),
-                     'epochs': g['runs'][0].get('last_logged_epoch'),
-                     'max_iters': g['runs'][0]['eval_iters'][-1],
-                     'ms_per_iter': statistics.median([r['median_ms_per_iter'] for r in g['runs'] if r.get('median_ms_per_iter')] or [0]),
-                     'wall_s': sum(r.get('wall_s') or 0 for r in g['runs']),
-                     'curve': curve(g['runs'])})
+        rows.append(
+            {
+                'key': key,
+                **g['spec'],
+                'seeds': sorted(g['train']),
+                'train': g['train'],
+                'val': g['val'],
+                'train_mean': statistics.fmean(g['train'].values()),
+                'val_mean': statistics.fmean(g['val'].values()),
+                'epochs': g['runs'][0].get('last_logged_epoch'),
+                'max_iters': g['runs'][0]['eval_iters'][-1],
+                'ms_per_iter': statistics.median(
+                    [r['median_ms_per_iter'] for r in g['runs'] if r.get('median_ms_per_iter')] or [0]
+                ),
+                'wall_s': sum(r.get('wall_s') or 0 for r in g['runs']),
+                'curve': curve(g['runs']),
+            }
+        )
     return rows, pairs
 
 
 def curve(runs):
     runs = [r for r in runs if r['eval_iters'] == runs[0]['eval_iters']]
-    return {'iters': runs[0]['eval_iters'], **{split: stats.band([r[split] for r in runs])
-                                               for split in ('train_loss', 'val_loss')}}
+    return {
+        'iters': runs[0]['eval_iters'],
+        **{split: stats.band([r[split] for r in runs]) for split in ('train_loss', 'val_loss')},
+    }
 
 
 # -----------------------------------------------------------------------------
@@ -150,9 +177,14 @@ def k31_tests(results):
             n = len(v)
             ci = stats.interval(v.values()) if n >= K31_MIN_SEEDS else None
             ci99 = stats.interval(v.values(), 0.99) if n >= K31_MIN_SEEDS else None
-            row[split] = {'n': n, 'seeds': sorted(v), 'values': [v[s] for s in sorted(v)],
-                          'mean': ci[0] if ci else None, 'ci95': list(ci[1:]) if ci else None,
-                          'ci99': list(ci99[1:]) if ci99 else None}
+            row[split] = {
+                'n': n,
+                'seeds': sorted(v),
+                'values': [v[s] for s in sorted(v)],
+                'mean': ci[0] if ci else None,
+                'ci95': list(ci[1:]) if ci else None,
+                'ci99': list(ci99[1:]) if ci99 else None,
+            }
         ci = row['train']['ci95']
         row['verdict'] = verdict(*(ci or (None, None)), sign) if sign else 'exploratory'
         ci = row['train']['ci99']
@@ -167,8 +199,9 @@ def k31_tests(results):
         row = {'cell': c, 'lisa': key('lisa'), 'lisa_wor': key('lisa_wor')}
         for split in ('train', 'val'):
             row[split] = stats.paired(G.get(key('lisa_wor'), {}).get(split, {}), G.get(key('lisa'), {}).get(split, {}))
-            row[f'{split}_means'] = {m: statistics.fmean(G[key(m)][split].values()) if key(m) in G else None
-                                     for m in ('lisa', 'lisa_wor')}
+            row[f'{split}_means'] = {
+                m: statistics.fmean(G[key(m)][split].values()) if key(m) in G else None for m in ('lisa', 'lisa_wor')
+            }
         cells.append(row)
     return {'margin': K31_MARGIN, 'min_seeds': K31_MIN_SEEDS, 'tests': tests, 'exploratory': explore, 'cells': cells}
 
@@ -183,11 +216,16 @@ def resolve_policy(policy, results, stage=''):
     if policy != 'auto':
         return policy
     G = groups(results)
-    geoms = [dict(n_layer=L, gamma=g, K=M4_K, iters=M4_ITERS) for L, g in M4] if stage.startswith(('m4', 'ft')) else [{}]
+    geoms = (
+        [dict(n_layer=L, gamma=g, K=M4_K, iters=M4_ITERS) for L, g in M4] if stage.startswith(('m4', 'ft')) else [{}]
+    )
     means = {}
     for st in ('keep', 'drop'):
-        vals = [v for geo in geoms for v in G.get(config_key(spec('multi', 'adamw', 'lisa_wor', st, **geo)),
-                                                  {'train': {}})['train'].values()]
+        vals = [
+            v
+            for geo in geoms
+            for v in G.get(config_key(spec('multi', 'adamw', 'lisa_wor', st, **geo)), {'train': {}})['train'].values()
+        ]
         if vals:
             means[st] = statistics.fmean(vals)
     return min(means, key=means.get) if len(means) == 2 else 'keep'
@@ -203,8 +241,17 @@ def agreement(results, earlier_rows):
     runs, how many equal at the 4 decimals of the log, and the largest and mean absolute difference."""
     G, out = groups(results), {}
     for split in ('train', 'val'):
-        diffs = [abs(G[row['key']][split][seed] - value) for row in earlier_rows if row['key'] in G
-                 for seed, value in ((int(s), v) for s, v in row[split].items()) if seed in G[row['key']][split]]
-        out[split] = {'n': len(diffs), 'equal_at_4_decimals': sum(d < 5e-5 for d in diffs),
-                      'max_abs': max(diffs, default=None), 'mean_abs': statistics.fmean(diffs) if diffs else None}
+        diffs = [
+            abs(G[row['key']][split][seed] - value)
+            for row in earlier_rows
+            if row['key'] in G
+            for seed, value in ((int(s), v) for s, v in row[split].items())
+            if seed in G[row['key']][split]
+        ]
+        out[split] = {
+            'n': len(diffs),
+            'equal_at_4_decimals': sum(d < 5e-5 for d in diffs),
+            'max_abs': max(diffs, default=None),
+            'mean_abs': statistics.fmean(diffs) if diffs else None,
+        }
     return out

@@ -9,6 +9,7 @@ bench.py's 'switch ms/iter' column gives the total; this says which part grows.
 Keys: bench.py's (the row is its first method, lisa_wor by default), policies, iters (the run's length) and
 shown (the last iterations printed, after a warm-up of whole cycles).
 """
+
 import os
 import statistics
 import sys
@@ -43,7 +44,7 @@ def time_iterations(cfg, device):
         run.sync()
         t4 = time.perf_counter()
         rows.append((it, switched, *(1000 * d for d in (t1 - t0, t2 - t1, t3 - t2, t4 - t3))))
-    return rows[-cfg['shown']:]
+    return rows[-cfg['shown'] :]
 
 
 def main(argv):
@@ -52,16 +53,21 @@ def main(argv):
     cfg['method'] = cfg['methods'].split(',')[0]
     for policy in cfg['policies'].split(','):
         rows = time_iterations({**cfg, 'omgd_state': policy}, device)
-        print(f"== {cfg['method']}, omgd_state={policy}: iteration | switch host ms | switch wait ms | prefetch ms "
-              f"| step ms")
+        print(
+            f"== {cfg['method']}, omgd_state={policy}: iteration | switch host ms | switch wait ms | prefetch ms "
+            f"| step ms"
+        )
         for it, switched, *ms in rows:
             print(f"{it} {'S' if switched else ' '} | " + ' | '.join(f"{v:.1f}" for v in ms))
         plain = [r[5] for r in rows if not r[1]]
         switches = [r for r in rows if r[1]]
         if plain and switches:
-            print(f"median step {statistics.median(plain):.1f} ms; switch iterations: the switch "
-                  f"{statistics.mean(r[2] + r[3] for r in switches):.1f} ms + the step "
-                  f"{statistics.mean(r[5] for r in switches):.1f} ms", flush=True)
+            print(
+                f"median step {statistics.median(plain):.1f} ms; switch iterations: the switch "
+                f"{statistics.mean(r[2] + r[3] for r in switches):.1f} ms + the step "
+                f"{statistics.mean(r[5] for r in switches):.1f} ms",
+                flush=True,
+            )
         if device.type == 'cuda':
             torch.cuda.empty_cache()
 

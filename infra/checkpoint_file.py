@@ -9,6 +9,7 @@ best_val_loss, config), plus world_size and every rank's RNG. It is never writte
 non-finite weight or optimizer state, goes to disk (fsync) before it atomically replaces the
 previous one, and is read with weights_only=True, so a file from elsewhere cannot run code.
 """
+
 import contextlib
 import os
 import re
@@ -32,8 +33,9 @@ def read(path, map_location='cpu', mmap=False):
     mmap=True maps the tensors instead of reading them: cheap enough to look at iter_num of a
     multi-GB checkpoint."""
     if not os.path.exists(path):
-        raise CheckpointError(f"no checkpoint at {path}; train one first: python train.py "
-                              f"--out_dir={os.path.dirname(path) or '.'}")
+        raise CheckpointError(
+            f"no checkpoint at {path}; train one first: python train.py --out_dir={os.path.dirname(path) or '.'}"
+        )
     if mmap and not zipfile.is_zipfile(path):  # not torch.save's format (nothing to map): torch's error names it
         mmap = False
     try:
@@ -42,9 +44,11 @@ def read(path, map_location='cpu', mmap=False):
         # torch's messages run to several sentences (advice to switch weights_only off, which we must not
         # follow); the first names the problem
         reason = str(e).strip().splitlines()[0].split('. ')[0].rstrip('.') if str(e).strip() else ''
-        raise CheckpointError(f"cannot read checkpoint {path} ({type(e).__name__}: {reason[:200]}); it is "
-                              f"corrupt, truncated or from another program: restore a backup or train from "
-                              f"scratch") from None
+        raise CheckpointError(
+            f"cannot read checkpoint {path} ({type(e).__name__}: {reason[:200]}); it is "
+            f"corrupt, truncated or from another program: restore a backup or train from "
+            f"scratch"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -70,16 +74,21 @@ def atomic_path(path: Path):
 
 def gather_rng(ranks, device_type):
     """Every rank's RNG state (dropout), in rank order; a collective, call on every rank."""
-    return ranks.gather({'torch': torch.get_rng_state(),
-                         'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None})
+    return ranks.gather(
+        {'torch': torch.get_rng_state(), 'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None}
+    )
 
 
 def all_finite(model, optimizer):
     """Whether every weight and every optimizer-state tensor of this rank (its shards) is finite."""
     tensors = [p for p in model.parameters()]
     # through state_dict(): its hooks wait for asynchronous copies of the state (optimizer_offload)
-    tensors += [t for state in optimizer.state_dict()['state'].values() for t in state.values()
-                if torch.is_tensor(t) and t.is_floating_point()]
+    tensors += [
+        t
+        for state in optimizer.state_dict()['state'].values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.is_floating_point()
+    ]
     return all(bool(torch.isfinite(t.to_local() if hasattr(t, 'to_local') else t).all()) for t in tensors)
 
 
@@ -103,6 +112,7 @@ def save(path, ranks, objects, values, fsdp=False, device_type='cpu'):
     rank_rngs = gather_rng(ranks, device_type)
     if fsdp:  # gathered to rank 0 (a collective); the same file format as one process writes
         from infra import distributed
+
         states = dict(zip(('model', 'optimizer'), distributed.full_state_dicts(model, optimizer)))
     else:
         states = {'model': model.state_dict(), 'optimizer': optimizer.state_dict()}
@@ -122,8 +132,10 @@ def save(path, ranks, objects, values, fsdp=False, device_type='cpu'):
             torch.save(checkpoint, tmp_path)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError of its zip writer
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:200]
-        raise CheckpointError(f"cannot write {path} ({reason}); the previous checkpoint is intact: free "
-                              f"space or choose another --out_dir, then resume") from None
+        raise CheckpointError(
+            f"cannot write {path} ({reason}); the previous checkpoint is intact: free "
+            f"space or choose another --out_dir, then resume"
+        ) from None
     finally:
         if ours:  # only the record this save wrote, never one found under its name
             os.remove(record)
@@ -171,9 +183,11 @@ def resume(path, device, config, given=()):
         raise CheckpointError(f"no checkpoint at {path} to resume from; train with init_from='scratch' first")
     checkpoint = read(path, map_location='cpu', mmap=torch.device(device).type != 'cpu')
     import train_config  # here, not above: the data prepare scripts import this file for atomic_path alone
+
     train_config.check_resume(checkpoint.get('config', {}), checkpoint.get('model_args', {}), config, given)
     model = load_model(checkpoint, path, config)
     from builder import weight_dtype
+
     # cast where it was read, then moved once: a bf16 run never holds fp32 weights on the device
     model.to(weight_dtype(config['precision'])).to(device)  # check_resume: the saved precision
     if model.config.tie_embeddings:  # a move to a device of another kind (meta) gives each module its own
@@ -185,14 +199,17 @@ def load_model(checkpoint, path, config):
     """The GPT saved in `checkpoint`, with the config's dropout; a one-line CheckpointError for a
     checkpoint that does not load."""
     from model import Transformer, TransformerConfig
+
     try:
         model_args = checkpoint['model_args']
         model_args['dropout'] = config['dropout']
         model = Transformer(TransformerConfig(**model_args))
         model.load_state_dict(checkpoint['model'])
     except Exception as e:
-        raise CheckpointError(f"cannot load checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                              f"it is corrupt or from another version: start from scratch or restore a backup") from None
+        raise CheckpointError(
+            f"cannot load checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            f"it is corrupt or from another version: start from scratch or restore a backup"
+        ) from None
     return model
 
 
@@ -203,6 +220,7 @@ def load_state(checkpoint, objects, fsdp=False):
     for name, obj in objects.items():
         if name == 'optimizer' and fsdp:  # the file holds full tensors; each rank keeps its shards
             from infra import distributed
+
             distributed.load_optimizer_state(objects['model'], obj, checkpoint['optimizer'])
         elif name == 'scaler':
             if obj.is_enabled() and checkpoint.get('scaler'):

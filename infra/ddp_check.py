@@ -10,6 +10,7 @@ counting versions of the same collectives. Every rank compares all reports.
 
 train.py hands the Trainer a RankCheck as its observer when the flag is set; nothing here runs otherwise.
 """
+
 import hashlib
 import math
 
@@ -34,8 +35,9 @@ class Checker:
             self.comm = [0]  # all-reduces this step
             if wrapper is not None:
                 wrapper.register_comm_hook(self.comm, counted_allreduce)
-        self.frozen_snapshot = [(p, local_shard(p).detach().clone()) for p in self.model.parameters()
-                                if not p.requires_grad]
+        self.frozen_snapshot = [
+            (p, local_shard(p).detach().clone()) for p in self.model.parameters() if not p.requires_grad
+        ]
 
     def check(self, wrapper, optimizer, cycler, state_policy):
         """After the optimizer step, gradients still in place: every rank reports what must hold after a
@@ -52,21 +54,28 @@ class Checker:
             full = p.full_tensor() if fsdp else p
             weights.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         in_state = {id(p) for p in optimizer.state}
-        report = {'active': cycler.active, 'weights': weights.hexdigest(),
-                  'the previous DDP wrapper is freed': self.old_wrapper is None or self.old_wrapper() is None,
-                  'by reference counting, without gc.collect()': not self.wrapper_in_gc_cycle,
-                  'frozen parameters are untouched': all(torch.equal(local_shard(p), copy)
-                                                         for p, copy in self.frozen_snapshot),
-                  'gradients exist exactly for the active parameters': all((p.grad is not None) == p.requires_grad
-                                                                            for p in params),
-                  'optimizer state exists only for the active parameters':
-                      state_policy != 'drop' or in_state <= {id(p) for p in active},
-                  'active elements': sum(p.numel() for p in active), 'comm elements': None}
+        report = {
+            'active': cycler.active,
+            'weights': weights.hexdigest(),
+            'the previous DDP wrapper is freed': self.old_wrapper is None or self.old_wrapper() is None,
+            'by reference counting, without gc.collect()': not self.wrapper_in_gc_cycle,
+            'frozen parameters are untouched': all(
+                torch.equal(local_shard(p), copy) for p, copy in self.frozen_snapshot
+            ),
+            'gradients exist exactly for the active parameters': all(
+                (p.grad is not None) == p.requires_grad for p in params
+            ),
+            'optimizer state exists only for the active parameters': state_policy != 'drop'
+            or in_state <= {id(p) for p in active},
+            'active elements': sum(p.numel() for p in active),
+            'comm elements': None,
+        }
         if wrapper is not None:
             # what the reducer holds: the parameters of its buckets and the buckets' flat buffers
             buckets = wrapper.reducer._get_zeros_like_grad_buckets()
-            report['DDP buckets hold exactly the active parameters'] = \
-                {id(p) for b in buckets for p in b.parameters()} == {id(p) for p in active}
+            report['DDP buckets hold exactly the active parameters'] = {
+                id(p) for b in buckets for p in b.parameters()
+            } == {id(p) for p in active}
             report['comm elements'] = sum(b.buffer().numel() for b in buckets)
             report['bucket elements == active elements'] = report['comm elements'] == report['active elements']
             report['one all-reduce per bucket per step'] = comm[0] == len(buckets)
@@ -84,23 +93,27 @@ class Checker:
                 padded = units_with_active = 0
             report['comm elements'] = comm['elements']
             report['reduce-scattered elements == padded active elements'] = comm['elements'] == padded
-            report['one reduce-scatter per FSDP unit with active parameters per step'] = \
+            report['one reduce-scatter per FSDP unit with active parameters per step'] = (
                 comm['calls'] == units_with_active
+            )
             comm['calls'] = comm['elements'] = 0
         reports = ranks.gather(report)
         problems = [k for k, v in report.items() if isinstance(v, bool) and not all(r[k] for r in reports)]
-        problems += [f"ranks differ in {k}" for k in ('active', 'weights')
-                     if any(r[k] != report[k] for r in reports)]
+        problems += [f"ranks differ in {k}" for k in ('active', 'weights') if any(r[k] != report[k] for r in reports)]
         if fsdp:
-            summary = (f"fsdp check: {ranks.world_size} ranks agree on active {report['active']} and weights sha256 "
-                       f"{report['weights'][:16]}; {report['active elements']} active elements, reduce-scattered "
-                       f"{report['comm elements']} (padded); one reduce-scatter per unit with active parameters; "
-                       f"frozen untouched, no frozen gradients, optimizer state only for active parameters")
+            summary = (
+                f"fsdp check: {ranks.world_size} ranks agree on active {report['active']} and weights sha256 "
+                f"{report['weights'][:16]}; {report['active elements']} active elements, reduce-scattered "
+                f"{report['comm elements']} (padded); one reduce-scatter per unit with active parameters; "
+                f"frozen untouched, no frozen gradients, optimizer state only for active parameters"
+            )
         else:
-            summary = (f"ddp check: {ranks.world_size} ranks agree on active {report['active']} and weights sha256 "
-                       f"{report['weights'][:16]}; {report['active elements']} active elements, DDP buckets "
-                       f"{report['comm elements']}; one all-reduce per bucket; frozen untouched, no frozen gradients, "
-                       f"old wrapper freed")
+            summary = (
+                f"ddp check: {ranks.world_size} ranks agree on active {report['active']} and weights sha256 "
+                f"{report['weights'][:16]}; {report['active elements']} active elements, DDP buckets "
+                f"{report['comm elements']}; one all-reduce per bucket; frozen untouched, no frozen gradients, "
+                f"old wrapper freed"
+            )
         return problems, summary
 
 
@@ -108,6 +121,7 @@ def counted_allreduce(counter, bucket):
     """DDP's default all-reduce (its documented reference hook, same result), counted, to verify
     that gradient accumulation communicates on the last micro-step only."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
     counter[0] += 1
     return allreduce_hook(None, bucket)
 
@@ -127,6 +141,7 @@ class CountedReduceScatter:
                 counter['calls'] += 1
                 counter['elements'] += input_tensor.numel()
                 return reduce_scatter_single()(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
         return Counted()
 
 
@@ -170,7 +185,8 @@ class RankCheck:
             self.checker.on_switch(self.parallel.wrapper, self.parallel.old_wrapper, self.parallel.wrapper_in_gc_cycle)
 
     def before_zero_grad(self, trainer):
-        problems, self.summary = self.checker.check(self.parallel.wrapper, trainer.optimizer, trainer.cycler,
-                                                    trainer.cfg['omgd_state'])
+        problems, self.summary = self.checker.check(
+            self.parallel.wrapper, trainer.optimizer, trainer.cycler, trainer.cfg['omgd_state']
+        )
         if problems:
             raise CheckFailed('; '.join(problems))

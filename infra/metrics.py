@@ -7,6 +7,7 @@ utilization (MFU) with the table of GPU peaks it divides by, and the stdout the 
 train.py makes one `Metrics` and calls one method per event, on every rank (rank 0 prints and
 writes, the others return). bench.py and the experiments use `mfu` and `peak_bf16_flops`.
 """
+
 import json
 import os
 import re
@@ -37,8 +38,12 @@ class Metrics:
         self.cfg, self.master, self.world_size = cfg, ranks.master, ranks.world_size
         self.device_type = 'cuda' if device.startswith('cuda') else 'cpu'
         self.peak_flops = peak_bf16_flops(device)
-        self.records = Records(cfg['out_dir'], self.master and not cfg['eval_only'], resumed_from=resumed_from,
-                               wandb_log=cfg['wandb_log'] and self.master)
+        self.records = Records(
+            cfg['out_dir'],
+            self.master and not cfg['eval_only'],
+            resumed_from=resumed_from,
+            wandb_log=cfg['wandb_log'] and self.master,
+        )
         self.running_mfu = None  # the moving average of the logged iterations' MFU
         self.flops_per_token = None  # MFU's numerator, counted again only after a switch (below)
 
@@ -51,15 +56,22 @@ class Metrics:
             return
         from configurator import format_config
         from train_config import warnings
+
         cfg, resuming = self.cfg, checkpointer.init_from == 'resume'
         for line in warnings(cfg):
             print(f"warning: {line}", file=sys.stderr, flush=True)
         if resuming and checkpointer.iter_num >= cfg['max_iters'] and not cfg['eval_only']:
-            print(f"warning: the checkpoint is at iteration {checkpointer.iter_num} and max_iters={cfg['max_iters']}: "
-                  f"this run evaluates and trains nothing; raise --max_iters to train on", file=sys.stderr, flush=True)
+            print(
+                f"warning: the checkpoint is at iteration {checkpointer.iter_num} and max_iters={cfg['max_iters']}: "
+                f"this run evaluates and trains nothing; raise --max_iters to train on",
+                file=sys.stderr,
+                flush=True,
+            )
         print(f"config:\n{format_config(cfg)}")
-        print(f"model: {cfg['arch']}, {cfg['n_layer']} blocks, {model.get_num_params() / 1e6:.2f}M parameters "
-              f"(from {'a checkpoint' if resuming else checkpointer.init_from})")
+        print(
+            f"model: {cfg['arch']}, {cfg['n_layer']} blocks, {model.get_num_params() / 1e6:.2f}M parameters "
+            f"(from {'a checkpoint' if resuming else checkpointer.init_from})"
+        )
         print(f"tokens per iteration: {tokens_per_iter:,} ({self.world_size} rank{'s' * (self.world_size > 1)})")
         if resuming:
             print(f"resuming from iteration {checkpointer.iter_num} of {checkpointer.path}")
@@ -73,8 +85,9 @@ class Metrics:
         if self.master:
             shown = f", mc acc {scores['mc_acc']:.4f}, acc_norm {scores['mc_acc_norm']:.4f}" if scores else ''
             print(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{shown}")
-            self.records.write('eval', iter=it, train_loss=losses['train'], val_loss=losses['val'],
-                               lr=get_lr(it, self.cfg), **scores)
+            self.records.write(
+                'eval', iter=it, train_loss=losses['train'], val_loss=losses['val'], lr=get_lr(it, self.cfg), **scores
+            )
 
     def switch(self, it, cycler, rebuild_ms):
         """The cycler switched at iteration `it`; rebuild_ms: the DDP wrapper's rebuild (None without DDP)."""
@@ -84,8 +97,9 @@ class Metrics:
         if self.master:
             rebuild = f", DDP rebuilt in {rebuild_ms:.1f} ms" if rebuild_ms is not None else ""
             print(f"iter {it}: {cycler.describe()}{rebuild}")
-            self.records.write('switch', iter=it, active=list(cycler.active), description=cycler.describe(),
-                               ddp_rebuild_ms=rebuild_ms)
+            self.records.write(
+                'switch', iter=it, active=list(cycler.active), description=cycler.describe(), ddp_rebuild_ms=rebuild_ms
+            )
 
     def iteration(self, it, loss, dt, seconds_per_iter):
         """The log line of a logged iteration, and its record: loss, time, throughput, epoch, MFU (on a
@@ -99,15 +113,20 @@ class Metrics:
             iter_mfu = mfu(self.flops_per_token, tokens_per_iter, dt, self.peak_flops, self.world_size)
             self.running_mfu = iter_mfu if self.running_mfu is None else 0.9 * self.running_mfu + 0.1 * iter_mfu
         epoch = self.batches.epochs()
-        fields = dict(iter=it, loss=loss, ms=dt * 1000, tok_per_s=tokens_per_iter / dt, epoch=epoch,
-                      lr=get_lr(it, self.cfg))
-        line = f"iter {it}: loss {loss:.4f}, time {dt * 1000:.1f}ms, tok/s {tokens_per_iter / dt:,.0f}, epoch {epoch:.2f}"
+        fields = dict(
+            iter=it, loss=loss, ms=dt * 1000, tok_per_s=tokens_per_iter / dt, epoch=epoch, lr=get_lr(it, self.cfg)
+        )
+        line = (
+            f"iter {it}: loss {loss:.4f}, time {dt * 1000:.1f}ms, tok/s {tokens_per_iter / dt:,.0f}, epoch {epoch:.2f}"
+        )
         if self.running_mfu is not None:
             fields['mfu'] = self.running_mfu
             line += f", mfu {self.running_mfu * 100:.2f}%"
         if self.device_type == 'cuda':
-            fields.update(mem_alloc_gib=torch.cuda.max_memory_allocated() / 2**30,
-                          mem_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
+            fields.update(
+                mem_alloc_gib=torch.cuda.max_memory_allocated() / 2**30,
+                mem_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+            )
             line += f", mem {fields['mem_alloc_gib']:.2f}/{fields['mem_reserved_gib']:.2f} GiB alloc/reserved"
         line += f", {it + 1}/{max_iters}, {format_duration(seconds_per_iter * (max_iters - it - 1))} left"
         print(line, flush=True)
@@ -122,8 +141,10 @@ class Metrics:
         """The run ends at iteration `it`, done or stopped by a signal."""
         if self.master:
             elapsed = time.time() - self.run_start
-            print(f"{'stopped' if stopped else 'done'}: iterations {self.first_iter} to {it} in "
-                  f"{format_duration(elapsed)}")
+            print(
+                f"{'stopped' if stopped else 'done'}: iterations {self.first_iter} to {it} in "
+                f"{format_duration(elapsed)}"
+            )
             self.records.write('end', iter=it, seconds=elapsed, stopped=bool(stopped))
 
 
@@ -140,7 +161,9 @@ class Records:
             try:
                 import wandb
             except ImportError:
-                raise ImportError("wandb_log=True needs the wandb package: pip install wandb, or drop --wandb_log") from None
+                raise ImportError(
+                    "wandb_log=True needs the wandb package: pip install wandb, or drop --wandb_log"
+                ) from None
             self.wandb = wandb
 
     def start_wandb(self, cfg, run_id):
@@ -148,8 +171,9 @@ class Records:
         checkpoint (`run_id`), restarts included."""
         if self.wandb is not None:
             run_id = run_id or self.wandb.util.generate_id()
-            self.wandb.init(project=cfg['wandb_project'], name=cfg['wandb_run_name'], config=cfg, id=run_id,
-                            resume='allow')
+            self.wandb.init(
+                project=cfg['wandb_project'], name=cfg['wandb_run_name'], config=cfg, id=run_id, resume='allow'
+            )
         return run_id
 
     def _start(self):
@@ -181,17 +205,23 @@ class Records:
                     f.write(json.dumps({'kind': kind, **fields}) + '\n')
             except OSError as e:  # a full disk, a read-only file, a folder of that name: the training goes on
                 self.enabled = False
-                print(f"warning: cannot write {self.path} ({e.strerror or e}): this run's records stop here, its "
-                      f"checkpoints and log go on; free space or fix that path before the next run",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"warning: cannot write {self.path} ({e.strerror or e}): this run's records stop here, its "
+                    f"checkpoints and log go on; free space or fix that path before the next run",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if self.wandb is not None and kind in ('eval', 'iter'):
-            self.wandb.log({f'{kind}/{k}': v for k, v in fields.items() if isinstance(v, (int, float))},
-                           step=fields['iter'])
+            self.wandb.log(
+                {f'{kind}/{k}': v for k, v in fields.items() if isinstance(v, (int, float))}, step=fields['iter']
+            )
 
 
 def format_duration(seconds):
     seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 class LogOutlivesItsReader:
@@ -240,11 +270,18 @@ class LogOutlivesItsReader:
 # length are ambiguous: no MFU, rather than a wrong one.
 PEAK_BF16_FLOPS = {
     'H100': 989.4e12,  # SXM5; its name has no variant word ('NVIDIA H100 80GB HBM3')
-    'H100 PCIe': 756e12, 'H100 NVL': 835e12,
+    'H100 PCIe': 756e12,
+    'H100 NVL': 835e12,
     'H200': 989e12,  # SXM ('NVIDIA H200')
-    'H200 NVL': 835e12, 'GH200': 989e12,
+    'H200 NVL': 835e12,
+    'GH200': 989e12,
     'A100': 312e12,  # SXM4 and PCIe alike
-    'B200': 2250e12, 'L40S': 362e12, 'L4': 121e12, 'A10': 125e12, 'A10G': 125e12, 'RTX 4090': 165e12,
+    'B200': 2250e12,
+    'L40S': 362e12,
+    'L4': 121e12,
+    'A10': 125e12,
+    'A10G': 125e12,
+    'RTX 4090': 165e12,
 }
 
 

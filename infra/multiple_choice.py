@@ -6,6 +6,7 @@ A file holds one JSON object a line (ctx_a, ctx_b, endings, label, activity_labe
 scored after a space by the sum of its tokens' log-probabilities given the context: acc takes the
 largest sum, acc_norm the largest sum per character of the ending.
 """
+
 import json
 import re
 from contextlib import nullcontext
@@ -40,8 +41,10 @@ def mc_example(doc, where):
     if isinstance(label, str) and label.strip().isdigit():
         label = int(label)
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(endings):
-        raise EvalError(f"{where}: 'label' must be the index of the right ending (0 to {len(endings) - 1}), "
-                        f"got {doc.get('label')!r}")
+        raise EvalError(
+            f"{where}: 'label' must be the index of the right ending (0 to {len(endings) - 1}), "
+            f"got {doc.get('label')!r}"
+        )
     if isinstance(doc.get('ctx_a'), str) and isinstance(doc.get('ctx_b', ''), str):
         ctx = doc['ctx_a'] + " " + doc.get('ctx_b', '').capitalize()
     elif isinstance(doc.get('ctx'), str):
@@ -54,8 +57,7 @@ def mc_example(doc, where):
     query = preprocess(f"{activity}: {ctx}" if activity else ctx)
     choices = [preprocess(e) for e in endings]
     if not query or not all(choices):
-        raise EvalError(f"{where}: an empty {'context' if not query else 'ending'}; every example needs text to "
-                        f"score")
+        raise EvalError(f"{where}: an empty {'context' if not query else 'ending'}; every example needs text to score")
     return {'query': query, 'choices': choices, 'gold': label}
 
 
@@ -96,7 +98,7 @@ def encode_pair(encode, context, continuation):
     """(context ids, continuation ids) as lm-evaluation-harness splits them: the whole text encoded, the
     continuation being what follows the context's own encoding."""
     whole, ctx = encode(context + continuation), encode(context)
-    return ctx, whole[len(ctx):]
+    return ctx, whole[len(ctx) :]
 
 
 @torch.no_grad()
@@ -107,23 +109,24 @@ def continuation_logprobs(model, requests, device='cpu', autocast=nullcontext(),
     block_size = model.config.block_size
     sums = []
     for i in range(0, len(requests), batch_size):
-        chunk = requests[i:i + batch_size]
-        rows = [(ctx + cont)[-(block_size + 1):] for ctx, cont in chunk]
+        chunk = requests[i : i + batch_size]
+        rows = [(ctx + cont)[-(block_size + 1) :] for ctx, cont in chunk]
         T = max(len(r) for r in rows) - 1
         x = torch.zeros(len(rows), T, dtype=torch.long)
         y = torch.full((len(rows), T), -1, dtype=torch.long)  # -1: not a continuation token
         for j, (row, (_, cont)) in enumerate(zip(rows, chunk)):
             n = min(len(cont), len(row) - 1)
-            x[j, :len(row) - 1] = torch.tensor(row[:-1])
-            y[j, len(row) - 1 - n:len(row) - 1] = torch.tensor(row[-n:])
+            x[j, : len(row) - 1] = torch.tensor(row[:-1])
+            y[j, len(row) - 1 - n : len(row) - 1] = torch.tensor(row[-n:])
         x, y = x.to(device), y.to(device)
         scored = y >= 0
         with autocast:
             logits = model.lm_head(model.hidden_states(x)[scored])
         logprobs = F.log_softmax(logits.float(), dim=-1).gather(1, y[scored][:, None])[:, 0]
         row_of = torch.arange(len(rows), device=device)[:, None].expand(-1, T)[scored]
-        sums += torch.zeros(len(rows), dtype=torch.float64, device=device).index_add_(
-            0, row_of, logprobs.double()).tolist()
+        sums += (
+            torch.zeros(len(rows), dtype=torch.float64, device=device).index_add_(0, row_of, logprobs.double()).tolist()
+        )
     return sums
 
 
@@ -148,7 +151,7 @@ def mc_accuracy(model, examples, encode, device='cpu', autocast=nullcontext(), b
         model.train(was_training)
     correct = correct_norm = 0
     for ex, (start, count) in zip(examples, spans):
-        ll = lls[start:start + count]
+        ll = lls[start : start + count]
         norm = [v / len(choice) for v, choice in zip(ll, ex['choices'])]
         correct += max(range(count), key=ll.__getitem__) == ex['gold']
         correct_norm += max(range(count), key=norm.__getitem__) == ex['gold']

@@ -10,6 +10,7 @@ compute stream (restore without a prefetch) on the GPU, a checkpoint (optimizer.
 a hook) on the host, and the side stream's copies back by its order. Elsewhere (CPU, meta) copies
 happen at once (ImmediateCopies). As torchao's CPU-offload optimizer does it.
 """
+
 import weakref
 
 import torch

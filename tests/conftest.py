@@ -1,4 +1,5 @@
 """Helpers shared by several test files (no test file imports another)."""
+
 import contextlib
 import io
 import os
@@ -47,12 +48,25 @@ def pytest_sessionfinish(session, exitstatus):
         print(f"\nerror: the tests changed the checkout's data/: {sorted({p for p, _ in changed})}", file=sys.stderr)
         session.exitstatus = 1
 
+
 # -----------------------------------------------------------------------------
 # train.py in one process (tests/test_train.py, tests/test_sample.py)
 
-TINY = ['--n_layer=4', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=8', '--eval_iters=2',
-        '--log_interval=1', '--sample_tokens=0', '--compile=False', '--omgd_gamma=2', '--omgd_period=3',
-        '--warmup_iters=2', '--lr_decay_iters=100']
+TINY = [
+    '--n_layer=4',
+    '--n_head=2',
+    '--n_embd=32',
+    '--block_size=32',
+    '--batch_size=8',
+    '--eval_iters=2',
+    '--log_interval=1',
+    '--sample_tokens=0',
+    '--compile=False',
+    '--omgd_gamma=2',
+    '--omgd_period=3',
+    '--warmup_iters=2',
+    '--lr_decay_iters=100',
+]
 
 
 def run_script(script, argv):
@@ -60,6 +74,7 @@ def run_script(script, argv):
     a CompletedProcess (exit status, stdout, stderr). In-process saves starting Python and torch
     for each run; where the process itself is under test (signals, torchrun), tests start one."""
     import runpy
+
     out, err, code = io.StringIO(), io.StringIO(), 0
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     saved_argv, cwd = sys.argv, os.getcwd()
@@ -99,6 +114,7 @@ def files_per_iteration(argv, run=None):
     resumed (the data iterator). Returns (exit status, sorted paths relative to the checkout)."""
     import train
     from trainer import Trainer
+
     step, root = Trainer.step.__code__, os.path.realpath(ROOT) + os.sep
     calls, marks = [], []  # the file of every project call; where each step began and ended
 
@@ -107,7 +123,7 @@ def files_per_iteration(argv, run=None):
             path = frame.f_code.co_filename  # '<frozen abc>', '<string>': not a file
             path = os.path.realpath(path) if os.path.isabs(path) else ''
             if path.startswith(root) and not path.startswith(os.path.join(root, 'tests')):
-                calls.append(path[len(root):])
+                calls.append(path[len(root) :])
         if frame.f_code is step and event in ('call', 'return'):
             marks.append(len(calls) - (event == 'call'))
 
@@ -117,7 +133,7 @@ def files_per_iteration(argv, run=None):
     finally:
         sys.setprofile(None)
     assert len(marks) >= 2, "Trainer.step never ran"
-    return status, sorted(set(calls[marks[0]:marks[-1]]))
+    return status, sorted(set(calls[marks[0] : marks[-1]]))
 
 
 # README "Code map": the files an iteration calls into (train.py's loop, Trainer.step, the cycler, the forward
@@ -139,6 +155,7 @@ def load(out_dir):
     """The checkpoint train.py wrote in out_dir, in ckpt.pt's format whatever was written: ckpt.pt, or
     the newest step folder (checkpoint_format='dcp', the default under torchrun) consolidated."""
     from infra import checkpoint
+
     return checkpoint.read_any(str(out_dir))[0]
 
 
@@ -146,6 +163,7 @@ def records(out_dir, kind):
     """train.py's records of one kind ('eval', 'iter', 'switch', 'save', 'end') in out_dir/metrics.jsonl:
     what a test reads of a run's numbers, rather than its printed log."""
     import json
+
     with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
         return [r for r in map(json.loads, f) if r['kind'] == kind]
 
@@ -153,6 +171,7 @@ def records(out_dir, kind):
 def copy_checkpoint(src, dst):
     """Copy out_dir `src`'s newest checkpoint (ckpt.pt or step folder) into out_dir `dst`."""
     from infra import checkpoint
+
     fmt, path, _ = checkpoint.find(str(src))
     os.makedirs(dst, exist_ok=True)
     if fmt == 'file':
@@ -164,6 +183,7 @@ def copy_checkpoint(src, dst):
 def train_defaults(**overrides):
     """train.py's defaults (train_config.py), on CPU, with overrides."""
     import train_config
+
     return {**train_config.DEFAULTS, **train_config.machine_defaults(cuda=False), **overrides}
 
 
@@ -171,26 +191,34 @@ def cpu_checkpoint_after_one_step(cfg, path):
     """A checkpoint at `path` of cfg's model after one step on the CPU (optimizer state exists);
     returns (model, optimizer) as saved (tests/test_checkpoint.py, tests/test_gpu.py)."""
     import itertools
+
     import torch
+
     import builder
     from infra import checkpoint
     from infra.distributed import Ranks
     from trainer import Trainer
+
     torch.manual_seed(0)
     model, optimizer, cycler = builder.build(cfg, 'cpu')
     x = torch.randint(cfg['vocab_size'], (2, cfg['block_size']))
     Trainer(cfg, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu').step()
-    checkpoint.save(path, Ranks(), {'model': model, 'optimizer': optimizer, 'cycler': cycler},
-                    {'iter_num': 1, 'config': cfg, 'data': {},
-                     'model_args': builder.transformer_kwargs(cfg, cfg['vocab_size'])})
+    checkpoint.save(
+        path,
+        Ranks(),
+        {'model': model, 'optimizer': optimizer, 'cycler': cycler},
+        {'iter_num': 1, 'config': cfg, 'data': {}, 'model_args': builder.transformer_kwargs(cfg, cfg['vocab_size'])},
+    )
     return model, optimizer
 
 
 def tiny_model_config(arch, **kw):
     """A TransformerConfig of a tiny model of `arch` (tests/test_model.py, tests/test_memory.py)."""
     from model import TransformerConfig
-    return TransformerConfig(**{**dict(arch=arch, block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.0),
-                        **kw})
+
+    return TransformerConfig(
+        **{**dict(arch=arch, block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.0), **kw}
+    )
 
 
 TINY_MODELS = {
@@ -202,6 +230,7 @@ TINY_MODELS = {
 def random_batch(cfg, b=2, t=None, seed=0):
     """(x, y) of random token ids for a model config."""
     import torch
+
     g = torch.Generator().manual_seed(seed)
     t = t or cfg.block_size
     x = torch.randint(0, cfg.vocab_size, (b, t), generator=g)
@@ -212,6 +241,7 @@ def random_batch(cfg, b=2, t=None, seed=0):
 def assert_same_state(a, b):
     """Two train.py checkpoints hold bitwise the same model, optimizer, schedule and data position."""
     import torch
+
     assert a['iter_num'] == b['iter_num']
     for k in a['model']:
         assert torch.equal(a['model'][k], b['model'][k]), k
@@ -221,8 +251,11 @@ def assert_same_state(a, b):
         assert s1.keys() == s2.keys()
         assert all(torch.equal(s1[k], s2[k]) if torch.is_tensor(s1[k]) else s1[k] == s2[k] for k in s1)
     ca, cb = a['cycler'], b['cycler']
-    assert (ca['active'], ca['last_switch'], ca['schedule']['pending']) == \
-        (cb['active'], cb['last_switch'], cb['schedule']['pending'])
+    assert (ca['active'], ca['last_switch'], ca['schedule']['pending']) == (
+        cb['active'],
+        cb['last_switch'],
+        cb['schedule']['pending'],
+    )
     assert torch.equal(ca['schedule']['rng'], cb['schedule']['rng'])
     assert a['data'] == b['data']
 
@@ -230,9 +263,22 @@ def assert_same_state(a, b):
 # -----------------------------------------------------------------------------
 # train.py under torchrun, two gloo ranks on CPU (tests/test_ddp.py, tests/test_fsdp.py)
 
-DDP_TINY = ['--n_layer=4', '--n_head=2', '--n_embd=32', '--block_size=32', '--eval_iters=2', '--log_interval=1',
-            '--sample_tokens=0', '--compile=False', '--omgd_gamma=2', '--omgd_period=3', '--warmup_iters=2',
-            '--lr_decay_iters=100', '--eval_interval=1000', '--backend=gloo']
+DDP_TINY = [
+    '--n_layer=4',
+    '--n_head=2',
+    '--n_embd=32',
+    '--block_size=32',
+    '--eval_iters=2',
+    '--log_interval=1',
+    '--sample_tokens=0',
+    '--compile=False',
+    '--omgd_gamma=2',
+    '--omgd_period=3',
+    '--warmup_iters=2',
+    '--lr_decay_iters=100',
+    '--eval_interval=1000',
+    '--backend=gloo',
+]
 # 8 windows per iteration either way: 2 ranks x 2 micro-steps x 2 windows, or 1 rank x 2 x 4 (the
 # same windows, dataloader.py); under 2 ranks each rank accumulates 2 micro-steps before syncing
 TWO_RANKS = ['--batch_size=2', '--gradient_accumulation_steps=4']
@@ -273,8 +319,14 @@ class Launch:
     """A subprocess whose merged output is collected by a thread, so a test can watch it live."""
 
     def __init__(self, cmd, env=None):
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
         self.lines = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self.reader.start()
@@ -331,8 +383,10 @@ def worker_pids(launch):
 def stop_with_sigterm(out_dir, after, target, args, max_iters):
     """Resume in out_dir, send SIGTERM to `target` ('rank1' or 'torchrun') once iteration `after`
     is logged; check that both ranks stopped at the same iteration and saved it. Returns it."""
-    run = Launch(TORCHRUN + ['train.py', *DDP_TINY, f'--out_dir={out_dir}', f'--max_iters={max_iters}',
-                             '--init_from=resume', *args])
+    run = Launch(
+        TORCHRUN
+        + ['train.py', *DDP_TINY, f'--out_dir={out_dir}', f'--max_iters={max_iters}', '--init_from=resume', *args]
+    )
     run.wait_for(rf'iter {after}: loss')
     os.kill(worker_pids(run)[1] if target == 'rank1' else run.proc.pid, signal.SIGTERM)
     run.wait()

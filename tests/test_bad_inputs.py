@@ -1,20 +1,23 @@
 """Every entry point, given bad input or a fault: a non-zero exit, one `error:` line naming what to
 do, no traceback, and an existing checkpoint and existing reports left byte for byte as they were.
 In-process (conftest.run_script): the scripts' own checks are under test, not Python's start-up."""
+
 import hashlib
 import os
 import re
 import shutil
 
 import pytest
-
 from conftest import TINY, assert_one_line_error, run_script
 
 
 def digest(folder):
     """{file name: sha256} of every file in `folder` but the out_dir lock (it names its last holder, no data)."""
-    return {name: hashlib.sha256(open(os.path.join(folder, name), 'rb').read()).hexdigest()
-            for name in sorted(os.listdir(folder)) if name != '.lock'}
+    return {
+        name: hashlib.sha256(open(os.path.join(folder, name), 'rb').read()).hexdigest()
+        for name in sorted(os.listdir(folder))
+        if name != '.lock'
+    }
 
 
 @pytest.fixture(scope='module')
@@ -112,10 +115,13 @@ TRAIN = [
     ('--max_iters', r"expected --key=value, got '--max_iters'"),
     ('--dataset=', r'dataset must be a non-empty name'),
     # a mistyped name: the datasets there are, not a prepare script that does not exist
-    ('--dataset=no_such_dataset', r"dataset 'no_such_dataset' has no prepared splits in .*no_such_dataset; there is "
-                                  r"no data/no_such_dataset/prepare\.py either: the datasets are c4, openwebtext, "
-                                  r"shakespeare, shakespeare_char(, [\w.-]+)* \(or give the path of a prepared "
-                                  r"folder\)$"),
+    (
+        '--dataset=no_such_dataset',
+        r"dataset 'no_such_dataset' has no prepared splits in .*no_such_dataset; there is "
+        r"no data/no_such_dataset/prepare\.py either: the datasets are c4, openwebtext, "
+        r"shakespeare, shakespeare_char(, [\w.-]+)* \(or give the path of a prepared "
+        r"folder\)$",
+    ),
     ('{files}/syntax.py', r"syntax\.py', line 2: SyntaxError"),
     ('{files}/latin1.py', r'latin1\.py.* is not UTF-8 text'),
     ('{files}/exits.py', r'exits\.py.* calls exit\(\); a config file only assigns keys'),
@@ -136,8 +142,10 @@ OUT_DIR = [
     ('--out_dir={files}/a_file/sub', r"out_dir=.*a_file/sub' cannot hold checkpoints"),
     ('--out_dir={files}/empty --init_from=resume', r'no checkpoint at .*empty/ckpt\.pt to resume from'),
     ('--out_dir={files}/locked', r'its lock file .*locked/\.lock cannot be written \(Is a directory\)'),
-    ('--out_dir={files}/bins --dataset={files}/dir_bin --vocab_size=96',
-     r'dir_bin/train\.bin is a directory, not a file of token ids'),
+    (
+        '--out_dir={files}/bins --dataset={files}/dir_bin --vocab_size=96',
+        r'dir_bin/train\.bin is a directory, not a file of token ids',
+    ),
 ]
 # against the trained run in {out}
 RESUME = [
@@ -147,16 +155,28 @@ RESUME = [
     ('--init_from=resume --dataset=shakespeare', r"dataset='shakespeare' differs from the checkpoint's"),
     ('--init_from=resume --precision=bf16', r"precision='bf16' differs from the checkpoint's 'amp'"),
     ('--init_from=resume --block_size=16', r"block_size=16 differs from the checkpoint's 32"),
-    ('--init_from=resume --n_layer=6', r"n_layer=6 conflicts with the checkpoint's 4"),  # 6 is the default: given all the same
+    (
+        '--init_from=resume --n_layer=6',
+        r"n_layer=6 conflicts with the checkpoint's 4",
+    ),  # 6 is the default: given all the same
     ('--init_from=resume --n_embd=64', r"n_embd=64 conflicts with the checkpoint's 32"),
     ('--init_from=resume --omgd_always=embed', r"omgd_always='embed' differs from the checkpoint's"),
     # refused by the data loader only after the model was built, in a line that named no key
-    ('--init_from=resume --data_seed=5', r"data_seed=5 differs from the checkpoint's 1337 \(its data position is a place "
-                                         r"in that order\); resume with --data_seed=1337$"),
-    ('--init_from=resume --sampling=iid', r"sampling='iid' differs from the checkpoint's 'rr' .*; resume with --sampling=rr$"),
+    (
+        '--init_from=resume --data_seed=5',
+        r"data_seed=5 differs from the checkpoint's 1337 \(its data position is a place "
+        r"in that order\); resume with --data_seed=1337$",
+    ),
+    (
+        '--init_from=resume --sampling=iid',
+        r"sampling='iid' differs from the checkpoint's 'rr' .*; resume with --sampling=rr$",
+    ),
     # AdamW's state loaded into SGD was a KeyError: 'momentum' traceback at the first step
-    ('--init_from=resume --optimizer=sgd', r"optimizer='sgd' differs from the checkpoint's 'adamw' \(its optimizer "
-                                           r"state is that optimizer's\); resume with --optimizer=adamw$"),
+    (
+        '--init_from=resume --optimizer=sgd',
+        r"optimizer='sgd' differs from the checkpoint's 'adamw' \(its optimizer "
+        r"state is that optimizer's\); resume with --optimizer=adamw$",
+    ),
     ('--wandb_log=True --init_from=resume --max_iters=6', r'wandb_log=True needs the wandb package'),
 ]
 SAMPLE = [
@@ -176,7 +196,10 @@ SAMPLE = [
     ('--seed=18446744073709551616', r'seed=18446744073709551616 does not fit in 64 bits'),
 ]
 BENCH = [
-    ('--out={files}/a_file/report.md', r"cannot write the report .*a_file/report.md \(.*\); free space or choose another --out$"),
+    (
+        '--out={files}/a_file/report.md',
+        r"cannot write the report .*a_file/report.md \(.*\); free space or choose another --out$",
+    ),
     ('--methods=adam', r"unknown method 'adam'"),
     ('--methods=,', r'methods lists no method'),
     ('--steps=0', r'steps must be >= 1'),
@@ -190,7 +213,10 @@ BENCH = [
     ('--stepz=3', r"unknown config key 'stepz'"),
 ]
 BENCH_MEMORY = [
-    ('--out={files}/a_file/report', r"cannot write the report .*a_file/report\.\* \(.*\); free space or choose another --out$"),
+    (
+        '--out={files}/a_file/report',
+        r"cannot write the report .*a_file/report\.\* \(.*\); free space or choose another --out$",
+    ),
     ('--micro_batches=-1', r'micro_batches must be >= 0'),
     ('--device=tpu', r'device must be auto, cuda, meta, cpu'),
     ('--device=cuda', r'device=cuda but CUDA is not available; use --device=meta for an estimate$'),
@@ -212,7 +238,10 @@ COMPARE = [
     ('--bogus=1', r"unknown config key 'bogus'"),
     ('--train_args=--lerning_rate=1', r"unknown config key 'lerning_rate'"),
     ('--train_args=--batch_size=0', r'batch_size must be >= 1'),
-    ('--replot=True --name=nothing', r'nothing\.json, which does not exist: run the comparison first \(without --replot\)'),
+    (
+        '--replot=True --name=nothing',
+        r'nothing\.json, which does not exist: run the comparison first \(without --replot\)',
+    ),
     ('--max_iters=40 --out_dir={files}/a_file', r'--out_dir=.*a_file cannot hold the reports'),
 ]
 LINREG = [
@@ -254,18 +283,39 @@ PREPARE = [
     ('data/shakespeare_char/prepare.py', '--input={files}/empty.txt', r'empty\.txt holds no text; give a UTF-8 text'),
     ('data/shakespeare/prepare.py', '--input={files}/empty.txt', r'empty\.txt holds no text'),
     ('data/shakespeare_char/prepare.py', '--input={files}/blank.txt', r'blank\.txt holds no text'),
-    ('data/shakespeare_char/prepare.py', '--input={files}/one_char.txt', r'train\.bin would hold no tokens .* give a '
-                                                                          r'longer text'),
+    (
+        'data/shakespeare_char/prepare.py',
+        '--input={files}/one_char.txt',
+        r'train\.bin would hold no tokens .* give a '
+        r'longer text',
+    ),
     ('data/shakespeare/prepare.py', '--input={files}/one_char.txt', r'train\.bin would hold no tokens'),
 ]
-SMALL_BENCH = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=16', '--vocab_size=64', '--batch_size=2',
-               '--steps=1', '--warmup_steps=0', '--compile=False']
+SMALL_BENCH = [
+    '--n_layer=2',
+    '--n_head=2',
+    '--n_embd=32',
+    '--block_size=16',
+    '--vocab_size=64',
+    '--batch_size=2',
+    '--steps=1',
+    '--warmup_steps=0',
+    '--compile=False',
+]
 SHAPE = ('n_layer', 'n_head', 'n_embd', 'vocab_size')  # a preset sets them
 # TRAIN's probes run with --overwrite=True against the trained run: even then, a refused run loses nothing
-PROBES = ([('train.py', f'--overwrite=True {a}', p) for a, p in TRAIN] + [('train.py', *p) for p in OUT_DIR + RESUME] + [('sample.py', *p) for p in SAMPLE] +
-          [('bench.py', *p) for p in BENCH] + [('bench_memory.py', *p) for p in BENCH_MEMORY] +
-          [('experiments/compare.py', *p) for p in COMPARE] + [('experiments/study.py', *p) for p in STUDY] +
-          [('export.py', *p) for p in EXPORT] + [('experiments/linreg.py', *p) for p in LINREG] + PREPARE)
+PROBES = (
+    [('train.py', f'--overwrite=True {a}', p) for a, p in TRAIN]
+    + [('train.py', *p) for p in OUT_DIR + RESUME]
+    + [('sample.py', *p) for p in SAMPLE]
+    + [('bench.py', *p) for p in BENCH]
+    + [('bench_memory.py', *p) for p in BENCH_MEMORY]
+    + [('experiments/compare.py', *p) for p in COMPARE]
+    + [('experiments/study.py', *p) for p in STUDY]
+    + [('export.py', *p) for p in EXPORT]
+    + [('experiments/linreg.py', *p) for p in LINREG]
+    + PREPARE
+)
 
 
 def argv_of(script, args, out, files):
@@ -276,8 +326,11 @@ def argv_of(script, args, out, files):
     if script == 'sample.py':
         named = any(a.startswith('--out_dir=') for a in argv)
         return [*([] if named else [f'--out_dir={out}']), '--max_new_tokens=2', *argv]
-    small = [a for a in SMALL_BENCH if not any(a.startswith(f'--{k}=') for k in SHAPE)] \
-        if any(a.startswith('--preset=') for a in argv) else SMALL_BENCH
+    small = (
+        [a for a in SMALL_BENCH if not any(a.startswith(f'--{k}=') for k in SHAPE)]
+        if any(a.startswith('--preset=') for a in argv)
+        else SMALL_BENCH
+    )
     if script == 'experiments/compare.py':
         return ['--seeds=1', '--max_iters=4', '--memory=False', f'--out_dir={files}/reports', '--name=report', *argv]
     if script == 'experiments/linreg.py':
@@ -301,6 +354,7 @@ def test_there_are_over_a_hundred_probes():
 @pytest.mark.parametrize('script, args, pattern', PROBES, ids=[f'{s} {a}' for s, a, _ in PROBES])
 def test_bad_input_is_one_line_error_and_loses_nothing(script, args, pattern, trained, files):
     import re
+
     before, reports = digest(trained), digest(files / 'reports')
     if '{files}/empty' in args:
         (files / 'empty').mkdir(exist_ok=True)
@@ -330,6 +384,7 @@ def test_a_checkpoint_missing_a_value_is_one_line_naming_it(trained, tmp_path, k
     """A ckpt.pt without one of the values every checkpoint of train.py holds (a hand-edited or foreign
     file): the resume names the missing key in one line (rng was a KeyError traceback) and changes nothing."""
     import torch
+
     out = tmp_path / 'run'
     shutil.copytree(trained, out)
     checkpoint = torch.load(out / 'ckpt.pt', weights_only=True)
@@ -339,23 +394,31 @@ def test_a_checkpoint_missing_a_value_is_one_line_naming_it(trained, tmp_path, k
     result = run_script('train.py', [*TINY, f'--out_dir={out}', '--init_from=resume', '--max_iters=6'])
     assert result.returncode == 1 and result.stderr.strip().splitlines() == [
         f"error: cannot resume from {out}/ckpt.pt: it lacks {key!r}, which every checkpoint of train.py holds; "
-        f"restore a backup or train from scratch"], result.stderr[-2000:]
+        f"restore a backup or train from scratch"
+    ], result.stderr[-2000:]
     assert digest(out) == before
 
 
-@pytest.mark.parametrize('edit, message', [
-    # each was a traceback: a TypeError at the loop's first comparison, an AttributeError, a misleading line
-    (dict(iter_num='x'), r"its iter_num='x' is not what train\.py writes"),
-    (dict(iter_num=-3), r"its iter_num=-3 is not what train\.py writes"),
-    (dict(best_val_loss='x', rng=5), r"its best_val_loss='x', rng=5 are not what train\.py writes"),
-    (dict(model_args={'n_embd': 'x'}), r"its model_args\['n_embd'\]='x' is not what train\.py writes"),
-    (dict(rng={'ranks': [5]}), r"its random number states cannot be restored \(TypeError: "),
-    (dict(cycler=None), r"TypeError: 'NoneType' object is not subscriptable; the file is damaged or not train\.py's"),
-])
+@pytest.mark.parametrize(
+    'edit, message',
+    [
+        # each was a traceback: a TypeError at the loop's first comparison, an AttributeError, a misleading line
+        (dict(iter_num='x'), r"its iter_num='x' is not what train\.py writes"),
+        (dict(iter_num=-3), r"its iter_num=-3 is not what train\.py writes"),
+        (dict(best_val_loss='x', rng=5), r"its best_val_loss='x', rng=5 are not what train\.py writes"),
+        (dict(model_args={'n_embd': 'x'}), r"its model_args\['n_embd'\]='x' is not what train\.py writes"),
+        (dict(rng={'ranks': [5]}), r"its random number states cannot be restored \(TypeError: "),
+        (
+            dict(cycler=None),
+            r"TypeError: 'NoneType' object is not subscriptable; the file is damaged or not train\.py's",
+        ),
+    ],
+)
 def test_a_checkpoint_value_of_the_wrong_type_is_one_line(trained, tmp_path, edit, message):
     """A ckpt.pt whose values are not of the types train.py writes (hand-edited, or another program's): the resume
     ends in one line that says so, with --init_from=resume as with auto, and changes nothing."""
     import torch
+
     out = tmp_path / 'run'
     shutil.copytree(trained, out)
     checkpoint = torch.load(out / 'ckpt.pt', weights_only=True)
@@ -365,8 +428,11 @@ def test_a_checkpoint_value_of_the_wrong_type_is_one_line(trained, tmp_path, edi
     before = digest(out)
     for init_from in ('resume', 'auto'):
         result = run_script('train.py', [*TINY, f'--out_dir={out}', f'--init_from={init_from}', '--max_iters=6'])
-        assert_one_line_error(result, rf"^error: cannot resume from {re.escape(str(out))}/ckpt\.pt: .*{message}.*restore "
-                                      rf"a backup or train from scratch$")
+        assert_one_line_error(
+            result,
+            rf"^error: cannot resume from {re.escape(str(out))}/ckpt\.pt: .*{message}.*restore "
+            rf"a backup or train from scratch$",
+        )
     assert digest(out) == before
 
 
@@ -375,15 +441,21 @@ def test_a_foreign_config_is_one_line_for_every_reader(trained, tmp_path, config
     """sample.py, eval.py and export.py read a checkpoint's config for its dataset: a config that is not a dict,
     or a dataset that is not a name, is one line (sample.py and export.py ended in a traceback)."""
     import torch
+
     out = tmp_path / 'run'
     shutil.copytree(trained, out)
     checkpoint = torch.load(out / 'ckpt.pt', weights_only=True)
     checkpoint['config'] = config
     torch.save(checkpoint, out / 'ckpt.pt')
-    for script, args in (('sample.py', ['--max_new_tokens=2', '--num_samples=1']), ('eval.py', ['--eval_iters=1']),
-                         ('export.py', [f'--hf_dir={tmp_path / "hf"}'])):
+    for script, args in (
+        ('sample.py', ['--max_new_tokens=2', '--num_samples=1']),
+        ('eval.py', ['--eval_iters=1']),
+        ('export.py', [f'--hf_dir={tmp_path / "hf"}']),
+    ):
         result = run_script(script, [f'--out_dir={out}', *args])
-        assert_one_line_error(result, r"^error: .*ckpt\.pt (is not a checkpoint of train\.py|does not record the dataset)")
+        assert_one_line_error(
+            result, r"^error: .*ckpt\.pt (is not a checkpoint of train\.py|does not record the dataset)"
+        )
     assert not (tmp_path / 'hf').exists()
 
 
@@ -392,8 +464,9 @@ def test_stale_temporary_files_of_an_interrupted_save_are_removed(trained, tmp_p
     shutil.copytree(trained, out)
     (out / '.ckpt.pt.tmp-12345').write_bytes(b'half a checkpoint')  # what a killed save leaves: its record too
     (out / '.ckpt.pt.writing').write_text('.ckpt.pt.tmp-12345')
-    result = run_script('train.py', [*TINY, f'--out_dir={out}', '--init_from=resume', '--max_iters=5',
-                                     '--eval_interval=5'])
+    result = run_script(
+        'train.py', [*TINY, f'--out_dir={out}', '--init_from=resume', '--max_iters=5', '--eval_interval=5']
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert sorted(os.listdir(out)) == ['.lock', 'ckpt.pt', 'metrics.jsonl']
 
@@ -403,18 +476,27 @@ def test_nccl_without_cuda_under_torchrun_is_one_line_that_torchrun_names(tmp_pa
     is made; the line also goes to the rank's error file, which torchrun's failure summary shows as the
     root cause. A rank that leaves the printing to another (LOCAL_RANK 1 of a refused config) writes it too."""
     import json
+
     error_file = tmp_path / 'error.json'
-    env = dict(RANK='0', LOCAL_RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1', MASTER_PORT='9',
-               TORCHELASTIC_ERROR_FILE=str(error_file))
+    env = dict(
+        RANK='0',
+        LOCAL_RANK='0',
+        WORLD_SIZE='1',
+        MASTER_ADDR='127.0.0.1',
+        MASTER_PORT='9',
+        TORCHELASTIC_ERROR_FILE=str(error_file),
+    )
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     out = tmp_path / 'run'
-    result = run_script('train.py', [*TINY, f'--out_dir={out}', '--backend=nccl', '--device=cpu',
-                                     '--dist_timeout_s=20'])
+    result = run_script(
+        'train.py', [*TINY, f'--out_dir={out}', '--backend=nccl', '--device=cpu', '--dist_timeout_s=20']
+    )
     assert result.returncode == 1 and result.stderr.splitlines() == [
-        "error: backend=nccl needs CUDA GPUs and this run's device is 'cpu'" + (
-            '' if __import__('torch').cuda.is_available() else " (torch finds no CUDA GPU here)") +
-        ": pass --backend=gloo to train on CPUs"], result.stderr[-2000:]
+        "error: backend=nccl needs CUDA GPUs and this run's device is 'cpu'"
+        + ('' if __import__('torch').cuda.is_available() else " (torch finds no CUDA GPU here)")
+        + ": pass --backend=gloo to train on CPUs"
+    ], result.stderr[-2000:]
     assert json.loads(error_file.read_text())['message'] == result.stderr.strip()
     assert not out.exists()
     monkeypatch.setenv('LOCAL_RANK', '1')
@@ -428,9 +510,12 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_allocated(monkeypatch):
     iteration's estimate (bench_memory on meta) exceeds it; small: no estimate is run."""
     from infra import memory_estimate
     from model import TransformerConfig
+
     config = TransformerConfig(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=1000)
-    from model import Transformer
     import torch
+
+    from model import Transformer
+
     with torch.device('meta'):
         n = sum(p.numel() for p in Transformer(config).parameters())
     calls = []
@@ -452,6 +537,7 @@ def test_an_error_file_that_cannot_be_written_still_ends_in_the_printed_line(tmp
     """torchrun's error file in a folder that is gone (a cleaned /tmp): the line is still printed, the exit
     status is still 1, and the failure to write the file is not a second error on top of it."""
     from infra import distributed
+
     monkeypatch.setenv('TORCHELASTIC_ERROR_FILE', str(tmp_path / 'gone' / 'error.json'))
     assert distributed.report_error('max_iters must be >= 0, got -5') == 1
     assert capsys.readouterr().err == "error: max_iters must be >= 0, got -5\n"

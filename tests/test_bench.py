@@ -9,35 +9,56 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import bench_memory  # noqa: E402
 from conftest import run_script  # noqa: E402
+
+import bench_memory  # noqa: E402
 from infra import memory_estimate  # noqa: E402
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 def config(*argv, **overrides):
     """bench_memory's config for `argv` (config files, --key=value), then overrides."""
     from configurator import configure
+
     return {**configure(bench_memory.DEFAULTS, list(argv)), **overrides}
 
 
 LLAMA_7B = os.path.join(ROOT, 'config', 'llama7b_lisa_wor.py')
-SMALL = dict(preset='', arch='llama', n_layer=4, n_head=4, n_embd=64, vocab_size=512, block_size=32, batch_size=2,
-             micro_batches=2, galore_rank=8)
+SMALL = dict(
+    preset='',
+    arch='llama',
+    n_layer=4,
+    n_head=4,
+    n_embd=64,
+    vocab_size=512,
+    block_size=32,
+    batch_size=2,
+    micro_batches=2,
+    galore_rank=8,
+)
 
 
 def test_llama_7b_breakdown_matches_paper():
     """The paper's Model/Gradients/Optimizer columns, from the real optimizers' state on meta tensors, for
     config/llama7b_lisa_wor.py with LLaMA's vocabulary: the training config is the paper's setting."""
-    cfg = config(LLAMA_7B, '--vocab_size=32000', '--methods=full,galore,golore,lisa,lisa_wor', '--device=meta',
-                 '--micro_batches=1')
+    cfg = config(
+        LLAMA_7B,
+        '--vocab_size=32000',
+        '--methods=full,galore,golore,lisa,lisa_wor',
+        '--device=meta',
+        '--micro_batches=1',
+    )
     result = bench_memory.run(cfg)
     assert result['estimate'] and result['precisions'] == [('bf16', '')]
-    got = {r['method']: tuple(round(r[k] / GIB, 2) for k in ('params', 'grads', 'optimizer'))
-           for r in result['rows']}
-    assert got == {'full': (12.55, 12.55, 25.10), 'galore': (12.55, 12.55, 1.73), 'golore': (12.55, 12.55, 1.73),
-                   'lisa': (12.55, 1.24, 2.48), 'lisa_wor': (12.55, 1.24, 2.48)}
+    got = {r['method']: tuple(round(r[k] / GIB, 2) for k in ('params', 'grads', 'optimizer')) for r in result['rows']}
+    assert got == {
+        'full': (12.55, 12.55, 25.10),
+        'galore': (12.55, 12.55, 1.73),
+        'golore': (12.55, 12.55, 1.73),
+        'lisa': (12.55, 1.24, 2.48),
+        'lisa_wor': (12.55, 1.24, 2.48),
+    }
     galore_row = next(r for r in result['rows'] if r['method'] == 'galore')
     assert galore_row['projectors'] > 0  # counted apart, not as optimizer state
     text = bench_memory.markdown(result)
@@ -49,9 +70,11 @@ def test_meta_and_cpu_agree_on_exact_bytes():
     common = dict(SMALL, methods='full,galore,lisa_wor', precisions='bf16,bf16_master,bf16_master:cpu')
     meta = bench_memory.run(config(device='meta', **common))['rows']
     cpu = bench_memory.run(config(device='cpu', **common))['rows']
-    assert [(r['method'], r['precision'], r['master_device']) for r in meta] == \
-        [(m, p, d) for p, d in (('bf16', ''), ('bf16_master', ''), ('bf16_master', 'cpu'))
-         for m in ('full', 'galore', 'lisa_wor')]
+    assert [(r['method'], r['precision'], r['master_device']) for r in meta] == [
+        (m, p, d)
+        for p, d in (('bf16', ''), ('bf16_master', ''), ('bf16_master', 'cpu'))
+        for m in ('full', 'galore', 'lisa_wor')
+    ]
     for m, c in zip(meta, cpu):
         for key in ('params', 'grads', 'optimizer', 'cpu_state', 'projectors'):
             assert m[key] == c[key], (m['method'], m['precision'], key)
@@ -67,6 +90,7 @@ def test_meta_and_cpu_agree_on_exact_bytes():
 def test_cpu_build_keeps_gpt2_head_tied_to_embedding():
     """GPT-2 ties its head to its embedding: built on meta or on the CPU, it is counted once."""
     from model import Transformer
+
     cfg = config(**dict(SMALL, arch='gpt2', methods='full', micro_batches=1))
     rows = {device: bench_memory.run(config(**{**cfg, 'device': device}))['rows'][0] for device in ('meta', 'cpu')}
     n_params = sum(p.numel() for p in Transformer(memory_estimate.model_config(cfg)).parameters())
@@ -78,8 +102,11 @@ def test_train_py_memory_keys_reach_the_measurement():
     """Keys that builder.build applies change the estimate with no code here: loss_chunk, and
     activation_offload, whose host copies the meta device emulates (and the emulation is undone)."""
     from infra import memory_options
-    others = {name: bench_memory.run(config(**SMALL, device='meta', methods='lisa_wor', **kw))['rows'][0]['others']
-              for name, kw in dict(plain={}, offload=dict(activation_offload=True), chunk=dict(loss_chunk=8)).items()}
+
+    others = {
+        name: bench_memory.run(config(**SMALL, device='meta', methods='lisa_wor', **kw))['rows'][0]['others']
+        for name, kw in dict(plain={}, offload=dict(activation_offload=True), chunk=dict(loss_chunk=8)).items()
+    }
     assert others['offload'] < others['plain'] and others['chunk'] < others['plain'], others
     assert memory_options.OFFLOAD_COPIES == {}  # the meta copies are set only while a row is measured
 
@@ -89,6 +116,7 @@ def test_vocabulary_as_train_py_reads_it(tmp_path):
     import pickle
 
     from model import Transformer
+
     with open(tmp_path / 'meta.pkl', 'wb') as f:
         pickle.dump({'vocab_size': 77}, f)
     prepared = {**SMALL, 'dataset': str(tmp_path), 'vocab_size': 0}
@@ -96,14 +124,18 @@ def test_vocabulary_as_train_py_reads_it(tmp_path):
     assert vocab(**prepared) == 77 and vocab(**{**prepared, 'vocab_size': 512}) == 512
     assert vocab(dataset='no_such_dataset') == 50304 and vocab(dataset='no_such_dataset', preset='llama-60m') == 32000
     row = bench_memory.run(config(**prepared, device='meta', methods='full'))['rows'][0]
-    assert row['n_params'] == sum(p.numel() for p in Transformer(memory_estimate.model_config(config(**prepared))).parameters())
+    assert row['n_params'] == sum(
+        p.numel() for p in Transformer(memory_estimate.model_config(config(**prepared))).parameters()
+    )
 
 
 def test_defaults_are_train_py_keys():
     """bench_memory.py and bench.py read train.py's keys, whatever train.py adds: every key, with
     train.py's value (the device-dependent ones as on a GPU machine for bench_memory)."""
-    import bench
     from conftest import train_defaults
+
+    import bench
+
     train = {k: v for k, v in train_defaults().items() if isinstance(v, (int, float, bool, str))}  # its key rule
     own = {'device', 'dtype', 'compile', 'backend'}  # train_defaults() sets these for CPU tests
     for defaults in (bench_memory.DEFAULTS, bench.DEFAULTS):
@@ -139,8 +171,17 @@ def test_attention_saves_no_t_by_t_matrix():
 
 def test_bench_memory_script_writes_outputs(tmp_path):
     prefix = str(tmp_path / 'mem')
-    proc = run_script('bench_memory.py', ['--preset=llama-60m', '--methods=full,lisa_wor', '--batch_size=4',
-                                          '--block_size=64', '--device=meta', f'--out={prefix}'])
+    proc = run_script(
+        'bench_memory.py',
+        [
+            '--preset=llama-60m',
+            '--methods=full,lisa_wor',
+            '--batch_size=4',
+            '--block_size=64',
+            '--device=meta',
+            f'--out={prefix}',
+        ],
+    )
     assert proc.returncode == 0, proc.stderr
     for ext in ('.md', '.json', '.png'):
         assert os.path.getsize(prefix + ext) > 0
@@ -156,79 +197,123 @@ def test_bench_memory_rejects_unknown_keys():
     assert proc.returncode != 0 and 'unknown config key' in proc.stderr and 'batch_size' in proc.stderr
     proc = run_script('bench_memory.py', ['--methods=lisa_wor+master'])  # the old suffixes are gone
     from train_config import METHOD_NAMES  # a fork's new method joins the list
+
     assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
-        f"error: unknown method 'lisa_wor+master'; choose one of {', '.join(METHOD_NAMES)}"]
+        f"error: unknown method 'lisa_wor+master'; choose one of {', '.join(METHOD_NAMES)}"
+    ]
     assert METHOD_NAMES[:4] == ('full', 'lisa', 'lisa_scale', 'lisa_wor') and 'golore' in METHOD_NAMES
 
 
 def test_bench_script_runs(tmp_path):
     out = str(tmp_path / 'bench.md')
-    proc = run_script('bench.py', ['--arch=llama', '--n_layer=2', '--n_embd=64', '--vocab_size=512', '--batch_size=2',
-                                   '--block_size=32', '--steps=2', '--warmup_steps=1', '--methods=full,lisa_wor,galore',
-                                   '--precisions=amp,bf16_master:cpu', '--compile=False', f'--out={out}'])
+    proc = run_script(
+        'bench.py',
+        [
+            '--arch=llama',
+            '--n_layer=2',
+            '--n_embd=64',
+            '--vocab_size=512',
+            '--batch_size=2',
+            '--block_size=32',
+            '--steps=2',
+            '--warmup_steps=1',
+            '--methods=full,lisa_wor,galore',
+            '--precisions=amp,bf16_master:cpu',
+            '--compile=False',
+            f'--out={out}',
+        ],
+    )
     assert proc.returncode == 0, proc.stderr
     text = open(out).read()
     rows = [line.split('|')[1:-1] for line in text.splitlines() if line.startswith('| ')]
     header = [cell.strip() for cell in rows[0]]
-    speeds = {(cells[0].strip(), cells[1].strip()): float(cells[header.index('tokens/s')].replace(',', ''))
-              for cells in rows[1:]}
+    speeds = {
+        (cells[0].strip(), cells[1].strip()): float(cells[header.index('tokens/s')].replace(',', ''))
+        for cells in rows[1:]
+    }
     assert list(speeds) == [(m, p) for p in ('amp', 'bf16_master:cpu') for m in ('full', 'lisa_wor', 'galore')]
     assert all(v > 0 for v in speeds.values()), speeds
     from model import Transformer
+
     cfg = config(arch='llama', n_layer=2, n_embd=64, vocab_size=512)
     n_params = sum(p.numel() for p in Transformer(memory_estimate.model_config(cfg)).parameters())
     assert f"{n_params / 1e6:.1f}M parameters" in text
 
 
-@pytest.mark.parametrize('overrides,message', [
-    (dict(dtype='fp16'), "unknown dtype 'fp16'"),
-    (dict(batch_size=0), 'batch_size must be >= 1, got 0'),
-    (dict(micro_batches=-1), 'micro_batches must be >= 0, got -1'),
-    (dict(gradient_accumulation_steps=0), 'gradient_accumulation_steps must be >= 1'),
-    (dict(methods='adam'), "unknown method 'adam'"),
-    (dict(methods=','), 'methods lists no method'),
-    (dict(precisions='fp8'), "unknown precision 'fp8'"),
-    (dict(precisions='bf16_master:gpu'), "master_device must be '' (the weights' device) or 'cpu', got 'gpu'"),
-    (dict(precisions='bf16:cpu'), "master_device='cpu' places fp32 master weights"),
-    (dict(device='tpu'), 'device must be auto, cuda, meta, cpu'),
-    (dict(preset='gpt5'), "unknown preset 'gpt5'"),
-    (dict(preset='gpt2', n_layer=2), "preset='gpt2' sets the architecture, so n_layer=2 would be ignored"),
-    (dict(n_embd=100, n_head=3), 'model shape:'),
-])
+@pytest.mark.parametrize(
+    'overrides,message',
+    [
+        (dict(dtype='fp16'), "unknown dtype 'fp16'"),
+        (dict(batch_size=0), 'batch_size must be >= 1, got 0'),
+        (dict(micro_batches=-1), 'micro_batches must be >= 0, got -1'),
+        (dict(gradient_accumulation_steps=0), 'gradient_accumulation_steps must be >= 1'),
+        (dict(methods='adam'), "unknown method 'adam'"),
+        (dict(methods=','), 'methods lists no method'),
+        (dict(precisions='fp8'), "unknown precision 'fp8'"),
+        (dict(precisions='bf16_master:gpu'), "master_device must be '' (the weights' device) or 'cpu', got 'gpu'"),
+        (dict(precisions='bf16:cpu'), "master_device='cpu' places fp32 master weights"),
+        (dict(device='tpu'), 'device must be auto, cuda, meta, cpu'),
+        (dict(preset='gpt5'), "unknown preset 'gpt5'"),
+        (dict(preset='gpt2', n_layer=2), "preset='gpt2' sets the architecture, so n_layer=2 would be ignored"),
+        (dict(n_embd=100, n_head=3), 'model shape:'),
+    ],
+)
 def test_bench_memory_errors(overrides, message):
     with pytest.raises(ValueError) as e:
         bench_memory.run(config(**{'device': 'meta', 'methods': 'full', **overrides}))
     assert message in str(e.value) and '\n' not in str(e.value)
 
 
-@pytest.mark.parametrize('argv,message', [
-    (['--device=meta'], 'device must be auto, cuda, cpu'),
-    (['--dtype=fp16'], "unknown dtype 'fp16'"),
-    (['--steps=0'], 'steps must be >= 1'),
-    (['--methods=lisa_wor+master'], "unknown method 'lisa_wor+master'"),
-    (['--precisions=bf16_master:gpu'], "master_device must be ''"),
-    (['--methods=,'], 'methods lists no method'),
-    (['--preset=gpt5'], "unknown preset 'gpt5'"),
-    (['--n_embd=100', '--n_head=3'], 'model shape:'),
-    (['--stepz=3'], 'unknown config key'),
-])
+@pytest.mark.parametrize(
+    'argv,message',
+    [
+        (['--device=meta'], 'device must be auto, cuda, cpu'),
+        (['--dtype=fp16'], "unknown dtype 'fp16'"),
+        (['--steps=0'], 'steps must be >= 1'),
+        (['--methods=lisa_wor+master'], "unknown method 'lisa_wor+master'"),
+        (['--precisions=bf16_master:gpu'], "master_device must be ''"),
+        (['--methods=,'], 'methods lists no method'),
+        (['--preset=gpt5'], "unknown preset 'gpt5'"),
+        (['--n_embd=100', '--n_head=3'], 'model shape:'),
+        (['--stepz=3'], 'unknown config key'),
+    ],
+)
 def test_bench_errors(argv, message):
     import bench
+
     with pytest.raises(SystemExit) as e:
         bench.main(['--device=cpu', *argv] if not argv[0].startswith('--device') else argv)
     assert str(e.value).startswith('error: ') and message in str(e.value) and '\n' not in str(e.value)
 
 
-@pytest.mark.skipif(open('/proc/sys/vm/overcommit_memory').read().strip() == '1',
-                    reason='this kernel grants any allocation (overcommit_memory=1): the batch would be filled, not refused')
+@pytest.mark.skipif(
+    open('/proc/sys/vm/overcommit_memory').read().strip() == '1',
+    reason='this kernel grants any allocation (overcommit_memory=1): the batch would be filled, not refused',
+)
 def test_a_batch_too_large_for_memory_is_one_line():
     """--batch_size=1000000000: the row's 512 GB batch is refused by the allocator; one line, not its traceback."""
     import bench
+
     with pytest.raises(SystemExit) as e:
-        bench.main(['--device=cpu', '--batch_size=1000000000', '--n_layer=1', '--n_embd=16', '--n_head=2',
-                    '--block_size=64', '--steps=1', '--warmup_steps=0', '--methods=full', '--compile=False'])
-    assert re.fullmatch(r"error: a row does not fit in the memory of cpu \(.*can't allocate memory.*\); lower "
-                        r"--batch_size or --block_size, or choose a smaller model", str(e.value)), str(e.value)
+        bench.main(
+            [
+                '--device=cpu',
+                '--batch_size=1000000000',
+                '--n_layer=1',
+                '--n_embd=16',
+                '--n_head=2',
+                '--block_size=64',
+                '--steps=1',
+                '--warmup_steps=0',
+                '--methods=full',
+                '--compile=False',
+            ]
+        )
+    assert re.fullmatch(
+        r"error: a row does not fit in the memory of cpu \(.*can't allocate memory.*\); lower "
+        r"--batch_size or --block_size, or choose a smaller model",
+        str(e.value),
+    ), str(e.value)
 
 
 def test_a_runtime_error_that_is_not_out_of_memory_keeps_its_traceback(monkeypatch):
@@ -238,15 +323,28 @@ def test_a_runtime_error_that_is_not_out_of_memory_keeps_its_traceback(monkeypat
 
     def failing(row_cfgs, device):
         raise RuntimeError('mat1 and mat2 shapes cannot be multiplied (8x16 and 32x16)')
+
     monkeypatch.setattr(bench, 'bench', failing)
     with pytest.raises(RuntimeError, match='shapes cannot be multiplied'):
-        bench.main(['--device=cpu', '--n_layer=1', '--n_embd=16', '--n_head=2', '--block_size=64', '--steps=1',
-                    '--warmup_steps=0', '--methods=full', '--compile=False'])
+        bench.main(
+            [
+                '--device=cpu',
+                '--n_layer=1',
+                '--n_embd=16',
+                '--n_head=2',
+                '--block_size=64',
+                '--steps=1',
+                '--warmup_steps=0',
+                '--methods=full',
+                '--compile=False',
+            ]
+        )
 
 
 def gpu_script_commands():
     """(script, [arguments]) of every `run python SCRIPT.py ...` command of experiments/gpu_benchmarks.sh."""
     import shlex
+
     text = open(os.path.join(ROOT, 'experiments', 'gpu_benchmarks.sh')).read().replace('\\\n', ' ')
     commands = []
     for line in text.splitlines():
@@ -261,6 +359,7 @@ def test_gpu_script_uses_only_valid_keys():
     benchmarks: every command's config (files included) must parse and pass the scripts' checks."""
     import bench
     from configurator import configure
+
     scripts = {'bench_memory.py': bench_memory, 'bench.py': bench}
     commands = gpu_script_commands()
     assert [script for script, _ in commands] == ['bench_memory.py'] * 3 + ['bench.py']
@@ -280,8 +379,11 @@ def under(path, folder):
 def git_ignored(path):
     """Whether the top folder of `path` matches a folder pattern of .gitignore (as out*/ does)."""
     import fnmatch
+
     top = os.path.relpath(os.path.realpath(os.path.join(ROOT, path)), ROOT).split(os.sep)[0]
-    patterns = [line.strip().strip('/') for line in open(os.path.join(ROOT, '.gitignore')) if line.strip().endswith('/')]
+    patterns = [
+        line.strip().strip('/') for line in open(os.path.join(ROOT, '.gitignore')) if line.strip().endswith('/')
+    ]
     return any(fnmatch.fnmatch(top, p) for p in patterns)
 
 
@@ -289,6 +391,7 @@ def test_default_outputs_stay_out_of_results():
     """Run as documented without --out, a benchmark must not overwrite the committed results/ files."""
     import bench
     from configurator import configure
+
     for argv in ([], ['--preset=gpt2'], [LLAMA_7B]):
         prefix = bench_memory.output_prefix(configure(bench_memory.DEFAULTS, argv))
         assert not under(prefix, 'results') and git_ignored(prefix), prefix
@@ -301,6 +404,7 @@ def test_readme_commands_leave_results_alone():
     each results/memory_*.md records the command that wrote it, naming its own prefix."""
     import glob
     import re
+
     writes_results = re.compile(r'--(out|out_dir|report_dir)[= ]results\b')
     scripts = ('bench_memory.py', 'bench.py', 'experiments/compare.py', 'experiments/linreg.py', 'experiments/study.py')
     shown = set()
@@ -312,7 +416,7 @@ def test_readme_commands_leave_results_alone():
                     assert not writes_results.search(line), (path, line)
     assert 'bench_memory.py' in shown  # the README shows the memory command
     for md in glob.glob(os.path.join(ROOT, 'results', 'memory_*.md')):
-        prefix = os.path.relpath(md, ROOT)[:-len('.md')]
+        prefix = os.path.relpath(md, ROOT)[: -len('.md')]
         command = next(line for line in open(md) if line.startswith('Command: `python bench_memory.py'))
         assert re.search(rf'--out={re.escape(prefix)}[` ]', command), (md, command)
 
@@ -320,8 +424,9 @@ def test_readme_commands_leave_results_alone():
 @pytest.mark.skipif(torch.cuda.is_available(), reason='on a GPU the script would run the benchmarks')
 def test_gpu_script_refuses_without_cuda():
     before = sorted(os.listdir(os.path.join(ROOT, 'results')))
-    proc = subprocess.run(['bash', os.path.join(ROOT, 'experiments', 'gpu_benchmarks.sh')],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ['bash', os.path.join(ROOT, 'experiments', 'gpu_benchmarks.sh')], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode != 0 and 'error: no CUDA device' in proc.stderr
     assert sorted(os.listdir(os.path.join(ROOT, 'results'))) == before
 
@@ -340,33 +445,67 @@ def test_meta_estimate_of_the_peak_within_one_percent_of_cpu_for_gpt2():
 def test_sublayer_checkpointing_lowers_the_peak_with_offload():
     """Attention and MLP recomputed apart hold half a block's activations in the backward; with the
     block inputs offloaded, the extra saved inputs cost the device nothing."""
-    common = dict(SMALL, methods='lisa_wor', precisions='bf16', activation_checkpointing=True,
-                  activation_offload=True, loss_chunk=16, batch_size=8)
+    common = dict(
+        SMALL,
+        methods='lisa_wor',
+        precisions='bf16',
+        activation_checkpointing=True,
+        activation_offload=True,
+        loss_chunk=16,
+        batch_size=8,
+    )
     whole = bench_memory.run(config(device='meta', **common))['rows'][0]
     halves = bench_memory.run(config(device='meta', checkpoint_sublayers=True, **common))['rows'][0]
     assert halves['others'] < whole['others'], (halves['others'], whole['others'])
 
 
 def test_the_memory_benchmark_says_how_far_along_it_is(tmp_path):
-    result = run_script('bench_memory.py', ["--preset=", '--arch=llama', '--n_layer=2', '--n_head=2', '--n_embd=32',
-                                            '--vocab_size=64', '--block_size=16', '--batch_size=2',
-                                            '--methods=full,lisa_wor', '--device=meta', f'--out={tmp_path}/r'])
+    result = run_script(
+        'bench_memory.py',
+        [
+            "--preset=",
+            '--arch=llama',
+            '--n_layer=2',
+            '--n_head=2',
+            '--n_embd=32',
+            '--vocab_size=64',
+            '--block_size=16',
+            '--batch_size=2',
+            '--methods=full,lisa_wor',
+            '--device=meta',
+            f'--out={tmp_path}/r',
+        ],
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     progress = [line for line in result.stderr.splitlines() if line.startswith('measured ')]
-    assert [p.split(' in ')[0] for p in progress] == ['measured 1/2 rows (full, amp)', 'measured 2/2 rows (lisa_wor, amp)']
+    assert [p.split(' in ')[0] for p in progress] == [
+        'measured 1/2 rows (full, amp)',
+        'measured 2/2 rows (lisa_wor, amp)',
+    ]
     assert progress[-1].endswith('about 0 s left')
 
 
-EXPERIMENT_ARGS = ['--preset=', '--n_layer=4', '--n_head=2', '--n_embd=32', '--vocab_size=256', '--block_size=32',
-         '--batch_size=2', '--device=cpu', '--compile=False']
+EXPERIMENT_ARGS = [
+    '--preset=',
+    '--n_layer=4',
+    '--n_head=2',
+    '--n_embd=32',
+    '--vocab_size=256',
+    '--block_size=32',
+    '--batch_size=2',
+    '--device=cpu',
+    '--compile=False',
+]
 
 
 def test_speed_variants_times_each_variant(tmp_path):
     """experiments/speed_variants.py: one row per variant, in order, the report written where --out says; a
     variant it does not know is refused in one line before anything runs."""
     out = tmp_path / 'variants.md'
-    proc = run_script('experiments/speed_variants.py', [*EXPERIMENT_ARGS, '--steps=2', '--warmup_steps=1',
-                                                         '--variants=batch=2,batch=4,sdpa=math', f'--out={out}'])
+    proc = run_script(
+        'experiments/speed_variants.py',
+        [*EXPERIMENT_ARGS, '--steps=2', '--warmup_steps=1', '--variants=batch=2,batch=4,sdpa=math', f'--out={out}'],
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split(' | ') for line in out.read_text().splitlines() if line.startswith(('| batch=', '| sdpa'))]
     assert [r[0] for r in rows] == ['| batch=2', '| batch=4', '| sdpa=math']
@@ -379,8 +518,10 @@ def test_speed_variants_times_each_variant(tmp_path):
 def test_switch_timing_splits_switch_iterations(tmp_path):
     """experiments/switch_timing.py: every iteration shown once, the switches marked where the cycler switched
     (a switch every 2 iterations), per policy."""
-    proc = run_script('experiments/switch_timing.py', [*EXPERIMENT_ARGS, '--omgd_gamma=1', '--omgd_period=2',
-                                                       '--iters=8', '--shown=4', '--policies=keep,offload'])
+    proc = run_script(
+        'experiments/switch_timing.py',
+        [*EXPERIMENT_ARGS, '--omgd_gamma=1', '--omgd_period=2', '--iters=8', '--shown=4', '--policies=keep,offload'],
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     for policy in ('keep', 'offload'):
         section = proc.stdout.split(f'omgd_state={policy}:')[1].splitlines()[1:5]

@@ -1,15 +1,16 @@
 """infra/checkpoint.py: what is saved, what is never saved (a non-finite state), and a failed write that
 leaves the previous checkpoint as it was; in-process, on a tiny model."""
+
 import errno
 import itertools
 import os
 
 import pytest
 import torch
+from conftest import cpu_checkpoint_after_one_step, train_defaults
 
 import builder
 from infra import checkpoint
-from conftest import cpu_checkpoint_after_one_step, train_defaults
 from infra.distributed import Ranks
 from trainer import Trainer
 
@@ -72,6 +73,7 @@ def test_a_failed_write_says_so_and_keeps_the_previous_file(tmp_path, monkeypatc
         with open(path, 'wb') as f:
             f.write(b'half')  # a partial file, then the disk is full
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
     monkeypatch.setattr(torch, 'save', disk_full)
     with pytest.raises(checkpoint.CheckpointError) as e:
         save(tmp_path / 'ckpt.pt', objects, iter_num=2)
@@ -88,11 +90,17 @@ def test_a_full_disk_inside_torch_save_is_one_line_too(tmp_path, monkeypatch):
     good = (tmp_path / 'ckpt.pt').read_bytes()
 
     def zip_writer_fails(obj, path):
-        raise RuntimeError("[enforce fail at inline_container.cc:603] . PytorchStreamWriter failed writing file "
-                           "data/3: file write failed")
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:603] . PytorchStreamWriter failed writing file "
+            "data/3: file write failed"
+        )
+
     monkeypatch.setattr(torch, 'save', zip_writer_fails)
-    with pytest.raises(checkpoint.CheckpointError, match=r"^cannot write .*ckpt.pt \(\[enforce fail at .*file write "
-                                                         r"failed\); the previous checkpoint is intact"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"^cannot write .*ckpt.pt \(\[enforce fail at .*file write "
+        r"failed\); the previous checkpoint is intact",
+    ):
         save(tmp_path / 'ckpt.pt', objects, iter_num=2)
     assert (tmp_path / 'ckpt.pt').read_bytes() == good and os.listdir(tmp_path) == ['ckpt.pt']
 
@@ -132,6 +140,7 @@ def test_a_save_never_replaces_or_removes_a_record_it_did_not_write(tmp_path, mo
     def save_and_look(obj, f):
         real_save(obj, f)
         seen.append((tmp_path / '.ckpt.pt.writing').read_text())
+
     monkeypatch.setattr(torch, 'save', save_and_look)
     save(tmp_path / 'ckpt.pt', build())
     assert seen == ['ckpt.pt'] and (tmp_path / '.ckpt.pt.writing').read_text() == 'ckpt.pt'
@@ -148,6 +157,7 @@ def test_a_save_records_its_temporary_file_until_it_is_in_place(tmp_path, monkey
         real_save(obj, f)
         seen.append(sorted(os.listdir(tmp_path)))
         seen.append((tmp_path / '.ckpt.pt.writing').read_text())
+
     monkeypatch.setattr(torch, 'save', save_and_look)
     save(tmp_path / 'ckpt.pt', build())
     tmp_name = f'.ckpt.pt.tmp-{os.getpid()}'
@@ -156,6 +166,7 @@ def test_a_save_records_its_temporary_file_until_it_is_in_place(tmp_path, monkey
 
     def disk_full(obj, f):
         raise OSError(errno.ENOSPC, 'No space left on device')
+
     monkeypatch.setattr(torch, 'save', disk_full)
     with pytest.raises(checkpoint.CheckpointError, match='No space left'):
         save(tmp_path / 'ckpt.pt', build())
@@ -215,6 +226,7 @@ def test_the_resume_rules_are_one_rule_for_every_reader(tmp_path):
     resume (checkpoint.resume, which the benchmarks call directly) refuses a given key that cannot
     continue it in the same words as train.py; keys not given are the checkpoint's."""
     import train_config
+
     saved = {k: v for k, v in CFG.items() if k != 'precision'}
     model_args = builder.transformer_kwargs(CFG, CFG['vocab_size'])
     assert train_config.resume_config(saved, model_args, {**CFG, 'precision': 'bf16'}, set())['precision'] == 'amp'
@@ -222,6 +234,8 @@ def test_the_resume_rules_are_one_rule_for_every_reader(tmp_path):
         train_config.resume_config(saved, model_args, {**CFG, 'precision': 'bf16'}, {'precision'})
     path = str(tmp_path / 'ckpt.pt')
     cpu_checkpoint_after_one_step(CFG, path)
-    with pytest.raises(ValueError, match=r"^n_layer=3 conflicts with the checkpoint's 2 \(the weights have that shape\)"):
+    with pytest.raises(
+        ValueError, match=r"^n_layer=3 conflicts with the checkpoint's 2 \(the weights have that shape\)"
+    ):
         checkpoint.resume(path, 'cpu', {**CFG, 'n_layer': 3}, {'n_layer'})
     assert checkpoint.resume(path, 'cpu', {**CFG, 'n_layer': 3}, set())[1].config.n_layer == 2

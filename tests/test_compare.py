@@ -1,4 +1,5 @@
 """Smoke test of experiments/compare.py: 2 methods, 1 seed, a few iterations of a tiny GPT through train.py."""
+
 import json
 import math
 import os
@@ -12,15 +13,39 @@ sys.path.insert(0, os.path.join(ROOT, 'experiments'))
 import compare  # noqa: E402
 import runner  # noqa: E402
 
-TINY = ['--n_layer=4', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=8', '--eval_iters=2',
-        '--eval_interval=3', '--log_interval=1', '--warmup_iters=2', '--omgd_gamma=2', '--omgd_period=2']
+TINY = [
+    '--n_layer=4',
+    '--n_head=2',
+    '--n_embd=32',
+    '--block_size=32',
+    '--batch_size=8',
+    '--eval_iters=2',
+    '--eval_interval=3',
+    '--log_interval=1',
+    '--warmup_iters=2',
+    '--omgd_gamma=2',
+    '--omgd_period=2',
+]
 
 
 def test_smoke_two_methods_one_seed(tmp_path, monkeypatch):
     out = tmp_path / 'results'
-    result = subprocess.run([sys.executable, 'experiments/compare.py', '--methods=full,lisa_wor:iid', '--seeds=1',
-                             '--max_iters=6', f'--out_dir={out}', f'--runs_dir={tmp_path / "runs"}', *TINY],
-                            cwd=ROOT, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [
+            sys.executable,
+            'experiments/compare.py',
+            '--methods=full,lisa_wor:iid',
+            '--seeds=1',
+            '--max_iters=6',
+            f'--out_dir={out}',
+            f'--runs_dir={tmp_path / "runs"}',
+            *TINY,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for name in ('compare.md', 'compare.json', 'compare_loss.png'):
         assert (out / name).stat().st_size > 0, name
@@ -46,26 +71,38 @@ def test_smoke_two_methods_one_seed(tmp_path, monkeypatch):
     # --replot=True rewrites the table and plot from the JSON without training
     (out / 'compare.md').unlink()
     (out / 'compare_loss.png').unlink()
-    replot = subprocess.run([sys.executable, 'experiments/compare.py', '--replot=True', '--memory=False', f'--out_dir={out}'],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    replot = subprocess.run(
+        [sys.executable, 'experiments/compare.py', '--replot=True', '--memory=False', f'--out_dir={out}'],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert replot.returncode == 0, replot.stderr[-3000:]
     assert (out / 'compare_loss.png').stat().st_size > 0
     assert '| lisa_wor:iid | iid |' in (out / 'compare.md').read_text()
     # the finished runs in runs_dir are read back, not trained again (runner.run_all)
     monkeypatch.setattr(runner, 'run_train', lambda *a, **k: pytest.fail('a finished run was trained again'))
     args = compare.parse(['--methods=full,lisa_wor:iid', '--seeds=1', '--max_iters=6', *TINY])
-    again = compare.run_all([compare.parse_variant('full'), compare.parse_variant('lisa_wor:iid')], [0], args,
-                            str(tmp_path / 'runs'))
+    again = compare.run_all(
+        [compare.parse_variant('full'), compare.parse_variant('lisa_wor:iid')], [0], args, str(tmp_path / 'runs')
+    )
     assert [r['variant'] for r in again] == ['full', 'lisa_wor:iid']
-    assert [r['val_loss'] for r in again] == [rows['full']['val_curve']['mean'], rows['lisa_wor:iid']['val_curve']['mean']]
+    assert [r['val_loss'] for r in again] == [
+        rows['full']['val_curve']['mean'],
+        rows['lisa_wor:iid']['val_curve']['mean'],
+    ]
 
 
 def test_read_records_and_variants(tmp_path):
-    records = [dict(kind='eval', iter=0, train_loss=4.2, val_loss=4.3),
-               dict(kind='switch', iter=0, active=[1, 4], description='cycle 1: active blocks [1, 4], grad scale 4'),
-               dict(kind='iter', iter=0, loss=4.1, ms=900.0, epoch=0.0),
-               dict(kind='iter', iter=10, loss=3.0, ms=50.0, epoch=0.01),
-               dict(kind='save', iter=20), dict(kind='eval', iter=20, train_loss=2.9, val_loss=2.95)]
+    records = [
+        dict(kind='eval', iter=0, train_loss=4.2, val_loss=4.3),
+        dict(kind='switch', iter=0, active=[1, 4], description='cycle 1: active blocks [1, 4], grad scale 4'),
+        dict(kind='iter', iter=0, loss=4.1, ms=900.0, epoch=0.0),
+        dict(kind='iter', iter=10, loss=3.0, ms=50.0, epoch=0.01),
+        dict(kind='save', iter=20),
+        dict(kind='eval', iter=20, train_loss=2.9, val_loss=2.95),
+    ]
     (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
     parsed = runner.read_records(tmp_path)
     assert parsed['eval_iters'] == [0, 20] and parsed['val_loss'] == [4.3, 2.95] and parsed['train_loss'] == [4.2, 2.9]
@@ -76,8 +113,10 @@ def test_read_records_and_variants(tmp_path):
 
 
 def test_paired_differences():
-    rows = [{'name': 'lisa_wor', 'final_val': {0: 2.0, 1: 2.1, 2: 2.2}},
-            {'name': 'lisa', 'final_val': {0: 2.1, 1: 2.3, 2: 2.2}}]
+    rows = [
+        {'name': 'lisa_wor', 'final_val': {0: 2.0, 1: 2.1, 2: 2.2}},
+        {'name': 'lisa', 'final_val': {0: 2.1, 1: 2.3, 2: 2.2}},
+    ]
     p = compare.paired(rows, 'lisa_wor', 'lisa')
     assert p['a_wins'] == 2 and math.isclose(p['mean'], -0.1) and p['seeds'] == [0, 1, 2]
     assert (p['a'], p['b'], p['n']) == ('lisa_wor', 'lisa', 3) and math.isclose(p['sd'], 0.1)
@@ -94,6 +133,7 @@ def test_memory_builds_the_runs_own_config():
     import torch
 
     from model import Transformer
+
     flags = {name: default for name, _, default in compare.TRAIN_FLAGS}
     flags.update(dataset='no_such_dataset', n_layer=2, n_embd=32, block_size=16, batch_size=2, omgd_gamma=1)
     args = SimpleNamespace(**flags, max_iters=40, train_arg=['--arch=llama', '--n_kv_head=2', '--omgd_warmup=5'])
@@ -108,8 +148,11 @@ def test_memory_builds_the_runs_own_config():
     assert mem['params'] == 4 * mem['n_params']  # fp32: train.py's default precision='amp'
     args.train_arg.append('--precision=bf16')  # a key that is no model shape applies too
     bf16 = compare.measure_memory('lisa_wor', args)
-    assert (bf16['params'], bf16['grads'], bf16['optimizer']) == (mem['params'] // 2, mem['grads'] // 2,
-                                                                   mem['optimizer'] // 2)
+    assert (bf16['params'], bf16['grads'], bf16['optimizer']) == (
+        mem['params'] // 2,
+        mem['grads'] // 2,
+        mem['optimizer'] // 2,
+    )
     args.train_arg = ['--omgd_gama=1']
     assert compare.measure_memory('full', args)['error'].startswith("ConfigError: unknown config key 'omgd_gama'")
     with pytest.raises(ValueError, match="unknown config key 'omgd_gama'"):
@@ -125,13 +168,17 @@ def test_default_out_dir_is_not_results():
     assert compare.parse(['--out_dir=results']).out_dir == 'results'
 
 
-@pytest.mark.parametrize('content, message', [
-    (None, r"nothing\.json, which does not exist: run the comparison first \(without --replot\)"),
-    ('{"rows": [', r"nothing\.json cannot be read \(JSONDecodeError: .*\); run the comparison again"),
-    ('{"rows": []}', r"nothing\.json is not a report of compare\.py \(it lacks 'command'\)"),
-])
+@pytest.mark.parametrize(
+    'content, message',
+    [
+        (None, r"nothing\.json, which does not exist: run the comparison first \(without --replot\)"),
+        ('{"rows": [', r"nothing\.json cannot be read \(JSONDecodeError: .*\); run the comparison again"),
+        ('{"rows": []}', r"nothing\.json is not a report of compare\.py \(it lacks 'command'\)"),
+    ],
+)
 def test_replot_without_a_report_is_one_line(tmp_path, content, message):
     import re
+
     if content is not None:
         (tmp_path / 'nothing.json').write_text(content)
     before = sorted(os.listdir(tmp_path))

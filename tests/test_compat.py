@@ -2,6 +2,7 @@
 runs the suite on every minor release of it): the APIs it relies on exist, and where the API changed inside
 the range, the code picks what the installed torch has. Fake torch classes stand in for the versions
 that are not installed."""
+
 import importlib
 import inspect
 import os
@@ -18,28 +19,59 @@ from infra.distributed import Ranks, no_buffer_sync, wrap_ddp
 class DDP211:
     """torch 2.11's DistributedDataParallel signature (no forward_sync_buffers); records its arguments."""
 
-    def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
-                 init_sync=True, process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
-                 check_reduction=False, gradient_as_bucket_view=False, static_graph=False,
-                 delay_all_reduce_named_params=None, param_to_hook_all_reduce=None, mixed_precision=None,
-                 device_mesh=None, skip_all_reduce_unused_params=False):
-        self.kwargs = dict(device_ids=device_ids, broadcast_buffers=broadcast_buffers, init_sync=init_sync,
-                           gradient_as_bucket_view=gradient_as_bucket_view)
+    def __init__(
+        self,
+        module,
+        device_ids=None,
+        output_device=None,
+        dim=0,
+        broadcast_buffers=True,
+        init_sync=True,
+        process_group=None,
+        bucket_cap_mb=None,
+        find_unused_parameters=False,
+        check_reduction=False,
+        gradient_as_bucket_view=False,
+        static_graph=False,
+        delay_all_reduce_named_params=None,
+        param_to_hook_all_reduce=None,
+        mixed_precision=None,
+        device_mesh=None,
+        skip_all_reduce_unused_params=False,
+    ):
+        self.kwargs = dict(
+            device_ids=device_ids,
+            broadcast_buffers=broadcast_buffers,
+            init_sync=init_sync,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
 
 
 class DDP213(DDP211):
     """torch 2.13's: forward_sync_buffers added, broadcast_buffers deprecated (a FutureWarning when given)."""
 
-    def __init__(self, module, device_ids=None, broadcast_buffers=None, init_sync=True, gradient_as_bucket_view=False,
-                 forward_sync_buffers=None):
+    def __init__(
+        self,
+        module,
+        device_ids=None,
+        broadcast_buffers=None,
+        init_sync=True,
+        gradient_as_bucket_view=False,
+        forward_sync_buffers=None,
+    ):
         if broadcast_buffers is not None:
             raise AssertionError('broadcast_buffers is deprecated in torch 2.13')
-        self.kwargs = dict(device_ids=device_ids, forward_sync_buffers=forward_sync_buffers, init_sync=init_sync,
-                           gradient_as_bucket_view=gradient_as_bucket_view)
+        self.kwargs = dict(
+            device_ids=device_ids,
+            forward_sync_buffers=forward_sync_buffers,
+            init_sync=init_sync,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
 
 
-@pytest.mark.parametrize('ddp, sync_off', [(DDP211, {'broadcast_buffers': False}),
-                                           (DDP213, {'forward_sync_buffers': False})])
+@pytest.mark.parametrize(
+    'ddp, sync_off', [(DDP211, {'broadcast_buffers': False}), (DDP213, {'forward_sync_buffers': False})]
+)
 def test_ddp_is_built_with_the_arguments_of_the_installed_torch(ddp, sync_off, monkeypatch):
     """forward_sync_buffers is new in torch 2.13 (torch 2.9 to 2.12 raise TypeError on it: every DDP run
     crashed); broadcast_buffers=False says the same before, and is deprecated from 2.13."""
@@ -50,8 +82,9 @@ def test_ddp_is_built_with_the_arguments_of_the_installed_torch(ddp, sync_off, m
 
 def test_the_installed_ddp_takes_what_wrap_ddp_passes():
     accepted = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
-    assert {'init_sync', 'gradient_as_bucket_view', *no_buffer_sync(
-        torch.nn.parallel.DistributedDataParallel)} <= set(accepted)
+    assert {'init_sync', 'gradient_as_bucket_view', *no_buffer_sync(torch.nn.parallel.DistributedDataParallel)} <= set(
+        accepted
+    )
 
 
 def test_counted_reduce_scatter_calls_the_collective_the_installed_torch_has(monkeypatch):
@@ -59,15 +92,23 @@ def test_counted_reduce_scatter_calls_the_collective_the_installed_torch_has(mon
     torch 2.9 to 2.12 do not have (every --ddp_check FSDP run crashed there): reduce_scatter_tensor there."""
     calls = []
     monkeypatch.delattr(dist, 'reduce_scatter_single', raising=False)  # as in torch 2.9 to 2.12
-    monkeypatch.setattr(dist, 'reduce_scatter_tensor', lambda output, input, op, group, async_op: calls.append(
-        ('tensor', output, input, op, group, async_op)), raising=False)
+    monkeypatch.setattr(
+        dist,
+        'reduce_scatter_tensor',
+        lambda output, input, op, group, async_op: calls.append(('tensor', output, input, op, group, async_op)),
+        raising=False,
+    )
     counter = {'calls': 0, 'elements': 0}
     comm = ddp_check.CountedReduceScatter(counter)
     out, inp = torch.zeros(2), torch.ones(4)
     comm(out, inp, 'group', 'sum', async_op=True)
     assert calls == [('tensor', out, inp, 'sum', 'group', True)] and counter == {'calls': 1, 'elements': 4}
-    monkeypatch.setattr(dist, 'reduce_scatter_single', lambda output, input, op, group, async_op: calls.append(
-        ('single', output, input, op, group, async_op)), raising=False)  # torch 2.13
+    monkeypatch.setattr(
+        dist,
+        'reduce_scatter_single',
+        lambda output, input, op, group, async_op: calls.append(('single', output, input, op, group, async_op)),
+        raising=False,
+    )  # torch 2.13
     comm(out, inp, 'group', 'sum')
     assert calls[-1] == ('single', out, inp, 'sum', 'group', False) and counter == {'calls': 2, 'elements': 8}
 
@@ -140,20 +181,25 @@ def test_fsdp_optimizer_state_loads_with_parameters_that_have_none():
     set_optimizer_state_dict then raised KeyError for the first such parameter (2.10 skips it).
     On a one-rank gloo group, in this process."""
     import itertools
-    import builder
+
     from conftest import train_defaults
+
+    import builder
     from trainer import Trainer
+
     if dist.is_initialized():
         pytest.skip('a process group exists already')
     dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
     try:
         ranks = Ranks(True, 0, 0, 1, dist.group.WORLD)
-        cfg = train_defaults(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=32, omgd_gamma=2,
-                             omgd_period=1, omgd_state='drop')
+        cfg = train_defaults(
+            n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=32, omgd_gamma=2, omgd_period=1, omgd_state='drop'
+        )
 
         def build():
             torch.manual_seed(0)
             return builder.build(cfg, 'cpu', shard=lambda m: distributed.shard_fsdp(m, ranks, 'cpu', None))
+
         model, opt, cycler = build()
         x = torch.randint(32, (2, 8))
         trainer = Trainer(cfg, model, opt, cycler, itertools.repeat((x, x, None)), 'cpu')
@@ -179,11 +225,14 @@ def test_ci_runs_the_suite_on_every_torch_of_the_supported_range():
     """The supported range (requirements.txt) is the tested range: .ci/run's versions are the lower
     bound and one release of every minor version up to the upper bound."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    low, high = re.search(r'^torch>=([\d.]+),<([\d.]+)', open(os.path.join(root, 'requirements.txt')).read(),
-                          re.M).groups()
+    low, high = re.search(
+        r'^torch>=([\d.]+),<([\d.]+)', open(os.path.join(root, 'requirements.txt')).read(), re.M
+    ).groups()
     run = open(os.path.join(root, '.ci', 'run')).read()
-    versions = [re.search(r'^NEWEST=([\d.]+)', run, re.M).group(1),
-                *re.search(r'^OTHERS="([\d. ]+)"', run, re.M).group(1).split()]
+    versions = [
+        re.search(r'^NEWEST=([\d.]+)', run, re.M).group(1),
+        *re.search(r'^OTHERS="([\d. ]+)"', run, re.M).group(1).split(),
+    ]
     minor = lambda v: tuple(int(part) for part in v.split('.')[:2])
     (major, first), (_, last) = minor(low), minor(high)
     assert sorted(minor(v) for v in versions) == [(major, m) for m in range(first, last)], versions

@@ -1,11 +1,12 @@
 """memory_options.compile_blocks (compile=True): per-block compilation whose graphs do not multiply with layer
 cycling's requires_grad patterns, for every method, and that computes what eager mode computes.
 CPU, dynamo with the aot_eager backend (its guards, and so its recompiles, do not depend on the backend)."""
+
 import pytest
 import torch
 
-from infra import memory_options
 import omgd
+from infra import memory_options
 from model import Transformer, TransformerConfig
 from train_config import GALORE_METHODS
 
@@ -14,8 +15,18 @@ METHODS = [*omgd.METHODS, *GALORE_METHODS]
 
 def tiny(arch, n_layer=3):
     torch.manual_seed(0)
-    return Transformer(TransformerConfig(arch=arch, n_layer=n_layer, n_head=2, n_embd=16, block_size=8, vocab_size=32, bias=True,
-                         **({'n_kv_head': 1} if arch == 'llama' else {})))
+    return Transformer(
+        TransformerConfig(
+            arch=arch,
+            n_layer=n_layer,
+            n_head=2,
+            n_embd=16,
+            block_size=8,
+            vocab_size=32,
+            bias=True,
+            **({'n_kv_head': 1} if arch == 'llama' else {}),
+        )
+    )
 
 
 def batch(it):
@@ -29,8 +40,11 @@ def train(method, arch, compiled, iters):
     model = tiny(arch)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     kind = omgd.METHODS.get(method)
-    config = omgd.CyclerConfig('full' if method in GALORE_METHODS else method, period=1,
-                               **({'gamma': 2} if kind and kind.unit == 'block' else {}))
+    config = omgd.CyclerConfig(
+        'full' if method in GALORE_METHODS else method,
+        period=1,
+        **({'gamma': 2} if kind and kind.unit == 'block' else {}),
+    )
     cycler = omgd.build_cycler(model, opt, config)
     if compiled:
         memory_options.compile_blocks(model, method, backend='aot_eager')
@@ -50,6 +64,7 @@ def train(method, arch, compiled, iters):
 @pytest.mark.parametrize('method, arch', [*((m, 'gpt2') for m in METHODS), ('tensor_wor', 'llama')])
 def test_compiled_blocks_do_not_recompile_per_pattern_and_match_eager(method, arch):
     from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     counters.clear()
     iters = 10

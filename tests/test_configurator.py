@@ -1,12 +1,14 @@
 """configurator.py: config files then --key=value, strict keys and types."""
+
 import os
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configurator import ConfigError, configure  # noqa: E402
 from conftest import train_defaults  # noqa: E402
+
+from configurator import ConfigError, configure  # noqa: E402
 
 DEFAULTS = dict(learning_rate=6e-4, max_iters=100, compile=True, method='lisa_wor', omgd_gamma=2)
 
@@ -18,8 +20,9 @@ def test_file_then_overrides_in_order(tmp_path):
     assert out == dict(DEFAULTS, method='lisa', omgd_gamma=4, max_iters=20)
 
 
-@pytest.mark.parametrize('text, value', [('True', True), ('false', False), ('1', True), ('0', False),
-                                         ('true', True), ('False', False)])
+@pytest.mark.parametrize(
+    'text, value', [('True', True), ('false', False), ('1', True), ('0', False), ('true', True), ('False', False)]
+)
 def test_booleans(text, value):
     assert configure(DEFAULTS, [f'--compile={text}'])['compile'] is value
 
@@ -30,28 +33,34 @@ def test_int_for_float_and_strings():
     assert out['method'] == 'full'
 
 
-@pytest.mark.parametrize('argv, message', [
-    (['--lerning_rate=1e-3'], "unknown config key 'lerning_rate'; did you mean learning_rate?"),
-    (['--omgd_gama=3'], "did you mean omgd_gamma?"),
-    (['--max_iters=1e3'], "max_iters=1000.0 has type float, expected int"),
-    (['--max_iters=abc'], "max_iters='abc' is not a valid int"),
-    (['--compile=yes'], "compile='yes' is not a valid bool"),
-    (['--max_iters'], "expected --key=value"),
-    (['missing_config.py'], "cannot read config file 'missing_config.py'"),
-])
+@pytest.mark.parametrize(
+    'argv, message',
+    [
+        (['--lerning_rate=1e-3'], "unknown config key 'lerning_rate'; did you mean learning_rate?"),
+        (['--omgd_gama=3'], "did you mean omgd_gamma?"),
+        (['--max_iters=1e3'], "max_iters=1000.0 has type float, expected int"),
+        (['--max_iters=abc'], "max_iters='abc' is not a valid int"),
+        (['--compile=yes'], "compile='yes' is not a valid bool"),
+        (['--max_iters'], "expected --key=value"),
+        (['missing_config.py'], "cannot read config file 'missing_config.py'"),
+    ],
+)
 def test_errors_are_one_line_and_helpful(argv, message):
     with pytest.raises(ConfigError) as e:
         configure(DEFAULTS, argv)
     assert message in str(e.value) and '\n' not in str(e.value)
 
 
-@pytest.mark.parametrize('arg, message', [
-    ('--max_iters=9223372036854775808', "max_iters=9223372036854775808 does not fit in 64 bits"),
-    ('--max_iters=-9223372036854775809', "does not fit in 64 bits (torch's integers, -2**63 .. 2**63-1)"),
-    ('--learning_rate=1e400', "learning_rate=inf is not a finite number; give one such as 0.0006"),
-    ('--learning_rate=-1e999', "learning_rate=-inf is not a finite number"),
-    ('--learning_rate=1' + '0' * 400, "is not a finite number"),  # an int beyond float's range
-])
+@pytest.mark.parametrize(
+    'arg, message',
+    [
+        ('--max_iters=9223372036854775808', "max_iters=9223372036854775808 does not fit in 64 bits"),
+        ('--max_iters=-9223372036854775809', "does not fit in 64 bits (torch's integers, -2**63 .. 2**63-1)"),
+        ('--learning_rate=1e400', "learning_rate=inf is not a finite number; give one such as 0.0006"),
+        ('--learning_rate=-1e999', "learning_rate=-inf is not a finite number"),
+        ('--learning_rate=1' + '0' * 400, "is not a finite number"),  # an int beyond float's range
+    ],
+)
 def test_ints_beyond_64_bits_and_infinite_floats_are_refused(arg, message):
     """torch.manual_seed(2**64) or a size of 10**20 would fail in torch's words, not naming the key."""
     with pytest.raises(ConfigError) as e:
@@ -68,10 +77,13 @@ def test_unknown_key_in_config_file(tmp_path):
         configure(DEFAULTS, [str(cfg)])
 
 
-@pytest.mark.parametrize('text, message', [
-    ("max_iters = (\n", "line 1: SyntaxError: '(' was never closed"),
-    ("method = 'lisa'\nmax_iters = steps * 2\n", "line 2: NameError: name 'steps' is not defined"),
-])
+@pytest.mark.parametrize(
+    'text, message',
+    [
+        ("max_iters = (\n", "line 1: SyntaxError: '(' was never closed"),
+        ("method = 'lisa'\nmax_iters = steps * 2\n", "line 2: NameError: name 'steps' is not defined"),
+    ],
+)
 def test_mistake_inside_config_file_names_file_and_line(tmp_path, text, message):
     cfg = tmp_path / 'c.py'
     cfg.write_text(text)
@@ -101,9 +113,22 @@ def test_every_shipped_config_file_is_valid():
 
 def test_gpt2_configs_hold_the_papers_settings():
     # appendix "Experimental Details", GPT-2 pre-training; the paper describes no cycling warm-up
-    paper = dict(preset='gpt2', block_size=1024, max_iters=100000, lr_decay_iters=100000, learning_rate=6e-4,
-                 min_lr=6e-5, warmup_iters=2000, weight_decay=0.1, beta1=0.9, beta2=0.95, omgd_gamma=3,
-                 omgd_period=100, omgd_warmup=0, dataset='openwebtext')
+    paper = dict(
+        preset='gpt2',
+        block_size=1024,
+        max_iters=100000,
+        lr_decay_iters=100000,
+        learning_rate=6e-4,
+        min_lr=6e-5,
+        warmup_iters=2000,
+        weight_decay=0.1,
+        beta1=0.9,
+        beta2=0.95,
+        omgd_gamma=3,
+        omgd_period=100,
+        omgd_warmup=0,
+        dataset='openwebtext',
+    )
     for name, method in (('gpt2_lisa_wor.py', 'lisa_wor'), ('gpt2_lisa.py', 'lisa'), ('gpt2_full.py', 'full')):
         cfg = shipped_config(name)
         assert {k: cfg[k] for k in paper} == paper and cfg['method'] == method
@@ -112,7 +137,9 @@ def test_gpt2_configs_hold_the_papers_settings():
 
 def test_help_lists_every_key_with_its_default_and_meaning():
     from conftest import run_script
+
     import train_config
+
     result = run_script('train.py', ['--help'])
     assert result.returncode == 0 and result.stderr == ''
     lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith('  --')}
@@ -124,24 +151,34 @@ def test_help_lists_every_key_with_its_default_and_meaning():
 
 def test_defaults_are_data_importable_without_running_a_script():
     import train_config
+
     assert train_config.DEFAULTS['method'] == 'lisa_wor' and train_config.DEFAULTS['omgd_gamma'] == 2
     assert train_config.gpu_defaults()['dtype'] == 'bfloat16' and train_config.gpu_defaults()['compile'] is True
 
 
-@pytest.mark.parametrize('key, value, library_call', [
-    ('sampling', 'seq', lambda path: __import__('dataloader').TokenBatches(path, 8, 2, sampling='seq')),
-    ('loss_chunk', -1, lambda path: __import__('infra.memory_options', fromlist=['apply']).apply(tiny_model(), loss_chunk=-1)),
-    ('omgd_period', 0, lambda path: cycler_of(period=0)),
-    ('omgd_ratio', 1.5, lambda path: cycler_of(method='tensor_iid', ratio=1.5)),
-    ('omgd_state', 'free', lambda path: cycler_of(state='free')),
-    ('omgd_always', 'embed,tail', lambda path: cycler_of(always=('embed', 'tail'))),
-    ('preset', 'gpt5', lambda path: __import__('model').config_from_preset('gpt5')),
-])
+@pytest.mark.parametrize(
+    'key, value, library_call',
+    [
+        ('sampling', 'seq', lambda path: __import__('dataloader').TokenBatches(path, 8, 2, sampling='seq')),
+        (
+            'loss_chunk',
+            -1,
+            lambda path: __import__('infra.memory_options', fromlist=['apply']).apply(tiny_model(), loss_chunk=-1),
+        ),
+        ('omgd_period', 0, lambda path: cycler_of(period=0)),
+        ('omgd_ratio', 1.5, lambda path: cycler_of(method='tensor_iid', ratio=1.5)),
+        ('omgd_state', 'free', lambda path: cycler_of(state='free')),
+        ('omgd_always', 'embed,tail', lambda path: cycler_of(always=('embed', 'tail'))),
+        ('preset', 'gpt5', lambda path: __import__('model').config_from_preset('gpt5')),
+    ],
+)
 def test_a_library_key_has_one_rule_that_the_config_and_the_library_both_apply(tmp_path, key, value, library_call):
     """train_config checks a whole config with the rules the libraries own and apply themselves: the
     same one-line message from `--key=value` and from the library call."""
     import numpy as np
+
     import train_config
+
     path = tmp_path / 'train.bin'
     np.arange(200, dtype=np.uint16).tofile(path)
     with pytest.raises(ValueError) as from_config:
@@ -153,20 +190,36 @@ def test_a_library_key_has_one_rule_that_the_config_and_the_library_both_apply(t
 
 def tiny_model():
     from model import Transformer, TransformerConfig
+
     return Transformer(TransformerConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32))
 
 
 def cycler_of(**fields):
     import torch
+
     import omgd
+
     model = tiny_model()
-    return omgd.build_cycler(model, torch.optim.AdamW(model.parameters()),
-                             omgd.CyclerConfig(**{'method': 'lisa_wor', 'gamma': 1, **fields}))
+    return omgd.build_cycler(
+        model, torch.optim.AdamW(model.parameters()), omgd.CyclerConfig(**{'method': 'lisa_wor', 'gamma': 1, **fields})
+    )
 
 
-SCRIPTS = ('train.py', 'sample.py', 'eval.py', 'export.py', 'bench.py', 'bench_memory.py', 'experiments/bench_checkpoint.py',
-           'experiments/bench_generate.py', 'experiments/bench_ddp_switch.py', 'experiments/study.py', 'experiments/compare.py',
-           'experiments/precision.py', 'experiments/linreg.py')
+SCRIPTS = (
+    'train.py',
+    'sample.py',
+    'eval.py',
+    'export.py',
+    'bench.py',
+    'bench_memory.py',
+    'experiments/bench_checkpoint.py',
+    'experiments/bench_generate.py',
+    'experiments/bench_ddp_switch.py',
+    'experiments/study.py',
+    'experiments/compare.py',
+    'experiments/precision.py',
+    'experiments/linreg.py',
+)
 
 
 @pytest.mark.parametrize('script', SCRIPTS)
@@ -174,26 +227,33 @@ def test_every_script_has_the_one_command_line(script):
     """configurator's --key=value for every script: --help lists each key with its default and exits 0;
     a key the script does not have, or a bare word of argparse's style, is one `error:` line."""
     from conftest import run_script
+
     result = run_script(script, ['--help'])
     assert result.returncode == 0 and result.stderr == '', result.stderr[-500:]
     assert 'keys (default, meaning):' in result.stdout
     assert any(line.startswith('  --') and '=' in line for line in result.stdout.splitlines())
-    for bad, message in ((['--no_such_key=1'], "unknown config key 'no_such_key'"),
-                         (['--seeds', '3'], 'expected --key=value')):
+    for bad, message in (
+        (['--no_such_key=1'], "unknown config key 'no_such_key'"),
+        (['--seeds', '3'], 'expected --key=value'),
+    ):
         result = run_script(script, bad)
         assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr[-800:]
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith('error: ') and message in lines[0], result.stderr[-800:]
 
 
-@pytest.mark.parametrize('key, value, library_call', [
-    ('galore_rank', 0, lambda: galore_of(rank=0)),
-    ('galore_update_proj_gap', 0, lambda: galore_of(update_proj_gap=0)),
-    ('galore_scale', 0.0, lambda: galore_of(scale=0.0)),
-    ('arch', 'mamba', lambda: __import__('model').TransformerConfig(arch='mamba')),
-])
+@pytest.mark.parametrize(
+    'key, value, library_call',
+    [
+        ('galore_rank', 0, lambda: galore_of(rank=0)),
+        ('galore_update_proj_gap', 0, lambda: galore_of(update_proj_gap=0)),
+        ('galore_scale', 0.0, lambda: galore_of(scale=0.0)),
+        ('arch', 'mamba', lambda: __import__('model').TransformerConfig(arch='mamba')),
+    ],
+)
 def test_galore_and_model_keys_have_one_rule_too(key, value, library_call):
     import train_config
+
     with pytest.raises(ValueError) as from_config:
         train_config.load([f'--{key}={value}', '--device=cpu'])
     with pytest.raises(ValueError) as from_library:
@@ -203,4 +263,5 @@ def test_galore_and_model_keys_have_one_rule_too(key, value, library_call):
 
 def galore_of(**kwargs):
     import galore
+
     return galore.build_optimizer(tiny_model(), 0.1, 1e-3, (0.9, 0.99), **kwargs)

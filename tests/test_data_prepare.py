@@ -36,7 +36,7 @@ SAMPLE = (
     "HAMLET\nTo be, or not to be: that is the question:\n"
     "Whether 'tis nobler in the mind to suffer\n"
     "\tThe slings and arrows of outrageous fortune — 1,234 times!\n"
-    "Caf\u00e9 <|endoftext|> \u00fcber \U0001F600 end\n"
+    "Caf\u00e9 <|endoftext|> \u00fcber \U0001f600 end\n"
 )
 
 
@@ -104,8 +104,7 @@ def test_markdown_to_text_rules():
         "**A**  \n__\\[Aside]_  \nWords \\--or *more* &amp; [link](http://x) <b>bold</b>.  \n1\\. One\n"
     )
     assert common.markdown_to_text(md) == (
-        "Title\n\nACT I\n\nSCENE I. A place.\n\nEnter A, B, and\nC\n\n"
-        "A\n[Aside]\nWords --or more & link bold.\n1. One"
+        "Title\n\nACT I\n\nSCENE I. A place.\n\nEnter A, B, and\nC\n\nA\n[Aside]\nWords --or more & link bold.\n1. One"
     )
 
 
@@ -148,8 +147,10 @@ def test_write_splits_atomic_and_range_checked(tmp_path):
 def test_write_dataset_replaces_all_files_together(tmp_path):
     """A failure in the last split leaves the previous .bin files and meta.pkl as they were."""
     meta = {"tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16"}
-    assert common.write_dataset(tmp_path, {"train": [np.arange(5)], "val": [np.arange(3)]}, meta) == \
-        {"train": 5, "val": 3}
+    assert common.write_dataset(tmp_path, {"train": [np.arange(5)], "val": [np.arange(3)]}, meta) == {
+        "train": 5,
+        "val": 3,
+    }
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     assert sorted(before) == ["meta.pkl", "train.bin", "val.bin"]
 
@@ -224,8 +225,12 @@ def test_bpe_prepare_roundtrip(tmp_path, sample_file):
     assert enc.decode(val.tolist()) == val_txt
     assert stats["train_tokens"] == len(train) and stats["val_tokens"] == len(val)
     assert sorted(p.name for p in out.iterdir()) == ["meta.pkl", "train.bin", "val.bin"]
-    assert read_meta(out) == {"tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16",
-                              "n_ids": {"train": len(train), "val": len(val)}}
+    assert read_meta(out) == {
+        "tokenizer": "gpt2",
+        "vocab_size": 50257,
+        "dtype": "uint16",
+        "n_ids": {"train": len(train), "val": len(val)},
+    }
 
 
 @pytest.mark.parametrize("script", ["data/shakespeare_char/prepare.py", "data/shakespeare/prepare.py"])
@@ -233,7 +238,10 @@ def test_cli_missing_input_fails_with_one_line(tmp_path, script):
     missing = tmp_path / "does_not_exist.txt"
     r = subprocess.run(
         [sys.executable, str(REPO / script), f"--input={missing}", f"--out_dir={tmp_path / 'o'}"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
     )
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
@@ -245,9 +253,11 @@ def test_cli_missing_input_fails_with_one_line(tmp_path, script):
 def test_cli_char_prepare_script(tmp_path, sample_file):
     out = tmp_path / "cli"
     r = subprocess.run(
-        [sys.executable, str(REPO / "data/shakespeare_char/prepare.py"), f"--input={sample_file}",
-         f"--out_dir={out}"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        [sys.executable, str(REPO / "data/shakespeare_char/prepare.py"), f"--input={sample_file}", f"--out_dir={out}"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
     )
     assert r.returncode == 0, r.stderr
     n = len(sample_file.read_text(encoding="utf-8"))
@@ -267,7 +277,9 @@ def _local_text_dataset(tmp_path, sample_by="line"):
         p.write_text(body, encoding="utf-8")
         files.append(str(p))
     return datasets.load_dataset(
-        "text", data_files={"train": files[:2], "val": files[2:]}, sample_by=sample_by,
+        "text",
+        data_files={"train": files[:2], "val": files[2:]},
+        sample_by=sample_by,
         cache_dir=str(tmp_path / "hf_cache"),
     )
 
@@ -309,8 +321,14 @@ def test_openwebtext_prepare_on_local_text_files(tmp_path, capsys):
     lines = [f"line {i}: {SAMPLE.splitlines()[i % 5]}" for i in range(40)]
     (tmp_path / "a.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     out = tmp_path / "owt"
-    argv = [f"--text_files={tmp_path / '*.txt'}", "--sample_by=line", "--num_proc=1", "--test_size=0.1",
-            f"--cache_dir={tmp_path / 'hf_cache'}", f"--out_dir={out}"]
+    argv = [
+        f"--text_files={tmp_path / '*.txt'}",
+        "--sample_by=line",
+        "--num_proc=1",
+        "--test_size=0.1",
+        f"--cache_dir={tmp_path / 'hf_cache'}",
+        f"--out_dir={out}",
+    ]
     assert mod.main(argv) == 0
     enc = gpt2_encoding()
     train = np.fromfile(out / "train.bin", dtype=np.uint16).tolist()
@@ -359,22 +377,28 @@ def big_tokenizer(tmp_path_factory):
 def c4_docs(n, seed):
     rng = np.random.default_rng(seed)
     # word ids above 65,535 in every document, and some words the vocabulary does not have ([UNK])
-    return [" ".join(f"w{i}" for i in rng.integers(60_000, 70_010, size=int(rng.integers(1, 40))))
-            for _ in range(n)]
+    return [" ".join(f"w{i}" for i in rng.integers(60_000, 70_010, size=int(rng.integers(1, 40)))) for _ in range(n)]
 
 
 @pytest.fixture()
 def c4_shards(tmp_path):
     """C4's layout: c4-{split}.{k}-of-{n}.json.gz, one JSON object per line."""
-    shards = {"c4-train.00000-of-00002.json.gz": c4_docs(30, 0), "c4-train.00001-of-00002.json.gz": c4_docs(25, 1),
-              "c4-validation.00000-of-00001.json.gz": c4_docs(10, 2)}
+    shards = {
+        "c4-train.00000-of-00002.json.gz": c4_docs(30, 0),
+        "c4-train.00001-of-00002.json.gz": c4_docs(25, 1),
+        "c4-validation.00000-of-00001.json.gz": c4_docs(10, 2),
+    }
     d = tmp_path / "c4"
     d.mkdir()
     for name, docs in shards.items():
         with gzip.open(d / name, "wt", encoding="utf-8") as f:
             for i, text in enumerate(docs):
-                f.write(json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z",
-                                    "url": f"https://example.invalid/{i}"}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": f"https://example.invalid/{i}"}
+                    )
+                    + "\n"
+                )
     train = shards["c4-train.00000-of-00002.json.gz"] + shards["c4-train.00001-of-00002.json.gz"]
     return d, train, shards["c4-validation.00000-of-00001.json.gz"]
 
@@ -421,17 +445,27 @@ def test_c4_prepare_local_shards(tmp_path, c4_shards, big_tokenizer, num_proc, s
     mod = importlib.import_module("data.c4.prepare")
     shard_dir, train_docs, val_docs = c4_shards
     out = tmp_path / "out"
-    argv = [f"--json_files={shard_dir}/c4-train.*.json.gz,{shard_dir}/c4-validation.*.json.gz",
-            f"--tokenizer={big_tokenizer}", f"--num_proc={num_proc}", f"--streaming={streaming}",
-            "--batch_docs=7", f"--cache_dir={tmp_path / 'hf'}", f"--out_dir={out}"]
+    argv = [
+        f"--json_files={shard_dir}/c4-train.*.json.gz,{shard_dir}/c4-validation.*.json.gz",
+        f"--tokenizer={big_tokenizer}",
+        f"--num_proc={num_proc}",
+        f"--streaming={streaming}",
+        "--batch_docs=7",
+        f"--cache_dir={tmp_path / 'hf'}",
+        f"--out_dir={out}",
+    ]
     assert mod.main(argv) == 0
     tok = Tokenizer(str(big_tokenizer))
     train = np.fromfile(out / "train.bin", dtype=np.uint32)
     assert train.tolist() == _ids(tok, train_docs)  # both shards, in file order, </s> after each document
     assert np.fromfile(out / "val.bin", dtype=np.uint32).tolist() == _ids(tok, val_docs)
     assert train.max() > 65_535 and (train == 70_000).any()  # above uint16, and [UNK]
-    assert read_meta(out) == {"tokenizer": str(big_tokenizer), "vocab_size": 70_002, "dtype": "uint32",
-                              "n_ids": {"train": len(train), "val": len(_ids(tok, val_docs))}}
+    assert read_meta(out) == {
+        "tokenizer": str(big_tokenizer),
+        "vocab_size": 70_002,
+        "dtype": "uint32",
+        "n_ids": {"train": len(train), "val": len(_ids(tok, val_docs))},
+    }
     assert sorted(p.name for p in out.iterdir()) == ["meta.pkl", "train.bin", "val.bin"]
 
 
@@ -444,8 +478,12 @@ def test_c4_prepare_caps_and_gpt2(tmp_path, c4_shards):
     expected = [i for d in train_docs[:9] for i in enc.encode_ordinary(d) + [EOT]]
     assert np.fromfile(tmp_path / "docs" / "train.bin", dtype=np.uint16).tolist() == expected
     assert stats["val_tokens"] == len([i for d in val_docs[:2] for i in enc.encode_ordinary(d) + [EOT]])
-    assert read_meta(tmp_path / "docs") == {"tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16",
-                                            "n_ids": {"train": len(expected), "val": stats["val_tokens"]}}
+    assert read_meta(tmp_path / "docs") == {
+        "tokenizer": "gpt2",
+        "vocab_size": 50257,
+        "dtype": "uint16",
+        "n_ids": {"train": len(expected), "val": stats["val_tokens"]},
+    }
     # a token cap cuts the last document: exactly the first N ids of the whole split
     whole = [i for d in train_docs for i in enc.encode_ordinary(d) + [EOT]]
     for n in (1, 101, len(whole) + 10):
@@ -470,16 +508,22 @@ def test_c4_prepare_bad_input_is_one_line_and_keeps_the_old_dataset(tmp_path, c4
         (["--max_tokens=-1"], 1, "--max_tokens=-1: give a number of at least 0"),
         (["--num_proc=-1"], 1, "give numbers of at least 1"),
     ]
-    for bad, train_line, message in [("bad_json", '{"text": "w1"}\n{not json\n',
-                                      "the train shards of --json_files cannot be read: JSON parse error"),
-                                     ("no_text", '{"text": "w1"}\n',
-                                      'the validation shards of --json_files: document 0 has no "text" string')]:
+    for bad, train_line, message in [
+        (
+            "bad_json",
+            '{"text": "w1"}\n{not json\n',
+            "the train shards of --json_files cannot be read: JSON parse error",
+        ),
+        ("no_text", '{"text": "w1"}\n', 'the validation shards of --json_files: document 0 has no "text" string'),
+    ]:
         (tmp_path / bad).mkdir()
         (tmp_path / bad / "c4-train.0.json.gz").write_bytes(gzip.compress(train_line.encode()))
         (tmp_path / bad / "c4-validation.0.json.gz").write_bytes(gzip.compress(b'{"url": "x"}\n'))
         cases.append(([f"--json_files={tmp_path / bad}/*.gz"], 1, message))
-    for empty, content, message in [("empty", b"", "the train shards of --json_files cannot be read: a shard is empty"),
-                                    ("blank", b"\n", "the train split has no documents")]:
+    for empty, content, message in [
+        ("empty", b"", "the train shards of --json_files cannot be read: a shard is empty"),
+        ("blank", b"\n", "the train split has no documents"),
+    ]:
         (tmp_path / empty).mkdir()
         (tmp_path / empty / "c4-train.0.json.gz").write_bytes(gzip.compress(content))
         (tmp_path / empty / "c4-validation.0.json.gz").write_bytes(gzip.compress(b'{"text": "w1"}\n'))
@@ -487,7 +531,12 @@ def test_c4_prepare_bad_input_is_one_line_and_keeps_the_old_dataset(tmp_path, c4
     for args, status, message in cases:
         assert mod.main(base + args) == status, args
         err = capsys.readouterr().err.strip().splitlines()
-        err = [line for line in err if line.strip() and "tokenizing" not in line  # progress bars
-               and "Failed to load JSON" not in line]  # the datasets library's log
+        err = [
+            line
+            for line in err
+            if line.strip()
+            and "tokenizing" not in line  # progress bars
+            and "Failed to load JSON" not in line
+        ]  # the datasets library's log
         assert len(err) == 1 and "error: " in err[0] and message in err[0], (args, err)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -1,4 +1,5 @@
 """dataloader.py: random reshuffling visits each window once per epoch, disjointly across ranks."""
+
 import os
 import pickle
 import subprocess
@@ -88,7 +89,7 @@ def test_resume_with_another_global_batch_continues_the_same_permutation(tokens)
         one = TokenBatches(tokens, block_size=15, batch_size=batch_size)
         one.load_state_dict(two[0].state_dict())  # 24 windows consumed: 3 steps of 8, 4.8 steps of 5
         after = [s for _ in range(10) for s in one.next_starts().tolist()]
-        assert after == order[24:24 + 10 * batch_size]
+        assert after == order[24 : 24 + 10 * batch_size]
 
 
 def test_missing_file_and_too_little_data(tmp_path, tokens):
@@ -124,8 +125,11 @@ def test_uint32_dataset_reads_ids_above_65535(tmp_path):
     assert train.n_tokens == len(ids)  # not twice as many uint16 halves
     assert dataset_vocab(d) == 75_000 and dataset_vocab(d, 80_000) == 80_000
     check_vocab(d, 75_000, train, *evaluation.values())
-    with pytest.raises(ValueError, match=r"vocab_size=50304 is smaller than the vocabulary of .*ds \(75000 ids, "
-                                         r"tokenizer /tok\): set --vocab_size=75000 or more"):
+    with pytest.raises(
+        ValueError,
+        match=r"vocab_size=50304 is smaller than the vocabulary of .*ds \(75000 ids, "
+        r"tokenizer /tok\): set --vocab_size=75000 or more",
+    ):
         check_vocab(d, 50_304, train)
 
 
@@ -149,8 +153,11 @@ def test_datasets_prepared_before_meta_keys_still_read(tmp_path):
 def test_ids_beyond_the_vocabulary_are_refused_at_start_or_when_read(tmp_path, monkeypatch):
     d = dataset(tmp_path, [1, 2, 3, 99] * 50, {'tokenizer': 'char', 'vocab_size': 50, 'stoi': {}, 'itos': {}})
     train, evaluation = open_splits(d, 7, 2, 'rr', 1)
-    with pytest.raises(ValueError, match=r"train.bin holds token id 99, not below vocab_size=64: the file is "
-                                         r"corrupt or of another tokenizer; run `python data/.*/prepare.py` again"):
+    with pytest.raises(
+        ValueError,
+        match=r"train.bin holds token id 99, not below vocab_size=64: the file is "
+        r"corrupt or of another tokenizer; run `python data/.*/prepare.py` again",
+    ):
         check_vocab(d, 64, train, *evaluation.values())
     monkeypatch.setattr(dataloader, 'SCAN_LIMIT', 100)  # too large to scan: checked batch by batch
     check_vocab(d, 64, train)
@@ -161,14 +168,17 @@ def test_ids_beyond_the_vocabulary_are_refused_at_start_or_when_read(tmp_path, m
     train.next_batch()
 
 
-@pytest.mark.parametrize('meta,message', [
-    (b'not a pickle', r"meta.pkl cannot be read \(UnpicklingError: .*\); prepare the dataset again"),
-    (pickle.dumps([1, 2]), "meta.pkl holds a list, not a dict; prepare the dataset again"),
-    (pickle.dumps({'stoi': {}, 'itos': {}}), "meta.pkl: vocab_size=None is not a positive integer"),
-    (pickle.dumps({'tokenizer': 'gpt2', 'vocab_size': 70_000}), "vocab_size=70000 does not fit dtype=uint16"),
-    (pickle.dumps({'tokenizer': 'gpt2', 'vocab_size': 9, 'dtype': 'int8'}), "dtype='int8' is not one of uint16"),
-    (pickle.dumps({'tokenizer': 'char', 'vocab_size': 9}), "tokenizer='char' without its stoi and itos"),
-])
+@pytest.mark.parametrize(
+    'meta,message',
+    [
+        (b'not a pickle', r"meta.pkl cannot be read \(UnpicklingError: .*\); prepare the dataset again"),
+        (pickle.dumps([1, 2]), "meta.pkl holds a list, not a dict; prepare the dataset again"),
+        (pickle.dumps({'stoi': {}, 'itos': {}}), "meta.pkl: vocab_size=None is not a positive integer"),
+        (pickle.dumps({'tokenizer': 'gpt2', 'vocab_size': 70_000}), "vocab_size=70000 does not fit dtype=uint16"),
+        (pickle.dumps({'tokenizer': 'gpt2', 'vocab_size': 9, 'dtype': 'int8'}), "dtype='int8' is not one of uint16"),
+        (pickle.dumps({'tokenizer': 'char', 'vocab_size': 9}), "tokenizer='char' without its stoi and itos"),
+    ],
+)
 def test_meta_that_does_not_load_is_one_line(tmp_path, meta, message):
     d = dataset(tmp_path, np.arange(100), None)
     (tmp_path / 'ds' / 'meta.pkl').write_bytes(meta)
@@ -190,8 +200,11 @@ class RunsCode:
 def test_a_meta_pkl_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
     marker = tmp_path / 'code_ran'
     dataset(tmp_path, np.arange(3000), {'vocab_size': 3000, 'hook': RunsCode(f'touch {marker}')})
-    with pytest.raises(ValueError, match=r"meta.pkl cannot be read \(UnpicklingError: it names posix.system, and a "
-                                         r"meta.pkl holds only plain data\); prepare the dataset again"):
+    with pytest.raises(
+        ValueError,
+        match=r"meta.pkl cannot be read \(UnpicklingError: it names posix.system, and a "
+        r"meta.pkl holds only plain data\); prepare the dataset again",
+    ):
         read_meta(str(tmp_path / 'ds'))
     assert not marker.exists()
 
@@ -200,8 +213,11 @@ def test_bin_files_of_the_wrong_size(tmp_path):
     d = dataset(tmp_path, np.arange(1000), {'tokenizer': '/t', 'vocab_size': 70_000, 'dtype': 'uint32'})
     with open(os.path.join(d, 'val.bin'), 'ab') as f:
         f.write(b'\0\0')  # a uint16 id appended to a uint32 file
-    with pytest.raises(ValueError, match=r"val.bin has 4002 bytes, not a whole number of uint32 ids \(4 bytes each\)"
-                                         r": it is empty, cut short or of another dataset; run `python data/"):
+    with pytest.raises(
+        ValueError,
+        match=r"val.bin has 4002 bytes, not a whole number of uint32 ids \(4 bytes each\)"
+        r": it is empty, cut short or of another dataset; run `python data/",
+    ):
         open_splits(d, 7, 2, 'rr', 1)
     open(os.path.join(d, 'val.bin'), 'wb').close()
     with pytest.raises(ValueError, match="val.bin has 0 bytes"):
@@ -213,27 +229,52 @@ def test_ids_of_another_width_than_meta_pkl_says_are_refused(tmp_path):
     every id followed by a 0: refused, by the counts meta.pkl records, or without them by the zeros."""
     ids = np.arange(100, 3100)
     d = dataset(tmp_path, ids, {'tokenizer': 'gpt2', 'vocab_size': 50257}, dtype='uint32')
-    with pytest.raises(ValueError, match=r"train.bin looks like uint32 ids \(every second uint16 is 0\) but "
-                                         r"meta.pkl says dtype=uint16 \(or there is no meta.pkl\); run `python "
-                                         r"data/.*/prepare.py` again, or fix meta.pkl's dtype"):
+    with pytest.raises(
+        ValueError,
+        match=r"train.bin looks like uint32 ids \(every second uint16 is 0\) but "
+        r"meta.pkl says dtype=uint16 \(or there is no meta.pkl\); run `python "
+        r"data/.*/prepare.py` again, or fix meta.pkl's dtype",
+    ):
         open_splits(d, 15, 4, 'rr', 1)
-    counted = dataset(tmp_path, ids, {'tokenizer': 'gpt2', 'vocab_size': 50257,
-                                      'n_ids': {'train': 6000, 'val': 6000}}, 'counted', dtype='uint32')
+    counted = dataset(
+        tmp_path,
+        ids,
+        {'tokenizer': 'gpt2', 'vocab_size': 50257, 'n_ids': {'train': 6000, 'val': 6000}},
+        'counted',
+        dtype='uint32',
+    )
     with pytest.raises(ValueError, match=r"train.bin looks like uint32"):  # counts that fit the size: the zeros tell
         open_splits(counted, 15, 4, 'rr', 1)
-    counted = dataset(tmp_path, ids, {'tokenizer': 'gpt2', 'vocab_size': 50257,
-                                      'n_ids': {'train': 3000, 'val': 3000}}, 'counted2', dtype='uint32')
-    with pytest.raises(ValueError, match=r"train.bin holds the 3000 ids meta.pkl records as uint32 \(12000 bytes\), "
-                                         r"but meta.pkl says dtype=uint16; run `python data/.*/prepare.py` again, or "
-                                         r"fix meta.pkl's dtype"):
+    counted = dataset(
+        tmp_path,
+        ids,
+        {'tokenizer': 'gpt2', 'vocab_size': 50257, 'n_ids': {'train': 3000, 'val': 3000}},
+        'counted2',
+        dtype='uint32',
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"train.bin holds the 3000 ids meta.pkl records as uint32 \(12000 bytes\), "
+        r"but meta.pkl says dtype=uint16; run `python data/.*/prepare.py` again, or "
+        r"fix meta.pkl's dtype",
+    ):
         open_splits(counted, 15, 4, 'rr', 1)
-    narrow = dataset(tmp_path, ids, {'tokenizer': '/t', 'vocab_size': 75_000, 'dtype': 'uint32',
-                                     'n_ids': {'train': 3000, 'val': 3000}}, 'narrow', dtype='uint16')
-    with pytest.raises(ValueError, match=r"train.bin holds the 3000 ids meta.pkl records as uint16 \(6000 bytes\), "
-                                         r"but meta.pkl says dtype=uint32"):
+    narrow = dataset(
+        tmp_path,
+        ids,
+        {'tokenizer': '/t', 'vocab_size': 75_000, 'dtype': 'uint32', 'n_ids': {'train': 3000, 'val': 3000}},
+        'narrow',
+        dtype='uint16',
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"train.bin holds the 3000 ids meta.pkl records as uint16 \(6000 bytes\), "
+        r"but meta.pkl says dtype=uint32",
+    ):
         open_splits(narrow, 15, 4, 'rr', 1)
-    right = dataset(tmp_path, ids, {'tokenizer': 'gpt2', 'vocab_size': 50257, 'n_ids': {'train': 3000, 'val': 3000}},
-                    'right')
+    right = dataset(
+        tmp_path, ids, {'tokenizer': 'gpt2', 'vocab_size': 50257, 'n_ids': {'train': 3000, 'val': 3000}}, 'right'
+    )
     assert open_splits(right, 15, 4, 'rr', 1)[0].n_tokens == 3000
     with pytest.raises(ValueError, match=r"meta.pkl: n_ids=\{'train': -1\} is not a dict of id counts"):
         read_meta(dataset(tmp_path, ids, {'vocab_size': 50257, 'n_ids': {'train': -1}}, 'bad'))
@@ -242,6 +283,7 @@ def test_ids_of_another_width_than_meta_pkl_says_are_refused(tmp_path):
 def test_prepare_records_the_id_counts_that_the_loader_checks(tmp_path):
     from data.common import write_splits
     from data.tokenizer import Tokenizer
+
     meta = Tokenizer('char', {0: 'a', 1: 'b'}).record()
     write_splits([0, 1] * 50, [1, 0] * 20, tmp_path / 'ds', meta)
     assert read_meta(str(tmp_path / 'ds'))['n_ids'] == {'train': 100, 'val': 40}
@@ -255,18 +297,24 @@ def test_sample_decodes_with_the_recorded_tokenizer(tmp_path):
     """sample.py's load_codec: a Hugging Face tokenizer directory; a gone tokenizer or a bad meta.pkl is one line."""
     tokenizers = pytest.importorskip('tokenizers')
     from sample import load_codec
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({'[UNK]': 0, 'hello': 1, 'world': 70_000, '</s>': 70_001},
-                                                           unk_token='[UNK]'))
+
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({'[UNK]': 0, 'hello': 1, 'world': 70_000, '</s>': 70_001}, unk_token='[UNK]')
+    )
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     (tmp_path / 'tok').mkdir()
     tok.save(str(tmp_path / 'tok' / 'tokenizer.json'))
-    d = dataset(tmp_path, [1, 70_000] * 100, {'tokenizer': str(tmp_path / 'tok'), 'vocab_size': 70_002,
-                                              'dtype': 'uint32'})
+    d = dataset(
+        tmp_path, [1, 70_000] * 100, {'tokenizer': str(tmp_path / 'tok'), 'vocab_size': 70_002, 'dtype': 'uint32'}
+    )
     encode, decode = load_codec(d)
     assert encode('hello world') == [1, 70_000] and decode([70_000, 1]) == 'world hello'
     os.rename(tmp_path / 'tok', tmp_path / 'moved')
-    with pytest.raises(SystemExit, match=f"error: the dataset's tokenizer {tmp_path / 'tok'} \\(recorded in its "
-                                         f"meta.pkl\\) has no tokenizer.json any more"):
+    with pytest.raises(
+        SystemExit,
+        match=f"error: the dataset's tokenizer {tmp_path / 'tok'} \\(recorded in its "
+        f"meta.pkl\\) has no tokenizer.json any more",
+    ):
         load_codec(d)
     (tmp_path / 'ds' / 'meta.pkl').write_bytes(b'\x80')
     with pytest.raises(SystemExit, match='error: .*meta.pkl cannot be read'):
@@ -278,6 +326,7 @@ def test_train_and_sample_on_a_uint32_dataset(tmp_path):
     vocabulary), sample.py decodes with it; a model vocabulary too small is one line at start."""
     tokenizers = pytest.importorskip('tokenizers')
     from conftest import ROOT, assert_one_line_error, run_train
+
     words = {'[UNK]': 0, **{f'w{i}': i for i in range(1, 70_000)}, '</s>': 70_000, 'top': 70_001}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token='[UNK]'))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
@@ -286,14 +335,22 @@ def test_train_and_sample_on_a_uint32_dataset(tmp_path):
     ids = np.random.default_rng(0).choice([5, 65_536, 69_999, 70_001], size=5_000)
     d = dataset(tmp_path, ids, {'tokenizer': str(tmp_path / 'tok'), 'vocab_size': 70_002, 'dtype': 'uint32'})
     out = tmp_path / 'out'
-    result = run_train(f'--dataset={d}', f'--out_dir={out}', '--max_iters=2', '--eval_interval=2', '--n_embd=8',
-                       '--n_head=1')
+    result = run_train(
+        f'--dataset={d}', f'--out_dir={out}', '--max_iters=2', '--eval_interval=2', '--n_embd=8', '--n_head=1'
+    )
     assert f'found vocab_size = 70002 (inside {d}/meta.pkl)' in result.stdout
-    sample = subprocess.run([sys.executable, 'sample.py', f'--out_dir={out}', '--start=w5 top', '--max_new_tokens=6',
-                             '--device=cpu'], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    sample = subprocess.run(
+        [sys.executable, 'sample.py', f'--out_dir={out}', '--start=w5 top', '--max_new_tokens=6', '--device=cpu'],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert sample.returncode == 0, sample.stderr
     words_out = sample.stdout.split('---------------')[0].split()
     assert words_out[:2] == ['w5', 'top'] and len(words_out) == 8 and set(words_out) <= set(words)
-    assert_one_line_error(run_train(f'--dataset={d}', f'--out_dir={tmp_path / "small"}', '--vocab_size=50304',
-                                    expect_ok=False), r'vocab_size=50304 is smaller than the vocabulary of .* \(70002 '
-                                                      r'ids, tokenizer .*tok\): set --vocab_size=70002 or more')
+    assert_one_line_error(
+        run_train(f'--dataset={d}', f'--out_dir={tmp_path / "small"}', '--vocab_size=50304', expect_ok=False),
+        r'vocab_size=50304 is smaller than the vocabulary of .* \(70002 '
+        r'ids, tokenizer .*tok\): set --vocab_size=70002 or more',
+    )

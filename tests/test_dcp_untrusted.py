@@ -4,18 +4,20 @@ in an extra .distcp file; DCP's default planner would read it with torch.load(we
 Every reader of step folders (train.py --init_from=resume and auto, in one process and under
 torchrun; sample.py, eval.py, export.py) refuses it in one `error:` line naming the folder: the
 payload never runs, and nothing in out_dir is removed."""
+
 import os
 import pickle
 import re
 
 import pytest
 import torch
-
 from conftest import assert_one_line_error, run_script, run_train, torchrun_train
 from test_foreign_files import digest
 
-REFUSED = r"\.metadata declares 'model\.[\w.]+' a pickled Python object, which train\.py never saves and which " \
-          r"could run code when read: refused; restore a backup or train from scratch$"
+REFUSED = (
+    r"\.metadata declares 'model\.[\w.]+' a pickled Python object, which train\.py never saves and which "
+    r"could run code when read: refused; restore a backup or train from scratch$"
+)
 
 
 class Payload:
@@ -33,6 +35,7 @@ def plant(folder, marker):
     read from an extra __9_0.distcp holding Payload (torch.save's format, as DCP writes bytes items)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
     with open(folder / '.metadata', 'rb') as f:
         index = pickle.load(f)  # our own test's file: trusted here
     key = next(k for k in index.state_dict_metadata if k.startswith('model.'))
@@ -42,8 +45,6 @@ def plant(folder, marker):
     index.storage_data[MetadataIndex(key)] = _StorageInfo('__9_0.distcp', 0, os.path.getsize(folder / '__9_0.distcp'))
     with open(folder / '.metadata', 'wb') as f:
         pickle.dump(index, f)
-
-
 
 
 @pytest.fixture(scope='module')
@@ -81,9 +82,14 @@ def test_train_refuses_a_step_folder_whose_index_declares_pickled_bytes(planted,
     assert_refused(result, planted, before)
 
 
-@pytest.mark.parametrize('script, argv', [('sample.py', ['--start=ROMEO:', '--max_new_tokens=5']),
-                                          ('eval.py', ['--eval_iters=1']),
-                                          ('export.py', ['--hf_dir={hf}'])])
+@pytest.mark.parametrize(
+    'script, argv',
+    [
+        ('sample.py', ['--start=ROMEO:', '--max_new_tokens=5']),
+        ('eval.py', ['--eval_iters=1']),
+        ('export.py', ['--hf_dir={hf}']),
+    ],
+)
 def test_sample_eval_and_export_refuse_it(planted, tmp_path, script, argv):
     out = planted[0]
     before = unrun(planted)
@@ -97,9 +103,11 @@ def test_the_read_path_itself_never_unpickles_bytes(planted, monkeypatch):
     (whatever the planner: DCP's own would unpickle it), and the planner refuses to unpickle one
     (whatever the reader); through dcp.load, the same one line."""
     import io
+
     import torch.distributed.checkpoint as dcp
-    from infra import checkpoint
-    from infra import checkpoint_dcp
+
+    from infra import checkpoint, checkpoint_dcp
+
     _, folder, marker = planted
     unrun(planted)
     monkeypatch.setattr(checkpoint_dcp, '_tensors_only', lambda path, index: None)
@@ -127,11 +135,18 @@ def test_a_two_rank_resume_refuses_it_on_every_rank(planted):
     """Under torchrun (what a requeued job runs): every rank stops with the one line, none hangs."""
     out, folder, marker = planted
     before = unrun(planted)
-    run = torchrun_train(f'--out_dir={out}', '--max_iters=4', '--init_from=auto', '--batch_size=4',
-                         '--gradient_accumulation_steps=2', expect_ok=False)
+    run = torchrun_train(
+        f'--out_dir={out}',
+        '--max_iters=4',
+        '--init_from=auto',
+        '--batch_size=4',
+        '--gradient_accumulation_steps=2',
+        expect_ok=False,
+    )
     assert run.proc.returncode != 0 and not marker.exists(), run.out[-3000:]
     assert not re.search(r'\[rank\d\]: Traceback', run.out), run.out[-3000:]  # torchrun's own report aside
     errors = [line for line in run.out.splitlines() if line.startswith('error: ')]
-    assert len(errors) == 2 and all(re.search(REFUSED, line) and str(folder) in line for line in errors), \
-        run.out[-3000:]
+    assert len(errors) == 2 and all(re.search(REFUSED, line) and str(folder) in line for line in errors), run.out[
+        -3000:
+    ]
     assert digest(out) == before

@@ -19,6 +19,7 @@ What is checked, and how:
 Each launch pays ~10 s of process start-up and `import torch` on a busy 2-core machine, so the
 method sweep runs train.py several times inside one torchrun launch (this file's __main__).
 """
+
 import json
 import os
 import re
@@ -28,14 +29,34 @@ from functools import partial
 
 import pytest
 import torch
+from conftest import (
+    DDP_TINY as TINY,
+)
+from conftest import (
+    ITERATION_FILES,
+    LINEAR,
+    ONE_RANK,
+    ROOT,
+    TORCHRUN,
+    TWO_RANKS,  # noqa: F401
+    Launch,
+    assert_same_state,
+    copy_checkpoint,
+    files_per_iteration,
+    load,
+    records,
+)
+from conftest import (
+    stop_with_sigterm as _stop_with_sigterm,
+)
+from conftest import (
+    torchrun_train as train,
+)
 
-from conftest import (DDP_TINY as TINY, ITERATION_FILES, LINEAR, ONE_RANK, ROOT, TORCHRUN, TWO_RANKS,  # noqa: F401
-                      Launch, assert_same_state, copy_checkpoint, files_per_iteration, load, records,
-                      stop_with_sigterm as _stop_with_sigterm, torchrun_train as train)
-from infra import ddp_check  # noqa: E402
 import omgd  # noqa: E402
-from model import Transformer, TransformerConfig  # noqa: E402
+from infra import ddp_check  # noqa: E402
 from infra.distributed import Ranks  # noqa: E402
+from model import Transformer, TransformerConfig  # noqa: E402
 
 pytestmark = pytest.mark.torchrun  # launches torchrun (deselect with -m "not torchrun")
 
@@ -63,10 +84,13 @@ def test_two_ranks_stay_in_sync_and_match_one_rank(two_rank_run, tmp_path):
     assert all(s['ddp_rebuild_ms'] is not None and len(s['active']) == 2 for s in switches)
     # a ddp check line per switch and at the last iteration (checks run at every step; any
     # failure exits non-zero on every rank)
-    checks = re.findall(r'iter (\d+): ddp check: 2 ranks agree on active \[(\d), (\d)\] and weights sha256 '
-                        r'[0-9a-f]{16}; (\d+) active elements, DDP buckets (\d+); one all-reduce per bucket; '
-                        r'frozen untouched, '
-                        r'no frozen gradients, old wrapper freed', log)
+    checks = re.findall(
+        r'iter (\d+): ddp check: 2 ranks agree on active \[(\d), (\d)\] and weights sha256 '
+        r'[0-9a-f]{16}; (\d+) active elements, DDP buckets (\d+); one all-reduce per bucket; '
+        r'frozen untouched, '
+        r'no frozen gradients, old wrapper freed',
+        log,
+    )
     assert [int(c[0]) for c in checks] == list(range(0, 40, 3))  # 39, the last iteration, is a switch
     # ddp_check already fails the run unless the buckets hold exactly the parameters that require
     # grad; this checks that those are 2 blocks plus the outer parts, at every switch
@@ -99,15 +123,15 @@ def test_resume_on_another_number_of_ranks(two_rank_run, tmp_path):
     assert after['iter_num'] == 43
     assert after['data']['windows_consumed'] == first['data']['windows_consumed'] + 3 * 8
     # another global batch (3 windows a micro-step): the next windows of the same order, none skipped
-    run = train(f'--out_dir={tmp_path}', '--max_iters=45', '--init_from=resume', *LINEAR, '--batch_size=3',
-                ranks=1)
+    run = train(f'--out_dir={tmp_path}', '--max_iters=45', '--init_from=resume', *LINEAR, '--batch_size=3', ranks=1)
     again = load(tmp_path)
     assert again['iter_num'] == 45 and again['data']['epoch'] == after['data']['epoch']
     assert again['data']['windows_consumed'] == after['data']['windows_consumed'] + 2 * 2 * 3
 
 
-METHODS = ['full', 'lisa', 'lisa_scale', 'lisa_wor_noscale', 'tensor_wor', 'tensor_iid'] + \
-    (['galore', 'golore'] if os.path.exists(os.path.join(ROOT, 'galore.py')) else [])
+METHODS = ['full', 'lisa', 'lisa_scale', 'lisa_wor_noscale', 'tensor_wor', 'tensor_iid'] + (
+    ['galore', 'golore'] if os.path.exists(os.path.join(ROOT, 'galore.py')) else []
+)
 RESUME = ['--dropout=0.1', '--omgd_period=4', *TWO_RANKS]  # AdamW; dropout: per-rank RNG streams
 STRAIGHT = 40  # iterations of the straight run that the resumed runs must reproduce
 
@@ -116,8 +140,22 @@ STRAIGHT = 40  # iterations of the straight run that the resumed runs must repro
 def many_runs(tmp_path_factory):
     """One torchrun launch, train.py run once per method, then the straight run of the resume test."""
     root = tmp_path_factory.mktemp('many')
-    runs = [(m, [f'--out_dir={root / m}', f'--method={m}', '--max_iters=5', '--omgd_period=2', '--ddp_check=True',
-                 '--galore_rank=8', '--galore_update_proj_gap=2', *TWO_RANKS]) for m in METHODS]
+    runs = [
+        (
+            m,
+            [
+                f'--out_dir={root / m}',
+                f'--method={m}',
+                '--max_iters=5',
+                '--omgd_period=2',
+                '--ddp_check=True',
+                '--galore_rank=8',
+                '--galore_update_proj_gap=2',
+                *TWO_RANKS,
+            ],
+        )
+        for m in METHODS
+    ]
     runs.append(('straight', [f'--out_dir={root / "straight"}', f'--max_iters={STRAIGHT}', *RESUME]))
     runs.append(('files', [f'--out_dir={root / "files"}', '--max_iters=4', *TWO_RANKS]))  # switches at 0 and 3
     run = Launch(TORCHRUN + ['tests/test_ddp.py'], env={'DDP_TEST_RUNS': json.dumps(runs)}).wait()
@@ -184,11 +222,15 @@ def test_check_names_every_broken_invariant_on_any_rank():
     assert problems() == []
     alive = torch.nn.Module()
     assert problems(old_wrapper=weakref.ref(alive), kept_by_cycle=True) == [
-        'the previous DDP wrapper is freed', 'by reference counting, without gc.collect()']
+        'the previous DDP wrapper is freed',
+        'by reference counting, without gc.collect()',
+    ]
     frozen[0].grad = torch.zeros_like(frozen[0])
     opt.state[frozen[0]] = {'step': torch.tensor(1.0)}
-    assert problems() == ['gradients exist exactly for the active parameters',
-                          'optimizer state exists only for the active parameters']
+    assert problems() == [
+        'gradients exist exactly for the active parameters',
+        'optimizer state exists only for the active parameters',
+    ]
     frozen[0].grad = None
     del opt.state[frozen[0]]
     with torch.no_grad():
@@ -202,10 +244,13 @@ def test_check_names_every_broken_invariant_on_any_rank():
 
     class TwoRanks(Ranks):  # rank 1 reports other blocks, other weights and a failure
         def gather(self, obj):
-            return [obj, {**obj, 'active': other_blocks, 'weights': '0' * 64,
-                          'frozen parameters are untouched': False}]
-    assert problems(TwoRanks(world_size=2)) == ['frozen parameters are untouched', 'ranks differ in active',
-                                                'ranks differ in weights']
+            return [obj, {**obj, 'active': other_blocks, 'weights': '0' * 64, 'frozen parameters are untouched': False}]
+
+    assert problems(TwoRanks(world_size=2)) == [
+        'frozen parameters are untouched',
+        'ranks differ in active',
+        'ranks differ in weights',
+    ]
 
 
 stop_with_sigterm = partial(_stop_with_sigterm, args=RESUME, max_iters=STRAIGHT)
@@ -228,8 +273,10 @@ if __name__ == '__main__':
     # (a rank that finishes first would join the next group on stale rendezvous keys), so the
     # runs share one group, created here; train.py's own init and destroy become no-ops.
     import torch.distributed as dist
+
     sys.path.insert(0, ROOT)
     import train as train_script
+
     dist.init_process_group(backend='gloo')
     dist.init_process_group = dist.destroy_process_group = lambda *args, **kwargs: None
     for name, args in json.loads(os.environ['DDP_TEST_RUNS']):
@@ -251,8 +298,16 @@ def test_the_small_config_runs_on_two_ranks_and_a_refusal_is_one_line(tmp_path):
     per rank (torchrun's own report of the failed workers follows it)."""
     config = os.path.join(ROOT, 'config', 'shakespeare_lisa_wor.py')
     assert '# $ torchrun --standalone --nproc_per_node=2 train.py config/shakespeare_lisa_wor.py' in open(config).read()
-    short = ['--max_iters=2', '--eval_interval=2', '--eval_iters=1', '--n_layer=2', '--omgd_gamma=1',
-             '--block_size=32', '--sample_tokens=0', '--compile=False']
+    short = [
+        '--max_iters=2',
+        '--eval_interval=2',
+        '--eval_iters=1',
+        '--n_layer=2',
+        '--omgd_gamma=1',
+        '--block_size=32',
+        '--sample_tokens=0',
+        '--compile=False',
+    ]
     cmd = [*TORCHRUN, 'train.py', 'config/shakespeare_lisa_wor.py', f'--out_dir={tmp_path}', *short]
     run = Launch(cmd).wait()
     assert run.proc.returncode == 0, run.out[-3000:]
@@ -260,8 +315,10 @@ def test_the_small_config_runs_on_two_ranks_and_a_refusal_is_one_line(tmp_path):
     refused = Launch(cmd + ['--gradient_accumulation_steps=3', '--overwrite=True']).wait()
     errors = [line for line in refused.out.splitlines() if line.startswith('error: ')]
     assert refused.proc.returncode != 0 and len(errors) == 1, refused.out[-3000:]
-    assert errors[0].startswith("error: gradient_accumulation_steps=3 counts micro-steps summed over all ranks and "
-                                "must be a multiple of the 2 ranks, e.g. --gradient_accumulation_steps=4"), errors
+    assert errors[0].startswith(
+        "error: gradient_accumulation_steps=3 counts micro-steps summed over all ranks and "
+        "must be a multiple of the 2 ranks, e.g. --gradient_accumulation_steps=4"
+    ), errors
     # torchrun's failure summary that follows names the line as its root cause, not a link to its docs
-    root_cause = refused.out[refused.out.rindex('Root Cause'):]
+    root_cause = refused.out[refused.out.rindex('Root Cause') :]
     assert f'traceback : {errors[0]}' in root_cause and 'To enable traceback' not in refused.out, root_cause

@@ -1,5 +1,6 @@
 """eval.py: the loss on a split (train.py's windows, and a full pass), multiple choice scored as
 lm-evaluation-harness scores HellaSwag (its own run when lm_eval is installed), and one-line errors."""
+
 import importlib.util
 import json
 import math
@@ -11,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import assert_one_line_error, assert_same_state, run_script, run_train, tiny_model_config
 from torch.nn import functional as F
 
-from conftest import assert_one_line_error, assert_same_state, run_script, run_train, tiny_model_config
-from eval import full_loss, load_checkpoint_model, window_loss, write_mc_task, MC_TASK
+from eval import MC_TASK, full_loss, load_checkpoint_model, window_loss, write_mc_task
 from infra.multiple_choice import continuation_logprobs, encode_pair, mc_accuracy, mc_example, read_mc
 from model import Transformer
 
@@ -22,15 +23,39 @@ HAS_LM_EVAL = importlib.util.find_spec('lm_eval') is not None
 
 # HellaSwag's fields (hellaswag_val.jsonl); the texts use only characters of shakespeare_char's vocabulary
 EXAMPLES = [
-    dict(ind=1, activity_label='Fencing', ctx_a='Two men hold swords.', ctx_b='they',
-         endings=['run away from the hall and go home.', 'bow and begin to fence.', 'eat.', 'sing a song of love.'],
-         label=1, split='val', split_type='indomain', source_id='x'),
-    dict(ind=2, activity_label='Cooking', ctx_a='A woman cuts bread on a board.', ctx_b='she',
-         endings=['puts the bread in a bag.', 'flies.', 'reads the paper in the garden by the sea.', 'smiles.'],
-         label='0', split='val', split_type='zeroshot', source_id='y'),
-    dict(ind=3, activity_label='Running', ctx_a='A man runs on a track.', ctx_b='he',
-         endings=['stops and drinks water.', 'swims.', 'jumps over the bar and lands.', 'sleeps on the grass.'],
-         label=2, split='val', split_type='indomain', source_id='z'),
+    dict(
+        ind=1,
+        activity_label='Fencing',
+        ctx_a='Two men hold swords.',
+        ctx_b='they',
+        endings=['run away from the hall and go home.', 'bow and begin to fence.', 'eat.', 'sing a song of love.'],
+        label=1,
+        split='val',
+        split_type='indomain',
+        source_id='x',
+    ),
+    dict(
+        ind=2,
+        activity_label='Cooking',
+        ctx_a='A woman cuts bread on a board.',
+        ctx_b='she',
+        endings=['puts the bread in a bag.', 'flies.', 'reads the paper in the garden by the sea.', 'smiles.'],
+        label='0',
+        split='val',
+        split_type='zeroshot',
+        source_id='y',
+    ),
+    dict(
+        ind=3,
+        activity_label='Running',
+        ctx_a='A man runs on a track.',
+        ctx_b='he',
+        endings=['stops and drinks water.', 'swims.', 'jumps over the bar and lands.', 'sleeps on the grass.'],
+        label=2,
+        split='val',
+        split_type='indomain',
+        source_id='z',
+    ),
 ]
 
 
@@ -87,10 +112,12 @@ def test_acc_norm_is_not_per_token(monkeypatch):
     character (acc_norm) ending 2, the largest per token (llm.c's normalisation: ' ' + ending is one token
     a character here) ending 1."""
     from infra import multiple_choice as evaluation
+
     lls = [-2.0, -3.0, -5.6]  # per character: -1, -0.75, -0.7; per token (3, 5, 9): -0.67, -0.6, -0.62
     scored = []
-    monkeypatch.setattr(evaluation, 'continuation_logprobs', lambda model, requests, *a, **kw: scored.append(
-        requests) or lls)
+    monkeypatch.setattr(
+        evaluation, 'continuation_logprobs', lambda model, requests, *a, **kw: scored.append(requests) or lls
+    )
     example = {'query': 'Go', 'choices': ['ab', 'abcd', 'abcdefgh'], 'gold': 2}
     encode = lambda text: [ord(c) for c in text]  # noqa: E731
     model = torch.nn.Linear(1, 1)  # never called: the scores are the ones above
@@ -101,11 +128,18 @@ def test_acc_norm_is_not_per_token(monkeypatch):
 
 
 def test_hellaswag_text_is_built_as_lm_eval_builds_it():
-    doc = dict(activity_label='Personal Care and Style', ctx_a='[header] How to dye hair [title] Pick a color.',
-               ctx_b='then you', endings=['  mix the dye [step] well.', 'wait.'], label='1')
+    doc = dict(
+        activity_label='Personal Care and Style',
+        ctx_a='[header] How to dye hair [title] Pick a color.',
+        ctx_b='then you',
+        endings=['  mix the dye [step] well.', 'wait.'],
+        label='1',
+    )
     assert mc_example(doc, 'x') == {
         'query': 'Personal Care and Style: How to dye hair. Pick a color. Then you',
-        'choices': ['mix the dye well.', 'wait.'], 'gold': 1}
+        'choices': ['mix the dye well.', 'wait.'],
+        'gold': 1,
+    }
 
 
 def test_full_pass_predicts_every_token_once(tmp_path):
@@ -116,7 +150,7 @@ def test_full_pass_predicts_every_token_once(tmp_path):
     loss, n = full_loss(model, str(tmp_path / 'val.bin'), 'uint16', 16, batch_size=3)
     total = 0.0  # by hand: windows 0-15, 16-31, ..., 96-101 (6 inputs), each with its next tokens as targets
     for start in range(0, 102, 16):
-        x = torch.from_numpy(ids[start:start + 17].astype(np.int64))
+        x = torch.from_numpy(ids[start : start + 17].astype(np.int64))
         logits = model.lm_head(model.hidden_states(x[None, :-1]))[0]
         total += F.cross_entropy(logits, x[1:], reduction='sum').item()
     assert n == 102 and loss == pytest.approx(total / 102, rel=1e-6)
@@ -140,18 +174,25 @@ def test_loss_is_the_one_train_py_printed(run, tmp_path):
     val = printed.split('val loss ')[1]
     result = run_script('eval.py', [f'--out_dir={out_dir}', '--device=cpu'])
     assert result.returncode == 0, result.stderr
-    assert re.search(f"^val loss {val}, perplexity [\\d.]+ \\(shakespeare_char, train.py's "
-                     f"windows: 2 batches of 8 x 32 tokens, seed 1338\\)$", result.stdout, re.M), result.stdout
+    assert re.search(
+        f"^val loss {val}, perplexity [\\d.]+ \\(shakespeare_char, train.py's "
+        f"windows: 2 batches of 8 x 32 tokens, seed 1338\\)$",
+        result.stdout,
+        re.M,
+    ), result.stdout
     # the full pass, through eval.py, on a split written here (a dataset given by its path)
     np.random.default_rng(1).integers(0, 65, 300).astype(np.uint16).tofile(tmp_path / 'val.bin')
     from infra.checkpoint import read
     from model import TransformerConfig
+
     model = Transformer(TransformerConfig(**read(os.path.join(out_dir, 'ckpt.pt'))['model_args']))
     model.load_state_dict(read(os.path.join(out_dir, 'ckpt.pt'))['model'])
     loss, n = full_loss(model.eval(), str(tmp_path / 'val.bin'), 'uint16', 32, 5)
     result = run_script('eval.py', [f'--out_dir={out_dir}', f'--dataset={tmp_path}', '--full=True', '--batch_size=5'])
-    assert f"val loss {loss:.4f}, perplexity {math.exp(loss):.4g} ({tmp_path}, every token once: 299 predictions " \
-           f"in windows of 32)" in result.stdout, result.stdout + result.stderr
+    assert (
+        f"val loss {loss:.4f}, perplexity {math.exp(loss):.4g} ({tmp_path}, every token once: 299 predictions "
+        f"in windows of 32)" in result.stdout
+    ), result.stdout + result.stderr
     assert window_loss(model, str(tmp_path / 'val.bin'), 'uint16', 32, 5, 3, seed=1) > 0
 
 
@@ -164,21 +205,26 @@ def test_mc_on_a_checkpoint_and_lm_eval_refused_without_the_package(run, tmp_pat
     assert line.startswith(f"mc {path}: acc ") and line.endswith("(2 examples)"), line
     monkeypatch.setitem(sys.modules, 'lm_eval', None)  # as if it were not installed
     result = run_script('eval.py', [f'--out_dir={out_dir}', '--loss=False', f'--mc_path={path}', '--lm_eval=True'])
-    assert_one_line_error(result, r'^error: lm_eval=True needs lm-evaluation-harness \(.*\): pip install '
-                                  r'"lm-eval\[hf\]"$')
+    assert_one_line_error(
+        result,
+        r'^error: lm_eval=True needs lm-evaluation-harness \(.*\): pip install '
+        r'"lm-eval\[hf\]"$',
+    )
 
 
 def test_train_py_scores_the_mc_file_at_every_evaluation(tmp_path):
     """eval_mc_path: the eval records (and the log line) carry the scores multiple_choice.mc_accuracy gives the
     weights of that iteration; the last evaluation's are those of the checkpoint."""
-    from infra.checkpoint import read
     from data.tokenizer import Tokenizer, read_meta
     from dataloader import data_dir
+    from infra.checkpoint import read
     from model import TransformerConfig
+
     path = write_jsonl(tmp_path / 'mc.jsonl', EXAMPLES * 4)  # 12 examples, 10 scored
     out_dir = tmp_path / 'run'
-    result = run_train(f'--out_dir={out_dir}', '--max_iters=6', '--eval_interval=3', f'--eval_mc_path={path}',
-                       '--eval_mc_limit=10')
+    result = run_train(
+        f'--out_dir={out_dir}', '--max_iters=6', '--eval_interval=3', f'--eval_mc_path={path}', '--eval_mc_limit=10'
+    )
     records = [json.loads(line) for line in open(out_dir / 'metrics.jsonl')]
     evals = [r for r in records if r['kind'] == 'eval']
     assert [r['iter'] for r in evals] == [0, 3, 6] and all(0 <= r['mc_acc'] <= 1 for r in evals)
@@ -194,43 +240,74 @@ def test_train_py_scores_the_mc_file_at_every_evaluation(tmp_path):
 
 
 def test_train_py_refuses_a_bad_mc_file_before_training(tmp_path):
-    result = run_train(f'--out_dir={tmp_path / "run"}', '--max_iters=2',
-                       f'--eval_mc_path={write_jsonl(tmp_path / "mc.jsonl", [EXAMPLES[0], "{oops"])}', expect_ok=False)
+    result = run_train(
+        f'--out_dir={tmp_path / "run"}',
+        '--max_iters=2',
+        f'--eval_mc_path={write_jsonl(tmp_path / "mc.jsonl", [EXAMPLES[0], "{oops"])}',
+        expect_ok=False,
+    )
     assert_one_line_error(result, r"^error: eval_mc_path: .*mc.jsonl, line 2: not JSON")
     assert not (tmp_path / 'run' / 'ckpt.pt').exists()
     unknown = dict(EXAMPLES[0], endings=['bow @ once.', 'run.'], label=0)  # '@' is not in shakespeare_char
-    result = run_train(f'--out_dir={tmp_path / "run"}', '--max_iters=2',
-                       f'--eval_mc_path={write_jsonl(tmp_path / "mc2.jsonl", [EXAMPLES[1], unknown])}', expect_ok=False)
+    result = run_train(
+        f'--out_dir={tmp_path / "run"}',
+        '--max_iters=2',
+        f'--eval_mc_path={write_jsonl(tmp_path / "mc2.jsonl", [EXAMPLES[1], unknown])}',
+        expect_ok=False,
+    )
     assert_one_line_error(result, r"^error: eval_mc_path: .*mc2.jsonl, example 2: .*@")
     assert not (tmp_path / 'run' / 'ckpt.pt').exists()
 
 
-@pytest.mark.parametrize('args, docs, pattern', [
-    (['--mc_path={tmp}/none.jsonl'], None, r"mc_path=.*none.jsonl: cannot read it \(No such file or directory\)"),
-    (['--mc_path={mc}'], [EXAMPLES[0], '{"ctx": "oops"'], r"mc.jsonl, line 2: not JSON"),
-    (['--mc_path={mc}'], [dict(EXAMPLES[0], label=4)], r"line 1: 'label' must be the index of the right ending "
-                                                       r"\(0 to 3\), got 4"),
-    (['--mc_path={mc}'], [{'ctx': 'a', 'label': 0}], r"line 1: 'endings' must be a list of at least 2 strings"),
-    (['--mc_path={mc}'], [dict(EXAMPLES[0], ctx_b='{')], r"mc example 1: characters '\{' are not in the dataset's "
-                                                         r"vocabulary"),
-    (['--mc_path={mc}'], [''], r"holds no examples"),
-    (['--split=test'], None, r"unknown split 'test' of dataset 'shakespeare_char'; its prepared splits: train, val"),
-    # a mistyped name: the datasets there are, not a prepare script that does not exist
-    (['--dataset=shakespeare_chars'], None, r"dataset 'shakespeare_chars' has no prepared splits in .*shakespeare_chars; "
-                                            r"there is no data/shakespeare_chars/prepare.py either: the datasets are "
-                                            r"c4, openwebtext, shakespeare, shakespeare_char(, [\w.-]+)* \(or give the "
-                                            r"path of a prepared folder\)$"),
-    (['--dataset=openwebtext'], None, r"dataset 'openwebtext' has no prepared splits in .*; run "
-                                      r"`python data/openwebtext/prepare.py` first$"),
-    (['--block_size=64'], None, r"block_size=64 is longer than the model's 32 positions"),
-    (['--out_dir={tmp}'], None, r"no checkpoint at .*ckpt.pt"),
-    (['--out_dir={tmp}/ckpt.pt'], None, r"no checkpoint at"),
-    (['--hf_dir={tmp}/none'], None, r"hf_dir=.*none is not a directory"),
-    (['--hf_dir={tmp}'], None, r"holds no config.json"),
-    (['--lm_eval=True'], None, r"lm_eval=True has nothing to run"),
-    (['--mc_limit=-1'], None, r"mc_limit must be >= 0"),
-    (['--mc_pth=x'], None, r"unknown config key 'mc_pth'; did you mean mc_path"),
-])
+@pytest.mark.parametrize(
+    'args, docs, pattern',
+    [
+        (['--mc_path={tmp}/none.jsonl'], None, r"mc_path=.*none.jsonl: cannot read it \(No such file or directory\)"),
+        (['--mc_path={mc}'], [EXAMPLES[0], '{"ctx": "oops"'], r"mc.jsonl, line 2: not JSON"),
+        (
+            ['--mc_path={mc}'],
+            [dict(EXAMPLES[0], label=4)],
+            r"line 1: 'label' must be the index of the right ending "
+            r"\(0 to 3\), got 4",
+        ),
+        (['--mc_path={mc}'], [{'ctx': 'a', 'label': 0}], r"line 1: 'endings' must be a list of at least 2 strings"),
+        (
+            ['--mc_path={mc}'],
+            [dict(EXAMPLES[0], ctx_b='{')],
+            r"mc example 1: characters '\{' are not in the dataset's "
+            r"vocabulary",
+        ),
+        (['--mc_path={mc}'], [''], r"holds no examples"),
+        (
+            ['--split=test'],
+            None,
+            r"unknown split 'test' of dataset 'shakespeare_char'; its prepared splits: train, val",
+        ),
+        # a mistyped name: the datasets there are, not a prepare script that does not exist
+        (
+            ['--dataset=shakespeare_chars'],
+            None,
+            r"dataset 'shakespeare_chars' has no prepared splits in .*shakespeare_chars; "
+            r"there is no data/shakespeare_chars/prepare.py either: the datasets are "
+            r"c4, openwebtext, shakespeare, shakespeare_char(, [\w.-]+)* \(or give the "
+            r"path of a prepared folder\)$",
+        ),
+        (
+            ['--dataset=openwebtext'],
+            None,
+            r"dataset 'openwebtext' has no prepared splits in .*; run "
+            r"`python data/openwebtext/prepare.py` first$",
+        ),
+        (['--block_size=64'], None, r"block_size=64 is longer than the model's 32 positions"),
+        (['--out_dir={tmp}'], None, r"no checkpoint at .*ckpt.pt"),
+        (['--out_dir={tmp}/ckpt.pt'], None, r"no checkpoint at"),
+        (['--hf_dir={tmp}/none'], None, r"hf_dir=.*none is not a directory"),
+        (['--hf_dir={tmp}'], None, r"holds no config.json"),
+        (['--lm_eval=True'], None, r"lm_eval=True has nothing to run"),
+        (['--mc_limit=-1'], None, r"mc_limit must be >= 0"),
+        (['--mc_pth=x'], None, r"unknown config key 'mc_pth'; did you mean mc_path"),
+    ],
+)
 def test_bad_input_is_one_error_line(run, tmp_path, args, docs, pattern):
     out_dir, _ = run
     mc = write_jsonl(tmp_path / 'mc.jsonl', docs) if docs is not None else ''
@@ -247,8 +324,11 @@ def test_a_run_of_step_folders_is_named_by_the_folder_read(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"model: {tmp_path / 'step_0000004'} (iteration 4), gpt2,"), result.stdout
     result = run_script('eval.py', ['--help'])
-    assert re.search(r"^\s*--out_dir=\S+\s+the run whose checkpoint \(ckpt.pt or newest step folder\) to evaluate$",
-                     result.stdout, re.M), result.stdout
+    assert re.search(
+        r"^\s*--out_dir=\S+\s+the run whose checkpoint \(ckpt.pt or newest step folder\) to evaluate$",
+        result.stdout,
+        re.M,
+    ), result.stdout
 
 
 def test_checkpoint_that_does_not_load_is_one_error_line(run, tmp_path):
@@ -256,8 +336,10 @@ def test_checkpoint_that_does_not_load_is_one_error_line(run, tmp_path):
     checkpoint = torch.load(os.path.join(out_dir, 'ckpt.pt'), weights_only=True)
     checkpoint['model_args']['n_embd'] = 48  # weights of another shape
     torch.save(checkpoint, tmp_path / 'ckpt.pt')
-    assert_one_line_error(run_script('eval.py', [f'--out_dir={tmp_path}']),
-                          r"ckpt.pt is not a checkpoint of train.py \(RuntimeError: Error\(s\) in loading state_dict")
+    assert_one_line_error(
+        run_script('eval.py', [f'--out_dir={tmp_path}']),
+        r"ckpt.pt is not a checkpoint of train.py \(RuntimeError: Error\(s\) in loading state_dict",
+    )
     (tmp_path / 'ckpt.pt').write_bytes(b'not a checkpoint')
     assert_one_line_error(run_script('eval.py', [f'--out_dir={tmp_path}']), r"cannot read checkpoint .*corrupt")
 
@@ -271,8 +353,11 @@ def hf_gpt2(tmp_path_factory):
     """(directory, model): a tiny GPT-2 with GPT-2's vocabulary in Hugging Face form, as export.py writes it."""
     from infra import hf
     from infra.hf import write_gpt2_tokenizer
+
     torch.manual_seed(0)
-    model = Transformer(tiny_model_config('gpt2', vocab_size=50257, block_size=64, n_layer=1, n_embd=16, n_head=2)).eval()
+    model = Transformer(
+        tiny_model_config('gpt2', vocab_size=50257, block_size=64, n_layer=1, n_embd=16, n_head=2)
+    ).eval()
     with torch.no_grad():
         for p in model.parameters():  # more peaked than the init's: the endings' scores differ clearly
             p.mul_(4)
@@ -284,6 +369,7 @@ def hf_gpt2(tmp_path_factory):
 
 def test_mc_on_a_hugging_face_directory(hf_gpt2, tmp_path):
     from data.tokenizer import Tokenizer
+
     directory, model = hf_gpt2
     path = write_jsonl(tmp_path / 'mc.jsonl', EXAMPLES)
     expected = mc_accuracy(model, read_mc(path), Tokenizer('gpt2').encode)
@@ -291,14 +377,17 @@ def test_mc_on_a_hugging_face_directory(hf_gpt2, tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1:] == [
         "loss: skipped, no dataset (pass --dataset=NAME, a prepared folder of data/)",
-        f"mc {path}: acc {expected['acc']:.4f}, acc_norm {expected['acc_norm']:.4f} (3 examples)"]
+        f"mc {path}: acc {expected['acc']:.4f}, acc_norm {expected['acc_norm']:.4f} (3 examples)",
+    ]
 
 
 # CI's newest torch installs lm-eval and sets OMGD_LM_EVAL=required (.ci/run): there the cross-checks below run,
 # and a missing lm-eval fails them instead of skipping them
 LM_EVAL_REQUIRED = os.environ.get('OMGD_LM_EVAL') == 'required'
-needs_lm_eval = pytest.mark.skipif(not HAS_LM_EVAL and not LM_EVAL_REQUIRED,
-                                   reason='lm-evaluation-harness is not installed (pip install "lm-eval[hf]")')
+needs_lm_eval = pytest.mark.skipif(
+    not HAS_LM_EVAL and not LM_EVAL_REQUIRED,
+    reason='lm-evaluation-harness is not installed (pip install "lm-eval[hf]")',
+)
 
 
 def test_ci_runs_the_lm_eval_cross_checks():
@@ -317,12 +406,16 @@ def lm_eval_samples(directory, examples, tmp_path):
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
+
     task_dir = tmp_path / 'task'
     task_dir.mkdir()
     write_mc_task(examples, str(task_dir))
-    results = lm_eval.simple_evaluate(model=HFLM(pretrained=directory, device='cpu', batch_size=4), tasks=[MC_TASK],
-                                      task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
-                                      num_fewshot=0)
+    results = lm_eval.simple_evaluate(
+        model=HFLM(pretrained=directory, device='cpu', batch_size=4),
+        tasks=[MC_TASK],
+        task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
+        num_fewshot=0,
+    )
     return results, [[resp[0] for resp in sample['filtered_resps']] for sample in results['samples'][MC_TASK]]
 
 
@@ -330,8 +423,10 @@ def assert_lm_eval_agrees(directory, model, encode, tmp_path):
     """Every ending's log-probability in lm-eval equals eval.py's to 1e-4, and so do acc and acc_norm."""
     examples = read_mc(write_jsonl(tmp_path / 'mc.jsonl', EXAMPLES))
     results, theirs = lm_eval_samples(directory, examples, tmp_path)
-    ours = [continuation_logprobs(model, [encode_pair(encode, ex['query'], ' ' + c) for c in ex['choices']])
-            for ex in examples]
+    ours = [
+        continuation_logprobs(model, [encode_pair(encode, ex['query'], ' ' + c) for c in ex['choices']])
+        for ex in examples
+    ]
     assert np.allclose(theirs, ours, atol=1e-4)
     expected = mc_accuracy(model, examples, encode)
     assert results['results'][MC_TASK]['acc,none'] == pytest.approx(expected['acc'])
@@ -344,11 +439,13 @@ def test_lm_eval_scores_the_same_log_probabilities(hf_gpt2, tmp_path):
     """lm-eval's HFLM on the exported directory (transformers' GPT-2) gives each ending the log-probability
     eval.py gives it, and so the same acc and acc_norm; offline, from the local task eval.py writes."""
     from data.tokenizer import Tokenizer
+
     directory, model = hf_gpt2
     expected = assert_lm_eval_agrees(directory, model, Tokenizer('gpt2').encode, tmp_path)
     # and through eval.py
-    result = run_script('eval.py', [f'--hf_dir={directory}', f'--mc_path={tmp_path / "mc.jsonl"}',
-                                    '--lm_eval=True', '--device=cpu'])
+    result = run_script(
+        'eval.py', [f'--hf_dir={directory}', f'--mc_path={tmp_path / "mc.jsonl"}', '--lm_eval=True', '--device=cpu']
+    )
     assert result.returncode == 0, result.stderr
     assert f"lm-eval {MC_TASK}: acc {expected['acc']:.4f}, acc_norm {expected['acc_norm']:.4f}" in result.stdout
 
@@ -358,14 +455,17 @@ def test_lm_eval_on_a_character_level_model(run, tmp_path):
     """train.py's default (character-level) model: export writes its characters as a tokenizer transformers
     reads, so lm-eval scores every ending as eval.py does, from the checkpoint and from the exported directory;
     a directory exported without a tokenizer, or with another dataset's, is refused in one line."""
-    from infra import hf
     from data.tokenizer import Tokenizer, read_meta
     from dataloader import data_dir
+    from infra import hf
+
     mc = ['--loss=False', f'--mc_path={write_jsonl(tmp_path / "mc.jsonl", EXAMPLES)}', '--lm_eval=True', '--device=cpu']
     # the tiny run's 32 positions are fewer than the longest ending's 36 characters: lm-eval would assert
-    assert_one_line_error(run_script('eval.py', [f'--out_dir={run[0]}', *mc]),
-                          r"mc.jsonl, example 1: an ending of 36 tokens is longer than the model's 32 positions, "
-                          r"which lm-eval cannot score; shorten it")
+    assert_one_line_error(
+        run_script('eval.py', [f'--out_dir={run[0]}', *mc]),
+        r"mc.jsonl, example 1: an ending of 36 tokens is longer than the model's 32 positions, "
+        r"which lm-eval cannot score; shorten it",
+    )
     out_dir = tmp_path / 'run'
     run_train(f'--out_dir={out_dir}', '--max_iters=4', '--eval_interval=4', '--block_size=64')
     model, checkpoint, _ = load_checkpoint_model(str(out_dir))
@@ -373,22 +473,34 @@ def test_lm_eval_on_a_character_level_model(run, tmp_path):
     hf.export(str(out_dir), str(tmp_path / 'hf'), log=lambda line: None)
     expected = assert_lm_eval_agrees(str(tmp_path / 'hf'), model.eval(), tok.encode, tmp_path)
     scores = f"acc {expected['acc']:.4f}, acc_norm {expected['acc_norm']:.4f}"
-    for source in ([f'--out_dir={out_dir}'], [f'--hf_dir={tmp_path / "hf"}', '--dataset=shakespeare_char'],
-                   [f'--hf_dir={tmp_path / "hf"}']):
+    for source in (
+        [f'--out_dir={out_dir}'],
+        [f'--hf_dir={tmp_path / "hf"}', '--dataset=shakespeare_char'],
+        [f'--hf_dir={tmp_path / "hf"}'],
+    ):
         result = run_script('eval.py', source + mc)
         assert result.returncode == 0, result.stderr
         assert f"mc {tmp_path / 'mc.jsonl'}: {scores} (3 examples)" in result.stdout, result.stdout
         assert f"lm-eval {MC_TASK}: {scores}" in result.stdout, result.stdout
     hf.export(str(out_dir), str(tmp_path / 'weights'), tokenizer='none', log=lambda line: None)
-    assert_one_line_error(run_script('eval.py', [f'--hf_dir={tmp_path / "weights"}', '--dataset=shakespeare_char',
-                                                 *mc]),
-                          r"holds no tokenizer \(tokenizer.json, .*\), and lm-eval would read it with an empty one; "
-                          r"export the checkpoint again")
+    assert_one_line_error(
+        run_script('eval.py', [f'--hf_dir={tmp_path / "weights"}', '--dataset=shakespeare_char', *mc]),
+        r"holds no tokenizer \(tokenizer.json, .*\), and lm-eval would read it with an empty one; "
+        r"export the checkpoint again",
+    )
     other = tmp_path / 'other'  # a character dataset of other characters: other ids for the same text
     other.mkdir()
     letters = sorted(set(''.join(tok.itos.values())), reverse=True)
     with open(other / 'meta.pkl', 'wb') as f:
-        pickle.dump({'vocab_size': len(letters), 'itos': dict(enumerate(letters)),
-                     'stoi': {c: i for i, c in enumerate(letters)}}, f)
-    assert_one_line_error(run_script('eval.py', [f'--hf_dir={tmp_path / "hf"}', f'--dataset={other}', *mc]),
-                          r"the tokenizer of .* encodes the mc texts differently from dataset .*'s")
+        pickle.dump(
+            {
+                'vocab_size': len(letters),
+                'itos': dict(enumerate(letters)),
+                'stoi': {c: i for i, c in enumerate(letters)},
+            },
+            f,
+        )
+    assert_one_line_error(
+        run_script('eval.py', [f'--hf_dir={tmp_path / "hf"}', f'--dataset={other}', *mc]),
+        r"the tokenizer of .* encodes the mc texts differently from dataset .*'s",
+    )

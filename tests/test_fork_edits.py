@@ -1,14 +1,15 @@
 """The seams of a fork's everyday edits (README "Code map"): a model field reaches the model through its
 train.py key alone, a cycler field through its omgd_ key alone, and an optimizer group scales the learning-rate
 schedule by its own lr_scale. Each is what a fork tried and found missing (issue 43, item 6)."""
+
 import dataclasses
 import itertools
 
 import torch
+from conftest import train_defaults
 
 import builder
 import omgd
-from conftest import train_defaults
 from trainer import Trainer, get_lr
 
 TINY = dict(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
@@ -23,18 +24,24 @@ def test_a_new_model_field_reaches_the_model_through_its_key_alone(monkeypatch):
     args = builder.transformer_kwargs(cfg)
     assert args['qk_norm'] is True and forked(**args).qk_norm is True
     assert {k: v for k, v in args.items() if k != 'qk_norm'} == {
-        f.name: cfg[f.name] for f in dataclasses.fields(forked) if f.name in cfg and f.name != 'qk_norm'}
+        f.name: cfg[f.name] for f in dataclasses.fields(forked) if f.name in cfg and f.name != 'qk_norm'
+    }
 
 
 def test_a_new_cycler_field_comes_from_its_omgd_key_alone(monkeypatch):
     """A sampler's new field (block probabilities) is read from omgd_<field> by CyclerConfig.from_config,
     which builder.build_cycler calls: no field-by-field call to extend."""
-    forked = dataclasses.make_dataclass('ForkedCyclerConfig', [('block_probs', str, '')], bases=(omgd.CyclerConfig,),
-                                        frozen=True)
+    forked = dataclasses.make_dataclass(
+        'ForkedCyclerConfig', [('block_probs', str, '')], bases=(omgd.CyclerConfig,), frozen=True
+    )
     cfg = {**train_defaults(**TINY), 'omgd_block_probs': '1,1,2', 'omgd_always': 'embed,head', 'omgd_gamma': 2}
     config = forked.from_config(cfg)
-    assert (config.block_probs, config.always, config.gamma, config.method) == ('1,1,2', ('embed', 'head'), 2,
-                                                                                 cfg['method'])
+    assert (config.block_probs, config.always, config.gamma, config.method) == (
+        '1,1,2',
+        ('embed', 'head'),
+        2,
+        cfg['method'],
+    )
     assert omgd.CyclerConfig.from_config(cfg, 'full').method == 'full'
     seen = []
     monkeypatch.setattr(omgd, 'build_cycler', lambda model, optimizer, config: seen.append(config))
@@ -63,11 +70,16 @@ def test_a_key_newer_than_the_checkpoint_is_held_to_its_default_on_resume(monkey
     trained as the key's default does, so giving another value on resume is refused in one line (it was let
     through, to end in torch's 'different number of parameter groups')."""
     import pytest
+
     import train_config
+
     cfg = train_defaults(**TINY)
     saved = {k: v for k, v in cfg.items() if k != 'optimizer'}  # the checkpoint's config, from before the key
     model_args = builder.transformer_kwargs(cfg)
-    with pytest.raises(ValueError, match=r"^optimizer='sgd' differs from the checkpoint's 'adamw' \(its optimizer "
-                                         r"state is that optimizer's\); resume with --optimizer=adamw$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^optimizer='sgd' differs from the checkpoint's 'adamw' \(its optimizer "
+        r"state is that optimizer's\); resume with --optimizer=adamw$",
+    ):
         train_config.check_resume(saved, model_args, {**cfg, 'optimizer': 'sgd'}, {'optimizer'})
     assert train_config.check_resume(saved, model_args, cfg, {'optimizer'})['optimizer'] == 'adamw'

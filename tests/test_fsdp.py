@@ -19,15 +19,27 @@ What is checked, and how (helpers and the tiny model come from tests/conftest.py
 - Exact resume under FSDP through a normal end and a SIGTERM to one worker: the resumed run ends
   bit for bit where a straight run ends (AdamW, dropout).
 """
+
 import json
 import re
 
-import torch
-
 import pytest
-
-from conftest import (LINEAR, ONE_RANK, TORCHRUN, TWO_RANKS, Launch, assert_same_state, copy_checkpoint, load,
-                      records, stop_with_sigterm, torchrun_train as train)
+import torch
+from conftest import (
+    LINEAR,
+    ONE_RANK,
+    TORCHRUN,
+    TWO_RANKS,
+    Launch,
+    assert_same_state,
+    copy_checkpoint,
+    load,
+    records,
+    stop_with_sigterm,
+)
+from conftest import (
+    torchrun_train as train,
+)
 
 pytestmark = pytest.mark.torchrun  # launches torchrun (deselect with -m "not torchrun")
 
@@ -44,20 +56,44 @@ def runs(tmp_path_factory):
     """One torchrun launch (tests/test_ddp.py's runner): the checked FSDP run, the straight run of
     the resume test, and a short tensor_wor run (units are single tensors)."""
     root = tmp_path_factory.mktemp('fsdp')
-    runs = [('checked', [f'--out_dir={root / "checked"}', f'--max_iters={ITERS}', '--ddp_check=True', *CLIPPED,
-                         *TWO_RANKS, *FSDP, f'--eval_interval={EVAL}']),
-            ('straight', [f'--out_dir={root / "straight"}', f'--max_iters={STRAIGHT}', *RESUME]),
-            ('tensor_wor', [f'--out_dir={root / "tensor_wor"}', '--method=tensor_wor', '--max_iters=4',
-                            '--omgd_period=2', '--ddp_check=True', *TWO_RANKS, *FSDP])]
+    runs = [
+        (
+            'checked',
+            [
+                f'--out_dir={root / "checked"}',
+                f'--max_iters={ITERS}',
+                '--ddp_check=True',
+                *CLIPPED,
+                *TWO_RANKS,
+                *FSDP,
+                f'--eval_interval={EVAL}',
+            ],
+        ),
+        ('straight', [f'--out_dir={root / "straight"}', f'--max_iters={STRAIGHT}', *RESUME]),
+        (
+            'tensor_wor',
+            [
+                f'--out_dir={root / "tensor_wor"}',
+                '--method=tensor_wor',
+                '--max_iters=4',
+                '--omgd_period=2',
+                '--ddp_check=True',
+                *TWO_RANKS,
+                *FSDP,
+            ],
+        ),
+    ]
     run = Launch(TORCHRUN + ['tests/test_ddp.py'], env={'DDP_TEST_RUNS': json.dumps(runs)}).wait()
     assert run.proc.returncode == 0, run.out[-3000:]
     logs = dict(re.findall(r'=== (\w+)\n(.*?)(?==== |\Z)', run.out, flags=re.S))
     return root, logs
 
 
-CHECK = (r'iter (\d+): fsdp check: 2 ranks agree on active \[([\d, ]+)\] and weights sha256 [0-9a-f]{16}; '
-         r'(\d+) active elements, reduce-scattered (\d+) \(padded\); one reduce-scatter per unit with active '
-         r'parameters; frozen untouched, no frozen gradients, optimizer state only for active parameters')
+CHECK = (
+    r'iter (\d+): fsdp check: 2 ranks agree on active \[([\d, ]+)\] and weights sha256 [0-9a-f]{16}; '
+    r'(\d+) active elements, reduce-scattered (\d+) \(padded\); one reduce-scatter per unit with active '
+    r'parameters; frozen untouched, no frozen gradients, optimizer state only for active parameters'
+)
 
 
 def test_fsdp_checks_hold_and_two_ranks_match_one_process(runs, tmp_path):
@@ -93,20 +129,23 @@ def test_fsdp_checks_hold_and_two_ranks_match_one_process(runs, tmp_path):
     assert len(losses[0]) == ITERS and losses[0] == pytest.approx(losses[1], abs=1e-5)
 
     # the FSDP checkpoint has the single-process format, down to the optimizer's parameter numbering
-    assert a['model'].keys() == b['model'].keys() and all(not v.is_meta and type(v) is torch.Tensor
-                                                           for v in a['model'].values())
+    assert a['model'].keys() == b['model'].keys() and all(
+        not v.is_meta and type(v) is torch.Tensor for v in a['model'].values()
+    )
     assert a['optimizer']['state'].keys() == b['optimizer']['state'].keys()
-    assert [g['params'] for g in a['optimizer']['param_groups']] == [g['params'] for g in b['optimizer']['param_groups']]
+    assert [g['params'] for g in a['optimizer']['param_groups']] == [
+        g['params'] for g in b['optimizer']['param_groups']
+    ]
     for i, s in a['optimizer']['state'].items():
-        assert {k: (type(v), v.shape) for k, v in s.items()} == \
-            {k: (type(v), v.shape) for k, v in b['optimizer']['state'][i].items()}
+        assert {k: (type(v), v.shape) for k, v in s.items()} == {
+            k: (type(v), v.shape) for k, v in b['optimizer']['state'][i].items()
+        }
 
 
 def test_fsdp_checkpoint_loads_in_one_process(runs, tmp_path):
     root, _ = runs
     copy_checkpoint(root / 'checked', tmp_path)  # the sharded step folder, resharded to 1 rank
-    run = train(f'--out_dir={tmp_path}', f'--max_iters={ITERS + 3}', '--init_from=resume', *CLIPPED, *ONE_RANK,
-                ranks=1)
+    run = train(f'--out_dir={tmp_path}', f'--max_iters={ITERS + 3}', '--init_from=resume', *CLIPPED, *ONE_RANK, ranks=1)
     assert 'resuming a 2-rank checkpoint on 1 rank' in run.out and load(tmp_path)['iter_num'] == ITERS + 3
 
 

@@ -1,20 +1,22 @@
 """FSDP2 on a one-rank gloo group, in this process: what the first CUDA runs (one H200, NCCL, one rank)
 hit and the two-rank fp32 runs of tests/test_fsdp.py could not show."""
+
 import itertools
 import re
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import train_defaults
 
 import builder
 from infra import ddp_check, distributed
-from conftest import train_defaults
 from infra.distributed import ParallelModel, Ranks, fsdp_units, reshard_fsdp
 from trainer import Trainer
 
-CFG = train_defaults(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=32, omgd_gamma=1, omgd_period=1,
-                     omgd_state='drop')
+CFG = train_defaults(
+    n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=32, omgd_gamma=1, omgd_period=1, omgd_state='drop'
+)
 
 
 @pytest.fixture
@@ -41,8 +43,9 @@ def test_ddp_check_holds_on_one_fsdp_rank(one_rank):
     parallel = ParallelModel(model, one_rank, 'cpu', fsdp=True)
     observer = ddp_check.RankCheck(parallel, fsdp_units(model))
     x = torch.randint(32, (2, 8))
-    trainer = Trainer(CFG, model, opt, cycler, itertools.repeat((x, x, None)), 'cpu', parallel=parallel,
-                      observer=observer)
+    trainer = Trainer(
+        CFG, model, opt, cycler, itertools.repeat((x, x, None)), 'cpu', parallel=parallel, observer=observer
+    )
     for _ in range(4):  # a switch at every iteration
         trainer.step()
     active = int(re.search(r'(\d+) active elements', observer.summary).group(1))

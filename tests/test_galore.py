@@ -15,8 +15,9 @@ from model import Transformer, TransformerConfig  # noqa: E402
 LR, BETAS, EPS, WD, SCALE = 0.1, (0.9, 0.95), 1e-8, 0.1, 0.5
 
 
-def galore_by_hand(w, grads, rank, gap, scale, lr=LR, betas=BETAS, eps=EPS, wd=WD, golore_bases=None,
-                   convention='galore'):
+def galore_by_hand(
+    w, grads, rank, gap, scale, lr=LR, betas=BETAS, eps=EPS, wd=WD, golore_bases=None, convention='galore'
+):
     """GaLore-AdamW written out step by step from its definition, for one matrix (rank=None: a plain
     AdamW parameter of any shape). With golore_bases (refresh step -> the random basis drawn there;
     other refreshes use SVD) it is GoLore as in its reference code: at each refresh the first moment
@@ -63,12 +64,17 @@ def test_step_matches_hand_computation(shape, gap, convention):
     torch.manual_seed(0)
     w0 = torch.randn(shape, dtype=torch.float64)
     grads = [torch.randn(shape, dtype=torch.float64) for _ in range(3)]
-    expected, exp_avg, exp_avg_sq, proj = galore_by_hand(w0, grads, rank=2, gap=gap, scale=SCALE,
-                                                         convention=convention)
+    expected, exp_avg, exp_avg_sq, proj = galore_by_hand(w0, grads, rank=2, gap=gap, scale=SCALE, convention=convention)
 
     p = torch.nn.Parameter(w0.clone())
-    opt = galore.GaLoreAdamW([{'params': [p], 'rank': 2, 'update_proj_gap': gap, 'scale': SCALE}],
-                             lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, convention=convention)
+    opt = galore.GaLoreAdamW(
+        [{'params': [p], 'rank': 2, 'update_proj_gap': gap, 'scale': SCALE}],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=WD,
+        convention=convention,
+    )
     for g in grads:
         p.grad = g.clone()
         opt.step()
@@ -90,9 +96,15 @@ def test_golore_matches_hand_computation_across_refreshes(shape, convention):
     w0 = torch.randn(shape, dtype=torch.float64)
     grads = [torch.randn(shape, dtype=torch.float64) for _ in range(7)]
     p = torch.nn.Parameter(w0.clone())
-    opt = galore.GaLoreAdamW([{'params': [p], 'rank': 2, 'update_proj_gap': 2, 'scale': SCALE,
-                               'projection': 'random', 'svd_steps': 4}],
-                             lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, seed=5, convention=convention)
+    opt = galore.GaLoreAdamW(
+        [{'params': [p], 'rank': 2, 'update_proj_gap': 2, 'scale': SCALE, 'projection': 'random', 'svd_steps': 4}],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=WD,
+        seed=5,
+        convention=convention,
+    )
     bases = []
     for g in grads:
         p.grad = g.clone()
@@ -106,8 +118,9 @@ def test_golore_matches_hand_computation_across_refreshes(shape, convention):
         U, _, Vh = torch.linalg.svd(grads[s], full_matrices=False)
         top = Vh[:2].T if right else U[:, :2]
         assert (top.T @ q).abs().max() < 0.999  # not spanning the top singular directions
-    expected, exp_avg, exp_avg_sq, proj = galore_by_hand(w0, grads, rank=2, gap=2, scale=SCALE,
-                                                         golore_bases=drawn, convention=convention)
+    expected, exp_avg, exp_avg_sq, proj = galore_by_hand(
+        w0, grads, rank=2, gap=2, scale=SCALE, golore_bases=drawn, convention=convention
+    )
     state = opt.state[p]
     torch.testing.assert_close(p.detach(), expected)
     torch.testing.assert_close(state['exp_avg'], exp_avg)
@@ -130,8 +143,12 @@ def test_default_follows_galore_torch_over_20_steps():
     w0 = [torch.randn(s, dtype=torch.float64) for s in shapes]
     grads = [[1e-3 * torch.randn(s, dtype=torch.float64) for s in shapes] for _ in range(steps)]
     params = [torch.nn.Parameter(w.clone()) for w in w0]
-    opt = galore.GaLoreAdamW([{'params': params[:2], 'rank': 2, 'update_proj_gap': gap, 'scale': SCALE},
-                              {'params': params[2:]}], lr=LR, betas=BETAS, weight_decay=wd)
+    opt = galore.GaLoreAdamW(
+        [{'params': params[:2], 'rank': 2, 'update_proj_gap': gap, 'scale': SCALE}, {'params': params[2:]}],
+        lr=LR,
+        betas=BETAS,
+        weight_decay=wd,
+    )
     for gs in grads:
         for p, g in zip(params, gs):
             p.grad = g.clone()
@@ -139,13 +156,13 @@ def test_default_follows_galore_torch_over_20_steps():
     for i, (p, w) in enumerate(zip(params, w0)):
         rank = 2 if i < 2 else None
         per_param = [gs[i] for gs in grads]
-        expected, exp_avg, exp_avg_sq, _ = galore_by_hand(w, per_param, rank, gap, SCALE if rank else 1.0,
-                                                          eps=1e-6, wd=wd)
+        expected, exp_avg, exp_avg_sq, _ = galore_by_hand(
+            w, per_param, rank, gap, SCALE if rank else 1.0, eps=1e-6, wd=wd
+        )
         torch.testing.assert_close(p.detach(), expected, rtol=1e-12, atol=0)
         torch.testing.assert_close(opt.state[p]['exp_avg'], exp_avg, rtol=1e-12, atol=1e-20)
         torch.testing.assert_close(opt.state[p]['exp_avg_sq'], exp_avg_sq, rtol=1e-12, atol=1e-20)
-        other, *_ = galore_by_hand(w, per_param, rank, gap, SCALE if rank else 1.0, eps=1e-6, wd=wd,
-                                   convention='torch')
+        other, *_ = galore_by_hand(w, per_param, rank, gap, SCALE if rank else 1.0, eps=1e-6, wd=wd, convention='torch')
         assert (other - expected).abs().max() > 1e-6 * expected.abs().max(), i
 
 
@@ -155,10 +172,22 @@ def test_group_without_rank_is_torch_adamw():
     torch.manual_seed(1)
     a = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(3))]
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    ours = galore.GaLoreAdamW([{'params': a[:1]}, {'params': a[1:], 'weight_decay': 0.0}],
-                              lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, convention='torch')
-    ref = torch.optim.AdamW([{'params': b[:1]}, {'params': b[1:], 'weight_decay': 0.0}],
-                            lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    ours = galore.GaLoreAdamW(
+        [{'params': a[:1]}, {'params': a[1:], 'weight_decay': 0.0}],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=WD,
+        convention='torch',
+    )
+    ref = torch.optim.AdamW(
+        [{'params': b[:1]}, {'params': b[1:], 'weight_decay': 0.0}],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=WD,
+        foreach=False,
+    )
     for _ in range(4):
         for p, q in zip(a, b):
             p.grad = torch.randn(p.shape)
@@ -217,7 +246,12 @@ def test_none_grads_skipped_and_accounting_excludes_projector():
     # moments: 2 x (6 x 2) for p, 2 x 4 for the bias; the 4 x 2 projector counted apart
     holder = torch.nn.ParameterList([frozen, p, bias])
     assert memory_estimate.memory_bytes(holder, opt)['optimizer'] == 4 * (2 * 12 + 2 * 4)
-    assert sorted(k for _, k, _ in memory_estimate.state_tensors(opt)) == ['exp_avg', 'exp_avg', 'exp_avg_sq', 'exp_avg_sq']
+    assert sorted(k for _, k, _ in memory_estimate.state_tensors(opt)) == [
+        'exp_avg',
+        'exp_avg',
+        'exp_avg_sq',
+        'exp_avg_sq',
+    ]
     assert galore.projector_bytes(opt) == 4 * 8
 
 
@@ -227,8 +261,9 @@ def test_state_dict_resume_is_exact():
 
     def make():
         p = torch.nn.Parameter(torch.ones(6, 9))
-        return p, galore.GaLoreAdamW([{'params': [p], 'rank': 3, 'update_proj_gap': 2,
-                                       'projection': 'random', 'svd_steps': 4}], lr=1e-2)
+        return p, galore.GaLoreAdamW(
+            [{'params': [p], 'rank': 3, 'update_proj_gap': 2, 'projection': 'random', 'svd_steps': 4}], lr=1e-2
+        )
 
     p, opt = make()
     for g in grads:
@@ -253,13 +288,16 @@ def test_state_dict_resume_is_exact():
 
 def tiny_gpt(arch='llama'):
     torch.manual_seed(0)
-    return Transformer(TransformerConfig(arch=arch, n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16, bias=False))
+    return Transformer(
+        TransformerConfig(arch=arch, n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16, bias=False)
+    )
 
 
 def test_build_optimizer_groups():
     model = tiny_gpt()
-    opt = galore.build_optimizer(model, 0.1, 1e-3, (0.9, 0.95), rank=4, update_proj_gap=10, scale=0.25,
-                                 projection='random', svd_steps=30)
+    opt = galore.build_optimizer(
+        model, 0.1, 1e-3, (0.9, 0.95), rank=4, update_proj_gap=10, scale=0.25, projection='random', svd_steps=30
+    )
     seen = [id(p) for g in opt.param_groups for p in g['params']]
     assert sorted(seen) == sorted(id(p) for p in model.parameters())
     (low_rank,) = [g for g in opt.param_groups if 'rank' in g]
@@ -274,8 +312,9 @@ def test_build_optimizer_groups():
 @pytest.mark.parametrize('arch,projection', [('llama', 'svd'), ('gpt2', 'random')])
 def test_tiny_gpt_training_lowers_loss(arch, projection):
     model = tiny_gpt(arch)
-    opt = galore.build_optimizer(model, 0.0, 3e-3, (0.9, 0.95), rank=8, update_proj_gap=10, scale=1.0,
-                                 projection=projection)
+    opt = galore.build_optimizer(
+        model, 0.0, 3e-3, (0.9, 0.95), rank=8, update_proj_gap=10, scale=1.0, projection=projection
+    )
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 64, (8, 16), generator=gen)
     y = torch.roll(x, -1, dims=1)
@@ -290,17 +329,20 @@ def test_tiny_gpt_training_lowers_loss(arch, projection):
     assert all(math.isfinite(v) for v in losses)
 
 
-@pytest.mark.parametrize('group, kwargs, message', [
-    (dict(rank=2, projection='qr'), {}, 'projection'),
-    (dict(rank=0), {}, 'rank'),
-    (dict(rank=2, update_proj_gap=0), {}, 'galore_update_proj_gap must be >= 1'),
-    (dict(rank=2, projection='random', svd_steps=-1), {}, 'svd_steps'),
-    (dict(rank=2, projection='random', svd_steps=2.5), {}, 'svd_steps'),
-    ({}, dict(lr=-1.0), 'invalid AdamW settings'),
-    ({}, dict(betas=(0.9, 1.0)), 'invalid AdamW settings'),
-    ({}, dict(weight_decay=-0.1), 'invalid AdamW settings'),
-    ({}, dict(convention='transformers'), 'convention must be one of'),
-])
+@pytest.mark.parametrize(
+    'group, kwargs, message',
+    [
+        (dict(rank=2, projection='qr'), {}, 'projection'),
+        (dict(rank=0), {}, 'rank'),
+        (dict(rank=2, update_proj_gap=0), {}, 'galore_update_proj_gap must be >= 1'),
+        (dict(rank=2, projection='random', svd_steps=-1), {}, 'svd_steps'),
+        (dict(rank=2, projection='random', svd_steps=2.5), {}, 'svd_steps'),
+        ({}, dict(lr=-1.0), 'invalid AdamW settings'),
+        ({}, dict(betas=(0.9, 1.0)), 'invalid AdamW settings'),
+        ({}, dict(weight_decay=-0.1), 'invalid AdamW settings'),
+        ({}, dict(convention='transformers'), 'convention must be one of'),
+    ],
+)
 def test_invalid_settings(group, kwargs, message):
     p = torch.nn.Parameter(torch.zeros(3, 3))
     with pytest.raises(ValueError, match=message):
@@ -314,8 +356,17 @@ MASTER_SHAPES = [(6, 4), (4, 6), (4,)]  # right and left projections, and a plai
 
 def master_groups(params, projection):
     # refreshes at steps 0, 2, 4; GoLore uses SVD at 0 and random bases (re-projecting exp_avg) after
-    return [{'params': params[:2], 'rank': 2, 'update_proj_gap': 2, 'scale': SCALE, 'projection': projection,
-             'svd_steps': 2}, {'params': params[2:], 'weight_decay': 0.0}]
+    return [
+        {
+            'params': params[:2],
+            'rank': 2,
+            'update_proj_gap': 2,
+            'scale': SCALE,
+            'projection': projection,
+            'svd_steps': 2,
+        },
+        {'params': params[2:], 'weight_decay': 0.0},
+    ]
 
 
 def master_params(dtype, seed=0):
@@ -336,15 +387,19 @@ def run_steps(opt, params, steps):
 
 
 def make_master(params, projection, **kwargs):
-    return galore.GaLoreAdamW(master_groups(params, projection), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                              seed=7, master=True, **kwargs)
+    return galore.GaLoreAdamW(
+        master_groups(params, projection), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, seed=7, master=True, **kwargs
+    )
 
 
 def assert_same_state(a, b):
     assert a.keys() == b.keys()
     for key in a:
-        assert (torch.equal(a[key], b[key]) and a[key].dtype == b[key].dtype) if torch.is_tensor(a[key]) \
-            else a[key] == b[key], key
+        assert (
+            (torch.equal(a[key], b[key]) and a[key].dtype == b[key].dtype)
+            if torch.is_tensor(a[key])
+            else a[key] == b[key]
+        ), key
 
 
 @pytest.mark.parametrize('projection', ['svd', 'random'])
@@ -400,8 +455,10 @@ def test_master_device_cpu_placement():
 def test_cpu_master_of_cuda_params(projection):
     # CPU masters of CUDA weights: the CPU run's arithmetic bit for bit, every state tensor
     # (projector included) pinned fp32 on the CPU, also after a checkpoint round trip
-    on_gpu, on_cpu = [torch.nn.Parameter(p.detach().cuda()) for p in master_params(torch.bfloat16)], \
-        master_params(torch.bfloat16)
+    on_gpu, on_cpu = (
+        [torch.nn.Parameter(p.detach().cuda()) for p in master_params(torch.bfloat16)],
+        master_params(torch.bfloat16),
+    )
     opt, ref = make_master(on_gpu, projection, master_device='cpu'), make_master(on_cpu, projection)
     steps = master_grads(5)
     run_steps(opt, on_gpu, [[g.cuda() for g in gs] for gs in steps[:3]])
@@ -458,8 +515,7 @@ def test_dropped_master_restarts_from_the_bf16_weight(projection):
     for i in (0, 2):
         del opt.state[params[i]]
     refs = [torch.nn.Parameter(p.detach().float()) for p in params]
-    fresh = galore.GaLoreAdamW(master_groups(refs, projection), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                               seed=7)
+    fresh = galore.GaLoreAdamW(master_groups(refs, projection), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, seed=7)
     run_steps(fresh, refs, [[g if i in (0, 2) else None for i, g in enumerate(steps[3])]])
     run_steps(opt, params, steps[3:])
     for i in (0, 2):
@@ -478,7 +534,9 @@ def test_master_accounting_counts_master_and_moments_not_projector():
     sizes = memory_estimate.memory_bytes(torch.nn.ParameterList(params), opt)
     assert sizes['optimizer'] == 4 * (24 + 2 * 12 + 4 + 2 * 4)
     assert sizes['params'] == 2 * (24 + 24 + 4)
-    assert sorted(k for _, k, _ in memory_estimate.state_tensors(opt)) == sorted(['master', 'exp_avg', 'exp_avg_sq'] * 2)
+    assert sorted(k for _, k, _ in memory_estimate.state_tensors(opt)) == sorted(
+        ['master', 'exp_avg', 'exp_avg_sq'] * 2
+    )
     assert galore.projector_bytes(opt) == 4 * 8
 
 

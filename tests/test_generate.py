@@ -1,10 +1,11 @@
 """Transformer.generate with a KV cache (model.KVCache): the tokens of the uncached loop, for GPT-2 and LLaMA
 (grouped-query attention included), across the block_size crop, under infra/memory_options.py's wrappers."""
+
 import pytest
 import torch
-
 from conftest import tiny_model_config
-from model import Transformer, KVCache
+
+from model import KVCache, Transformer
 
 ARCHS = {
     'gpt2': dict(arch='gpt2'),
@@ -45,7 +46,7 @@ def test_cached_steps_give_the_logits_of_full_forwards(name):
     idx = prompt(model, t=3)
     cache = KVCache(model.config.n_layer, model.config.block_size)
     for t in range(3, model.config.block_size + 1):
-        new = idx[:, cache.length:t]  # the prompt at the first step, one token after
+        new = idx[:, cache.length : t]  # the prompt at the first step, one token after
         cached = model.lm_head(model.hidden_states(new, cache))[:, -1]
         full = model(idx[:, :t])[0][:, -1]
         torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
@@ -86,27 +87,35 @@ def test_sampling_draws_the_same_tokens(name):
 
 
 def test_long_prompt_and_memory_wrappers():
-    """A prompt longer than block_size crops as before; infra/memory_options.py's wrapped forwards leave the cache alone."""
+    """A prompt longer than block_size crops as before; infra/memory_options.py's wrapped forwards leave the
+    cache alone."""
     from infra import memory_options
+
     model = tiny('llama-gqa')
     long_prompt = prompt(model, t=20)
-    assert torch.equal(model.generate(long_prompt, 6, top_k=1),
-                       model.generate(long_prompt, 6, top_k=1, use_cache=False))
+    assert torch.equal(
+        model.generate(long_prompt, 6, top_k=1), model.generate(long_prompt, 6, top_k=1, use_cache=False)
+    )
     idx = prompt(model)
     expected = model.generate(idx, 20, top_k=1, use_cache=False)
-    memory_options.apply(model, activation_checkpointing=True, checkpoint_sublayers=True, activation_offload=True,
-                 loss_chunk=4)
+    memory_options.apply(
+        model, activation_checkpointing=True, checkpoint_sublayers=True, activation_offload=True, loss_chunk=4
+    )
     assert torch.equal(model.generate(idx, 20, top_k=1), expected)
 
 
 def test_bench_generate_runs_both_ways(tmp_path):
     """experiments/bench_generate.py (a benchmark, not timed here): both rates, their ratio, the same tokens."""
     from dataclasses import asdict
+
     from conftest import assert_one_line_error, run_script
+
     model = tiny('llama-gqa')
     torch.save({'model_args': asdict(model.config), 'model': model.state_dict()}, tmp_path / 'ckpt.pt')
-    result = run_script('experiments/bench_generate.py', [f'--out_dir={tmp_path}', '--prompt_tokens=3', '--new_tokens=20',
-                                              '--batch_size=2', '--device=cpu'])
+    result = run_script(
+        'experiments/bench_generate.py',
+        [f'--out_dir={tmp_path}', '--prompt_tokens=3', '--new_tokens=20', '--batch_size=2', '--device=cpu'],
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[1].startswith('note: beyond 16 tokens both ways run the cropped window afresh')

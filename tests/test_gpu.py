@@ -1,16 +1,17 @@
 """The CUDA-only branches of docs/gpu.md that no CPU test reaches, run on a GPU: `python -m pytest -m cuda
 tests` (with the CUDA tests of other files), or `bash .ci/gpu`. Every test here skips without CUDA."""
+
 import os
 
 import pytest
 import torch
+from conftest import assert_same_state, cpu_checkpoint_after_one_step, load, run_train, train_defaults
 
 import builder
 from infra import checkpoint, memory_estimate, memory_options
-from conftest import assert_same_state, cpu_checkpoint_after_one_step, load, run_train, train_defaults
+from infra.distributed import Ranks
 from infra.metrics import peak_bf16_flops
 from model import Linear
-from infra.distributed import Ranks
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')]
 
@@ -53,16 +54,19 @@ def test_train_resume_on_the_gpu_is_bitwise(tmp_path):
 @pytest.mark.parametrize('method', ['lisa_wor', 'tensor_wor', 'tensor_iid', 'full'])
 def test_compiled_blocks_with_inductor_do_not_hit_the_recompile_limit(method):
     """memory_options.compile_blocks with the default backend (inductor), bf16 autocast: no recompile storm."""
-    from model import Transformer, TransformerConfig
     import omgd
+    from model import Transformer, TransformerConfig
+
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = Transformer(TransformerConfig(arch='llama', n_layer=4, n_head=2, n_kv_head=1, n_embd=64, block_size=32,
-                          vocab_size=64)).cuda()
+    model = Transformer(
+        TransformerConfig(arch='llama', n_layer=4, n_head=2, n_kv_head=1, n_embd=64, block_size=32, vocab_size=64)
+    ).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     kind = omgd.METHODS.get(method)
-    cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig(method, period=1, **(
-        {'gamma': 2} if kind and kind.unit == 'block' else {})))
+    cycler = omgd.build_cycler(
+        model, opt, omgd.CyclerConfig(method, period=1, **({'gamma': 2} if kind and kind.unit == 'block' else {}))
+    )
     memory_options.compile_blocks(model, method)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         for it in range(12):
@@ -82,20 +86,25 @@ def test_compiled_blocks_compute_what_eager_mode_does_through_switches(method):
     instead of a recompile) against eager mode, bf16 autocast, a switch every iteration for 10 iterations:
     at every iteration the same parameters get a gradient, each within bf16 rounding of eager's (so every
     block is checked after each of its reactivations), the losses too, and the final weights."""
-    from model import Transformer, TransformerConfig
     import omgd
+    from model import Transformer, TransformerConfig
+
     torch._dynamo.reset()
     kind = omgd.METHODS[method]
 
     def build(compiled):
         torch.manual_seed(0)
-        model = Transformer(TransformerConfig(arch='gpt2', n_layer=4, n_head=2, n_embd=64, block_size=32,
-                                              vocab_size=128)).cuda()
+        model = Transformer(
+            TransformerConfig(arch='gpt2', n_layer=4, n_head=2, n_embd=64, block_size=32, vocab_size=128)
+        ).cuda()
         # SGD: the two runs' weights drift apart by their gradients' rounding only (AdamW's normalised steps
         # would grow the gap to lr per step whatever the gradients)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig(method, period=1, seed=1, **(
-            {'gamma': 1} if kind.unit == 'block' else {'ratio': 0.5})))
+        cycler = omgd.build_cycler(
+            model,
+            opt,
+            omgd.CyclerConfig(method, period=1, seed=1, **({'gamma': 1} if kind.unit == 'block' else {'ratio': 0.5})),
+        )
         if compiled:
             memory_options.compile_blocks(model, method)
         return model, opt, cycler
@@ -152,7 +161,15 @@ def test_this_gpu_has_a_peak_and_free_memory():
 
 def test_master_device_cpu_and_activation_offload_train_on_the_gpu(tmp_path):
     """The pinned paths end to end: CPU masters (HostStaging), offloaded activations, parked state."""
-    out = run_train(f'--out_dir={tmp_path}', '--device=cuda', '--dtype=bfloat16', '--max_iters=8',
-                    '--eval_interval=4', '--precision=bf16_master', '--master_device=cpu', '--omgd_state=offload',
-                    '--activation_offload=True').stdout
+    out = run_train(
+        f'--out_dir={tmp_path}',
+        '--device=cuda',
+        '--dtype=bfloat16',
+        '--max_iters=8',
+        '--eval_interval=4',
+        '--precision=bf16_master',
+        '--master_device=cpu',
+        '--omgd_state=offload',
+        '--activation_offload=True',
+    ).stdout
     assert 'step 8' in out and os.path.exists(tmp_path / 'ckpt.pt')

@@ -1,5 +1,6 @@
-"""Hugging Face import and export (infra/hf.py; export.py is its command line) against transformers itself, offline: tiny random
-GPT2LMHeadModel / LlamaForCausalLM models are built and saved inside each test."""
+"""Hugging Face import and export (infra/hf.py; export.py is its command line) against transformers itself,
+offline: tiny random GPT2LMHeadModel / LlamaForCausalLM models are built and saved inside each test."""
+
 import contextlib
 import io
 import json
@@ -30,8 +31,10 @@ def randomize(model, seed=0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.1 if 'norm' in name or 'ln' in name else 0.3)
-                    + (1.0 if name.endswith('weight') and p.dim() == 1 else 0.0))
+            p.copy_(
+                torch.randn(p.shape, generator=g) * (0.1 if 'norm' in name or 'ln' in name else 0.3)
+                + (1.0 if name.endswith('weight') and p.dim() == 1 else 0.0)
+            )
     return model
 
 
@@ -39,15 +42,33 @@ def hf_model(kind):
     """A random transformers model of one of the cases below."""
     torch.manual_seed(0)
     if kind.startswith('gpt2'):
-        cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=POSITIONS, vocab_size=VOCAB,
-                                      tie_word_embeddings=kind == 'gpt2', bos_token_id=0, eos_token_id=0)
+        cfg = transformers.GPT2Config(
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=POSITIONS,
+            vocab_size=VOCAB,
+            tie_word_embeddings=kind == 'gpt2',
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         model = transformers.GPT2LMHeadModel(cfg)
     else:
         heads, kv = (4, 2) if kind == 'llama-gqa' else (4, 4)
-        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                       num_attention_heads=heads, num_key_value_heads=kv, vocab_size=VOCAB,
-                                       max_position_embeddings=POSITIONS, rope_theta=5000.0, rms_norm_eps=1e-5,
-                                       tie_word_embeddings=kind == 'llama-tied', bos_token_id=1, eos_token_id=2)
+        cfg = transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            vocab_size=VOCAB,
+            max_position_embeddings=POSITIONS,
+            rope_theta=5000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=kind == 'llama-tied',
+            bos_token_id=1,
+            eos_token_id=2,
+        )
         model = transformers.LlamaForCausalLM(cfg)
     return randomize(model).eval()
 
@@ -90,15 +111,19 @@ def test_import_gives_transformers_logits(tmp_path, kind):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize('args', [
-    dict(arch='gpt2', bias=False),  # train.py's default: exact GELU, no biases (exported as zeros)
-    dict(arch='gpt2', gelu='tanh', tie_embeddings=False, mlp_hidden=40, norm_eps=1e-4),
-    dict(arch='llama', n_kv_head=2, rope_theta=500.0, norm_eps=1e-4),
-    dict(arch='llama', tie_embeddings=True, mlp_hidden=40),
-])
+@pytest.mark.parametrize(
+    'args',
+    [
+        dict(arch='gpt2', bias=False),  # train.py's default: exact GELU, no biases (exported as zeros)
+        dict(arch='gpt2', gelu='tanh', tie_embeddings=False, mlp_hidden=40, norm_eps=1e-4),
+        dict(arch='llama', n_kv_head=2, rope_theta=500.0, norm_eps=1e-4),
+        dict(arch='llama', tie_embeddings=True, mlp_hidden=40),
+    ],
+)
 def test_export_gives_transformers_logits(tmp_path, args):
-    model = randomize(Transformer(TransformerConfig(n_layer=2, n_head=4, n_embd=32, block_size=POSITIONS, vocab_size=VOCAB,
-                                    **args))).eval()
+    model = randomize(
+        Transformer(TransformerConfig(n_layer=2, n_head=4, n_embd=32, block_size=POSITIONS, vocab_size=VOCAB, **args))
+    ).eval()
     hf.save(model, str(tmp_path))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     # every tensor transformers has is in the file (none left to its initialisation); a tied head is stored once
@@ -108,15 +133,29 @@ def test_export_gives_transformers_logits(tmp_path, args):
     ours = our_logits(model, idx)
     assert (ours - theirs(idx).logits).abs().max() < 1e-5
     if args['arch'] == 'gpt2':  # the check can fail: the other GELU is far off on these weights
-        other = Transformer(TransformerConfig(**{**vars(model.config), 'gelu': 'exact' if model.config.gelu == 'tanh' else 'tanh'}))
+        other = Transformer(
+            TransformerConfig(**{**vars(model.config), 'gelu': 'exact' if model.config.gelu == 'tanh' else 'tanh'})
+        )
         other.load_state_dict(model.state_dict())
         assert (our_logits(other.eval(), idx) - ours).abs().max() > 1e-4
 
 
 def test_old_checkpoints_keep_exact_gelu_and_their_tying():
     """model_args saved before the gelu and tie_embeddings fields existed build what they built then."""
-    old = dict(arch='gpt2', block_size=16, vocab_size=65, n_layer=1, n_head=2, n_kv_head=2, n_embd=16,
-               mlp_hidden=64, dropout=0.0, bias=False, rope_theta=10000.0, norm_eps=1e-5)
+    old = dict(
+        arch='gpt2',
+        block_size=16,
+        vocab_size=65,
+        n_layer=1,
+        n_head=2,
+        n_kv_head=2,
+        n_embd=16,
+        mlp_hidden=64,
+        dropout=0.0,
+        bias=False,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+    )
     gpt2 = Transformer(TransformerConfig(**old))
     assert gpt2.config.gelu == 'exact' and gpt2.blocks[0].mlp.approximate == 'none'
     assert gpt2.lm_head.weight is gpt2.wte.weight
@@ -149,8 +188,9 @@ def test_sharded_safetensors_and_pytorch_bin_read_alike(tmp_path):
 def test_gpt2_hub_layout_without_prefix_and_with_mask_buffers(tmp_path):
     """The hub's GPT-2 files were saved from GPT2Model: no 'transformer.' prefix, causal-mask buffers."""
     ref = save_hf('gpt2', tmp_path / 'hf')
-    state = {k.removeprefix('transformer.'): v.contiguous() for k, v in ref.state_dict().items()
-             if k != 'lm_head.weight'}
+    state = {
+        k.removeprefix('transformer.'): v.contiguous() for k, v in ref.state_dict().items() if k != 'lm_head.weight'
+    }
     state['h.0.attn.bias'] = torch.ones(1, 1, POSITIONS, POSITIONS)
     (tmp_path / 'hub').mkdir()
     save_file(state, tmp_path / 'hub' / 'model.safetensors', metadata={'format': 'pt'})
@@ -160,6 +200,7 @@ def test_gpt2_hub_layout_without_prefix_and_with_mask_buffers(tmp_path):
 
 def test_hub_name_goes_through_transformers(monkeypatch):
     import types
+
     ref = hf_model('gpt2')
     fake = types.SimpleNamespace(GPT2LMHeadModel=types.SimpleNamespace(from_pretrained=lambda name: ref))
     monkeypatch.setitem(sys.modules, 'transformers', fake)
@@ -183,23 +224,36 @@ def edit_config(path, **changes):
     (path / 'config.json').write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize('kind, changes, pattern', [
-    ('llama-gqa', dict(architectures=['MistralForCausalLM'], model_type='mistral'),
-     r"MistralForCausalLM cannot be mapped; this repository imports GPT2LMHeadModel and LlamaForCausalLM"),
-    ('llama-gqa', dict(rope_parameters={'rope_type': 'llama3', 'factor': 8.0, 'rope_theta': 5e5}),
-     r"rope scaling 'llama3' cannot be mapped"),
-    ('llama-gqa', dict(rope_scaling={'type': 'linear', 'factor': 2.0}), r"rope scaling 'linear' cannot be mapped"),
-    ('llama-gqa', dict(attention_bias=True), r"LLaMA with biases \(attention_bias=true\) cannot be mapped"),
-    ('llama-gqa', dict(mlp_bias=True), r"LLaMA with biases \(mlp_bias=true\) cannot be mapped"),
-    ('llama-gqa', dict(hidden_act='gelu'), r"hidden_act 'gelu' cannot be mapped"),
-    ('llama-gqa', dict(head_dim=16), r"head_dim=16 x num_attention_heads=4 != hidden_size=32"),
-    ('gpt2', dict(activation_function='relu'), r"GPT-2 with activation_function 'relu' cannot be mapped"),
-    ('gpt2', dict(scale_attn_by_inverse_layer_idx=True), r"scale_attn_by_inverse_layer_idx=true cannot be mapped"),
-    ('llama-gqa', dict(num_key_value_heads=4), r"'model.layers.0.self_attn.k_proj.weight' has shape \(16, 32\), "
-                                               r"the config gives \(32, 32\)"),
-    ('llama-gqa', dict(tie_word_embeddings=True), r"tie_word_embeddings is true but lm_head.weight differs"),
-    ('gpt2-untied', dict(tie_word_embeddings=True), r"tie_word_embeddings is true but lm_head.weight differs"),
-])
+@pytest.mark.parametrize(
+    'kind, changes, pattern',
+    [
+        (
+            'llama-gqa',
+            dict(architectures=['MistralForCausalLM'], model_type='mistral'),
+            r"MistralForCausalLM cannot be mapped; this repository imports GPT2LMHeadModel and LlamaForCausalLM",
+        ),
+        (
+            'llama-gqa',
+            dict(rope_parameters={'rope_type': 'llama3', 'factor': 8.0, 'rope_theta': 5e5}),
+            r"rope scaling 'llama3' cannot be mapped",
+        ),
+        ('llama-gqa', dict(rope_scaling={'type': 'linear', 'factor': 2.0}), r"rope scaling 'linear' cannot be mapped"),
+        ('llama-gqa', dict(attention_bias=True), r"LLaMA with biases \(attention_bias=true\) cannot be mapped"),
+        ('llama-gqa', dict(mlp_bias=True), r"LLaMA with biases \(mlp_bias=true\) cannot be mapped"),
+        ('llama-gqa', dict(hidden_act='gelu'), r"hidden_act 'gelu' cannot be mapped"),
+        ('llama-gqa', dict(head_dim=16), r"head_dim=16 x num_attention_heads=4 != hidden_size=32"),
+        ('gpt2', dict(activation_function='relu'), r"GPT-2 with activation_function 'relu' cannot be mapped"),
+        ('gpt2', dict(scale_attn_by_inverse_layer_idx=True), r"scale_attn_by_inverse_layer_idx=true cannot be mapped"),
+        (
+            'llama-gqa',
+            dict(num_key_value_heads=4),
+            r"'model.layers.0.self_attn.k_proj.weight' has shape \(16, 32\), "
+            r"the config gives \(32, 32\)",
+        ),
+        ('llama-gqa', dict(tie_word_embeddings=True), r"tie_word_embeddings is true but lm_head.weight differs"),
+        ('gpt2-untied', dict(tie_word_embeddings=True), r"tie_word_embeddings is true but lm_head.weight differs"),
+    ],
+)
 def test_what_cannot_be_mapped_is_refused_in_one_line(tmp_path, kind, changes, pattern):
     save_hf(kind, tmp_path)
     hf.load(str(tmp_path))  # loads before the edit
@@ -212,9 +266,17 @@ def test_what_cannot_be_mapped_is_refused_in_one_line(tmp_path, kind, changes, p
 
 def test_biases_and_missing_tensors_in_the_weights_are_refused(tmp_path):
     """A LLaMA whose config denies biases the weights have, and weights short of a tensor."""
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, vocab_size=VOCAB,
-        max_position_embeddings=POSITIONS, attention_bias=True)).save_pretrained(tmp_path)
+    transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            vocab_size=VOCAB,
+            max_position_embeddings=POSITIONS,
+            attention_bias=True,
+        )
+    ).save_pretrained(tmp_path)
     with pytest.raises(hf.HFError, match=r"attention_bias=true"):
         hf.load(str(tmp_path))
     edit_config(tmp_path, attention_bias=False)
@@ -223,8 +285,11 @@ def test_biases_and_missing_tensors_in_the_weights_are_refused(tmp_path):
     state = load_file(tmp_path / 'model.safetensors')
     state = {k: v for k, v in state.items() if not k.endswith('.bias') and 'norm' not in k}
     save_file(state, tmp_path / 'model.safetensors', metadata={'format': 'pt'})
-    with pytest.raises(hf.HFError, match=r"the weights lack 3 tensor\(s\) the config needs, e\.g\. "
-                                         r"'model\.layers\.0\.input_layernorm\.weight'"):
+    with pytest.raises(
+        hf.HFError,
+        match=r"the weights lack 3 tensor\(s\) the config needs, e\.g\. "
+        r"'model\.layers\.0\.input_layernorm\.weight'",
+    ):
         hf.load(str(tmp_path))
     os.remove(tmp_path / 'model.safetensors')
     with pytest.raises(hf.HFError, match=r"holds no weights: expected model\.safetensors"):
@@ -239,10 +304,27 @@ def test_biases_and_missing_tensors_in_the_weights_are_refused(tmp_path):
 
 def train(*args):
     """train.py in this process (its module-level script), tiny and quick; returns its stdout."""
-    argv = ['train.py', '--n_layer=2', '--n_head=2', '--n_embd=32', f'--block_size={POSITIONS}', '--batch_size=4',
-            '--max_iters=3', '--eval_interval=3', '--eval_iters=1', '--log_interval=1', '--sample_tokens=0',
-            '--compile=False', '--omgd_gamma=1', '--omgd_period=1', '--warmup_iters=1', '--lr_decay_iters=3',
-            '--device=cpu', '--dtype=float32', *args]
+    argv = [
+        'train.py',
+        '--n_layer=2',
+        '--n_head=2',
+        '--n_embd=32',
+        f'--block_size={POSITIONS}',
+        '--batch_size=4',
+        '--max_iters=3',
+        '--eval_interval=3',
+        '--eval_iters=1',
+        '--log_interval=1',
+        '--sample_tokens=0',
+        '--compile=False',
+        '--omgd_gamma=1',
+        '--omgd_period=1',
+        '--warmup_iters=1',
+        '--lr_decay_iters=3',
+        '--device=cpu',
+        '--dtype=float32',
+        *args,
+    ]
     out, old_argv, cwd = io.StringIO(), sys.argv, os.getcwd()
     try:
         sys.argv = argv
@@ -324,10 +406,13 @@ def test_the_cpu_run_of_docs_models_md_runs_as_written(tmp_path):
     there: DIR a tiny random 8-block GPT-2 (there: 48 blocks), out_dir a temporary one. It trains, switches and
     saves; without its --device=cpu it would be refused on a machine without CUDA."""
     import shlex
+
     from conftest import run_script
+
     text = open(os.path.join(ROOT, 'docs', 'models.md')).read()
-    command = re.search(r'^python train\.py config/finetune_shakespeare_lisa_wor\.py --init_from=DIR .*?(?=\n```)',
-                        text, re.M | re.S).group(0)
+    command = re.search(
+        r'^python train\.py config/finetune_shakespeare_lisa_wor\.py --init_from=DIR .*?(?=\n```)', text, re.M | re.S
+    ).group(0)
     argv = shlex.split(command.replace('\\\n', ' '))[2:]
     config = transformers.GPT2Config(n_embd=16, n_layer=8, n_head=2, n_positions=1024, vocab_size=50257)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / 'in')
@@ -340,10 +425,13 @@ def test_the_cpu_run_of_docs_models_md_runs_as_written(tmp_path):
 def test_train_refuses_what_does_not_fit_the_pretrained_model(tmp_path):
     save_hf('llama-gqa', tmp_path / 'in')
     run = f'--out_dir={tmp_path / "run"}'
-    assert f"block_size=32 is longer than the 16 positions of {tmp_path / 'in'}; use --block_size=16" in \
-        train_error(f'--init_from={tmp_path / "in"}', run, '--block_size=32')
-    assert "init_from must be 'scratch', 'resume', 'auto', a GPT-2 name or a Hugging Face model directory, got" in \
-        train_error(f'--init_from={tmp_path / "nowhere"}', run)
+    assert f"block_size=32 is longer than the 16 positions of {tmp_path / 'in'}; use --block_size=16" in train_error(
+        f'--init_from={tmp_path / "in"}', run, '--block_size=32'
+    )
+    assert (
+        "init_from must be 'scratch', 'resume', 'auto', a GPT-2 name or a Hugging Face model directory, got"
+        in train_error(f'--init_from={tmp_path / "nowhere"}', run)
+    )
     edit_config(tmp_path / 'in', rope_scaling={'rope_type': 'yarn', 'factor': 4.0})
     assert "rope scaling 'yarn' cannot be mapped" in train_error(f'--init_from={tmp_path / "in"}', run)
     assert not os.path.exists(tmp_path / 'run' / 'ckpt.pt')
@@ -354,14 +442,24 @@ def test_train_refuses_what_does_not_fit_the_pretrained_model(tmp_path):
 
 
 def fake_checkpoint(out_dir, dataset, arch='gpt2', vocab_size=VOCAB):
-    model = Transformer(TransformerConfig(arch=arch, n_layer=1, n_head=2, n_embd=16, block_size=POSITIONS, vocab_size=vocab_size))
+    model = Transformer(
+        TransformerConfig(arch=arch, n_layer=1, n_head=2, n_embd=16, block_size=POSITIONS, vocab_size=vocab_size)
+    )
     out_dir.mkdir()
-    torch.save({'model': model.state_dict(), 'model_args': vars(model.config), 'iter_num': 0,
-                'config': {'dataset': str(dataset)}}, out_dir / 'ckpt.pt')
+    torch.save(
+        {
+            'model': model.state_dict(),
+            'model_args': vars(model.config),
+            'iter_num': 0,
+            'config': {'dataset': str(dataset)},
+        },
+        out_dir / 'ckpt.pt',
+    )
 
 
 def test_gpt2_bpe_dataset_exports_gpt2s_tokenizer(tmp_path):
     from data.gpt2_bpe import gpt2_encoding
+
     (tmp_path / 'data').mkdir()  # no meta.pkl: GPT-2 BPE
     fake_checkpoint(tmp_path / 'run', tmp_path / 'data', vocab_size=50304)
     note = export_dir(tmp_path / 'run', tmp_path / 'out')
@@ -383,10 +481,19 @@ def test_a_sharded_export_generates_our_greedy_tokens_in_transformers(tmp_path, 
     loads them with the exported GPT-2 tokenizer and, greedy, generates the tokens our model generates
     (Transformer.generate with top_k=1, what sample.py runs)."""
     (tmp_path / 'data').mkdir()  # no meta.pkl: GPT-2 BPE
-    model = randomize(Transformer(TransformerConfig(arch=arch, n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=50304)))
+    model = randomize(
+        Transformer(TransformerConfig(arch=arch, n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=50304))
+    )
     (tmp_path / 'run').mkdir()
-    torch.save({'model': model.state_dict(), 'model_args': vars(model.config), 'iter_num': 0,
-                'config': {'dataset': str(tmp_path / 'data')}}, tmp_path / 'run' / 'ckpt.pt')
+    torch.save(
+        {
+            'model': model.state_dict(),
+            'model_args': vars(model.config),
+            'iter_num': 0,
+            'config': {'dataset': str(tmp_path / 'data')},
+        },
+        tmp_path / 'run' / 'ckpt.pt',
+    )
     lines = []
     hf.export(str(tmp_path / 'run'), str(tmp_path / 'out'), max_shard_size='2MB', log=lines.append)
     shards = sorted(p.name for p in (tmp_path / 'out').glob('model-*.safetensors'))
@@ -407,16 +514,29 @@ def test_a_sharded_export_generates_our_greedy_tokens_in_transformers(tmp_path, 
 
 def test_hf_tokenizer_dataset_exports_its_tokenizer_files(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
+
     tok_dir = tmp_path / 'tok'
     tok_dir.mkdir()
-    vocab = {'<s>': 0, '</s>': 1, '<unk>': 2, **{w: i + 3 for i, w in enumerate('to be or not that is the question'
-                                                                             .split())}}
+    vocab = {
+        '<s>': 0,
+        '</s>': 1,
+        '<unk>': 2,
+        **{w: i + 3 for i, w in enumerate('to be or not that is the question'.split())},
+    }
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token='<unk>'))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.add_special_tokens(['<s>', '</s>'])
     tokenizer.save(str(tok_dir / 'tokenizer.json'))
-    (tok_dir / 'tokenizer_config.json').write_text(json.dumps(
-        {'tokenizer_class': 'PreTrainedTokenizerFast', 'bos_token': '<s>', 'eos_token': '</s>', 'unk_token': '<unk>'}))
+    (tok_dir / 'tokenizer_config.json').write_text(
+        json.dumps(
+            {
+                'tokenizer_class': 'PreTrainedTokenizerFast',
+                'bos_token': '<s>',
+                'eos_token': '</s>',
+                'unk_token': '<unk>',
+            }
+        )
+    )
     (tmp_path / 'data').mkdir()
     with open(tmp_path / 'data' / 'meta.pkl', 'wb') as f:
         pickle.dump({'tokenizer': str(tok_dir), 'vocab_size': len(vocab)}, f)
@@ -435,6 +555,7 @@ def test_character_level_dataset_exports_a_tokenizer_transformers_reads(tmp_path
     as tokenizer.json, a word-level tokenizer over the characters: AutoTokenizer encodes any text of them as
     data/tokenizer.py does and decodes it back, and eval.py reads the directory as that character tokenizer."""
     from data.tokenizer import Tokenizer
+
     chars = sorted(set("ROMEO: But soft, what light through yonder window breaks?\n\t'\"-\u00e9"))
     itos = dict(enumerate(chars))
     (tmp_path / 'data').mkdir()
@@ -457,13 +578,16 @@ def test_character_level_dataset_exports_a_tokenizer_transformers_reads(tmp_path
         tok('ROMEO\u00a7')
     assert hf.read_char_tokenizer(str(tmp_path / 'out')) == itos
     from eval import tokenizer_for
+
     assert tokenizer_for('', str(tmp_path / 'out')).encode('ROMEO: soft') == ours.encode('ROMEO: soft')
 
 
 def test_export_refusals_are_one_line(tmp_path, capsys):
-    for argv, pattern in ((['--out_dir=' + str(tmp_path)], r"--hf_dir is required"),
-                          ([f'--out_dir={tmp_path}', f'--hf_dir={tmp_path / "hf"}'], r"no checkpoint at"),
-                          ([f'--out_dir={tmp_path}', '--hf_dir=x', '--dtype=fp8'], r"dtype must be '' .* got 'fp8'")):
+    for argv, pattern in (
+        (['--out_dir=' + str(tmp_path)], r"--hf_dir is required"),
+        ([f'--out_dir={tmp_path}', f'--hf_dir={tmp_path / "hf"}'], r"no checkpoint at"),
+        ([f'--out_dir={tmp_path}', '--hf_dir=x', '--dtype=fp8'], r"dtype must be '' .* got 'fp8'"),
+    ):
         with pytest.raises(SystemExit) as e:
             export.main(argv)
         assert str(e.value.code).startswith('error: ') and '\n' not in str(e.value.code)
@@ -492,12 +616,17 @@ def test_a_model_field_the_export_does_not_map_is_refused_before_writing(tmp_pat
     transformers loads and runs without it, computing other logits. Set, it is refused and nothing is written;
     at its default the model exports as before."""
     import dataclasses
+
     from model import Transformer, TransformerConfig
+
     forked = dataclasses.make_dataclass('ForkedConfig', [('qk_norm', bool, False)], bases=(TransformerConfig,))
     shape = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32)
-    with pytest.raises(hf.ExportError, match=r"^the model sets qk_norm=True, which the Hugging Face GPT2LMHeadModel "
-                                             r"export does not map: transformers would load it and compute other "
-                                             r"logits; map it in hf.config_to_hf and hf_state_dict first$"):
+    with pytest.raises(
+        hf.ExportError,
+        match=r"^the model sets qk_norm=True, which the Hugging Face GPT2LMHeadModel "
+        r"export does not map: transformers would load it and compute other "
+        r"logits; map it in hf.config_to_hf and hf_state_dict first$",
+    ):
         hf.save(Transformer(forked(**shape, qk_norm=True)), str(tmp_path / 'hf'))
     assert not (tmp_path / 'hf').exists()
     hf.save(Transformer(forked(**shape)), str(tmp_path / 'hf'))
@@ -513,8 +642,12 @@ def test_export_replaces_only_its_own_files(tmp_path):
     fake_checkpoint(tmp_path / 'char_run', tmp_path / 'chars', vocab_size=char_dataset(tmp_path / 'chars'))
     out = tmp_path / 'out'
     out.mkdir()
-    foreign = {'model_backup.safetensors': b'the user\'s own weights', 'README.md': b'notes',
-               'model-00001-of-00002.safetensors.bak': b'a copy', 'vocab.txt': b'not ours'}
+    foreign = {
+        'model_backup.safetensors': b'the user\'s own weights',
+        'README.md': b'notes',
+        'model-00001-of-00002.safetensors.bak': b'a copy',
+        'vocab.txt': b'not ours',
+    }
     for name, content in foreign.items():
         (out / name).write_bytes(content)
     hf.export(str(tmp_path / 'gpt2_run'), str(out), max_shard_size='2MB', log=lambda line: None)
@@ -529,8 +662,14 @@ def test_export_replaces_only_its_own_files(tmp_path):
     hf.export(str(tmp_path / 'char_run'), str(out), overwrite=True, log=lambda line: None)
     after = files_of(out)
     assert all(after[name] == content for name, content in foreign.items())
-    ours = {'config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json',
-            hf.MANIFEST}
+    ours = {
+        'config.json',
+        'generation_config.json',
+        'model.safetensors',
+        'tokenizer.json',
+        'tokenizer_config.json',
+        hf.MANIFEST,
+    }
     assert set(after) == set(foreign) | ours, sorted(after)  # no GPT-2 vocab.json, merges.txt, shards or index
     assert hf.read_char_tokenizer(str(out)) is not None
     assert hf.load(str(out)).config.vocab_size == len(set('ROMEO: soft,\n'))
@@ -550,14 +689,19 @@ def test_the_staging_folder_of_a_killed_export_is_removed_and_no_other(tmp_path)
     whose process still runs, and one of another machine stay."""
     import socket
     import subprocess
+
     fake_checkpoint(tmp_path / 'run', tmp_path / 'chars', vocab_size=char_dataset(tmp_path / 'chars'))
     out = tmp_path / 'out'
     out.mkdir()
     gone = subprocess.Popen(['true'])  # a process that has ended: its pid names no process
     gone.wait()
     host = socket.gethostname()
-    owners = {'.export-tmp-killed': f'{gone.pid}@{host}', '.export-tmp-running': f'{os.getpid()}@{host}',
-              '.export-tmp-elsewhere': f'{gone.pid}@not-{host}', '.export-tmp-no-marker': None}
+    owners = {
+        '.export-tmp-killed': f'{gone.pid}@{host}',
+        '.export-tmp-running': f'{os.getpid()}@{host}',
+        '.export-tmp-elsewhere': f'{gone.pid}@not-{host}',
+        '.export-tmp-no-marker': None,
+    }
     for name, owner in owners.items():
         (out / name).mkdir()
         (out / name / 'model.safetensors').write_bytes(b'half of the weights')
@@ -581,6 +725,7 @@ def test_a_staging_marker_that_cannot_be_written_leaves_no_folder_and_ends_in_on
         if os.path.basename(str(path)) == hf.STAGING:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return builtins.open(path, *args, **kwargs)
+
     monkeypatch.setattr(hf, 'open', full_disk, raising=False)
     mine = tmp_path / 'out'
     mine.mkdir()
@@ -589,7 +734,9 @@ def test_a_staging_marker_that_cannot_be_written_leaves_no_folder_and_ends_in_on
         with pytest.raises(hf.ExportError) as e:
             with hf.staged(str(hf_dir)):
                 pytest.fail('the block ran without a marker')
-        assert str(e.value) == f"cannot write into --hf_dir={hf_dir} (No space left on device); give a writable directory"
+        assert (
+            str(e.value) == f"cannot write into --hf_dir={hf_dir} (No space left on device); give a writable directory"
+        )
     assert os.listdir(mine) == ['notes.txt'] and not (tmp_path / 'new').exists()
 
 
@@ -598,8 +745,10 @@ def test_an_export_that_cannot_write_leaves_the_directory_as_it_was(tmp_path, mo
     and the user's files are all still there, byte for byte, and export.py ends in one line, no traceback;
     a directory that did not exist is not left behind."""
     import errno
+
     import safetensors.torch
     from conftest import assert_one_line_error, run_script
+
     fake_checkpoint(tmp_path / 'run', tmp_path / 'chars', vocab_size=char_dataset(tmp_path / 'chars'))
     out = tmp_path / 'out'
     hf.export(str(tmp_path / 'run'), str(out), log=lambda line: None)
@@ -614,8 +763,11 @@ def test_an_export_that_cannot_write_leaves_the_directory_as_it_was(tmp_path, mo
     monkeypatch.setattr(safetensors.torch, 'save_file', full_disk)
     for hf_dir in (out, tmp_path / 'new' / 'hf'):
         result = run_script('export.py', [f'--out_dir={tmp_path / "run"}', f'--hf_dir={hf_dir}', '--overwrite=True'])
-        assert_one_line_error(result, rf"cannot write the export into {re.escape(str(hf_dir))} \(No space left on "
-                                      rf"device\); .* is left as it was: free space")
+        assert_one_line_error(
+            result,
+            rf"cannot write the export into {re.escape(str(hf_dir))} \(No space left on "
+            rf"device\); .* is left as it was: free space",
+        )
     assert files_of(out) == before and sorted(os.listdir(out)) == sorted(before)  # no temporary folder either
     assert not (tmp_path / 'new' / 'hf').exists()
 
@@ -626,6 +778,9 @@ def test_an_index_that_is_not_an_object_of_file_names_is_one_line(tmp_path, inde
     (tmp_path / 'in' / 'model.safetensors').unlink()
     (tmp_path / 'in' / 'model.safetensors.index.json').write_text(index)
     for read in (hf.load, hf.from_pretrained):
-        with pytest.raises(hf.HFError, match=r"model\.safetensors\.index\.json is not a Hugging Face index \(a JSON "
-                                             r"object whose weight_map maps tensor names to file names\)"):
+        with pytest.raises(
+            hf.HFError,
+            match=r"model\.safetensors\.index\.json is not a Hugging Face index \(a JSON "
+            r"object whose weight_map maps tensor names to file names\)",
+        ):
             read(str(tmp_path / 'in'))

@@ -1,4 +1,5 @@
 """Tests of experiments/linreg.py: the least-squares example of the paper (Figure 2)."""
+
 import math
 import os
 import sys
@@ -88,18 +89,16 @@ def test_wor_schedule_is_algorithm_1(prob, monkeypatch):
 
     # run() draws its RR_mask_wor cycles from mask_cycle too: ceil((T - warmup) / (M n)) per seed
     made['masks'].clear()
-    linreg.run(['RR_mask_wor'], T=warmup + 2 * M * n + 1, seeds=2, warmup=warmup, problem=prob,
-               decompose=False)
+    linreg.run(['RR_mask_wor'], T=warmup + 2 * M * n + 1, seeds=2, warmup=warmup, problem=prob, decompose=False)
     assert len(made['masks']) == 2 * 3
 
 
 def test_other_schedules(prob):
     X = prob['X']
     n, d = X.shape
-    s_rr, s_iid_mask, s_proj, s_iid = linreg.make_schedules(
-        ['RR', 'RR_mask_iid', 'RR_proj', 'IID'], [0], X, 0.5, 0)
+    s_rr, s_iid_mask, s_proj, s_iid = linreg.make_schedules(['RR', 'RR_mask_iid', 'RR_proj', 'IID'], [0], X, 0.5, 0)
     idx, U, mask = s_rr.take(2 * n)
-    assert all(sorted(idx[e * n:(e + 1) * n].tolist()) == list(range(n)) for e in range(2))
+    assert all(sorted(idx[e * n : (e + 1) * n].tolist()) == list(range(n)) for e in range(2))
     assert np.array_equal(U, X[idx]) and np.all(mask == 1)
     idx, U, mask = s_iid_mask.take(n)
     assert sorted(idx.tolist()) == list(range(n))
@@ -110,8 +109,8 @@ def test_other_schedules(prob):
     assert mask is None and sorted(idx.tolist()) == list(range(n))
     # u = 2 P P^T x with P P^T a rank-5 orthogonal projection: x.u = 2 |P^T x|^2 = |u|^2 / 2
     x = X[idx]
-    assert np.allclose((x * U).sum(1), (U ** 2).sum(1) / 2)
-    assert np.all((U ** 2).sum(1) / 4 <= (x ** 2).sum(1) + 1e-9)
+    assert np.allclose((x * U).sum(1), (U**2).sum(1) / 2)
+    assert np.all((U**2).sum(1) / 4 <= (x**2).sum(1) + 1e-9)
     idx, U, mask = s_iid.take(n)
     assert len(set(idx.tolist())) < n  # with replacement: 1000 draws of 1000 repeat some
     # different seeds, different streams
@@ -122,8 +121,9 @@ def test_other_schedules(prob):
 def test_run_matches_plain_sgd_loop_and_decomposition(prob):
     """run()'s vectorised loop and chunked decomposition equal a step-by-step reference."""
     T, seeds, c, t0, warmup = 2500, 2, 2.0, 100.0, 100
-    res = linreg.run(linreg.METHODS, T=T, seeds=seeds, c=c, t0=t0, warmup=warmup, n_log=40,
-                     chunk=700, problem=prob)  # chunk boundaries inside the run
+    res = linreg.run(
+        linreg.METHODS, T=T, seeds=seeds, c=c, t0=t0, warmup=warmup, n_log=40, chunk=700, problem=prob
+    )  # chunk boundaries inside the run
     X, y, A, ts = prob['X'], prob['y'], prob['A'], prob['theta_star']
     d = X.shape[1]
     scheds = linreg.make_schedules(linreg.METHODS, range(seeds), X, 0.5, warmup)
@@ -191,6 +191,7 @@ def test_cli_writes_outputs(tmp_path):
     for name in ('linreg_error.png', 'linreg_decomposition.png', 'linreg.json', 'linreg.md'):
         assert (tmp_path / name).stat().st_size > 0
     import json
+
     blob = json.loads((tmp_path / 'linreg.json').read_text())
     assert set(blob['summary']['methods']) == set(linreg.METHODS)
     assert blob['params']['T'] == 3000 and len(blob['curves']['t']) == len(blob['curves']['err']['RR'])
@@ -203,4 +204,5 @@ def test_default_out_dir_is_not_results():
     assert os.path.commonpath([path, results]) != results, out_dir
     assert os.path.normpath(out_dir) == 'out'  # git-ignored (out*/ in .gitignore)
     from configurator import configure
+
     assert configure(linreg.COMMAND_DEFAULTS, ['--out_dir=results'])['out_dir'] == 'results'

@@ -1,5 +1,6 @@
 """model.LinearCrossEntropy: the loss of low-precision logits (bf16 autocast, bf16 weights) equals autograd's
 F.cross_entropy(logits.float()), eager and compiled, and keeps the logits as they are, not fp32 log-probabilities."""
+
 import os
 import sys
 
@@ -10,10 +11,12 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from conftest import random_batch as batch  # noqa: E402
+from conftest import tiny_model_config as tiny
+from test_memory import LiveStorages  # noqa: E402
+
 from infra import memory_options  # noqa: E402
 from model import EAGER_LOSS_KERNELS, LinearCrossEntropy, Transformer  # noqa: E402
-from conftest import random_batch as batch, tiny_model_config as tiny  # noqa: E402
-from test_memory import LiveStorages  # noqa: E402
 
 CASES = ('all', 'head frozen', 'head only')
 
@@ -48,21 +51,24 @@ def compiled_kernels(**kwargs):
 
 
 @pytest.mark.parametrize('case', CASES)
-@pytest.mark.parametrize('dtype,weight_dtype', [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
-                                                (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize(
+    'dtype,weight_dtype',
+    [(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16)],
+)
 def test_equals_autograds_cross_entropy(dtype, weight_dtype, case):
     """Loss and every gradient within fp32 rounding of autograd's (the same bf16 matmuls, the softmax in
     fp32, rounded once); the gradients in their inputs' dtypes."""
     x, weight, targets = inputs(weight_dtype)
     ref_loss, ref_grads = loss_and_grads(lambda *a: reference(*a, dtype), x, weight, targets, case)
-    loss, grads = loss_and_grads(lambda *a: LinearCrossEntropy.apply(*a, dtype, EAGER_LOSS_KERNELS),
-                                 x, weight, targets, case)
+    loss, grads = loss_and_grads(
+        lambda *a: LinearCrossEntropy.apply(*a, dtype, EAGER_LOSS_KERNELS), x, weight, targets, case
+    )
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     assert len(grads) == len(ref_grads) > 0
     for g, r in zip(grads, ref_grads):
         assert g.dtype == r.dtype
         # one bf16 rounding of the same fp32 value can differ by one unit: 2^-8 of the largest entry
-        assert (g.float() - r.float()).abs().max() <= 2 ** -8 * r.float().abs().max()
+        assert (g.float() - r.float()).abs().max() <= 2**-8 * r.float().abs().max()
 
 
 @pytest.mark.parametrize('backend', ['aot_eager', 'inductor'])
@@ -71,13 +77,15 @@ def test_compiled_kernels_equal_eager(backend):
     x, weight, targets = inputs(torch.float32, seed=1)
     kernels = compiled_kernels(backend=backend, fullgraph=True)
     for case in CASES:
-        eager = loss_and_grads(lambda *a: LinearCrossEntropy.apply(*a, torch.bfloat16, EAGER_LOSS_KERNELS),
-                               x, weight, targets, case)
-        compiled = loss_and_grads(lambda *a: LinearCrossEntropy.apply(*a, torch.bfloat16, kernels),
-                                  x, weight, targets, case)
+        eager = loss_and_grads(
+            lambda *a: LinearCrossEntropy.apply(*a, torch.bfloat16, EAGER_LOSS_KERNELS), x, weight, targets, case
+        )
+        compiled = loss_and_grads(
+            lambda *a: LinearCrossEntropy.apply(*a, torch.bfloat16, kernels), x, weight, targets, case
+        )
         torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=1e-6)
         for g, e in zip(compiled[1], eager[1]):
-            assert (g.float() - e.float()).abs().max() <= 2 ** -8 * e.float().abs().max(), case
+            assert (g.float() - e.float()).abs().max() <= 2**-8 * e.float().abs().max(), case
 
 
 def test_all_ignored_gives_nan_as_autograd_does():
@@ -99,8 +107,9 @@ def test_model_under_autocast_takes_it_and_fp32_does_not(arch):
     with torch.autocast('cpu', torch.bfloat16):
         loss = model.head_loss(hidden, y)
     assert loss.grad_fn.name() == 'LinearCrossEntropyBackward'
-    torch.testing.assert_close(loss, reference(hidden, model.lm_head.weight, y.reshape(-1), torch.bfloat16),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        loss, reference(hidden, model.lm_head.weight, y.reshape(-1), torch.bfloat16), rtol=1e-6, atol=1e-6
+    )
     loss = model.head_loss(hidden, y)
     assert loss.grad_fn.name() != 'LinearCrossEntropyBackward'
     assert torch.equal(loss, F.cross_entropy(model.lm_head(hidden).float(), y.reshape(-1), ignore_index=-1))
@@ -148,23 +157,26 @@ def test_eager_kernels_take_the_logits_a_block_of_rows_at_a_time(monkeypatch):
     """Eager mode's fp32 temporaries are (EAGER_ROWS x vocab), not (tokens x vocab): the forward's peak stays near
     the bf16 logits it keeps; loss and gradients are those of one block (within the order of the sums)."""
     import model
+
     torch.manual_seed(0)
     n, C, V, rows = 512, 16, 1024, 64
     x = torch.randn(n, C, requires_grad=True)
     weight = torch.randn(V, C, requires_grad=True)
     targets = torch.randint(0, V, (n,))
     targets[::5] = -1
-    ref = loss_and_grads(lambda *a: LinearCrossEntropy.apply(*a, torch.bfloat16, EAGER_LOSS_KERNELS), x, weight,
-                         targets, 'all')  # n rows: one block
+    ref = loss_and_grads(
+        lambda *a: LinearCrossEntropy.apply(*a, torch.bfloat16, EAGER_LOSS_KERNELS), x, weight, targets, 'all'
+    )  # n rows: one block
     monkeypatch.setattr(model, 'EAGER_ROWS', rows)
     tracker = LiveStorages(x, weight, targets)
     with tracker:
-        loss = LinearCrossEntropy.apply(x, weight, targets, torch.bfloat16, EAGER_LOSS_KERNELS)
+        LinearCrossEntropy.apply(x, weight, targets, torch.bfloat16, EAGER_LOSS_KERNELS)
     # kept: bf16 logits, x in bf16, a log-sum-exp per row; beyond them, a few blocks of fp32 temporaries
     kept = n * V * 2 + n * C * 2 + n * 4
     assert kept <= tracker.peak <= kept + 3 * rows * V * 4 + 4096
-    blocked = loss_and_grads(lambda *a: LinearCrossEntropy.apply(*a, torch.bfloat16, EAGER_LOSS_KERNELS), x, weight,
-                             targets, 'all')
+    blocked = loss_and_grads(
+        lambda *a: LinearCrossEntropy.apply(*a, torch.bfloat16, EAGER_LOSS_KERNELS), x, weight, targets, 'all'
+    )
     torch.testing.assert_close(blocked[0], ref[0], rtol=1e-6, atol=0)
     for g, r in zip(blocked[1], ref[1]):
         assert torch.equal(g, r)

@@ -1,5 +1,6 @@
 """infra/memory_options.py: the memory options (activation checkpointing, offload, chunked loss), and model.py's frozen
 Linear; each must leave the numbers as they are and keep less."""
+
 import math
 import os
 import sys
@@ -16,7 +17,9 @@ from model import EMULATED_AUTOCAST, Linear, Transformer  # noqa: E402
 
 torch.set_num_threads(1)  # the CPU is shared; tiny models don't need more
 
-from conftest import TINY_MODELS as TINY, random_batch as batch, tiny_model_config as tiny  # noqa: E402
+from conftest import TINY_MODELS as TINY  # noqa: E402
+from conftest import random_batch as batch  # noqa: E402
+from conftest import tiny_model_config as tiny  # noqa: E402
 
 
 @pytest.mark.parametrize('arch', ['gpt2', 'llama'])
@@ -203,8 +206,11 @@ def test_chunked_loss_keeps_one_chunk_of_logits():
 def saved_activation_bytes(module, *args):
     """Bytes of the distinct storages autograd saves for the backward in module(*args); storages of
     parameters and of the tensors in args (inputs, rotary tables) are not activations of the block."""
-    exclude = {t.untyped_storage().data_ptr() for t in tree_leaves((list(module.parameters()), args))
-               if isinstance(t, torch.Tensor)}
+    exclude = {
+        t.untyped_storage().data_ptr()
+        for t in tree_leaves((list(module.parameters()), args))
+        if isinstance(t, torch.Tensor)
+    }
     saved = {}
 
     def pack(t):
@@ -301,8 +307,9 @@ def test_activation_offload(arch, monkeypatch):
     monkeypatch.setattr(memory_options.OffloadActivations, 'keep_on', ())
     copies = []
     memory_options.apply(model, activation_offload=True)
-    with memory_options.offload_copies('cpu', lambda t: copies.append(memory_options.to_host(t)) or copies[-1],
-                                       memory_options.to_device):
+    with memory_options.offload_copies(
+        'cpu', lambda t: copies.append(memory_options.to_host(t)) or copies[-1], memory_options.to_device
+    ):
         loss, grads = run_grads(model, x, y)
     assert len(copies) == len(views) > 0
     assert all(c.device.type == 'cpu' for c in copies)
@@ -361,7 +368,9 @@ def test_chunked_loss_sums_a_bf16_weight_gradient_in_fp32():
         loss.backward()
         assert w.grad.dtype == xs.grad.dtype == torch.bfloat16
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
-        return [((g.float() - ref.grad).norm() / ref.grad.norm()).item() for g, ref in ((w.grad, ref_w), (xs.grad, ref_x))]
+        return [
+            ((g.float() - ref.grad).norm() / ref.grad.norm()).item() for g, ref in ((w.grad, ref_w), (xs.grad, ref_x))
+        ]
 
     (w1, x1), (w16, x16), (w128, x128) = (errors(chunks) for chunks in (1, 16, 128))
     assert w1 > 0 and x1 > 0  # bf16 rounding is there to be compared
@@ -380,6 +389,7 @@ def test_check_fits_under_fsdp_counts_this_ranks_shards(monkeypatch):
     activations, on ranks with 4 GiB free: refused on one device and under DDP (every rank holds all),
     accepted under FSDP over 8 ranks (about 10/8 + 1 GiB, plus the units gathered at once)."""
     from infra import memory_estimate
+
     cfg = tiny('llama', n_layer=8)
     gib = 2**30
     row = dict(params=2 * gib, grads=2 * gib, optimizer=6 * gib, others=gib)
@@ -411,10 +421,12 @@ def test_check_fits_under_fsdp_counts_this_ranks_shards(monkeypatch):
 
 
 def test_unit_params_and_the_estimate_of_one_device():
+    from conftest import train_defaults
+
     import builder
     from infra import memory_estimate
-    from conftest import train_defaults
     from model import TransformerConfig
+
     train_cfg = train_defaults(n_layer=3, n_head=4, n_embd=32, block_size=16, vocab_size=64, batch_size=2)
     cfg = TransformerConfig(**builder.transformer_kwargs(train_cfg))
     model = Transformer(cfg)
@@ -423,7 +435,9 @@ def test_unit_params_and_the_estimate_of_one_device():
     assert root + 3 * block == sum(p.numel() for p in model.parameters())  # a tied head counted once
     row = memory_estimate.estimate_iteration(train_cfg)
     assert row['params'] == 4 * sum(p.numel() for p in model.parameters())
-    assert memory_estimate.per_rank_peak(row, cfg) == memory_estimate.per_rank_peak(row, cfg, 4, fsdp=False) == row['peak']
+    assert (
+        memory_estimate.per_rank_peak(row, cfg) == memory_estimate.per_rank_peak(row, cfg, 4, fsdp=False) == row['peak']
+    )
     assert memory_estimate.per_rank_peak(row, cfg, 4, fsdp=True) < memory_estimate.per_rank_peak(row, cfg, 2, fsdp=True)
 
 
@@ -434,11 +448,25 @@ def test_meta_estimate_takes_the_frozen_linear_path_of_cuda(monkeypatch):
     frozen block's matrices more, and the loss's fp32 log-probabilities; the bf16 precision (no autocast) does
     not change."""
     import bench_memory
-    from infra import memory_estimate
     from configurator import configure
-    small = dict(preset='', arch='gpt2', bias=True, n_layer=6, n_head=4, n_embd=64, vocab_size=512, block_size=32,
-                 batch_size=2, micro_batches=1, omgd_gamma=2, device='meta', methods='lisa_wor,full',
-                 precisions='amp,bf16')
+    from infra import memory_estimate
+
+    small = dict(
+        preset='',
+        arch='gpt2',
+        bias=True,
+        n_layer=6,
+        n_head=4,
+        n_embd=64,
+        vocab_size=512,
+        block_size=32,
+        batch_size=2,
+        micro_batches=1,
+        omgd_gamma=2,
+        device='meta',
+        methods='lisa_wor,full',
+        precisions='amp,bf16',
+    )
 
     def estimate():
         rows = bench_memory.run({**configure(bench_memory.DEFAULTS, []), **small})['rows']

@@ -1,5 +1,6 @@
 """infra/metrics.py's MFU: the peak FLOP/s of the GPU a run is on, looked up by its name (fake names here:
 no GPU needed)."""
+
 import pytest
 import torch
 
@@ -7,25 +8,28 @@ from infra import metrics
 from infra.metrics import PEAK_BF16_FLOPS, mfu, peak_bf16_flops, peak_for_name
 
 
-@pytest.mark.parametrize('name, tflops', [
-    ('NVIDIA H100 80GB HBM3', 989.4),  # the SXM part
-    ('NVIDIA H100 PCIe', 756),
-    ('NVIDIA H100 NVL', 835),
-    ('NVIDIA NVL H100', 835),  # order does not matter
-    ('NVIDIA H200', 989),
-    ('NVIDIA H200 NVL', 835),
-    ('NVIDIA GH200 480GB', 989),  # not H200's by substring, its own entry
-    ('NVIDIA A100-SXM4-80GB', 312),
-    ('NVIDIA A100 80GB PCIe', 312),
-    ('NVIDIA A10G', 125),
-    ('NVIDIA A10', 125),
-    ('NVIDIA L40S', 362),
-    ('NVIDIA L4', 121),
-    ('NVIDIA GeForce RTX 4090', 165),
-    ('NVIDIA B200', 2250),
-    ('NVIDIA GeForce RTX 3060', None),  # unknown: no MFU
-    ('Tesla V100-SXM2-16GB', None),
-])
+@pytest.mark.parametrize(
+    'name, tflops',
+    [
+        ('NVIDIA H100 80GB HBM3', 989.4),  # the SXM part
+        ('NVIDIA H100 PCIe', 756),
+        ('NVIDIA H100 NVL', 835),
+        ('NVIDIA NVL H100', 835),  # order does not matter
+        ('NVIDIA H200', 989),
+        ('NVIDIA H200 NVL', 835),
+        ('NVIDIA GH200 480GB', 989),  # not H200's by substring, its own entry
+        ('NVIDIA A100-SXM4-80GB', 312),
+        ('NVIDIA A100 80GB PCIe', 312),
+        ('NVIDIA A10G', 125),
+        ('NVIDIA A10', 125),
+        ('NVIDIA L40S', 362),
+        ('NVIDIA L4', 121),
+        ('NVIDIA GeForce RTX 4090', 165),
+        ('NVIDIA B200', 2250),
+        ('NVIDIA GeForce RTX 3060', None),  # unknown: no MFU
+        ('Tesla V100-SXM2-16GB', None),
+    ],
+)
 def test_peak_by_exact_variant_whatever_the_order_of_the_table(name, tflops, monkeypatch):
     expected = None if tflops is None else tflops * 1e12
     for table in (dict(PEAK_BF16_FLOPS), dict(reversed(list(PEAK_BF16_FLOPS.items())))):
@@ -54,12 +58,16 @@ def test_the_flops_of_the_mfu_are_counted_once_per_switch(tmp_path):
     logged iterations, and each record's MFU is the one of the FLOPs at its iteration."""
     import json
     from types import SimpleNamespace
+
     from model import Transformer, TransformerConfig
+
     model = Transformer(TransformerConfig(n_layer=3, n_head=2, n_embd=16, block_size=8, vocab_size=32))
     counts = []
     count_flops = model.estimate_flops_per_token
     model.estimate_flops_per_token = lambda: counts.append(count_flops()) or counts[-1]
-    cfg = dict(out_dir=str(tmp_path), eval_only=False, wandb_log=False, max_iters=100, decay_lr=False, learning_rate=1e-3)
+    cfg = dict(
+        out_dir=str(tmp_path), eval_only=False, wandb_log=False, max_iters=100, decay_lr=False, learning_rate=1e-3
+    )
     m = metrics.Metrics(cfg, SimpleNamespace(master=True, world_size=1), 'cpu')
     m.peak_flops = 1e9  # a GPU of known peak, on the CPU
     m.begin(model, SimpleNamespace(epochs=lambda: 0.0), tokens_per_iter=80, first_iter=0)

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model import Transformer, TransformerConfig, PRESETS, config_from_preset  # noqa: E402
+from model import PRESETS, Transformer, TransformerConfig, config_from_preset  # noqa: E402
 
 torch.set_num_threads(1)  # the CPU is shared; tiny models don't need more
 
-from conftest import TINY_MODELS as TINY, random_batch as batch, tiny_model_config as tiny  # noqa: E402
+from conftest import TINY_MODELS as TINY  # noqa: E402
+from conftest import random_batch as batch  # noqa: E402
 
 
 @pytest.mark.parametrize('name,expected', [('gpt2', 124_439_808), ('llama-7b', 6_738_415_616)])
@@ -42,12 +43,15 @@ def test_presets_build_valid_configs():
     assert config_from_preset('llama-60m', block_size=512).block_size == 512
 
 
-@pytest.mark.parametrize('kwargs, message', [
-    (dict(arch='mamba'), 'arch must be'),
-    (dict(n_embd=30, n_head=4), 'not divisible by n_head'),
-    (dict(n_head=4, n_kv_head=3), 'must divide n_head'),
-    (dict(arch='llama', n_embd=12, n_head=4), 'even head dimension'),
-])
+@pytest.mark.parametrize(
+    'kwargs, message',
+    [
+        (dict(arch='mamba'), 'arch must be'),
+        (dict(n_embd=30, n_head=4), 'not divisible by n_head'),
+        (dict(n_head=4, n_kv_head=3), 'must divide n_head'),
+        (dict(arch='llama', n_embd=12, n_head=4), 'even head dimension'),
+    ],
+)
 def test_bad_config_gives_clear_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TransformerConfig(**kwargs)
@@ -103,8 +107,7 @@ def test_ignore_index():
     y2[:, ::2] = -1
     _, loss = model(x, y2)
     logits = all_logits(model, x)
-    ref = torch.nn.functional.cross_entropy(logits[:, 1::2].reshape(-1, cfg.vocab_size),
-                                            y[:, 1::2].reshape(-1))
+    ref = torch.nn.functional.cross_entropy(logits[:, 1::2].reshape(-1, cfg.vocab_size), y[:, 1::2].reshape(-1))
     assert torch.allclose(loss, ref)
 
 
@@ -196,6 +199,7 @@ def test_flops_per_token_counts_frozen_blocks_at_4N():
     frozen = sum(p.numel() for p in model.blocks[3].parameters())
     model.blocks[3].requires_grad_(False)
     assert model.estimate_flops_per_token() == 6 * (N - ln_f) - 2 * frozen + attention
+
 
 def test_flops_per_token_skip_the_backward_below_every_trainable_parameter():
     model = Transformer(TINY['llama']())  # untied head: the embedding can freeze alone

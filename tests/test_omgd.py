@@ -1,5 +1,6 @@
 """omgd.py: the LISA-wor pool, tensor masks, freezing, optimizer-state policies and prefetch,
 scaling, resume."""
+
 import io
 import math
 import os
@@ -63,9 +64,11 @@ def test_lisa_wor_cycle_masks_sum_to_M_ones_only_when_gamma_divides(method, n, g
         assert note is None
     else:
         s = 's sit' if leftover > 1 else ' sits'
-        assert note == (f"{method} with N_L={n}, gamma={gamma}: N_L mod gamma = {leftover} random block{s} out "
-                        f"each cycle, so a cycle's masks do not sum to M x 1 (Algorithm 1 holds only when gamma "
-                        f"divides N_L)")
+        assert note == (
+            f"{method} with N_L={n}, gamma={gamma}: N_L mod gamma = {leftover} random block{s} out "
+            f"each cycle, so a cycle's masks do not sum to M x 1 (Algorithm 1 holds only when gamma "
+            f"divides N_L)"
+        )
 
 
 def test_cycle_note_only_for_lisa_wor_methods():
@@ -91,7 +94,7 @@ def test_lisa_wor_reset_rule_when_gamma_does_not_divide():
 def test_lisa_draws_are_iid_and_repeat_within_a_cycle_length():
     seq = [set(a) for _, a in draws('lisa', 12, 3, 200)]
     assert all(len(s) == 3 for s in seq)
-    windows = [seq[i:i + 4] for i in range(0, 200, 4)]
+    windows = [seq[i : i + 4] for i in range(0, 200, 4)]
     overlapping = sum(len(set().union(*w)) < 12 for w in windows)
     assert overlapping > len(windows) // 2  # without replacement this would be 0
     counts = torch.zeros(12)
@@ -126,7 +129,7 @@ def test_tensor_iid_draws_fresh_nonempty_sets_each_period():
         assert 0 < len(cycler.active) <= n
         seen.add(tuple(cycler.active))
     assert len(seen) > 10  # fresh draws, not a cycle of fixed groups
-    assert cycler.scaling() == (1 - 0.7 ** n) / 0.3  # 1/r, corrected for the redrawn empty set
+    assert cycler.scaling() == (1 - 0.7**n) / 0.3  # 1/r, corrected for the redrawn empty set
 
 
 def gpt2_tensor_sizes():
@@ -261,6 +264,7 @@ def test_prefetch_draws_the_same_groups_as_not_prefetching(method):
                 cycler.prefetch(it)
             seq.append((tuple(cycler.active), cycler.scaling(), cycler.describe()))
         return seq
+
     assert run(True) == run(False)
 
 
@@ -343,8 +347,7 @@ def test_state_dict_round_trip_after_the_pre_draw_resumes_bitwise(method):
     run_cycling(*first, range(6))  # iteration 5 ends a period (and a lisa_wor cycle): the next group is drawn
     assert first[2].schedule.ahead is not None
     buffer = io.BytesIO()
-    torch.save({'model': first[0].state_dict(), 'opt': first[1].state_dict(), 'cycler': first[2].state_dict()},
-               buffer)
+    torch.save({'model': first[0].state_dict(), 'opt': first[1].state_dict(), 'cycler': first[2].state_dict()}, buffer)
     buffer.seek(0)
     checkpoint = torch.load(buffer)
     resumed = make_cycling(method, 'offload')
@@ -352,8 +355,10 @@ def test_state_dict_round_trip_after_the_pre_draw_resumes_bitwise(method):
     resumed[1].load_state_dict(checkpoint['opt'])
     resumed[2].load_state_dict(checkpoint['cycler'])
     run_cycling(*resumed, range(6, 16))
-    assert (resumed[2].state_dict()['schedule']['partitions_drawn'] ==
-            straight[2].state_dict()['schedule']['partitions_drawn'])
+    assert (
+        resumed[2].state_dict()['schedule']['partitions_drawn']
+        == straight[2].state_dict()['schedule']['partitions_drawn']
+    )
     assert_same_training(straight[:2], resumed[:2])
 
 
@@ -495,6 +500,7 @@ def test_state_dict_round_trip_resumes_the_same_sequence():
         model = tiny_gpt()
         config = omgd.CyclerConfig('lisa_wor', gamma=2, period=3, seed=7)
         return omgd.build_cycler(model, torch.optim.AdamW(model.parameters()), config)
+
     straight = make()
     seq = []
     for it in range(40):
@@ -526,18 +532,21 @@ def test_same_seed_same_draws_different_seed_different_draws():
     assert draws('lisa', 12, 3, 10, seed=1) == a
 
 
-@pytest.mark.parametrize('kwargs, message', [
-    (dict(method='lisa_wor', gamma=0), 'omgd_gamma'),
-    (dict(method='lisa_wor', gamma=7), 'omgd_gamma'),
-    (dict(method='lisa_wor', gamma=2, period=0), 'omgd_period'),
-    (dict(method='tensor_wor', ratio=0.0), 'omgd_ratio'),
-    (dict(method='tensor_iid', ratio=1.5), 'omgd_ratio'),
-    (dict(method='lisa_wr'), 'unknown method'),
-    (dict(method='lisa', gamma=1, state='free'), 'omgd_state'),
-    (dict(method='lisa_wor', gamma=2, warmup=-1), 'omgd_warmup must be >= 0'),
-    (dict(method='lisa_wor', gamma=2, always=('embed', 'lm_head')), r'unknown omgd_always part\(s\)'),
-    (dict(method='tensor_wor', always=('embed', 'pos', 'norm')), 'omgd_always must be'),
-])
+@pytest.mark.parametrize(
+    'kwargs, message',
+    [
+        (dict(method='lisa_wor', gamma=0), 'omgd_gamma'),
+        (dict(method='lisa_wor', gamma=7), 'omgd_gamma'),
+        (dict(method='lisa_wor', gamma=2, period=0), 'omgd_period'),
+        (dict(method='tensor_wor', ratio=0.0), 'omgd_ratio'),
+        (dict(method='tensor_iid', ratio=1.5), 'omgd_ratio'),
+        (dict(method='lisa_wr'), 'unknown method'),
+        (dict(method='lisa', gamma=1, state='free'), 'omgd_state'),
+        (dict(method='lisa_wor', gamma=2, warmup=-1), 'omgd_warmup must be >= 0'),
+        (dict(method='lisa_wor', gamma=2, always=('embed', 'lm_head')), r'unknown omgd_always part\(s\)'),
+        (dict(method='tensor_wor', always=('embed', 'pos', 'norm')), 'omgd_always must be'),
+    ],
+)
 def test_bad_config_gives_clear_error(kwargs, message):
     model = tiny_gpt()
     with pytest.raises(ValueError, match=message):
@@ -556,6 +565,7 @@ def test_tensor_methods_accept_every_outer_part_of_the_model():
 
 def test_per_block_compile_no_recompile_storm_and_matches_eager():
     from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     counters.clear()
     models, cyclers, opts = [], [], []

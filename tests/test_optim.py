@@ -1,4 +1,5 @@
 """optim.py: the shared AdamW arithmetic and MasterAdamW (fp32 masters of low-precision weights)."""
+
 import io
 import os
 import sys
@@ -20,8 +21,7 @@ class Net(torch.nn.Module):
     def __init__(self, dtype, seed=0):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
-        self.ws = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype))
-                                          for s in SHAPES])
+        self.ws = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES])
 
 
 def grads(n_steps, dtype, seed=1):
@@ -39,8 +39,11 @@ def run(opt, net, steps):
 def assert_same_state(a, b):
     assert a.keys() == b.keys()
     for key in a:
-        assert (torch.equal(a[key], b[key]) and a[key].dtype == b[key].dtype) if torch.is_tensor(a[key]) \
-            else a[key] == b[key], key
+        assert (
+            (torch.equal(a[key], b[key]) and a[key].dtype == b[key].dtype)
+            if torch.is_tensor(a[key])
+            else a[key] == b[key]
+        ), key
 
 
 def test_fp32_params_are_torch_adamw_bitwise():
@@ -94,7 +97,11 @@ def test_master_device_placement():
     assert MasterAdamW([torch.nn.Parameter(meta)]).master_home(meta) == meta.device
     cpu = torch.zeros(2)
     # 'cpu:0' stands for 'cuda' given to a parameter on cuda:1: the parameter's own device wins
-    assert MasterAdamW([torch.nn.Parameter(cpu)], master_device='cpu:0').master_home(cpu) == cpu.device != torch.device('cpu:0')
+    assert (
+        MasterAdamW([torch.nn.Parameter(cpu)], master_device='cpu:0').master_home(cpu)
+        == cpu.device
+        != torch.device('cpu:0')
+    )
     assert MasterAdamW([torch.nn.Parameter(cpu)], master_device='meta').master_home(cpu) == torch.device('meta')
 
 
@@ -215,15 +222,20 @@ def test_frozen_params_get_no_state_and_accounting_counts_masters():
     n = params[0].numel() + params[3].numel()
     sizes = memory_estimate.memory_bytes(net, opt)
     assert sizes['optimizer'] == 3 * 4 * n and sizes['params'] == 2 * sum(p.numel() for p in params)
-    assert sorted(k for _, k, _ in memory_estimate.state_tensors(opt)) == sorted(['master', 'exp_avg', 'exp_avg_sq'] * 2)
+    assert sorted(k for _, k, _ in memory_estimate.state_tensors(opt)) == sorted(
+        ['master', 'exp_avg', 'exp_avg_sq'] * 2
+    )
 
 
-@pytest.mark.parametrize('kwargs, message', [
-    (dict(lr=-1.0), 'invalid AdamW settings'),
-    (dict(betas=(0.9, 1.0)), 'invalid AdamW settings'),
-    (dict(eps=-1e-8), 'invalid AdamW settings'),
-    (dict(weight_decay=-0.1), 'invalid AdamW settings'),
-])
+@pytest.mark.parametrize(
+    'kwargs, message',
+    [
+        (dict(lr=-1.0), 'invalid AdamW settings'),
+        (dict(betas=(0.9, 1.0)), 'invalid AdamW settings'),
+        (dict(eps=-1e-8), 'invalid AdamW settings'),
+        (dict(weight_decay=-0.1), 'invalid AdamW settings'),
+    ],
+)
 def test_invalid_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MasterAdamW([torch.nn.Parameter(torch.zeros(2))], **kwargs)
@@ -267,9 +279,11 @@ def test_param_groups_dedupes_tied_weights():
 # --- master_device='cpu' for CUDA parameters: the copies go through reused host buffers (optim.HostStaging);
 # stage=True forces that path on CPU parameters (the CPU seam: the same code, ordinary host memory)
 
+
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32])
 def test_staged_copies_are_the_same_arithmetic_through_reused_buffers(dtype, monkeypatch):
     import optim
+
     staged, plain = Net(dtype), Net(dtype)
     opt = MasterAdamW(param_groups(staged, WD), lr=LR, betas=BETAS, master_device='cpu')
     opt.stage = True
@@ -294,6 +308,7 @@ def test_staged_copies_are_the_same_arithmetic_through_reused_buffers(dtype, mon
 
 def test_staged_gradients_of_one_shape_get_a_buffer_each():
     import optim
+
     net = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(3, 2).bfloat16()) for _ in range(3)])
     opt = MasterAdamW(list(net), lr=LR, master_device='cpu')
     opt.stage = True
@@ -312,16 +327,31 @@ def test_staged_gradients_of_one_shape_get_a_buffer_each():
 
 def test_staged_galore_masters_match_unstaged():
     import galore
+
     torch.manual_seed(0)
-    nets = [torch.nn.ParameterList([torch.nn.Parameter(torch.randn(8, 6).bfloat16()),
-                                    torch.nn.Parameter(torch.randn(6).bfloat16())]) for _ in range(2)]
+    nets = [
+        torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randn(8, 6).bfloat16()), torch.nn.Parameter(torch.randn(6).bfloat16())]
+        )
+        for _ in range(2)
+    ]
     nets[1].load_state_dict(nets[0].state_dict())
-    opts = [galore.GaLoreAdamW([{'params': [n[0]], 'rank': 2, 'update_proj_gap': 2}, {'params': [n[1]]}],
-                               lr=LR, master=True, master_device='cpu', convention='torch') for n in nets]
+    opts = [
+        galore.GaLoreAdamW(
+            [{'params': [n[0]], 'rank': 2, 'update_proj_gap': 2}, {'params': [n[1]]}],
+            lr=LR,
+            master=True,
+            master_device='cpu',
+            convention='torch',
+        )
+        for n in nets
+    ]
     opts[0].stage = True
     for step in range(5):
-        g = [torch.randn(8, 6, generator=torch.Generator().manual_seed(step)).bfloat16(),
-             torch.randn(6, generator=torch.Generator().manual_seed(100 + step)).bfloat16()]
+        g = [
+            torch.randn(8, 6, generator=torch.Generator().manual_seed(step)).bfloat16(),
+            torch.randn(6, generator=torch.Generator().manual_seed(100 + step)).bfloat16(),
+        ]
         for net, opt in zip(nets, opts):
             for p, gp in zip(net, g):
                 p.grad = gp.clone()
@@ -337,8 +367,10 @@ def test_foreach_update_is_the_per_tensor_arithmetic_bitwise(dtype, monkeypatch)
     """foreach=True (adamw_foreach_) on CPU masters: bitwise the per-tensor adamw_step_ and torch's AdamW,
     also across batches (FOREACH_BYTES) and with parameters at different step counts."""
     nets = [Net(dtype) for _ in range(3)]
-    opts = [MasterAdamW(param_groups(n, WD), lr=LR, betas=BETAS, eps=EPS, foreach=f) for n, f in
-            zip(nets, (True, False, True))]
+    opts = [
+        MasterAdamW(param_groups(n, WD), lr=LR, betas=BETAS, eps=EPS, foreach=f)
+        for n, f in zip(nets, (True, False, True))
+    ]
     monkeypatch.setattr(opts[2], 'FOREACH_BYTES', 1)  # a batch of one at a time
     ref = Net(dtype).float()
     adamw = torch.optim.AdamW(param_groups(ref, WD), lr=LR, betas=BETAS, eps=EPS, foreach=False)
@@ -355,6 +387,7 @@ def test_foreach_update_is_the_per_tensor_arithmetic_bitwise(dtype, monkeypatch)
             assert torch.equal(opt.state[p]['exp_avg_sq'], adamw.state[q]['exp_avg_sq'])
             assert opt.state[p]['step'] == adamw.state[q]['step'].item()
     import optim
+
     assert optim.foreach_bitwise('cpu') and not optim.foreach_bitwise('cuda') and not optim.foreach_bitwise('meta')
 
 
@@ -380,6 +413,7 @@ def test_cuda_staging_is_asynchronous_and_exact():
     test_cpu_master_of_cuda_params), and adamw_foreach_ on CUDA tensors against adamw_step_ reports
     whether the fused kernels are bitwise (foreach_bitwise says they are not assumed to be)."""
     import optim
+
     on_gpu, on_cpu = Net(torch.bfloat16).cuda(), Net(torch.bfloat16)
     opt = MasterAdamW(param_groups(on_gpu, WD), lr=LR, master_device='cpu')
     ref = MasterAdamW(param_groups(on_cpu, WD), lr=LR)
@@ -395,6 +429,7 @@ def test_cuda_staging_is_asynchronous_and_exact():
     a, b = [[t.clone() for t in group] for group in ts], [[t.clone() for t in group] for group in ts]
     for i in range(2):
         optim.adamw_step_(a[i][0], a[i][1], a[i][2], a[i][3].abs(), 3, LR, BETAS, EPS, WD)
-    optim.adamw_foreach_([t[0] for t in b], [t[1] for t in b], [t[2] for t in b], [t[3].abs() for t in b], [3, 3],
-                         LR, BETAS, EPS, WD)
+    optim.adamw_foreach_(
+        [t[0] for t in b], [t[1] for t in b], [t[2] for t in b], [t[3].abs() for t in b], [3, 3], LR, BETAS, EPS, WD
+    )
     print('foreach bitwise on CUDA:', all(torch.equal(x[0], y[0]) for x, y in zip(a, b)))

@@ -1,6 +1,7 @@
 """optimizer_offload.OffloadedState's ordering, on the CPU: copies that land only when a reader waits for them
 (as CUDA's side-stream copies land only when their stream gets there) still train bit for bit like 'keep', so
 every reader of the parked state waits: the copy back of a restore, the prefetch, and a checkpoint's state_dict()."""
+
 import math
 import os
 import sys
@@ -11,8 +12,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from infra import optimizer_offload  # noqa: E402
 from test_omgd import assert_same_training, make_cycling, run_cycling  # noqa: E402
+
+from infra import optimizer_offload  # noqa: E402
 
 
 class DeferredCopies(optimizer_offload.ImmediateCopies):
@@ -37,7 +39,7 @@ class DeferredCopies(optimizer_offload.ImmediateCopies):
 
     def _run_until(self, event):
         self.waits += 1
-        for dst, src in self.queue[self.done:event]:
+        for dst, src in self.queue[self.done : event]:
             dst.copy_(src)
         self.done = max(self.done, event)
 

@@ -1,9 +1,9 @@
 """experiments/precision.py: its runs are train.py's keys, and its statistics pair the precisions by seed."""
+
 import os
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, 'experiments'))
@@ -20,10 +20,16 @@ def test_every_run_is_a_valid_train_py_config_seeded_as_one():
 
 
 def test_differences_are_paired_by_seed_at_every_evaluation():
-    curves = {('amp', 1): [4.0, 2.0], ('amp', 2): [4.0, 3.0], ('bf16', 1): [4.0, 2.5], ('bf16', 2): [4.0, 3.1],
-              ('bf16_master', 1): [4.0, 2.1]}  # seed 2 of bf16_master failed: left out of its pairs
-    results = {f'{p}_s{s}': {'precision': p, 'seed': s, 'eval_iters': [0, 10], 'val_loss': v}
-               for (p, s), v in curves.items()}
+    curves = {
+        ('amp', 1): [4.0, 2.0],
+        ('amp', 2): [4.0, 3.0],
+        ('bf16', 1): [4.0, 2.5],
+        ('bf16', 2): [4.0, 3.1],
+        ('bf16_master', 1): [4.0, 2.1],
+    }  # seed 2 of bf16_master failed: left out of its pairs
+    results = {
+        f'{p}_s{s}': {'precision': p, 'seed': s, 'eval_iters': [0, 10], 'val_loss': v} for (p, s), v in curves.items()
+    }
     results['bf16_master_s2'] = {'precision': 'bf16_master', 'seed': 2, 'error': 'exit code 1'}
     out = precision.analyse(results, precision.PRECISIONS)
     bf16 = out['pairs']['bf16 - amp']
@@ -35,9 +41,11 @@ def test_differences_are_paired_by_seed_at_every_evaluation():
 
 
 def test_bad_arguments_are_one_line(capsys):
-    for argv, message in ((['--seeds=1,x'], "--seeds must be comma-separated integers"),
-                          (['--precisions=fp8'], "--precisions must be among amp,bf16_master,bf16"),
-                          (["--iters=5"], "iters must be at least 10")):
+    for argv, message in (
+        (['--seeds=1,x'], "--seeds must be comma-separated integers"),
+        (['--precisions=fp8'], "--precisions must be among amp,bf16_master,bf16"),
+        (["--iters=5"], "iters must be at least 10"),
+    ):
         with pytest.raises(SystemExit) as e:
             precision.main(argv)
         assert str(e.value.code).startswith(f"error: {message}"), e.value.code

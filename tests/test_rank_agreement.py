@@ -1,5 +1,6 @@
 """distributed.check_same_config: ranks given different configs are refused at start, in one line naming the
 first key that differs, before any collective of training could crash or the ranks train apart."""
+
 import os
 import re
 import sys
@@ -8,7 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from conftest import DDP_TINY, TORCHRUN, Launch, ROOT  # noqa: E402
+from conftest import DDP_TINY, ROOT, TORCHRUN, Launch  # noqa: E402
 
 pytestmark = pytest.mark.torchrun
 
@@ -18,14 +19,21 @@ def test_ranks_given_different_configs_are_refused_naming_the_key(tmp_path, extr
     """Rank 1 alone gets `extra` (as a per-node wrapper would give it): every rank refuses with one line naming
     the key, nothing is trained or written."""
     out = tmp_path / 'run'
-    cmd = [*TORCHRUN, 'tests/test_rank_agreement.py', *DDP_TINY, '--max_iters=6', '--gradient_accumulation_steps=2',
-           f'--out_dir={out}']
+    cmd = [
+        *TORCHRUN,
+        'tests/test_rank_agreement.py',
+        *DDP_TINY,
+        '--max_iters=6',
+        '--gradient_accumulation_steps=2',
+        f'--out_dir={out}',
+    ]
     run = Launch(cmd, env={'RANK_1_EXTRA': extra}).wait()
     assert run.proc.returncode != 0
     key, value = extra[2:].split('=')
     errors = [line for line in run.out.splitlines() if line.startswith('error: ')]
-    assert len(errors) == 1 and re.search(rf"rank 1 was given {key}=.*{re.escape(value)}.* and rank 0 {key}=",
-                                          errors[0]), run.out[-3000:]
+    assert len(errors) == 1 and re.search(
+        rf"rank 1 was given {key}=.*{re.escape(value)}.* and rank 0 {key}=", errors[0]
+    ), run.out[-3000:]
     assert 'train.py", line' not in run.out, run.out[-3000:]  # no worker traceback (torchrun prints its own)
     assert not out.exists() or not any(p.name != '.lock' for p in out.iterdir())
 
@@ -34,5 +42,6 @@ if __name__ == '__main__':
     # the worker torchrun starts: train.py's main, with $RANK_1_EXTRA added to rank 1's command line only
     sys.path.insert(0, ROOT)
     import train as train_script
+
     extra = [os.environ['RANK_1_EXTRA']] if os.environ.get('RANK') == '1' and os.environ.get('RANK_1_EXTRA') else []
     sys.exit(train_script.main(sys.argv[1:] + extra))

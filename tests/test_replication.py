@@ -2,6 +2,7 @@
 their order, the power calculation against the noncentral t, the decision rule, resume and stop
 with a fake launcher, and the report (intervals, wins, the combined answer, the reproduction of
 seeds 100-102) on made-up results. In process, no train.py run."""
+
 import json
 import os
 import sys
@@ -17,19 +18,39 @@ import study_plan  # noqa: E402
 
 
 def fake(s, train, val=None, host='h'):
-    return {**s, 'returncode': 0, 'eval_iters': [0, s['iters']], 'train_loss': [4.0, train],
-            'val_loss': [4.0, train + 0.2 if val is None else val], 'median_ms_per_iter': 13.0, 'wall_s': 140.0,
-            'host': host, 'machine': 'AMD EPYC', 'torch': '2.13.0+cpu', 'code': 'test'}
+    return {
+        **s,
+        'returncode': 0,
+        'eval_iters': [0, s['iters']],
+        'train_loss': [4.0, train],
+        'val_loss': [4.0, train + 0.2 if val is None else val],
+        'median_ms_per_iter': 13.0,
+        'wall_s': 140.0,
+        'host': host,
+        'machine': 'AMD EPYC',
+        'torch': '2.13.0+cpu',
+        'code': 'test',
+    }
 
 
 def test_the_plan_is_the_studys_cells_on_fresh_seeds_seed_major():
     specs = rep.plan_specs()
     assert len(specs) == 6 + 4 * 34 + 6 and len({study_plan.run_name(s) for s in specs}) == len(specs)
     assert [(s['seed'], s['state'], s['method']) for s in specs[:10]] == [
-        (100, 'keep', 'lisa'), (100, 'keep', 'lisa_wor'), (101, 'keep', 'lisa'), (101, 'keep', 'lisa_wor'),
-        (102, 'keep', 'lisa'), (102, 'keep', 'lisa_wor'),
-        (1000, 'keep', 'lisa'), (1000, 'keep', 'lisa_wor'), (1000, 'drop', 'lisa'), (1000, 'drop', 'lisa_wor')]
-    assert [s['seed'] for s in specs[-6:]] == [100, 100, 101, 101, 102, 102] and {s['state'] for s in specs[-6:]} == {'drop'}
+        (100, 'keep', 'lisa'),
+        (100, 'keep', 'lisa_wor'),
+        (101, 'keep', 'lisa'),
+        (101, 'keep', 'lisa_wor'),
+        (102, 'keep', 'lisa'),
+        (102, 'keep', 'lisa_wor'),
+        (1000, 'keep', 'lisa'),
+        (1000, 'keep', 'lisa_wor'),
+        (1000, 'drop', 'lisa'),
+        (1000, 'drop', 'lisa_wor'),
+    ]
+    assert [s['seed'] for s in specs[-6:]] == [100, 100, 101, 101, 102, 102] and {s['state'] for s in specs[-6:]} == {
+        'drop'
+    }
     fresh = {s['seed'] for s in specs} - set(rep.REPRO_SEEDS)
     assert fresh == set(range(1000, 1034))
     assert not fresh & (set(range(0, 5)) | set(range(100, 110)) | set(range(200, 205)) | {1337})  # seeds used before
@@ -48,15 +69,18 @@ def test_power_is_the_noncentral_t():
     assert rep.pairs_needed() == 34
 
 
-@pytest.mark.parametrize('lo, hi, verdict, study_rule', [
-    (-0.03, -0.001, 'replicated', 'confirmed'),
-    (-0.012, -0.001, 'replicated', 'confirmed'),   # a win smaller than the margin is still a win
-    (-0.014, 0.006, 'refuted', 'inconclusive'),    # rules out a win of 0.015; the study's rule cannot tell
-    (-0.009, 0.008, 'refuted', 'refuted'),
-    (0.002, 0.03, 'refuted', 'refuted'),           # LISA-wor worse
-    (-0.02, 0.005, 'cannot tell', 'inconclusive'),
-    (None, None, 'not run', 'not run'),
-])
+@pytest.mark.parametrize(
+    'lo, hi, verdict, study_rule',
+    [
+        (-0.03, -0.001, 'replicated', 'confirmed'),
+        (-0.012, -0.001, 'replicated', 'confirmed'),  # a win smaller than the margin is still a win
+        (-0.014, 0.006, 'refuted', 'inconclusive'),  # rules out a win of 0.015; the study's rule cannot tell
+        (-0.009, 0.008, 'refuted', 'refuted'),
+        (0.002, 0.03, 'refuted', 'refuted'),  # LISA-wor worse
+        (-0.02, 0.005, 'cannot tell', 'inconclusive'),
+        (None, None, 'not run', 'not run'),
+    ],
+)
 def test_decision_rule(lo, hi, verdict, study_rule):
     assert rep.decide(lo, hi) == verdict and rep.study_rule(lo, hi) == study_rule
 
@@ -71,13 +95,25 @@ def test_runs_resume_pair_by_pair_and_stop_at_starts_nothing(tmp_path, monkeypat
         return fake(s, 2.0)
 
     import datetime
+
     past = (datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=2)).strftime('%H:%M')
     assert rep.run(runs, n_seeds=2, stop_at=past, launch=launch) == (0, [], 20) and calls == []
     done, failed, _ = rep.run(runs, n_seeds=2, launch=launch)
-    assert done == 20 and not failed and calls[:8] == [(100, 'keep', 'lisa'), (100, 'keep', 'lisa_wor'), (101, 'keep', 'lisa'),
-                                                      (101, 'keep', 'lisa_wor'), (102, 'keep', 'lisa'),
-                                                      (102, 'keep', 'lisa_wor'), (1000, 'keep', 'lisa'),
-                                                      (1000, 'keep', 'lisa_wor')]
+    assert (
+        done == 20
+        and not failed
+        and calls[:8]
+        == [
+            (100, 'keep', 'lisa'),
+            (100, 'keep', 'lisa_wor'),
+            (101, 'keep', 'lisa'),
+            (101, 'keep', 'lisa_wor'),
+            (102, 'keep', 'lisa'),
+            (102, 'keep', 'lisa_wor'),
+            (1000, 'keep', 'lisa'),
+            (1000, 'keep', 'lisa_wor'),
+        ]
+    )
     victim = rep.cell_spec('drop', 'lisa_wor', 1001)
     os.remove(runner.result_path(runs, study_plan.run_name(victim)))
     calls.clear()
@@ -86,6 +122,7 @@ def test_runs_resume_pair_by_pair_and_stop_at_starts_nothing(tmp_path, monkeypat
 
 def test_jobs_2_runs_the_two_runs_of_a_pair_side_by_side_and_never_two_pairs(tmp_path, monkeypatch):
     import threading
+
     monkeypatch.setattr(study, 'make_multi_dataset', lambda *a, **k: None)
     met = threading.Barrier(2, timeout=60)  # both runs of a pair must be running at once to pass it
     calls = []
@@ -105,10 +142,15 @@ def test_jobs_2_runs_the_two_runs_of_a_pair_side_by_side_and_never_two_pairs(tmp
 def results_for(d_keep, d_drop=None, base=1.9, host='h'):
     out = []
     for seed, d in d_keep.items():
-        out += [fake(rep.cell_spec('keep', 'lisa', seed), base, host=host),
-                fake(rep.cell_spec('keep', 'lisa_wor', seed), base + d, host=host)]
+        out += [
+            fake(rep.cell_spec('keep', 'lisa', seed), base, host=host),
+            fake(rep.cell_spec('keep', 'lisa_wor', seed), base + d, host=host),
+        ]
     for seed, d in (d_drop or {}).items():
-        out += [fake(rep.cell_spec('drop', 'lisa', seed), base), fake(rep.cell_spec('drop', 'lisa_wor', seed), base + d)]
+        out += [
+            fake(rep.cell_spec('drop', 'lisa', seed), base),
+            fake(rep.cell_spec('drop', 'lisa_wor', seed), base + d),
+        ]
     return out
 
 
@@ -117,7 +159,9 @@ def test_report_intervals_combined_and_reproduction(tmp_path):
     results = results_for(d, {1000: 0.01, 1001: -0.01})
     study_runs = results_for({100: -0.043, 101: -0.0178, 102: -0.0039, 103: -0.0387})
     results += results_for({100: -0.043, 101: -0.0178})  # seeds 100, 101 re-run: the same finals...
-    results[-1] = fake(rep.cell_spec('keep', 'lisa_wor', 101), 1.9 - 0.0178 + 0.002, val=1.9 - 0.0178 + 0.2)  # one moved
+    results[-1] = fake(
+        rep.cell_spec('keep', 'lisa_wor', 101), 1.9 - 0.0178 + 0.002, val=1.9 - 0.0178 + 0.2
+    )  # one moved
     a, md = rep.report(results, study_runs, str(tmp_path), command='cmd', source='src')
     t = a['tests']['keep_train']
     assert t['n'] == 5 and t['wins'] == 5 and t['mean'] == pytest.approx(-0.024) and t['verdict'] == 'replicated'
@@ -131,14 +175,20 @@ def test_report_intervals_combined_and_reproduction(tmp_path):
     r = a['reproduction']
     assert r['n'] == 8 and r['equal'] == 7 and r['max_abs'] == pytest.approx(0.002) and not r['reproduces']
     assert [(x['seed'], round(x['d_then'], 4), round(x['d_now'], 4)) for x in r['per_seed']] == [
-        (100, -0.043, -0.043), (101, -0.0178, -0.0158)]
+        (100, -0.043, -0.043),
+        (101, -0.0178, -0.0158),
+    ]
     assert 'interim: 5 of 34 keep pairs' in md and '| PRIMARY: keep, train loss | 5 | -0.0240 [' in md
     assert '**replicated**' in md and '7 of 8 final losses equal' in md and '**does not reproduce**' in md
     assert '| 1000 | 1.9000 | 1.8700 | -0.0300 | -0.0300 | 1.9000 | 1.9100 | +0.0100 | +0.0100 |' in md
     # the JSON keeps the runs: the same report without the runs folder
     saved = rep.load_runs(str(tmp_path / 'replication_k100.json'))
     again = rep.analyse(saved, study_runs)
-    assert again['tests'] == a['tests'] and again['combined'] == a['combined'] and again['reproduction'] == a['reproduction']
+    assert (
+        again['tests'] == a['tests']
+        and again['combined'] == a['combined']
+        and again['reproduction'] == a['reproduction']
+    )
 
 
 def test_a_pair_split_across_hosts_is_flagged():
@@ -153,7 +203,10 @@ def test_command_line_reports_from_a_json(tmp_path, capsys):
     results = results_for({1000 + i: -0.02 + 0.005 * i for i in range(4)})
     (tmp_path / 'r.json').write_text(json.dumps({'runs': results}))
     (tmp_path / 'study.json').write_text(json.dumps({'runs': results_for({100: -0.04})}))
-    assert rep.main(['--report_only=True', f'--runs_from={tmp_path / "r.json"}', f'--study={tmp_path / "study.json"}']) == 0
+    assert (
+        rep.main(['--report_only=True', f'--runs_from={tmp_path / "r.json"}', f'--study={tmp_path / "study.json"}'])
+        == 0
+    )
     out = capsys.readouterr().out
     assert '| PRIMARY: keep, train loss | 4 | -0.0125 [' in out and 'Not run yet.' in out
     with pytest.raises(SystemExit, match='add --report_only=True'):
@@ -179,19 +232,32 @@ def test_a_lost_runs_folder_is_restored_from_the_report_and_not_run_again(tmp_pa
     def launch(s, out_dir, runs_dir):
         calls.append((s['seed'], s['state'], s['method']))
         return fake(s, 2.0)
+
     rep.run(runs, n_seeds=2, launch=launch)
     assert not [c for c in calls if c[0] in (1000, 1001) and c[1] == 'keep']  # the restored pairs did not run again
     assert (1000, 'drop', 'lisa') in calls
     fresh = str(tmp_path / 'fresh')
-    assert rep.main(['--report_only=True', f'--runs_dir={fresh}', f'--restore_from={tmp_path / "r.json"}',
-                     f'--study={tmp_path / "r.json"}']) == 0
+    assert (
+        rep.main(
+            [
+                '--report_only=True',
+                f'--runs_dir={fresh}',
+                f'--restore_from={tmp_path / "r.json"}',
+                f'--study={tmp_path / "r.json"}',
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    assert f"restored 4 run(s) of {tmp_path / 'r.json'} into {fresh}" in out and '| PRIMARY: keep, train loss | 2 |' in out
-
+    assert (
+        f"restored 4 run(s) of {tmp_path / 'r.json'} into {fresh}" in out and '| PRIMARY: keep, train loss | 2 |' in out
+    )
 
 
 def test_a_restore_from_a_file_that_is_not_a_report_is_one_line(tmp_path):
     (tmp_path / 'bad.json').write_text('{"not": "a report"}')
     for path in (tmp_path / 'bad.json', tmp_path / 'missing.json'):
-        with pytest.raises(SystemExit, match=rf"^error: cannot restore the runs of {path}: (KeyError|FileNotFoundError)"):
+        with pytest.raises(
+            SystemExit, match=rf"^error: cannot restore the runs of {path}: (KeyError|FileNotFoundError)"
+        ):
             rep.main(['--report_only=True', f'--runs_dir={tmp_path / "runs"}', f'--restore_from={path}'])

@@ -5,12 +5,12 @@ where an uninterrupted run ends.
 The crash is a SIGKILL of the worker at a fixed iteration on its first launch only (this file's
 __main__, run by torchrun as the worker: train.main with Trainer.step wrapped), so the test does
 not race the training for a moment to kill it."""
+
 import os
 import signal
 import sys
 
 import pytest
-
 from conftest import DDP_TINY, ROOT, Launch, assert_same_state, load
 
 pytestmark = pytest.mark.torchrun  # launches torchrun (deselect with -m "not torchrun")
@@ -27,14 +27,17 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_resumes_bitwise(tmp_path, 
     args = [*ARGS, f'--gradient_accumulation_steps={2 * workers}']
     straight = Launch([*launch, 'train.py', *args, f'--out_dir={tmp_path / "straight"}']).wait()
     assert straight.proc.returncode == 0, straight.out[-3000:]
-    crashed = Launch([*launch, '--max-restarts=1', 'tests/test_restart.py', *args, f'--out_dir={tmp_path / "crashed"}'],
-                     env={'KILL_AT_ITER': '6', 'KILL_RANK': str(workers - 1)}).wait()
+    crashed = Launch(
+        [*launch, '--max-restarts=1', 'tests/test_restart.py', *args, f'--out_dir={tmp_path / "crashed"}'],
+        env={'KILL_AT_ITER': '6', 'KILL_RANK': str(workers - 1)},
+    ).wait()
     out = crashed.out
     assert crashed.proc.returncode == 0, out[-3000:]
     assert 'killed at iteration 6' in out and 'resuming from iteration 4' in out, out[-3000:]
     assert_same_state(load(tmp_path / 'straight'), load(tmp_path / 'crashed'))
     # the records describe one run: iterations 4 and 5 ran twice, and are in the file once
     import json
+
     with open(tmp_path / 'crashed' / 'metrics.jsonl') as f:
         iters = [r['iter'] for r in map(json.loads, f) if r['kind'] == 'iter']
     assert iters == list(range(12)), iters
@@ -44,6 +47,7 @@ def test_auto_starts_from_scratch_then_resumes(tmp_path):
     """The same command twice: the first trains from scratch, the second continues the checkpoint
     (where init_from=resume fails on a first launch and scratch refuses a second)."""
     from conftest import run_train
+
     first = run_train(f'--out_dir={tmp_path}', '--init_from=auto', '--max_iters=4', '--eval_interval=4')
     assert 'resuming' not in first.stdout and load(tmp_path)['iter_num'] == 4
     second = run_train(f'--out_dir={tmp_path}', '--init_from=auto', '--max_iters=8', '--eval_interval=4')
@@ -56,9 +60,10 @@ if __name__ == '__main__':
     # preempted node or an OOM kill) when it reaches iteration KILL_AT_ITER, on the first launch only,
     # once the background write of the last checkpoint has ended (else that checkpoint is lost too)
     sys.path.insert(0, ROOT)
-    from infra import checkpoint_dcp
     import train
+    from infra import checkpoint_dcp
     from trainer import Trainer
+
     step = Trainer.step
 
     def step_or_die(trainer):
@@ -69,5 +74,6 @@ if __name__ == '__main__':
                 print(f"killed at iteration {trainer.iter_num}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
         return step(trainer)
+
     Trainer.step = step_or_die
     sys.exit(train.main(sys.argv[1:]))

@@ -1,6 +1,7 @@
-"""experiments/study.py and its parts (study_plan, study_stats, study_report, study_probe; with runner.py and stats.py): paired statistics on
-known numbers, resume, tables, block schedules, and a smoke run of tiny train.py runs: one the
-in-process probe must reproduce, and a fine-tuning run that starts from a pre-trained checkpoint."""
+"""experiments/study.py and its parts (study_plan, study_stats, study_report, study_probe; with runner.py and
+stats.py): paired statistics on known numbers, resume, tables, block schedules, and a smoke run of tiny train.py
+runs: one the in-process probe must reproduce, and a fine-tuning run that starts from a pre-trained checkpoint."""
+
 import json
 import math
 import os
@@ -35,8 +36,19 @@ def test_paired_stats_known_numbers():
 
 
 # Student's t 0.975 quantiles from the printed tables (3 decimals), and 0.995 ones (the 99% intervals)
-T975_TABLE = {1: 12.706, 2: 4.303, 4: 2.776, 9: 2.262, 19: 2.093, 20: 2.086, 29: 2.045, 30: 2.042, 60: 2.000,
-              120: 1.980, 1000: 1.962}
+T975_TABLE = {
+    1: 12.706,
+    2: 4.303,
+    4: 2.776,
+    9: 2.262,
+    19: 2.093,
+    20: 2.086,
+    29: 2.045,
+    30: 2.042,
+    60: 2.000,
+    120: 1.980,
+    1000: 1.962,
+}
 T995_TABLE = {1: 63.657, 4: 4.604, 9: 3.250, 30: 2.750, 1000: 2.581}
 
 
@@ -46,7 +58,7 @@ def test_t_quantile_matches_the_tables_for_any_degrees_of_freedom():
         assert stats.t_cdf(stats.t975(df), df) == pytest.approx(0.975, abs=1e-12)
     for df, t in T995_TABLE.items():
         assert stats.t_quantile(0.995, df) == pytest.approx(t, abs=6e-4), df
-    assert stats.t_quantile(0.975, 10 ** 7) == pytest.approx(1.959964, abs=1e-5)  # the normal quantile
+    assert stats.t_quantile(0.975, 10**7) == pytest.approx(1.959964, abs=1e-5)  # the normal quantile
     assert stats.t_quantile(0.025, 9) == pytest.approx(-stats.t975(9)) and stats.t_quantile(0.5, 3) == 0.0
     assert stats.t_cdf(0.0, 5) == pytest.approx(0.5) and stats.betainc(2.0, 3.0, 0.4) == pytest.approx(0.5248)
     with pytest.raises(ValueError):
@@ -66,8 +78,16 @@ def test_paired_interval_exists_for_any_number_of_seeds(n):
 
 
 def fake_result(s, train, val=None):
-    return {**s, 'returncode': 0, 'eval_iters': [0, 10], 'train_loss': [4.0, train], 'val_loss': [4.0, val or train + 0.1],
-            'median_ms_per_iter': 5.0, 'last_logged_epoch': 10.0, 'wall_s': 1.0}
+    return {
+        **s,
+        'returncode': 0,
+        'eval_iters': [0, 10],
+        'train_loss': [4.0, train],
+        'val_loss': [4.0, val or train + 0.1],
+        'median_ms_per_iter': 5.0,
+        'last_logged_epoch': 10.0,
+        'wall_s': 1.0,
+    }
 
 
 def test_resume_runs_only_missing_or_failed(tmp_path):
@@ -115,9 +135,13 @@ def test_summary_pairs_and_table(tmp_path):
     results = []
     for seed in range(5):
         results.append(fake_result(study_plan.spec('multi', 'adamw', 'lisa', 'keep', seed=seed), 2.0 + 0.01 * seed))
-        results.append(fake_result(study_plan.spec('multi', 'adamw', 'lisa_wor', 'keep', seed=seed), 2.0 + 0.01 * seed + 0.02))
+        results.append(
+            fake_result(study_plan.spec('multi', 'adamw', 'lisa_wor', 'keep', seed=seed), 2.0 + 0.01 * seed + 0.02)
+        )
         results.append(fake_result(study_plan.spec('multi', 'adamw', 'full', seed=seed), 1.9))
-        results.append(fake_result(study_plan.spec('multi', 'adamw', 'lisa', 'keep', seed=seed, n_layer=8), 1.0))  # no partner
+        results.append(
+            fake_result(study_plan.spec('multi', 'adamw', 'lisa', 'keep', seed=seed, n_layer=8), 1.0)
+        )  # no partner
     rows, pairs = study_stats.summarize(results)
     wor = [p for p in pairs if p['label'] == 'lisa_wor - lisa'][0]
     assert wor['train']['diffs'] == pytest.approx([0.02] * 5) and wor['train']['a_wins'] == 0
@@ -125,11 +149,15 @@ def test_summary_pairs_and_table(tmp_path):
     path = tmp_path / 'tables.md'
     study_report.write_tables(str(path), rows, pairs, {'command': 'x', 'runs_dir': 'r'})
     md = path.read_text()
-    assert ('| lisa_wor - lisa | L4-multi480-adamw-lisa_wor-keep-rr-K10-g2 | L4-multi480-adamw-lisa-keep-rr-K10-g2 '
-            '| 5 | +0.0200') in md
+    assert (
+        '| lisa_wor - lisa | L4-multi480-adamw-lisa_wor-keep-rr-K10-g2 | L4-multi480-adamw-lisa-keep-rr-K10-g2 '
+        '| 5 | +0.0200'
+    ) in md
     assert '| 0/5 |' in md
-    assert ('| L4-multi480-adamw-lisa-keep-rr-K10-g2 | 10 | 10.0 | 5 | 2.0200 | 2.1200 | '
-            '2.0000, 2.0100, 2.0200, 2.0300, 2.0400 |') in md
+    assert (
+        '| L4-multi480-adamw-lisa-keep-rr-K10-g2 | 10 | 10.0 | 5 | 2.0200 | 2.1200 | '
+        '2.0000, 2.0100, 2.0200, 2.0300, 2.0400 |'
+    ) in md
     study_report.plot(str(tmp_path / 'loss.png'), rows)
     assert (tmp_path / 'loss.png').stat().st_size > 0
 
@@ -140,7 +168,9 @@ def test_schedule_stats_without_replacement_is_even():
     assert wor['steps_per_block'] == [100] * 4 and wor['window_spread_mean'] == 0 and wor['never_in_window'] == 0
     assert sum(lisa['steps_per_block']) == 400 and wor['gap_max'] <= 2 * 10 + 1  # at most M periods idle (M=2)
     assert wor['activations'] == lisa['activations'] == 40
-    wor4 = study_probe.schedule_stats('lisa_wor', 12, 3, 3, 600, seed=1)  # M = 4: every block once per cycle of 12 steps
+    wor4 = study_probe.schedule_stats(
+        'lisa_wor', 12, 3, 3, 600, seed=1
+    )  # M = 4: every block once per cycle of 12 steps
     assert wor4['steps_per_block'] == [150] * 12 and wor4['window_spread_mean'] == 0
     assert wor4['gap_max'] <= 2 * 4 * 3 - 3 + 1
 
@@ -161,8 +191,10 @@ def test_smoke_runs_resume_probe_and_finetune(tmp_path, monkeypatch):
     data = study.make_multi_dataset(runs)
     assert os.path.getsize(os.path.join(data, 'train.bin')) == 6000
     ft_data = study.make_ft_dataset(runs)
-    assert (os.path.getsize(os.path.join(ft_data, 'train.bin')), os.path.getsize(os.path.join(ft_data, 'val.bin'))) \
-        == (4000, 400)
+    assert (os.path.getsize(os.path.join(ft_data, 'train.bin')), os.path.getsize(os.path.join(ft_data, 'val.bin'))) == (
+        4000,
+        400,
+    )
     wor = study_plan.spec('multi', 'adamw', 'lisa_wor', 'keep', seed=0)
     got = study.run_specs([wor], runs, jobs=1)
     r = got[study_plan.run_name(wor)]
@@ -186,22 +218,35 @@ def test_smoke_runs_resume_probe_and_finetune(tmp_path, monkeypatch):
     assert 'resuming from iteration 0' in log
     # the start: the pre-trained weights, a fresh optimizer, the run's own cycler, data order and config
     import torch
+
     study.finetune_start(ft, str(tmp_path / 'start'), runs)
     start = torch.load(str(tmp_path / 'start' / 'ckpt.pt'), weights_only=False)
     pretrained = torch.load(os.path.join(runs, study_plan.run_name(pre), 'ckpt.pt'), weights_only=False)
     assert start['model'].keys() == pretrained['model'].keys()
     assert all(torch.equal(start['model'][k], pretrained['model'][k]) for k in start['model'])
     assert start['iter_num'] == 0 and start['optimizer']['state'] == {} and pretrained['optimizer']['state']
-    assert (start['config']['method'], start['config']['omgd_seed'], start['config']['dataset']) == ('lisa_wor', 1, ft_data)
+    assert (start['config']['method'], start['config']['omgd_seed'], start['config']['dataset']) == (
+        'lisa_wor',
+        1,
+        ft_data,
+    )
 
 
 def test_k31_stages_are_the_plan(tmp_path):
     keep = study_plan.stage_specs('k31_keep', [100, 101])
     assert len(keep) == 24 and [s['seed'] for s in keep] == [100] * 12 + [101] * 12  # seed-major: complete pairs
-    assert {(s['K'], s['beta1'], s['state']) for s in keep} == {(3, None, 'keep'), (6, None, 'keep'), (12, None, 'keep'),
-                                                                 (25, None, 'keep'), (3, 0.5, 'keep'), (3, 0.0, 'keep')}
-    assert all((s['n_layer'], s['gamma'], s['iters'], s['optimizer'], s['regime']) == (12, 3, 600, 'adamw', 'multi')
-               for s in keep)
+    assert {(s['K'], s['beta1'], s['state']) for s in keep} == {
+        (3, None, 'keep'),
+        (6, None, 'keep'),
+        (12, None, 'keep'),
+        (25, None, 'keep'),
+        (3, 0.5, 'keep'),
+        (3, 0.0, 'keep'),
+    }
+    assert all(
+        (s['n_layer'], s['gamma'], s['iters'], s['optimizer'], s['regime']) == (12, 3, 600, 'adamw', 'multi')
+        for s in keep
+    )
     assert [s['method'] for s in keep[:2]] == ['lisa', 'lisa_wor']
     k100 = study_plan.stage_specs('k31_k100', [100])
     assert [(s['K'], s['iters'], s['state'], s['regime']) for s in k100] == [(100, 10_000, 'keep', 'paper')] * 2
@@ -211,8 +256,12 @@ def test_k31_stages_are_the_plan(tmp_path):
     args = study_plan.train_args(keep[-1], runs)  # beta1 0 reaches train.py, and train.py's config accepts it
     assert '--beta1=0.0' in args and runner.config_of(args)['beta1'] == 0.0
     assert not any(a.startswith('--beta1') for a in study_plan.train_args(keep[0], runs))
-    assert f'--dataset={study_plan.multi_dataset(runs, study_plan.PAPER_TOKENS)}' in study_plan.train_args(k100[0], runs)
-    assert study_plan.config_key(keep[-1]).endswith('-K3-g3-beta0.0') and study_plan.config_key(keep[0]).endswith('-K3-g3')
+    assert f'--dataset={study_plan.multi_dataset(runs, study_plan.PAPER_TOKENS)}' in study_plan.train_args(
+        k100[0], runs
+    )
+    assert study_plan.config_key(keep[-1]).endswith('-K3-g3-beta0.0') and study_plan.config_key(keep[0]).endswith(
+        '-K3-g3'
+    )
     assert len({study_plan.run_name(s) for s in keep}) == 24
 
 
@@ -225,7 +274,12 @@ def test_k31_tests_decide_as_the_plan_says(tmp_path):
             results.append(fake_result(study_plan.spec(method='lisa', **s), 2.5 + 0.01 * i))
             results.append(fake_result(study_plan.spec(method='lisa_wor', **s), 2.5 + 0.01 * i + v + 0.002 * (-1) ** i))
     for i, seed in enumerate(range(100, 102)):  # K = 100 under keep: 2 seeds, fewer than the plan's minimum of 3
-        s = dict(optimizer='adamw', **study_plan.K31_GEOMETRY, **study_plan.k31_cell(regime='paper', iters=10_000, K=100), seed=seed)
+        s = dict(
+            optimizer='adamw',
+            **study_plan.K31_GEOMETRY,
+            **study_plan.k31_cell(regime='paper', iters=10_000, K=100),
+            seed=seed,
+        )
         results.append(fake_result(study_plan.spec(method='lisa', **s), 2.0))
         results.append(fake_result(study_plan.spec(method='lisa_wor', **s), 1.9))
     k = study_stats.k31_tests(results)
@@ -243,7 +297,9 @@ def test_k31_tests_decide_as_the_plan_says(tmp_path):
     assert e['E1']['train']['n'] == 0  # no drop runs
     # the decision rule itself
     assert study_stats.verdict(-0.02, -0.001, -1) == 'confirmed' and study_stats.verdict(0.001, 0.02, -1) == 'refuted'
-    assert study_stats.verdict(-0.009, 0.009, -1) == 'refuted' and study_stats.verdict(-0.02, 0.005, -1) == 'inconclusive'
+    assert (
+        study_stats.verdict(-0.009, 0.009, -1) == 'refuted' and study_stats.verdict(-0.02, 0.005, -1) == 'inconclusive'
+    )
     assert study_stats.verdict(0.001, 0.02, +1) == 'confirmed' and study_stats.verdict(-0.009, 0.002, +1) == 'refuted'
     assert study_stats.verdict(None, None, +1) == 'not run'
     path = tmp_path / 'tests.md'
@@ -256,24 +312,38 @@ def test_k31_tests_decide_as_the_plan_says(tmp_path):
 
 def test_stop_at_starts_nothing_after_the_deadline(tmp_path, monkeypatch, capsys):
     import datetime
+
     now = datetime.datetime(2026, 1, 2, 10, 50, tzinfo=datetime.timezone.utc)
     assert study.stop_time('10:42', now) == now.replace(minute=42).timestamp()  # passed: today's
     assert study.stop_time('11:05', now) == now.replace(hour=11, minute=5).timestamp()
-    assert study.stop_time('00:30', now.replace(hour=23)) == datetime.datetime(2026, 1, 3, 0, 30, tzinfo=datetime.timezone.utc).timestamp()
+    assert (
+        study.stop_time('00:30', now.replace(hour=23))
+        == datetime.datetime(2026, 1, 3, 0, 30, tzinfo=datetime.timezone.utc).timestamp()
+    )
     monkeypatch.setattr(study_plan, 'PAPER_TOKENS', 3000)
     monkeypatch.setattr(study_report, 'SCHEDULES', ((4, 2, 2, 8),))  # the report's schedule tables: one tiny one
     monkeypatch.setattr(study_plan, 'M4_MULTI_TOKENS', 3000)
     calls = []
     monkeypatch.setattr(study, 'run_specs', lambda specs, *a, **k: calls.append(specs) or {})
     past = (datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=2)).strftime('%H:%M')
-    argv = ['--stages=k31_k100', '--first_seed=100', '--seeds=2', '--jobs=1', f'--stop_at={past}',
-            f'--runs_dir={tmp_path / "runs"}', f'--report_dir={tmp_path / "rep"}', '--name=k']
+    argv = [
+        '--stages=k31_k100',
+        '--first_seed=100',
+        '--seeds=2',
+        '--jobs=1',
+        f'--stop_at={past}',
+        f'--runs_dir={tmp_path / "runs"}',
+        f'--report_dir={tmp_path / "rep"}',
+        '--name=k',
+    ]
     assert study.main(argv) == 0 and calls == []
     assert '4 runs not started' in capsys.readouterr().out
     future = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=30)).strftime('%H:%M')
     assert study.main(argv[:4] + [f'--stop_at={future}'] + argv[5:]) == 0
-    assert [[(s['seed'], s['method']) for s in c] for c in calls] == [[(100, 'lisa'), (100, 'lisa_wor')],
-                                                                      [(101, 'lisa'), (101, 'lisa_wor')]]
+    assert [[(s['seed'], s['method']) for s in c] for c in calls] == [
+        [(100, 'lisa'), (100, 'lisa_wor')],
+        [(101, 'lisa'), (101, 'lisa_wor')],
+    ]
     with pytest.raises(SystemExit):
         study.main(argv[:4] + ['--stop_at=25:00'] + argv[5:])
 
@@ -284,8 +354,9 @@ def test_reports_are_written_again_from_the_json_and_compared_with_an_earlier_on
     runs = tmp_path / 'runs'
     for seed in (100, 101, 102, 103):
         for m, shift in (('lisa', 0.0), ('lisa_wor', 0.01)):
-            s = study_plan.spec(method=m, optimizer='adamw', **study_plan.K31_GEOMETRY, **study_plan.k31_cell(K=3),
-                                seed=seed)
+            s = study_plan.spec(
+                method=m, optimizer='adamw', **study_plan.K31_GEOMETRY, **study_plan.k31_cell(K=3), seed=seed
+            )
             (runs / study_plan.run_name(s)).mkdir(parents=True)
             train = 2.5 + 0.001 * seed % 0.01 + shift + 0.003 * (seed % 2)
             (runs / study_plan.run_name(s) / 'result.json').write_text(json.dumps(fake_result(s, round(train, 4))))

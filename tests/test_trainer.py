@@ -1,18 +1,28 @@
 """builder.py and trainer.py: the one builder and the one step, under every precision, state policy and method."""
+
 import itertools
 
 import pytest
 import torch
-
-from conftest import ITERATION_FILES, LOGGED_ITERATION_FILES, TINY as TINY_ARGS, files_per_iteration, train_defaults
+from conftest import ITERATION_FILES, LOGGED_ITERATION_FILES, files_per_iteration, train_defaults
+from conftest import TINY as TINY_ARGS
 
 import builder
 import omgd
 import train_config
 from trainer import Trainer, get_lr
 
-TINY = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64, omgd_gamma=2, omgd_period=2,
-            galore_rank=4, learning_rate=1e-2)
+TINY = dict(
+    n_layer=4,
+    n_head=2,
+    n_embd=32,
+    block_size=16,
+    vocab_size=64,
+    omgd_gamma=2,
+    omgd_period=2,
+    galore_rank=4,
+    learning_rate=1e-2,
+)
 
 
 def batches(seed=0, batch_size=4):
@@ -30,7 +40,9 @@ def train(cfg, steps, model=None, opt=None, cycler=None, seed=0):
     if model is None:
         model, opt, cycler = builder.build(cfg, 'cpu')
     losses = []
-    trainer = Trainer({**cfg, 'decay_lr': False}, model, opt, cycler, batches(seed), 'cpu')  # at learning_rate throughout
+    trainer = Trainer(
+        {**cfg, 'decay_lr': False}, model, opt, cycler, batches(seed), 'cpu'
+    )  # at learning_rate throughout
     for it in range(steps):
         loss, _ = trainer.step()
         losses.append(loss.item())
@@ -44,14 +56,21 @@ PRECISIONS = [('amp', ''), ('bf16', ''), ('bf16_master', ''), ('bf16_master', 'c
 @pytest.mark.parametrize('state', omgd.STATE_POLICIES)
 @pytest.mark.parametrize('precision, master_device', PRECISIONS)
 def test_every_precision_state_and_method_trains(precision, master_device, state, method):
-    cfg = train_defaults(**TINY, precision=precision, master_device=master_device, omgd_state=state, method=method,
-                         gradient_accumulation_steps=2)
+    cfg = train_defaults(
+        **TINY,
+        precision=precision,
+        master_device=master_device,
+        omgd_state=state,
+        method=method,
+        gradient_accumulation_steps=2,
+    )
     model, opt, cycler, losses = train(cfg, 9)  # 4 switches under lisa_wor
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     weights = {p.dtype for p in model.parameters()}
     assert weights == {torch.float32 if precision == 'amp' else torch.bfloat16}
     active = {p for i in cycler.active for p in cycler.units[i]} | {
-        p for p in model.parameters() if p.requires_grad and not any(p is q for u in cycler.units for q in u)}
+        p for p in model.parameters() if p.requires_grad and not any(p is q for u in cycler.units for q in u)
+    }
     for p, state_of_p in opt.state.items():
         moments = [v for k, v in state_of_p.items() if torch.is_tensor(v) and v.dim() > 0 and k != 'projector']
         # fp32 state exactly where a master is kept; bf16 training keeps bf16 moments
@@ -81,8 +100,9 @@ def test_offload_trains_bitwise_like_keep(precision, master_device):
 @pytest.mark.parametrize('scale_after_clip', [True, False])
 def test_step_order_of_clip_and_scale(scale_after_clip):
     """One step by hand: clip the gradient norm, then scale the active blocks (or the other way)."""
-    cfg = train_defaults(**TINY, grad_clip=0.05, optimizer='sgd', weight_decay=0.0,
-                         omgd_scale_after_clip=scale_after_clip)
+    cfg = train_defaults(
+        **TINY, grad_clip=0.05, optimizer='sgd', weight_decay=0.0, omgd_scale_after_clip=scale_after_clip
+    )
     torch.manual_seed(0)
     model, opt, cycler = builder.build(cfg, 'cpu')
     cycler.step(0)
@@ -93,8 +113,10 @@ def test_step_order_of_clip_and_scale(scale_after_clip):
     model.zero_grad(set_to_none=True)
     active = {n for n, p in model.named_parameters() if any(p is q for i in cycler.active for q in cycler.units[i])}
     scale = torch.tensor(cycler.scaling())
+
     def norm(g):
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(v) for v in g.values()]))
+
     if not scale_after_clip:
         grads = {n: g * scale if n in active else g for n, g in grads.items()}
     clip = torch.clamp(0.05 / (norm(grads) + 1e-6), max=1.0)
@@ -111,27 +133,44 @@ def test_step_order_of_clip_and_scale(scale_after_clip):
 def test_memory_options_train_the_same():
     base = train_defaults(**TINY)
     _, _, _, reference = train(base, 5)
-    for option in (dict(loss_chunk=24), dict(activation_offload=True), dict(activation_checkpointing=True),
-                   dict(activation_checkpointing=True, checkpoint_sublayers=True)):
+    for option in (
+        dict(loss_chunk=24),
+        dict(activation_offload=True),
+        dict(activation_checkpointing=True),
+        dict(activation_checkpointing=True, checkpoint_sublayers=True),
+    ):
         model, _, _, losses = train({**base, **option}, 5)
         options = model.memory_options  # memory_options.apply's record of what it applied
-        assert (options['loss_chunk'], options['activation_offload'], options['activation_checkpointing'],
-                options['checkpoint_sublayers']) == (
-            option.get('loss_chunk', 0), option.get('activation_offload', False),
-            option.get('activation_checkpointing', False), option.get('checkpoint_sublayers', False))
+        assert (
+            options['loss_chunk'],
+            options['activation_offload'],
+            options['activation_checkpointing'],
+            options['checkpoint_sublayers'],
+        ) == (
+            option.get('loss_chunk', 0),
+            option.get('activation_offload', False),
+            option.get('activation_checkpointing', False),
+            option.get('checkpoint_sublayers', False),
+        )
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize('cfg, message', [
-    (dict(loss_chunk=-1), "loss_chunk must be >= 0 tokens"),
-    (dict(precision='fp8'), "unknown precision 'fp8'; choose one of amp, bf16, bf16_master"),
-    (dict(master_device='cuda'), "master_device must be '' (the weights' device) or 'cpu', got 'cuda'"),
-    (dict(master_device='cpu'), "master_device='cpu' places fp32 master weights, which only "
-                                "precision='bf16_master' has; add --precision=bf16_master"),
-    (dict(precision='bf16', dtype='float16'), "dtype='float16' is the autocast dtype of precision='amp'"),
-    (dict(precision='bf16_master', optimizer='sgd'), "precision='bf16_master' keeps AdamW's fp32 master weights"),
-    (dict(method='lisa_wr'), f"unknown method 'lisa_wr'; choose one of {', '.join(train_config.METHOD_NAMES)}"),
-])
+@pytest.mark.parametrize(
+    'cfg, message',
+    [
+        (dict(loss_chunk=-1), "loss_chunk must be >= 0 tokens"),
+        (dict(precision='fp8'), "unknown precision 'fp8'; choose one of amp, bf16, bf16_master"),
+        (dict(master_device='cuda'), "master_device must be '' (the weights' device) or 'cpu', got 'cuda'"),
+        (
+            dict(master_device='cpu'),
+            "master_device='cpu' places fp32 master weights, which only "
+            "precision='bf16_master' has; add --precision=bf16_master",
+        ),
+        (dict(precision='bf16', dtype='float16'), "dtype='float16' is the autocast dtype of precision='amp'"),
+        (dict(precision='bf16_master', optimizer='sgd'), "precision='bf16_master' keeps AdamW's fp32 master weights"),
+        (dict(method='lisa_wr'), f"unknown method 'lisa_wr'; choose one of {', '.join(train_config.METHOD_NAMES)}"),
+    ],
+)
 def test_impossible_combinations_are_refused(cfg, message):
     with pytest.raises(ValueError) as e:
         train_config.check(train_defaults(**cfg))
@@ -139,12 +178,16 @@ def test_impossible_combinations_are_refused(cfg, message):
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize('arch_args', [dict(arch='gpt2', bias=True), dict(arch='llama', n_head=4, n_kv_head=2),
-                                       dict(arch='gpt2', tie_embeddings=False)], ids=['gpt2', 'llama-gqa', 'untied'])
+@pytest.mark.parametrize(
+    'arch_args',
+    [dict(arch='gpt2', bias=True), dict(arch='llama', n_head=4, n_kv_head=2), dict(arch='gpt2', tie_embeddings=False)],
+    ids=['gpt2', 'llama-gqa', 'untied'],
+)
 def test_new_model_has_the_weights_of_a_cpu_fp32_build(arch_args, dtype):
     """builder.new_model builds on meta and fills the tensors where they live, in their dtype;
     the weights, buffers and the RNG state after it are those of Transformer(config) on the CPU, cast."""
     from model import Transformer, TransformerConfig
+
     config = TransformerConfig(**{**dict(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=50), **arch_args})
     torch.manual_seed(3)
     reference = Transformer(config).to(dtype)
@@ -164,6 +207,7 @@ def test_new_model_drawn_on_the_device_is_initialised_like_a_cpu_build():
     """cpu_draws=False (the benchmarks) draws where the weights live, in their dtype: the same init
     (on a GPU other values; on the CPU bf16 draws happen to equal fp32 draws cast)."""
     from model import TransformerConfig
+
     config = TransformerConfig(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=64)
     torch.manual_seed(3)
     reference = builder.new_model(config, 'cpu', torch.bfloat16)
@@ -173,7 +217,10 @@ def test_new_model_drawn_on_the_device_is_initialised_like_a_cpu_build():
     a, b = reference.state_dict(), model.state_dict()
     for k in a:  # zeros stay zeros, ones ones, and the random ones have the same spread
         assert b[k].dtype == torch.bfloat16 and torch.isfinite(b[k].float()).all(), k
-        assert abs(a[k].float().std().nan_to_num() - b[k].float().std().nan_to_num()) < 0.2 * a[k].float().std().nan_to_num() + 1e-6, k
+        assert (
+            abs(a[k].float().std().nan_to_num() - b[k].float().std().nan_to_num())
+            < 0.2 * a[k].float().std().nan_to_num() + 1e-6
+        ), k
 
 
 def test_one_iteration_reads_five_files(tmp_path):
@@ -186,8 +233,16 @@ def test_one_iteration_reads_five_files(tmp_path):
     assert files == LOGGED_ITERATION_FILES  # log_interval=1: every iteration logs
     # iterations 8 and 9 of the resumed run neither log (log_interval=100), nor switch (at 6, then 9: after the
     # last traced step), nor evaluate: the five files, and nothing else
-    status, files = files_per_iteration([*TINY_ARGS, f'--out_dir={tmp_path}', '--max_iters=10', '--init_from=resume',
-                                         '--log_interval=100', '--omgd_state=drop'])
+    status, files = files_per_iteration(
+        [
+            *TINY_ARGS,
+            f'--out_dir={tmp_path}',
+            '--max_iters=10',
+            '--init_from=resume',
+            '--log_interval=100',
+            '--omgd_state=drop',
+        ]
+    )
     assert status == 0
     assert files == ITERATION_FILES
 

@@ -48,8 +48,10 @@ def json_splits(json_files):
     splits["train"] = [f for f in files if f not in splits["validation"]]
     for split, chosen in splits.items():
         if not chosen:
-            raise ValueError(f"--json_files={json_files!r}: no {split} shard among its {len(files)} files (C4 names "
-                             f"them c4-{split}.*.json.gz); add one")
+            raise ValueError(
+                f"--json_files={json_files!r}: no {split} shard among its {len(files)} files (C4 names "
+                f"them c4-{split}.*.json.gz); add one"
+            )
     return splits
 
 
@@ -59,8 +61,10 @@ def documents(split, json_files=None, streaming=True, cache_dir=None, num_proc=N
     source = f"the {split} shards of --json_files" if json_files is not None else f"allenai/c4 en {split}"
     for i, row in enumerate(_rows(source, split, json_files, streaming, cache_dir, num_proc)):
         if not isinstance(row.get("text"), str):
-            raise ValueError(f"{source}: document {i} has no \"text\" string; C4-format shards hold one JSON "
-                             f"object with \"text\" per line")
+            raise ValueError(
+                f"{source}: document {i} has no \"text\" string; C4-format shards hold one JSON "
+                f"object with \"text\" per line"
+            )
         yield row["text"]
 
 
@@ -70,11 +74,22 @@ def _rows(source, split, json_files, streaming, cache_dir, num_proc):
 
     try:
         if json_files is not None:
-            ds = load_dataset("json", data_files=json_splits(json_files)[split], split="train", streaming=streaming,
-                              cache_dir=cache_dir)
+            ds = load_dataset(
+                "json",
+                data_files=json_splits(json_files)[split],
+                split="train",
+                streaming=streaming,
+                cache_dir=cache_dir,
+            )
         else:
-            ds = load_dataset("allenai/c4", "en", split=split, streaming=streaming, cache_dir=cache_dir,
-                              **({} if streaming else {"num_proc": num_proc}))
+            ds = load_dataset(
+                "allenai/c4",
+                "en",
+                split=split,
+                streaming=streaming,
+                cache_dir=cache_dir,
+                **({} if streaming else {"num_proc": num_proc}),
+            )
         yield from ds
     except StopIteration:  # the json reader's way of saying that a shard is empty
         raise ValueError(f"{source} cannot be read: a shard is empty") from None
@@ -114,8 +129,9 @@ def tokenized(split, texts, tok, pool, num_proc, batch_docs, max_tokens, verbose
     batches = iter(lambda: list(itertools.islice(texts, batch_docs)), [])
     arrays = in_order(pool, batches, 4 * num_proc) if pool else (encode_docs(b, tok) for b in batches)
     n = 0
-    with tqdm(total=max_tokens or None, unit="tok", unit_scale=True, desc=f"tokenizing {split}",
-              disable=not verbose) as bar:
+    with tqdm(
+        total=max_tokens or None, unit="tok", unit_scale=True, desc=f"tokenizing {split}", disable=not verbose
+    ) as bar:
         for a in arrays:
             if max_tokens and n + len(a) >= max_tokens:
                 a = a[: max_tokens - n]
@@ -128,13 +144,26 @@ def tokenized(split, texts, tok, pool, num_proc, batch_docs, max_tokens, verbose
         raise ValueError(f"the {split} split has no documents; give shards with some")
 
 
-def prepare(out_dir=None, json_files=None, tokenizer="gpt2", streaming=True, num_proc=None, max_docs=0,
-            max_tokens=0, max_val_docs=0, max_val_tokens=0, batch_docs=1000, cache_dir=None, verbose=True):
+def prepare(
+    out_dir=None,
+    json_files=None,
+    tokenizer="gpt2",
+    streaming=True,
+    num_proc=None,
+    max_docs=0,
+    max_tokens=0,
+    max_val_docs=0,
+    max_val_tokens=0,
+    batch_docs=1000,
+    cache_dir=None,
+    verbose=True,
+):
     """Write train.bin, val.bin and meta.pkl of C4-en (or of --json_files) into out_dir. Returns stats."""
     t0 = time.time()
     out_dir = Path(out_dir) if out_dir is not None else HERE
-    for key, value in dict(max_docs=max_docs, max_tokens=max_tokens, max_val_docs=max_val_docs,
-                           max_val_tokens=max_val_tokens).items():
+    for key, value in dict(
+        max_docs=max_docs, max_tokens=max_tokens, max_val_docs=max_val_docs, max_val_tokens=max_val_tokens
+    ).items():
         if value < 0:
             raise ValueError(f"--{key}={value}: give a number of at least 0 (0: no cap)")
     if batch_docs < 1 or (num_proc is not None and num_proc < 1):
@@ -167,25 +196,44 @@ def prepare(out_dir=None, json_files=None, tokenizer="gpt2", streaming=True, num
     if verbose:
         for split, n in counts.items():
             print(f"{split}.bin: {n:,} tokens ({tok.dtype}, {n * np.dtype(tok.dtype).itemsize / 2**20:,.1f} MiB)")
-    return {"out_dir": str(out_dir), **{f"{k}_tokens": v for k, v in counts.items()},
-            "tokenizer": tok.name, "vocab_size": tok.vocab_size, "dtype": tok.dtype,
-            "seconds": round(time.time() - t0, 3)}
+    return {
+        "out_dir": str(out_dir),
+        **{f"{k}_tokens": v for k, v in counts.items()},
+        "tokenizer": tok.name,
+        "vocab_size": tok.vocab_size,
+        "dtype": tok.dtype,
+        "seconds": round(time.time() - t0, 3),
+    }
 
 
-KEYS = dict(json_files="", tokenizer="gpt2", streaming=True, num_proc=0, max_docs=0, max_tokens=0, max_val_docs=0,
-            max_val_tokens=0, batch_docs=1000, cache_dir="")
-MEANINGS = dict(json_files="comma-separated globs of local C4-format shards (*.json.gz) instead of the download",
-                tokenizer=TOKENIZER_MEANING,
-                streaming="True: read the shards as they download; False: download the split first",
-                num_proc="tokenizing processes (0: as nanoGPT, half the CPU cores); also download workers",
-                max_docs="cap on training documents (0: all)", max_tokens="cap on training ids (0: all)",
-                max_val_docs="cap on validation documents (0: all)", max_val_tokens="cap on validation ids (0: all)",
-                batch_docs="documents per tokenizing task", cache_dir="Hugging Face datasets cache dir")
+KEYS = dict(
+    json_files="",
+    tokenizer="gpt2",
+    streaming=True,
+    num_proc=0,
+    max_docs=0,
+    max_tokens=0,
+    max_val_docs=0,
+    max_val_tokens=0,
+    batch_docs=1000,
+    cache_dir="",
+)
+MEANINGS = dict(
+    json_files="comma-separated globs of local C4-format shards (*.json.gz) instead of the download",
+    tokenizer=TOKENIZER_MEANING,
+    streaming="True: read the shards as they download; False: download the split first",
+    num_proc="tokenizing processes (0: as nanoGPT, half the CPU cores); also download workers",
+    max_docs="cap on training documents (0: all)",
+    max_tokens="cap on training ids (0: all)",
+    max_val_docs="cap on validation documents (0: all)",
+    max_val_tokens="cap on validation ids (0: all)",
+    batch_docs="documents per tokenizing task",
+    cache_dir="Hugging Face datasets cache dir",
+)
 
 
 def main(argv=None):
-    return prepare_main(prepare, "C4-en (or local C4 shards) -> train.bin/val.bin/meta.pkl", HERE, argv, KEYS,
-                        MEANINGS)
+    return prepare_main(prepare, "C4-en (or local C4 shards) -> train.bin/val.bin/meta.pkl", HERE, argv, KEYS, MEANINGS)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,16 @@ from data.tokenizer import Tokenizer
 HERE = Path(__file__).resolve().parent
 
 
-def load_raw(dataset="openwebtext", dataset_config=None, text_files=None, sample_by="document",
-             num_proc_load_dataset=None, split="train", max_docs=None, cache_dir=None):
+def load_raw(
+    dataset="openwebtext",
+    dataset_config=None,
+    text_files=None,
+    sample_by="document",
+    num_proc_load_dataset=None,
+    split="train",
+    max_docs=None,
+    cache_dir=None,
+):
     """The raw dataset (a single `datasets.Dataset`) with a `text` column."""
     from datasets import load_dataset
 
@@ -45,17 +53,36 @@ def load_raw(dataset="openwebtext", dataset_config=None, text_files=None, sample
     return raw
 
 
-def prepare(out_dir=None, dataset="openwebtext", dataset_config=None, text_files=None, sample_by="document",
-            num_proc=None, num_proc_load_dataset=None, test_size=0.0005, seed=2357, max_docs=None,
-            text_field="text", cache_dir=None, tokenizer="gpt2"):
+def prepare(
+    out_dir=None,
+    dataset="openwebtext",
+    dataset_config=None,
+    text_files=None,
+    sample_by="document",
+    num_proc=None,
+    num_proc_load_dataset=None,
+    test_size=0.0005,
+    seed=2357,
+    max_docs=None,
+    text_field="text",
+    cache_dir=None,
+    tokenizer="gpt2",
+):
     """Download/load, split and tokenize; writes train.bin, val.bin and meta.pkl into out_dir. Returns stats."""
     t0 = time.time()
     out_dir = Path(out_dir) if out_dir is not None else HERE
     num_proc = num_proc or max(1, (os.cpu_count() or 2) // 2)
     tok = Tokenizer(tokenizer)
     tok.encode("")  # load it once in the parent (workers inherit it on fork)
-    raw = load_raw(dataset, dataset_config, text_files, sample_by, num_proc_load_dataset or num_proc,
-                   max_docs=max_docs, cache_dir=cache_dir)
+    raw = load_raw(
+        dataset,
+        dataset_config,
+        text_files,
+        sample_by,
+        num_proc_load_dataset or num_proc,
+        max_docs=max_docs,
+        cache_dir=cache_dir,
+    )
 
     # owt by default only contains the 'train' split, so create a test split
     split_dataset = raw.train_test_split(test_size=test_size, seed=seed, shuffle=True)
@@ -66,26 +93,45 @@ def prepare(out_dir=None, dataset="openwebtext", dataset_config=None, text_files
     counts = tokenize_dataset(split_dataset, tok, out_dir, num_proc=num_proc, text_field=text_field)
     for split, n in counts.items():
         print(f"{split} has {n:,} tokens")
-    return {"out_dir": str(out_dir), **{f"{k}_tokens": v for k, v in counts.items()},
-            "seconds": round(time.time() - t0, 3)}
+    return {
+        "out_dir": str(out_dir),
+        **{f"{k}_tokens": v for k, v in counts.items()},
+        "seconds": round(time.time() - t0, 3),
+    }
 
 
-KEYS = dict(dataset="openwebtext", dataset_config="", text_files="", sample_by="document", num_proc=0,
-            num_proc_load_dataset=0, test_size=0.0005, seed=2357, max_docs=0, text_field="text", cache_dir="",
-            tokenizer="gpt2")
-MEANINGS = dict(dataset="Hugging Face dataset name (e.g. allenai/c4)", dataset_config="dataset config name (e.g. 'en' "
-                "for allenai/c4)", text_files="glob of local text files to use instead of --dataset",
-                sample_by="with --text_files: what one document (one <|endoftext|>) is",
-                num_proc="workers for the .map() tokenization (0: as nanoGPT, half the CPU cores)",
-                num_proc_load_dataset="workers for load_dataset (0: --num_proc)",
-                max_docs="only use the first N documents (0: all)", cache_dir="Hugging Face datasets cache dir",
-                tokenizer=TOKENIZER_MEANING)
+KEYS = dict(
+    dataset="openwebtext",
+    dataset_config="",
+    text_files="",
+    sample_by="document",
+    num_proc=0,
+    num_proc_load_dataset=0,
+    test_size=0.0005,
+    seed=2357,
+    max_docs=0,
+    text_field="text",
+    cache_dir="",
+    tokenizer="gpt2",
+)
+MEANINGS = dict(
+    dataset="Hugging Face dataset name (e.g. allenai/c4)",
+    dataset_config="dataset config name (e.g. 'en' for allenai/c4)",
+    text_files="glob of local text files to use instead of --dataset",
+    sample_by="with --text_files: what one document (one <|endoftext|>) is",
+    num_proc="workers for the .map() tokenization (0: as nanoGPT, half the CPU cores)",
+    num_proc_load_dataset="workers for load_dataset (0: --num_proc)",
+    max_docs="only use the first N documents (0: all)",
+    cache_dir="Hugging Face datasets cache dir",
+    tokenizer=TOKENIZER_MEANING,
+)
 RULES = dict(sample_by=one_of("document", "paragraph", "line"), test_size=above(0, upper=1))
 
 
 def main(argv=None):
-    return prepare_main(prepare, "OpenWebText (or another text dataset) -> GPT-2 train.bin/val.bin", HERE, argv,
-                        KEYS, MEANINGS, RULES)
+    return prepare_main(
+        prepare, "OpenWebText (or another text dataset) -> GPT-2 train.bin/val.bin", HERE, argv, KEYS, MEANINGS, RULES
+    )
 
 
 if __name__ == "__main__":

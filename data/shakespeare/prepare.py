@@ -55,8 +55,13 @@ def prepare(out_dir=None, input_path=None, tokenizer="gpt2", verbose=True):
 
     # export to bin files
     stats = write_splits(train_ids, val_ids, out_dir, tok.record())
-    stats.update(out_dir=str(out_dir), source=source, n_chars=len(data), vocab_size=tok.vocab_size,
-                 seconds=round(time.time() - t0, 3))
+    stats.update(
+        out_dir=str(out_dir),
+        source=source,
+        n_chars=len(data),
+        vocab_size=tok.vocab_size,
+        seconds=round(time.time() - t0, 3),
+    )
     return stats
 
 

@@ -46,6 +46,7 @@ def prepare(out_dir=None, input_path=None, tokenizer="char", verbose=True):
     """
     if tokenizer != "char":
         from data.shakespeare.prepare import prepare as prepare_with_tokenizer
+
         return prepare_with_tokenizer(out_dir or HERE, input_path, tokenizer, verbose)
     t0 = time.time()
     out_dir = Path(out_dir) if out_dir is not None else HERE
@@ -74,11 +75,19 @@ def prepare(out_dir=None, input_path=None, tokenizer="char", verbose=True):
 
     # export to bin files, then save the meta information for encoding/decoding later
     stats = write_splits(train_ids, val_ids, out_dir, Tokenizer("char", itos).record())
-    stats.update(out_dir=str(out_dir), source=source, n_chars=len(data), vocab_size=vocab_size,
-                 seconds=round(time.time() - t0, 3))
+    stats.update(
+        out_dir=str(out_dir),
+        source=source,
+        n_chars=len(data),
+        vocab_size=vocab_size,
+        seconds=round(time.time() - t0, 3),
+    )
     return stats
 
 
 if __name__ == "__main__":
-    sys.exit(prepare_main(prepare, "character-level Shakespeare -> train.bin/val.bin/meta.pkl", HERE,
-                          keys=corpus_keys("char")))
+    sys.exit(
+        prepare_main(
+            prepare, "character-level Shakespeare -> train.bin/val.bin/meta.pkl", HERE, keys=corpus_keys("char")
+        )
+    )
