@@ -11,6 +11,7 @@ Two formats, each a back end of its own:
 A resume continues whichever holds the later iteration, on any number of ranks. Neither is ever
 written with a non-finite state, and neither is read with anything that could run code.
 """
+
 import dataclasses
 import os
 import sys
@@ -19,15 +20,29 @@ import torch
 
 import train_config
 from infra import checkpoint_dcp, checkpoint_file
+
 # the 'file' format's functions, as the scripts and tests call them (checkpoint.read, checkpoint.save, ...)
-from infra.checkpoint_file import (CheckpointError, NonFiniteState, check_finite, load_state,  # noqa: F401
-                                   read, remove_interrupted_write, restore_rng, resume, save)
+from infra.checkpoint_file import (
+    CheckpointError,
+    NonFiniteState,
+    check_finite,
+    load_state,  # noqa: F401
+    read,
+    remove_interrupted_write,
+    restore_rng,
+    save,
+)
 from model import TransformerConfig
 
-
 # the values a resume reads besides the states of the objects (every checkpoint of train.py has them), by type
-RESUME_KEYS = {'config': dict, 'model_args': dict, 'iter_num': int, 'best_val_loss': (int, float), 'data': dict,
-               'rng': dict}
+RESUME_KEYS = {
+    'config': dict,
+    'model_args': dict,
+    'iter_num': int,
+    'best_val_loss': (int, float),
+    'data': dict,
+    'rng': dict,
+}
 
 
 class Checkpointer:
@@ -81,18 +96,43 @@ class Checkpointer:
             check_out_dir(out_dir)
             removed, left = checkpoint_dcp.remove_incomplete(out_dir)  # what a crash in the middle of a save left
             if removed:
-                print(f"removed {', '.join(removed)} from {out_dir}: checkpoint(s) left incomplete by an interrupted save")
+                print(
+                    f"removed {', '.join(removed)} from {out_dir}: checkpoint(s) left incomplete by an interrupted save"
+                )
             if left:
-                print(f"warning: {', '.join(left)} in {out_dir}: not a complete checkpoint, and no save of train.py "
-                      f"was writing it; left as it is (a copy missing its .complete file does not resume)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"warning: {', '.join(left)} in {out_dir}: not a complete checkpoint, and no save of train.py "
+                    f"was writing it; left as it is (a copy missing its .complete file does not resume)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         self.seed = cfg['seed']
         fmt = cfg['checkpoint_format']  # 'auto': one file in one process; sharded folders on several ranks
         if fmt == 'dcp' or (fmt == 'auto' and self.ranks.world_size > 1):
-            self.saver = checkpoint_dcp.Saver(out_dir, self.ranks, cfg['keep_last'], checkpoint_dcp.background(
-                cfg['checkpoint_async'], self.device_type))  # in the background on a GPU (checkpoint_async)
+            self.saver = checkpoint_dcp.Saver(
+                out_dir,
+                self.ranks,
+                cfg['keep_last'],
+                checkpoint_dcp.background(cfg['checkpoint_async'], self.device_type),
+            )  # in the background on a GPU (checkpoint_async)
             self.saver.replaces = self.replaced if master else []
+            if master and self.writes:
+                self._refuse_foreign_steps(left, cfg['max_iters'])
         return cfg
+
+    def _refuse_foreign_steps(self, left, max_iters):
+        """A step folder no save of train.py wrote, at an iteration this run may save: refused now, before
+        training, rather than replaced by that save (it may hold another run's shards)."""
+        steps = [(int(m.group(1)), os.path.join(self.out_dir, n)) for n in left if (m := checkpoint_dcp.STEP.match(n))]
+        # a damaged newer checkpoint that could not be moved aside is kept where it is, too
+        steps += [(it, p) for it, p in checkpoint_dcp.complete_steps(self.out_dir) if p not in self.replaced]
+        ahead = sorted((it, p) for it, p in steps if self.iter_num <= it <= max_iters and p != self.path)
+        if ahead:
+            it, path = ahead[0]
+            raise CheckpointError(
+                f"{path} was not written by this run and it would save iteration {it} there; move that folder out of "
+                f"out_dir (or restore its .complete file if it is a whole checkpoint), then run again"
+            )
 
     def _newest_loadable(self):
         """The newest checkpoint that can be read; each newer one that cannot is named in a warning and
@@ -119,34 +159,48 @@ class Checkpointer:
                     os.replace(path, aside)
                     path = aside
                 kept.append(path)
-            print(f"warning: cannot resume from {'; '.join(f'{p} ({why})' for p, why in skipped)}: resuming from "
-                  f"{chosen[1]} instead; kept as {', '.join(kept)}", file=sys.stderr, flush=True)
+            print(
+                f"warning: cannot resume from {'; '.join(f'{p} ({why})' for p, why in skipped)}: resuming from "
+                f"{chosen[1]} instead; kept as {', '.join(kept)}",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.ranks.enabled:
             self.ranks.gather(None)  # every rank reads on once the damaged are moved aside
         return tuple(chosen)
 
     def _resume_config(self, cfg, given):
         if self.found is None:
-            raise CheckpointError(f"no checkpoint at {os.path.join(self.out_dir, 'ckpt.pt')} to resume from; train "
-                                  f"with init_from='scratch' first")
+            raise CheckpointError(
+                f"no checkpoint at {os.path.join(self.out_dir, 'ckpt.pt')} to resume from; train "
+                f"with init_from='scratch' first"
+            )
         fmt, path, _ = self.found
         saved = read(path, mmap=True) if fmt == 'file' else checkpoint_dcp.read_values(path)
         missing = [k for k in RESUME_KEYS if not isinstance(saved, dict) or k not in saved]
         if missing:
-            raise CheckpointError(f"cannot resume from {path}: it lacks {', '.join(map(repr, missing))}, which every "
-                                  f"checkpoint of train.py holds; restore a backup or train from scratch")
+            raise CheckpointError(
+                f"cannot resume from {path}: it lacks {', '.join(map(repr, missing))}, which every "
+                f"checkpoint of train.py holds; restore a backup or train from scratch"
+            )
         wrong = wrong_values(saved)
         if wrong:
-            raise CheckpointError(f"cannot resume from {path}: its {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} "
-                                  f"not what train.py writes; the file is damaged or not train.py's: restore a backup or "
-                                  f"train from scratch")
+            raise CheckpointError(
+                f"cannot resume from {path}: its {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} "
+                f"not what train.py writes; the file is damaged or not train.py's: restore a backup or "
+                f"train from scratch"
+            )
         try:
             cfg = train_config.resume_config(saved['config'], saved['model_args'], cfg, given)
-            self.iter_num, self.best_val_loss, self.wandb_id = (saved['iter_num'], saved['best_val_loss'],
-                                                                saved.get('wandb_id'))
+            self.iter_num, self.best_val_loss, self.wandb_id = (
+                saved['iter_num'],
+                saved['best_val_loss'],
+                saved.get('wandb_id'),
+            )
         except (KeyError, TypeError) as e:
-            raise CheckpointError(f"cannot resume from {path}: its config is not train.py's ({e}); restore a backup or "
-                                  f"train from scratch") from None
+            raise CheckpointError(
+                f"cannot resume from {path}: its config is not train.py's ({e}); restore a backup or train from scratch"
+            ) from None
         except ValueError as e:  # keys of this command that cannot continue it (train_config.check_resume)
             raise CheckpointError(e) from None
         self.path, self.saved_iter = path, self.iter_num
@@ -157,9 +211,11 @@ class Checkpointer:
         _, path, it = self.found
         earlier = f"iteration {it} of an earlier run" if it >= 0 else "an unreadable checkpoint"
         if not overwrite:
-            raise CheckpointError(f"{path} holds {earlier}; continue it with --init_from=resume, choose another "
-                                  f"--out_dir, or pass --overwrite=True to replace it (--init_from=auto resumes when "
-                                  f"there is one)")
+            raise CheckpointError(
+                f"{path} holds {earlier}; continue it with --init_from=resume, choose another "
+                f"--out_dir, or pass --overwrite=True to replace it (--init_from=auto resumes when "
+                f"there is one)"
+            )
         self.replaced = all_checkpoints(self.out_dir)
         if self.ranks.master:
             print(f"{path} holds {earlier}; this run's first save replaces it (overwrite=True)")
@@ -188,27 +244,38 @@ class Checkpointer:
         except ValueError as e:  # the loaders' own refusals, each saying what to do
             raise CheckpointError(f"cannot resume from {path}: {e}") from None
         except (KeyError, TypeError, AttributeError, IndexError) as e:  # a state that is not its object's
-            raise CheckpointError(f"cannot resume from {path}: {type(e).__name__}: {str(e)[:200]}; the file is damaged "
-                                  f"or not train.py's: restore a backup or train from scratch") from None
+            raise CheckpointError(
+                f"cannot resume from {path}: {type(e).__name__}: {str(e)[:200]}; the file is damaged "
+                f"or not train.py's: restore a backup or train from scratch"
+            ) from None
         try:
             check_finite(ranks, model, optimizer)
         except NonFiniteState:
-            raise CheckpointError(f"{path} holds weights or optimizer state that are not finite (iteration "
-                                  f"{self.iter_num}): it cannot be resumed; restore a backup of it, or start again "
-                                  f"with --init_from=scratch --overwrite=True") from None
+            raise CheckpointError(
+                f"{path} holds weights or optimizer state that are not finite (iteration "
+                f"{self.iter_num}): it cannot be resumed; restore a backup of it, or start again "
+                f"with --init_from=scratch --overwrite=True"
+            ) from None
         saved_tokens = checkpoint['data'].get('n_tokens')
         if saved_tokens is not None and saved_tokens != data.n_tokens and ranks.master:
-            print(f"warning: {data.path} has {data.n_tokens:,} tokens, the checkpoint's data had {saved_tokens:,}: "
-                  f"the file changed, and the saved position now points into another order of windows",
-                  file=sys.stderr, flush=True)
+            print(
+                f"warning: {data.path} has {data.n_tokens:,} tokens, the checkpoint's data had {saved_tokens:,}: "
+                f"the file changed, and the saved position now points into another order of windows",
+                file=sys.stderr,
+                flush=True,
+            )
         try:
             same_ranks = restore_rng(checkpoint, ranks, self.device_type, self.seed, self.iter_num)
         except (ValueError, KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:  # set_rng_state's
-            raise CheckpointError(f"cannot resume from {path}: its random number states cannot be restored "
-                                  f"({type(e).__name__}: {str(e)[:200]}); restore a backup or train from scratch") from None
+            raise CheckpointError(
+                f"cannot resume from {path}: its random number states cannot be restored "
+                f"({type(e).__name__}: {str(e)[:200]}); restore a backup or train from scratch"
+            ) from None
         if not same_ranks and ranks.master:
-            print(f"resuming a {checkpoint.get('world_size', 1)}-rank checkpoint on {ranks.world_size} "
-                  f"rank{'s' * (ranks.world_size > 1)}: same data position, not bitwise the run it would have been")
+            print(
+                f"resuming a {checkpoint.get('world_size', 1)}-rank checkpoint on {ranks.world_size} "
+                f"rank{'s' * (ranks.world_size > 1)}: same data position, not bitwise the run it would have been"
+            )
         self.checkpoint = None  # free memory
 
     def save(self, objects, values):
@@ -222,8 +289,10 @@ class Checkpointer:
                 path = os.path.join(self.out_dir, 'ckpt.pt')
                 wrote = save(path, self.ranks, objects, values, self.fsdp, self.device_type)
         except NonFiniteState:
-            raise CheckpointError(f"the weights or optimizer state are not finite at iteration {values['iter_num']}; "
-                                  f"{self.last_good()}; lower learning_rate or raise warmup_iters") from None
+            raise CheckpointError(
+                f"the weights or optimizer state are not finite at iteration {values['iter_num']}; "
+                f"{self.last_good()}; lower learning_rate or raise warmup_iters"
+            ) from None
         self.path, self.saved_iter = path, values['iter_num']
         if not wrote:
             return None
@@ -237,8 +306,11 @@ class Checkpointer:
 
     def last_good(self):
         """What a failing run leaves behind, in words, for its error line."""
-        return (f"kept the last good checkpoint {self.path} (iteration {self.saved_iter})" if self.saved_iter is not None
-                else "this run saved no checkpoint")
+        return (
+            f"kept the last good checkpoint {self.path} (iteration {self.saved_iter})"
+            if self.saved_iter is not None
+            else "this run saved no checkpoint"
+        )
 
     def finish(self):
         """At the end of the run, on every rank: the last background save is on disk, complete (or its
@@ -251,8 +323,9 @@ class Checkpointer:
         ends first, and an out_dir this run made and left empty is removed."""
         if failed and self.saver is not None:
             self.saver.abandon()
-        left_empty = (failed and self.made_out_dir and os.path.isdir(self.out_dir)
-                      and set(os.listdir(self.out_dir)) <= {'.lock'})
+        left_empty = (
+            failed and self.made_out_dir and os.path.isdir(self.out_dir) and set(os.listdir(self.out_dir)) <= {'.lock'}
+        )
         self.lock.release(remove=left_empty)
         if left_empty:
             os.rmdir(self.out_dir)  # a run that saved nothing leaves no empty out_dir behind
@@ -280,13 +353,22 @@ def wrong_values(saved):
     """The values of a checkpoint (RESUME_KEYS, and model_args' TransformerConfig fields) that are not of the
     type train.py writes, as 'key=value': a hand-edited or foreign file, whose values would otherwise fail
     later in a traceback (iter_num 'x' at the loop's first comparison) or in a misleading line."""
-    wrong = [f'{k}={v!r}'[:80] for k, kind in RESUME_KEYS.items() if not of_type(v := saved[k], kind)
-             or k == 'iter_num' and v < 0]
+    wrong = [
+        f'{k}={v!r}'[:80]
+        for k, kind in RESUME_KEYS.items()
+        if not of_type(v := saved[k], kind) or k == 'iter_num' and v < 0
+    ]
     if isinstance(saved['model_args'], dict):
-        kinds = {f.name: (int, float) if type(f.default) is float else type(f.default)
-                 for f in dataclasses.fields(TransformerConfig) if f.default is not None}
-        wrong += [f"model_args['{k}']={v!r}"[:80] for k, v in saved['model_args'].items()
-                  if k in kinds and not of_type(v, kinds[k])]
+        kinds = {
+            f.name: (int, float) if type(f.default) is float else type(f.default)
+            for f in dataclasses.fields(TransformerConfig)
+            if f.default is not None
+        }
+        wrong += [
+            f"model_args['{k}']={v!r}"[:80]
+            for k, v in saved['model_args'].items()
+            if k in kinds and not of_type(v, kinds[k])
+        ]
     return wrong
 
 
@@ -339,8 +421,10 @@ def check_out_dir(out_dir):
             pass
         os.remove(probe)
     except OSError as e:
-        raise CheckpointError(f"out_dir={out_dir!r} cannot hold checkpoints ({e.strerror or e}); choose a writable "
-                              f"directory with --out_dir") from None
+        raise CheckpointError(
+            f"out_dir={out_dir!r} cannot hold checkpoints ({e.strerror or e}); choose a writable "
+            f"directory with --out_dir"
+        ) from None
     remove_interrupted_write(os.path.join(out_dir, 'ckpt.pt'))
 
 
@@ -357,30 +441,39 @@ class OutDirLock:
         import fcntl
         import socket
         import time
+
         try:
             os.makedirs(self.out_dir, exist_ok=True)
             self.file = open(self.path, 'a+b', buffering=0)  # unbuffered: a failed write fails there, not in close()
         except OSError as e:  # a full disk, a read-only place, a .lock that is a folder: named
-            raise CheckpointError(f"out_dir={self.out_dir!r} cannot hold checkpoints: its lock file {self.path} cannot "
-                                  f"be written ({e.strerror or e}); choose a writable directory with --out_dir, or "
-                                  f"remove what is at {self.path}") from None
+            raise CheckpointError(
+                f"out_dir={self.out_dir!r} cannot hold checkpoints: its lock file {self.path} cannot "
+                f"be written ({e.strerror or e}); choose a writable directory with --out_dir, or "
+                f"remove what is at {self.path}"
+            ) from None
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             self.file.seek(0)
             holder = self.file.read().decode(errors='replace').strip() or 'another process'
             self.file.close()
-            raise CheckpointError(f"out_dir={self.out_dir!r} is in use by {holder}; wait for that run to end or stop "
-                                  f"it, or choose another --out_dir") from None
+            raise CheckpointError(
+                f"out_dir={self.out_dir!r} is in use by {holder}; wait for that run to end or stop "
+                f"it, or choose another --out_dir"
+            ) from None
         try:
             self.file.seek(0)
             self.file.truncate()
-            self.file.write(f"the run of pid {os.getpid()} on {socket.gethostname()}, started "
-                            f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+            self.file.write(
+                f"the run of pid {os.getpid()} on {socket.gethostname()}, started "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode()
+            )
         except OSError as e:  # a full disk or quota: refused now, not at the first save after hours of training
             self.release()
-            raise CheckpointError(f"out_dir={self.out_dir!r} cannot hold checkpoints: its lock file {self.path} cannot "
-                                  f"be written ({e.strerror or e}); free space or choose another --out_dir") from None
+            raise CheckpointError(
+                f"out_dir={self.out_dir!r} cannot hold checkpoints: its lock file {self.path} cannot "
+                f"be written ({e.strerror or e}); free space or choose another --out_dir"
+            ) from None
         return self
 
     def release(self, remove=False):

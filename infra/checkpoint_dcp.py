@@ -30,6 +30,7 @@ bytes item, which DCP would unpickle with torch.load and its full unpickler) is 
 consolidate() reads a folder into one process's memory in ckpt.pt's format (sample.py, export.py,
 eval.py: checkpoint.read_any). checkpoint.py's Checkpointer drives the saves and resumes of train.py.
 """
+
 import contextlib
 import io
 import os
@@ -42,11 +43,10 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException as _DCPException  # a BaseException
 
 import train_config
 from infra.checkpoint_file import CheckpointError, check_finite, gather_rng, read
-
-from torch.distributed.checkpoint.api import CheckpointException as _DCPException  # a BaseException
 
 FAILURES = (Exception, _DCPException)
 MARKER = '.complete'
@@ -95,8 +95,9 @@ def remove_incomplete(out_dir):
         if any(os.path.isfile(os.path.join(path, m)) for m in (WRITING, REMOVING)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(name)
-        elif os.path.isfile(os.path.join(path, VALUES)) and not (STEP.match(name) and
-                                                                 os.path.isfile(os.path.join(path, MARKER))):
+        elif os.path.isfile(os.path.join(path, VALUES)) and not (
+            STEP.match(name) and os.path.isfile(os.path.join(path, MARKER))
+        ):
             left.append(name)  # it looks like a step folder, yet it would not resume
     return removed, left
 
@@ -160,11 +161,15 @@ def _optimizer_parts(model, optimizer):
         p, name = params[i], names[params[i]]
         tensors[name] = {k: v for k, v in state.items() if torch.is_tensor(v)}
         other[name] = {k: v for k, v in state.items() if not torch.is_tensor(v)}
-        layout[name] = {k: (tuple(v.shape), v.dtype, tuple(v.shape) == tuple(p.shape) and v.dim() > 0)
-                        for k, v in tensors[name].items()}
+        layout[name] = {
+            k: (tuple(v.shape), v.dtype, tuple(v.shape) == tuple(p.shape) and v.dim() > 0)
+            for k, v in tensors[name].items()
+        }
     groups = [{**g, 'params': [names[params[i]] for i in g['params']]} for g in sd['param_groups']]
-    return ({k: v for k, v in tensors.items() if v},
-            {'param_groups': groups, 'state': other, 'layout': {k: v for k, v in layout.items() if v}})
+    return (
+        {k: v for k, v in tensors.items() if v},
+        {'param_groups': groups, 'state': other, 'layout': {k: v for k, v in layout.items() if v}},
+    )
 
 
 class Saver:
@@ -196,8 +201,15 @@ class Saver:
         optim_tensors, optim_rest = _optimizer_parts(model, optimizer)
         if self.ranks.master:
             states = {name: obj.state_dict() for name, obj in objects.items() if name not in ('model', 'optimizer')}
-            checkpoint = {**states, **values, 'world_size': self.ranks.world_size, 'rng': {'ranks': rank_rngs},
-                          'optimizer_rest': optim_rest, 'tied': tied, 'format': 'dcp'}
+            checkpoint = {
+                **states,
+                **values,
+                'world_size': self.ranks.world_size,
+                'rng': {'ranks': rank_rngs},
+                'optimizer_rest': optim_rest,
+                'tied': tied,
+                'format': 'dcp',
+            }
             try:
                 if os.path.exists(tmp) and not os.path.isfile(os.path.join(tmp, WRITING)):
                     raise FileExistsError(f"{tmp} exists and no save of train.py wrote it: move it away")
@@ -242,12 +254,19 @@ class Saver:
         try:
             if future is not None:
                 future.result()
+            # only a checkpoint overwrite=True hands over is replaced; any other folder of this name stays
+            if os.path.exists(final) and final not in self.replaces:
+                self.error = (
+                    f"{final} exists and this run did not write it: it is left as it is, and this save "
+                    f"stays unfinished in {tmp}; move {final} out of out_dir, then resume"
+                )
+                return
             with open(os.path.join(tmp, MARKER), 'w') as f:
                 f.write('complete\n')
                 f.flush()
                 os.fsync(f.fileno())
             os.remove(os.path.join(tmp, WRITING))
-            if os.path.exists(final):  # this iteration's folder of an earlier run (overwrite=True)
+            if os.path.exists(final):  # this iteration's checkpoint of an earlier run (overwrite=True)
                 remove_checkpoints([final])
             os.replace(tmp, final)
             _fsync_dir(self.out_dir)
@@ -264,8 +283,10 @@ class Saver:
     def _raise_if_failed(self):
         if self.ranks.any(self.error is not None):
             error, self.error = self.error, None
-            raise CheckpointError(f"{error or 'another rank could not write its shards'}; the previous checkpoint "
-                                  f"is intact: free space or choose another --out_dir, then resume")
+            raise CheckpointError(
+                f"{error or 'another rank could not write its shards'}; the previous checkpoint "
+                f"is intact: free space or choose another --out_dir, then resume"
+            )
 
     def wait(self):
         """Wait for a background save to be complete; a CheckpointError (on every rank) when it failed.
@@ -333,14 +354,19 @@ def resume(path, device, config, given=()):
     model is sharded)."""
     import builder
     from model import TransformerConfig
+
     values = read_values(path)
     train_config.check_resume(values.get('config', {}), values.get('model_args', {}), config, given)
     try:
         model_args = {**values['model_args'], 'dropout': config['dropout']}
-        return values, builder.new_model(TransformerConfig(**model_args), device, builder.weight_dtype(config['precision']))
+        return values, builder.new_model(
+            TransformerConfig(**model_args), device, builder.weight_dtype(config['precision'])
+        )
     except FAILURES as e:
-        raise CheckpointError(f"cannot load checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                              f"it is corrupt or from another version: start from scratch or restore a backup") from None
+        raise CheckpointError(
+            f"cannot load checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            f"it is corrupt or from another version: start from scratch or restore a backup"
+        ) from None
 
 
 def _failed(tmp, e):
@@ -354,9 +380,15 @@ def _failed(tmp, e):
 class _IndexUnpickler(pickle.Unpickler):
     """DCP's .metadata is a pickle: admit only the classes of DCP's index (dataclasses, enums),
     torch's Size, dtypes and layouts, and paths; never a function, so never code."""
-    ALLOWED = {('torch', 'Size'), ('collections', 'OrderedDict'), ('torch.serialization', '_get_layout'),
-               ('pathlib', 'PosixPath'), ('pathlib', 'PurePosixPath'),
-               ('torch.distributed.checkpoint.filesystem', '_StorageInfo')}
+
+    ALLOWED = {
+        ('torch', 'Size'),
+        ('collections', 'OrderedDict'),
+        ('torch.serialization', '_get_layout'),
+        ('pathlib', 'PosixPath'),
+        ('pathlib', 'PurePosixPath'),
+        ('torch.distributed.checkpoint.filesystem', '_StorageInfo'),
+    }
 
     def find_class(self, module, name):
         found = None
@@ -365,8 +397,9 @@ class _IndexUnpickler(pickle.Unpickler):
         elif module == 'torch.distributed.checkpoint.metadata':
             found = super().find_class(module, name)
             found = found if isinstance(found, type) else None
-        elif module == 'torch' and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                           torch.memory_format)):
+        elif module == 'torch' and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             found = super().find_class(module, name)
         if found is None:
             raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
@@ -377,14 +410,17 @@ class _IndexUnpickler(pickle.Unpickler):
 
 
 def _refuse_bytes(path, key):
-    return CheckpointError(f"{path}/.metadata declares {key!r} a pickled Python object, which train.py never saves "
-                           f"and which could run code when read: refused; restore a backup or train from scratch")
+    return CheckpointError(
+        f"{path}/.metadata declares {key!r} a pickled Python object, which train.py never saves "
+        f"and which could run code when read: refused; restore a backup or train from scratch"
+    )
 
 
 def _tensors_only(path, index):
     """Train.py's step folders hold tensors only (Saver.save); DCP reads any other item (a
     BytesStorageMetadata) with torch.load's full unpickler, so an index declaring one is refused."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     for key, meta in getattr(index, 'state_dict_metadata', {}).items():
         if not isinstance(meta, TensorStorageMetadata):
             raise _refuse_bytes(path, key)
@@ -396,6 +432,7 @@ class SafeReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import StorageMeta
+
         path = self._get_metadata_path(kwargs.get('rank'))
         with self.fs.create_stream(path, 'rb') as f:
             metadata = _IndexUnpickler(io.BytesIO(f.read())).load()
@@ -407,6 +444,7 @@ class SafeReader(dcp.FileSystemReader):
 
     def read_data(self, plan, planner):
         from torch.distributed.checkpoint.planner import LoadItemType
+
         for item in plan.items:  # before anything is read
             if item.type == LoadItemType.BYTE_IO:
                 raise _refuse_bytes(self.path, item.dest_index.fqn)
@@ -428,8 +466,10 @@ def read_values(path):
     """The values.pt of a step folder (everything but the tensors of the model and optimizer)."""
     values = read(os.path.join(path, VALUES), mmap=False)
     if not isinstance(values, dict) or values.get('format') != 'dcp':
-        raise CheckpointError(f"{path}/{VALUES} is not a values file of train.py's sharded checkpoint; restore a "
-                              f"backup or train from scratch")
+        raise CheckpointError(
+            f"{path}/{VALUES} is not a values file of train.py's sharded checkpoint; restore a "
+            f"backup or train from scratch"
+        )
     return values
 
 
@@ -447,8 +487,10 @@ def _cannot_read(path, e):
     if failures:
         e = failures[0]
     reason = (str(e).strip().splitlines() or [''])[0][:200]
-    return CheckpointError(f"cannot read checkpoint {path} ({type(e).__name__}{': ' + reason if reason else ''}); "
-                           f"it is corrupt, truncated or from another program: restore a backup or train from scratch")
+    return CheckpointError(
+        f"cannot read checkpoint {path} ({type(e).__name__}{': ' + reason if reason else ''}); "
+        f"it is corrupt, truncated or from another program: restore a backup or train from scratch"
+    )
 
 
 def read_index(path):
@@ -477,8 +519,10 @@ def check_shards(path, index):
         size = os.path.getsize(shard) if os.path.isfile(shard) else None
         if size is None or size < info.offset + info.length:
             state = 'missing' if size is None else f'{size} bytes, the index needs {info.offset + info.length}'
-            raise CheckpointError(f"{path}: shard {info.relative_path} is {state} (a copy cut short or a lost file): "
-                                  f"restore a backup or train from scratch")
+            raise CheckpointError(
+                f"{path}: shard {info.relative_path} is {state} (a copy cut short or a lost file): "
+                f"restore a backup or train from scratch"
+            )
 
 
 def _load(state, path, group=None):
@@ -487,8 +531,13 @@ def _load(state, path, group=None):
     check_shards(path, read_index(path))
     try:
         with _single_process_quiet():
-            dcp.load(state, storage_reader=SafeReader(path), planner=_TensorsOnly(path), process_group=group,
-                     no_dist=not dist.is_initialized())
+            dcp.load(
+                state,
+                storage_reader=SafeReader(path),
+                planner=_TensorsOnly(path),
+                process_group=group,
+                no_dist=not dist.is_initialized(),
+            )
     except FAILURES as e:
         failures = getattr(e, 'failures', {}).values()  # DCP's CheckpointException: (error, trace) by rank
         refused = [f[0] for f in failures if isinstance(f, tuple) and isinstance(f[0], CheckpointError)]
@@ -506,15 +555,19 @@ def load(path, values, model, optimizer, group=None):
     optim = {}
     for name, layout in rest['layout'].items():
         p = by_name[name]
-        optim[name] = {k: (torch.empty_like(p, dtype=dtype) if like_param else torch.empty(shape, dtype=dtype))
-                       for k, (shape, dtype, like_param) in layout.items()}
+        optim[name] = {
+            k: (torch.empty_like(p, dtype=dtype) if like_param else torch.empty(shape, dtype=dtype))
+            for k, (shape, dtype, like_param) in layout.items()
+        }
     state = {'model': model_sd, 'optimizer': {k: v for k, v in optim.items() if v}}
     _load(state, path, group)
     model.load_state_dict({**model_sd, **{k: model_sd[v] for k, v in values['tied'].items()}})
     numbered = [names[p] for g in optimizer.param_groups for p in g['params']]
     number = {name: i for i, name in enumerate(numbered)}
-    sd = {'state': {number[n]: {**rest['state'][n], **optim.get(n, {})} for n in rest['state']},
-          'param_groups': [{**g, 'params': [number[n] for n in g['params']]} for g in rest['param_groups']]}
+    sd = {
+        'state': {number[n]: {**rest['state'][n], **optim.get(n, {})} for n in rest['state']},
+        'param_groups': [{**g, 'params': [number[n] for n in g['params']]} for g in rest['param_groups']],
+    }
     optimizer.load_state_dict(sd)
 
 
@@ -531,7 +584,7 @@ def consolidate(path, optimizer=True):
     if not any(k.startswith('model.') for k in template):
         raise CheckpointError(f"checkpoint {path} holds no weights; restore a backup or train from scratch")
     _load(template, path)
-    model = {k[len('model.'):]: v for k, v in template.items() if k.startswith('model.')}
+    model = {k[len('model.') :]: v for k, v in template.items() if k.startswith('model.')}
     model.update({k: model[v] for k, v in values['tied'].items()})
     checkpoint = {k: v for k, v in values.items() if k not in ('optimizer_rest', 'tied', 'format')}
     checkpoint['model'] = model
@@ -541,9 +594,12 @@ def consolidate(path, optimizer=True):
         number = {n: i for i, n in enumerate(numbered)}
         state = {}
         for name, other in rest['state'].items():
-            state[number[name]] = {**other, **{k: template[f'optimizer.{name}.{k}']
-                                               for k in rest['layout'].get(name, {})}}
-        checkpoint['optimizer'] = {'state': dict(sorted(state.items())),
-                                   'param_groups': [{**g, 'params': [number[n] for n in g['params']]}
-                                                    for g in rest['param_groups']]}
+            state[number[name]] = {
+                **other,
+                **{k: template[f'optimizer.{name}.{k}'] for k in rest['layout'].get(name, {})},
+            }
+        checkpoint['optimizer'] = {
+            'state': dict(sorted(state.items())),
+            'param_groups': [{**g, 'params': [number[n] for n in g['params']]} for g in rest['param_groups']],
+        }
     return checkpoint

@@ -15,6 +15,7 @@ What is checked, and how:
   continue a step folder, are refused in one line.
 - sample.py, export.py and eval.py read an out_dir of step folders.
 """
+
 import json
 import os
 import re
@@ -22,9 +23,23 @@ import sys
 
 import pytest
 import torch
-
-from conftest import (DDP_TINY, ONE_RANK, ROOT, TORCHRUN, TWO_RANKS, Launch, assert_one_line_error, assert_same_state,
-                      copy_checkpoint, load, run_script, run_train, torchrun_train as train)
+from conftest import (
+    DDP_TINY,
+    ONE_RANK,
+    ROOT,
+    TORCHRUN,
+    TWO_RANKS,
+    Launch,
+    assert_one_line_error,
+    assert_same_state,
+    copy_checkpoint,
+    load,
+    run_script,
+    run_train,
+)
+from conftest import (
+    torchrun_train as train,
+)
 
 pytestmark = pytest.mark.torchrun  # launches torchrun (deselect with -m "not torchrun")
 
@@ -42,11 +57,23 @@ def runs(tmp_path_factory):
     """One torchrun launch (tests/test_ddp.py's runner): straight runs under FSDP and DDP, each
     writing step folders (dcp) and ckpt.pt (file)."""
     root = tmp_path_factory.mktemp('dcp')
-    runs = [(f'{parallel}_{fmt}', [f'--out_dir={root / parallel / fmt}', f'--max_iters={STRAIGHT}',
-                                   f'--parallel={parallel}', f'--checkpoint_format={fmt}', '--eval_interval=4', *RESUME,
-                                   # async where the weights are on a GPU: forced here under FSDP, auto (sync) under DDP
-                                   *(['--checkpoint_async=yes'] if parallel == 'fsdp' else [])])
-            for parallel in ('fsdp', 'ddp') for fmt in ('dcp', 'file')]
+    runs = [
+        (
+            f'{parallel}_{fmt}',
+            [
+                f'--out_dir={root / parallel / fmt}',
+                f'--max_iters={STRAIGHT}',
+                f'--parallel={parallel}',
+                f'--checkpoint_format={fmt}',
+                '--eval_interval=4',
+                *RESUME,
+                # async where the weights are on a GPU: forced here under FSDP, auto (sync) under DDP
+                *(['--checkpoint_async=yes'] if parallel == 'fsdp' else []),
+            ],
+        )
+        for parallel in ('fsdp', 'ddp')
+        for fmt in ('dcp', 'file')
+    ]
     run = Launch(TORCHRUN + ['tests/test_ddp.py'], env={'DDP_TEST_RUNS': json.dumps(runs)}).wait(timeout=400)
     assert run.proc.returncode == 0, run.out[-3000:]
     logs = dict(re.findall(r'=== (\w+)\n(.*?)(?==== |\Z)', run.out, flags=re.S))
@@ -57,14 +84,20 @@ def test_fsdp_resume_from_step_folders_is_exact(runs, tmp_path):
     root, logs = runs
     straight = root / 'fsdp' / 'dcp'
     # saved at 4, 8, 12, 16; keep_last=3 keeps the newest three; no ckpt.pt, no temporary folder
-    assert folders(straight) == ['step_0000008', 'step_0000012', 'step_0000016'] and \
-        not (straight / 'ckpt.pt').exists()
+    assert folders(straight) == ['step_0000008', 'step_0000012', 'step_0000016'] and not (straight / 'ckpt.pt').exists()
     assert all((straight / f / '.complete').exists() for f in folders(straight))
     assert 'written to disk in the background' in logs['fsdp_dcp']
     assert 'saved checkpoint to' in logs['ddp_dcp'] and 'in the background' not in logs['ddp_dcp']  # auto on a CPU
     train(f'--out_dir={tmp_path}', '--max_iters=6', *RESUME, *FSDP, '--checkpoint_format=dcp')
-    run = train(f'--out_dir={tmp_path}', f'--max_iters={STRAIGHT}', '--init_from=resume', *RESUME, *FSDP,
-                '--checkpoint_format=dcp', '--eval_interval=5')
+    run = train(
+        f'--out_dir={tmp_path}',
+        f'--max_iters={STRAIGHT}',
+        '--init_from=resume',
+        *RESUME,
+        *FSDP,
+        '--checkpoint_format=dcp',
+        '--eval_interval=5',
+    )
     assert f"resuming from iteration 6 of {tmp_path / 'step_0000006'}" in run.out
     assert_same_state(load(straight), load(tmp_path))
 
@@ -81,8 +114,14 @@ def test_shards_hold_the_full_state_and_reshard_to_one_process(runs, tmp_path, p
     ends = {}
     for fmt, src in (('dcp', dcp_run), ('file', file_run)):
         copy_checkpoint(src, tmp_path / fmt)
-        run = train(f'--out_dir={tmp_path / fmt}', f'--max_iters={STRAIGHT + 3}', '--init_from=resume', *ONE_RANK,
-                    f'--parallel={parallel}', ranks=1)
+        run = train(
+            f'--out_dir={tmp_path / fmt}',
+            f'--max_iters={STRAIGHT + 3}',
+            '--init_from=resume',
+            *ONE_RANK,
+            f'--parallel={parallel}',
+            ranks=1,
+        )
         assert 'resuming a 2-rank checkpoint on 1 rank: same data position' in run.out
         ends[fmt] = load(tmp_path / fmt)
     # one process resumed from the 2-rank shards continues exactly as from the gathered file
@@ -97,16 +136,31 @@ def test_a_two_rank_checkpoint_resumes_on_four_ranks(runs, tmp_path, parallel):
     root, _ = runs
     saved = load(root / parallel / 'dcp')
     copy_checkpoint(root / parallel / 'dcp', tmp_path)
-    run = train(f'--out_dir={tmp_path}', f'--max_iters={STRAIGHT + 3}', '--init_from=resume', '--batch_size=2',
-                '--gradient_accumulation_steps=4', f'--parallel={parallel}', ranks=4)
+    run = train(
+        f'--out_dir={tmp_path}',
+        f'--max_iters={STRAIGHT + 3}',
+        '--init_from=resume',
+        '--batch_size=2',
+        '--gradient_accumulation_steps=4',
+        f'--parallel={parallel}',
+        ranks=4,
+    )
     assert 'resuming a 2-rank checkpoint on 4 ranks: same data position' in run.out, run.out[-2000:]
     after = load(tmp_path)
     assert after['world_size'] == 4 and after['iter_num'] == STRAIGHT + 3
     assert after['data']['windows_consumed'] == saved['data']['windows_consumed'] + 3 * 8
 
 
-CRASH_ARGS = [*DDP_TINY, *RESUME, *FSDP, f'--max_iters={STRAIGHT}', '--eval_interval=4', '--init_from=auto',
-              '--checkpoint_format=dcp', '--checkpoint_async=yes']
+CRASH_ARGS = [
+    *DDP_TINY,
+    *RESUME,
+    *FSDP,
+    f'--max_iters={STRAIGHT}',
+    '--eval_interval=4',
+    '--init_from=auto',
+    '--checkpoint_format=dcp',
+    '--checkpoint_async=yes',
+]
 
 
 def test_a_crash_in_the_middle_of_a_save_resumes_the_previous_checkpoint_exactly(runs, tmp_path):
@@ -117,8 +171,9 @@ def test_a_crash_in_the_middle_of_a_save_resumes_the_previous_checkpoint_exactly
     out = tmp_path / 'crashed'
     cmd = [*TORCHRUN, 'tests/test_dcp.py', *CRASH_ARGS, f'--out_dir={out}']
     crashed = Launch(cmd, env={'CRASH_IN_SAVE': 'step_0000008'}).wait(timeout=300)
-    assert crashed.proc.returncode != 0 and 'rank 1 killed while writing step_0000008' in crashed.out, \
-        crashed.out[-3000:]
+    assert crashed.proc.returncode != 0 and 'rank 1 killed while writing step_0000008' in crashed.out, crashed.out[
+        -3000:
+    ]
     assert folders(out) == ['step_0000004', 'step_0000008.tmp'], folders(out)
     run = Launch(cmd).wait(timeout=300)
     assert run.proc.returncode == 0, run.out[-3000:]
@@ -129,16 +184,24 @@ def test_a_crash_in_the_middle_of_a_save_resumes_the_previous_checkpoint_exactly
 def test_keep_last_prunes_and_an_overwrite_removes_the_earlier_run(tmp_path):
     run_train(f'--out_dir={tmp_path}', '--max_iters=5', '--eval_interval=1', '--checkpoint_format=dcp', '--keep_last=2')
     assert folders(tmp_path) == ['step_0000004', 'step_0000005']
-    run_train(f'--out_dir={tmp_path}', '--max_iters=3', '--eval_interval=1', '--checkpoint_format=dcp', '--keep_last=0',
-              '--overwrite=True')
+    run_train(
+        f'--out_dir={tmp_path}',
+        '--max_iters=3',
+        '--eval_interval=1',
+        '--checkpoint_format=dcp',
+        '--keep_last=0',
+        '--overwrite=True',
+    )
     assert folders(tmp_path) == ['step_0000001', 'step_0000002', 'step_0000003']  # the earlier run's are gone
     assert load(tmp_path)['iter_num'] == 3
     # ckpt.pt and step folders in one out_dir: the later iteration resumes, whatever its format
-    run = run_train(f'--out_dir={tmp_path}', '--max_iters=4', '--eval_interval=4', '--init_from=resume',
-                    '--checkpoint_format=file')  # else the checkpoint's own (a resume takes its config)
+    run = run_train(
+        f'--out_dir={tmp_path}', '--max_iters=4', '--eval_interval=4', '--init_from=resume', '--checkpoint_format=file'
+    )  # else the checkpoint's own (a resume takes its config)
     assert f"resuming from iteration 3 of {tmp_path / 'step_0000003'}" in run.stdout and (tmp_path / 'ckpt.pt').exists()
-    run = run_train(f'--out_dir={tmp_path}', '--max_iters=5', '--eval_interval=5', '--init_from=resume',
-                    '--checkpoint_format=dcp')
+    run = run_train(
+        f'--out_dir={tmp_path}', '--max_iters=5', '--eval_interval=5', '--init_from=resume', '--checkpoint_format=dcp'
+    )
     assert f"resuming from iteration 4 of {tmp_path / 'ckpt.pt'}" in run.stdout
     assert load(tmp_path)['iter_num'] == 5 and folders(tmp_path)[-1] == 'step_0000005'
 
@@ -147,8 +210,10 @@ def test_an_incomplete_folder_never_resumes_and_only_what_a_save_wrote_is_remove
     """A save or a removal of this code cut short leaves its marker (checkpoint_dcp.WRITING, REMOVING): the
     next writer removes such folders. A folder it did not write stays, whatever its name, and one that looks
     like a checkpoint is named in a warning: a copy that skipped dotfiles (no .complete), a user's backups."""
-    from infra import checkpoint_dcp
     import shutil
+
+    from infra import checkpoint_dcp
+
     run_train(f'--out_dir={tmp_path}', '--max_iters=4', '--eval_interval=2', '--checkpoint_format=dcp')
     for name, marker in (('step_0000006.tmp', checkpoint_dcp.WRITING), ('step_0000008', checkpoint_dcp.REMOVING)):
         shutil.copytree(tmp_path / 'step_0000004', tmp_path / name)  # cut short: shards without .complete
@@ -169,19 +234,78 @@ def test_an_incomplete_folder_never_resumes_and_only_what_a_save_wrote_is_remove
     assert folders(tmp_path) == sorted(['step_0000002', 'step_0000004', 'step_0000005', *foreign])
     assert (tmp_path / 'step_notes' / 'README.txt').read_text() == 'my notes\n'
     # a config that cannot continue the step folder is refused in one line, as for ckpt.pt
-    refused = run_train(f'--out_dir={tmp_path}', '--max_iters=8', '--init_from=resume', '--n_layer=6',
-                        '--block_size=16', expect_ok=False)
+    refused = run_train(
+        f'--out_dir={tmp_path}',
+        '--max_iters=8',
+        '--init_from=resume',
+        '--n_layer=6',
+        '--block_size=16',
+        expect_ok=False,
+    )
     assert_one_line_error(refused, r"^error: block_size=16 differs from the checkpoint's 32 .*; n_layer=6 conflicts")
+
+
+def test_a_step_folder_no_save_wrote_is_never_replaced_by_a_save(tmp_path):
+    """A step folder missing its .complete (a copy that dropped dot-files, another run's iteration) is left as
+    it is: a run that would save that iteration is refused before training, naming it, and a save that meets
+    such a folder anyway leaves it and fails in one line (it used to remove the folder by its name)."""
+    import filecmp
+    import itertools
+    import shutil
+
+    from conftest import train_defaults
+
+    import builder
+    from infra import checkpoint, checkpoint_dcp
+    from infra.distributed import Ranks
+    from trainer import Trainer
+
+    run_train(
+        f'--out_dir={tmp_path}',
+        '--max_iters=4',
+        '--eval_interval=2',
+        '--checkpoint_format=dcp',
+        '--always_save_checkpoint=True',
+    )
+    os.remove(tmp_path / 'step_0000004' / '.complete')
+    shutil.copytree(tmp_path / 'step_0000004', tmp_path / 'kept')
+    for init_from in ('auto', 'resume'):
+        refused = run_train(f'--out_dir={tmp_path}', '--max_iters=6', f'--init_from={init_from}', expect_ok=False)
+        assert_one_line_error(
+            refused,
+            rf"^error: {re.escape(str(tmp_path / 'step_0000004'))} was not written by this "
+            r"run and it would save iteration 4 there; move that folder out of out_dir",
+        )
+    assert not filecmp.dircmp(tmp_path / 'step_0000004', tmp_path / 'kept').diff_files
+    assert sorted(os.listdir(tmp_path / 'step_0000004')) == sorted(os.listdir(tmp_path / 'kept'))
+    # a run that stops before that iteration leaves it and saves beside it
+    run = run_train(f'--out_dir={tmp_path}', '--max_iters=3', '--eval_interval=3', '--init_from=auto')
+    assert 'left as it is' in run.stderr and folders(tmp_path) == ['step_0000002', 'step_0000003', 'step_0000004']
+    # the save itself never removes a folder it did not write (nor one overwrite=True did not hand over)
+    out = tmp_path / 'save'
+    shutil.copytree(tmp_path / 'kept', out / 'step_0000001')
+    cfg = train_defaults(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
+    model, optimizer, cycler = builder.build(cfg, 'cpu')
+    x = torch.randint(32, (2, 8))
+    trainer = Trainer(cfg, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu')
+    trainer.step()
+    saver = checkpoint_dcp.Saver(str(out), Ranks(), keep_last=3)
+    with pytest.raises(checkpoint.CheckpointError, match=r"step_0000001 exists and this run did not write it"):
+        saver.save(trainer.state_objects(), {'iter_num': 1, 'config': cfg, 'data': {}, 'model_args': {}})
+    assert sorted(os.listdir(out / 'step_0000001')) == sorted(os.listdir(tmp_path / 'kept'))
+    assert not filecmp.dircmp(out / 'step_0000001', tmp_path / 'kept').diff_files
 
 
 def test_a_non_finite_state_is_never_saved(tmp_path):
     import itertools
-    import builder
-    from infra import checkpoint
-    from infra import checkpoint_dcp
+
     from conftest import train_defaults
+
+    import builder
+    from infra import checkpoint, checkpoint_dcp
     from infra.distributed import Ranks
     from trainer import Trainer
+
     cfg = train_defaults(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
     model, optimizer, cycler = builder.build(cfg, 'cpu')
     x = torch.randint(32, (2, 8))
@@ -197,6 +321,7 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
     assert folders(tmp_path) == ['step_0000001']
     # a .metadata that would run code when unpickled is refused, in one line
     import pickle
+
     with open(tmp_path / 'step_0000001' / '.metadata', 'wb') as f:
         pickle.dump(os.system, f)
     with pytest.raises(checkpoint.CheckpointError, match=r"posix.system is not part of a checkpoint index"):
@@ -220,25 +345,32 @@ if __name__ == '__main__':
     # the worker torchrun starts for the crash test: train.py's main, where rank 1 writes part of its
     # shards of the folder $CRASH_IN_SAVE and is SIGKILLed (no clean-up); without $CRASH_IN_SAVE, train.py
     import signal
+
     sys.path.insert(0, ROOT)
     from torch.distributed.checkpoint import filesystem
+
     import train as train_script
+
     write_data = filesystem.FileSystemWriter.write_data
 
     def write_or_die(self, plan, planner):
-        if os.path.basename(str(self.path)).startswith(os.environ.get('CRASH_IN_SAVE', '-')) and \
-                os.environ.get('RANK') == '1':
+        if (
+            os.path.basename(str(self.path)).startswith(os.environ.get('CRASH_IN_SAVE', '-'))
+            and os.environ.get('RANK') == '1'
+        ):
             with open(os.path.join(self.path, '__1_0.distcp'), 'wb') as f:
                 f.write(b'half a shard')
             print(f"rank 1 killed while writing {os.environ['CRASH_IN_SAVE']}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return write_data(self, plan, planner)
+
     filesystem.FileSystemWriter.write_data = write_or_die
     sys.exit(train_script.main(sys.argv[1:]))
 
 
 def test_checkpoint_async_is_the_background_on_a_gpu_and_what_is_asked_elsewhere():
     from infra import checkpoint_dcp
+
     assert checkpoint_dcp.background('auto', 'cuda') and not checkpoint_dcp.background('auto', 'cpu')
     assert checkpoint_dcp.background('yes', 'cpu') and not checkpoint_dcp.background('no', 'cuda')
 
@@ -250,10 +382,17 @@ def test_a_step_folder_with_a_short_shard_is_named_by_every_reader(tmp_path, scr
     run_train(f'--out_dir={tmp_path}', '--max_iters=2', '--eval_interval=2', '--checkpoint_format=dcp')
     shard = sorted((tmp_path / 'step_0000002').glob('*.distcp'))[0]
     shard.write_bytes(shard.read_bytes()[:100])
-    extra = {'sample.py': ['--max_new_tokens=2'], 'eval.py': ['--eval_iters=1'], 'export.py': [f'--hf_dir={tmp_path}/hf']}
+    extra = {
+        'sample.py': ['--max_new_tokens=2'],
+        'eval.py': ['--eval_iters=1'],
+        'export.py': [f'--hf_dir={tmp_path}/hf'],
+    }
     result = run_script(script, [f'--out_dir={tmp_path}', *extra[script]])
-    assert_one_line_error(result, rf"step_0000002: shard {shard.name} is 100 bytes, the index needs \d+ \(a copy cut "
-                                  r"short or a lost file\): restore a backup or train from scratch$")
+    assert_one_line_error(
+        result,
+        rf"step_0000002: shard {shard.name} is 100 bytes, the index needs \d+ \(a copy cut "
+        r"short or a lost file\): restore a backup or train from scratch$",
+    )
 
 
 @pytest.mark.parametrize('damage', ['truncated shard', 'missing shard', 'zeroed index', 'truncated ckpt.pt'])
@@ -265,8 +404,13 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_that_loads(tmp_pat
     run_train(f'--out_dir={tmp_path}', '--max_iters=4', '--eval_interval=2', '--checkpoint_format=dcp')
     newest = tmp_path / 'step_0000004'
     if fmt == 'file':  # a ckpt.pt of iteration 6 beside the folders, cut short
-        run_train(f'--out_dir={tmp_path}', '--max_iters=6', '--eval_interval=6', '--init_from=resume',
-                  '--checkpoint_format=file')
+        run_train(
+            f'--out_dir={tmp_path}',
+            '--max_iters=6',
+            '--eval_interval=6',
+            '--init_from=resume',
+            '--checkpoint_format=file',
+        )
         newest = tmp_path / 'ckpt.pt'
         newest.write_bytes(newest.read_bytes()[:5000])
     else:
