@@ -42,8 +42,13 @@ def open_tokens(path, prepare_hint, dtype='uint16', n_ids=None):
     or (a meta.pkl without counts) uint32 ids read as uint16 would train on every id followed by a 0."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found; run `{prepare_hint}` first")
-    if not os.path.isfile(path):
+    if os.path.isdir(path):
         raise ValueError(f"{path} is a directory, not a file of token ids; run `{prepare_hint}` again")
+    if not os.path.isfile(path):  # /dev/zero, a named pipe, a socket: no size to check, and a pipe blocks the read
+        raise ValueError(
+            f"{path} is not a regular file (a device, pipe or socket), not a file of token ids; "
+            f"run `{prepare_hint}` again"
+        )
     size, itemsize = os.path.getsize(path), np.dtype(dtype).itemsize
     if size == 0 or size % itemsize:
         raise ValueError(

@@ -542,3 +542,19 @@ def test_an_error_file_that_cannot_be_written_still_ends_in_the_printed_line(tmp
     assert distributed.report_error('max_iters must be >= 0, got -5') == 1
     assert capsys.readouterr().err == "error: max_iters must be >= 0, got -5\n"
     assert not (tmp_path / 'gone').exists()
+
+
+@pytest.mark.parametrize('kind', ['device', 'pipe'])
+def test_a_train_bin_that_is_a_device_or_a_pipe_is_one_line_saying_so(tmp_path, kind):
+    """train.bin a link to /dev/zero, or a named pipe (whose read would block): not "a directory"."""
+    data = tmp_path / 'data'
+    data.mkdir()
+    if kind == 'device':
+        (data / 'train.bin').symlink_to('/dev/zero')
+    else:
+        os.mkfifo(data / 'train.bin')
+    (data / 'val.bin').write_bytes(bytes(200))
+    out = tmp_path / 'out'
+    result = run_script('train.py', [*TINY, f'--out_dir={out}', f'--dataset={data}', '--vocab_size=96'])
+    assert_one_line_error(result, r'data/train\.bin is not a regular file \(a device, pipe or socket\)')
+    assert not out.exists()
