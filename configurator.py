@@ -4,9 +4,10 @@ nanoGPT's configurator, made strict. Usage from a script with module-level defau
     $ python train.py config/shakespeare_lisa_wor.py --batch_size=32 --compile=False
 
 Arguments without '--' are Python config files executed in order; '--key=value' overrides
-follow. Unlike nanoGPT's exec-into-globals, every key must already exist as a default
-(a typo fails with the closest valid names), values keep the default's type (an int is a
-valid float, booleans read True/False/true/false/1/0; an int fits in 64 bits, a float is finite),
+follow (a bare --key sets a boolean key to True). Unlike nanoGPT's exec-into-globals, every key
+must already exist as a default (a typo fails with the closest valid names, in a config file with
+its file and line), values keep the default's type (an int is a valid float, booleans read
+True/False/true/false/1/0; an int fits in 64 bits, a float is finite),
 each value can follow a rule (a range or a set of choices: at_least, above, between, one_of), and
 the resolved config is returned as a plain dict, which train.py also stores in its checkpoints.
 Every script's keys go through here, so a bad value is the same one-line error everywhere.
@@ -167,26 +168,67 @@ def command_line(argv, defaults, rules=None, usage='', meanings=None):
 
 def configure(defaults, argv, rules=None, given=None):
     """Apply config files and --key=value overrides in argv to `defaults`, check every value
-    against its rule in `rules` (key -> rule), and return the result. given: a set that receives
-    the keys argv sets (a resume tells an override from a default by it)."""
+    against its rule in `rules` (key -> rule), and return the result. A bare --key sets a boolean
+    key to True. given: a set that receives the keys argv sets (a resume tells an override from a
+    default by it)."""
     config = dict(defaults)
+    set_in = {}  # key -> the config file that set it last: its errors name the file and line
     for arg in argv:
+        path = None
         if arg.startswith('--'):
             key, sep, value = arg[2:].partition('=')
             if not sep:
-                raise ConfigError(f"expected --key=value, got {arg!r}")
+                value = _bare_switch(arg, key, defaults)
             updates = {key: value}
         else:
-            updates = load_config_file(arg)
+            path, updates = arg, load_config_file(arg)
         for key, value in updates.items():
-            if key not in defaults:
-                raise _unknown_key(key, defaults)
-            config[key] = coerce(key, value, defaults[key])
+            try:
+                if key not in defaults:
+                    raise _unknown_key(key, defaults)
+                config[key] = coerce(key, value, defaults[key])
+            except ConfigError as e:
+                raise _in_file(e, path, key) if path else e from None
+            set_in[key] = path
             if given is not None:
                 given.add(key)
     for key, rule in (rules or {}).items():
-        check_rule(key, config[key], rule)
+        try:
+            check_rule(key, config[key], rule)
+        except ConfigError as e:
+            raise _in_file(e, set_in[key], key) if set_in.get(key) else e from None
     return config
+
+
+def _bare_switch(arg, key, defaults):
+    """A bare --key: True for a boolean key (the habit of other command lines); else the form to use."""
+    if isinstance(defaults.get(key), bool):
+        return True
+    if key not in defaults:
+        raise ConfigError(f"expected --key=value, got {arg!r}; {_unknown_key(key, defaults)}")
+    raise ConfigError(f"expected --key=value, got {arg!r}; give --{key}=VALUE")
+
+
+def _in_file(error, path, key):
+    """`error` about `key`, prefixed with the config file and the line that assigns it last."""
+    lines = []
+    try:
+        with open(path, encoding='utf-8') as f:
+            tree = ast.parse(f.read(), path)
+        lines = [
+            node.lineno
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+            and any(
+                isinstance(t, ast.Name) and t.id == key
+                for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                for t in ast.walk(target)
+            )
+        ]
+    except (OSError, SyntaxError, ValueError):  # the file changed since it ran: the file alone is named
+        pass
+    where = f", line {max(lines)}" if lines else ''  # none: set by a file it executes, or by exec
+    return ConfigError(f"config file {path!r}{where}: {error}")
 
 
 def format_config(config):

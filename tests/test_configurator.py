@@ -8,7 +8,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conftest import train_defaults  # noqa: E402
 
-from configurator import ConfigError, configure  # noqa: E402
+from configurator import ConfigError, at_least, configure  # noqa: E402
 
 DEFAULTS = dict(learning_rate=6e-4, max_iters=100, compile=True, method='lisa_wor', omgd_gamma=2)
 
@@ -41,7 +41,8 @@ def test_int_for_float_and_strings():
         (['--max_iters=1e3'], "max_iters=1000.0 has type float, expected int"),
         (['--max_iters=abc'], "max_iters='abc' is not a valid int"),
         (['--compile=yes'], "compile='yes' is not a valid bool"),
-        (['--max_iters'], "expected --key=value"),
+        (['--max_iters'], "expected --key=value, got '--max_iters'; give --max_iters=VALUE"),
+        (['--compil'], "expected --key=value, got '--compil'; unknown config key 'compil'; did you mean compile?"),
         (['missing_config.py'], "cannot read config file 'missing_config.py'"),
     ],
 )
@@ -70,11 +71,38 @@ def test_ints_beyond_64_bits_and_infinite_floats_are_refused(arg, message):
     assert edge['max_iters'] == 2**63 - 1 and edge['learning_rate'] == 1e308
 
 
-def test_unknown_key_in_config_file(tmp_path):
+def test_a_bare_switch_of_a_boolean_key_is_true():
+    given = set()
+    out = configure(DEFAULTS, ['--compile=False', '--compile'], given=given)
+    assert out['compile'] is True and given == {'compile'}
+
+
+@pytest.mark.parametrize(
+    'text, message',
+    [
+        ("method = 'lisa'\nomgd_gama = 10\n", "line 2: unknown config key 'omgd_gama'; did you mean omgd_gamma?"),
+        ("max_iters = 1e3\n", "line 1: max_iters=1000.0 has type float, expected int (default 100)"),
+        ("max_iters = 5\nif True:\n    max_iters = 'five'\n", "line 3: max_iters='five' is not a valid int"),
+    ],
+)
+def test_a_bad_key_or_value_in_a_config_file_names_the_file_and_line(tmp_path, text, message):
     cfg = tmp_path / 'c.py'
-    cfg.write_text("omgd_perod = 10\n")
-    with pytest.raises(ConfigError, match="unknown config key 'omgd_perod'"):
+    cfg.write_text(text)
+    with pytest.raises(ConfigError) as e:
         configure(DEFAULTS, [str(cfg)])
+    assert str(e.value).startswith(f"config file {str(cfg)!r}, {message}"), str(e.value)
+
+
+def test_a_rule_names_the_config_file_only_when_the_file_set_the_value(tmp_path):
+    cfg = tmp_path / 'c.py'
+    cfg.write_text("method = 'lisa'\nmax_iters = 0\n")
+    rules = {'max_iters': at_least(1)}
+    with pytest.raises(ConfigError) as e:
+        configure(DEFAULTS, [str(cfg)], rules)
+    assert str(e.value) == f"config file {str(cfg)!r}, line 2: max_iters must be >= 1, got 0"
+    with pytest.raises(ConfigError) as e:
+        configure(DEFAULTS, [str(cfg), '--max_iters=-1'], rules)
+    assert str(e.value) == "max_iters must be >= 1, got -1"
 
 
 @pytest.mark.parametrize(
