@@ -133,6 +133,14 @@ def shakespeare_text() -> str:
     return "\n\n".join(plays) + "\n"
 
 
+def not_utf8(path, e: UnicodeDecodeError) -> str:
+    """The one line for an input file that does not decode as UTF-8."""
+    return (
+        f"input file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); give a "
+        f"UTF-8 text file, or convert it first (iconv -f latin1 -t utf-8)"
+    )
+
+
 def read_corpus(input_path=None) -> tuple[str, str]:
     """(text, source name): a UTF-8 text file if given, else the embedded Shakespeare plays."""
     if input_path is None:
@@ -140,10 +148,25 @@ def read_corpus(input_path=None) -> tuple[str, str]:
     input_path = Path(input_path)
     if not input_path.is_file():
         raise FileNotFoundError(f"input file not found: {input_path}")
-    text = input_path.read_text(encoding="utf-8")
+    try:
+        text = input_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:  # a binary file, or text in another encoding
+        raise ValueError(not_utf8(input_path, e)) from None
     if not text.strip():  # else a dataset of 0 tokens, which no run can train on
         raise ValueError(f"input file {input_path} holds no text; give a UTF-8 text file with the corpus")
     return text, str(input_path)
+
+
+def check_out_dir(out_dir) -> None:
+    """A one-line ValueError when out_dir, or a folder above it, is a file (else the writer's "File exists"
+    or "Not a directory", after all the tokenizing); a missing folder is made by the writer."""
+    out_dir = Path(out_dir)
+    for folder in (out_dir, *out_dir.parents):
+        if folder.is_dir():
+            return
+        if folder.exists():  # a file, a device (/dev/null), a pipe
+            where = "" if folder == out_dir else f" ({folder} above it is a file)"
+            raise ValueError(f"--out_dir={out_dir} is not a directory{where}; give a folder (a missing one is made)")
 
 
 TOKENIZER_MEANING = (
@@ -196,6 +219,7 @@ def prepare_main(
     }
     name = Path(sys.argv[0]).name
     try:
+        check_out_dir(options["out_dir"])  # before the minutes of tokenizing
         stats = prepare(**options)
     except FileNotFoundError as e:
         print(f"error: {name}: {e}", file=sys.stderr)
@@ -285,6 +309,7 @@ def write_dataset(
     beside an old meta.pkl. Returns ``{split: number of ids}``.
     """
     out_dir = Path(out_dir)
+    check_out_dir(out_dir)
     if meta["dtype"] != token_dtype(meta["vocab_size"]):
         raise ValueError(f"meta: dtype={meta['dtype']!r} is not the dtype of vocab_size={meta['vocab_size']}")
     counts = {}

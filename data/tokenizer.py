@@ -212,7 +212,10 @@ def _hf_load(directory):
     try:
         return HFTokenizer.from_file(path)
     except Exception as e:  # the Rust side raises a plain Exception for a malformed file
-        raise ValueError(f"{path} is not a Hugging Face tokenizer ({type(e).__name__}: {e})") from None
+        raise ValueError(
+            f"{path} is not a Hugging Face tokenizer ({type(e).__name__}: {e}); give a directory whose "
+            f"tokenizer.json the tokenizer's save_pretrained wrote, or 'gpt2'"
+        ) from None
 
 
 def _hf_eot(directory, tok):

@@ -4,6 +4,7 @@ import gzip
 import importlib
 import json
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -540,3 +541,88 @@ def test_c4_prepare_bad_input_is_one_line_and_keeps_the_old_dataset(tmp_path, c4
         ]  # the datasets library's log
         assert len(err) == 1 and "error: " in err[0] and message in err[0], (args, err)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def _one_error_line(err):
+    """The one `error:` line of stderr, its last line (progress bars and the datasets library's log above it)."""
+    last = err.strip().splitlines()[-1].split("\r")[-1]
+    assert last.startswith("error: ") and err.count("error:") == 1 and "Traceback" not in err, err[-2000:]
+    return last
+
+
+@pytest.mark.parametrize("script", ["data/shakespeare_char/prepare.py", "data/shakespeare/prepare.py"])
+def test_a_binary_input_or_an_out_dir_that_is_a_file_is_one_line_naming_it(tmp_path, capsys, script):
+    """A binary --input: not UTF-8, with the file and the byte; an --out_dir that is a file (or below one,
+    or /dev/null): said before any tokenizing, instead of "[Errno 17] File exists" after it."""
+    mod = importlib.import_module(script[:-3].replace("/", "."))
+    binary = tmp_path / "image.png"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    a_file = tmp_path / "notadir.txt"
+    a_file.write_text("keep me\n")
+    good = tmp_path / "good.txt"
+    good.write_text(SAMPLE * 20, encoding="utf-8")
+    keys = common.corpus_keys("char" if "char" in script else "gpt2")
+    cases = [
+        ([f"--input={binary}", f"--out_dir={tmp_path / 'o'}"], rf"input file {binary} is not UTF-8 text \(byte 0x89 "),
+        ([f"--input={good}", f"--out_dir={a_file}"], rf"--out_dir={a_file} is not a directory; give a folder"),
+        (
+            [f"--input={good}", f"--out_dir={a_file}/sub/dir"],
+            rf"--out_dir={a_file}/sub/dir is not a directory \({a_file} above it is a file\)",
+        ),
+        ([f"--input={good}", "--out_dir=/dev/null"], r"--out_dir=/dev/null is not a directory"),
+    ]
+    for argv, pattern in cases:
+        assert common.prepare_main(mod.prepare, "test", tmp_path, argv, keys) == 1, argv
+        out = capsys.readouterr()
+        assert re.search(pattern, _one_error_line(out.err)), out.err
+        assert "length of dataset" not in out.out  # refused before the text was read
+    assert a_file.read_text() == "keep me\n" and not (tmp_path / "o").exists()
+
+
+def test_openwebtext_binary_text_file_is_one_line_naming_it(tmp_path, capsys):
+    """--text_files with a binary file among them: that file named (datasets' traceback named none)."""
+    pytest.importorskip("datasets")
+    mod = importlib.import_module("data.openwebtext.prepare")
+    (tmp_path / "a.txt").write_text(SAMPLE, encoding="utf-8")
+    (tmp_path / "b.txt").write_bytes(b"text, then \xec\x00\xff binary")
+    argv = [
+        f"--text_files={tmp_path}/*.txt",
+        "--num_proc=1",
+        f"--cache_dir={tmp_path / 'hf'}",
+        f"--out_dir={tmp_path}/o",
+    ]
+    assert mod.main(argv) == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert re.search(rf"input file {tmp_path}/b\.txt is not UTF-8 text \(byte 0xec at offset 11\)", line), line
+    assert not (tmp_path / "o").exists()
+
+
+def test_c4_damaged_gzip_shard_is_one_line_naming_it(tmp_path, c4_shards, capsys):
+    """A shard that is not gzip at all (b'g\\x1b'...: an error page, a cut download) or is cut short: that file
+    named, with what to do; the dataset written before stays as it was."""
+    mod = importlib.import_module("data.c4.prepare")
+    shard_dir, _, _ = c4_shards
+    out = tmp_path / "out"
+    base = ["--num_proc=1", f"--out_dir={out}"]
+    assert mod.main([f"--json_files={shard_dir}/*.json.gz", "--max_docs=3", *base]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    bad_shard = shard_dir / "c4-train.00001-of-00002.json.gz"
+    whole = bad_shard.read_bytes()
+    for content, pattern in [
+        (b"g\x1b\x00 not gzip", r"c4-train\.00001-of-00002\.json\.gz is not a gzip file \(it starts with b'g\\x1b'\)"),
+        (whole[: len(whole) // 2], r"c4-train\.00001-of-00002\.json\.gz is a damaged gzip file \(Compressed file"),
+    ]:
+        bad_shard.write_bytes(content)
+        for streaming in (True, False):
+            argv = [f"--json_files={shard_dir}/*.json.gz", f"--streaming={streaming}", f"--cache_dir={tmp_path}/hf"]
+            assert mod.main([*argv, *base]) == 1
+            line = _one_error_line(capsys.readouterr().err)
+            assert re.search(pattern, line) and "download that shard again" in line, line
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_binary_tokenizer_json_is_one_line_saying_what_to_give(tmp_path):
+    (tmp_path / "tokenizer.json").write_bytes(b"\xec\x00\xff")
+    with pytest.raises(ValueError, match=r"tokenizer\.json is not a Hugging Face tokenizer \(.*\); give a directory"):
+        Tokenizer(str(tmp_path))

@@ -20,10 +20,12 @@ do not depend on it. The .bin files and meta.pkl replace the old ones together a
 
 import collections
 import glob
+import gzip
 import itertools
 import os
 import sys
 import time
+import zlib
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `data.common` importable
@@ -44,6 +46,8 @@ def json_splits(json_files):
     files = sorted({f for pattern in json_files.split(",") for f in glob.glob(os.path.expanduser(pattern.strip()))})
     if not files:
         raise FileNotFoundError(f"no files match --json_files={json_files!r}")
+    for f in files:
+        check_gzip_header(f)
     splits = {"validation": [f for f in files if "validation" in Path(f).name]}
     splits["train"] = [f for f in files if f not in splits["validation"]]
     for split, chosen in splits.items():
@@ -53,6 +57,34 @@ def json_splits(json_files):
                 f"them c4-{split}.*.json.gz); add one"
             )
     return splits
+
+
+def check_gzip_header(path):
+    """A one-line ValueError for a *.gz shard that does not start as gzip does (a download cut at its
+    start, an error page saved under the shard's name): datasets would not name it."""
+    if not path.endswith(".gz") or not os.path.isfile(path):
+        return
+    with open(path, "rb") as f:
+        head = f.read(2)
+    if head != b"\x1f\x8b":
+        raise ValueError(
+            f"{path} is not a gzip file (it starts with {head!r}); download that shard again, or leave it "
+            f"out of --json_files"
+        )
+
+
+def damaged_gzip(files):
+    """(path, error) of the first *.gz file that does not decompress to its end, else None (read only
+    after a shard failed: datasets does not say which)."""
+    for path in files:
+        if path.endswith(".gz"):
+            try:
+                with gzip.open(path) as f:
+                    while f.read(1 << 24):
+                        pass
+            except (EOFError, OSError, zlib.error) as e:
+                return path, e
+    return None
 
 
 def documents(split, json_files=None, streaming=True, cache_dir=None, num_proc=None):
@@ -93,8 +125,16 @@ def _rows(source, split, json_files, streaming, cache_dir, num_proc):
         yield from ds
     except StopIteration:  # the json reader's way of saying that a shard is empty
         raise ValueError(f"{source} cannot be read: a shard is empty") from None
-    except (DatasetGenerationError, ValueError) as e:  # a generation error's cause is the reader's error
-        raise ValueError(f"{source} cannot be read: {e.__cause__ or e}") from None
+    except (DatasetGenerationError, ValueError, EOFError, OSError, zlib.error) as e:
+        cause = e.__cause__ or e  # a generation error's cause is the reader's error
+        damaged = json_files is not None and isinstance(cause, (EOFError, OSError, zlib.error))
+        damaged = damaged and damaged_gzip(json_splits(json_files)[split])
+        if damaged:
+            raise ValueError(
+                f"{damaged[0]} is a damaged gzip file ({damaged[1]}); download that shard again, or leave it "
+                f"out of --json_files"
+            ) from None
+        raise ValueError(f"{source} cannot be read: {cause}") from None
 
 
 _worker_tokenizer = None

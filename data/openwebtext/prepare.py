@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: make `data.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from configurator import above, one_of
-from data.common import TOKENIZER_MEANING, prepare_main, tokenize_dataset
+from data.common import TOKENIZER_MEANING, not_utf8, prepare_main, tokenize_dataset
 from data.tokenizer import Tokenizer
 
 HERE = Path(__file__).resolve().parent
@@ -40,14 +40,28 @@ def load_raw(
 ):
     """The raw dataset (a single `datasets.Dataset`) with a `text` column."""
     from datasets import load_dataset
+    from datasets.exceptions import DatasetGenerationError
 
-    if text_files:
-        files = sorted(glob.glob(text_files, recursive=True))
-        if not files:
-            raise FileNotFoundError(f"no files match --text_files {text_files!r}")
-        raw = load_dataset("text", data_files={"train": files}, sample_by=sample_by, cache_dir=cache_dir)["train"]
-    else:
-        raw = load_dataset(dataset, dataset_config, split=split, num_proc=num_proc_load_dataset, cache_dir=cache_dir)
+    files = sorted(glob.glob(text_files, recursive=True)) if text_files else None
+    if text_files and not files:
+        raise FileNotFoundError(f"no files match --text_files {text_files!r}")
+    try:
+        if files:
+            raw = load_dataset("text", data_files={"train": files}, sample_by=sample_by, cache_dir=cache_dir)["train"]
+        else:
+            raw = load_dataset(
+                dataset, dataset_config, split=split, num_proc=num_proc_load_dataset, cache_dir=cache_dir
+            )
+    except DatasetGenerationError as e:  # its cause is the reader's error, which names no file
+        for path in files or []:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    while f.read(1 << 24):
+                        pass
+            except UnicodeDecodeError as bad:
+                raise ValueError(not_utf8(path, bad)) from None
+        source = f"--text_files {text_files!r}" if files else f"dataset {dataset!r}"
+        raise ValueError(f"{source} cannot be read: {e.__cause__ or e}") from None
     if max_docs is not None:
         raw = raw.select(range(min(max_docs, len(raw))))
     return raw
