@@ -47,9 +47,10 @@ import time
 import torch
 
 import builder
+import memory_estimate
 import train_config
 from configurator import at_least, command_line
-from infra import memory_estimate, memory_options
+from infra import memory_options
 from infra.metrics import mfu, peak_bf16_flops
 from trainer import Trainer
 
@@ -70,7 +71,7 @@ class MethodRun:
         self.net, self.opt, self.cycler = memory_estimate.build(cfg, device)
         self.n_params = sum(p.numel() for p in self.net.parameters())
         if cfg['compile']:
-            memory_options.compile_blocks(self.net, cfg['method'])  # train.py's regional compilation
+            builder.compile_blocks(self.net, cfg['method'])  # train.py's regional compilation
         gen = torch.Generator().manual_seed(cfg['seed'])
         vocab = self.net.config.vocab_size
         x = torch.randint(0, vocab, (cfg['batch_size'], cfg['block_size']), generator=gen).to(device)

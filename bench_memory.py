@@ -64,7 +64,7 @@ Where it runs (--device):
         for precision=amp): it is train_step's autocast, and its backward() is train_step's
         backward hook. master_device='cpu' and activation_offload=True are emulated: masters,
         moments and offloaded activations stay on the one device, marked as host memory.
-        Eager only (compile is ignored), no loss scaling, no reserved figure; infra/memory_estimate.py
+        Eager only (compile is ignored), no loss scaling, no reserved figure; memory_estimate.py
         lists what is not modelled.
   cpu:  runs for real on the CPU, as train.py on a CPU (fp32 compute), counted by LiveBytes
         (for tests of the non-meta code path).
@@ -83,7 +83,7 @@ import builder
 import train_config
 from configurator import at_least, check_rule, command_line
 from infra import memory_options
-from infra.memory_estimate import (
+from memory_estimate import (
     check_fits,
     measure,
     model_config,

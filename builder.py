@@ -91,6 +91,12 @@ def configure_memory(model, cfg):
     )
 
 
+def compile_blocks(model, method, **kwargs):
+    """compile=True's regional compilation (memory_options.compile_blocks) for the method's unit of switching."""
+    kind = omgd.METHODS.get(method)  # None: full, and GaLore's methods (every block trains)
+    return memory_options.compile_blocks(model, per_tensor=kind is not None and kind.unit == 'tensor', **kwargs)
+
+
 def weight_dtype(precision):
     """The dtype of the weights: fp32 under 'amp', bf16 under 'bf16' and 'bf16_master'."""
     return torch.float32 if precision == 'amp' else torch.bfloat16

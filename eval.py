@@ -127,7 +127,7 @@ def load_checkpoint_model(out_dir):
 
 
 def load_hf_model(hf_dir):
-    from infra import hf
+    import hf
 
     if not os.path.isdir(hf_dir):
         raise EvalError(
@@ -164,7 +164,7 @@ def tokenizer_for(dataset, hf_dir):
     export.py's character tokenizer), or GPT-2's BPE when its vocab.json is GPT-2's."""
     from data.tokenizer import Tokenizer, read_meta
     from dataloader import data_dir
-    from infra.hf import read_char_tokenizer
+    from hf import read_char_tokenizer
 
     try:
         if dataset:
@@ -417,7 +417,7 @@ def evaluate(cfg, log=print):
 def check_exportable(hf_dir, dataset, out_dir):
     """Refuse lm-eval on a checkpoint whose dataset has no tokenizer (a meta.pkl with a vocab_size only), and on
     a Hugging Face directory that holds none: transformers would hand lm-eval an empty GPT-2 tokenizer."""
-    from infra.hf import dataset_tokenizer
+    from hf import dataset_tokenizer
 
     if not hf_dir and dataset_tokenizer(dataset)[0] not in ('gpt2', 'hf', 'char'):
         raise EvalError(
@@ -473,7 +473,7 @@ def check_same_tokens(hf_dir, dataset, examples):
 
 def export_for_lm_eval(out_dir, hf_dir):
     """The checkpoint as a Hugging Face directory (hf.export, as export.py writes it) that lm-eval loads."""
-    from infra.hf import ExportError, export
+    from hf import ExportError, export
 
     try:
         export(out_dir, hf_dir, overwrite=True, log=lambda line: None)

@@ -1,6 +1,6 @@
 """
 Export train.py's checkpoint as a Hugging Face model directory, which transformers, vLLM and
-lm-evaluation-harness read (the mapping and the writing are infra/hf.py's).
+lm-evaluation-harness read (the mapping and the writing are hf.py's).
 
 $ python export.py --out_dir=out --hf_dir=out/hf
 $ python -c "from transformers import AutoModelForCausalLM as M; print(M.from_pretrained('out/hf'))"
@@ -29,8 +29,8 @@ import sys
 
 def main(argv):
     from configurator import command_line
+    from hf import ExportError, export
     from infra.checkpoint import CheckpointError
-    from infra.hf import ExportError, export
 
     defaults = dict(out_dir='out', hf_dir='', dtype='', overwrite=False, tokenizer='', max_shard_size='5GB')
     cfg = command_line(argv, defaults, usage=__doc__)

@@ -203,7 +203,7 @@ class TransformerConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     # gpt2's MLP: 'exact' (erf) GELU, nanoGPT's and every scratch run's; 'tanh', the approximation
-    # GPT-2's own weights were trained with (infra/hf.py sets it for imported GPT-2 checkpoints)
+    # GPT-2's own weights were trained with (hf.py sets it for imported GPT-2 checkpoints)
     gelu: str = 'exact'
     tie_embeddings: bool | None = None  # head = token embedding; None -> True for gpt2, False for llama
 
@@ -289,7 +289,7 @@ def causal_attention(q, k, v, dropout):
 
 
 class GPT2Attention(nn.Module):
-    """GPT-2's multi-head attention: q, k and v from one fused matrix (its checkpoint layout, infra/hf.py)."""
+    """GPT-2's multi-head attention: q, k and v from one fused matrix (its checkpoint layout, hf.py)."""
 
     def __init__(self, config):
         super().__init__()

@@ -33,8 +33,8 @@ from data.tokenizer import Tokenizer, read_meta
 from dataloader import check_vocab, data_dir, dataset_vocab, open_splits, prepare_if_embedded
 from infra import ddp_check, distributed, memory_options, multiple_choice
 from infra.checkpoint import Checkpointer, CheckpointError
-from infra.memory_estimate import check_fits, estimate_iteration
 from infra.metrics import LogOutlivesItsReader, Metrics
+from memory_estimate import check_fits, estimate_iteration
 from model import PRESET_KEYS, TransformerConfig
 from trainer import Trainer
 
@@ -140,7 +140,7 @@ def train(cfg, given_keys, ranks, device, checkpointer):
     with refused(ValueError):  # every id of the data needs a row of the embedding
         check_vocab(cfg['dataset'], raw_model.config.vocab_size, train_batches, *eval_batches.values())
     tokens_per_iter = cfg['gradient_accumulation_steps'] * cfg['batch_size'] * cfg['block_size']
-    metrics.header(raw_model, checkpointer, tokens_per_iter)  # warnings, the config, the model (rank 0)
+    metrics.header(raw_model, checkpointer, tokens_per_iter, run_warnings(cfg, checkpointer))
     trainer = build_trainer(cfg, raw_model, ranks, device, fsdp, train_batches, checkpointer.iter_num)
     raw_model, cycler, parallel = trainer.model, trainer.cycler, trainer.parallel
     checkpointer.load(trainer.state_objects(), train_batches)  # a resume's optimizer, cycler, scaler, data, RNG
@@ -166,7 +166,7 @@ def train(cfg, given_keys, ranks, device, checkpointer):
     except ValueError as e:  # a token id the model cannot embed, found as a large file is read
         raise RunError(f"{e}; {checkpointer.last_good()}") from None
     first_iter, best_val_loss, seconds_per_iter = trainer.iter_num, checkpointer.best_val_loss, None
-    metrics.begin(raw_model, train_batches, tokens_per_iter, first_iter)
+    metrics.begin(raw_model, tokens_per_iter, first_iter)
     t0 = time.time()
     while True:
         stop = stop_request.agreed(ranks)
@@ -198,8 +198,10 @@ def train(cfg, given_keys, ranks, device, checkpointer):
             raise RunError(f"{e}; {checkpointer.last_good()}") from None
         except ddp_check.CheckFailed as e:
             raise RunError(f"ddp check failed at iteration {it}, not on every rank: {e}") from None
-        if switched:
-            metrics.switch(it, cycler, parallel.rebuild_ms if ranks.enabled and not fsdp else None)
+        if switched:  # what trains now (omgd.Cycler.report), and the DDP wrapper's rebuild
+            description, values = cycler.report(raw_model)
+            rebuild_ms = parallel.rebuild_ms if ranks.enabled and not fsdp else None
+            metrics.switch(it, description, **values, ddp_rebuild_ms=rebuild_ms)
         if trainer.observer is not None and trainer.observer.summary and master and (switched or it == max_iters - 1):
             print(f"iter {it}: {trainer.observer.summary}")
 
@@ -209,7 +211,8 @@ def train(cfg, given_keys, ranks, device, checkpointer):
         if it % log_interval == 0:
             lossf = ranks.mean(loss.item(), device) if ranks.enabled else loss.item()
             check_finite({'train': lossf}, trainer.iter_num, checkpointer)
-            metrics.iteration(it, lossf, dt, seconds_per_iter)  # its log line and record (rank 0)
+            # its log line and record (rank 0): the loss, the trainer's values (the learning rate), the epoch
+            metrics.iteration(it, dt, seconds_per_iter, loss=lossf, **trainer.values(), epoch=train_batches.epochs())
     stop_request.release()  # Ctrl-C during the sample below stops at once
     checkpointer.finish()  # the last background save is on disk, complete, before the run ends
     metrics.end(trainer.iter_num, stop)
@@ -252,7 +255,7 @@ def open_data(cfg, ranks):
 
 def initial_model(cfg, given_keys, checkpointer, ranks, device, fsdp):
     """The model the run starts from: out_dir's checkpoint's (infra/checkpoint.py), a new one, or a pretrained
-    GPT-2 / Hugging Face directory (infra/hf.py); cropped to the config's block_size."""
+    GPT-2 / Hugging Face directory (hf.py); cropped to the config's block_size."""
     vocab_size = cfg['vocab_size']
     if not vocab_size:
         vocab_size = dataset_vocab(cfg['dataset'])
@@ -275,7 +278,7 @@ def initial_model(cfg, given_keys, checkpointer, ranks, device, fsdp):
             )
             model = builder.new_model(model_config, device, dtype)  # on the device, in its dtype
         else:  # a GPT-2 name or a local Hugging Face model directory
-            from infra import hf
+            import hf
 
             model = hf.from_pretrained(cfg['init_from'], cfg['dropout'], cfg['block_size'])
     if cfg['block_size'] < model.config.block_size:
@@ -305,7 +308,7 @@ def build_trainer(cfg, raw_model, ranks, device, fsdp, train_batches, iter_num):
     if cfg['compile']:
         # Regional compilation (infra/memory_options.py): one graph per block, which sees two requires_grad patterns
         # (trainable or frozen); a whole-model compile recompiles for every pattern and gives up after 8
-        memory_options.compile_blocks(raw_model, cfg['method'])
+        builder.compile_blocks(raw_model, cfg['method'])
     # under torchrun the DDP wrapper is rebuilt over the active parameters after every switch
     # (distributed.ParallelModel), FSDP reshards; one process trains the model as it is
     parallel = (
@@ -336,8 +339,26 @@ def evaluate(cfg, trainer, eval_batches, mc, ranks, device, metrics):
     if mc is not None:  # every rank alike: the same weights, the same scores
         found = multiple_choice.mc_accuracy(trainer.model, *mc, device, trainer.autocast)
         scores = {'mc_acc': found['acc'], 'mc_acc_norm': found['acc_norm']}
-    metrics.evaluation(trainer.iter_num, losses, scores)
+    metrics.evaluation(trainer.iter_num, **{f'{split}_loss': loss for split, loss in losses.items()}, **scores)
     return losses
+
+
+def run_warnings(cfg, checkpointer):
+    """The log's warnings: train_config's on the config, and what a resume at or past max_iters does (the loop's
+    first pass evaluates, then the run ends: no step, no save, and the end's sample)."""
+    lines = train_config.warnings(cfg)
+    at, max_iters = checkpointer.iter_num, cfg['max_iters']
+    if checkpointer.init_from == 'resume' and at >= max_iters and not cfg['eval_only']:
+        does = [f"evaluates the checkpoint ({cfg['eval_iters']} batches of each split)"]
+        if cfg['eval_mc_path']:
+            does.append("scores its multiple-choice benchmark")
+        if cfg['sample_tokens'] > 0:
+            does.append(f"prints a sample of {cfg['sample_tokens']} tokens (--sample_tokens=0: none)")
+        lines.append(
+            f"the checkpoint is at iteration {at} and max_iters={max_iters}: this run trains nothing and saves no "
+            f"checkpoint: it {', '.join(does)} and ends; raise --max_iters to train on"
+        )
+    return lines
 
 
 def check_finite(losses, iter_num, checkpointer):

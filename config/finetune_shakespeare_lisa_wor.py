@@ -1,6 +1,6 @@
 # Fine-tune a pretrained GPT-2 XL (1.5B) on Shakespeare with LISA-wor, in the spirit of nanoGPT's
 # config/finetune_shakespeare.py: a few iterations at a small constant learning rate. The weights
-# come from a local Hugging Face directory (infra/hf.py reads it, no network); docs/models.md says how to
+# come from a local Hugging Face directory (hf.py reads it, no network); docs/models.md says how to
 # get them, how to use a LLaMA instead, and what memory this needs on one GPU.
 # $ hf download openai-community/gpt2-xl --local-dir models/gpt2-xl \
 #       --include config.json model.safetensors

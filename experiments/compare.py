@@ -147,7 +147,7 @@ def train_config(method, args):
 def model_config(args):
     """The TransformerConfig train.py builds for these flags (a bad --train_args key or model shape raises a
     one-line ValueError)."""
-    from infra import memory_estimate
+    import memory_estimate
 
     return memory_estimate.model_config(train_config('full', args)[0])
 
@@ -163,7 +163,7 @@ def measure_memory(method, args):
     import torch
 
     import builder
-    from infra import memory_estimate
+    import memory_estimate
     from train_config import GALORE_METHODS
     from trainer import Trainer
 

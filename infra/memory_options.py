@@ -54,7 +54,7 @@ def apply(model, activation_checkpointing=False, checkpoint_sublayers=False, act
     return model
 
 
-def compile_blocks(model, method, **kwargs):
+def compile_blocks(model, *, per_tensor=False, **kwargs):
     """compile=True: every block of `model` compiled on its own (regional compilation), so that layer
     cycling's requires_grad patterns do not multiply the graphs; kwargs go to torch.compile (backend,
     mode, ...). Returns the model. Call after memory_options.apply and FSDP's sharding.
@@ -62,19 +62,17 @@ def compile_blocks(model, method, **kwargs):
     torch.compile guards every parameter's requires_grad (AOTAutograd's graphs depend on it): a graph
     is compiled per pattern, and after torch._dynamo.config.recompile_limit (8) of them the code runs
     eagerly. A whole-model compile meets a new pattern at every switch.
-    Block methods (full, lisa*, galore, golore): each block is one compiled unit; it only ever sees
-    two patterns, trainable or frozen. nn.Module.compile keeps parameter names free of '_orig_mod.'.
-    Tensor methods (tensor_wor, tensor_iid) switch every tensor on its own, so a block would see up
+    Block methods (full, lisa*, galore, golore; builder.compile_blocks says which): each block is one compiled
+    unit; it only ever sees two patterns, trainable or frozen. nn.Module.compile keeps parameter names free of
+    '_orig_mod.'.
+    Tensor methods (tensor_wor, tensor_iid: per_tensor=True) switch every tensor on its own, so a block would see up
     to 2^(its tensors) patterns. There the modules that hold parameters (the Linears and norms) run
     eagerly, outside the graphs (torch.compiler.disable), and the compiled graphs hold the
     parameter-free computation between them (attention, rotary positions, activation functions,
     residuals, dropout): their inputs are activations, whose patterns are few whatever trains.
     The loss of low-precision logits is compiled too (model.LinearCrossEntropy's two passes over the logits)."""
-    import omgd
-
-    kind = omgd.METHODS.get(method)  # None: full, and GaLore's methods (every block trains)
     for block in model.blocks:
-        if kind is not None and kind.unit == 'tensor':
+        if per_tensor:
             for module in block.modules():
                 if next(module.parameters(recurse=False), None) is not None and 'forward' not in vars(module):
                     module.forward = torch.compiler.disable(module.forward)

@@ -508,7 +508,7 @@ def test_nccl_without_cuda_under_torchrun_is_one_line_that_torchrun_names(tmp_pa
 def test_a_model_that_cannot_fit_is_refused_before_it_is_allocated(monkeypatch):
     """Weights over the free memory: refused at once; over a quarter of it: refused when the
     iteration's estimate (bench_memory on meta) exceeds it; small: no estimate is run."""
-    from infra import memory_estimate
+    import memory_estimate
     from model import TransformerConfig
 
     config = TransformerConfig(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=1000)

@@ -12,7 +12,7 @@ sys.path.insert(0, ROOT)
 from conftest import run_script  # noqa: E402
 
 import bench_memory  # noqa: E402
-from infra import memory_estimate  # noqa: E402
+import memory_estimate  # noqa: E402
 
 GIB = 2**30
 

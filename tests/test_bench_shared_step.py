@@ -14,9 +14,9 @@ import compare  # noqa: E402
 
 import bench  # noqa: E402
 import bench_memory  # noqa: E402
+import memory_estimate  # noqa: E402
 import train_config  # noqa: E402
 from configurator import configure  # noqa: E402
-from infra import memory_estimate  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
 SMALL = [

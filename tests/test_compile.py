@@ -5,8 +5,8 @@ CPU, dynamo with the aot_eager backend (its guards, and so its recompiles, do no
 import pytest
 import torch
 
+import builder
 import omgd
-from infra import memory_options
 from model import Transformer, TransformerConfig
 from train_config import GALORE_METHODS
 
@@ -47,7 +47,7 @@ def train(method, arch, compiled, iters):
     )
     cycler = omgd.build_cycler(model, opt, config)
     if compiled:
-        memory_options.compile_blocks(model, method, backend='aot_eager')
+        builder.compile_blocks(model, method, backend='aot_eager')
     grads = []
     for it in range(iters):
         cycler.step(it)

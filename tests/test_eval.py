@@ -351,8 +351,8 @@ def test_checkpoint_that_does_not_load_is_one_error_line(run, tmp_path):
 @pytest.fixture(scope='module')
 def hf_gpt2(tmp_path_factory):
     """(directory, model): a tiny GPT-2 with GPT-2's vocabulary in Hugging Face form, as export.py writes it."""
-    from infra import hf
-    from infra.hf import write_gpt2_tokenizer
+    import hf
+    from hf import write_gpt2_tokenizer
 
     torch.manual_seed(0)
     model = Transformer(
@@ -455,9 +455,9 @@ def test_lm_eval_on_a_character_level_model(run, tmp_path):
     """train.py's default (character-level) model: export writes its characters as a tokenizer transformers
     reads, so lm-eval scores every ending as eval.py does, from the checkpoint and from the exported directory;
     a directory exported without a tokenizer, or with another dataset's, is refused in one line."""
+    import hf
     from data.tokenizer import Tokenizer, read_meta
     from dataloader import data_dir
-    from infra import hf
 
     mc = ['--loss=False', f'--mc_path={write_jsonl(tmp_path / "mc.jsonl", EXAMPLES)}', '--lm_eval=True', '--device=cpu']
     # the tiny run's 32 positions are fewer than the longest ending's 36 characters: lm-eval would assert

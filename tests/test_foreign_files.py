@@ -124,7 +124,7 @@ HF_DAMAGE = {
 
 @pytest.mark.parametrize('damage', HF_DAMAGE)
 def test_a_damaged_hugging_face_directory_is_one_line(tmp_path, damage):
-    from infra import hf
+    import hf
 
     model_dir = tmp_path / 'hf'
     hf.save(tiny_gpt(), str(model_dir))

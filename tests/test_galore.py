@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import galore
-from infra import memory_estimate  # noqa: E402
+import memory_estimate  # noqa: E402
 from model import Transformer, TransformerConfig  # noqa: E402
 
 LR, BETAS, EPS, WD, SCALE = 0.1, (0.9, 0.95), 1e-8, 0.1, 0.5

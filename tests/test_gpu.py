@@ -8,7 +8,8 @@ import torch
 from conftest import assert_same_state, cpu_checkpoint_after_one_step, load, run_train, train_defaults
 
 import builder
-from infra import checkpoint, memory_estimate, memory_options
+import memory_estimate
+from infra import checkpoint
 from infra.distributed import Ranks
 from infra.metrics import peak_bf16_flops
 from model import Linear
@@ -67,7 +68,7 @@ def test_compiled_blocks_with_inductor_do_not_hit_the_recompile_limit(method):
     cycler = omgd.build_cycler(
         model, opt, omgd.CyclerConfig(method, period=1, **({'gamma': 2} if kind and kind.unit == 'block' else {}))
     )
-    memory_options.compile_blocks(model, method)
+    builder.compile_blocks(model, method)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         for it in range(12):
             cycler.step(it)
@@ -106,7 +107,7 @@ def test_compiled_blocks_compute_what_eager_mode_does_through_switches(method):
             omgd.CyclerConfig(method, period=1, seed=1, **({'gamma': 1} if kind.unit == 'block' else {'ratio': 0.5})),
         )
         if compiled:
-            memory_options.compile_blocks(model, method)
+            builder.compile_blocks(model, method)
         return model, opt, cycler
 
     runs = [build(False), build(True)]

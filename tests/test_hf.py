@@ -1,4 +1,4 @@
-"""Hugging Face import and export (infra/hf.py; export.py is its command line) against transformers itself,
+"""Hugging Face import and export (hf.py; export.py is its command line) against transformers itself,
 offline: tiny random GPT2LMHeadModel / LlamaForCausalLM models are built and saved inside each test."""
 
 import contextlib
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import export  # noqa: E402
-from infra import hf  # noqa: E402
+import hf  # noqa: E402
 from model import Transformer, TransformerConfig  # noqa: E402
 
 transformers = pytest.importorskip('transformers')
@@ -612,7 +612,7 @@ def files_of(folder):
 
 
 def test_a_model_field_the_export_does_not_map_is_refused_before_writing(tmp_path):
-    """A fork's new TransformerConfig field (qk_norm) that infra/hf.py does not map: exporting it would write a model
+    """A fork's new TransformerConfig field (qk_norm) that hf.py does not map: exporting it would write a model
     transformers loads and runs without it, computing other logits. Set, it is refused and nothing is written;
     at its default the model exports as before."""
     import dataclasses

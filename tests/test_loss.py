@@ -15,7 +15,7 @@ from conftest import random_batch as batch  # noqa: E402
 from conftest import tiny_model_config as tiny
 from test_memory import LiveStorages  # noqa: E402
 
-from infra import memory_options  # noqa: E402
+import builder  # noqa: E402
 from model import EAGER_LOSS_KERNELS, LinearCrossEntropy, Transformer  # noqa: E402
 
 CASES = ('all', 'head frozen', 'head only')
@@ -144,7 +144,7 @@ def test_keeps_low_precision_logits_not_fp32_log_probabilities():
 def test_compile_blocks_compiles_the_loss():
     model = Transformer(tiny('gpt2'))
     assert model.loss_kernels is EAGER_LOSS_KERNELS
-    memory_options.compile_blocks(model, 'full', backend='aot_eager')
+    builder.compile_blocks(model, 'full', backend='aot_eager')
     assert model.loss_kernels is not EAGER_LOSS_KERNELS
     x, y = batch(model.config)
     with torch.autocast('cpu', torch.bfloat16):

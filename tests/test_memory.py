@@ -388,7 +388,7 @@ def test_check_fits_under_fsdp_counts_this_ranks_shards(monkeypatch):
     """An iteration whose weights, gradients and AdamW state need 10 GiB on one device, with 1 GiB of
     activations, on ranks with 4 GiB free: refused on one device and under DDP (every rank holds all),
     accepted under FSDP over 8 ranks (about 10/8 + 1 GiB, plus the units gathered at once)."""
-    from infra import memory_estimate
+    import memory_estimate
 
     cfg = tiny('llama', n_layer=8)
     gib = 2**30
@@ -424,7 +424,7 @@ def test_unit_params_and_the_estimate_of_one_device():
     from conftest import train_defaults
 
     import builder
-    from infra import memory_estimate
+    import memory_estimate
     from model import TransformerConfig
 
     train_cfg = train_defaults(n_layer=3, n_head=4, n_embd=32, block_size=16, vocab_size=64, batch_size=2)
@@ -448,8 +448,8 @@ def test_meta_estimate_takes_the_frozen_linear_path_of_cuda(monkeypatch):
     frozen block's matrices more, and the loss's fp32 log-probabilities; the bf16 precision (no autocast) does
     not change."""
     import bench_memory
+    import memory_estimate
     from configurator import configure
-    from infra import memory_estimate
 
     small = dict(
         preset='',

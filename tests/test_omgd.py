@@ -10,8 +10,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import memory_estimate  # noqa: E402
 import omgd  # noqa: E402
-from infra import memory_estimate  # noqa: E402
 from model import Transformer, TransformerConfig  # noqa: E402
 from optim import param_groups  # noqa: E402
 

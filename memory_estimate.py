@@ -446,7 +446,7 @@ def measure(cfg, device):
     else:
         net, opt, cycler = build(cfg, device)
     if compiled:  # train.py's regional compilation
-        memory_options.compile_blocks(net, cfg['method'])
+        builder.compile_blocks(net, cfg['method'])
     if cuda:  # the fp32 copy a bf16 build went through is cached, not in use: give it back
         gc.collect()
         torch.cuda.empty_cache()
