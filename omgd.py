@@ -117,6 +117,21 @@ def build_cycler(model, optimizer, config):
     return cycler
 
 
+def trainable_parts(model):
+    """What trains now, found by module, whatever built the mask: {'outer': the names of model.outer_modules() and
+    'blocks': the indices in model.blocks} of those holding a parameter that requires a gradient. The cycled blocks
+    and what always trains (omgd_always's parts, a block a fork keeps on); under a tensor method a part counts
+    when any of its tensors trains."""
+
+    def trains(module):
+        return any(p.requires_grad for p in module.parameters())
+
+    return {
+        'outer': [name for name, module in model.outer_modules().items() if trains(module)],
+        'blocks': [i for i, block in enumerate(model.blocks) if trains(block)],
+    }
+
+
 # -----------------------------------------------------------------------------
 # The mask on a model and its optimizer: freezing, state policies, gradient scale
 
@@ -220,6 +235,14 @@ class Cycler:
             return
         for p in (p for i in self.active for p in self.units[i] if p.grad is not None):
             p.grad.mul_(scale)
+
+    def report(self, model):
+        """What a switch reports: the log line's description, and the record's values (`active`: the cycled
+        units now on; `trains`: trainable_parts(model), every part that trains, the always-on ones too)."""
+        parts = trainable_parts(model)
+        blocks = f"blocks {parts['blocks']}" if parts['blocks'] else 'no block'
+        trains = ', '.join(parts['outer']) + (' and ' if parts['outer'] else '') + blocks
+        return f'{self.describe()}; trains {trains}', {'active': list(self.active), 'trains': parts}
 
     def describe(self):
         if self.schedule is None:

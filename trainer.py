@@ -170,6 +170,15 @@ class Trainer:
         self.model.train()
         return out
 
+    def values(self):
+        """What an iteration's log line and record report of the step just taken, beside its loss: the learning
+        rate as applied, read from the optimizer's groups: `lr` when every group applied the same rate, else
+        `lr_g<i>` of each group i (a group's lr_scale scales the schedule). A fork's own figure goes here too."""
+        rates = [group['lr'] for group in self.optimizer.param_groups]
+        if len(set(rates)) == 1:
+            return {'lr': rates[0]}
+        return {f'lr_g{i}': rate for i, rate in enumerate(rates)}
+
     def state_objects(self):
         """The objects whose state_dict() a checkpoint holds (infra/checkpoint.py)."""
         return {'model': self.model, 'optimizer': self.optimizer, 'cycler': self.cycler, 'scaler': self.scaler}

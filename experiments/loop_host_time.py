@@ -44,10 +44,11 @@ def report_time(scratch):
     cfg = dict(out_dir=scratch, eval_only=False, wandb_log=False, max_iters=10**6, decay_lr=False, learning_rate=6e-4)
     m = metrics.Metrics(cfg, SimpleNamespace(master=True, world_size=1), 'cpu')
     m.peak_flops = 989e12  # an H100's: the MFU is computed as on a GPU
-    m.begin(model, SimpleNamespace(epochs=lambda: 0.0), tokens_per_iter=12 * 1024, first_iter=0)
+    m.begin(model, tokens_per_iter=12 * 1024, first_iter=0)
     it = iter(range(10, 10**6))
     with contextlib.redirect_stdout(io.StringIO()):
-        return timed(lambda: m.iteration(next(it), 3.0, 0.03, 0.03)), timed(model.estimate_flops_per_token, n=50)
+        report = timed(lambda: m.iteration(next(it), 0.03, 0.03, loss=3.0, lr=6e-4, epoch=0.0))
+        return report, timed(model.estimate_flops_per_token, n=50)
 
 
 def batch_times(scratch, block_size=1024, batch_size=12):

@@ -5,7 +5,8 @@ utilization (MFU) with the table of GPU peaks it divides by, and the stdout the 
 (`LogOutlivesItsReader`).
 
 train.py makes one `Metrics` and calls one method per event, on every rank (rank 0 prints and
-writes, the others return). bench.py and the experiments use `mfu` and `peak_bf16_flops`.
+writes, the others return), handing it the event's values: a sink that computes none of them but its own
+(time, throughput, MFU, memory). bench.py and the experiments use `mfu` and `peak_bf16_flops`.
 """
 
 import json
@@ -16,19 +17,20 @@ import time
 
 import torch
 
-from trainer import get_lr
+from configurator import format_config
 
 
 class Metrics:
-    """train.py's reports, one method per event:
+    """train.py's reports, one method per event; the values are handed in (keyword arguments), and each
+    shows on the log line by its rule in SHOWN and goes into its record as it is:
 
         metrics = Metrics(cfg, ranks, device, resumed_from)  # wandb imported now: a missing package stops the run
-        metrics.header(model, checkpointer, tokens_per_iter)  # the head of the log
+        metrics.header(model, checkpointer, tokens_per_iter, warnings)  # the head of the log
         wandb_id = metrics.start_wandb(checkpointer.wandb_id)
-        metrics.begin(model, batches, tokens_per_iter, first_iter)  # the loop starts: the run's clock
-        metrics.evaluation(it, losses, scores)
-        metrics.switch(it, cycler, rebuild_ms)
-        metrics.iteration(it, loss, dt, seconds_per_iter)   # a logged iteration: loss, speed, MFU, memory
+        metrics.begin(model, tokens_per_iter, first_iter)  # the loop starts: the run's clock
+        metrics.evaluation(it, train_loss=..., val_loss=..., **more)
+        metrics.switch(it, description, **values)  # the line says `description`, the record holds it and values
+        metrics.iteration(it, dt, seconds_per_iter, loss=..., **more)  # plus speed, MFU, memory, time left
         metrics.save(it, path)
         metrics.end(it, stopped)
 
@@ -50,23 +52,13 @@ class Metrics:
     def start_wandb(self, run_id):
         return self.records.start_wandb(self.cfg, run_id)
 
-    def header(self, model, checkpointer, tokens_per_iter):
-        """The head of the log: warnings, the config, the model, what the run starts from."""
+    def header(self, model, checkpointer, tokens_per_iter, warnings=()):
+        """The head of the log: the warnings handed in, the config, the model, what the run starts from."""
         if not self.master:
             return
-        from configurator import format_config
-        from train_config import warnings
-
         cfg, resuming = self.cfg, checkpointer.init_from == 'resume'
-        for line in warnings(cfg):
+        for line in warnings:
             print(f"warning: {line}", file=sys.stderr, flush=True)
-        if resuming and checkpointer.iter_num >= cfg['max_iters'] and not cfg['eval_only']:
-            print(
-                f"warning: the checkpoint is at iteration {checkpointer.iter_num} and max_iters={cfg['max_iters']}: "
-                f"this run evaluates and trains nothing; raise --max_iters to train on",
-                file=sys.stderr,
-                flush=True,
-            )
         print(f"config:\n{format_config(cfg)}")
         print(
             f"model: {cfg['arch']}, {cfg['n_layer']} blocks, {model.get_num_params() / 1e6:.2f}M parameters "
@@ -76,34 +68,31 @@ class Metrics:
         if resuming:
             print(f"resuming from iteration {checkpointer.iter_num} of {checkpointer.path}")
 
-    def begin(self, model, batches, tokens_per_iter, first_iter):
-        self.model, self.batches, self.tokens_per_iter, self.first_iter = model, batches, tokens_per_iter, first_iter
+    def begin(self, model, tokens_per_iter, first_iter):
+        self.model, self.tokens_per_iter, self.first_iter = model, tokens_per_iter, first_iter
         self.run_start, self.flops_per_token = time.time(), None
 
-    def evaluation(self, it, losses, scores):
-        """{split: loss} and the multiple-choice scores (eval_mc_path) of the evaluation at iteration `it`."""
+    def evaluation(self, it, **values):
+        """The evaluation at iteration `it`: its losses (train_loss, val_loss) and whatever else is handed in."""
         if self.master:
-            shown = f", mc acc {scores['mc_acc']:.4f}, acc_norm {scores['mc_acc_norm']:.4f}" if scores else ''
-            print(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{shown}")
-            self.records.write(
-                'eval', iter=it, train_loss=losses['train'], val_loss=losses['val'], lr=get_lr(it, self.cfg), **scores
-            )
+            print(f"step {it}: {shown(values)}")
+            self.records.write('eval', iter=it, **values)
 
-    def switch(self, it, cycler, rebuild_ms):
-        """The cycler switched at iteration `it`; rebuild_ms: the DDP wrapper's rebuild (None without DDP)."""
+    def switch(self, it, description, **values):
+        """The cycler switched at iteration `it`: `description` (what trains now) on the line, then the values
+        SHOWN names (e.g. the DDP wrapper's rebuild); the record holds all of them."""
         # the FLOPs depend on which blocks train: counted again at the next logged iteration, and only then,
         # since counting walks every parameter in Python while a logging GPU waits (0.2-0.8 ms at GPT-2 124M)
         self.flops_per_token = None
         if self.master:
-            rebuild = f", DDP rebuilt in {rebuild_ms:.1f} ms" if rebuild_ms is not None else ""
-            print(f"iter {it}: {cycler.describe()}{rebuild}")
-            self.records.write(
-                'switch', iter=it, active=list(cycler.active), description=cycler.describe(), ddp_rebuild_ms=rebuild_ms
-            )
+            more = shown(values)
+            print(f"iter {it}: {description}{', ' + more if more else ''}")
+            self.records.write('switch', iter=it, description=description, **values)
 
-    def iteration(self, it, loss, dt, seconds_per_iter):
-        """The log line of a logged iteration, and its record: loss, time, throughput, epoch, MFU (on a
-        GPU of known peak), CUDA memory, and the time left at the mean pace (seconds_per_iter)."""
+    def iteration(self, it, dt, seconds_per_iter, **values):
+        """The log line of a logged iteration, and its record: the values handed in (the loss, the learning
+        rate, ...), then time, throughput, MFU (on a GPU of known peak), CUDA memory, and the time left at the
+        mean pace (seconds_per_iter)."""
         if not self.master:
             return
         tokens_per_iter, max_iters = self.tokens_per_iter, self.cfg['max_iters']
@@ -112,25 +101,15 @@ class Metrics:
                 self.flops_per_token = self.model.estimate_flops_per_token()
             iter_mfu = mfu(self.flops_per_token, tokens_per_iter, dt, self.peak_flops, self.world_size)
             self.running_mfu = iter_mfu if self.running_mfu is None else 0.9 * self.running_mfu + 0.1 * iter_mfu
-        epoch = self.batches.epochs()
-        fields = dict(
-            iter=it, loss=loss, ms=dt * 1000, tok_per_s=tokens_per_iter / dt, epoch=epoch, lr=get_lr(it, self.cfg)
-        )
-        line = (
-            f"iter {it}: loss {loss:.4f}, time {dt * 1000:.1f}ms, tok/s {tokens_per_iter / dt:,.0f}, epoch {epoch:.2f}"
-        )
-        if self.running_mfu is not None:
-            fields['mfu'] = self.running_mfu
-            line += f", mfu {self.running_mfu * 100:.2f}%"
+        fields = dict(values, ms=dt * 1000, tok_per_s=tokens_per_iter / dt, mfu=self.running_mfu)
         if self.device_type == 'cuda':
             fields.update(
                 mem_alloc_gib=torch.cuda.max_memory_allocated() / 2**30,
                 mem_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
             )
-            line += f", mem {fields['mem_alloc_gib']:.2f}/{fields['mem_reserved_gib']:.2f} GiB alloc/reserved"
-        line += f", {it + 1}/{max_iters}, {format_duration(seconds_per_iter * (max_iters - it - 1))} left"
-        print(line, flush=True)
-        self.records.write('iter', **fields)
+        left = format_duration(seconds_per_iter * (max_iters - it - 1))
+        print(f"iter {it}: {shown(fields)}, {it + 1}/{max_iters}, {left} left", flush=True)
+        self.records.write('iter', iter=it, **{k: v for k, v in fields.items() if v is not None})
 
     def save(self, it, path):
         """A checkpoint of iteration `it` written at `path` (None on a rank that wrote nothing)."""
@@ -146,6 +125,37 @@ class Metrics:
                 f"{format_duration(elapsed)}"
             )
             self.records.write('end', iter=it, seconds=elapsed, stopped=bool(stopped))
+
+
+# How a value shows on a log line: its template here, or `name value` (a float to 4 significant digits); None:
+# recorded, never shown. A value of None is left off the line (and out of an iteration's record).
+SHOWN = {
+    'loss': 'loss {:.4f}',
+    'train_loss': 'train loss {:.4f}',
+    'val_loss': 'val loss {:.4f}',
+    'mc_acc': 'mc acc {:.4f}',
+    'mc_acc_norm': 'acc_norm {:.4f}',
+    'lr': 'lr {:.2e}',
+    'ms': 'time {:.1f}ms',
+    'tok_per_s': 'tok/s {:,.0f}',
+    'epoch': 'epoch {:.2f}',
+    'mfu': 'mfu {:.2%}',
+    'mem_alloc_gib': 'mem {:.2f} GiB allocated',
+    'mem_reserved_gib': '{:.2f} GiB reserved',
+    'ddp_rebuild_ms': 'DDP rebuilt in {:.1f} ms',
+    'active': None,  # a switch's: its description says it
+    'trains': None,
+}
+
+
+def shown(values):
+    """The log line's text of `values`, by SHOWN's rules, in their order."""
+    parts = []
+    for name, value in values.items():
+        template = SHOWN.get(name, f"{name} {{:.4g}}" if isinstance(value, float) else f"{name} {{}}")
+        if template is not None and value is not None:
+            parts.append(template.format(value))
+    return ', '.join(parts)
 
 
 class Records:

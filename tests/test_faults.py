@@ -118,13 +118,19 @@ def test_values_longer_than_the_run_are_named_in_a_warning(tmp_path):
     ]
 
 
-def test_a_resume_that_would_train_nothing_says_so(tmp_path):
+def test_a_resume_that_would_train_nothing_says_what_it_does(tmp_path):
+    """It said "evaluates and trains nothing", then evaluated and printed a sample: it says both, and does them."""
     run_train(f'--out_dir={tmp_path}', '--max_iters=4', '--eval_interval=4')
-    result = run_train(f'--out_dir={tmp_path}', '--init_from=resume', '--max_iters=3')
+    saved = (tmp_path / 'ckpt.pt').read_bytes()
+    result = run_train(f'--out_dir={tmp_path}', '--init_from=resume', '--max_iters=3', '--sample_tokens=5')
     assert (
-        "warning: the checkpoint is at iteration 4 and max_iters=3: this run evaluates and trains nothing; "
-        "raise --max_iters to train on"
+        "warning: the checkpoint is at iteration 4 and max_iters=3: this run trains nothing and saves no checkpoint: "
+        "it evaluates the checkpoint (2 batches of each split), prints a sample of 5 tokens (--sample_tokens=0: none) "
+        "and ends; raise --max_iters to train on"
     ) in warnings_of(result)
+    assert re.search(r'^step 4: .*\n(.*\n)*sample:\n', result.stdout, re.M) and 'iter 4: ' not in result.stdout
+    assert (tmp_path / 'ckpt.pt').read_bytes() == saved
+    assert "sample" not in warnings_of(run_train(f'--out_dir={tmp_path}', '--init_from=resume', '--max_iters=3'))[-1]
 
 
 # -----------------------------------------------------------------------------

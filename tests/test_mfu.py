@@ -65,19 +65,17 @@ def test_the_flops_of_the_mfu_are_counted_once_per_switch(tmp_path):
     counts = []
     count_flops = model.estimate_flops_per_token
     model.estimate_flops_per_token = lambda: counts.append(count_flops()) or counts[-1]
-    cfg = dict(
-        out_dir=str(tmp_path), eval_only=False, wandb_log=False, max_iters=100, decay_lr=False, learning_rate=1e-3
-    )
+    cfg = dict(out_dir=str(tmp_path), eval_only=False, wandb_log=False, max_iters=100)
     m = metrics.Metrics(cfg, SimpleNamespace(master=True, world_size=1), 'cpu')
     m.peak_flops = 1e9  # a GPU of known peak, on the CPU
-    m.begin(model, SimpleNamespace(epochs=lambda: 0.0), tokens_per_iter=80, first_iter=0)
+    m.begin(model, tokens_per_iter=80, first_iter=0)
     for it in (10, 11, 12):
-        m.iteration(it, 2.0, 0.5, 0.5)
+        m.iteration(it, 0.5, 0.5, loss=2.0)
     for p in model.blocks[0].parameters():  # the cycler freezes block 0: the FLOPs fall
         p.requires_grad_(False)
-    m.switch(13, SimpleNamespace(describe=lambda: 'block 0 frozen', active=[1, 2]), None)
+    m.switch(13, 'block 0 frozen', active=[1, 2])
     for it in (13, 14):
-        m.iteration(it, 2.0, 0.5, 0.5)
+        m.iteration(it, 0.5, 0.5, loss=2.0)
     assert len(counts) == 2 and counts[1] < counts[0]
     logged = [r['mfu'] for r in map(json.loads, open(tmp_path / 'metrics.jsonl')) if r['kind'] == 'iter']
     expected, running = [], None

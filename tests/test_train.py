@@ -8,20 +8,45 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, TINY, assert_one_line_error, assert_same_state, load, run_train, train_defaults
+from conftest import (
+    ROOT,
+    TINY,
+    assert_one_line_error,
+    assert_same_state,
+    load,
+    records,
+    run_train,
+    train_defaults,
+)
 
 import builder
 import train_config
 from dataloader import TokenBatches
+from trainer import get_lr
 
 
 def test_short_run_loss_falls_with_visible_switching(tmp_path):
+    """The records of each kind, field by field (the log line's format is tests/test_metrics.py's one test)."""
     out = run_train(f'--out_dir={tmp_path}', '--max_iters=60', '--eval_interval=30', '--learning_rate=3e-3').stdout
-    val = [float(v) for v in re.findall(r'val loss ([\d.]+)', out)]
-    assert len(val) == 3 and val[-1] < val[0] - 0.5, out
-    switches = re.findall(r'iter (\d+): cycle (\d+): active blocks \[(\d+), (\d+)\]', out)
-    assert [int(s[0]) for s in switches] == list(range(0, 60, 3))
-    assert re.search(r'iter 10: loss [\d.]+, time [\d.]+ms, tok/s [\d,]+, epoch 0\.\d+', out)
+    evals = records(tmp_path, 'eval')
+    assert [r['iter'] for r in evals] == [0, 30, 60] and evals[-1]['val_loss'] < evals[0]['val_loss'] - 0.5
+    assert all(0 < r['train_loss'] < 5 for r in evals)
+    switches = records(tmp_path, 'switch')
+    assert [s['iter'] for s in switches] == list(range(0, 60, 3))
+    for s in switches:  # every part that trains: the outer parts (omgd_always) and the 2 cycled blocks
+        assert s['trains'] == {'outer': ['embed', 'pos', 'norm', 'head'], 'blocks': s['active']}
+        assert len(s['active']) == 2 and s['ddp_rebuild_ms'] is None
+        assert f"iter {s['iter']}: {s['description']}\n" in out
+    iters = {r['iter']: r for r in records(tmp_path, 'iter')}
+    assert sorted(iters) == list(range(60))
+    cfg = load(tmp_path)['config']
+    for it, r in iters.items():  # the rate the optimizer applied, which the schedule gives
+        assert r['lr'] == get_lr(it, cfg) and r['ms'] > 0 and r['tok_per_s'] > 0 and 0 < r['epoch'] < 1
+        assert r['loss'] > 0
+    saves = records(tmp_path, 'save')
+    assert [(r['iter'], r['path']) for r in saves] == [(30, str(tmp_path / 'ckpt.pt')), (60, str(tmp_path / 'ckpt.pt'))]
+    [end] = records(tmp_path, 'end')
+    assert end['iter'] == 60 and end['stopped'] is False and end['seconds'] > 0
 
 
 @pytest.mark.parametrize(
@@ -50,7 +75,7 @@ def test_resume_refuses_another_block_size_and_eval_only_evaluates(tmp_path):
     # eval_only evaluates even at an iteration that is no multiple of eval_interval, and saves nothing
     before = (tmp_path / 'ckpt.pt').read_bytes()
     out = run_train(f'--out_dir={tmp_path}', '--init_from=resume', '--eval_interval=4', '--eval_only=True').stdout
-    assert re.search(r'step 6: train loss [\d.]+, val loss [\d.]+', out), out
+    assert re.search(r'^step 6: ', out, re.M), out
     assert (tmp_path / 'ckpt.pt').read_bytes() == before
 
 
@@ -250,7 +275,7 @@ def test_iid_sampling_on_a_split_smaller_than_one_batch(tmp_path):
     data.mkdir()
     for split in ('train', 'val'):
         np.arange(50, dtype=np.uint16).tofile(data / f'{split}.bin')  # 4 windows of 9 tokens, batch of 8
-    out = run_train(
+    run_train(
         f'--out_dir={tmp_path}',
         f'--dataset={data}',
         '--block_size=8',
@@ -258,9 +283,9 @@ def test_iid_sampling_on_a_split_smaller_than_one_batch(tmp_path):
         '--sampling=iid',
         '--max_iters=3',
         '--eval_interval=3',
-    ).stdout  # was a ZeroDivisionError
+    )  # was a ZeroDivisionError
     # 4 batches of 8 windows drawn (3 trained, 1 prefetched) from 4 windows of data
-    assert re.search(r'iter 2: loss [\d.]+, .* epoch 8\.00', out), out
+    assert records(tmp_path, 'iter')[-1]['epoch'] == 8.0
 
 
 def test_llama_resume_refuses_another_block_size(tmp_path):
@@ -288,14 +313,14 @@ def test_block_size_larger_than_data(tmp_path):
 def test_every_method_runs_from_config(tmp_path):
     # one process per method would cost seconds each; two short runs cover the switch paths
     for method in ('full', 'lisa', 'tensor_wor'):
-        out = run_train(
+        run_train(
             f'--out_dir={tmp_path / method}',
             '--max_iters=4',
             f'--method={method}',
             '--eval_interval=100',
             '--optimizer=sgd' if method == 'tensor_wor' else '--optimizer=adamw',
         )
-        assert 'step 4: train loss' in out.stdout
+        assert [r['iter'] for r in records(tmp_path / method, 'eval')] == [0, 4]
 
 
 def test_golore_svd_fraction_sets_the_svd_steps(tmp_path):

@@ -261,3 +261,19 @@ def test_step_runs_the_iteration_it_is_given_with_the_micro_steps_it_is_given():
     _, switched = trainer.step()
     assert not switched and trainer.iter_num == 8 and opt.param_groups[0]['lr'] == get_lr(7, cfg)
     assert trainer.data_position == 5  # grad_accum=2 micro-batches
+
+
+def test_values_report_the_rate_each_group_applied():
+    """The logged learning rate is read from the optimizer's groups, as applied: one `lr` when they agree (the
+    schedule's rate), else one per group, named by its index (a group's lr_scale scales the schedule)."""
+    cfg = train_defaults(**TINY, warmup_iters=2, lr_decay_iters=20)
+    torch.manual_seed(0)
+    model, opt, cycler = builder.build(cfg, 'cpu')
+    trainer = Trainer(cfg, model, opt, cycler, batches(), 'cpu')
+    for it in range(3):
+        trainer.step()
+        assert trainer.values() == {'lr': get_lr(it, cfg)}
+    opt.param_groups[1]['lr_scale'] = 0.5
+    trainer.step()
+    assert trainer.values() == {'lr_g0': get_lr(3, cfg), 'lr_g1': get_lr(3, cfg) * 0.5}
+    assert [g['lr'] for g in opt.param_groups] == list(trainer.values().values())
