@@ -414,7 +414,7 @@ def plot_error(res, path):
     ax.legend(fontsize=8)
     ax.grid(True, which='major', alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=130, format='png')
     plt.close(fig)
 
 
@@ -446,7 +446,7 @@ def plot_decomposition(res, path):
         ax.grid(True, which='major', alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format='png')
     plt.close(fig)
 
 
@@ -525,6 +525,32 @@ RULES = {
 }
 
 
+def write_text(path, text):
+    with open(path, 'w') as f:
+        f.write(text)
+
+
+def write_reports(out_dir, writers):
+    """Each {file name: writer(path)} writes a hidden file beside its name, and only when all are written do
+    they replace the earlier report: a disk that fills half-way leaves that report whole. A one-line exit."""
+    written = []
+    try:
+        for name, write in writers.items():
+            written.append((os.path.join(out_dir, f'.{name}.tmp-{os.getpid()}'), os.path.join(out_dir, name)))
+            write(written[-1][0])
+        for tmp, path in written:
+            os.replace(tmp, path)
+    except OSError as e:
+        for tmp, _ in written:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        sys.exit(
+            f"error: cannot write the report into --out_dir={out_dir} ({e.strerror or e}); free space or allow "
+            f"writing there, or give another --out_dir (the table above is this run's result; an earlier report "
+            f"there is kept)"
+        )
+
+
 def main(argv=None):
     args = SimpleNamespace(
         **command_line(sys.argv[1:] if argv is None else argv, COMMAND_DEFAULTS, RULES, __doc__, MEANINGS)
@@ -565,9 +591,6 @@ def main(argv=None):
     print(f"runtime {runtime:.1f} s")
 
     cmd = 'python experiments/linreg.py ' + ' '.join(sys.argv[1:] if argv is None else argv)
-    plot_error(res, os.path.join(args.out_dir, 'linreg_error.png'))
-    if args.decompose:
-        plot_decomposition(res, os.path.join(args.out_dir, 'linreg_decomposition.png'))
     mean = lambda dct: {m: v.mean(0).tolist() for m, v in dct.items()}
     blob = dict(
         command=cmd.strip(),
@@ -585,22 +608,25 @@ def main(argv=None):
             compression=mean(res['compression']),
         ),
     )
-    with open(os.path.join(args.out_dir, 'linreg.json'), 'w') as f:
-        json.dump(blob, f, indent=1)
-    with open(os.path.join(args.out_dir, 'linreg.md'), 'w') as f:
-        f.write(
-            f"# Least squares: convergence rates of RR / OMGD / i.i.d. compression\n\n"
-            f"Command: `{cmd.strip()}` ({runtime:.0f} s)\n\n"
-            f"n={p['n']}, d={p['d']}, r={p['ratio']}, warm-up {p['warmup']} steps, T={T}, "
-            f"{p['seeds']} seeds, data seed {p['data_seed']}, eta_t = {p['c']:g}/(t+{p['t0']:g}); "
-            f"lambda_min(A)={res['lambda_min']:.3f}, lambda_max(A)={res['lambda_max']:.3f}, "
-            f"c*lambda_min={p['alpha']:.2f} (> 2, the condition of the paper's O(t^-2) theorem for RR and "
-            f"RR_mask_wor).\n\n"
-            f"{tab}\n\nmax ||D+R+C-e||/||e|| at the logged steps: {res['decomp_residual']}\n\n"
-            f"{verdict(summ)}\n\n{TERMS_DOC}\n"
-            f"Plots: `linreg_error.png` (error, t^-1 and t^-2 reference lines), "
-            f"`linreg_decomposition.png` (the paper's Figure 2 a-d).\n"
-        )
+    markdown = (
+        f"# Least squares: convergence rates of RR / OMGD / i.i.d. compression\n\n"
+        f"Command: `{cmd.strip()}` ({runtime:.0f} s)\n\n"
+        f"n={p['n']}, d={p['d']}, r={p['ratio']}, warm-up {p['warmup']} steps, T={T}, "
+        f"{p['seeds']} seeds, data seed {p['data_seed']}, eta_t = {p['c']:g}/(t+{p['t0']:g}); "
+        f"lambda_min(A)={res['lambda_min']:.3f}, lambda_max(A)={res['lambda_max']:.3f}, "
+        f"c*lambda_min={p['alpha']:.2f} (> 2, the condition of the paper's O(t^-2) theorem for RR and "
+        f"RR_mask_wor).\n\n"
+        f"{tab}\n\nmax ||D+R+C-e||/||e|| at the logged steps: {res['decomp_residual']}\n\n"
+        f"{verdict(summ)}\n\n{TERMS_DOC}\n"
+        f"Plots: `linreg_error.png` (error, t^-1 and t^-2 reference lines), "
+        f"`linreg_decomposition.png` (the paper's Figure 2 a-d).\n"
+    )
+    writers = {'linreg_error.png': lambda path: plot_error(res, path)}
+    if args.decompose:
+        writers['linreg_decomposition.png'] = lambda path: plot_decomposition(res, path)
+    writers['linreg.json'] = lambda path: write_text(path, json.dumps(blob, indent=1))
+    writers['linreg.md'] = lambda path: write_text(path, markdown)
+    write_reports(args.out_dir, writers)
     return res, summ
 
 

@@ -206,3 +206,44 @@ def test_default_out_dir_is_not_results():
     from configurator import configure
 
     assert configure(linreg.COMMAND_DEFAULTS, ['--out_dir=results'])['out_dir'] == 'results'
+
+
+def test_a_disk_that_fills_while_the_report_is_written_is_one_line_and_keeps_the_earlier_report(
+    tmp_path, monkeypatch, capsys
+):
+    """The plot's write fails half-way with ENOSPC (as on a full disk): one `error:` line, exit 1, and the
+    earlier report left byte for byte, with no half-written or temporary file beside it."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    argv = ['--T=300', '--seeds=1', '--decompose=False', f'--out_dir={tmp_path}']
+    linreg.main(argv)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real_savefig = Figure.savefig
+
+    def savefig_on_a_full_disk(self, path, **kwargs):
+        real_savefig(self, path, **kwargs)
+        with open(path, 'r+b') as f:
+            f.truncate(os.path.getsize(path) // 2)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Figure, 'savefig', savefig_on_a_full_disk)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        linreg.main(['--T=400', *argv[1:]])
+    assert str(e.value) == (
+        f"error: cannot write the report into --out_dir={tmp_path} (No space left on device); free space or "
+        f"allow writing there, or give another --out_dir (the table above is this run's result; an earlier "
+        f"report there is kept)"
+    )
+    assert '| RR |' in capsys.readouterr().out  # the run's table was printed before
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_an_out_dir_that_cannot_be_written_is_one_line():
+    """/proc/self exists but takes no files, even for root (a read-only folder does for root)."""
+    if not os.path.isdir('/proc/self'):
+        pytest.skip('no /proc (not Linux)')
+    with pytest.raises(SystemExit, match=r"^error: cannot write the report into --out_dir=/proc/self \("):
+        linreg.main(['--T=200', '--seeds=1', '--decompose=False', '--out_dir=/proc/self'])
