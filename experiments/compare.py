@@ -28,6 +28,7 @@ band = min..max over seeds); NAME is --name, 'compare' by default. `--replot=Tru
 and plot from an existing NAME.json without training.
 """
 
+import difflib
 import json
 import math
 import os
@@ -45,6 +46,7 @@ import runner  # noqa: E402
 import stats  # noqa: E402
 
 from configurator import at_least, command_line  # noqa: E402
+from train_config import METHOD_NAMES  # noqa: E402
 
 DEFAULT_VARIANTS = (
     'full',
@@ -87,6 +89,12 @@ TRAIN_FLAGS = (
 def parse_variant(spec):
     method, _, sampling = spec.partition(':')
     sampling = sampling or 'rr'
+    if method not in METHOD_NAMES:  # named here, not by train.py's check after the methods before it
+        close = difflib.get_close_matches(method, METHOD_NAMES, n=1)
+        raise ValueError(
+            f"--methods: unknown method {method!r}{f' (did you mean {close[0]!r}?)' if close else ''}; choose "
+            f"from {', '.join(METHOD_NAMES)}, each as METHOD or METHOD:SAMPLING (rr or iid)"
+        )
     if sampling not in SAMPLINGS:
         raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r} in {spec!r}")
     return {'name': method if sampling == 'rr' else f'{method}:{sampling}', 'method': method, 'sampling': sampling}
@@ -563,8 +571,16 @@ def main(argv=None):
             raise ValueError(f"--seeds={args.seeds!r}: give a count N or a list, e.g. --seeds=0,1,2") from None
         if not seeds:
             raise ValueError("--seeds needs at least one seed, e.g. --seeds=3")
+        # a mistyped train_arg fails now, not after the other runs; the schedule is checked next, in our keys
+        unscheduled = SimpleNamespace(**{**vars(args), 'max_iters': max(args.max_iters, args.warmup_iters)})
         for v in variants:
-            train_config(v['method'], args)  # a mistyped method or train_arg fails now, not after the others ran
+            train_config(v['method'], unscheduled)
+        if args.max_iters < args.warmup_iters:  # the runs' cosine ends at max_iters (lr_decay_iters=max_iters)
+            raise ValueError(
+                f"--max_iters={args.max_iters} ends inside the learning-rate warm-up (--warmup_iters="
+                f"{args.warmup_iters}), before the cosine decay the runs compare under; raise --max_iters to "
+                f"{args.warmup_iters} or more, or lower --warmup_iters (e.g. --warmup_iters={args.max_iters})"
+            )
         config = model_config(args)
         os.makedirs(args.out_dir, exist_ok=True)
     except ValueError as e:

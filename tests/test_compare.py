@@ -186,3 +186,30 @@ def test_replot_without_a_report_is_one_line(tmp_path, content, message):
         compare.main(['--replot=True', f'--out_dir={tmp_path}', '--name=nothing'])
     assert str(e.value.code).startswith('error: ') and re.search(message, str(e.value.code)), e.value.code
     assert sorted(os.listdir(tmp_path)) == before  # nothing written, the damaged file kept as it was
+
+
+@pytest.mark.parametrize(
+    'argv, message',
+    [
+        # the mistyped method is named first, whatever else is wrong (the schedule here)
+        (
+            ['--methods=full,lisa_wro', '--max_iters=2'],
+            r"^error: --methods: unknown method 'lisa_wro' \(did you mean 'lisa_wor'\?\); choose from full, lisa, .*"
+            r"golore, each as METHOD or METHOD:SAMPLING \(rr or iid\)$",
+        ),
+        (['--methods=full,xyz:iid'], r"^error: --methods: unknown method 'xyz'; choose from full, "),
+        # compare.py's own keys, not train.py's --lr_decay_iters (which compare.py sets to max_iters)
+        (
+            ['--methods=full,lisa_wor', '--max_iters=2'],
+            r"^error: --max_iters=2 ends inside the learning-rate warm-up \(--warmup_iters=20\), .*; raise "
+            r"--max_iters to 20 or more, or lower --warmup_iters \(e\.g\. --warmup_iters=2\)$",
+        ),
+    ],
+)
+def test_a_bad_method_or_a_run_shorter_than_its_warmup_is_one_line_in_compares_keys(tmp_path, argv, message):
+    import re
+
+    with pytest.raises(SystemExit) as e:
+        compare.main([*argv, '--seeds=1', f'--out_dir={tmp_path / "out"}', f'--runs_dir={tmp_path / "runs"}'])
+    assert re.search(message, str(e.value.code)), e.value.code
+    assert os.listdir(tmp_path) == []  # refused before any run or report
