@@ -45,6 +45,7 @@ import sys
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 import builder
 import memory_estimate
@@ -132,42 +133,53 @@ class MethodRun:
 
 
 def bench(row_cfgs, device):
-    """Time every row; one after the other (peak memory per row on CUDA), or interleaved."""
+    """Time every row; one after the other (peak memory per row on CUDA), or interleaved. A bar on stderr
+    counts the iterations (stdout is the report); it updates between the timed steps."""
     cfg = row_cfgs[0]
-    cuda = device.type == 'cuda'
-    peak_flops = peak_bf16_flops(device)
     total = cfg['warmup_steps'] + cfg['steps']
-    if cfg['interleave']:
-        # round-robin: load from other processes on a shared machine hits every method alike
-        runs = [MethodRun(row_cfg, device) for row_cfg in row_cfgs]
-        for it in range(total):
-            for run in runs:
-                run.step(it, timed=it >= cfg['warmup_steps'])
-        if cfg['profile']:
-            for run in runs:
-                run.profile(total, f"{cfg['profile']}_{run.cfg['method']}_{run.label}.txt")
-        return [run.row(peak_flops, with_memory=False) for run in runs]
-    rows = []
-    for row_cfg in row_cfgs:
-        run = MethodRun(row_cfg, device)
-        for it in range(total):
-            if it == cfg['warmup_steps'] and cuda:
-                torch.cuda.reset_peak_memory_stats(device)
+    with tqdm(total=total * len(row_cfgs), desc='timing', unit='iter') as bar:
+        if cfg['interleave']:
+            return bench_interleaved(row_cfgs, device, total, bar)
+        return [bench_row(row_cfg, device, total, bar) for row_cfg in row_cfgs]
+
+
+def bench_interleaved(row_cfgs, device, total, bar):
+    # round-robin: load from other processes on a shared machine hits every method alike
+    cfg = row_cfgs[0]
+    runs = [MethodRun(row_cfg, device) for row_cfg in row_cfgs]
+    for it in range(total):
+        for run in runs:
             run.step(it, timed=it >= cfg['warmup_steps'])
-        rows.append(run.row(peak_flops, with_memory=cuda))
-        if cfg['profile']:  # after the timing and the memory peak, so neither includes the profiler
+            bar.update()
+    if cfg['profile']:
+        for run in runs:
             run.profile(total, f"{cfg['profile']}_{run.cfg['method']}_{run.label}.txt")
-        r = rows[-1]
-        print(
-            f"{r['method']} ({r['precision']}): {r['ms']:.1f} ms/iter, {r['tokens_per_s']:,.0f} tokens/s, "
-            f"loss {r['loss']:.3f}",
-            flush=True,
-        )
-        del run
-        if cuda:
-            gc.collect()
-            torch.cuda.empty_cache()
-    return rows
+    return [run.row(peak_bf16_flops(device), with_memory=False) for run in runs]
+
+
+def bench_row(row_cfg, device, total, bar):
+    cuda = device.type == 'cuda'
+    run = MethodRun(row_cfg, device)
+    bar.set_postfix_str(f"{row_cfg['method']} ({run.label})")
+    for it in range(total):
+        if it == row_cfg['warmup_steps'] and cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        run.step(it, timed=it >= row_cfg['warmup_steps'])
+        bar.update()
+    row = run.row(peak_bf16_flops(device), with_memory=cuda)
+    if row_cfg['profile']:  # after the timing and the memory peak, so neither includes the profiler
+        run.profile(total, f"{row_cfg['profile']}_{run.cfg['method']}_{run.label}.txt")
+    bar.write(
+        f"{row['method']} ({row['precision']}): {row['ms']:.1f} ms/iter, {row['tokens_per_s']:,.0f} tokens/s, "
+        f"loss {row['loss']:.3f}",
+        file=sys.stdout,
+    )
+    sys.stdout.flush()
+    del run
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+    return row
 
 
 def describe_machine(device):

@@ -28,6 +28,7 @@ import tempfile
 from contextlib import nullcontext
 
 import torch
+from tqdm.auto import tqdm
 
 from infra.multiple_choice import (
     EvalError,
@@ -227,9 +228,10 @@ def window_loss(model, path, dtype, block_size, batch_size, eval_iters, seed, de
 
 
 @torch.no_grad()
-def full_loss(model, path, dtype, block_size, batch_size, device='cpu', autocast=nullcontext()):
+def full_loss(model, path, dtype, block_size, batch_size, device='cpu', autocast=nullcontext(), progress=False):
     """(mean loss, tokens predicted) over the whole split: non-overlapping windows of block_size inputs
-    (the last one shorter), each followed by its targets, so every token but the first is predicted once."""
+    (the last one shorter), each followed by its targets, so every token but the first is predicted once.
+    progress: a bar on stderr (minutes on a CPU)."""
     import numpy as np
 
     data = np.memmap(path, dtype=dtype, mode='r')
@@ -238,7 +240,7 @@ def full_loss(model, path, dtype, block_size, batch_size, device='cpu', autocast
         raise EvalError(f"{path} holds {len(data)} token(s): nothing to predict")
     starts = list(range(0, n, block_size))
     total = 0.0
-    for i in range(0, len(starts), batch_size):
+    for i in tqdm(range(0, len(starts), batch_size), desc='every token', unit='batch', disable=not progress):
         group = starts[i : i + batch_size]
         # the last window is shorter: a batch of its own
         for lengths in ([s for s in group if s + block_size <= n], [s for s in group if s + block_size > n]):
@@ -386,7 +388,7 @@ def evaluate(cfg, log=print):
         dtype = read_meta(data_dir(dataset))['dtype']
         batch_size = cfg['batch_size'] or train_cfg.get('batch_size', 8) * world_size  # train.py's windows
         if cfg['full']:
-            loss, n = full_loss(model, path, dtype, block_size, batch_size, device, autocast)
+            loss, n = full_loss(model, path, dtype, block_size, batch_size, device, autocast, progress=True)
             how = f"every token once: {n:,} predictions in windows of {block_size}"
         else:
             eval_iters = cfg['eval_iters'] or train_cfg.get('eval_iters', 20)
@@ -399,7 +401,7 @@ def evaluate(cfg, log=print):
     elif cfg['loss']:
         log("loss: skipped, no dataset (pass --dataset=NAME, a prepared folder of data/)")
     if examples:
-        scores = mc_accuracy(model, examples, encode, device, autocast, cfg['batch_size'] or 16)
+        scores = mc_accuracy(model, examples, encode, device, autocast, cfg['batch_size'] or 16, progress=True)
         results['mc'] = scores
         log(f"mc {cfg['mc_path']}: acc {scores['acc']:.4f}, acc_norm {scores['acc_norm']:.4f} ({scores['n']} examples)")
     if lm_eval:

@@ -13,6 +13,7 @@ from contextlib import nullcontext
 
 import torch
 from torch.nn import functional as F
+from tqdm.auto import tqdm
 
 
 class EvalError(ValueError):
@@ -102,13 +103,14 @@ def encode_pair(encode, context, continuation):
 
 
 @torch.no_grad()
-def continuation_logprobs(model, requests, device='cpu', autocast=nullcontext(), batch_size=16):
+def continuation_logprobs(model, requests, device='cpu', autocast=nullcontext(), batch_size=16, progress=False):
     """The sum of log-probabilities of each (context ids, continuation ids) request's continuation given its
     context, in float64; a request longer than block_size + 1 tokens loses tokens on the left, as
-    lm-evaluation-harness truncates. The head runs on the continuations' positions only."""
+    lm-evaluation-harness truncates. The head runs on the continuations' positions only. progress: a bar on
+    stderr (eval.py; train.py's evaluations log a line instead)."""
     block_size = model.config.block_size
     sums = []
-    for i in range(0, len(requests), batch_size):
+    for i in tqdm(range(0, len(requests), batch_size), desc='scoring choices', unit='batch', disable=not progress):
         chunk = requests[i : i + batch_size]
         rows = [(ctx + cont)[-(block_size + 1) :] for ctx, cont in chunk]
         T = max(len(r) for r in rows) - 1
@@ -130,7 +132,7 @@ def continuation_logprobs(model, requests, device='cpu', autocast=nullcontext(),
     return sums
 
 
-def mc_accuracy(model, examples, encode, device='cpu', autocast=nullcontext(), batch_size=16):
+def mc_accuracy(model, examples, encode, device='cpu', autocast=nullcontext(), batch_size=16, progress=False):
     """{'acc', 'acc_norm', 'n'} of a model on read_mc() examples, as lm-evaluation-harness scores HellaSwag:
     each choice, after a space, by the sum of its tokens' log-probabilities (acc), that sum divided by
     the choice's length in characters (acc_norm); the first of equal scores wins. encode: text -> ids.
@@ -146,7 +148,7 @@ def mc_accuracy(model, examples, encode, device='cpu', autocast=nullcontext(), b
     was_training = model.training
     model.eval()
     try:
-        lls = continuation_logprobs(model, requests, device, autocast, batch_size)
+        lls = continuation_logprobs(model, requests, device, autocast, batch_size, progress)
     finally:
         model.train(was_training)
     correct = correct_norm = 0

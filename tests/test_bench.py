@@ -224,6 +224,8 @@ def test_bench_script_runs(tmp_path):
         ],
     )
     assert proc.returncode == 0, proc.stderr
+    assert re.search(r'timing: 100%.* 18/18 ', proc.stderr), proc.stderr  # the bar: 6 rows x 3 iterations
+    assert re.search(r'^galore \(bf16_master:cpu\): [\d.]+ ms/iter', proc.stdout, re.M), proc.stdout
     text = open(out).read()
     rows = [line.split('|')[1:-1] for line in text.splitlines() if line.startswith('| ')]
     header = [cell.strip() for cell in rows[0]]

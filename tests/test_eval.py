@@ -156,6 +156,25 @@ def test_full_pass_predicts_every_token_once(tmp_path):
     assert n == 102 and loss == pytest.approx(total / 102, rel=1e-6)
 
 
+def test_eval_py_shows_progress_on_stderr_and_train_py_does_not(tmp_path, capsys):
+    """The full pass and the choices' scoring (minutes on a CPU) show a tqdm bar on stderr with progress=True,
+    eval.py's; train.py's periodic scoring calls them without, and the results do not change."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config('llama', n_kv_head=2)).eval()
+    np.random.default_rng(0).integers(0, 64, 103).astype(np.uint16).tofile(tmp_path / 'val.bin')
+    example = {'query': 'Go', 'choices': ['ab', 'abcd'], 'gold': 1}
+    encode = lambda text: [ord(c) % 64 for c in text]  # noqa: E731
+    quiet = full_loss(model, str(tmp_path / 'val.bin'), 'uint16', 16, 3), mc_accuracy(model, [example], encode)
+    assert capsys.readouterr() == ('', '')
+    shown = (
+        full_loss(model, str(tmp_path / 'val.bin'), 'uint16', 16, 3, progress=True),
+        mc_accuracy(model, [example], encode, progress=True),
+    )
+    out, err = capsys.readouterr()
+    assert shown == quiet and out == ''
+    assert re.search(r'every token: 100%.* 3/3 ', err) and re.search(r'scoring choices: 100%.* 1/1 ', err), err
+
+
 # -----------------------------------------------------------------------------
 # eval.py on train.py's checkpoint
 
