@@ -79,6 +79,24 @@ def new_model(config, device, dtype=torch.float32, cpu_draws=True):
     return model.to(dtype)  # the buffers init_weights recomputed in fp32 (LLaMA's rotary tables)
 
 
+def resumed_model(saved, cfg, device, path):
+    """A resume's model on `device` in the config's weight dtype (new_model), of the checkpoint's model_args with
+    the config's dropout, its weights loaded when `saved` (the values of the checkpoint at `path`) holds them:
+    ckpt.pt's; a step folder's come with Checkpointer.load, once the model is sharded. A one-line ValueError
+    for weights that do not load."""
+    try:
+        config = TransformerConfig(**{**saved['model_args'], 'dropout': cfg['dropout']})
+        model = new_model(config, device, weight_dtype(cfg['precision']))
+        if 'model' in saved:
+            model.load_state_dict(saved['model'])
+    except Exception as e:
+        raise ValueError(
+            f"cannot load checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            f"it is corrupt or from another version: start from scratch or restore a backup"
+        ) from None
+    return model
+
+
 def configure_memory(model, cfg):
     """The model's activation-memory options (infra/memory_options.py): checkpointing, offload to the host,
     chunked loss."""

@@ -16,6 +16,7 @@ record in out_dir/metrics.jsonl (infra/metrics.py).
 """
 
 import contextlib
+import functools
 import math
 import os
 import signal
@@ -118,13 +119,13 @@ def main(argv):
 def train(cfg, given_keys, ranks, device, checkpointer):
     """The run, top to bottom: the setup, then the loop; returns the exit status (0, or 128 + a stop
     signal's number)."""
-    master, world_size = ranks.master, ranks.world_size
+    master = ranks.master
     fsdp = ranks.enabled and cfg['parallel'] == 'fsdp'
-    with refused(ValueError):
-        train_config.check_parallel(cfg, world_size, fsdp)
     # scratch, resume or auto, whatever the checkpoint's format; the lock, an earlier run's checkpoint,
-    # incomplete saves: infra/checkpoint.py. A resume takes the checkpoint's config.
-    cfg = checkpointer.start(cfg, given_keys, fsdp)
+    # incomplete saves: infra/checkpoint.py. A resume's saved values are read once, its config is the
+    # checkpoint's with this command's keys on top, checked once merged (train_config.run_config)
+    with refused(ValueError):
+        cfg = checkpointer.start(cfg, functools.partial(train_config.run_config, cfg, given_keys), fsdp)
     with refused(ImportError):  # the log lines, out_dir/metrics.jsonl and wandb (infra/metrics.py)
         metrics = Metrics(cfg, ranks, device, checkpointer.iter_num if checkpointer.init_from == 'resume' else None)
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
@@ -133,7 +134,7 @@ def train(cfg, given_keys, ranks, device, checkpointer):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     train_batches, eval_batches, mc = open_data(cfg, ranks)
-    raw_model = initial_model(cfg, given_keys, checkpointer, ranks, device, fsdp)
+    raw_model = initial_model(cfg, checkpointer, ranks, device, fsdp)
     model_args = asdict(raw_model.config)  # what was built, after any crop: sample.py and resumes rebuild it
     # the printed and saved config describes the model that trains, whatever init_from built it from
     cfg.update({k: model_args[k] for k in (*PRESET_KEYS, 'block_size') if k in cfg})
@@ -253,8 +254,8 @@ def open_data(cfg, ranks):
     return train_batches, eval_batches, mc
 
 
-def initial_model(cfg, given_keys, checkpointer, ranks, device, fsdp):
-    """The model the run starts from: out_dir's checkpoint's (infra/checkpoint.py), a new one, or a pretrained
+def initial_model(cfg, checkpointer, ranks, device, fsdp):
+    """The model the run starts from: out_dir's checkpoint's, a new one (builder.py), or a pretrained
     GPT-2 / Hugging Face directory (hf.py); cropped to the config's block_size."""
     vocab_size = cfg['vocab_size']
     if not vocab_size:
@@ -263,7 +264,7 @@ def initial_model(cfg, given_keys, checkpointer, ranks, device, fsdp):
             print(f"found vocab_size = {vocab_size} (inside {data_dir(cfg['dataset'])}/meta.pkl)")
     with refused(RuntimeError, ValueError):
         if checkpointer.init_from == 'resume':  # on the device; a step folder's weights come when sharded
-            model = checkpointer.model(cfg, given_keys)
+            model = builder.resumed_model(checkpointer.saved, cfg, device, checkpointer.path)
         elif checkpointer.init_from == 'scratch':
             model_config = TransformerConfig(**builder.transformer_kwargs(cfg, vocab_size))
             dtype = builder.weight_dtype(cfg['precision'])

@@ -3,7 +3,8 @@ train.py's config: every key with its default (the data, read top to bottom as i
 train.py), the rule each value must follow, and the checks of values that cannot train together.
 train.py, sample.py's resume of a run, the benchmarks and the experiments all start from here:
 
-    cfg = train_config.load(sys.argv[1:])    # defaults <- config files <- --key=value, all checked
+    cfg = train_config.load(sys.argv[1:])    # defaults <- config files <- --key=value, checked
+    cfg = train_config.run_config(cfg, given, saved)  # a resume's: merged with its checkpoint's, then checked
 
 A config is a plain dict (what checkpoints store). `python train.py --help` lists the keys with
 the comments below.
@@ -21,6 +22,7 @@ import omgd
 import optim
 from configurator import above, at_least, between, check_rule, configure, one_of
 from infra import memory_options
+from infra.checkpoint import of_type
 from model import SHAPE_KEYS, TransformerConfig, check_arch
 
 CUDA = torch.cuda.is_available()
@@ -198,16 +200,88 @@ RULES = {
 }
 
 
+RESUMING = ('resume', 'auto')  # init_from values whose config is known only once out_dir's checkpoint is read
+
+
 def load(argv, defaults=None, given=None):
     """The config of these command-line arguments: defaults, then config files and --key=value in
-    order, type-checked (configurator.py); then every value's rule and the combinations (check),
-    and the device. Raises a one-line ConfigError/ValueError. given: see configurator.configure."""
+    order, type-checked (configurator.py), and the device; then every value's rule and the combinations
+    (check_run), unless init_from may resume: then run_config checks the merged values. Raises a one-line
+    ConfigError/ValueError. given: see configurator.configure."""
     cfg = configure(defaults or DEFAULTS, argv, given=given)
-    check(cfg)
     check_device(cfg['device'])
-    if int(os.environ.get('RANK', -1)) != -1:  # under torchrun (distributed.setup): what its ranks cannot train,
-        check_parallel(cfg, int(os.environ.get('WORLD_SIZE', 1)), cfg['parallel'] == 'fsdp')  # before they join
+    if cfg['init_from'] not in RESUMING:
+        check_run(cfg)
     return cfg
+
+
+def check_run(cfg):
+    """check(), and under torchrun (distributed.setup) what its ranks cannot train, before they join."""
+    check(cfg)
+    if int(os.environ.get('RANK', -1)) != -1:
+        check_parallel(cfg, int(os.environ.get('WORLD_SIZE', 1)), cfg['parallel'] == 'fsdp')
+
+
+def run_config(cfg, given, saved=None, path=None):
+    """The config the run trains with, checked once on its final values: load()'s (checked there), or, for
+    init_from 'resume' or 'auto', the checkpoint's config (`saved`: the values of the checkpoint at `path`,
+    read once; None: nothing to resume) with the keys this command gave (`given`) on top, then checked."""
+    if saved is not None:
+        check_saved(saved, path)
+        try:
+            cfg = resume_config(saved['config'], saved['model_args'], cfg, given)
+        except (KeyError, TypeError) as e:
+            raise ValueError(
+                f"cannot resume from {path}: its config is not train.py's ({e}); restore a backup or train from scratch"
+            ) from None
+    if cfg['init_from'] in RESUMING:
+        check_run(cfg)
+    return cfg
+
+
+# the values a resume reads besides the states of the objects (every checkpoint of train.py has them), by type
+RESUME_KEYS = {
+    'config': dict,
+    'model_args': dict,
+    'iter_num': int,
+    'best_val_loss': (int, float),
+    'data': dict,
+    'rng': dict,
+}
+
+
+def check_saved(saved, path):
+    """Refuse (one-line ValueError) a checkpoint that lacks a value of RESUME_KEYS, or holds one (or a
+    model_args field) of another type than train.py writes: a hand-edited or foreign file, whose values
+    would otherwise fail later in a traceback (iter_num 'x' at the loop's first comparison)."""
+    missing = [k for k in RESUME_KEYS if not isinstance(saved, dict) or k not in saved]
+    if missing:
+        raise ValueError(
+            f"cannot resume from {path}: it lacks {', '.join(map(repr, missing))}, which every "
+            f"checkpoint of train.py holds; restore a backup or train from scratch"
+        )
+    wrong = [
+        f'{k}={v!r}'[:80]
+        for k, kind in RESUME_KEYS.items()
+        if not of_type(v := saved[k], kind) or k == 'iter_num' and v < 0
+    ]
+    if isinstance(saved['model_args'], dict):
+        kinds = {
+            f.name: (int, float) if type(f.default) is float else type(f.default)
+            for f in dataclasses.fields(TransformerConfig)
+            if f.default is not None
+        }
+        wrong += [
+            f"model_args['{k}']={v!r}"[:80]
+            for k, v in saved['model_args'].items()
+            if k in kinds and not of_type(v, kinds[k])
+        ]
+    if wrong:
+        raise ValueError(
+            f"cannot resume from {path}: its {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} "
+            f"not what train.py writes; the file is damaged or not train.py's: restore a backup or "
+            f"train from scratch"
+        )
 
 
 def check(cfg):
@@ -338,11 +412,9 @@ def check_resume(saved, model_args, cfg, given):
 
 def resume_config(saved, model_args, cfg, given):
     """The config of a resume: the checkpoint's (`saved`), with the keys this command gave (`given`)
-    on top, after check_resume."""
+    on top, after check_resume (run_config checks the merged values)."""
     truth = check_resume(saved, model_args, cfg, given)
-    merged = {**cfg, **{k: v for k, v in truth.items() if k in cfg and k not in given and k not in THIS_COMMAND}}
-    check(merged)
-    return merged
+    return {**cfg, **{k: v for k, v in truth.items() if k in cfg and k not in given and k not in THIS_COMMAND}}
 
 
 def warnings(cfg):

@@ -196,16 +196,17 @@ def main(argv):
 def load_phase(cfg, ranks, train_cfg, shard, fsdp, formats, where, report):
     # resume as train.py does: file: read (mapped) on every rank, full model, shard, optimizer state;
     # dcp: a new model, shard, each rank reads its shards
-    given = set()
     for fmt in formats:
         path = where[fmt]
         with Phase(ranks) as phase:
             if fmt == 'file':
-                checkpoint, raw = ckpt_io.resume(path, 'cpu', train_cfg, given)
+                checkpoint = ckpt_io.read(path)
+                raw = builder.resumed_model(checkpoint, train_cfg, 'cpu', path)
                 model, optimizer, _ = builder.build(train_cfg, 'cpu', model=raw, shard=shard)
                 ckpt_io.load_state(checkpoint, {'model': model, 'optimizer': optimizer}, fsdp)
             else:
-                checkpoint, raw = checkpoint_dcp.resume(path, 'cpu', train_cfg, given)
+                checkpoint = checkpoint_dcp.check_readable(path)
+                raw = builder.resumed_model(checkpoint, train_cfg, 'cpu', path)
                 model, optimizer, _ = builder.build(train_cfg, 'cpu', model=raw, shard=shard)
                 checkpoint_dcp.load(path, checkpoint, model, optimizer, ranks.cpu_group)
             del checkpoint, raw

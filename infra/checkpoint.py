@@ -12,14 +12,12 @@ A resume continues whichever holds the later iteration, on any number of ranks. 
 written with a non-finite state, and neither is read with anything that could run code.
 """
 
-import dataclasses
 import os
 import sys
 
 import torch
 
-import train_config
-from infra import checkpoint_dcp, checkpoint_file
+from infra import checkpoint_dcp
 
 # the 'file' format's functions, as the scripts and tests call them (checkpoint.read, checkpoint.save, ...)
 from infra.checkpoint_file import (
@@ -32,25 +30,14 @@ from infra.checkpoint_file import (
     restore_rng,
     save,
 )
-from model import TransformerConfig
-
-# the values a resume reads besides the states of the objects (every checkpoint of train.py has them), by type
-RESUME_KEYS = {
-    'config': dict,
-    'model_args': dict,
-    'iter_num': int,
-    'best_val_loss': (int, float),
-    'data': dict,
-    'rng': dict,
-}
 
 
 class Checkpointer:
     """out_dir's checkpoints for one run of train.py, whatever their format. Every rank makes one:
 
-        cfg = checkpointer.start(cfg, given)    # the lock; scratch, resume or auto; the checkpoint's config
-        model = checkpointer.model(cfg, given)  # a resume's model (init_from == 'resume')
-        checkpointer.load(objects, data)        # a resume's optimizer, cycler, scaler, data position, RNG
+        cfg = checkpointer.start(cfg, configure)  # the lock; scratch, resume or auto; configure(saved values)
+        checkpointer.saved                        # a resume's saved values, read once (its model is built of them)
+        checkpointer.load(objects, data)          # a resume's weights (a step folder's), optimizer, cycler, ... RNG
         checkpointer.save(objects, values)      # a collective; returns the path where this rank wrote
         checkpointer.finish()                   # the last background write is on disk
         checkpointer.close(failed)              # out_dir's lock (and an out_dir the run left empty)
@@ -63,18 +50,19 @@ class Checkpointer:
         self.lock = OutDirLock(out_dir)
         # an out_dir this run makes is removed again when the run fails before it saved anything
         self.made_out_dir = ranks.master and not os.path.exists(out_dir)
-        self.init_from, self.found, self.checkpoint, self.fsdp, self.seed = None, None, None, False, None
+        self.init_from, self.found, self.saved, self.fsdp, self.seed = None, None, None, False, None
         self.iter_num, self.best_val_loss, self.wandb_id = 0, 1e9, None  # where the run starts
         self.path, self.saved_iter = None, None  # the last good checkpoint, which an error names
         self.replaced = []  # an earlier run's checkpoints (overwrite=True), removed once this run saved one
         self.saver = None  # the step folders' writer (checkpoint_dcp.Saver); None: ckpt.pt
 
-    def start(self, cfg, given, fsdp=False):
-        """Start or resume the run; returns its config (a resume's: the checkpoint's, the keys this
-        command gave on top). The writer (rank 0) takes out_dir's lock, refuses to replace an earlier
-        run's checkpoint unless overwrite=True, and removes what an interrupted save left. Sets
-        init_from ('resume', 'scratch' or a pretrained model's name) and where the run starts
-        (iter_num, best_val_loss, wandb_id)."""
+    def start(self, cfg, configure, fsdp=False):
+        """Start or resume the run; returns its config, configure(saved, path): `saved` the values of the
+        checkpoint a resume continues (ckpt.pt's whole dict, a step folder's values.pt), read once and kept
+        as self.saved, or None; configure checks them and merges the run's config (a ValueError refuses).
+        The writer (rank 0) takes out_dir's lock, refuses to replace an earlier run's checkpoint unless
+        overwrite=True, and removes what an interrupted save left. Sets init_from ('resume', 'scratch' or a
+        pretrained model's name) and where the run starts (iter_num, best_val_loss, wandb_id)."""
         master, out_dir = self.ranks.master, self.out_dir
         if master and self.writes:
             try:
@@ -86,12 +74,20 @@ class Checkpointer:
         self.init_from = cfg['init_from']
         if self.init_from == 'auto':  # a restarted job resumes; the first launch starts from scratch
             self.init_from = 'resume' if self.found else 'scratch'
-        if self.init_from == 'resume' and self.found:
-            self.found = self._newest_loadable()
         if self.init_from == 'resume':
-            cfg = self._resume_config(cfg, given)
+            self.saved = self._read_newest()
         elif self.found and self.writes:
             self._replace(cfg['overwrite'])
+        if self.saved is None:
+            cfg = configure(None, None)
+        else:  # where the run starts: the checkpoint's values, once configure has checked them
+            cfg, saved, self.path = configure(self.saved, self.found[1]), self.saved, self.found[1]
+            self.iter_num, self.best_val_loss, self.wandb_id = (
+                saved['iter_num'],
+                saved['best_val_loss'],
+                saved.get('wandb_id'),
+            )
+            self.saved_iter = self.iter_num
         if master and self.writes:  # the writer (it holds the lock): an unusable out_dir is found now
             check_out_dir(out_dir)
             removed, left = checkpoint_dcp.remove_incomplete(out_dir)  # what a crash in the middle of a save left
@@ -134,22 +130,28 @@ class Checkpointer:
                 f"out_dir (or restore its .complete file if it is a whole checkpoint), then run again"
             )
 
-    def _newest_loadable(self):
-        """The newest checkpoint that can be read; each newer one that cannot is named in a warning and
-        kept, moved aside to NAME.damaged so that this run's save of the same iteration does not replace it
-        (a preempted job's requeue then resumes, as torchtitan's and litgpt's do). All damaged: the newest,
-        whose error the resume then reports. Rank 0 decides, for every rank alike."""
-        chosen, skipped = self.found, []
+    def _read_newest(self):
+        """The saved values of the newest checkpoint that can be read (read once, here); each newer one that
+        cannot is named in a warning and kept, moved aside to NAME.damaged so that this run's save of the same
+        iteration does not replace it (a preempted job's requeue then resumes, as torchtitan's and litgpt's do).
+        All damaged: the newest's own error. Rank 0 decides, for every rank alike."""
+        if self.found is None:
+            raise CheckpointError(
+                f"no checkpoint at {os.path.join(self.out_dir, 'ckpt.pt')} to resume from; train "
+                f"with init_from='scratch' first"
+            )
+        chosen, saved, skipped = self.found, None, []
         for fmt, path, it in candidates(self.out_dir):
             try:
-                read(path, mmap=True) if fmt == 'file' else checkpoint_dcp.check_readable(path)
+                saved = self._read(fmt, path)
             except CheckpointError as e:
                 skipped.append((path, str(e).split('; ')[0]))
                 continue
             chosen = fmt, path, it
             break
         else:
-            skipped = []  # none loads: the newest's own error, at the resume
+            skipped = []  # none loads: the newest's own error, below
+        mine = tuple(chosen)
         chosen, skipped = self.ranks.gather((chosen, skipped))[0]
         if skipped and self.ranks.master:
             kept = []
@@ -167,44 +169,17 @@ class Checkpointer:
             )
         if self.ranks.enabled:
             self.ranks.gather(None)  # every rank reads on once the damaged are moved aside
-        return tuple(chosen)
+        self.found = tuple(chosen)
+        return saved if saved is not None and mine == self.found else self._read(*self.found[:2])
 
-    def _resume_config(self, cfg, given):
-        if self.found is None:
-            raise CheckpointError(
-                f"no checkpoint at {os.path.join(self.out_dir, 'ckpt.pt')} to resume from; train "
-                f"with init_from='scratch' first"
-            )
-        fmt, path, _ = self.found
-        saved = read(path, mmap=True) if fmt == 'file' else checkpoint_dcp.read_values(path)
-        missing = [k for k in RESUME_KEYS if not isinstance(saved, dict) or k not in saved]
-        if missing:
-            raise CheckpointError(
-                f"cannot resume from {path}: it lacks {', '.join(map(repr, missing))}, which every "
-                f"checkpoint of train.py holds; restore a backup or train from scratch"
-            )
-        wrong = wrong_values(saved)
-        if wrong:
-            raise CheckpointError(
-                f"cannot resume from {path}: its {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} "
-                f"not what train.py writes; the file is damaged or not train.py's: restore a backup or "
-                f"train from scratch"
-            )
-        try:
-            cfg = train_config.resume_config(saved['config'], saved['model_args'], cfg, given)
-            self.iter_num, self.best_val_loss, self.wandb_id = (
-                saved['iter_num'],
-                saved['best_val_loss'],
-                saved.get('wandb_id'),
-            )
-        except (KeyError, TypeError) as e:
-            raise CheckpointError(
-                f"cannot resume from {path}: its config is not train.py's ({e}); restore a backup or train from scratch"
-            ) from None
-        except ValueError as e:  # keys of this command that cannot continue it (train_config.check_resume)
-            raise CheckpointError(e) from None
-        self.path, self.saved_iter = path, self.iter_num
-        return cfg
+    def _read(self, fmt, path):
+        """A checkpoint's saved values: ckpt.pt whole, into host memory (mapped for a GPU: the ranks of a node
+        share its pages; a CPU run reads it, or its optimizer state would stay the file's pages, holding the
+        replaced file's disk space after the next save); a step folder's values.pt, its index and shards
+        checked (its tensors come with load()); a CheckpointError when it cannot be read."""
+        if fmt == 'file':
+            return read(path, map_location='cpu', mmap=self.device_type != 'cpu')
+        return checkpoint_dcp.check_readable(path)
 
     def _replace(self, overwrite):
         """A new run saves over out_dir's checkpoints: losing a long run to a re-typed command must be asked for."""
@@ -220,21 +195,13 @@ class Checkpointer:
         if self.ranks.master:
             print(f"{path} holds {earlier}; this run's first save replaces it (overwrite=True)")
 
-    def model(self, cfg, given):
-        """A resume's model on the device, in the config's weight dtype (a step folder's weights come
-        with load(), once the model is sharded)."""
-        fmt, path, _ = self.found
-        back_end = checkpoint_file if fmt == 'file' else checkpoint_dcp
-        self.checkpoint, model = back_end.resume(path, self.device, cfg, given)
-        return model
-
     def load(self, objects, data):
         """A resume's state into the objects built since (model, optimizer, cycler, scaler) and into
         the data loader `data`; a collective. Then the state must be finite, and each rank's dropout
         continues (seeded afresh when the checkpoint was saved on another number of ranks)."""
-        if self.checkpoint is None:
+        if self.saved is None:
             return
-        checkpoint, (fmt, path, _), ranks = self.checkpoint, self.found, self.ranks
+        checkpoint, (fmt, path, _), ranks = self.saved, self.found, self.ranks
         model, optimizer, objects = objects['model'], objects['optimizer'], {**objects, 'data': data}
         try:
             if fmt == 'dcp':  # each rank reads its shards, whatever the ranks that wrote them
@@ -276,7 +243,7 @@ class Checkpointer:
                 f"resuming a {checkpoint.get('world_size', 1)}-rank checkpoint on {ranks.world_size} "
                 f"rank{'s' * (ranks.world_size > 1)}: same data position, not bitwise the run it would have been"
             )
-        self.checkpoint = None  # free memory
+        self.saved = None  # free memory
 
     def save(self, objects, values):
         """Save the checkpoint of values['iter_num'] in the run's format; a collective, on every rank.
@@ -347,29 +314,6 @@ def find(out_dir):
         return None
     it, _, fmt, path = max(found)
     return fmt, path, it
-
-
-def wrong_values(saved):
-    """The values of a checkpoint (RESUME_KEYS, and model_args' TransformerConfig fields) that are not of the
-    type train.py writes, as 'key=value': a hand-edited or foreign file, whose values would otherwise fail
-    later in a traceback (iter_num 'x' at the loop's first comparison) or in a misleading line."""
-    wrong = [
-        f'{k}={v!r}'[:80]
-        for k, kind in RESUME_KEYS.items()
-        if not of_type(v := saved[k], kind) or k == 'iter_num' and v < 0
-    ]
-    if isinstance(saved['model_args'], dict):
-        kinds = {
-            f.name: (int, float) if type(f.default) is float else type(f.default)
-            for f in dataclasses.fields(TransformerConfig)
-            if f.default is not None
-        }
-        wrong += [
-            f"model_args['{k}']={v!r}"[:80]
-            for k, v in saved['model_args'].items()
-            if k in kinds and not of_type(v, kinds[k])
-        ]
-    return wrong
 
 
 def of_type(value, kind):

@@ -45,7 +45,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException as _DCPException  # a BaseException
 
-import train_config
 from infra.checkpoint_file import CheckpointError, check_finite, gather_rng, read
 
 FAILURES = (Exception, _DCPException)
@@ -347,28 +346,6 @@ def remove_checkpoints(paths):
             os.remove(path)
 
 
-def resume(path, device, config, given=()):
-    """(values, model) to resume from the step folder `path`: the refusals of the `given` keys that
-    cannot continue it (train_config.check_resume), then the model of the saved model_args on
-    `device` in the weight dtype of the config, weights not yet loaded (load() fills them once the
-    model is sharded)."""
-    import builder
-    from model import TransformerConfig
-
-    values = read_values(path)
-    train_config.check_resume(values.get('config', {}), values.get('model_args', {}), config, given)
-    try:
-        model_args = {**values['model_args'], 'dropout': config['dropout']}
-        return values, builder.new_model(
-            TransformerConfig(**model_args), device, builder.weight_dtype(config['precision'])
-        )
-    except FAILURES as e:
-        raise CheckpointError(
-            f"cannot load checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-            f"it is corrupt or from another version: start from scratch or restore a backup"
-        ) from None
-
-
 def _failed(tmp, e):
     return f"cannot write {tmp} ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})"
 
@@ -505,11 +482,12 @@ def read_index(path):
 
 
 def check_readable(path):
-    """A CheckpointError naming what is wrong when the step folder cannot be resumed from: its values,
-    its index, or a shard the index points into that is missing or shorter than the index says (what a
-    copy cut short or a lost file leaves). Reads no tensor data."""
-    read_values(path)
+    """The step folder's values (read_values), or a CheckpointError naming what is wrong when it cannot be
+    resumed from: its values, its index, or a shard the index points into that is missing or shorter than the
+    index says (what a copy cut short or a lost file leaves). Reads no tensor data."""
+    values = read_values(path)
     check_shards(path, read_index(path))
+    return values
 
 
 def check_shards(path, index):

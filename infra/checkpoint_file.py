@@ -165,54 +165,6 @@ def remove_interrupted_write(path):
     return name
 
 
-def resume(path, device, config, given=()):
-    """(checkpoint, model) to resume from `path`, the model on `device` in the checkpoint's weight dtype;
-    a one-line ValueError when there is none, it does not load, or the `given` keys of the config
-    cannot continue it (train_config.check_resume).
-
-    The checkpoint is read into host memory, never onto `device`: the RNG states must stay CPU
-    tensors (torch.set_rng_state and torch.cuda.set_rng_state take nothing else), the optimizer
-    state goes where its parameters are when load_state loads it (torch's loading, and
-    optim.MasterWeights' for master_device='cpu', which keeps its masters in host memory), and no
-    rank holds the whole file on its GPU. So a file written on one device type resumes on any
-    other, through this same path. For a GPU the file is mapped (mmap: the ranks of a node share
-    its pages, and no rank reads it whole), since everything is copied out of it; a CPU run reads
-    it, as its optimizer state would stay the file's pages (torch's loading keeps a tensor that is
-    on the right device already), holding the replaced file's disk space after the next save."""
-    if not os.path.exists(path):
-        raise CheckpointError(f"no checkpoint at {path} to resume from; train with init_from='scratch' first")
-    checkpoint = read(path, map_location='cpu', mmap=torch.device(device).type != 'cpu')
-    import train_config  # here, not above: the data prepare scripts import this file for atomic_path alone
-
-    train_config.check_resume(checkpoint.get('config', {}), checkpoint.get('model_args', {}), config, given)
-    model = load_model(checkpoint, path, config)
-    from builder import weight_dtype
-
-    # cast where it was read, then moved once: a bf16 run never holds fp32 weights on the device
-    model.to(weight_dtype(config['precision'])).to(device)  # check_resume: the saved precision
-    if model.config.tie_embeddings:  # a move to a device of another kind (meta) gives each module its own
-        model.wte.weight = model.lm_head.weight
-    return checkpoint, model
-
-
-def load_model(checkpoint, path, config):
-    """The GPT saved in `checkpoint`, with the config's dropout; a one-line CheckpointError for a
-    checkpoint that does not load."""
-    from model import Transformer, TransformerConfig
-
-    try:
-        model_args = checkpoint['model_args']
-        model_args['dropout'] = config['dropout']
-        model = Transformer(TransformerConfig(**model_args))
-        model.load_state_dict(checkpoint['model'])
-    except Exception as e:
-        raise CheckpointError(
-            f"cannot load checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-            f"it is corrupt or from another version: start from scratch or restore a backup"
-        ) from None
-    return model
-
-
 def load_state(checkpoint, objects, fsdp=False):
     """Load each object's state from `checkpoint` (the model is loaded when it is built: not here).
     ValueError or KeyError when it does not fit. A scaler loads only when loss scaling is on and

@@ -189,7 +189,8 @@ def test_a_checkpoint_resumes_on_another_device_type(tmp_path, precision):
     rng = torch.get_rng_state()
     torch.manual_seed(123)  # another state, which the resume must replace
 
-    saved, resumed = checkpoint.resume(path, 'meta', cfg, set())
+    saved = checkpoint.read(path, mmap=True)  # as Checkpointer reads it for a GPU
+    resumed = builder.resumed_model(saved, cfg, 'meta', path)
     assert all(p.device.type == 'meta' and p.dtype == builder.weight_dtype(precision) for p in resumed.parameters())
     assert all(t.device.type == 'cpu' for t in torch.utils._pytree.tree_leaves(saved) if torch.is_tensor(t))
     resumed, opt, cyc = builder.build(cfg, 'meta', model=resumed)
@@ -222,9 +223,9 @@ def test_a_mapped_read_names_a_bad_file_as_a_plain_read_does(tmp_path):
 
 def test_the_resume_rules_are_one_rule_for_every_reader(tmp_path):
     """train_config.check_resume is the only place the rules are written: a config saved before the
-    precision key (amp then) resumes as amp and refuses a given --precision=bf16, and a back end's own
-    resume (checkpoint.resume, which the benchmarks call directly) refuses a given key that cannot
-    continue it in the same words as train.py; keys not given are the checkpoint's."""
+    precision key (amp then) resumes as amp and refuses a given --precision=bf16, and a checkpoint's values
+    (run_config, what train.py's Checkpointer hands them to) refuse a given key that cannot continue it;
+    keys not given are the checkpoint's, and the builder builds its model."""
     import train_config
 
     saved = {k: v for k, v in CFG.items() if k != 'precision'}
@@ -234,8 +235,10 @@ def test_the_resume_rules_are_one_rule_for_every_reader(tmp_path):
         train_config.resume_config(saved, model_args, {**CFG, 'precision': 'bf16'}, {'precision'})
     path = str(tmp_path / 'ckpt.pt')
     cpu_checkpoint_after_one_step(CFG, path)
+    saved, cfg = {**checkpoint.read(path), 'best_val_loss': 9.0}, {**CFG, 'n_layer': 3, 'init_from': 'resume'}
     with pytest.raises(
         ValueError, match=r"^n_layer=3 conflicts with the checkpoint's 2 \(the weights have that shape\)"
     ):
-        checkpoint.resume(path, 'cpu', {**CFG, 'n_layer': 3}, {'n_layer'})
-    assert checkpoint.resume(path, 'cpu', {**CFG, 'n_layer': 3}, set())[1].config.n_layer == 2
+        train_config.run_config(cfg, {'n_layer'}, saved, path)
+    cfg = train_config.run_config(cfg, set(), saved, path)
+    assert cfg['n_layer'] == builder.resumed_model(saved, cfg, 'cpu', path).config.n_layer == 2
