@@ -320,20 +320,32 @@ def _index_shards(index):
 
 def read_tensors(hf_dir):
     """Yield (HF name, tensor) of every tensor in the directory's weight files, one at a time; a file
-    that cannot be read (truncated, damaged, pickled objects) is an HFError naming it."""
+    that cannot be read (truncated, damaged, pickled objects), or a weight with a NaN or an inf (which
+    would train into a nan loss at iteration 0), is an HFError naming it."""
+
+    def finite(path, name, tensor):
+        if tensor.is_floating_point() and not _hf_buffer(name) and not bool(torch.isfinite(tensor).all()):
+            raise HFError(
+                f"{path}: tensor {name!r} holds {int((~torch.isfinite(tensor)).sum())} non-finite value(s) (NaN "
+                f"or inf), so training and generation would give nan; download the model again, or export it "
+                f"from a run that had not diverged"
+            )
+        return name, tensor
+
     for path, kind in _weight_files(hf_dir):
         if kind == 'safetensors':
             try:
                 with safe_open(path, framework='pt') as f:
                     for name in f.keys():
-                        yield name, f.get_tensor(name)
+                        yield finite(path, name, f.get_tensor(name))
             except SafetensorError as e:
                 raise HFError(
                     f"{path} cannot be read ({str(e).splitlines()[0][:200]}): it is truncated or "
                     f"damaged; download it again"
                 ) from None
         else:
-            yield from _torch_tensors(path)
+            for name, tensor in _torch_tensors(path):
+                yield finite(path, name, tensor)
 
 
 def _torch_tensors(path):
@@ -521,7 +533,11 @@ def write_model(model, folder, dtype=None, bos_token_id=None, eos_token_id=None,
         with open(os.path.join(folder, name), 'w') as f:
             json.dump(content, f, indent=2, sort_keys=True)
             f.write('\n')
-    return sorted(n for n in os.listdir(folder) if n.startswith('model') and n.endswith('.safetensors'))
+    weights = sorted(n for n in os.listdir(folder) if n.startswith('model') and n.endswith('.safetensors'))
+    mode = os.stat(os.path.join(folder, 'config.json')).st_mode & 0o777  # the umask's, as open() gave config.json
+    for name in weights:  # safetensors writes them 0600: an export others could not read
+        os.chmod(os.path.join(folder, name), mode)
+    return weights
 
 
 # -----------------------------------------------------------------------------

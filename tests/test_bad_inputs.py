@@ -558,3 +558,36 @@ def test_a_train_bin_that_is_a_device_or_a_pipe_is_one_line_saying_so(tmp_path, 
     result = run_script('train.py', [*TINY, f'--out_dir={out}', f'--dataset={data}', '--vocab_size=96'])
     assert_one_line_error(result, r'data/train\.bin is not a regular file \(a device, pipe or socket\)')
     assert not out.exists()
+
+
+@pytest.mark.parametrize('file_format', ['safetensors', 'bin'])
+def test_a_hugging_face_directory_with_a_nan_weight_is_one_line_naming_the_tensor(tmp_path, file_format):
+    """--init_from=<a Hugging Face directory with a NaN weight>: the file and the tensor named, before any
+    training (it was "train loss is nan at iteration 0; ... lower learning_rate", not the cause)."""
+    import torch
+
+    import hf
+    from model import Transformer, TransformerConfig
+
+    model = Transformer(TransformerConfig(n_layer=4, n_head=2, n_embd=32, block_size=32, vocab_size=96))
+    with torch.no_grad():
+        model.blocks[1].mlp.c_fc.weight[3, 5] = float('nan')
+        model.blocks[2].attn.c_proj.weight[0, :2] = float('inf')  # the first one found is named
+    hf_dir = tmp_path / 'hf'
+    hf.save(model, str(hf_dir))
+    name = 'model.safetensors'
+    if file_format == 'bin':  # the older format: the same tensors pickled (read with weights_only=True)
+        from safetensors.torch import load_file
+
+        name = 'pytorch_model.bin'
+        torch.save(load_file(hf_dir / 'model.safetensors'), hf_dir / name)
+        (hf_dir / 'model.safetensors').unlink()
+    out = tmp_path / 'out'
+    result = run_script('train.py', [*TINY, f'--init_from={hf_dir}', f'--out_dir={out}', '--max_iters=2'])
+    assert_one_line_error(
+        result,
+        rf"^error: {re.escape(str(hf_dir / name))}: tensor 'transformer\.h\.1\.mlp\.c_fc\.weight' holds 1 "
+        r"non-finite value\(s\) \(NaN or inf\), so training and generation would give nan; download the model "
+        r"again, or export it from a run that had not diverged$",
+    )
+    assert 'step 0' not in result.stdout and not out.exists()  # refused before any evaluation or save
