@@ -140,6 +140,22 @@ def test_export_gives_transformers_logits(tmp_path, args):
         assert (our_logits(other.eval(), idx) - ours).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize('umask', [0o022, 0o027])
+@pytest.mark.parametrize('max_shard_size', ['5GB', '20KB'])
+def test_every_exported_file_follows_the_umask(tmp_path, umask, max_shard_size):
+    """safetensors writes the weights 0600: an export on a shared disk others could not read. Each file, shards
+    and index included, gets the mode the umask gives config.json."""
+    model = Transformer(TransformerConfig(n_layer=2, n_head=4, n_embd=32, block_size=POSITIONS, vocab_size=VOCAB))
+    old = os.umask(umask)
+    try:
+        weights = hf.save(model, str(tmp_path / 'hf'), max_shard_size=max_shard_size)
+    finally:
+        os.umask(old)
+    assert (len(weights) > 1) == (max_shard_size == '20KB'), weights
+    modes = {name: oct(os.stat(tmp_path / 'hf' / name).st_mode & 0o777) for name in os.listdir(tmp_path / 'hf')}
+    assert set(weights) <= set(modes) and set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
 def test_old_checkpoints_keep_exact_gelu_and_their_tying():
     """model_args saved before the gelu and tie_embeddings fields existed build what they built then."""
     old = dict(
