@@ -62,11 +62,11 @@ def check_always(parts):
 
 @dataclass(frozen=True)
 class CyclerConfig:
-    """What a cycler does: train.py's `method` and `omgd_*` keys, without the prefix."""
+    """What a cycler does: train.py's `method` and `omgd_*` keys, without the prefix; their defaults are these."""
 
     method: str = 'lisa_wor'
-    gamma: int = 1  # block methods: active blocks per period
-    period: int = 1  # K: iterations between switches
+    gamma: int = 2  # block methods: active blocks per period
+    period: int = 25  # K: iterations between switches
     warmup: int = 0  # iterations of full training before the first switch
     ratio: float = 0.5  # tensor methods: 1/M of tensor_wor, the keep probability of tensor_iid
     state: str = 'drop'  # the optimizer state policy of frozen units (omgd.STATE_POLICIES)

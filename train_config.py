@@ -103,16 +103,17 @@ decay_lr = True  # False: constant learning_rate
 warmup_iters = 50  # linear warm-up iterations
 lr_decay_iters = 1000  # iterations of the cosine decay (then min_lr)
 min_lr = 2e-4  # the learning rate at the end of the decay
-# layer cycling (omgd.py); see the README's table of methods
-method = 'lisa_wor'  # a method of omgd.METHODS (the README's table of methods), galore or golore
-omgd_gamma = 2  # active middle blocks per period
-omgd_period = 25  # K: iterations between switches
-omgd_warmup = 0  # iterations of full training before cycling starts
-omgd_ratio = 0.5  # tensor_wor: 1/M, the share of each of the M groups; tensor_iid: each tensor's keep probability
-omgd_state = 'drop'  # optimizer state of frozen parameters: 'drop', 'offload' (to CPU) or 'keep'
-omgd_seed = 0  # seeds block selection (same on every rank), independent of the data order
+# layer cycling (omgd.py); see the README's table of methods. The cycler's defaults are omgd.CyclerConfig's
+_cycler = omgd.CyclerConfig
+method = _cycler.method  # a method of omgd.METHODS (the README's table of methods), galore or golore
+omgd_gamma = _cycler.gamma  # active middle blocks per period
+omgd_period = _cycler.period  # K: iterations between switches
+omgd_warmup = _cycler.warmup  # iterations of full training before cycling starts
+omgd_ratio = _cycler.ratio  # tensor_wor: 1/M, each of the M groups' share; tensor_iid: each tensor's keep probability
+omgd_state = _cycler.state  # optimizer state of frozen parameters: 'drop', 'offload' (to CPU) or 'keep'
+omgd_seed = _cycler.seed  # seeds block selection (same on every rank), independent of the data order
 omgd_scale_after_clip = True  # the paper's code clips the gradient norm first, then scales
-omgd_always = 'embed,pos,norm,head'  # parts trained at every step
+omgd_always = ','.join(_cycler.always)  # parts trained at every step
 # galore / golore (galore.py)
 galore_rank = 128  # rank of the gradient projection
 galore_update_proj_gap = 200  # iterations between projection refreshes

@@ -448,7 +448,7 @@ def test_active_gradients_are_scaled_by_NL_over_gamma():
         expected = g * 3.0 if id(p) in active else g  # outer parts are not scaled
         assert torch.equal(p.grad, expected)
     other = tiny_gpt()
-    noscale = omgd.build_cycler(other, torch.optim.SGD(other.parameters()), omgd.CyclerConfig('lisa_wor_noscale', 2))
+    noscale = omgd.build_cycler(other, torch.optim.SGD(other.parameters()), omgd.CyclerConfig('lisa_wor_noscale', 2, 1))
     noscale.step(0)
     assert noscale.scaling() == 1.0
 
@@ -557,7 +557,7 @@ def test_tensor_methods_accept_every_outer_part_of_the_model():
     model = Transformer(TransformerConfig(arch='llama', n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32))
     opt = torch.optim.AdamW(model.parameters())
     # no 'pos' in llama
-    cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig('tensor_iid', always=('embed', 'norm', 'head')))
+    cycler = omgd.build_cycler(model, opt, omgd.CyclerConfig('tensor_iid', period=1, always=('embed', 'norm', 'head')))
     assert len(cycler.units) == len(list(model.parameters()))
     with pytest.raises(ValueError, match='omgd_always must be embed,norm,head'):
         omgd.build_cycler(model, opt, omgd.CyclerConfig('tensor_iid', always=('embed', 'norm')))

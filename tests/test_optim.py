@@ -190,7 +190,7 @@ def test_cycler_policies_act_on_masters(policy):
     net = Net(torch.bfloat16)
     params = list(net.parameters())
     opt = MasterAdamW(param_groups(net, WD), lr=LR, betas=BETAS)
-    cycler = omgd.Cycler([[p] for p in params], opt, omgd.CyclerConfig('lisa_wor', gamma=1, state=policy))
+    cycler = omgd.Cycler([[p] for p in params], opt, omgd.CyclerConfig('lisa_wor', gamma=1, period=1, state=policy))
     steps = grads(3, torch.bfloat16)
     alone = Net(torch.bfloat16)  # parameter 0 trained on its own for the same steps
     alone_opt = MasterAdamW([list(alone.parameters())[0]], lr=LR, betas=BETAS, weight_decay=WD)
