@@ -3,18 +3,25 @@ How far pure bf16 and bf16_master drift from fp32 (`amp` on the CPU) on train.py
 paired train.py runs over seeds, the val loss difference at every evaluation with its 95% interval.
 
     python experiments/precision.py --seeds=200,201,202,203,204 --iters=2000 --out=results/precision_drift
-    python experiments/precision.py --check=True  # re-measure the committed reference figure (about 3 minutes)
+    python experiments/precision.py --check=True  # re-measure the committed reference (3-10 min on AVX-512)
 
 A seed s sets --seed, --data_seed and --omgd_seed, so the three precisions of one seed start from the same
 weights (bf16 rounds them), see the same batches and are evaluated on the same windows: their
 differences are paired (experiments/stats.py). Runs go to --runs_dir, one folder each, and resume.
 
 --check=True runs docs/precision.md's 300-iteration table (seed 1337, one thread) and compares its final val
-losses with results/precision_reference.json (--write_reference=True writes that file). On the same torch
-build, CPU training is deterministic, so the figures agree to the 4 digits printed. A difference beyond
---tolerance exits 1: the numbers moved, and the docs' table and drift figures need re-measuring.
+losses with results/precision_reference.json (--write_reference=True writes that file, with this machine's
+kernels). What it can promise depends on the kernels (results/precision_bisect.md):
+- the same kernels (torch build, CPU model, instruction sets, caches: `kernels()`), one thread: the runs are
+  bitwise repeatable, whatever else runs beside them, so every figure must agree within --tolerance;
+- other kernels: amp (fp32) still agrees to the 4 digits on every machine measured, but the bf16 rows moved by
+  up to 0.0091 between CPUs, so they are held only to --other_kernels_tolerance, and the check says so first.
+A difference beyond the tolerance exits 1: the numbers moved, and the docs' table and drift figures need
+re-measuring. On a CPU without oneDNN's bf16 kernels (no AVX-512) a bf16 iteration takes seconds, not
+milliseconds: the check says so before it starts.
 """
 
+import glob
 import json
 import os
 import sys
@@ -30,6 +37,8 @@ from configurator import above, at_least, command_line  # noqa: E402
 PRECISIONS = ('amp', 'bf16_master', 'bf16')
 REFERENCE = os.path.join(runner.ROOT, 'results', 'precision_reference.json')
 REFERENCE_ITERS = 300  # docs/precision.md's table
+THREADS = 1  # each reference run's; recorded with the reference
+BF16_FLAGS = {'avx512f', 'avx512bw', 'avx512_bf16', 'avx512_vnni', 'avx512_fp16', 'amx_bf16', 'amx_tile'}
 
 
 def run_args(precision, seed, iters, evals=10):
@@ -112,8 +121,70 @@ def markdown(analysis, command, wall_s):
     return '\n'.join(lines)
 
 
-def check(tolerance, write):
+def kernels():
+    """What the bf16 runs' rounding depends on here: the torch build, the instruction sets its kernels use
+    (oneDNN's bf16 matmuls, or ATen's where oneDNN has none), the CPU model and its caches (oneDNN's blocking,
+    hence the order of sums), and the one thread each run gets."""
+    import torch
+
+    info, flags = {}, set()
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                key, _, value = (part.strip() for part in line.partition(':'))
+                if key in ('cpu family', 'model', 'stepping') and key not in info:
+                    info[key] = value
+                elif key == 'flags' and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    caches = []
+    for index in sorted(glob.glob('/sys/devices/system/cpu/cpu0/cache/index*')):
+        try:
+            level, kind, size = (open(os.path.join(index, n)).read().strip() for n in ('level', 'type', 'size'))
+        except OSError:
+            continue
+        if kind != 'Instruction':
+            caches.append(f"L{level} {size}")
+    return {
+        'torch': torch.__version__,
+        'cpu_capability': torch.backends.cpu.get_cpu_capability(),
+        'onednn_bf16': torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+        'cpu': ' '.join(f"{k} {info[k]}" for k in ('cpu family', 'model', 'stepping') if k in info) or None,
+        'bf16_flags': sorted(flags & BF16_FLAGS),
+        'caches': ', '.join(caches) or None,
+        'threads': THREADS,
+    }
+
+
+def differences(reference, here):
+    """The kernel facts that differ between the reference's machine and this one, and those it did not record."""
+    differ = [f"{k} {reference[k]!r} there, {v!r} here" for k, v in here.items() if reference.get(k) not in (None, v)]
+    unknown = [k for k in here if reference.get(k) is None]
+    return differ, unknown
+
+
+def check(tolerance, other_tolerance, write):
     """Re-run the reference table; compare with (or write) results/precision_reference.json."""
+    here = kernels()
+    if not write:
+        with open(REFERENCE) as f:
+            reference = json.load(f)
+        differ, unknown = differences(reference.get('kernels', {}), here)
+        if differ or unknown:
+            said = '; '.join(differ + ([f"not recorded: {', '.join(unknown)}"] if unknown else []))
+            print(
+                f"warning: other kernels than the reference's ({said}): amp is held to {tolerance}, the bf16 rows "
+                f"only to {other_tolerance}, their spread between CPUs (results/precision_bisect.md); "
+                f"--write_reference=True at a commit you trust gives this machine's own",
+                file=sys.stderr,
+            )
+    if not here['onednn_bf16']:
+        print(
+            "warning: this CPU has no oneDNN bf16 kernels (no AVX-512): a bf16 iteration takes about 15 s here "
+            "(an AMD EPYC with AVX2 measured), so the two bf16 runs take hours",
+            file=sys.stderr,
+        )
     runs_dir = os.path.join(runner.ROOT, 'out', 'precision_reference')
     figures = {}
     for p in PRECISIONS:
@@ -129,6 +200,7 @@ def check(tolerance, write):
             ],
             out_dir,
             REFERENCE_ITERS,
+            threads=THREADS,
         )
         if 'error' in r:
             sys.exit(f"error: the {p} run failed ({r['error']}); its log is {out_dir}/train.log")
@@ -136,46 +208,43 @@ def check(tolerance, write):
             'val_loss_0': round(r['val_loss'][0], 4),
             f'val_loss_{REFERENCE_ITERS}': round(r['val_loss'][-1], 4),
         }
-    import torch
-
-    here = {
-        'torch': torch.__version__,
-        'machine': runner.machine(),
-        'cpu_capability': torch.backends.cpu.get_cpu_capability(),
-    }
     if write:
         with open(REFERENCE, 'w') as f:
             json.dump(
-                {**here, 'command': 'python experiments/precision.py --write_reference=True', 'figures': figures},
+                {
+                    'machine': runner.machine(),
+                    'kernels': here,
+                    'command': 'python experiments/precision.py --write_reference=True',
+                    'figures': figures,
+                },
                 f,
                 indent=1,
             )
         print(f"wrote {REFERENCE}")
         return 0
-    with open(REFERENCE) as f:
-        reference = json.load(f)
-    if (here['torch'], here['cpu_capability']) != (reference['torch'], reference['cpu_capability']):
-        print(
-            f"warning: the reference was measured with torch {reference['torch']} on {reference['cpu_capability']} "
-            f"kernels ({reference['machine']}), this is torch {here['torch']} on {here['cpu_capability']}: the bf16 "
-            f"figures differ by about 0.01 between CPUs (results/precision_bisect.md)",
-            file=sys.stderr,
-        )
+    return compare(figures, reference, here, tolerance, other_tolerance)
+
+
+def compare(figures, reference, here, tolerance, other_tolerance):
+    """Print each figure against the reference; 1 (with one `error:` line) when one moved beyond its tolerance:
+    `tolerance` for amp and for every row on the reference's kernels, `other_tolerance` for bf16 rows elsewhere."""
+    differ, unknown = differences(reference.get('kernels', {}), here)
     moved = []
     for p, now in figures.items():
+        allowed = other_tolerance if p != 'amp' and (differ or unknown) else tolerance
         for key, value in now.items():
             was = reference['figures'][p][key]
-            print(f"{p:12s} {key}: {value:.4f} (reference {was:.4f}, torch {reference['torch']})")
-            if abs(value - was) > tolerance:
+            print(f"{p:12s} {key}: {value:.4f} (reference {was:.4f}, within {allowed})")
+            if abs(value - was) > allowed + 1e-9:  # the figures are rounded to 4 digits
                 moved.append(f"{p} {key} {was:.4f} -> {value:.4f}")
     if moved:
         print(
-            f"error: the precision figures moved beyond {tolerance}: {'; '.join(moved)}; re-measure "
+            f"error: the precision figures moved beyond their tolerance: {'; '.join(moved)}; re-measure "
             f"docs/precision.md's table and experiments/precision.py's drift",
             file=sys.stderr,
         )
         return 1
-    print(f"the precision figures hold (within {tolerance})")
+    print("the precision figures hold" + (" (bf16 rows to the other kernels' tolerance)" if differ or unknown else ''))
     return 0
 
 
@@ -188,7 +257,8 @@ DEFAULTS = dict(
     out='',
     check=False,
     write_reference=False,
-    tolerance=0.002,
+    tolerance=0.0001,
+    other_kernels_tolerance=0.01,
 )
 MEANINGS = dict(
     seeds='comma-separated seeds',
@@ -197,15 +267,21 @@ MEANINGS = dict(
     out='write OUT.md and OUT.json (nothing is written without it)',
     check='re-measure the reference figure and compare',
     write_reference='re-measure and write the reference figure',
-    tolerance='check: largest accepted change of a val loss',
+    tolerance='check: largest accepted change of a val loss on the reference\'s kernels (and of amp anywhere)',
+    other_kernels_tolerance='check: the same for the bf16 rows on other kernels (their spread between CPUs)',
 )
-RULES = dict(iters=at_least(10, 'at least 10 (10 evaluations)'), jobs=at_least(1), tolerance=above(0))
+RULES = dict(
+    iters=at_least(10, 'at least 10 (10 evaluations)'),
+    jobs=at_least(1),
+    tolerance=above(0),
+    other_kernels_tolerance=above(0),
+)
 
 
 def main(argv=None):
     args = SimpleNamespace(**command_line(sys.argv[1:] if argv is None else argv, DEFAULTS, RULES, __doc__, MEANINGS))
     if args.check or args.write_reference:
-        return check(args.tolerance, args.write_reference)
+        return check(args.tolerance, args.other_kernels_tolerance, args.write_reference)
     try:
         seeds = [int(s) for s in args.seeds.split(',')]
     except ValueError:

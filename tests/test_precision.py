@@ -1,9 +1,11 @@
 """experiments/precision.py: its runs are train.py's keys, and its statistics pair the precisions by seed."""
 
+import json
 import os
 import sys
 
 import pytest
+import torch
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, 'experiments'))
@@ -49,3 +51,66 @@ def test_bad_arguments_are_one_line(capsys):
         with pytest.raises(SystemExit) as e:
             precision.main(argv)
         assert str(e.value.code).startswith(f"error: {message}"), e.value.code
+
+
+def test_bare_switches_are_the_documented_commands_form(capsys):
+    with pytest.raises(SystemExit) as e:
+        precision.main(['--check', '--tolerance=0'])  # a bare --check is read (as True), then the rule refuses
+    assert str(e.value.code) == 'error: tolerance must be > 0, got 0.0'
+
+
+def test_this_machines_kernels_are_recorded():
+    here = precision.kernels()
+    assert here['threads'] == precision.THREADS == 1 and here['torch'] == torch.__version__
+    assert isinstance(here['onednn_bf16'], bool) and set(here['bf16_flags']) <= precision.BF16_FLAGS
+    assert here['cpu_capability'] == torch.backends.cpu.get_cpu_capability()
+
+
+def reference_of(kernels, **figures):
+    return {'kernels': kernels, 'figures': {p: {'val_loss_300': v} for p, v in figures.items()}}
+
+
+FIGURES = dict(amp=2.4549, bf16_master=2.4526, bf16=2.4635)
+
+
+def test_on_the_references_kernels_every_figure_must_agree(capsys):
+    here = precision.kernels()
+    reference = reference_of(here, **FIGURES)
+    now = {p: {'val_loss_300': v} for p, v in FIGURES.items()}
+    assert precision.compare(now, reference, here, 0.0001, 0.01) == 0
+    now['bf16_master'] = {'val_loss_300': 2.4527}  # one unit of the 4th digit
+    assert precision.compare(now, reference, here, 0.0001, 0.01) == 0
+    now['bf16_master'] = {'val_loss_300': 2.4555}  # issue #51's figure: beyond the same kernels' tolerance
+    assert precision.compare(now, reference, here, 0.0001, 0.01) == 1
+    assert 'error: the precision figures moved beyond their tolerance: bf16_master val_loss_300 2.4526 -> 2.4555' in (
+        capsys.readouterr().err
+    )
+
+
+def test_on_other_kernels_the_bf16_rows_get_their_spread_between_cpus_and_amp_does_not(capsys):
+    here = precision.kernels()
+    other = {**here, 'cpu': 'cpu family 26 model 2 stepping 0'}
+    assert precision.differences(other, here) == (
+        [f"cpu 'cpu family 26 model 2 stepping 0' there, {here['cpu']!r} here"],
+        [],
+    )
+    reference = reference_of(other, **FIGURES)
+    issue = {'amp': 2.4549, 'bf16_master': 2.4555, 'bf16': 2.4626}  # issue #51's machine
+    now = {p: {'val_loss_300': v} for p, v in issue.items()}
+    assert precision.compare(now, reference, here, 0.0001, 0.01) == 0
+    assert 'bf16 rows to the other kernels' in capsys.readouterr().out
+    for moved in ({**issue, 'amp': 2.4552}, {**issue, 'bf16': 2.4740}):
+        now = {p: {'val_loss_300': v} for p, v in moved.items()}
+        assert precision.compare(now, reference, here, 0.0001, 0.01) == 1
+
+
+def test_the_committed_reference_holds_the_issues_figures_with_a_warning():
+    """results/precision_reference.json predates the kernels' record: only its torch and capability are known,
+    so on any machine its bf16 rows are held to the other kernels' tolerance."""
+    reference = json.load(open(precision.REFERENCE))
+    here = precision.kernels()
+    differ, unknown = precision.differences(reference['kernels'], here)
+    assert {'cpu', 'caches', 'bf16_flags', 'onednn_bf16'} <= set(unknown)
+    issue = {'amp': 2.4549, 'bf16_master': 2.4555, 'bf16': 2.4626}
+    now = {p: {'val_loss_300': v} for p, v in issue.items()}
+    assert precision.compare(now, reference, here, 0.0001, 0.01) == 0
