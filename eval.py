@@ -23,8 +23,10 @@ The multiple-choice scoring lives in infra/multiple_choice.py, which train.py's 
 import json
 import math
 import os
+import socket
 import sys
 import tempfile
+import urllib.parse
 from contextlib import nullcontext
 
 import torch
@@ -299,6 +301,19 @@ def import_lm_eval():
     return lm_eval, HFLM, TaskManager
 
 
+def hub_or_cache():
+    """Have lm-eval's tasks read their data from the Hugging Face cache alone (HF_HUB_OFFLINE) when the Hub
+    does not answer, instead of a minute of retries; set before datasets and huggingface_hub are imported,
+    which read it once."""
+    if os.environ.get('HF_HUB_OFFLINE') or os.environ.get('HF_DATASETS_OFFLINE'):
+        return
+    url = urllib.parse.urlsplit(os.environ.get('HF_ENDPOINT') or 'https://huggingface.co')
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == 'https' else 80)), timeout=5).close()
+    except OSError:  # no network, no name resolution, a firewall
+        os.environ['HF_HUB_OFFLINE'] = os.environ['HF_DATASETS_OFFLINE'] = '1'
+
+
 def run_lm_eval(hf_dir, examples, tasks, include, device, batch_size, dtype):
     """{task: {metric: value}} of lm-evaluation-harness's simple_evaluate on the Hugging Face directory:
     the mc examples as task local_mc (when given) and the named tasks."""
@@ -319,9 +334,16 @@ def run_lm_eval(hf_dir, examples, tasks, include, device, batch_size, dtype):
                 f"define it in a YAML file of --lm_eval_include"
             )
         lm = HFLM(pretrained=hf_dir, device=device, batch_size=batch_size, dtype=dtype)
-        results = lm_eval.simple_evaluate(
-            model=lm, tasks=names, task_manager=task_manager, num_fewshot=0, log_samples=False, verbosity='ERROR'
-        )
+        try:
+            results = lm_eval.simple_evaluate(
+                model=lm, tasks=names, task_manager=task_manager, num_fewshot=0, log_samples=False, verbosity='ERROR'
+            )
+        except ConnectionError as e:  # the Hub unreachable (or HF_HUB_OFFLINE) and the task data not cached
+            raise EvalError(
+                f"lm_eval_tasks={','.join(tasks)}: the task data is not in the Hugging Face cache and the Hub "
+                f"cannot be reached ({str(e).splitlines()[0][:200]}); download it first: run this command once "
+                f"where the Hub can be reached (it fills the cache, HF_HOME), then it runs offline"
+            ) from None
     return {
         task: {
             k.split(',')[0]: v
@@ -372,6 +394,8 @@ def evaluate(cfg, log=print):
     if lm_eval and not examples and not tasks:
         raise EvalError("lm_eval=True has nothing to run: give --mc_path or --lm_eval_tasks")
     if lm_eval:
+        if tasks:
+            hub_or_cache()
         import_lm_eval()
         check_exportable(cfg['hf_dir'], train_cfg.get('dataset'), cfg['out_dir'])
         check_same_tokens(cfg['hf_dir'], dataset, examples)

@@ -523,3 +523,47 @@ def test_lm_eval_on_a_character_level_model(run, tmp_path):
         run_script('eval.py', [f'--hf_dir={tmp_path / "hf"}', f'--dataset={other}', *mc]),
         r"the tokenizer of .* encodes the mc texts differently from dataset .*'s",
     )
+
+
+@needs_lm_eval
+def test_lm_eval_tasks_without_the_hub_or_their_data_is_one_line_at_once(hf_gpt2, tmp_path):
+    """--lm_eval_tasks=arc_easy where the Hub does not answer and its data is not cached: one `error:` line saying
+    to download it first, without the minute of retries (and 40 lines of traceback) it took. The Hub is a closed
+    local port and the cache an empty folder, so this holds online and offline alike. A process of its own:
+    datasets and huggingface_hub read HF_HUB_OFFLINE once, when imported (this process may hold them)."""
+    import subprocess
+
+    directory, _ = hf_gpt2
+    env = {**os.environ, 'HF_ENDPOINT': 'http://127.0.0.1:1', 'HF_HOME': str(tmp_path / 'hf_home')}
+    for key in ('HF_HUB_OFFLINE', 'HF_DATASETS_OFFLINE', 'TRANSFORMERS_OFFLINE', 'HF_DATASETS_CACHE', 'HF_HUB_CACHE'):
+        env.pop(key, None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    argv = [f'--hf_dir={directory}', '--lm_eval=True', '--lm_eval_tasks=arc_easy', '--device=cpu']
+    result = subprocess.run([sys.executable, 'eval.py', *argv], cwd=root, env=env, capture_output=True, text=True)
+    assert result.returncode == 1 and 'Traceback' not in result.stderr and 'Retrying' not in result.stderr, (
+        result.stderr[-3000:]
+    )
+    assert re.fullmatch(
+        r"error: lm_eval_tasks=arc_easy: the task data is not in the Hugging Face cache and the Hub cannot be "
+        r"reached \(.*allenai/ai2_arc.*\); download it first: run this command once where the Hub can be reached "
+        r"\(it fills the cache, HF_HOME\), then it runs offline",
+        result.stderr.strip().splitlines()[-1],
+    ), result.stderr[-3000:]
+
+
+def test_the_cache_alone_is_used_only_when_the_hub_does_not_answer(monkeypatch):
+    import socket
+
+    import eval as eval_py
+
+    for key in ('HF_HUB_OFFLINE', 'HF_DATASETS_OFFLINE'):
+        monkeypatch.delenv(key, raising=False)
+    with socket.socket() as hub:  # a port that answers
+        hub.bind(('127.0.0.1', 0))
+        hub.listen()
+        monkeypatch.setenv('HF_ENDPOINT', f'http://127.0.0.1:{hub.getsockname()[1]}')
+        eval_py.hub_or_cache()
+        assert 'HF_HUB_OFFLINE' not in os.environ
+    monkeypatch.setenv('HF_ENDPOINT', 'http://127.0.0.1:1')  # a port that does not
+    eval_py.hub_or_cache()
+    assert os.environ['HF_HUB_OFFLINE'] == os.environ['HF_DATASETS_OFFLINE'] == '1'
