@@ -181,8 +181,8 @@ def check(tolerance, other_tolerance, write):
             )
     if not here['onednn_bf16']:
         print(
-            "warning: this CPU has no oneDNN bf16 kernels (no AVX-512): a bf16 iteration takes about 15 s here "
-            "(an AMD EPYC with AVX2 measured), so the two bf16 runs take hours",
+            "warning: this CPU has no oneDNN bf16 kernels (no AVX-512): a bf16 iteration took 13-16 s on a 2-core "
+            "AVX2 EPYC, so the two bf16 runs may take hours",
             file=sys.stderr,
         )
     runs_dir = os.path.join(runner.ROOT, 'out', 'precision_reference')
