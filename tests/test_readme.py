@@ -1,4 +1,5 @@
-"""The README's code map names files that exist, and its "where to look" names what the code defines."""
+"""The README's code map names files that exist, and its "where to look" names what the code defines; the commands
+the README and docs/ show parse, run (after training) as written and give the figures they document."""
 
 import importlib
 import os
