@@ -1,16 +1,13 @@
 """
-nanoGPT's configurator, made strict. Usage from a script with module-level defaults:
+nanoGPT's configurator, made strict; every script's command line goes through it:
 
     $ python train.py config/shakespeare_lisa_wor.py --batch_size=32 --compile=False
 
-Arguments without '--' are Python config files executed in order; '--key=value' overrides
-follow (a bare --key sets a boolean key to True). Unlike nanoGPT's exec-into-globals, every key
-must already exist as a default (a typo fails with the closest valid names, in a config file with
-its file and line), values keep the default's type (an int is a valid float, booleans read
-True/False/true/false/1/0; an int fits in 64 bits, a float is finite),
-each value can follow a rule (a range or a set of choices: at_least, above, between, one_of), and
-the resolved config is returned as a plain dict, which train.py also stores in its checkpoints.
-Every script's keys go through here, so a bad value is the same one-line error everywhere.
+Arguments without '--' are Python config files executed in order, then '--key=value' overrides (a bare
+--key sets a boolean to True). Every key must exist as a default (a typo names the closest keys, and the
+config file and line), a value keeps its default's type (an int is a valid float; booleans read
+True/False/true/false/1/0; ints fit in 64 bits, floats are finite) and may follow a rule (at_least, above,
+between, one_of). The result is a plain dict, which train.py also stores in its checkpoints.
 """
 
 import ast
@@ -19,7 +16,7 @@ import math
 import sys
 import traceback
 
-INT64 = (-(2**63), 2**63 - 1)  # the range of every int value
+INT64 = (-(2**63), 2**63 - 1)  # torch's integers (seeds, sizes); beyond them it fails in its own words
 
 
 class ConfigError(ValueError):
@@ -33,8 +30,7 @@ def _unknown_key(key, defaults):
 
 
 def coerce(key, value, default):
-    """Return `value` converted to the type of `default` (a bool, int, float or str: callers keep
-    only such defaults), or raise a one-line ConfigError."""
+    """`value` as the type of `default` (bool, int, float or str), or a one-line ConfigError."""
     want = type(default)
     if isinstance(value, str) and want is not str:
         text = value.strip()
@@ -44,31 +40,26 @@ def coerce(key, value, default):
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
             raise ConfigError(f"{key}={value!r} is not a valid {want.__name__}") from None
-    if want is bool:
-        if isinstance(value, bool) or value in (0, 1):
-            return bool(value)
-    elif want is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                number = float(value)
-            except OverflowError:  # an int beyond float's range
-                number = math.inf
-            if not math.isfinite(number):  # 1e400 reads as inf: no setting wants it, torch would fail far later
-                raise ConfigError(f"{key}={value!r} is not a finite number; give one such as {default!r}")
-            return number
-    elif want is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            if (
-                not INT64[0] <= value <= INT64[1]
-            ):  # torch takes 64-bit integers (seeds, sizes) and fails in its own words
-                raise ConfigError(
-                    f"{key}={value} does not fit in 64 bits (torch's integers, "
-                    f"-2**63 .. 2**63-1); give a {key} in that range"
-                )
-            return value
-    elif want is str:
-        if isinstance(value, str):
-            return value
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if want is bool and (isinstance(value, bool) or value in (0, 1)):
+        return bool(value)
+    if want is str and isinstance(value, str):
+        return value
+    if want is float and numeric:
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond float's range
+            number = math.inf
+        if not math.isfinite(number):  # 1e400 reads as inf: torch would fail far later
+            raise ConfigError(f"{key}={value!r} is not a finite number; give one such as {default!r}")
+        return number
+    if want is int and numeric and isinstance(value, int):
+        if not INT64[0] <= value <= INT64[1]:
+            raise ConfigError(
+                f"{key}={value} does not fit in 64 bits (torch's integers, -2**63 .. 2**63-1); "
+                f"give a {key} in that range"
+            )
+        return value
     raise ConfigError(
         f"{key}={value!r} has type {type(value).__name__}, expected {want.__name__} (default {default!r})"
     )
@@ -88,14 +79,12 @@ def load_config_file(path):
         exec(compile(source, path, 'exec'), namespace)
     except SystemExit:
         raise ConfigError(f"config file {path!r} calls exit(); a config file only assigns keys") from None
-    except Exception as e:
-        # a mistake inside the file (SyntaxError, NameError, ...): one line naming the file and line
-        line = (
-            e.lineno
-            if isinstance(e, SyntaxError)
-            else next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), '?')
-        )
-        message = e.msg if isinstance(e, SyntaxError) else (str(e).splitlines() or [''])[0]
+    except Exception as e:  # a mistake inside the file: one line naming the file and line
+        if isinstance(e, SyntaxError):
+            line, message = e.lineno, e.msg
+        else:
+            frames = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
+            line, message = (frames or ['?'])[-1], (str(e).splitlines() or [''])[0]
         raise ConfigError(f"config file {path!r}, line {line}: {type(e).__name__}: {message}") from None
     return {
         k: v for k, v in namespace.items() if not k.startswith('_') and not callable(v) and type(v).__name__ != 'module'
@@ -123,15 +112,11 @@ def between(low, high, closed=False):
 
 
 def one_of(*choices, label=None, described=None):
-    """label: say "unknown <label> 'x'; choose one of a, b, c" (long lists) instead of "must be 'a' or 'b'";
-    described: the requirement in words."""
-    if label:
-        return (lambda v: v in choices), ('choices', label, choices)
-    if described:
-        return (lambda v: v in choices), described
-    return (lambda v: v in choices), ' or '.join(map(repr, choices)) if len(
-        choices
-    ) < 3 else f"one of {', '.join(map(repr, choices))}"
+    """label: the error reads "unknown <label> 'x'; choose one of a, b, c" (long lists); described: the
+    requirement in words."""
+    listed = ' or '.join(map(repr, choices)) if len(choices) < 3 else f"one of {', '.join(map(repr, choices))}"
+    requirement = (label, choices) if label else described or listed
+    return (lambda v: v in choices), requirement
 
 
 def check_rule(key, value, rule):
@@ -139,7 +124,7 @@ def check_rule(key, value, rule):
     if test(value):
         return
     if isinstance(requirement, tuple):  # one_of with a label
-        _, label, choices = requirement
+        label, choices = requirement
         raise ConfigError(f"unknown {label} {value!r}; choose one of {', '.join(choices)}")
     raise ConfigError(f"{key} must be {requirement}, got {value!r}")
 
@@ -154,9 +139,8 @@ def help_text(defaults, meanings=None):
 
 
 def command_line(argv, defaults, rules=None, usage='', meanings=None):
-    """Every script's command line, the one way: config files and --key=value over `defaults`, each
-    value typed and checked (configure). --help or -h prints `usage` and every key (help_text), then
-    exits 0; a bad argument exits 1 with one `error:` line."""
+    """Every script's command line: configure(), or --help/-h prints `usage` and every key and exits 0;
+    a bad argument exits 1 with one `error:` line."""
     if wants_help(argv):
         print(f"{usage.strip()}\n\nkeys (default, meaning):\n{help_text(defaults, meanings)}")
         sys.exit(0)
@@ -167,10 +151,9 @@ def command_line(argv, defaults, rules=None, usage='', meanings=None):
 
 
 def configure(defaults, argv, rules=None, given=None):
-    """Apply config files and --key=value overrides in argv to `defaults`, check every value
-    against its rule in `rules` (key -> rule), and return the result. A bare --key sets a boolean
-    key to True. given: a set that receives the keys argv sets (a resume tells an override from a
-    default by it)."""
+    """`defaults` updated by the config files and --key=value overrides of argv, each value checked by its
+    rule in `rules` (key -> rule). given: a set that receives the keys argv sets (a resume tells an override
+    from a default by it)."""
     config = dict(defaults)
     set_in = {}  # key -> the config file that set it last: its errors name the file and line
     for arg in argv:
@@ -215,18 +198,13 @@ def _in_file(error, path, key):
     try:
         with open(path, encoding='utf-8') as f:
             tree = ast.parse(f.read(), path)
-        lines = [
-            node.lineno
-            for node in ast.walk(tree)
-            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
-            and any(
-                isinstance(t, ast.Name) and t.id == key
-                for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
-                for t in ast.walk(target)
-            )
-        ]
     except (OSError, SyntaxError, ValueError):  # the file changed since it ran: the file alone is named
-        pass
+        tree = None
+    for node in ast.walk(tree) if tree else ():
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == key for target in targets for t in ast.walk(target)):
+                lines.append(node.lineno)
     where = f", line {max(lines)}" if lines else ''  # none: set by a file it executes, or by exec
     return ConfigError(f"config file {path!r}{where}: {error}")
 
