@@ -1,22 +1,11 @@
 """
-GPT-2 and LLaMA language models in one file, in the spirit of nanoGPT.
+GPT-2 and LLaMA language models in one file, in the spirit of nanoGPT
+(https://github.com/karpathy/nanoGPT/blob/master/model.py).
 
-The two architectures differ in their parts, chosen per architecture in Block and Transformer:
-GPT-2: learned position embeddings, fused q/k/v attention (GPT2Attention), GELU MLP, LayerNorm,
-       head tied to the token embedding (config.tie_embeddings' default);
-LLaMA: rotary positions (Rotary), grouped-query attention (LlamaAttention), SwiGLU, RMSNorm,
-       no biases, a separate head by default.
-The layout is what layer cycling (OMGD / LISA-wor) relies on: the transformer
-blocks live in `model.blocks` so a sampler can freeze/unfreeze them by index,
-and everything outside the blocks is reachable through `model.outer_modules()`.
-The memory options (activation checkpointing, offload, chunked loss) are applied from outside
-by memory_options.apply; optimizers are built in optim.py. generate() keeps the keys and values of past
-positions in a KVCache, so each step runs the model on the new token only.
-
-References:
-1) nanoGPT: https://github.com/karpathy/nanoGPT/blob/master/model.py
-2) LLaMA (RMSNorm, SwiGLU, rotary embeddings, grouped-query attention)
-3) GaLore's LLaMA pre-training configs (sizes in PRESETS below)
+GPT-2: learned positions, fused q/k/v, GELU MLP, LayerNorm, head tied to the token embedding.
+LLaMA: rotary positions, grouped-query attention, SwiGLU, RMSNorm, no biases, a separate head.
+Layer cycling relies on the layout: the blocks are `model.blocks` (frozen by index), everything
+else is `model.outer_modules()`. Memory options are applied from outside (infra/memory_options.py).
 """
 
 import math
@@ -29,15 +18,13 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 # -----------------------------------------------------------------------------
-# the linear layer of every matrix: nn.Linear that keeps no low-precision copy of a frozen weight
-# under autocast (what makes a frozen block cheap in memory under amp)
+# the linear layer of every matrix: under autocast it keeps no low-precision copy of a frozen weight
 
 
 class FrozenLinear(torch.autograd.Function):
-    """F.linear of a frozen weight (and bias) under autocast. The input gradient needs only the
-    weight; autograd's own linear saves the low-precision copy autocast made of it, a weight-sized
-    tensor per matrix kept until the backward (13.5 MiB per GPT-2 block in bf16). This saves the
-    parameter itself and casts it again in the backward."""
+    """F.linear of a frozen weight (and bias) under autocast. Autograd's own linear saves autocast's
+    low-precision copy of the weight until the backward (13.5 MiB per GPT-2 block in bf16); this saves
+    the parameter itself and casts it again in the backward."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, dtype):
@@ -59,9 +46,8 @@ EMULATED_AUTOCAST = {}
 
 @contextmanager
 def emulated_autocast(device_types, dtype):
-    """While it is on, Linear and the loss take the paths of an autocast in `dtype` on `device_types`, which
-    is emulated, not run: memory_estimate.MetaAsCuda emulates CUDA's autocast on the meta device (which has
-    none of its own), so the estimate counts what a CUDA run allocates (FrozenLinear, LinearCrossEntropy)."""
+    """Linear and the loss take the paths of an autocast in `dtype` on `device_types` without running one:
+    memory_estimate.MetaAsCuda emulates CUDA's autocast on the meta device, which has none."""
     saved = dict(EMULATED_AUTOCAST)  # put back on exit (the emulations nest)
     EMULATED_AUTOCAST.update(dict.fromkeys(device_types, dtype))
     try:
@@ -71,16 +57,14 @@ def emulated_autocast(device_types, dtype):
         EMULATED_AUTOCAST.update(saved)
 
 
-# the device types autocast exists for: a fixed fact, read once here, because the dynamo of torch 2.11
-# and older cannot trace torch.amp.is_autocast_available in a compiled block (a graph break), and
-# torch.compiler.assume_constant_result would import dynamo (about a second) in every process
+# read once here: torch <= 2.11's dynamo cannot trace torch.amp.is_autocast_available (a graph break)
 AUTOCAST_DEVICE_TYPES = frozenset(
     t for t in ('cpu', 'cuda', 'xpu', 'mps', 'hpu', 'mtia') if torch.amp.is_autocast_available(t)
 )
 
 
 def autocast_dtype(device_type):
-    """The dtype autocast casts matmuls to on `device_type` now (or emulates: EMULATED_AUTOCAST), or None."""
+    """The dtype autocast (or its emulation) casts matmuls to on `device_type` now, or None."""
     if device_type in EMULATED_AUTOCAST:
         return EMULATED_AUTOCAST[device_type]
     if device_type in AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type):
@@ -89,8 +73,7 @@ def autocast_dtype(device_type):
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state_dict) that routes a frozen layer under autocast through
-    FrozenLinear."""
+    """nn.Linear (same parameters and state_dict); a frozen layer under autocast runs FrozenLinear."""
 
     def forward(self, x):
         if (
@@ -105,15 +88,12 @@ class Linear(nn.Linear):
 
 
 # -----------------------------------------------------------------------------
-# the loss of low-precision logits (bf16 autocast, bf16 weights): the head and cross-entropy in one
-# autograd function that keeps the logits as they are. F.cross_entropy(logits.float()) keeps fp32
-# log-probabilities (twice the logits' bytes) and takes about six passes over the (tokens x vocab)
-# logits in eager mode: 17% of GPT-2 124M's iteration on an H200 (results/gpu_validation_NVIDIA_H200.md).
+# the loss of low-precision logits: head and cross-entropy in one autograd function that keeps the logits
+# as they are (F.cross_entropy(logits.float()) keeps fp32 log-probabilities, twice the logits' bytes)
 
 
 def cross_entropy_sum(logits, targets):
-    """The summed cross-entropy of (N, V) logits against targets (-1: ignored), in fp32 math, and each
-    row's log-sum-exp (what the backward needs besides the logits)."""
+    """The summed fp32 cross-entropy of (N, V) logits against targets (-1: ignored), and each row's log-sum-exp."""
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
@@ -121,8 +101,7 @@ def cross_entropy_sum(logits, targets):
 
 
 def cross_entropy_grad(logits, lse, targets, scale):
-    """scale x d(summed cross-entropy)/d(logits) = scale x (softmax - one_hot(target)), 0 on ignored rows,
-    in the logits' dtype; fp32 until the one rounding."""
+    """scale x (softmax - one_hot(target)), 0 on ignored rows: fp32, rounded once to the logits' dtype."""
     grad = logits.float().sub_(lse.unsqueeze(1)).exp_()
     valid = (targets != -1).unsqueeze(1)
     grad.scatter_add_(1, targets.clamp(min=0).unsqueeze(1), -valid.float())
@@ -134,8 +113,7 @@ class LossKernels(NamedTuple):
     backward: Callable  # cross_entropy_grad
 
 
-# eager mode runs the two over this many rows at a time: their fp32 temporaries are then (rows x vocab), not
-# (tokens x vocab) (GPT-2 at 12 x 1024 tokens: 0.2 GiB each, not 2.3); compiled, each is one fused pass
+# eager mode runs the two this many rows at a time, so their fp32 temporaries are (rows x vocab), not (tokens x vocab)
 EAGER_ROWS = 1024
 
 
@@ -156,10 +134,9 @@ EAGER_LOSS_KERNELS = LossKernels(_eager_cross_entropy_sum, _eager_cross_entropy_
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=-1) with the matmuls in `dtype`,
-    as autocast runs them. Keeps the logits in `dtype` and one fp32 log-sum-exp per token (autograd's
-    own keeps fp32 log-probabilities), x in `dtype`, and the weight itself (cast again in the backward,
-    as FrozenLinear does). kernels: the two elementwise passes, eager or compiled (Transformer.compile_loss)."""
+    """F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=-1) with the matmuls in `dtype`.
+    Saves x and the logits in `dtype`, one fp32 log-sum-exp per token and the weight itself (cast again in
+    the backward). kernels: LossKernels, eager or compiled (Transformer.compile_loss)."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, dtype, kernels):
@@ -188,8 +165,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 @dataclass
 class TransformerConfig:
-    # Plain types only: the config is stored as dataclasses.asdict() inside
-    # checkpoints that are read back with torch.load(weights_only=True).
+    # plain types only: checkpoints store dataclasses.asdict() of it, read with torch.load(weights_only=True)
     arch: str = 'gpt2'  # 'gpt2' or 'llama'
     block_size: int = 1024
     vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64 for speed
@@ -202,9 +178,7 @@ class TransformerConfig:
     bias: bool = True  # gpt2 only: biases in Linears and LayerNorms
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    # gpt2's MLP: 'exact' (erf) GELU, nanoGPT's and every scratch run's; 'tanh', the approximation
-    # GPT-2's own weights were trained with (hf.py sets it for imported GPT-2 checkpoints)
-    gelu: str = 'exact'
+    gelu: str = 'exact'  # gpt2's GELU: 'exact' (erf, nanoGPT's) or 'tanh' (GPT-2's own weights; set by hf.py)
     tie_embeddings: bool | None = None  # head = token embedding; None -> True for gpt2, False for llama
 
     def __post_init__(self):
@@ -231,13 +205,10 @@ class TransformerConfig:
                 self.mlp_hidden = 256 * math.ceil(int(2 * 4 * self.n_embd / 3) / 256)
 
 
-# LLaMA sizes follow GaLore's pre-training configs. GaLore trained all of them
-# with a sequence length of 256, so that is the default here, 7b included;
-# override with config_from_preset('llama-7b', block_size=2048) for longer contexts.
-# the config fields that give the weights their shapes (train.py's keys of the same names), and what a preset
-# sets: those, the vocabulary and the architecture's constants
+# the config fields that give the weights their shapes (train.py's keys of the same names), and what a preset sets
 SHAPE_KEYS = ('arch', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'bias')
 PRESET_KEYS = (*SHAPE_KEYS, 'vocab_size', 'norm_eps', 'rope_theta')
+# LLaMA sizes are GaLore's pre-training configs, with its sequence length of 256 (7b included)
 _LLAMA = dict(arch='llama', vocab_size=32000, block_size=256, bias=False, norm_eps=1e-6)
 _GPT2 = dict(arch='gpt2', vocab_size=50257, block_size=1024, bias=True)
 PRESETS: dict[str, dict] = {
@@ -257,7 +228,7 @@ ARCHS = ('gpt2', 'llama')
 
 
 def check_arch(arch):
-    """The one check of the arch key (train.py's config checks it too, before anything is built)."""
+    """The one check of the arch key (train_config.py checks it before anything is built)."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be {' or '.join(map(repr, ARCHS))}, got {arch!r}")
 
@@ -274,9 +245,8 @@ def config_from_preset(name: str, **overrides) -> TransformerConfig:
 
 
 def causal_attention(q, k, v, dropout):
-    """Causal scaled dot-product attention of (B, heads, T, head_dim) queries, keys and values, the
-    heads concatenated back to (B, T, C). Keys and values may have fewer heads (grouped-query).
-    With a KV cache the keys and values hold S >= T positions, the queries the last T of them."""
+    """Causal attention of (B, heads, T, head_dim) queries to (B, T, C); keys and values may have fewer heads
+    (grouped-query) and, with a KV cache, S >= T positions, the queries being the last T."""
     # only ask for GQA when needed, so plain MHA keeps every SDPA backend available
     gqa = {'enable_gqa': True} if k.size(1) != q.size(1) else {}
     T, S = q.size(2), k.size(2)
@@ -322,9 +292,8 @@ def apply_rotary(x, cos, sin):
 
 
 class Rotary(nn.Module):
-    """LLaMA's rotary position embedding: the cos and sin of every position's angles, (block_size,
-    head_dim) tables that LlamaAttention applies to queries and keys. Derived data: non-persistent
-    buffers, outside the state_dict, computed on the device of the buffers (meta stays meta)."""
+    """LLaMA's rotary position embedding: (block_size, head_dim) cos and sin tables, non-persistent
+    buffers (outside the state_dict) computed on their own device (meta stays meta)."""
 
     def __init__(self, config):
         super().__init__()
@@ -415,8 +384,8 @@ def make_norm(config):
 
 
 class Block(nn.Module):
-    """A pre-norm residual block, x + attention(norm(x)) then x + mlp(norm(x)), with the parts of
-    config.arch. The two halves are methods of their own (infra/memory_options.py can recompute them apart)."""
+    """A pre-norm residual block with the parts of config.arch; its two halves are methods of their own
+    (infra/memory_options.py recomputes them apart, generation calls them with a cache)."""
 
     def __init__(self, config):
         super().__init__()
@@ -427,8 +396,7 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config) if llama else MLP(config)
 
     def forward(self, x, rope=None):
-        x = self.attention_part(x, rope)
-        return self.mlp_part(x)
+        return self.mlp_part(self.attention_part(x, rope))
 
     def attention_part(self, x, rope=None, cache=None):
         return x + self.attn(self.ln_1(x), rope, cache)
@@ -438,9 +406,8 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """The keys and values every attention layer computed for the positions seen so far, so that a
-    generation step runs the model on its new token only (Transformer.generate). One per generate call: it
-    holds max_len positions of one batch."""
+    """Every attention layer's keys and values of the positions seen so far (up to max_len, one batch), so
+    that a generation step runs the model on its new token only."""
 
     def __init__(self, n_layer, max_len):
         self.max_len = max_len
@@ -459,8 +426,7 @@ class LayerCache:
         self.max_len, self.length, self.k, self.v = max_len, 0, None, None
 
     def append(self, k, v):
-        """Store the keys and values (B, kv_heads, T, head_dim) of T new positions; return those of all
-        positions so far. GQA keeps its n_kv_head heads: the cache is n_head / n_kv_head times smaller."""
+        """Store the keys and values (B, kv_heads, T, head_dim) of T new positions; return all so far."""
         if self.k is None:  # allocated at the first write: the batch, heads, dtype (autocast) and device of k
             B, H, _, D = k.shape
             self.k, self.v = k.new_empty(B, H, self.max_len, D), v.new_empty(B, H, self.max_len, D)
@@ -489,19 +455,14 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = make_norm(config)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            # weight tying as in GPT-2; LLaMA keeps a separate head unless its checkpoint ties them
+        if config.tie_embeddings:  # as GPT-2; LLaMA keeps a separate head unless its checkpoint ties them
             self.wte.weight = self.lm_head.weight
         self.loss_kernels = EAGER_LOSS_KERNELS  # compile_loss() replaces them
         self.init_weights()
 
     @torch.no_grad()
     def init_weights(self):
-        """(Re)initialise all parameters and buffers in place.
-
-        Called by __init__; call it again after `model.to_empty(device=...)` when
-        the model was built on the meta device (to_empty leaves garbage memory).
-        """
+        """(Re)initialise all parameters and buffers in place (again after `to_empty()` of a meta model)."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -517,20 +478,12 @@ class Transformer(nn.Module):
 
     def outer_modules(self) -> dict[str, nn.Module]:
         """Everything outside `blocks`; the head is listed even when tied to the embedding."""
-        out = {'embed': self.wte}
-        if self.wpe is not None:
-            out['pos'] = self.wpe
-        out['norm'] = self.ln_f
-        out['head'] = self.lm_head
-        return out
+        out = {'embed': self.wte, 'pos': self.wpe, 'norm': self.ln_f, 'head': self.lm_head}
+        return {name: module for name, module in out.items() if module is not None}
 
     def get_num_params(self, non_embedding=True):
-        """
-        Return the number of parameters in the model (parameters() dedupes the tied head).
-        With non_embedding, lookup-only tables are subtracted since they cost no FLOPs:
-        the position embedding for gpt2 (its tied token embedding is the head's matmul),
-        an untied token embedding (llama's, unless its checkpoint ties it to the head).
-        """
+        """The number of parameters; non_embedding leaves out the lookup-only tables, which cost no FLOPs
+        (the position embedding, an untied token embedding)."""
         n_params = sum(p.numel() for p in self.parameters())
         if non_embedding:
             if self.wpe is not None:
@@ -540,19 +493,15 @@ class Transformer(nn.Module):
         return n_params
 
     def forward(self, idx, targets=None):
-        """With targets (training/evaluation): (None, mean cross-entropy). The full logits are not
-        returned: a caller's `_, loss = model(X, Y)` would keep (tokens x vocab) floats alive until
-        its next forward. Without targets: (logits of the last position, None), as in nanoGPT;
-        `model.lm_head(model.hidden_states(idx))` gives every position's logits."""
+        """With targets: (None, mean cross-entropy); no logits, which `_, loss = model(X, Y)` would keep alive.
+        Without: (the last position's logits, None); `model.lm_head(model.hidden_states(idx))` gives all."""
         x = self.hidden_states(idx)
         if targets is None:
-            # inference-time mini-optimization: only forward the lm_head on the very last position
-            return self.lm_head(x[:, [-1], :]), None  # note: using list [-1] to preserve the time dim
+            return self.lm_head(x[:, [-1], :]), None  # [-1] as a list keeps the time dim
         return None, self.head_loss(x, targets)
 
     def hidden_states(self, idx, cache=None):
-        """The final-norm output (b, t, n_embd) that the head turns into logits. With a KVCache
-        (generate), idx holds the t positions that follow the cache's, and their keys and values join it."""
+        """The final-norm output (b, t, n_embd). With a KVCache, idx holds the t positions after the cache's."""
         b, t = idx.size()
         start = 0 if cache is None else cache.length  # the position of idx[:, 0]
         if start + t > self.config.block_size:
@@ -569,15 +518,13 @@ class Transformer(nn.Module):
         if cache is None:
             for block in self.blocks:
                 x = block(x, rope)
-        # the blocks' halves, called directly: a block's forward may be wrapped for training (infra/memory_options.py)
-        else:
+        else:  # the halves, called directly: a block's forward may be wrapped for training (memory_options.py)
             for block, layer_cache in zip(self.blocks, cache.layers):
                 x = block.mlp_part(block.attention_part(x, rope, layer_cache))
         return self.ln_f(x)
 
     def head_loss(self, x, targets):
-        """Mean cross-entropy of the head on hidden states x against targets (-1 = ignored).
-        memory_options.apply's loss_chunk computes it a chunk of tokens at a time."""
+        """Mean cross-entropy of the head on hidden states x against targets (-1 = ignored)."""
         x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
         weight = self.lm_head.weight
         dtype = autocast_dtype(x.device.type) or (weight.dtype if weight.element_size() < 4 else None)
@@ -587,14 +534,11 @@ class Transformer(nn.Module):
         return LinearCrossEntropy.apply(x, weight, targets, dtype, self.loss_kernels)
 
     def compile_loss(self, **kwargs):
-        """torch.compile the cross-entropy of low-precision logits (compile=True; kwargs go to torch.compile):
-        each direction one fused pass over the logits instead of several eager ones."""
+        """torch.compile the low-precision loss kernels (kwargs go to torch.compile): one fused pass each."""
         self.loss_kernels = LossKernels(*(torch.compile(f, **kwargs) for f in (cross_entropy_sum, cross_entropy_grad)))
 
     def crop_block_size(self, block_size):
-        # model surgery to decrease the block size if necessary
-        # e.g. we may load the GPT2 pretrained model checkpoint (block size 1024)
-        # but want to use a smaller block size for some smaller, simpler model
+        # model surgery: e.g. GPT-2's pretrained weights (block size 1024) for a shorter context
         assert block_size <= self.config.block_size
         self.config.block_size = block_size
         if self.wpe is not None:
@@ -603,13 +547,9 @@ class Transformer(nn.Module):
             self.rotary.reset_parameters(block_size)
 
     def estimate_flops_per_token(self):
-        """Training FLOPs per token as the model is frozen now (nanoGPT's 6N + attention, after
-        PaLM appendix B). A matmul weight costs 2 FLOPs per token forward, 2 for its input
-        gradient and 2 for its weight gradient. Walking up from the embedding: blocks below
-        every trainable parameter run forward only (2N, a third of the attention); from the
-        first block with a trainable parameter (or above a trainable wte/wpe) on, a trainable
-        weight costs 6 and a frozen one 4. Block granularity: the input gradient a bottom block's
-        first layer skips is still counted. The embedding lookup is not a matmul."""
+        """Training FLOPs per token as the model is frozen now (nanoGPT's 6N + attention, PaLM appendix B).
+        Blocks below every trainable parameter run forward only (2 per weight, a third of the attention);
+        from the lowest trainable block up a trainable weight costs 6, a frozen one 4 (its input gradient)."""
         cfg = self.config
         attention = 12 * cfg.n_embd * cfg.block_size  # per layer, forward + backward
         trains = lambda module: module is not None and any(p.requires_grad for p in module.parameters())
@@ -627,8 +567,8 @@ class Transformer(nn.Module):
         return flops + (6 if head.requires_grad else 4 if backward else 2) * head.numel()
 
     def fsdp_sharded(self):
-        """Whether FSDP2 shards the blocks (distributed.shard_fsdp): their weights are then gathered by
-        hooks on their forward, which the cached generation (it calls the blocks' halves) would skip."""
+        """Whether FSDP2 shards the blocks: their weights are gathered by hooks on forward, which the cached
+        generation (it calls the blocks' halves) would skip."""
         if not torch.distributed.is_available():
             return False
         from torch.distributed.fsdp import FSDPModule
@@ -637,18 +577,9 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
-        """
-        Take a conditioning sequence of indices idx (LongTensor of shape (b,t)) and complete
-        the sequence max_new_tokens times, feeding the predictions back into the model each time.
-        Most likely you'll want to make sure to be in model.eval() mode of operation for this.
-
-        use_cache: keep the keys and values of past positions (KVCache) and run the model on the
-        new token only, the same tokens as without (greedy decoding, top_k=1, picks them alike; see
-        tests/test_generate.py). Once the sequence outgrows block_size each step runs the last
-        block_size tokens afresh, as without a cache: the window then slides at every step, changing
-        each kept token's position and context, which cached keys cannot follow. FSDP-sharded models
-        generate without a cache.
-        """
+        """Complete the (b, t) token indices idx with max_new_tokens sampled tokens (call model.eval() first).
+        use_cache: run each step on the new token only (KVCache), the same tokens as without. Beyond block_size
+        the window slides at every step, which cached keys cannot follow: those steps (and FSDP) run uncached."""
         block_size = self.config.block_size
         cache = None
         if use_cache and idx.size(1) <= block_size and not self.fsdp_sharded():
@@ -659,7 +590,6 @@ class Transformer(nn.Module):
                 x = self.hidden_states(idx[:, cache.length :], cache)
                 logits = self.lm_head(x[:, [-1], :])
             else:
-                # if the sequence context is growing too long we must crop it at block_size
                 idx_cond = idx if idx.size(1) <= block_size else idx[:, -block_size:]
                 logits, _ = self(idx_cond)
             logits = logits[:, -1, :] / temperature
