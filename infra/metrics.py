@@ -1,12 +1,7 @@
 """
-What a run reports: the log lines of its events (an evaluation, a logged iteration, a switch, the
-end), their records in out_dir/metrics.jsonl (`Records`, also sent to wandb), model FLOPs
-utilization (MFU) with the table of GPU peaks it divides by, and the stdout the log goes to
-(`LogOutlivesItsReader`).
-
-train.py makes one `Metrics` and calls one method per event, on every rank (rank 0 prints and
-writes, the others return), handing it the event's values: a sink that computes none of them but its own
-(time, throughput, MFU, memory). bench.py and the experiments use `mfu` and `peak_bf16_flops`.
+What a run reports: the log line of each event, its record in out_dir/metrics.jsonl (`Records`, also sent
+to wandb), model FLOPs utilization (`mfu`, over the GPU peaks of PEAK_BF16_FLOPS), and the stdout the log
+goes to (`LogOutlivesItsReader`).
 """
 
 import json
@@ -21,24 +16,14 @@ from configurator import format_config
 
 
 class Metrics:
-    """train.py's reports, one method per event; the values are handed in (keyword arguments), and each
-    shows on the log line by its rule in SHOWN and goes into its record as it is:
-
-        metrics = Metrics(cfg, ranks, device, resumed_from)  # wandb imported now: a missing package stops the run
-        metrics.header(model, checkpointer, tokens_per_iter, warnings)  # the head of the log
-        wandb_id = metrics.start_wandb(checkpointer.wandb_id)
-        metrics.begin(model, tokens_per_iter, first_iter)  # the loop starts: the run's clock
-        metrics.evaluation(it, train_loss=..., val_loss=..., **more)
-        metrics.switch(it, description, **values)  # the line says `description`, the record holds it and values
-        metrics.iteration(it, dt, seconds_per_iter, loss=..., **more)  # plus speed, MFU, memory, time left
-        metrics.save(it, path)
-        metrics.end(it, stopped)
-
-    Rank 0 prints; it writes the records unless the run is eval_only (which writes nothing)."""
+    """train.py's reports, one method per event, called on every rank. Each event's values are handed in:
+    each shows on the log line by its rule in SHOWN and goes into the record as it is; Metrics adds only
+    time, throughput, MFU and memory. Rank 0 prints, and writes the records unless the run is eval_only.
+    Constructing it imports wandb (wandb_log): a missing package stops the run before anything is built."""
 
     def __init__(self, cfg, ranks, device, resumed_from=None):
         self.cfg, self.master, self.world_size = cfg, ranks.master, ranks.world_size
-        self.device_type = 'cuda' if device.startswith('cuda') else 'cpu'
+        self.cuda = device.startswith('cuda')
         self.peak_flops = peak_bf16_flops(device)
         self.records = Records(
             cfg['out_dir'],
@@ -47,7 +32,7 @@ class Metrics:
             wandb_log=cfg['wandb_log'] and self.master,
         )
         self.running_mfu = None  # the moving average of the logged iterations' MFU
-        self.flops_per_token = None  # MFU's numerator, counted again only after a switch (below)
+        self.flops_per_token = None  # MFU's numerator, counted again after a switch
 
     def start_wandb(self, run_id):
         return self.records.start_wandb(self.cfg, run_id)
@@ -69,20 +54,19 @@ class Metrics:
             print(f"resuming from iteration {checkpointer.iter_num} of {checkpointer.path}")
 
     def begin(self, model, tokens_per_iter, first_iter):
+        """The loop starts: the run's clock."""
         self.model, self.tokens_per_iter, self.first_iter = model, tokens_per_iter, first_iter
         self.run_start, self.flops_per_token = time.time(), None
 
     def evaluation(self, it, **values):
-        """The evaluation at iteration `it`: its losses (train_loss, val_loss) and whatever else is handed in."""
         if self.master:
             print(f"step {it}: {shown(values)}")
             self.records.write('eval', iter=it, **values)
 
     def switch(self, it, description, **values):
-        """The cycler switched at iteration `it`: `description` (what trains now) on the line, then the values
-        SHOWN names (e.g. the DDP wrapper's rebuild); the record holds all of them."""
-        # the FLOPs depend on which blocks train: counted again at the next logged iteration, and only then,
-        # since counting walks every parameter in Python while a logging GPU waits (0.2-0.8 ms at GPT-2 124M)
+        """The cycler switched: `description` (what trains now) on the line, then the values SHOWN shows."""
+        # the FLOPs depend on which blocks train; counted at the next logged iteration only, since counting
+        # walks every parameter in Python while the GPU waits (0.2-0.8 ms at GPT-2 124M)
         self.flops_per_token = None
         if self.master:
             more = shown(values)
@@ -90,9 +74,8 @@ class Metrics:
             self.records.write('switch', iter=it, description=description, **values)
 
     def iteration(self, it, dt, seconds_per_iter, **values):
-        """The log line of a logged iteration, and its record: the values handed in (the loss, the learning
-        rate, ...), then time, throughput, MFU (on a GPU of known peak), CUDA memory, and the time left at the
-        mean pace (seconds_per_iter)."""
+        """A logged iteration: the values handed in, then time, throughput, MFU (on a GPU of known peak), CUDA
+        memory, and the time left at seconds_per_iter."""
         if not self.master:
             return
         tokens_per_iter, max_iters = self.tokens_per_iter, self.cfg['max_iters']
@@ -102,7 +85,7 @@ class Metrics:
             iter_mfu = mfu(self.flops_per_token, tokens_per_iter, dt, self.peak_flops, self.world_size)
             self.running_mfu = iter_mfu if self.running_mfu is None else 0.9 * self.running_mfu + 0.1 * iter_mfu
         fields = dict(values, ms=dt * 1000, tok_per_s=tokens_per_iter / dt, mfu=self.running_mfu)
-        if self.device_type == 'cuda':
+        if self.cuda:
             fields.update(
                 mem_alloc_gib=torch.cuda.max_memory_allocated() / 2**30,
                 mem_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
@@ -112,12 +95,11 @@ class Metrics:
         self.records.write('iter', iter=it, **{k: v for k, v in fields.items() if v is not None})
 
     def save(self, it, path):
-        """A checkpoint of iteration `it` written at `path` (None on a rank that wrote nothing)."""
+        """path: the checkpoint written, None on a rank that wrote nothing."""
         if path is not None:
             self.records.write('save', iter=it, path=path)
 
     def end(self, it, stopped):
-        """The run ends at iteration `it`, done or stopped by a signal."""
         if self.master:
             elapsed = time.time() - self.run_start
             print(
@@ -127,8 +109,8 @@ class Metrics:
             self.records.write('end', iter=it, seconds=elapsed, stopped=bool(stopped))
 
 
-# How a value shows on a log line: its template here, or `name value` (a float to 4 significant digits); None:
-# recorded, never shown. A value of None is left off the line (and out of an iteration's record).
+# A value's template on a log line, else `name value` (a float to 4 significant digits); None: recorded, never
+# shown. A value of None is left off the line (and out of an iteration's record).
 SHOWN = {
     'loss': 'loss {:.4f}',
     'train_loss': 'train loss {:.4f}',
@@ -149,7 +131,6 @@ SHOWN = {
 
 
 def shown(values):
-    """The log line's text of `values`, by SHOWN's rules, in their order."""
     parts = []
     for name, value in values.items():
         template = SHOWN.get(name, f"{name} {{:.4g}}" if isinstance(value, float) else f"{name} {{}}")
@@ -159,15 +140,14 @@ def shown(values):
 
 
 class Records:
-    """out_dir/metrics.jsonl, written by rank 0: one JSON object a line, each with its `kind`
-    ('eval', 'iter', 'switch', 'save', 'end') and `iter`. A resume first drops the records after
-    the checkpoint's iteration, so the file always describes the run that continues. With wandb
-    (wandb_log, rank 0) the numbers of the evaluations and logged iterations go there too."""
+    """out_dir/metrics.jsonl: one JSON object a line with its `kind` ('eval', 'iter', 'switch', 'save', 'end')
+    and `iter`; a resume first drops the records after the checkpoint's iteration. With wandb, the numbers
+    of the evaluations and logged iterations go there too."""
 
     def __init__(self, out_dir, enabled, resumed_from=None, wandb_log=False):
         self.path, self.enabled, self.wandb = os.path.join(out_dir, 'metrics.jsonl'), enabled, None
         self.resumed_from, self.started = resumed_from, False
-        if wandb_log:  # imported now: a missing package stops the run before anything is built
+        if wandb_log:
             try:
                 import wandb
             except ImportError:
@@ -177,8 +157,7 @@ class Records:
             self.wandb = wandb
 
     def start_wandb(self, cfg, run_id):
-        """The wandb run's id (None without wandb): a resumed run continues the wandb run of its
-        checkpoint (`run_id`), restarts included."""
+        """The wandb run's id (None without wandb); a resume continues its checkpoint's run, `run_id`."""
         if self.wandb is not None:
             run_id = run_id or self.wandb.util.generate_id()
             self.wandb.init(
@@ -229,9 +208,9 @@ class Records:
 
 def format_duration(seconds):
     seconds = int(seconds)
-    return (
-        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-    )
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 class LogOutlivesItsReader:
@@ -245,14 +224,17 @@ class LogOutlivesItsReader:
         try:
             return self.stream.write(text)
         except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # also for the flush at exit
+            self._to_devnull()
             return len(text)
 
     def flush(self):
         try:
             self.stream.flush()
         except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            self._to_devnull()
+
+    def _to_devnull(self):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # also for the flush at exit
 
     def __getattr__(self, name):
         return getattr(self.stream, name)
@@ -260,24 +242,21 @@ class LogOutlivesItsReader:
     @classmethod
     def install(cls):
         """Make sys.stdout one, once, when it is a real file (not a test's StringIO)."""
-        if isinstance(sys.stdout, cls) or not hasattr(sys.stdout, 'fileno'):
+        if isinstance(sys.stdout, cls):
             return
         try:
             sys.stdout.fileno()
-        except (OSError, ValueError):  # not a real file: nothing can break
+        except (AttributeError, OSError, ValueError):  # not a real file: nothing can break
             return
         sys.stdout = cls(sys.stdout)
 
 
 # -----------------------------------------------------------------------------
-# model FLOPs utilization (MFU), as in the log line of train.py and in bench.py
+# model FLOPs utilization (MFU)
 
-# peak dense bf16 tensor FLOP/s per GPU, from NVIDIA's datasheets (their "with sparsity" figures
-# halved). An entry matches a GPU when each of its words is a word of torch.cuda.get_device_name()
-# (case-insensitive, in any order, whole words: 'H100' is not a word of 'GH100'), and the matching
-# entry with the most words wins, so a variant's entry beats its family's: 'NVIDIA H100 NVL' gets
-# 'H100 NVL', 'NVIDIA H100 80GB HBM3' (the SXM part) gets 'H100'. Two best matches of the same
-# length are ambiguous: no MFU, rather than a wrong one.
+# Peak dense bf16 FLOP/s per GPU, from NVIDIA's datasheets ("with sparsity" halved). An entry matches when
+# each of its words is a whole word of the device name, in any order ('H100' is not a word of 'GH100'); the
+# match with the most words wins ('NVIDIA H100 NVL' gets 'H100 NVL'), and a tie means no MFU, not a wrong one.
 PEAK_BF16_FLOPS = {
     'H100': 989.4e12,  # SXM5; its name has no variant word ('NVIDIA H100 80GB HBM3')
     'H100 PCIe': 756e12,
