@@ -1,26 +1,12 @@
 """
-The optimizers of the model's parameters: nanoGPT's decay split (param_groups) and its AdamW
-(adamw, nanoGPT's configure_optimizers); AdamW's arithmetic, once; MasterWeights, the fp32 master weights of
-low-precision parameters, once; and MasterAdamW: AdamW on those masters (GaLoreAdamW(master=True)
-in galore.py uses the same mixin).
+The optimizers of the model's parameters: nanoGPT's decay split (param_groups) and AdamW (adamw); AdamW's
+arithmetic, once (adamw_step_, torch.optim.AdamW's, bitwise); MasterWeights, fp32 master weights of
+low-precision parameters (shared with galore.GaLoreAdamW(master=True)); MasterAdamW, AdamW on those masters.
 
-adamw_step_ is torch.optim.AdamW's single-tensor step (decoupled weight decay on the weight before
-the update, bias-corrected moments, eps added to sqrt(v_hat)), so every optimizer built on it is
-torch's AdamW wherever it does not project: MasterAdamW calls it on fp32 masters, and
-GaLoreAdamW(convention='torch') (galore.py) with `back`, the map of its low-rank update to the
-weight's shape.
-
-MasterAdamW keeps the model's weights in bf16 (or any dtype) and, for each parameter that trains,
-an fp32 master copy and fp32 moments as its optimizer state. The state is made lazily at a
-parameter's first step with a gradient, so frozen parameters get none, and omgd.Cycler's
-policies act on it like on torch AdamW's: 'drop' deletes optimizer.state[p] and the next step
-after reactivation starts again from the bf16 weight (which holds the rounded master) with zero
-moments and step 0; 'offload' parks the tensors on the CPU and puts them back. memory_estimate.memory_bytes
-counts master and moments (state tensors with dim > 0).
-master_device='cpu' keeps masters, moments and the AdamW arithmetic on the CPU (ZeRO-Offload
-style), in pinned memory when the parameters are on CUDA: the device holds bf16 weights and grads.
-What crosses between them goes through HostStaging's reused pinned buffers: every gradient down,
-asynchronously, then one wait; every rounded weight up, asynchronously.
+A master and its moments are made at a parameter's first step with a gradient, so frozen parameters get none
+and omgd's state policies act on them as on torch AdamW's ('drop' restarts from the rounded weight with zero
+moments and step 0). master_device='cpu' keeps masters, moments and the arithmetic on the CPU (ZeRO-Offload
+style); gradients come down and rounded weights go up through HostStaging's reused pinned buffers.
 """
 
 from contextlib import nullcontext
@@ -35,13 +21,9 @@ FIXED_ON_RESUME = {'optimizer': 'its optimizer state is that optimizer\'s'}
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """nanoGPT's decay split: matrices and embeddings decay, biases and norm weights don't.
-
-    Every parameter is returned whether or not it currently requires grad
-    (parameters() already dedupes the tied embedding/head). A group may also carry 'lr_scale':
-    Trainer.step then gives it the schedule's learning rate times that (a slower rate for the
-    blocks, say), as nanochat's groups scale their own rate; groups without it get the rate itself.
-    """
+    """nanoGPT's decay split: matrices and embeddings decay, biases and norm weights don't. Every parameter,
+    frozen or not (layer cycling unfreezes them later). A fork's group may carry 'lr_scale': Trainer.step
+    gives it the schedule's rate times that."""
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -53,8 +35,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def adamw(model, weight_decay, learning_rate, betas, device_type):
     """nanoGPT's AdamW over param_groups (fused on CUDA)."""
-    # frozen parameters are included on purpose: layer cycling unfreezes them later,
-    # and an optimizer that never saw them would silently skip those blocks
     groups = param_groups(model, weight_decay)
     extra_args = dict(fused=True) if device_type == 'cuda' else dict()
     return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra_args)
@@ -66,10 +46,9 @@ def check_adamw_settings(lr, betas, eps, weight_decay):
 
 
 def adamw_foreach_(params, grads, exp_avgs, exp_avg_sqs, steps, lr, betas, eps, weight_decay):
-    """adamw_step_ (without `back`) on lists of tensors at once, through torch._foreach_* in the same
-    order of operations: bitwise adamw_step_ on each where the foreach ops run the per-tensor kernels
-    (the CPU). CUDA's fused foreach kernels round some products in another order (addcmul: alpha *
-    (t1 * t2) against (alpha * t1) * t2), so CUDA tensors keep the per-tensor form (foreach_bitwise)."""
+    """adamw_step_ (without `back`) on lists of tensors, through torch._foreach_* in the same order of
+    operations: bitwise adamw_step_ where foreach runs the per-tensor kernels (foreach_bitwise). CUDA's
+    fused kernels round some products in another order (addcmul: alpha * (t1 * t2) vs (alpha * t1) * t2)."""
     beta1, beta2 = betas
     if weight_decay != 0:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
@@ -83,17 +62,14 @@ def adamw_foreach_(params, grads, exp_avgs, exp_avg_sqs, steps, lr, betas, eps, 
 
 
 def foreach_bitwise(device):
-    """Whether adamw_foreach_ on `device` is bitwise adamw_step_ (tests/test_optim.py checks the CPU's;
-    meta, bench_memory's stand-in for CUDA, follows CUDA)."""
+    """Whether adamw_foreach_ on `device` is bitwise adamw_step_: the CPU (meta stands in for CUDA)."""
     return torch.device(device).type == 'cpu'
 
 
 def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, back=None, scale=1.0):
-    """One AdamW step in place on param, exp_avg and exp_avg_sq; `step` counts this step (1 first).
-
-    Without `back` it is torch.optim.AdamW(foreach=False)'s arithmetic, op for op (bitwise equal).
-    With `back` (GaLore), grad and moments live in a projected space: the normalised update
-    exp_avg / denom is mapped to param's shape by back() and multiplied by `scale`."""
+    """One AdamW step in place on param, exp_avg and exp_avg_sq; `step` counts this step (1 first). Without
+    `back`, torch.optim.AdamW(foreach=False)'s arithmetic op for op. With `back` (GaLore) grad and moments are
+    projected: the normalised update exp_avg / denom is mapped to param's shape by back(), times `scale`."""
     beta1, beta2 = betas
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
@@ -108,13 +84,10 @@ def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_d
 
 
 class HostStaging:
-    """Host buffers that the copies between CUDA parameters and their CPU masters go through, kept
-    from step to step: pinned (DMA, asynchronous; the CUDA host allocator rounds each block up to a
-    power of two once, not at every copy), one per (shape, dtype, slot). A buffer is written by the
-    CPU only after the copies that read or wrote it on the device are done: a copy down is waited for
-    (wait) before the CPU reads it, and a copy up records an event that the next CPU write waits for;
-    copies on the device run in the order of their stream, so a copy down into a buffer always
-    follows the copy up out of it. pin=False (the CPU seam of the tests): ordinary host memory."""
+    """Host buffers, one per (shape, dtype, slot), kept from step to step, that the copies between CUDA
+    parameters and their CPU masters go through: pinned (asynchronous DMA, allocated once). The CPU reads a
+    buffer after wait() and writes it after the event of its last copy up; copies on one stream keep their
+    order. pin=False (the tests' CPU seam): ordinary host memory."""
 
     def __init__(self, pin=True):
         self.pin = pin
@@ -149,21 +122,14 @@ class HostStaging:
 
 
 class MasterWeights:
-    """The fp32 master weights of MasterAdamW and GaLoreAdamW(master=True), in one place.
-
-    A mixin for torch.optim.Optimizer subclasses; call _init_master() before Optimizer.__init__.
-    state['master'] is made lazily from the weight as it is now (a parameter's first step with a
-    grad, or the first after omgd's 'drop' deleted its state), the grad is widened to fp32 where
-    the master lives, and the updated master is rounded into the parameter. Every state tensor
-    (master, moments, a GaLore projector) lives on master_home(p), pinned for CUDA parameters with
-    CPU masters. `master` False (GaLoreAdamW's default) leaves torch's state loading in charge.
+    """The fp32 master weights of MasterAdamW and GaLoreAdamW(master=True): a mixin for torch.optim.Optimizer
+    subclasses (call _init_master() before Optimizer.__init__). state['master'] is made from the weight at its
+    first step (again after 'drop'), the grad is widened to fp32 where the master lives, the updated master
+    rounded into the parameter. Every state tensor lives on master_home(p). `master` False: torch's loading.
     """
 
     master = True
-
-    # the staging path (HostStaging) for parameters whose masters live in host memory: None, for CUDA
-    # parameters with CPU masters (the only copies there are); True forces it (the CPU seam of the tests)
-    stage = None
+    stage = None  # staging (HostStaging): None for CUDA parameters with CPU masters; True forces it (tests)
 
     def _init_master(self, master_device=None, host_scope=nullcontext):
         self.master_device = None if master_device is None else torch.device(master_device)
@@ -179,9 +145,8 @@ class MasterWeights:
         return self.master_device
 
     def _pinned(self, p):
-        # pinned host memory makes copies to and from a CUDA device DMA transfers; staged copies
-        # (HostStaging) already go through reused pinned buffers, so those masters stay pageable and
-        # skip the pinned allocator's rounding to a power of two (a 4096 x 11008 fp32 moment: 256 MiB, not 172)
+        # staged copies already go through pinned buffers: their masters stay pageable, which spares the
+        # pinned allocator's rounding to a power of two (a 4096 x 11008 fp32 moment: 256 MiB, not 172)
         return p.is_cuda and self.master_home(p).type == 'cpu' and not self._stages(p)
 
     def _stages(self, p):
@@ -196,8 +161,7 @@ class MasterWeights:
         return self.staging
 
     def _stage_grads(self, params):
-        """Start copying the gradient of every staged parameter among `params` into its own host
-        buffer, then wait once per device: the copies overlap each other, and the CPU waits once."""
+        """Start copying the gradient of every staged parameter into its own host buffer, then wait once."""
         self.staged, slots, devices = {}, {}, set()
         for p in params:
             if p.grad is not None and self._stages(p):
@@ -251,12 +215,8 @@ class MasterWeights:
         return value.pin_memory() if self._pinned(p) and not value.is_pinned() else value
 
     def load_state_dict(self, state_dict):
-        """torch's loading of the groups, with the state tensors kept in their saved dtype.
-
-        torch.optim.Optimizer.load_state_dict casts every floating state tensor but 'step' to the
-        parameter's dtype (fp32 masters and moments would come back bf16), and calls
-        Optimizer._process_value_according_to_param_policy by class name, so overriding that
-        does nothing. The groups go through torch's checks; the state goes to master_home(p)."""
+        """torch's loading of the groups; the state tensors keep their saved dtype (torch's casts every
+        floating one to the parameter's: fp32 masters would come back bf16) and go to master_home(p)."""
         if not self.master:
             return super().load_state_dict(state_dict)
         super().load_state_dict({**state_dict, 'state': {}})
@@ -273,20 +233,12 @@ class MasterWeights:
 class MasterAdamW(MasterWeights, torch.optim.Optimizer):
     """AdamW on fp32 master copies of the parameters that train; the parameters keep their dtype.
 
-    State per parameter with a gradient: 'master', 'exp_avg', 'exp_avg_sq' (fp32, on
-    master_home(p)) and 'step' (an int). Gradients of any dtype are widened to fp32; the updated
-    master is rounded into the parameter. master_device: None or the parameters' device type
-    (e.g. 'cuda': on each parameter's own device) or 'cpu' (the update runs on the CPU; pinned
-    memory for CUDA parameters). host_scope: a context manager entered around the state's
-    allocation and arithmetic (memory_estimate.LiveBytes marks those tensors as host memory when
-    it emulates offloading on a single device).
-    The update runs one parameter at a time (adamw_step_, torch's AdamW(foreach=False)): one widened
-    fp32 gradient exists at a time. foreach=True runs adamw_foreach_ instead, FOREACH_BYTES of widened
-    gradients at a time (they must exist together), on the masters that live where it is bitwise
-    adamw_step_ (foreach_bitwise: the CPU; CUDA masters stay per tensor). Off by default: on the CPU
-    the foreach ops run the same per-tensor kernels in a loop (the Python calls it saves are
-    microseconds against the arithmetic), and holding the widened gradients together raises the
-    peak (a quarter more in bench_memory's GPT-2 test on the CPU).
+    State per parameter with a gradient: 'master', 'exp_avg', 'exp_avg_sq' (fp32, on master_home(p)) and
+    'step' (an int). master_device: None or the parameters' device type (each parameter's own device), or
+    'cpu'. host_scope: a context manager around the state's allocation and arithmetic (memory_estimate's
+    LiveBytes counts those tensors as host memory). One parameter at a time: one widened gradient exists.
+    foreach=True runs adamw_foreach_ on FOREACH_BYTES of widened gradients at once where it is bitwise (the
+    CPU); off by default: no faster on the CPU, and the gradients held together raise the peak by a quarter.
     """
 
     FOREACH_BYTES = 256 * 2**20
@@ -318,6 +270,7 @@ class MasterAdamW(MasterWeights, torch.optim.Optimizer):
             raise RuntimeError("MasterAdamW does not support sparse gradients")
         self._stage_grads(params)  # the gradients of CUDA parameters with CPU masters come down together
         for group in self.param_groups:
+            settings = (group['lr'], group['betas'], group['eps'], group['weight_decay'])
             batch, nbytes = [], 0
             for p in group['params']:
                 if p.grad is None:  # frozen (e.g. by layer cycling): no state, no update
@@ -335,27 +288,17 @@ class MasterAdamW(MasterWeights, torch.optim.Optimizer):
                     batch.append((p, master, grad, state))
                     nbytes += grad.numel() * grad.element_size()
                     if nbytes >= self.FOREACH_BYTES:
-                        self._update_together(batch, group)
+                        self._update_together(batch, settings)
                         batch, nbytes = [], 0
                     continue
                 with self.host_scope():
-                    adamw_step_(
-                        master,
-                        grad,
-                        state['exp_avg'],
-                        state['exp_avg_sq'],
-                        state['step'],
-                        group['lr'],
-                        group['betas'],
-                        group['eps'],
-                        group['weight_decay'],
-                    )
+                    adamw_step_(master, grad, state['exp_avg'], state['exp_avg_sq'], state['step'], *settings)
                     del grad
                 self._round_into(p, master)
-            self._update_together(batch, group)
+            self._update_together(batch, settings)
         return loss
 
-    def _update_together(self, batch, group):
+    def _update_together(self, batch, settings):
         """adamw_foreach_ on a batch of (param, master, widened grad, state), then each rounded into its param."""
         if not batch:
             return
@@ -370,10 +313,7 @@ class MasterAdamW(MasterWeights, torch.optim.Optimizer):
                     [s['exp_avg'] for *_, s in items],
                     [s['exp_avg_sq'] for *_, s in items],
                     [s['step'] for *_, s in items],
-                    group['lr'],
-                    group['betas'],
-                    group['eps'],
-                    group['weight_decay'],
+                    *settings,
                 )
         for p, master, _, _ in batch:
             self._round_into(p, master)
