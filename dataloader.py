@@ -1,23 +1,15 @@
 """
-Batches of token windows from a token file (train.bin / val.bin of uint16 or uint32 ids, as
-data/*/prepare.py write them and meta.pkl records them, data/tokenizer.py), in one of two orders:
+Batches of token windows from a token file (train.bin / val.bin of uint16 or uint32 ids, data/tokenizer.py),
+in one of two orders:
 
-- 'rr' (random reshuffling, the default): each epoch cuts the token stream into windows of
-  block_size+1 tokens starting at a fresh random offset, permutes the windows and visits each
-  exactly once. Micro-step c of an epoch uses the global slice perm[c*R*B : (c+1)*R*B] (R ranks,
-  B windows each); rank r takes its r-th part, so ranks are disjoint and the windows of a step
-  do not depend on how many ranks share them.
-- 'iid': nanoGPT's sampling with replacement, kept as the baseline.
+- 'rr' (random reshuffling, the default): each epoch permutes the windows of block_size+1 tokens cut from a
+  fresh random offset and visits each once. Micro-step c takes the global slice perm[c*R*B : (c+1)*R*B]
+  (R ranks of B windows) and rank r its r-th part, so the windows of a step do not depend on R.
+- 'iid': nanoGPT's sampling with replacement, the baseline.
 
-The order is a pure function of (seed, epoch), so the position (epoch, windows consumed) is all
-a checkpoint needs to continue exactly. Because the position counts windows, not steps, a run
-resumes on any number of ranks and any batch_size: the next step takes the next batch_size x
-ranks windows of the same permutation, so no window is repeated or skipped. Only the epoch's
-dropped tail (the last windows that do not fill a whole step) depends on batch_size x ranks.
-
-Every id must be below the model's vocabulary (an index error on the CPU, a device-side assert on
-CUDA otherwise): check_vocab refuses a dataset whose recorded vocabulary is larger, scans files
-of up to SCAN_LIMIT ids at once and has every later batch of larger ones checked as it is read.
+The order is a function of (seed, epoch), so a checkpoint needs only the position (epoch, windows consumed),
+and a run resumes on any number of ranks and batch_size (docs/distributed.md). Every id must be below the
+model's vocab_size (check_vocab).
 """
 
 import importlib
@@ -29,17 +21,14 @@ import torch
 from configurator import check_rule, one_of
 from data.tokenizer import read_meta
 
-RULES = {
-    'sampling': one_of('rr', 'iid')
-}  # train.py's keys that TokenBatches reads (train_config.py checks a config with them)
+RULES = {'sampling': one_of('rr', 'iid')}  # the train.py key TokenBatches reads (train_config.py checks it)
 
 SCAN_LIMIT = 1 << 28  # ids check_vocab scans at start (512 MiB of uint16, about a second)
 
 
 def open_tokens(path, prepare_hint, dtype='uint16', n_ids=None):
-    """The ids of a .bin file, memory-mapped; a one-line error for a missing, empty or cut file, or one
-    whose ids are not `dtype` wide: its size is that of the n_ids meta.pkl records in the other width,
-    or (a meta.pkl without counts) uint32 ids read as uint16 would train on every id followed by a 0."""
+    """The ids of a .bin file, memory-mapped; a one-line error for a file that is missing, empty, cut, or of
+    ids not `dtype` wide (uint32 read as uint16 would train on every id followed by a 0)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found; run `{prepare_hint}` first")
     if os.path.isdir(path):
@@ -99,8 +88,7 @@ class TokenBatches:
                 f"{path} has {n_tokens} tokens, too few for block_size={block_size} x "
                 f"{batch_size * world_size} windows per step; lower block_size or batch_size"
             )
-        # iid draws with replacement from any split; an 'epoch' (which only seeds the draws and
-        # is logged) is then at least one step
+        # iid draws with replacement from any split; its 'epoch' (which seeds the draws) is at least a step
         self.steps_per_epoch = max(1, self.steps_per_epoch)
         self.n_tokens = n_tokens
         self.epoch, self.windows_done = 0, 0  # windows of the epoch consumed, by every rank together
@@ -124,8 +112,7 @@ class TokenBatches:
         step_first = self.windows_done
         self.windows_done += per_step
         if self.sampling == 'iid':
-            # one generator per global micro-step, so iid draws resume exactly and do not
-            # depend on the rank split either
+            # one generator per global micro-step: iid draws resume exactly and do not depend on the ranks
             g = torch.Generator().manual_seed(((self.seed * 1_000_003 + self.epoch) * 1_000_003 + step_first) % 2**64)
             return torch.randint(self.n_tokens - self.block_size, (per_step,), generator=g)[mine]
         offset, perm = self._epoch_order()
@@ -137,9 +124,8 @@ class TokenBatches:
         windows = np.stack([data[s : s + self.block_size + 1] for s in self.next_starts().tolist()])
         if self.vocab_size is not None and int(windows.max()) >= self.vocab_size:
             raise ValueError(
-                f"{self.path} holds token id {int(windows.max())}, not below the model's vocab_size="
-                f"{self.vocab_size}: the file is corrupt or of another tokenizer; run "
-                f"`{self.prepare_hint}` again"
+                f"{self.path} holds token id {int(windows.max())}, not below the model's vocab_size={self.vocab_size}: "
+                f"the file is corrupt or of another tokenizer; run `{self.prepare_hint}` again"
             )
         windows = torch.from_numpy(windows.astype(np.int64))
         x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
@@ -148,8 +134,7 @@ class TokenBatches:
         return x, y
 
     def iterate(self, device='cpu'):
-        """Endless (x, y, position) micro-batches; position is this loader's state_dict() before the
-        batch was read, so load_state_dict(position) continues with that batch (nanochat's loader)."""
+        """Endless (x, y, position) micro-batches; load_state_dict(position) continues with that batch."""
         while True:
             position = self.state_dict()
             yield (*self.next_batch(device), position)
@@ -179,16 +164,16 @@ class TokenBatches:
             )
         if state['windows_consumed'] > self.windows_per_epoch:
             raise ValueError(
-                f"the checkpoint's data position ({state['windows_consumed']} windows into epoch "
-                f"{state['epoch']}) lies beyond the {self.windows_per_epoch} windows of {self.path} "
-                f"({self.n_tokens:,} tokens, {state.get('n_tokens', 'unknown')} when it was saved): the "
-                f"file changed; resume on the data the checkpoint trained on"
+                f"the checkpoint's data position ({state['windows_consumed']} windows into epoch {state['epoch']}) "
+                f"lies beyond the {self.windows_per_epoch} windows of {self.path} ({self.n_tokens:,} tokens, "
+                f"{state.get('n_tokens', 'unknown')} when it was saved): the file changed; resume on the data "
+                f"the checkpoint trained on"
             )
         self.epoch, self.windows_done = state['epoch'], state['windows_consumed']
 
 
-# where dataset names are looked up: the checkout's data/, or OMGD_DATA_ROOT (a shared data disk;
-# the tests point it at a temporary folder so that they never rewrite a user's prepared data)
+# where dataset names are looked up: the checkout's data/, or OMGD_DATA_ROOT (a shared data disk; the tests'
+# temporary folder)
 DATA_ROOT = os.environ.get('OMGD_DATA_ROOT') or os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
 EMBEDDED = ('shakespeare', 'shakespeare_char')  # corpora shipped in packages: prepared on first use
 
@@ -199,8 +184,8 @@ def data_dir(dataset):
 
 
 def prepare_advice(dataset):
-    """What to do about a dataset with no prepared splits: run its prepare script, or, when the checkout has
-    none of that name (a mistyped name), the datasets that there are."""
+    """What to do about a dataset with no prepared splits: run its prepare script, or (a mistyped name) the
+    datasets that there are."""
     scripts = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')  # data/<name>/prepare.py
     if os.path.isfile(os.path.join(scripts, dataset, 'prepare.py')):
         return f"run `python data/{dataset}/prepare.py` first"
@@ -215,8 +200,7 @@ def prepare_advice(dataset):
 
 
 def prepare_if_embedded(dataset, verbose=True):
-    """Prepare an embedded Shakespeare corpus on first use (call on one rank); any other dataset
-    must have been prepared (TokenBatches then names the command)."""
+    """Prepare an embedded Shakespeare corpus on first use (call on one rank)."""
     missing = [f for f in ('train.bin', 'val.bin') if not os.path.exists(os.path.join(data_dir(dataset), f))]
     name = os.path.basename(os.path.normpath(dataset))
     if missing and name in EMBEDDED:
@@ -226,9 +210,8 @@ def prepare_if_embedded(dataset, verbose=True):
 
 
 def dataset_vocab(dataset, vocab_size=0):
-    """The vocabulary a run uses: vocab_size, else the one meta.pkl records for a character set or a
-    Hugging Face tokenizer, else 0 for GPT-2 BPE (builder.transformer_kwargs then takes the preset's, else
-    GPT-2's 50257 padded to 50304). A one-line ValueError for a meta.pkl that cannot be read."""
+    """The vocabulary a run uses: vocab_size, else meta.pkl's for a character set or a Hugging Face tokenizer,
+    else 0 for GPT-2 BPE (builder.transformer_kwargs decides). A ValueError for a meta.pkl it cannot read."""
     if vocab_size:
         return vocab_size
     meta = read_meta(data_dir(dataset))
@@ -236,17 +219,14 @@ def dataset_vocab(dataset, vocab_size=0):
 
 
 def check_vocab(dataset, vocab_size, *batches):
-    """Refuse, in a one-line ValueError, data with ids the model's vocab_size cannot embed: a
-    dataset whose meta.pkl records a larger vocabulary, or an id >= vocab_size in a file of up to
-    SCAN_LIMIT ids; larger files (TokenBatches) check each batch as it is read. (A folder without
-    meta.pkl records no vocabulary: GPT-2's is only how it is decoded.)"""
+    """A one-line ValueError for ids vocab_size cannot embed: meta.pkl records a larger vocabulary (a folder
+    without one records none), or a file of up to SCAN_LIMIT ids holds one; larger files check each batch."""
     meta = read_meta(data_dir(dataset))
     if os.path.exists(os.path.join(data_dir(dataset), 'meta.pkl')) and meta['vocab_size'] > vocab_size:
         raise ValueError(
-            f"vocab_size={vocab_size} is smaller than the vocabulary of {data_dir(dataset)} "
-            f"({meta['vocab_size']} ids, tokenizer {meta['tokenizer']}): set "
-            f"--vocab_size={meta['vocab_size']} or more, or train on a dataset prepared with a smaller "
-            f"tokenizer"
+            f"vocab_size={vocab_size} is smaller than the vocabulary of {data_dir(dataset)} ({meta['vocab_size']} "
+            f"ids, tokenizer {meta['tokenizer']}): set --vocab_size={meta['vocab_size']} or more, or train on a "
+            f"dataset prepared with a smaller tokenizer"
         )
     scanned = set()
     for b in batches:
@@ -259,33 +239,22 @@ def check_vocab(dataset, vocab_size, *batches):
         top = int(np.memmap(b.path, dtype=b.dtype, mode='r').max())
         if top >= vocab_size:
             raise ValueError(
-                f"{b.path} holds token id {top}, not below vocab_size={vocab_size}: the file is "
-                f"corrupt or of another tokenizer; run `{b.prepare_hint}` again"
+                f"{b.path} holds token id {top}, not below vocab_size={vocab_size}: the file is corrupt or of "
+                f"another tokenizer; run `{b.prepare_hint}` again"
             )
 
 
 def open_splits(dataset, block_size, batch_size, sampling, seed, rank=0, world_size=1):
-    """(train batches in `sampling` order, {'train', 'val'}: evaluation batches). Evaluation draws
-    the same fixed windows at every evaluation: rewind each with load_state_dict(its .start).
-    A one-line ValueError for a meta.pkl or .bin file that cannot be read, or a dataset that is not there."""
+    """(train batches in `sampling` order, {'train', 'val'}: evaluation batches, rewound to the same windows
+    at each evaluation by load_state_dict(their .start)). A one-line ValueError for data missing or unreadable."""
     advice = prepare_advice(dataset)
     if not os.path.exists(os.path.join(data_dir(dataset), 'train.bin')) and not advice.startswith('run '):
         raise ValueError(f"dataset {dataset!r} has no prepared splits in {data_dir(dataset)}; {advice}")  # mistyped
-    meta = read_meta(data_dir(dataset))
+    meta, hint = read_meta(data_dir(dataset)), f"python data/{dataset}/prepare.py"
 
     def batches(split, order, seed):
-        return TokenBatches(
-            os.path.join(data_dir(dataset), f'{split}.bin'),
-            block_size,
-            batch_size,
-            order,
-            seed,
-            rank,
-            world_size,
-            f"python data/{dataset}/prepare.py",
-            meta['dtype'],
-            meta.get('n_ids', {}).get(split),
-        )
+        path, n_ids = os.path.join(data_dir(dataset), f'{split}.bin'), meta.get('n_ids', {}).get(split)
+        return TokenBatches(path, block_size, batch_size, order, seed, rank, world_size, hint, meta['dtype'], n_ids)
 
     evaluation = {split: batches(split, 'iid', seed + 1) for split in ('train', 'val')}
     for split_batches in evaluation.values():
