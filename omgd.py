@@ -1,15 +1,10 @@
 """
-Omni-Masked Gradient Descent (OMGD) and its LLM instance, LISA-wor layer cycling (Yang, Ren, Jiang,
-Tian, Peng: "Omni-Masked Gradient Descent"). Algorithm 1 traverses (mask, sample) pairs without
-replacement: a cycle's M masks are disjoint and sum to M * ones. Algorithm 2 (LISA-wor): every K
-iterations gamma middle blocks are drawn from a pool of blocks not yet used in this cycle (refilled
-when fewer than gamma remain), the others are frozen, and active gradients are scaled by N_L / gamma.
-
-Frozen means what saves memory: requires_grad=False, grad=None and (policy 'drop') no optimizer
-state. Blocks are chosen by their index in model.blocks, never by parameter names, so nothing
-changes under DDP or torch.compile. Read top to bottom: the methods, build_cycler, the Cycler it
-returns (called every iteration by trainer.py), the StatePolicy of frozen units, the GroupSchedule
-that draws the groups, the random partitions. Algorithm 1 on the paper's least squares: experiments/linreg.py.
+Omni-Masked Gradient Descent (OMGD) and its LLM instance, LISA-wor layer cycling (Yang, Ren, Jiang, Tian,
+Peng: "Omni-Masked Gradient Descent"). Algorithm 2 (LISA-wor): every K iterations gamma middle blocks are
+drawn from a pool of blocks not yet used in this cycle, the others are frozen, and active gradients are
+scaled by N_L / gamma. Frozen: requires_grad=False, grad=None and (policy 'drop') no optimizer state.
+Blocks are chosen by their index in model.blocks, so nothing changes under DDP or torch.compile.
+Algorithm 1 on the paper's least squares: experiments/linreg.py.
 """
 
 import math
@@ -54,7 +49,7 @@ FIXED_ON_RESUME = {
 
 
 def check_always(parts):
-    """omgd_always's rule: a one-line ValueError for a part that is not an outer part."""
+    """omgd_always's rule: a ValueError for a part that is not an outer part."""
     unknown = [part for part in parts if part not in OUTER_PARTS]
     if unknown:
         raise ValueError(f"unknown omgd_always part(s) {unknown}; choose from {','.join(OUTER_PARTS)}")
@@ -75,8 +70,7 @@ class CyclerConfig:
 
     @classmethod
     def from_config(cls, cfg, method=None):
-        """From train.py's config: `method` (default cfg's) and each field's omgd_<field> key, so a field
-        a fork adds needs only its key in train_config.py."""
+        """From train.py's config: `method` (default cfg's) and each field's omgd_<field> key."""
         values = {f.name: cfg[f'omgd_{f.name}'] for f in fields(cls) if f'omgd_{f.name}' in cfg}
         if isinstance(values.get('always'), str):  # 'embed,pos,norm,head' on the command line
             values['always'] = tuple(part for part in values['always'].split(',') if part)
@@ -86,7 +80,7 @@ class CyclerConfig:
         """Raise a one-line ValueError for a configuration that cannot run on n_units units."""
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        for f in fields(self):  # each field with a rule: a field a fork adds is checked by its rule alone
+        for f in fields(self):  # a field a fork adds is checked by its rule alone
             if f'omgd_{f.name}' in RULES:
                 check_rule(f'omgd_{f.name}', getattr(self, f.name), RULES[f'omgd_{f.name}'])
         check_always(self.always)
@@ -95,9 +89,8 @@ class CyclerConfig:
 
 
 def build_cycler(model, optimizer, config):
-    """A Cycler over model.blocks (LISA methods) or over every tensor (tensor methods). config.always:
-    the outer parts that train at every step under the LISA methods (the others stay frozen); tensor
-    methods cycle the outer parts too, so they accept only the default (every outer part)."""
+    """A Cycler over model.blocks (block methods, with config.always's outer parts training at every step
+    and the others frozen) or over every tensor (tensor methods, which accept only every outer part)."""
     outer = model.outer_modules()
     if METHODS.get(config.method) and METHODS[config.method].unit == 'tensor':
         if not set(outer) <= set(config.always):
@@ -118,10 +111,8 @@ def build_cycler(model, optimizer, config):
 
 
 def trainable_parts(model):
-    """What trains now, found by module, whatever built the mask: {'outer': the names of model.outer_modules() and
-    'blocks': the indices in model.blocks} of those holding a parameter that requires a gradient. The cycled blocks
-    and what always trains (omgd_always's parts, a block a fork keeps on); under a tensor method a part counts
-    when any of its tensors trains."""
+    """What trains now, whatever built the mask: {'outer': names in model.outer_modules(), 'blocks': indices in
+    model.blocks} of the modules holding a parameter that requires a gradient."""
 
     def trains(module):
         return any(p.requires_grad for p in module.parameters())
@@ -137,16 +128,13 @@ def trainable_parts(model):
 
 
 class Cycler:
-    """A method's mask over a model's units (lists of parameters switched on and off together; a
-    parameter in no unit is left alone), drawn by a GroupSchedule: freezes and unfreezes the units,
-    applies their optimizer state policy, scales active gradients.
-    Per iteration: step(it), prefetch(it), forward/backward, scale_grads(), optimizer step."""
+    """A method's mask over units (lists of parameters switched together; others are left alone), drawn by a
+    GroupSchedule. Per iteration: step(it), prefetch(it), forward/backward, scale_grads(), optimizer step."""
 
     def __init__(self, units, optimizer, config):
         config.check(len(units))
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group['params']}
-        if any(id(p) not in in_optimizer for unit in units for p in unit):
-            # else the blocks frozen when the optimizer was built would never train
+        if any(id(p) not in in_optimizer for unit in units for p in unit):  # else they would never train
             raise ValueError(
                 "every parameter layer cycling may activate must be in the optimizer; "
                 "build the optimizer over all parameters before freezing anything"
@@ -202,8 +190,8 @@ class Cycler:
         return True
 
     def prefetch(self, iter_num):
-        """Call once per iteration, after step(iter_num). On a period's last iteration, draw the next
-        group (the same draws step would make) and, under 'offload', start copying its parked state back."""
+        """Call after step(iter_num). On a period's last iteration, peek at the next group and (under
+        'offload') start copying its parked state back."""
         if not self._switches_at(iter_num + 1):
             return
         group = self.schedule.peek()
@@ -237,8 +225,8 @@ class Cycler:
             p.grad.mul_(scale)
 
     def report(self, model):
-        """What a switch reports: the log line's description, and the record's values (`active`: the cycled
-        units now on; `trains`: trainable_parts(model), every part that trains, the always-on ones too)."""
+        """A switch's log description and record values: `active`, the cycled units on; `trains`, every part
+        that trains (trainable_parts)."""
         parts = trainable_parts(model)
         blocks = f"blocks {parts['blocks']}" if parts['blocks'] else 'no block'
         trains = ', '.join(parts['outer']) + (' and ' if parts['outer'] else '') + blocks
@@ -279,10 +267,9 @@ class Cycler:
 
 
 class StatePolicy:
-    """What happens to the optimizer state of a parameter that freezes: 'keep' leaves it where it is
-    (no saving; the paper's GPT-2 setting), 'drop' deletes it (the unit restarts from zero moments
-    and step 0 when it trains again). 'offload' is optimizer_offload.OffloadedState, with the same
-    methods: the state parked in host memory and copied back, a period early."""
+    """The optimizer state of a parameter that freezes: 'keep' leaves it (the paper's GPT-2 setting), 'drop'
+    deletes it (zero moments and step 0 when it trains again). 'offload' is optimizer_offload.OffloadedState,
+    with the same methods: the state parked in host memory and copied back a period early."""
 
     def __init__(self, optimizer, policy):
         self.optimizer, self.policy = optimizer, policy
@@ -291,17 +278,10 @@ class StatePolicy:
         if self.policy == 'drop':
             self.optimizer.state.pop(p, None)
 
-    def restore(self, p):
-        pass
+    def _nothing(self, *args):
+        """What 'keep' and 'drop' do at the hooks only 'offload' needs."""
 
-    def prefetch(self, params):
-        pass
-
-    def wait_for_prefetch(self):
-        pass
-
-    def finish_switch(self):
-        pass
+    restore = prefetch = wait_for_prefetch = finish_switch = _nothing
 
 
 def state_policy(optimizer, policy):
@@ -313,11 +293,9 @@ def state_policy(optimizer, policy):
 
 
 class GroupSchedule:
-    """Hands out one group of units per period. Without replacement (OMGD) a cycle's groups are one
-    random partition of the units, used in turn, then a new cycle draws a new one; for LISA-wor that
-    is floor(N_L/gamma) groups of gamma blocks, exactly Algorithm 2's pool, whose leftover (< gamma
-    blocks) the reset drops. With replacement (LISA, i.i.d. masks) every period draws a partition and
-    uses its first group. partitions_drawn: the cycle number without replacement, else the period."""
+    """One group of units per period. Without replacement (OMGD) a cycle uses the groups of one random
+    partition in turn (LISA-wor: Algorithm 2's pool of floor(N_L/gamma) groups); with replacement every
+    period draws a partition and uses its first group. partitions_drawn: the cycle, else the period."""
 
     def __init__(self, partition, replacement, generator):
         self.partition, self.replacement, self.generator = partition, replacement, generator
@@ -334,8 +312,7 @@ class GroupSchedule:
         return group
 
     def peek(self):
-        """The group next() will return. A partition drawn here is the one next() would draw
-        (same generator, same order), so peeking never changes which groups are chosen."""
+        """The group next() will return; peeking never changes which groups are chosen."""
         if not self.replacement and self.pending:
             return self.pending[0]
         if self.ahead is None:
@@ -369,8 +346,8 @@ def random_partition(n, sizes, generator):
 
 
 def balanced_partition(sizes, num_groups, generator):
-    """Split items at random into num_groups groups of about equal total size: visited in random order,
-    each goes to the lightest group: disjoint, complete, totals within one item of each other."""
+    """Split items at random into num_groups groups of about equal total size: in random order, each goes to
+    the lightest group (totals within one item of each other)."""
     groups, totals = [[] for _ in range(num_groups)], [0] * num_groups
     for i in torch.randperm(len(sizes), generator=generator).tolist():
         lightest = totals.index(min(totals))
@@ -380,12 +357,8 @@ def balanced_partition(sizes, num_groups, generator):
 
 
 def bernoulli_subset(n, ratio, generator):
-    """The paper's i.i.d. mask on n items: each kept independently with probability `ratio`.
-
-    An empty draw is redrawn: a period with nothing to train cannot run (backward reaches no
-    parameter). That raises P(kept) to r / (1 - (1-r)^n), so the Cycler scales by
-    (1 - (1-r)^n) / r, not 1/r: E[S] = 1 exactly for every item (float64: P(u < r) = r to 2^-53).
-    """
+    """The paper's i.i.d. mask on n items, each kept with probability `ratio`. An empty draw (nothing to
+    train) is redrawn, which raises P(kept) to r / (1 - (1-r)^n): the Cycler scales by its inverse."""
     while True:
         kept = (torch.rand(n, generator=generator, dtype=torch.float64) < ratio).nonzero().flatten()
         if len(kept):
