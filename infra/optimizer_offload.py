@@ -1,14 +1,11 @@
 """
-omgd_state='offload': the optimizer state of a frozen unit parked in host memory, and copied back a
-period before the unit trains again (omgd.Cycler calls these methods; omgd.StatePolicy has the same ones).
+omgd_state='offload': the optimizer state of a frozen unit parked in host memory and copied back a period
+before the unit trains again (omgd.Cycler calls these methods; omgd.StatePolicy has the same ones).
 
-On CUDA every copy runs on one side stream (CudaCopies), so neither the GPU nor the host waits for a
-switch: the copies out, one batch per switch, start after the compute queued before them, into pinned
-buffers kept from one switch to the next, and the copies back are queued a period early. One event
-marks the end of the copies out; every reader of the parked state waits for it: a copy back on the
-compute stream (restore without a prefetch) on the GPU, a checkpoint (optimizer.state_dict(), through
-a hook) on the host, and the side stream's copies back by its order. Elsewhere (CPU, meta) copies
-happen at once (ImmediateCopies). As torchao's CPU-offload optimizer does it.
+On CUDA every copy runs on one side stream (CudaCopies), so a switch waits for none: a switch's copies out go
+as one batch into pinned buffers kept between switches, and the copies back are queued a period early. Every
+reader of the parked state waits for the event after the copies out: a copy back on the compute stream, a
+checkpoint (optimizer.state_dict(), through a hook) on the host. As torchao's CPU-offload optimizer does it.
 """
 
 import weakref
@@ -17,15 +14,14 @@ import torch
 
 
 class ImmediateCopies:
-    """Copies done when they are asked for: devices without streams (CPU; meta has no data)."""
+    """Copies done when they are asked for (CPU; meta has no data). to_host takes [(value, host buffer)],
+    to_device [host tensor]; record() returns an event that the waits take."""
 
     def to_host(self, pairs):
-        """[(value, host buffer)]: each value copied into its buffer."""
         for value, buffer in pairs:
             buffer.copy_(value)
 
     def to_device(self, parked, device):
-        """[host tensor]: their copies on `device`."""
         return [t.to(device, copy=True) for t in parked]
 
     def record(self):
@@ -42,9 +38,8 @@ class ImmediateCopies:
 
 
 class CudaCopies(ImmediateCopies):
-    """Every copy on one side stream, in the order asked; events mark where the copies have got to.
-    A switch's copies go as one batch: one wait for the compute stream, one stream entry (a few CUDA
-    calls per tensor, not a dozen)."""
+    """Every copy on one side stream, in the order asked; a switch's copies go as one batch (one wait for the
+    compute stream, a few CUDA calls per tensor)."""
 
     def __init__(self, device):
         self.stream = torch.cuda.Stream(device)
@@ -84,14 +79,10 @@ def copies_for(device):
 
 
 class OffloadedState:
-    """The optimizer state of frozen parameters in host memory (pinned under CUDA).
-
-    release(p)      p froze: its moments (not scalar 'step's) are parked at the end of the switch
-    prefetch(ps)    start copying back the parked state of ps (the next group), a period early
-    wait_for_prefetch()  before a switch: the compute stream waits for those copies
-    restore(p)      p trains again: its prefetched copy, or a copy back now
-    finish_switch() after a switch: the released states are parked, in one batch (asynchronously under
-                    CUDA), and copies of units left frozen are dropped
+    """The optimizer state of frozen parameters in host memory (pinned under CUDA). A period before a switch,
+    prefetch(ps) starts copying back the next group's state; the switch calls wait_for_prefetch(), restore(p)
+    for each unit that trains again (its prefetched copy, or a copy now), release(p) for each that froze, and
+    finish_switch(), which parks the released moments (not scalar 'step's) in one batch.
     copies: device -> ImmediateCopies or CudaCopies (tests give their own)."""
 
     def __init__(self, optimizer, copies=copies_for):
@@ -103,8 +94,8 @@ class OffloadedState:
         self.prefetched = {}  # param -> {state key: its copy back, started by prefetch()}
         self.parked = {}  # device -> the event after its last copy out
         self.prefetch_done = {}  # device -> the event after its last prefetch
-        # a checkpoint reads optimizer.state_dict() on the host: the copies out must have landed
-        # (a weak reference: the optimizer does not keep this object alive)
+        # a checkpoint reads optimizer.state_dict() on the host once the copies out have landed (a weak
+        # reference: the optimizer does not keep this object alive)
         wait = weakref.WeakMethod(self.wait_parked)
         optimizer.register_state_dict_pre_hook(lambda optimizer: wait() and wait()())
 
@@ -136,7 +127,7 @@ class OffloadedState:
             copies.to_host(pairs)
             self.parked[device] = copies.record()
         self.releasing = []
-        self.prefetched = {}
+        self.prefetched = {}  # copies of units left frozen are dropped
 
     def restore(self, p):
         devices = self.offloaded.pop(p, None)
