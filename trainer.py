@@ -1,12 +1,8 @@
 """
-Trainer, the owner of one training iteration, and what an iteration needs around it: the
-learning rate (get_lr), autocast and the loss scaler. train.py, the benchmarks and the experiments
-all step the same Trainer (builder.py builds what it trains); what a run reports (log lines,
-records, MFU) is infra/metrics.py's; under torchrun, the model it runs and syncs (ParallelModel: DDP
-rebuilt at every switch, or FSDP2 resharded) and the ranks' collectives (Ranks) are infra/distributed.py's.
-
-One iteration's path: train.py's loop -> Trainer.step -> omgd.Cycler (switch, optimizer state,
-gradient scale) -> model.py's forward and backward, the next batch from dataloader.py.
+Trainer, the owner of one training iteration (train.py, the benchmarks and the experiments step the same
+one), and what an iteration needs around it: the learning rate (get_lr), autocast and the loss scaler.
+One iteration: Trainer.step -> omgd.Cycler (switch, optimizer state, gradient scale) -> the model's forward
+and backward, the next batch. Reporting is infra/metrics.py's, DDP/FSDP infra/distributed.py's.
 """
 
 import math
@@ -37,26 +33,20 @@ def autocast_context(cfg, device_type):
 
 
 def grad_scaler(cfg, device_type):
-    """nanoGPT's loss scaling for float16 autocast, a no-op otherwise. On CPU (fp32 compute) it
-    only scales by a power of two and back, which lets tests run this path."""
+    """nanoGPT's loss scaling for float16 autocast, a no-op otherwise (on the CPU the tests run it: exact)."""
     enabled = cfg['precision'] == 'amp' and cfg['dtype'] == 'float16' and device_type != 'meta'  # meta: shapes only
     return torch.amp.GradScaler(device_type, enabled=enabled)
 
 
 class Trainer:
-    """One run's iteration and everything it touches: config, model, optimizer, layer cycler, the
-    parallel model that syncs gradients, loss scaler, the training batches and their position, and the
-    iteration counter. train.py, the benchmarks and the experiments drive the same object.
+    """One run's iteration and everything it touches.
 
-    batches: an iterator of (x, y, position) micro-batches (dataloader.TokenBatches.iterate; the
-    benchmarks yield random ones with position None). The step fetches one micro-batch ahead, so
-    `data_position` is the position of the batch held for the next step: what a checkpoint stores.
-    parallel: distributed.ParallelModel (DDP/FSDP); None trains `model` in this process.
-    grad_accum: micro-steps of this rank per iteration (default: the config's).
-    iter_num: the iteration the next step runs (a resume's: the checkpoint's).
-    autocast, backward: replace the config's autocast and loss.backward() (bench_memory's meta device).
-    observer: an object with after_switch(trainer, switched) and/or before_zero_grad(trainer),
-    called inside each step (--ddp_check, the experiments' probes); None in a plain run.
+    batches: an iterator of (x, y, position) micro-batches (dataloader.TokenBatches.iterate; position None
+    for random ones), fetched one ahead. parallel: distributed.ParallelModel (DDP/FSDP), or None.
+    grad_accum: micro-steps of this rank per iteration (default: the config's). iter_num: the iteration
+    the next step runs. autocast, backward: replace the config's autocast and loss.backward() (the meta
+    device). observer: an object with after_switch(trainer, switched) and/or before_zero_grad(trainer),
+    called inside each step (--ddp_check, the experiments' probes).
     """
 
     def __init__(
@@ -84,7 +74,7 @@ class Trainer:
 
     @property
     def data_position(self):
-        """Where the training data continues: the position of the batch fetched for the next step."""
+        """Where the training data continues (what a checkpoint stores): the batch fetched for the next step."""
         return self.batch[2] if self.batch is not None else None
 
     def next_batch(self):
@@ -115,14 +105,11 @@ class Trainer:
         return loss, switched
 
     def train_step(self, model, sync=None, micro_steps=None):
-        """One optimizer step over grad_accum (or micro_steps) micro-batches; returns the loss (detached tensor).
-
-        The next micro-batch is fetched right after each forward, so the host prepares data while
-        the GPU computes. The OMGD scale goes once per step, after all micro-steps, before or after
-        clipping (cfg's omgd_scale_after_clip: the paper's code clips first). loss: the last
-        micro-batch's (no sync here). sync(last): DDP/FSDP gradient sync on the last micro-step only.
-        """
-        grad_accum, scaler = micro_steps or self.grad_accum, self.scaler or torch.amp.GradScaler(enabled=False)
+        """One optimizer step over grad_accum (or micro_steps) micro-batches; returns the last one's loss
+        (detached, not synced). The next micro-batch is fetched right after each forward, while the GPU computes.
+        The OMGD scale goes once, before or after clipping (omgd_scale_after_clip: the paper's code clips first).
+        sync(last): the DDP/FSDP gradient sync, on the last micro-step only."""
+        grad_accum, scaler = micro_steps or self.grad_accum, self.scaler
         grad_clip, scale_after_clip = self.cfg['grad_clip'], self.cfg['omgd_scale_after_clip']
         if self.batch is None:
             self.next_batch()
@@ -153,8 +140,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, eval_batches, eval_iters, ranks=None, device='cpu'):
-        """{split: mean loss} over eval_iters fixed batches of each split (the same windows at
-        every evaluation), averaged over ranks; the model is left in training mode."""
+        """{split: mean loss} over the same eval_iters batches of each split every time, averaged over ranks."""
         out = {}
         self.model.eval()
         for split, batches in eval_batches.items():
@@ -171,9 +157,8 @@ class Trainer:
         return out
 
     def values(self):
-        """What an iteration's log line and record report of the step just taken, beside its loss: the learning
-        rate as applied, read from the optimizer's groups: `lr` when every group applied the same rate, else
-        `lr_g<i>` of each group i (a group's lr_scale scales the schedule). A fork's own figure goes here too."""
+        """What an iteration's log line and record report beside its loss: the learning rate as applied, `lr`
+        when every group applied the same, else `lr_g<i>` of each group i. A fork's own figure goes here too."""
         rates = [group['lr'] for group in self.optimizer.param_groups]
         if len(set(rates)) == 1:
             return {'lr': rates[0]}
