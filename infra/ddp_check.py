@@ -1,14 +1,10 @@
 """
-`--ddp_check=True`: the invariants of layer cycling under DDP or FSDP2, asserted on every rank
-after every optimizer step (the torchrun tests run with it; it hashes all weights, so it is slow).
-
-Every rank reports its active set, a SHA-256 of all weights, whether the previous DDP wrapper is
-freed (by reference counting), whether its frozen parameters are bitwise unchanged since the
-switch, whether gradients and optimizer state exist exactly for the active parameters, and how
-much it communicated: DDP's bucket all-reduces and FSDP2's reduce-scatters are replaced by
-counting versions of the same collectives. Every rank compares all reports.
-
-train.py hands the Trainer a RankCheck as its observer when the flag is set; nothing here runs otherwise.
+`--ddp_check=True`: the invariants of layer cycling under DDP or FSDP2, asserted on every rank after every
+optimizer step (the torchrun tests run with it; it hashes all weights, so it is slow). Each rank reports its
+active set, a SHA-256 of all weights, whether the previous DDP wrapper was freed by reference counting,
+whether frozen parameters are bitwise unchanged since the switch, whether gradients and optimizer state exist
+exactly for the active parameters, and what it communicated (DDP's all-reduces and FSDP2's reduce-scatters
+are replaced by counting versions of the same collectives); every rank compares all reports.
 """
 
 import hashlib
@@ -40,12 +36,9 @@ class Checker:
         ]
 
     def check(self, wrapper, optimizer, cycler, state_policy):
-        """After the optimizer step, gradients still in place: every rank reports what must hold after a
-        switch, and every rank compares all reports (a collective). Returns (problems, summary).
-
-        wrapper: the DDP wrapper, or None (one process, or FSDP, where `model` itself is sharded).
-        The communication counters are reset for the next step.
-        """
+        """After the optimizer step, gradients still in place: every rank reports, and compares all reports (a
+        collective); the counters restart. wrapper: the DDP wrapper, or None (one process, or FSDP).
+        Returns (problems, summary)."""
         ranks, comm, fsdp = self.ranks, self.comm, self.fsdp_units is not None
         params = list(self.model.parameters())  # deduplicated: the tied head is the embedding
         active = [p for p in params if p.requires_grad]
@@ -101,25 +94,24 @@ class Checker:
         problems = [k for k, v in report.items() if isinstance(v, bool) and not all(r[k] for r in reports)]
         problems += [f"ranks differ in {k}" for k in ('active', 'weights') if any(r[k] != report[k] for r in reports)]
         if fsdp:
-            summary = (
-                f"fsdp check: {ranks.world_size} ranks agree on active {report['active']} and weights sha256 "
-                f"{report['weights'][:16]}; {report['active elements']} active elements, reduce-scattered "
-                f"{report['comm elements']} (padded); one reduce-scatter per unit with active parameters; "
-                f"frozen untouched, no frozen gradients, optimizer state only for active parameters"
+            kind, sent = 'fsdp', f"reduce-scattered {report['comm elements']} (padded)"
+            once, last = (
+                'one reduce-scatter per unit with active parameters',
+                'optimizer state only for active parameters',
             )
         else:
-            summary = (
-                f"ddp check: {ranks.world_size} ranks agree on active {report['active']} and weights sha256 "
-                f"{report['weights'][:16]}; {report['active elements']} active elements, DDP buckets "
-                f"{report['comm elements']}; one all-reduce per bucket; frozen untouched, no frozen gradients, "
-                f"old wrapper freed"
-            )
+            kind, sent = 'ddp', f"DDP buckets {report['comm elements']}"
+            once, last = 'one all-reduce per bucket', 'old wrapper freed'
+        summary = (
+            f"{kind} check: {ranks.world_size} ranks agree on active {report['active']} and weights sha256 "
+            f"{report['weights'][:16]}; {report['active elements']} active elements, {sent}; {once}; "
+            f"frozen untouched, no frozen gradients, {last}"
+        )
         return problems, summary
 
 
 def counted_allreduce(counter, bucket):
-    """DDP's default all-reduce (its documented reference hook, same result), counted, to verify
-    that gradient accumulation communicates on the last micro-step only."""
+    """DDP's default all-reduce (its reference hook), counted: accumulation communicates on the last micro-step."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     counter[0] += 1
@@ -127,8 +119,7 @@ def counted_allreduce(counter, bucket):
 
 
 class CountedReduceScatter:
-    """FSDP2's reduce-scatter (the same collective), counting calls and elements, to verify that
-    only active gradients, and only on the last micro-step, are sent."""
+    """FSDP2's reduce-scatter, counting calls and elements: only active gradients, on the last micro-step."""
 
     def __new__(cls, counter):
         from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
@@ -146,9 +137,8 @@ class CountedReduceScatter:
 
 
 def reduce_scatter_single():
-    """The reduce-scatter of one tensor into one shard that FSDP2 calls, in the installed torch:
-    dist.reduce_scatter_single from torch 2.13 (which deprecates reduce_scatter_tensor), the same
-    collective under its older name reduce_scatter_tensor before (torch 2.9 to 2.12 have only it)."""
+    """The collective FSDP2 calls: dist.reduce_scatter_single from torch 2.13, which deprecates its older name
+    reduce_scatter_tensor (torch 2.9 to 2.12 have only that)."""
     return getattr(dist, 'reduce_scatter_single', None) or dist.reduce_scatter_tensor
 
 
@@ -169,11 +159,9 @@ class CheckFailed(RuntimeError):
 
 
 class RankCheck:
-    """The Trainer's observer for `--ddp_check=True`: after each rebuild of `parallel`
-    (distributed.ParallelModel) it starts counting the new wrapper's communication and snapshots the
-    frozen weights; after every optimizer step, gradients still in place, it runs the checks and
-    raises CheckFailed, on every rank alike, when a report differs. `summary` holds the last step's
-    one-line summary."""
+    """The Trainer's observer for `--ddp_check=True`: after each rebuild of `parallel` (ParallelModel) it counts
+    the new wrapper's communication and snapshots the frozen weights; after every optimizer step it checks and
+    raises CheckFailed on every rank alike. `summary`: the last step's line."""
 
     def __init__(self, parallel, fsdp_units=None):
         self.parallel, self.summary, self.switches_seen = parallel, None, 0
