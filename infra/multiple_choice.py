@@ -1,10 +1,8 @@
 """
-Multiple choice in HellaSwag's format, scored as lm-evaluation-harness scores HellaSwag: eval.py's
-benchmark and train.py's periodic one (eval_mc_path) call the same functions.
-
-A file holds one JSON object a line (ctx_a, ctx_b, endings, label, activity_label). Each ending is
-scored after a space by the sum of its tokens' log-probabilities given the context: acc takes the
-largest sum, acc_norm the largest sum per character of the ending.
+Multiple choice in HellaSwag's format (one JSON object a line: ctx_a, ctx_b, endings, label, activity_label),
+scored as lm-evaluation-harness scores HellaSwag: each ending, after a space, by the sum of its tokens'
+log-probabilities given the context; acc takes the largest sum, acc_norm the largest sum per character.
+eval.py and train.py's periodic benchmark (eval_mc_path) call the same functions.
 """
 
 import json
@@ -21,8 +19,7 @@ class EvalError(ValueError):
 
 
 def preprocess(text):
-    """lm-evaluation-harness's HellaSwag clean-up (tasks/hellaswag/utils.py): WikiHow's [title] and
-    [header] markers."""
+    """lm-evaluation-harness's HellaSwag clean-up (tasks/hellaswag/utils.py) of WikiHow's [title] markers."""
     text = text.strip()
     text = text.replace(" [title]", ". ")
     text = re.sub("\\[.*?\\]", "", text)
@@ -30,9 +27,7 @@ def preprocess(text):
 
 
 def mc_example(doc, where):
-    """{'query', 'choices', 'gold'} of one HellaSwag example, as lm-evaluation-harness builds them:
-    query = activity_label + ': ' + ctx_a + ' ' + ctx_b capitalised (ctx alone when there is no ctx_a),
-    the endings cleaned up alike; each choice is scored after a space."""
+    """{'query', 'choices', 'gold'} of one HellaSwag example, as lm-evaluation-harness builds them."""
     if not isinstance(doc, dict):
         raise EvalError(f"{where}: a {type(doc).__name__}, not a JSON object with ctx_a, ctx_b, endings and label")
     endings = doc.get('endings')
@@ -63,9 +58,8 @@ def mc_example(doc, where):
 
 
 def read_mc(path, limit=0, encode=None):
-    """The examples of a HellaSwag-format jsonl file (mc_example each), the first `limit` when limit > 0;
-    an EvalError naming the file and line of anything else. encode: every text must encode (train.py's
-    eval_mc_path: text the tokenizer cannot encode is refused at the start, not at an evaluation)."""
+    """The examples of a HellaSwag jsonl file, the first `limit` when limit > 0, or an EvalError naming the
+    file and line. encode: every text must encode (train.py refuses it at the start, not at an evaluation)."""
     try:
         with open(path, encoding='utf-8') as f:
             lines = f.readlines()
@@ -96,18 +90,17 @@ def read_mc(path, limit=0, encode=None):
 
 
 def encode_pair(encode, context, continuation):
-    """(context ids, continuation ids) as lm-evaluation-harness splits them: the whole text encoded, the
-    continuation being what follows the context's own encoding."""
+    """(context ids, continuation ids) as lm-evaluation-harness splits them: what follows the context's own
+    encoding in the whole text's."""
     whole, ctx = encode(context + continuation), encode(context)
     return ctx, whole[len(ctx) :]
 
 
 @torch.no_grad()
 def continuation_logprobs(model, requests, device='cpu', autocast=nullcontext(), batch_size=16, progress=False):
-    """The sum of log-probabilities of each (context ids, continuation ids) request's continuation given its
-    context, in float64; a request longer than block_size + 1 tokens loses tokens on the left, as
-    lm-evaluation-harness truncates. The head runs on the continuations' positions only. progress: a bar on
-    stderr (eval.py; train.py's evaluations log a line instead)."""
+    """Each (context ids, continuation ids) request's sum of continuation log-probabilities, in float64; a
+    request longer than block_size + 1 tokens loses tokens on the left, as lm-evaluation-harness truncates.
+    The head runs on the continuations' positions only. progress: a bar on stderr."""
     block_size = model.config.block_size
     sums = []
     for i in tqdm(range(0, len(requests), batch_size), desc='scoring choices', unit='batch', disable=not progress):
@@ -133,10 +126,8 @@ def continuation_logprobs(model, requests, device='cpu', autocast=nullcontext(),
 
 
 def mc_accuracy(model, examples, encode, device='cpu', autocast=nullcontext(), batch_size=16, progress=False):
-    """{'acc', 'acc_norm', 'n'} of a model on read_mc() examples, as lm-evaluation-harness scores HellaSwag:
-    each choice, after a space, by the sum of its tokens' log-probabilities (acc), that sum divided by
-    the choice's length in characters (acc_norm); the first of equal scores wins. encode: text -> ids.
-    The model is put in eval mode and back. Raises EvalError for text the tokenizer cannot encode."""
+    """{'acc', 'acc_norm', 'n'} of a model on read_mc() examples; the first of equal scores wins. encode: text
+    -> ids (an EvalError for text it cannot encode). The model is put in eval mode and back."""
     requests, spans = [], []
     for number, ex in enumerate(examples):
         try:
