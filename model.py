@@ -76,14 +76,10 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters and state_dict); a frozen layer under autocast runs FrozenLinear."""
 
     def forward(self, x):
-        if (
-            not self.weight.requires_grad
-            and (self.bias is None or not self.bias.requires_grad)
-            and torch.is_grad_enabled()
-        ):
-            dtype = autocast_dtype(x.device.type)
-            if dtype is not None:
-                return FrozenLinear.apply(x, self.weight, self.bias, dtype)
+        frozen = not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
+        dtype = autocast_dtype(x.device.type) if frozen and torch.is_grad_enabled() else None
+        if dtype is not None:
+            return FrozenLinear.apply(x, self.weight, self.bias, dtype)
         return super().forward(x)
 
 
@@ -279,16 +275,11 @@ class GPT2Attention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
-def rotate_half(x):
-    # HF's half-split convention, so LLaMA checkpoints could be imported unpermuted
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary(x, cos, sin):
-    # rotate in fp32: bf16 angles lose precision at large positions
+    # in fp32 (bf16 angles lose precision at large positions), halves split as HF's LLaMA checkpoints are
     xf = x.float()
-    return (xf * cos + rotate_half(xf) * sin).type_as(x)
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).type_as(x)
 
 
 class Rotary(nn.Module):
@@ -414,8 +405,7 @@ class KVCache:
         self.layers = [LayerCache(max_len) for _ in range(n_layer)]
 
     @property
-    def length(self):
-        """Positions held (by every layer, between forwards)."""
+    def length(self):  # positions held, by every layer between forwards
         return self.layers[0].length
 
 
