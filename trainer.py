@@ -33,7 +33,8 @@ def autocast_context(cfg, device_type):
 
 
 def grad_scaler(cfg, device_type):
-    """nanoGPT's loss scaling for float16 autocast, a no-op otherwise (on the CPU the tests run it: exact)."""
+    """nanoGPT's loss scaling for float16 autocast, a no-op otherwise (on the CPU, where tests run it, it
+    scales by a power of two and back)."""
     enabled = cfg['precision'] == 'amp' and cfg['dtype'] == 'float16' and device_type != 'meta'  # meta: shapes only
     return torch.amp.GradScaler(device_type, enabled=enabled)
 
