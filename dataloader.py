@@ -172,9 +172,9 @@ class TokenBatches:
         self.epoch, self.windows_done = state['epoch'], state['windows_consumed']
 
 
-# where dataset names are looked up: the checkout's data/, or OMGD_DATA_ROOT (a shared data disk; the tests'
-# temporary folder)
-DATA_ROOT = os.environ.get('OMGD_DATA_ROOT') or os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')  # the checkout's data/<name>/prepare.py
+# where dataset names are looked up: data/, or OMGD_DATA_ROOT (a shared data disk; the tests' temporary folder)
+DATA_ROOT = os.environ.get('OMGD_DATA_ROOT') or SCRIPTS
 EMBEDDED = ('shakespeare', 'shakespeare_char')  # corpora shipped in packages: prepared on first use
 
 
@@ -186,11 +186,10 @@ def data_dir(dataset):
 def prepare_advice(dataset):
     """What to do about a dataset with no prepared splits: run its prepare script, or (a mistyped name) the
     datasets that there are."""
-    scripts = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')  # data/<name>/prepare.py
-    if os.path.isfile(os.path.join(scripts, dataset, 'prepare.py')):
+    if os.path.isfile(os.path.join(SCRIPTS, dataset, 'prepare.py')):
         return f"run `python data/{dataset}/prepare.py` first"
     names = set()
-    for root, has in ((scripts, ('prepare.py',)), (DATA_ROOT, ('train.bin', 'val.bin'))):
+    for root, has in ((SCRIPTS, ('prepare.py',)), (DATA_ROOT, ('train.bin', 'val.bin'))):
         if os.path.isdir(root):
             names.update(d for d in os.listdir(root) if any(os.path.isfile(os.path.join(root, d, f)) for f in has))
     return (
