@@ -16,8 +16,6 @@ import math
 import sys
 import traceback
 
-INT64 = (-(2**63), 2**63 - 1)  # torch's integers (seeds, sizes); beyond them it fails in its own words
-
 
 class ConfigError(ValueError):
     pass
@@ -54,7 +52,7 @@ def coerce(key, value, default):
             raise ConfigError(f"{key}={value!r} is not a finite number; give one such as {default!r}")
         return number
     if want is int and numeric and isinstance(value, int):
-        if not INT64[0] <= value <= INT64[1]:
+        if not -(2**63) <= value < 2**63:  # seeds, sizes: beyond, torch fails in its own words
             raise ConfigError(
                 f"{key}={value} does not fit in 64 bits (torch's integers, -2**63 .. 2**63-1); "
                 f"give a {key} in that range"
