@@ -25,12 +25,8 @@ class Metrics:
         self.cfg, self.master, self.world_size = cfg, ranks.master, ranks.world_size
         self.cuda = device.startswith('cuda')
         self.peak_flops = peak_bf16_flops(device)
-        self.records = Records(
-            cfg['out_dir'],
-            self.master and not cfg['eval_only'],
-            resumed_from=resumed_from,
-            wandb_log=cfg['wandb_log'] and self.master,
-        )
+        writes = self.master and not cfg['eval_only']
+        self.records = Records(cfg['out_dir'], writes, resumed_from, wandb_log=cfg['wandb_log'] and self.master)
         self.running_mfu = None  # the moving average of the logged iterations' MFU
         self.flops_per_token = None  # MFU's numerator, counted again after a switch
 
