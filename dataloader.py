@@ -31,31 +31,29 @@ def open_tokens(path, prepare_hint, dtype='uint16', n_ids=None):
     ids not `dtype` wide (uint32 read as uint16 would train on every id followed by a 0)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found; run `{prepare_hint}` first")
+    again = f"run `{prepare_hint}` again"
     if os.path.isdir(path):
-        raise ValueError(f"{path} is a directory, not a file of token ids; run `{prepare_hint}` again")
+        raise ValueError(f"{path} is a directory, not a file of token ids; {again}")
     if not os.path.isfile(path):  # /dev/zero, a named pipe, a socket: no size to check, and a pipe blocks the read
-        raise ValueError(
-            f"{path} is not a regular file (a device, pipe or socket), not a file of token ids; "
-            f"run `{prepare_hint}` again"
-        )
+        raise ValueError(f"{path} is not a regular file (a device, pipe or socket), not a file of token ids; {again}")
     size, itemsize = os.path.getsize(path), np.dtype(dtype).itemsize
     if size == 0 or size % itemsize:
         raise ValueError(
             f"{path} has {size} bytes, not a whole number of {dtype} ids ({itemsize} bytes each): "
-            f"it is empty, cut short or of another dataset; run `{prepare_hint}` again"
+            f"it is empty, cut short or of another dataset; {again}"
         )
     other = {'uint16': 'uint32', 'uint32': 'uint16'}[dtype]
     if n_ids and size == n_ids * np.dtype(other).itemsize:  # another length: the file changed (a resume warns)
         raise ValueError(
             f"{path} holds the {n_ids} ids meta.pkl records as {other} ({size} bytes), but meta.pkl "
-            f"says dtype={dtype}; run `{prepare_hint}` again, or fix meta.pkl's dtype"
+            f"says dtype={dtype}; {again}, or fix meta.pkl's dtype"
         )
     ids = np.memmap(path, dtype=dtype, mode='r')
     head = ids[: min(len(ids), 1 << 16) // 2 * 2]
     if dtype == 'uint16' and len(head) >= 2048 and not head[1::2].any() and head[0::2].any():
         raise ValueError(
             f"{path} looks like uint32 ids (every second uint16 is 0) but meta.pkl says dtype=uint16 "
-            f"(or there is no meta.pkl); run `{prepare_hint}` again, or fix meta.pkl's dtype"
+            f"(or there is no meta.pkl); {again}, or fix meta.pkl's dtype"
         )
     return ids
 
