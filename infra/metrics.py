@@ -31,7 +31,12 @@ class Metrics:
         self.flops_per_token = None  # MFU's numerator, counted again after a switch
 
     def start_wandb(self, run_id):
-        return self.records.start_wandb(self.cfg, run_id)
+        """The wandb run's id (None without wandb); a resume continues its checkpoint's run, `run_id`."""
+        wandb, cfg = self.records.wandb, self.cfg
+        if wandb is not None:
+            run_id = run_id or wandb.util.generate_id()
+            wandb.init(project=cfg['wandb_project'], name=cfg['wandb_run_name'], config=cfg, id=run_id, resume='allow')
+        return run_id
 
     def header(self, model, checkpointer, tokens_per_iter, warnings=()):
         """The head of the log: the warnings handed in, the config, the model, what the run starts from."""
@@ -151,15 +156,6 @@ class Records:
                     "wandb_log=True needs the wandb package: pip install wandb, or drop --wandb_log"
                 ) from None
             self.wandb = wandb
-
-    def start_wandb(self, cfg, run_id):
-        """The wandb run's id (None without wandb); a resume continues its checkpoint's run, `run_id`."""
-        if self.wandb is not None:
-            run_id = run_id or self.wandb.util.generate_id()
-            self.wandb.init(
-                project=cfg['wandb_project'], name=cfg['wandb_run_name'], config=cfg, id=run_id, resume='allow'
-            )
-        return run_id
 
     def _start(self):
         """At the first record, not before: a run refused at start leaves the earlier file as it was."""
