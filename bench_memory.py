@@ -1,75 +1,39 @@
 """
-GPU memory of a training iteration, split like the OMGD paper's LLaMA-7B table: model weights,
-gradients, optimizer state, and "others" (activations, temporaries, workspaces) = peak allocated
-minus the other three. It measures train.py's own iteration: the config is train.py's (its keys,
-or one of its config files), the model, optimizer and cycler come from builder.build and the
-measured iteration is Trainer.step, the iteration train.py's loop runs.
+GPU memory of train.py's iteration, split like the OMGD paper's LLaMA-7B table: model weights,
+gradients, optimizer state, and "others" (activations, temporaries, workspaces) = the peak minus
+those three. Each row is memory_estimate.measure: train.py's config, builder.build's model,
+optimizer and cycler, and Trainer.step, the iteration train.py's loop runs (docs/memory.md).
 
 $ python bench_memory.py config/llama7b_lisa_wor.py --vocab_size=32000 \
       --methods=full,galore,golore,lisa,lisa_wor                     # the paper's table (LLaMA's vocabulary)
 $ python bench_memory.py config/llama7b_lisa_wor.py                  # the config you will train
 $ python bench_memory.py config/gpt2_lisa_wor.py --methods=full,lisa_wor --precisions=amp,bf16_master
 
-Every key of train.py is accepted with its meaning there (preset, n_layer, ..., batch_size,
-block_size, gradient_accumulation_steps, method, omgd_gamma, omgd_state, omgd_always, galore_*,
-learning_rate, weight_decay, beta1, beta2, grad_clip, omgd_scale_after_clip,
-activation_checkpointing, precision, master_device, dtype, compile, ...); keys that only concern
-data, evaluation or logging are accepted and unused. Keys of this script:
+Every key of train.py is accepted with its meaning there; the defaults are train.py's on a GPU
+machine (dtype bfloat16, compile True). Keys of this script:
   methods       comma-separated methods, one row each ('': the config's `method`)
-  precisions    comma-separated PRECISION or PRECISION:MASTER_DEVICE, e.g. bf16,bf16_master,
-                bf16_master:cpu: the rows of every method under each ('': the config's precision
-                and master_device). train.py's precision keys (builder.py):
-                  amp          fp32 weights, gradients and AdamW state, forward under `dtype` autocast
-                  bf16         bf16 weights, gradients and AdamW state (the paper's table)
-                  bf16_master  bf16 weights and gradients, fp32 master copy and fp32 moments of the
-                               parameters that train now; :cpu keeps them, and the AdamW step, on
-                               the CPU (ZeRO-Offload style; the CPU state column, not GPU memory)
+  precisions    comma-separated PRECISION or PRECISION:MASTER_DEVICE (train.py's precision keys,
+                e.g. bf16,bf16_master,bf16_master:cpu): the rows of every method under each ('': the
+                config's precision and master_device)
   micro_batches micro-batches the measured iteration runs, of gradient_accumulation_steps
                 (0: all; the third and later allocate nothing the second did not)
   device        auto (cuda if available, else meta), cuda, meta or cpu
   out           output prefix for .md/.json/.png; '' -> out/memory_<preset> (git-ignored)
-The defaults are train.py's on a GPU machine (dtype bfloat16, compile True), so a config file
-or --key=value means here what it means to train.py.
 
-The paper's setting is config/llama7b_lisa_wor.py (pure bf16, micro-batch 16 x 256 tokens of 32
-accumulation steps, activation checkpointing, 2 of 32 blocks plus embedding, final norm and head,
-GaLore/GoLore rank 128 on every attention and MLP matrix, projectors not counted as optimizer
-state) with LLaMA's vocabulary 32000 instead of the config's GPT-2 50304.
+Iteration 0 is the warm-up: the switch freezes the other blocks and the step creates the optimizer
+state (under omgd_state='keep', one iteration at every switch of a full cycle, so every block holds
+state). The measured iteration is the next one, the costliest, since the state exists during the
+forward/backward. Weights, gradients and optimizer state are exact tensor bytes; GaLore's projectors
+(inside Others) and CPU-resident state (masters, moments) have columns of their own. Everything is freed
+between rows.
 
-For every row, memory_estimate.measure: builder.build (the model is constructed directly on the device, on meta without
-memory), then train.py's iteration, Trainer.step (switch, prefetch, step).
-Iteration 0 (one micro-batch) is the warm-up: the switch freezes the other blocks and the step
-creates the optimizer state (and GaLore's projectors). Under omgd_state='keep' the warm-up runs
-one iteration at every switch of a full cycle, so every block holds state, what 'keep' converges
-to; 'drop' and 'offload' leave the same bytes on the GPU (frozen blocks' state is absent or in
-CPU memory). The measured iteration is the next one, the second of a switching period (with
-omgd_period=1 it is a switch itself), the costliest, since the state already exists during the
-forward/backward: `micro_batches` forward/backward passes that accumulate gradients, the gradient
-clipping and OMGD scale in train.py's order (omgd_scale_after_clip), the optimizer step.
-Weights, gradients and optimizer state are exact tensor bytes (memory_estimate.memory_bytes, taken by
-train_step's before_zero_grad hook; the optimizer column leaves out GaLore's projectors and
-CPU-resident state, reported apart: the GaLore column counts the projectors on the device, the
-CPU state column the master copies, moments and projectors on the CPU). Everything is freed between rows.
-
-Where it runs (--device):
-  cuda: measured. Peak = torch.cuda.max_memory_allocated over the measured iteration (after
-        reset_peak_memory_stats), reserved = max_memory_reserved. compile=True compiles every
-        block as train.py does (then LiveBytes does not run).
-  meta (auto without a GPU): an ESTIMATE, labelled so in every output. The same code runs on
-        meta tensors (shapes and dtypes, no data, no memory). Weights, gradients and optimizer
-        state are still exact: the real optimizer step runs on meta tensors and allocates its
-        real state. The peak is memory_estimate.LiveBytes' count of live tensor bytes over the
-        measured iteration; "others" = that peak minus weights, grads and state. The forward
-        and backward run under memory_estimate.MetaAsCuda (GPU attention kernels, CUDA autocast
-        for precision=amp): it is train_step's autocast, and its backward() is train_step's
-        backward hook. master_device='cpu' and activation_offload=True are emulated: masters,
-        moments and offloaded activations stay on the one device, marked as host memory.
-        Eager only (compile is ignored), no loss scaling, no reserved figure; memory_estimate.py
-        lists what is not modelled.
-  cpu:  runs for real on the CPU, as train.py on a CPU (fp32 compute), counted by LiveBytes
-        (for tests of the non-meta code path).
-On cuda LiveBytes runs too, and its peak is stored in the JSON ('tracked_peak') to check the
-meta estimator against the measurement.
+  cuda  measured: peak = max_memory_allocated over the measured iteration, reserved =
+        max_memory_reserved; LiveBytes' count goes to the JSON too ('tracked_peak').
+  meta  an ESTIMATE, labelled so in every output: the same code on meta tensors, the peak counted
+        by memory_estimate.LiveBytes under MetaAsCuda (GPU attention kernels and autocast); CPU
+        masters and offloaded activations are counted as host memory. Eager only, no loss scaling,
+        no reserved figure; memory_estimate.py lists what is not modelled.
+  cpu   runs for real on the CPU (fp32 compute), counted by LiveBytes.
 """
 
 import json
@@ -83,18 +47,7 @@ import builder
 import train_config
 from configurator import at_least, check_rule, command_line
 from infra import memory_options
-from memory_estimate import (
-    check_fits,
-    measure,
-    model_config,
-    model_name,
-    precision_label,
-    resolve_device,
-    row_configs,
-)
-
-ROOT = os.path.dirname(os.path.abspath(__file__))
-
+from memory_estimate import check_fits, measure, model_config, model_name, precision_label, resolve_device, row_configs
 
 # keys of this script only (train.py has none of these names); `device` has its own values here
 OWN_KEYS = dict(methods='', precisions='', micro_batches=2, out='')
@@ -104,6 +57,8 @@ DEFAULTS = {**train_config.gpu_defaults(), 'device': 'auto', **OWN_KEYS}
 RULES = {**train_config.RULES, 'micro_batches': at_least(0)}
 
 GIB = 2**30
+# the byte counts of a row (memory_estimate.measure), written in GiB too in the JSON
+BYTE_KEYS = ('params', 'grads', 'optimizer', 'others', 'peak', 'reserved', 'projectors', 'cpu_state', 'tracked_peak')
 # the paper's Table (GiB), for comparison when the preset is llama-7b
 PAPER_LLAMA_7B = {
     'full': (12.55, 12.55, 25.10, 14.66, 64.86),
@@ -163,16 +118,12 @@ def notes_for(cfg, device, estimate, n_params, precisions):
         f"Model {model_name(cfg)}: {config.arch}, {config.n_layer} blocks, n_embd {config.n_embd}, MLP "
         f"{config.mlp_hidden}, vocab {config.vocab_size}, {n_params:,} parameters."
     )
-    for p, d in precisions:
-        lines.append(
-            f"precision={precision_label(p, d)}: "
-            + PRECISION_NOTES[precision_label(p, d)].format(dtype=cfg['dtype'])
-            + '.'
-        )
+    for label in (precision_label(p, d) for p, d in precisions):
+        lines.append(f"precision={label}: {PRECISION_NOTES[label].format(dtype=cfg['dtype'])}.")
+    gas = cfg['gradient_accumulation_steps']
     lines.append(
-        f"Micro-batch {cfg['batch_size']} x {cfg['block_size']} tokens (of "
-        f"{cfg['gradient_accumulation_steps']} accumulation steps; the measured iteration runs "
-        f"{min(cfg['micro_batches'] or cfg['gradient_accumulation_steps'], cfg['gradient_accumulation_steps'])}); "
+        f"Micro-batch {cfg['batch_size']} x {cfg['block_size']} tokens (of {gas} accumulation steps; the "
+        f"measured iteration runs {min(cfg['micro_batches'] or gas, gas)}); "
         f"activation checkpointing {'on' if cfg['activation_checkpointing'] else 'off'}; "
         f"{'compiled per block' if cfg['compile'] and device.type == 'cuda' else 'eager'}; "
         f"grad_clip {cfg['grad_clip']:g}, OMGD scale {'after' if cfg['omgd_scale_after_clip'] else 'before'} "
@@ -324,26 +275,9 @@ def write(result, prefix):
     text = markdown(result)
     with open(prefix + '.md', 'w') as f:
         f.write(text)
-    rows = [
-        {
-            **r,
-            **{
-                f'{k}_gib': (None if r[k] is None else round(gib(r[k]), 4))
-                for k in (
-                    'params',
-                    'grads',
-                    'optimizer',
-                    'others',
-                    'peak',
-                    'reserved',
-                    'projectors',
-                    'cpu_state',
-                    'tracked_peak',
-                )
-            },
-        }
-        for r in result['rows']
-    ]
+    rows = [dict(r) for r in result['rows']]
+    for r in rows:
+        r.update({f'{k}_gib': None if r[k] is None else round(gib(r[k]), 4) for k in BYTE_KEYS})
     with open(prefix + '.json', 'w') as f:
         json.dump({**result, 'rows': rows}, f, indent=1)
     plot(result, prefix + '.png')
