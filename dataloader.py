@@ -1,15 +1,9 @@
 """
 Batches of token windows from a token file (train.bin / val.bin of uint16 or uint32 ids, data/tokenizer.py),
-in one of two orders:
-
-- 'rr' (random reshuffling, the default): each epoch permutes the windows of block_size+1 tokens cut from a
-  fresh random offset and visits each once. Micro-step c takes the global slice perm[c*R*B : (c+1)*R*B]
-  (R ranks of B windows) and rank r its r-th part, so the windows of a step do not depend on R.
-- 'iid': nanoGPT's sampling with replacement, the baseline.
-
-The order is a function of (seed, epoch), so a checkpoint needs only the position (epoch, windows consumed),
-and a run resumes on any number of ranks and batch_size (docs/distributed.md). Every id must be below the
-model's vocab_size (check_vocab).
+in the order 'rr' (random reshuffling, the default: each epoch visits every window of block_size+1 tokens once,
+in a permutation, from a random offset) or 'iid' (nanoGPT's sampling with replacement). The order is a function
+of (seed, epoch), so a checkpoint needs only the position (epoch, windows consumed), and a run resumes on any
+number of ranks and batch_size (docs/distributed.md). Every id must be below vocab_size (check_vocab).
 """
 
 import importlib
@@ -102,7 +96,8 @@ class TokenBatches:
         return self._order[1], self._order[2]
 
     def next_starts(self):
-        """Token offsets of this rank's windows for the next micro-step."""
+        """Token offsets of this rank's windows for the next micro-step: rank r takes the r-th part of the step's
+        batch_size x ranks windows, so the windows of a step do not depend on the number of ranks."""
         per_step = self.batch_size * self.world_size
         if self.windows_done + per_step > self.steps_per_epoch * per_step:  # the rest is the dropped tail
             self.epoch, self.windows_done = self.epoch + 1, 0
