@@ -21,9 +21,15 @@ sys.path.insert(0, ROOT)
 # Datasets are prepared in a temporary folder (dataloader.DATA_ROOT), never in the checkout's data/:
 # a user's data/shakespeare prepared from their own text must survive the tests. Set before any
 # project module is imported; subprocesses (torchrun, signals) inherit it.
-# (A torchrun worker that imports this file keeps the folder of the pytest process that started it.)
-TEST_DATA_ROOT = os.environ.get('OMGD_TEST_DATA_ROOT') or tempfile.mkdtemp(prefix='omgd-test-data-')
+# A torchrun worker that imports this file keeps the folder of the pytest process that started it; each
+# pytest-xdist worker (tests -n 2) makes its own, as two workers preparing one dataset at once would collide.
+_OWNER = os.environ.get('PYTEST_XDIST_WORKER', 'pytest')
+if os.environ.get('OMGD_TEST_DATA_OWNER', _OWNER) == _OWNER and os.environ.get('OMGD_TEST_DATA_ROOT'):
+    TEST_DATA_ROOT = os.environ['OMGD_TEST_DATA_ROOT']
+else:
+    TEST_DATA_ROOT = tempfile.mkdtemp(prefix='omgd-test-data-')
 os.environ['OMGD_DATA_ROOT'] = os.environ['OMGD_TEST_DATA_ROOT'] = TEST_DATA_ROOT
+os.environ['OMGD_TEST_DATA_OWNER'] = _OWNER
 
 
 def data_files():
@@ -47,6 +53,70 @@ def pytest_sessionfinish(session, exitstatus):
     if changed:
         print(f"\nerror: the tests changed the checkout's data/: {sorted({p for p, _ in changed})}", file=sys.stderr)
         session.exitstatus = 1
+
+
+# What runs on every torch of .ci/run's range, what once (on NEWEST): a file whose tests exercise torch APIs that
+# changed across the range (torch.distributed, DCP, FSDP2, DDP, torch.compile, torch.load's weights_only and mmap,
+# the optimizers' arithmetic, SDPA, autocast, the offload, the memory tools, train.py's exact resume) runs on every
+# version; one of pure-Python logic (configs, docs, reports, experiments' statistics, data preparation, error
+# lines of the scripts' own checks) is marked `once`, and .ci/torch deselects it with -m 'not once'.
+# tests/test_compat.py checks that every test file is in exactly one of the two.
+EVERY_TORCH = {
+    'test_bad_inputs.py',  # damaged and foreign checkpoints through torch.load(weights_only=True)
+    'test_bench.py',
+    'test_bench_shared_step.py',
+    'test_checkpoint.py',
+    'test_compat.py',
+    'test_compile.py',
+    'test_dcp.py',
+    'test_dcp_untrusted.py',
+    'test_ddp.py',
+    'test_fsdp.py',
+    'test_fsdp_one_rank.py',
+    'test_galore.py',
+    'test_generate.py',
+    'test_gpu.py',
+    'test_hang.py',
+    'test_hf.py',
+    'test_loss.py',
+    'test_memory.py',
+    'test_model.py',
+    'test_omgd.py',
+    'test_optim.py',
+    'test_optimizer_offload.py',
+    'test_rank_agreement.py',
+    'test_restart.py',
+    'test_resume.py',
+    'test_train.py',
+    'test_trainer.py',
+}
+ONCE = {
+    'test_compare.py',
+    'test_configurator.py',
+    'test_data_prepare.py',
+    'test_dataloader.py',
+    'test_defaults.py',
+    'test_eval.py',
+    'test_faults.py',
+    'test_foreign_files.py',
+    'test_fork_edits.py',
+    'test_layers.py',
+    'test_linreg.py',
+    'test_metrics.py',
+    'test_mfu.py',
+    'test_precision.py',
+    'test_readme.py',
+    'test_replication.py',
+    'test_sample.py',
+    'test_study.py',
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in ONCE:
+            item.add_marker(pytest.mark.once)
 
 
 # -----------------------------------------------------------------------------

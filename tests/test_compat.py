@@ -237,3 +237,50 @@ def test_ci_runs_the_suite_on_every_torch_of_the_supported_range():
     (major, first), (_, last) = minor(low), minor(high)
     assert sorted(minor(v) for v in versions) == [(major, m) for m in range(first, last)], versions
     assert low in versions  # the bound itself, not another release of its minor
+
+
+def test_every_test_file_runs_on_every_torch_or_once_by_the_rule():
+    """CI's rule (tests/conftest.py): every test file is in EVERY_TORCH or in ONCE, not both; a file that launches
+    torchrun, uses torch.distributed or compiles is version-sensitive, so never in ONCE; .ci/torch deselects the
+    ONCE files on the other versions and .ci/run runs the whole suite on NEWEST."""
+    import conftest
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = {n for n in os.listdir(os.path.join(root, 'tests')) if n.startswith('test_') and n.endswith('.py')}
+    assert not conftest.EVERY_TORCH & conftest.ONCE
+    assert conftest.EVERY_TORCH | conftest.ONCE == files, sorted(files ^ (conftest.EVERY_TORCH | conftest.ONCE))
+    sensitive = re.compile(r'\bTORCHRUN\b|torchrun_train|mark\.torchrun|torch\.distributed|\bdist\.|torch\.compile\(')
+    for name in conftest.ONCE:
+        found = sensitive.search(open(os.path.join(root, 'tests', name)).read())
+        assert not found, f"{name} uses {found.group()}: version-sensitive, it belongs in EVERY_TORCH"
+    torch_ci = open(os.path.join(root, '.ci', 'torch')).read()
+    assert re.search(r"^[^#]*python -m pytest .*-m 'not once'", torch_ci, re.M), 'the other versions run all but once'
+    newest = [
+        line.split('python -m pytest')[1]
+        for line in open(os.path.join(root, '.ci', 'run'))
+        if 'python -m pytest' in line
+    ]
+    assert newest and all(' -m ' not in args and ' -k ' not in args for args in newest), newest
+
+
+def test_not_once_deselects_the_files_of_once_and_only_those():
+    """What .ci/torch runs on the other versions, collected for one file of each set: pytest -m 'not once' keeps
+    this file's tests and drops test_defaults.py's (ONCE); -m once the other way round."""
+    import subprocess
+    import sys
+
+    import conftest
+
+    assert 'test_defaults.py' in conftest.ONCE and 'test_compat.py' in conftest.EVERY_TORCH
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = ['tests/test_defaults.py', 'tests/test_compat.py']
+    collected = {}
+    for expr in ('not once', 'once'):
+        out = subprocess.run(
+            [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '--collect-only', '-m', expr, *files],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        ).stdout
+        collected[expr] = {line.split('::')[0] for line in out.splitlines() if '::' in line}
+    assert collected == {'not once': {'tests/test_compat.py'}, 'once': {'tests/test_defaults.py'}}, collected
