@@ -1,18 +1,14 @@
 """
 Pre-train a GPT-2 or LLaMA model with OMGD layer cycling (LISA-wor) or a baseline method.
 
-One process (CPU or one GPU):
 $ python train.py                                  # small LISA-wor model on Shakespeare, CPU, minutes
 $ python train.py config/shakespeare_lisa_wor.py --method=lisa --max_iters=500
+$ torchrun --standalone --nproc_per_node=4 train.py config/gpt2_lisa_wor.py  # DDP (gloo without CUDA)
+$ torchrun --standalone --nproc_per_node=4 train.py config/gpt2_lisa_wor.py --parallel=fsdp  # sharded blocks
 
-DDP on 4 GPUs of one node (gloo instead of nccl when there is no CUDA, or with --backend=gloo):
-$ torchrun --standalone --nproc_per_node=4 train.py config/gpt2_lisa_wor.py
-FSDP2 (each block sharded over the ranks), for weights that do not fit on one GPU:
-$ torchrun --standalone --nproc_per_node=4 train.py config/gpt2_lisa_wor.py --parallel=fsdp
-Preemptible clusters: --init_from=auto resumes from out_dir when it holds a checkpoint, so a
-restarted job (torchrun --max-restarts, a SLURM requeue) continues by itself. Several nodes:
-docs/distributed.md. Besides the log, every evaluation, logged iteration, switch and save is a
-record in out_dir/metrics.jsonl (infra/metrics.py).
+--init_from=auto resumes from out_dir when it holds a checkpoint, so a restarted job continues by itself
+(several nodes: docs/distributed.md). Every evaluation, logged iteration, switch and save is also a record in
+out_dir/metrics.jsonl (infra/metrics.py).
 """
 
 import contextlib
@@ -45,17 +41,17 @@ class RunError(Exception):
 
 
 @contextlib.contextmanager
-def refused(*errors, prefix=''):
-    """`errors` raised inside are the user's to fix (their message says how): a RunError, not a traceback."""
+def refused(*errors, prefix='', then=None):
+    """`errors` raised inside are the user's to fix (their message says how): a RunError, not a traceback.
+    then(): what the failed run leaves behind, added to the message."""
     try:
         yield
     except errors as e:
-        raise RunError(f"{prefix}{e}") from None
+        raise RunError(f"{prefix}{e}" + (f"; {then()}" if then else '')) from None
 
 
 def main(argv):
-    # the config: train_config.py holds every key with its default and its rule; config files and
-    # --key=value override them, in order, all checked before anything is built
+    # train_config.py holds every key with its default and its rule; config files and --key=value override them
     if wants_help(argv):
         print(
             f"usage: python train.py [config/FILE.py ...] [--key=value ...]\n\nkeys (default, meaning):\n"
@@ -74,8 +70,7 @@ def main(argv):
         return distributed.report_error(e, printed=os.environ.get('LOCAL_RANK', '0') == '0')
     # before CUDA's first allocation, which reads it
     allocator_note = memory_options.cuda_allocator() if cfg['device'].startswith('cuda') else None
-    # distributed setup (infra/distributed.py): torchrun sets RANK; every rank runs this same script
-    try:  # before anything is built: ranks given different configs would train apart or crash in a collective
+    try:  # torchrun sets RANK; before anything is built: ranks given different configs would train apart
         ranks, device = distributed.setup(cfg['backend'], cfg['device'], cfg['dist_timeout_s'])
         distributed.check_same_config(ranks, cfg)
     except ValueError as e:
@@ -84,18 +79,14 @@ def main(argv):
         return distributed.report_error(e, printed=os.environ.get('RANK', '0') == '0')
     if allocator_note and ranks.master:
         print(allocator_note, flush=True)
-    # out_dir's checkpoints (infra/checkpoint.py); one writer per out_dir (the lock); --eval_only writes nothing
+    # out_dir's checkpoints (infra/checkpoint.py); --eval_only writes nothing
     checkpointer = Checkpointer(cfg['out_dir'], ranks, device, writes=not cfg['eval_only'])
     try:
         status = train(cfg, given_keys, ranks, device, checkpointer)
-    except (
-        RunError,
-        CheckpointError,
-        RuntimeError,
-    ) as e:  # one line; the last good checkpoint, if any, stays as it was
-        if isinstance(e, RuntimeError) and not distributed.lost_rank(e):
-            raise  # a bug: its traceback
+    except (RunError, CheckpointError, RuntimeError) as e:  # one line; the last good checkpoint stays as it was
         if isinstance(e, RuntimeError):
+            if not distributed.lost_rank(e):
+                raise  # a bug: its traceback
             e = (
                 f"rank {ranks.rank}: a collective with the other ranks failed "
                 f"({str(e).strip().splitlines()[0][:160]}): "
@@ -111,26 +102,21 @@ def main(argv):
         distributed.report_error("interrupted (Ctrl-C); the last checkpoint, if any, is as it was")
         checkpointer.close(failed=True)
         return 128 + signal.SIGINT
-    distributed.teardown(ranks)  # a barrier, then destroy_process_group (infra/distributed.py: why)
+    distributed.teardown(ranks)  # a barrier, then destroy_process_group
     checkpointer.close()
     return status
 
 
 def train(cfg, given_keys, ranks, device, checkpointer):
-    """The run, top to bottom: the setup, then the loop; returns the exit status (0, or 128 + a stop
-    signal's number)."""
-    master = ranks.master
+    """The run: the setup, then the loop; returns the exit status (0, or 128 + a stop signal's number)."""
     fsdp = ranks.enabled and cfg['parallel'] == 'fsdp'
-    # scratch, resume or auto, whatever the checkpoint's format; the lock, an earlier run's checkpoint,
-    # incomplete saves: infra/checkpoint.py. A resume's saved values are read once, its config is the
-    # checkpoint's with this command's keys on top, checked once merged (train_config.run_config)
+    # scratch, resume or auto; a resume's config is its checkpoint's with this command's keys on top (run_config)
     with refused(ValueError):
         cfg = checkpointer.start(cfg, functools.partial(train_config.run_config, cfg, given_keys), fsdp)
     with refused(ImportError):  # the log lines, out_dir/metrics.jsonl and wandb (infra/metrics.py)
         metrics = Metrics(cfg, ranks, device, checkpointer.iter_num if checkpointer.init_from == 'resume' else None)
-    device_type = 'cuda' if device.startswith('cuda') else 'cpu'
     torch.manual_seed(cfg['seed'])  # same model init on every rank (DDP broadcasts rank 0's; FSDP needs it)
-    if device_type == 'cuda':
+    if device.startswith('cuda'):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     train_batches, eval_batches, mc = open_data(cfg, ranks)
@@ -143,7 +129,6 @@ def train(cfg, given_keys, ranks, device, checkpointer):
     tokens_per_iter = cfg['gradient_accumulation_steps'] * cfg['batch_size'] * cfg['block_size']
     metrics.header(raw_model, checkpointer, tokens_per_iter, run_warnings(cfg, checkpointer))
     trainer = build_trainer(cfg, raw_model, ranks, device, fsdp, train_batches, checkpointer.iter_num)
-    raw_model, cycler, parallel = trainer.model, trainer.cycler, trainer.parallel
     checkpointer.load(trainer.state_objects(), train_batches)  # a resume's optimizer, cycler, scaler, data, RNG
     wandb_id = metrics.start_wandb(checkpointer.wandb_id)
 
@@ -158,16 +143,12 @@ def train(cfg, given_keys, ranks, device, checkpointer):
         }
         metrics.save(trainer.iter_num, checkpointer.save(trainer.state_objects(), values))
 
-    max_iters, eval_interval, log_interval = cfg['max_iters'], cfg['eval_interval'], cfg['log_interval']
-    # SIGTERM/SIGINT: all ranks finish the iteration, save and stop together (StopRequest). Installed
-    # only now: during the setup above, Ctrl-C must stop the run at once, as there is nothing to save.
+    # installed only now: during the setup above, Ctrl-C must stop the run at once, as there is nothing to save
     stop_request = StopRequest()
-    try:
+    with refused(ValueError, then=checkpointer.last_good):  # a token id the model cannot embed, found as read
         trainer.next_batch()  # fetched one ahead (the step fetches each next one right after a forward)
-    except ValueError as e:  # a token id the model cannot embed, found as a large file is read
-        raise RunError(f"{e}; {checkpointer.last_good()}") from None
     first_iter, best_val_loss, seconds_per_iter = trainer.iter_num, checkpointer.best_val_loss, None
-    metrics.begin(raw_model, tokens_per_iter, first_iter)
+    metrics.begin(trainer.model, tokens_per_iter, first_iter)
     t0 = time.time()
     while True:
         stop = stop_request.agreed(ranks)
@@ -175,53 +156,48 @@ def train(cfg, given_keys, ranks, device, checkpointer):
             print(f"rank {ranks.rank}: stop requested, stopping at iteration {trainer.iter_num}", flush=True)
             if trainer.iter_num > first_iter:  # else nothing trained since the start or the resume
                 save()
-            if (
-                ranks.enabled
-            ):  # rank 0 has written the file before any rank exits non-zero, when torchrun stops the rest
+            if ranks.enabled:  # rank 0 has written the file before any rank exits non-zero and torchrun stops the rest
                 dist.barrier(group=ranks.cpu_group)
             break
         it = trainer.iter_num
-        if it % eval_interval == 0 or it >= max_iters or cfg['eval_only']:
+        if it % cfg['eval_interval'] == 0 or it >= cfg['max_iters'] or cfg['eval_only']:
             losses = evaluate(cfg, trainer, eval_batches, mc, ranks, device, metrics)
             check_finite(losses, trainer.iter_num, checkpointer)
             improved = losses['val'] < best_val_loss
             best_val_loss = min(best_val_loss, losses['val'])
-            # every rank decides alike: the losses are all-reduced, so identical on every rank
-            if it > first_iter and (improved or cfg['always_save_checkpoint']):
+            if it > first_iter and (improved or cfg['always_save_checkpoint']):  # all-reduced losses: every rank alike
                 save()
             t0 = time.time()  # an iteration's time excludes the evaluation and the save
-        if it >= max_iters or cfg['eval_only']:
+        if it >= cfg['max_iters'] or cfg['eval_only']:
             break
 
-        try:  # the one iteration (Trainer): learning rate, switch, prefetch, DDP rebuild, step
+        # the one iteration (Trainer): learning rate, switch, prefetch, DDP rebuild, step
+        with (
+            refused(ValueError, then=checkpointer.last_good),
+            refused(ddp_check.CheckFailed, prefix=f"ddp check failed at iteration {it}, not on every rank: "),
+        ):
             loss, switched = trainer.step()
-        except ValueError as e:  # a token id the model cannot embed, found as a large file is read
-            raise RunError(f"{e}; {checkpointer.last_good()}") from None
-        except ddp_check.CheckFailed as e:
-            raise RunError(f"ddp check failed at iteration {it}, not on every rank: {e}") from None
         if switched:  # what trains now (omgd.Cycler.report), and the DDP wrapper's rebuild
-            description, values = cycler.report(raw_model)
-            rebuild_ms = parallel.rebuild_ms if ranks.enabled and not fsdp else None
+            description, values = trainer.cycler.report(trainer.model)
+            rebuild_ms = trainer.parallel.rebuild_ms if ranks.enabled and not fsdp else None
             metrics.switch(it, description, **values, ddp_rebuild_ms=rebuild_ms)
-        if trainer.observer is not None and trainer.observer.summary and master and (switched or it == max_iters - 1):
+        if cfg['ddp_check'] and trainer.observer.summary and ranks.master and (switched or it == cfg['max_iters'] - 1):
             print(f"iter {it}: {trainer.observer.summary}")
 
         t1 = time.time()
         dt, t0 = t1 - t0, t1
         seconds_per_iter = dt if seconds_per_iter is None else 0.9 * seconds_per_iter + 0.1 * dt
-        if it % log_interval == 0:
+        if it % cfg['log_interval'] == 0:
             lossf = ranks.mean(loss.item(), device) if ranks.enabled else loss.item()
             check_finite({'train': lossf}, trainer.iter_num, checkpointer)
-            # its log line and record (rank 0): the loss, the trainer's values (the learning rate), the epoch
             metrics.iteration(it, dt, seconds_per_iter, loss=lossf, **trainer.values(), epoch=train_batches.epochs())
     stop_request.release()  # Ctrl-C during the sample below stops at once
     checkpointer.finish()  # the last background save is on disk, complete, before the run ends
     metrics.end(trainer.iter_num, stop)
     # under FSDP every rank runs the sample's forwards (each all-gathers the weights); rank 0 prints
-    if (master or fsdp) and cfg['sample_tokens'] > 0 and not stop:
-        sample(cfg, raw_model, trainer.autocast, device, master)
-    # a stopped run exits as a process the signal ended would (128 + its number), so that schedulers
-    # and requeue scripts do not take a preempted run for a finished one (README)
+    if (ranks.master or fsdp) and cfg['sample_tokens'] > 0 and not stop:
+        sample(cfg, trainer.model, trainer.autocast, device, ranks.master)
+    # 128 + the signal's number, as a process it ended: schedulers do not take a preempted run for a finished one
     return stop_request.exit_status if stop else 0
 
 
@@ -268,8 +244,7 @@ def initial_model(cfg, checkpointer, ranks, device, fsdp):
         elif checkpointer.init_from == 'scratch':
             model_config = TransformerConfig(**builder.transformer_kwargs(cfg, vocab_size))
             dtype = builder.weight_dtype(cfg['precision'])
-            # before it is allocated: a one-line refusal, not the OOM killer
-            check_fits(
+            check_fits(  # before it is allocated: a one-line refusal, not the OOM killer
                 model_config,
                 device,
                 dtype.itemsize,
@@ -291,33 +266,23 @@ def build_trainer(cfg, raw_model, ranks, device, fsdp, train_batches, iter_num):
     """The run's Trainer (trainer.py) over what the one builder (builder.py) builds: memory options,
     precision, device, the optimizer over ALL parameters, the cycler."""
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-
-    def shard(model):  # FSDP2, before the optimizer and the cycler (they must see the sharded parameters)
-        amp_dtype = train_config.PTDTYPES[cfg['dtype']]
-        distributed.shard_fsdp(
-            model,
-            ranks,
-            device_type,
-            amp_dtype if device_type == 'cuda' and cfg['precision'] == 'amp' and amp_dtype != torch.float32 else None,
-        )
-
+    # FSDP2, before the optimizer and the cycler (they must see the sharded parameters); gathered in amp's dtype
+    amp_dtype = train_config.PTDTYPES[cfg['dtype']] if cfg['precision'] == 'amp' else torch.float32
+    param_dtype = amp_dtype if device_type == 'cuda' and amp_dtype != torch.float32 else None
+    shard = functools.partial(distributed.shard_fsdp, ranks=ranks, device_type=device_type, param_dtype=param_dtype)
     with refused(ValueError):
         raw_model, optimizer, cycler = builder.build(cfg, device, model=raw_model, shard=shard if fsdp else None)
     if ranks.master and cycler.cycle_note():
         print(cycler.cycle_note())
     torch.manual_seed(cfg['seed'] + ranks.rank)  # from here on (dropout) each rank draws its own random numbers
-    if cfg['compile']:
-        # Regional compilation (infra/memory_options.py): one graph per block, which sees two requires_grad patterns
-        # (trainable or frozen); a whole-model compile recompiles for every pattern and gives up after 8
+    if cfg['compile']:  # per block: a whole-model compile recompiles at every requires_grad pattern
         builder.compile_blocks(raw_model, cfg['method'])
-    # under torchrun the DDP wrapper is rebuilt over the active parameters after every switch
-    # (distributed.ParallelModel), FSDP reshards; one process trains the model as it is
-    parallel = (
-        distributed.ParallelModel(raw_model, ranks, device_type, fsdp) if ranks.enabled or cfg['ddp_check'] else None
-    )
-    observer = (
-        ddp_check.RankCheck(parallel, distributed.fsdp_units(raw_model) if fsdp else None) if cfg['ddp_check'] else None
-    )
+    # under torchrun a DDP wrapper over the active parameters, rebuilt at every switch, or FSDP resharded
+    parallel = observer = None
+    if ranks.enabled or cfg['ddp_check']:
+        parallel = distributed.ParallelModel(raw_model, ranks, device_type, fsdp)
+    if cfg['ddp_check']:
+        observer = ddp_check.RankCheck(parallel, distributed.fsdp_units(raw_model) if fsdp else None)
     return Trainer(
         cfg,
         raw_model,
@@ -384,23 +349,16 @@ def sample(cfg, raw_model, autocast, device, master):
         print(f"sample:\n{tokenizer.decode(y[0].tolist())}")
 
 
-# -----------------------------------------------------------------------------
-# the run's stop on a signal
-
-
 class StopRequest:
-    """Preemption (SIGTERM from a cluster or from torchrun, which forwards its own SIGTERM/SIGINT to
-    every worker; Ctrl-C; SIGHUP): finish the current iteration, then all ranks save and stop together.
-    A signal may reach only some ranks, so every iteration starts with `agreed()`, an
-    all_reduce(MAX) of the flag: all ranks then leave the loop at the same iteration. torchrun
-    kills the workers 30 s after forwarding a signal (--shutdown-timeout), so a stop saves at
+    """SIGTERM (a cluster, or torchrun forwarding its own), Ctrl-C, SIGHUP: finish the iteration, then all ranks
+    save and stop together. A signal may reach only some ranks, so every iteration starts with `agreed()`, an
+    all_reduce(MAX) of the flag. torchrun kills the workers 30 s after forwarding a signal, so a stop saves at
     once and skips the evaluation."""
 
     def __init__(self):
         self.requested = False
         self.exit_status = 128 + signal.SIGTERM  # also on ranks that stop only because another rank was asked
-        # SIGHUP too: a closed terminal or ssh session, which would otherwise end the run with no save
-        self.previous = {
+        self.previous = {  # SIGHUP too: a closed terminal or ssh session would otherwise end the run with no save
             sig: signal.signal(sig, self._request) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
         }
 
