@@ -1,8 +1,9 @@
 """
-Training speed of full AdamW, LISA, LISA-wor and GaLore on the same model and batch, in one run,
-like nanoGPT's bench.py: time per iteration, tokens/s, MFU (on a GPU of known peak) and peak memory.
-It times train.py's own iteration: train.py's keys (and config files), the model, optimizer and
-cycler of builder.build, and Trainer.step, the iteration train.py's loop runs.
+Training speed of full AdamW, LISA, LISA-wor and GaLore on the same model and batch, in one run, like
+nanoGPT's bench.py: time per iteration, tokens/s, MFU (on a GPU of known peak) and peak memory. Each row
+gets a fresh model (same seed), optimizer and cycler from builder.build and runs train.py's iteration,
+Trainer.step, under the config's precision (compile=True: every block compiled, as train.py does). The
+learning rate stays at learning_rate; the data is one random batch reused.
 
 $ python bench.py --methods=full,lisa,lisa_wor,galore --preset=gpt2 --vocab_size=50304 --batch_size=12 \
       --block_size=1024 --omgd_gamma=3                                   # one GPU, compiled
@@ -10,30 +11,17 @@ $ python bench.py --methods=full,lisa_wor --arch=llama --n_layer=8 --n_head=8 --
       --vocab_size=8192 --batch_size=4 --block_size=128 --steps=10      # CPU, a small LLaMA-layout model
 $ python bench.py config/gpt2_lisa_wor.py --methods=lisa_wor --precisions=amp,bf16,bf16_master
 
-(the GPU command is the one of experiments/gpu_benchmarks.sh: GPT-2 124M with the padded vocabulary
-and 3 of 12 active blocks of config/gpt2_lisa_wor.py)
+Every key of train.py is accepted with its meaning there, with train.py's defaults on this machine;
+device is auto (cuda if available, else cpu), cuda or cpu. Keys of this script: methods and precisions
+(the rows, as in bench_memory.py: '' is the config's), steps (timed iterations), warmup_steps (run
+first, compilation included), interleave (step the rows round-robin, so that other processes on a
+shared machine slow them all alike), out (a file for the report) and profile (a path prefix: one more
+iteration of each row under torch.profiler, its operators by self time in PREFIX_METHOD_PRECISION.txt).
 
-Every key of train.py is accepted with its meaning there, and the defaults are train.py's on this
-machine (bench_memory.py's docstring lists the keys); device is auto (cuda if available, else cpu)
-or cuda or cpu. Keys of this script: methods and precisions (the rows, as in bench_memory.py: ''
-is the config's method / precision), steps, warmup_steps, interleave, out, and profile (a path
-prefix: one more iteration of each row under torch.profiler, its operators by self time written
-to PREFIX_METHOD_PRECISION.txt).
-
-Each row gets a fresh model (same seed), optimizer and cycler from builder.build, and runs
-train.py's iteration, Trainer.step (switch, prefetch, micro-batches, clipping and OMGD
-scale in the order of omgd_scale_after_clip, optimizer step, zero_grad, under the config's
-autocast and loss scaling). With compile=True every block is compiled on its own
-(regional compilation, as train.py does). The learning rate stays at learning_rate (no schedule).
-`warmup_steps` iterations (compilation included) are run before `steps` timed ones, whose median
-time gives ms/iter, tokens/s and MFU (the mean is shown too); the data is one random batch reused.
-With --interleave the rows are stepped round-robin, so that other processes on a shared machine
-slow them all alike. The median hides the cost of a switch (one iteration in omgd_period): the
-'switch ms/iter' column is the mean of the timed iterations that switched, and its excess over
-the median. 'FLOP limit vs full' is full's FLOPs per token over the row's: the speed-up the FLOP
-count allows. MFU counts the FLOPs an iteration executes as train.py does: 6N per token for
-trainable matrices, 4N for frozen blocks (no weight-gradient GEMMs), 2N for frozen blocks below
-every trainable parameter (forward only), plus attention.
+ms/iter is the median of the timed iterations. It hides the cost of a switch: 'switch ms/iter' is the
+mean of the timed iterations that switched, with its excess over the median. 'FLOP limit vs full' is
+full's FLOPs per token over the row's, the speed-up the FLOP count allows; FLOPs are counted as train.py
+does (model.estimate_flops_per_token: frozen blocks cost less).
 """
 
 import gc
@@ -98,38 +86,34 @@ class MethodRun:
             self.flops.append(self.net.estimate_flops_per_token())
             self.loss = loss.item()
 
-    def profile(self, it, path):
-        """One more iteration under torch.profiler; its operators by self time go to `path`."""
+    def profile(self, it, prefix):
+        """One more iteration under torch.profiler; its operators by self time go to PREFIX_METHOD_PRECISION.txt."""
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == 'cuda' else [])
         with profile(activities=activities) as prof:
             self.step(it, timed=False)
         key = 'self_device_time_total' if self.device.type == 'cuda' else 'self_cpu_time_total'
-        with open(path, 'w') as f:
+        with open(f"{prefix}_{self.cfg['method']}_{self.label}.txt", 'w') as f:
             f.write(prof.key_averages().table(sort_by=key, row_limit=30) + '\n')
 
     def row(self, peak_flops, with_memory):
-        # the median iteration: robust to the odd slow step (a switch, another process on the machine)
-        dt = statistics.median(self.times)
-        row = dict(
+        # the median: robust to the odd slow step (a switch, another process on the machine)
+        dt, flops = statistics.median(self.times), statistics.mean(self.flops)
+        return dict(
             method=self.cfg['method'],
             precision=self.label,
             ms=1000 * dt,
             mean_ms=1000 * sum(self.times) / len(self.times),
             tokens_per_s=self.tokens / dt,
             loss=self.loss,
-            mfu=mfu(statistics.mean(self.flops), self.tokens, dt, peak_flops) if peak_flops else None,
-            peak_gib=None,
-            reserved_gib=None,
+            mfu=mfu(flops, self.tokens, dt, peak_flops) if peak_flops else None,
+            peak_gib=torch.cuda.max_memory_allocated(self.device) / 2**30 if with_memory else None,
+            reserved_gib=torch.cuda.max_memory_reserved(self.device) / 2**30 if with_memory else None,
             n_params=self.n_params,
-            flops_per_token=statistics.mean(self.flops),
+            flops_per_token=flops,
             switch_ms=1000 * statistics.mean(self.switch_times) if self.switch_times else None,
         )
-        if with_memory:
-            row['peak_gib'] = torch.cuda.max_memory_allocated(self.device) / 2**30
-            row['reserved_gib'] = torch.cuda.max_memory_reserved(self.device) / 2**30
-        return row
 
 
 def bench(row_cfgs, device):
@@ -138,22 +122,17 @@ def bench(row_cfgs, device):
     cfg = row_cfgs[0]
     total = cfg['warmup_steps'] + cfg['steps']
     with tqdm(total=total * len(row_cfgs), desc='timing', unit='iter') as bar:
-        if cfg['interleave']:
-            return bench_interleaved(row_cfgs, device, total, bar)
-        return [bench_row(row_cfg, device, total, bar) for row_cfg in row_cfgs]
-
-
-def bench_interleaved(row_cfgs, device, total, bar):
-    # round-robin: load from other processes on a shared machine hits every method alike
-    cfg = row_cfgs[0]
-    runs = [MethodRun(row_cfg, device) for row_cfg in row_cfgs]
-    for it in range(total):
-        for run in runs:
-            run.step(it, timed=it >= cfg['warmup_steps'])
-            bar.update()
+        if not cfg['interleave']:
+            return [bench_row(row_cfg, device, total, bar) for row_cfg in row_cfgs]
+        # round-robin: load from other processes on a shared machine hits every method alike
+        runs = [MethodRun(row_cfg, device) for row_cfg in row_cfgs]
+        for it in range(total):
+            for run in runs:
+                run.step(it, timed=it >= cfg['warmup_steps'])
+                bar.update()
     if cfg['profile']:
         for run in runs:
-            run.profile(total, f"{cfg['profile']}_{run.cfg['method']}_{run.label}.txt")
+            run.profile(total, cfg['profile'])
     return [run.row(peak_bf16_flops(device), with_memory=False) for run in runs]
 
 
@@ -168,7 +147,7 @@ def bench_row(row_cfg, device, total, bar):
         bar.update()
     row = run.row(peak_bf16_flops(device), with_memory=cuda)
     if row_cfg['profile']:  # after the timing and the memory peak, so neither includes the profiler
-        run.profile(total, f"{row_cfg['profile']}_{run.cfg['method']}_{run.label}.txt")
+        run.profile(total, row_cfg['profile'])
     bar.write(
         f"{row['method']} ({row['precision']}): {row['ms']:.1f} ms/iter, {row['tokens_per_s']:,.0f} tokens/s, "
         f"loss {row['loss']:.3f}",
@@ -236,9 +215,8 @@ def check(cfg):
     device = memory_estimate.resolve_device(cfg['device'], ('cuda', 'cpu'), without_cuda='cpu')
     train_config.check_preset(cfg)
     config = memory_estimate.model_config(cfg)
-    memory_estimate.check_fits(
-        config, device, builder.weight_dtype(cfg['precision']).itemsize
-    )  # before a row allocates it
+    # before a row allocates it
+    memory_estimate.check_fits(config, device, builder.weight_dtype(cfg['precision']).itemsize)
     return device, memory_estimate.row_configs(cfg), config
 
 
