@@ -14,6 +14,8 @@ What cannot be mapped (another architecture, rope scaling, LLaMA with biases, a 
 place here) raises HFError, one line that names it.
 """
 
+import contextlib
+import dataclasses
 import json
 import os
 import pickle
@@ -70,8 +72,8 @@ def _rope_theta(hf, where):
 
 
 def _size(hf, key, where, default=None, low=1):
-    """An integer entry of config.json, required unless it has a default: a missing or mistyped one
-    would otherwise surface as a KeyError or a TypeError deep inside the model's construction."""
+    """An integer entry of config.json, required unless it has a default; HFError, not a TypeError deep
+    inside the model's construction."""
     value = default if hf.get(key) is None else hf[key]  # null: the default, as transformers reads it
     if value is None:
         raise HFError(
@@ -187,8 +189,6 @@ MAPPED_FIELDS = (
 def check_exportable(config):
     """ExportError for a model transformers would compute differently: a TransformerConfig field that
     config_to_hf does not map (a fork's qk_norm), set to anything but its default."""
-    import dataclasses
-
     for f in dataclasses.fields(config):
         if f.name not in MAPPED_FIELDS and getattr(config, f.name) != f.default:
             raise ExportError(
@@ -304,9 +304,8 @@ def _weight_files(hf_dir):
 
 
 def _index_shards(index):
-    """The sorted file names an index's weight_map lists, or None when it is not a JSON object with a
-    weight_map of names to file names (a JSON list, a number, damaged JSON), which would otherwise end in a
-    traceback."""
+    """The sorted file names an index's weight_map lists, or None when it is not a JSON object mapping
+    names to file names (damaged JSON, a list)."""
     try:
         with open(index, encoding='utf-8') as f:
             found = json.load(f)
@@ -319,9 +318,8 @@ def _index_shards(index):
 
 
 def read_tensors(hf_dir):
-    """Yield (HF name, tensor) of every tensor in the directory's weight files, one at a time; a file
-    that cannot be read (truncated, damaged, pickled objects), or a weight with a NaN or an inf (which
-    would train into a nan loss at iteration 0), is an HFError naming it."""
+    """Yield (HF name, tensor) of every tensor in the directory's weight files, one at a time; a file that
+    cannot be read (truncated, damaged, pickled objects) or a NaN or inf weight is an HFError naming it."""
 
     def finite(path, name, tensor):
         if tensor.is_floating_point() and not _hf_buffer(name) and not bool(torch.isfinite(tensor).all()):
@@ -510,11 +508,9 @@ def hf_state_dict(model, dtype=None):
 
 
 def save(model, hf_dir, dtype=None, bos_token_id=None, eos_token_id=None, max_shard_size='5GB'):
-    """Write config.json, the weights and generation_config.json of our model into hf_dir. The weights:
-    model.safetensors, or shards of at most max_shard_size with model.safetensors.index.json
-    (huggingface_hub.save_torch_state_dict, what transformers' save_pretrained writes). Written as
-    export() writes (staged(): complete before anything in hf_dir is replaced; other files kept).
-    Returns the weight files' names."""
+    """Write config.json, the weights (model.safetensors, or shards of at most max_shard_size with an index,
+    as transformers' save_pretrained) and generation_config.json of our model into hf_dir, staged() as
+    export() writes. Returns the weight files' names."""
     check_exportable(model.config)
     with staged(hf_dir) as folder:
         return write_model(model, folder, dtype, bos_token_id, eos_token_id, max_shard_size)
@@ -543,8 +539,7 @@ def write_model(model, folder, dtype=None, bos_token_id=None, eos_token_id=None,
 # -----------------------------------------------------------------------------
 # writing a model directory: staged, then only our own files replaced
 
-# the names of the files an export (or save) wrote into its directory, so that the next one replaces or
-# removes those and no other (an earlier export's GPT-2 vocab.json beside a new character tokenizer)
+# the files an export (or save) wrote into its directory: the next one replaces or removes those and no other
 MANIFEST = '.export_files.json'
 # written first into a staging folder ('pid@host'): the folder of a killed export is known by it, never by its name
 STAGING = '.export-staging'
@@ -553,84 +548,67 @@ SHARD = re.compile(r'model-\d+-of-\d+\.safetensors')  # save_torch_state_dict's 
 METADATA = ('model.safetensors.index.json', 'config.json', 'generation_config.json', MANIFEST)
 
 
-class staged:
+@contextlib.contextmanager
+def staged(hf_dir, log=None):
     """`with staged(hf_dir) as folder:` write the new files into `folder`, a new temporary folder inside
-    hf_dir; when the block ends, each file is flushed to disk (fsync), then moved into hf_dir, replacing
-    the file of that name, and the files an earlier export wrote that this one does not are removed
-    (previous_files()). Any other file of hf_dir stays as it is. A write that fails (a full disk) removes
-    the temporary folder and leaves hf_dir as it was: ExportError, one line."""
+    hf_dir; when the block ends they are synced to disk and moved into hf_dir, and the files an earlier
+    export wrote that this one does not are removed (previous_files()); other files of hf_dir stay. A write
+    that fails (a full disk) leaves hf_dir as it was: ExportError, one line."""
+    created, folder = not os.path.isdir(hf_dir), None
 
-    def __init__(self, hf_dir, log=None):
-        self.hf_dir, self.log = hf_dir, log
+    def remove_ours():
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(hf_dir)  # only when empty: nothing but what this export made
 
-    def __enter__(self):
-        hf_dir = self.hf_dir
-        self.created = not os.path.isdir(hf_dir)
-        try:
-            os.makedirs(hf_dir, exist_ok=True)
-        except OSError as e:
-            raise ExportError(f"cannot create --hf_dir={hf_dir} ({e.strerror}); give a writable directory") from None
-        removed = remove_killed_stagings(hf_dir)
-        if removed and self.log:
-            self.log(f"removed {', '.join(removed)} from {hf_dir}: left by an export that was killed")
-        self.folder = None
-        try:
-            self.folder = tempfile.mkdtemp(prefix='.export-tmp-', dir=hf_dir)
-            with open(os.path.join(self.folder, STAGING), 'w') as f:
-                f.write(f"{os.getpid()}@{socket.gethostname()}")
-        except OSError as e:
-            if self.folder:
-                shutil.rmtree(self.folder, ignore_errors=True)
-            self._remove_created()
-            raise ExportError(
-                f"cannot write into --hf_dir={hf_dir} ({e.strerror}); give a writable directory"
-            ) from None
-        return self.folder
-
-    def _remove_created(self):
-        if self.created:
-            try:
-                os.rmdir(self.hf_dir)  # only when empty: nothing but what this export made
-            except OSError:
-                pass
-
-    def __exit__(self, kind, error, tb):
-        if error is None:
-            try:
-                os.remove(os.path.join(self.folder, STAGING))  # not one of the export's files
-                written = sorted(os.listdir(self.folder))
-                with open(os.path.join(self.folder, MANIFEST), 'w') as f:
-                    json.dump({'written_by': 'export.py (hf.py)', 'files': written}, f, indent=2)
-                    f.write('\n')
-                _sync(self.folder)
-            except (OSError, SafetensorError) as e:
-                error = e
-        if error is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
-            self._remove_created()
-            if isinstance(error, (OSError, SafetensorError)):
-                reason = getattr(error, 'strerror', None) or str(error).strip().splitlines()[0][:200]
-                raise ExportError(
-                    f"cannot write the export into {self.hf_dir} ({reason}); {self.hf_dir} is left as "
-                    f"it was: free space (or give another --hf_dir) and export again"
-                ) from None
-            return False  # anything else (ExportError, KeyboardInterrupt, a bug) goes on as it was
-        try:
-            _publish(self.folder, self.hf_dir)
-        except OSError as e:
-            raise ExportError(
-                f"cannot move the new files into {self.hf_dir} ({e.strerror}); it may hold part of "
-                f"the new export: fix that and export again"
-            ) from None
-        finally:
-            shutil.rmtree(self.folder, ignore_errors=True)
-        return False
+    try:
+        os.makedirs(hf_dir, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"cannot create --hf_dir={hf_dir} ({e.strerror}); give a writable directory") from None
+    removed = remove_killed_stagings(hf_dir)
+    if removed and log:
+        log(f"removed {', '.join(removed)} from {hf_dir}: left by an export that was killed")
+    try:
+        folder = tempfile.mkdtemp(prefix='.export-tmp-', dir=hf_dir)
+        with open(os.path.join(folder, STAGING), 'w') as f:
+            f.write(f"{os.getpid()}@{socket.gethostname()}")
+    except OSError as e:
+        remove_ours()
+        raise ExportError(f"cannot write into --hf_dir={hf_dir} ({e.strerror}); give a writable directory") from None
+    try:
+        yield folder
+        os.remove(os.path.join(folder, STAGING))  # not one of the export's files
+        written = sorted(os.listdir(folder))
+        with open(os.path.join(folder, MANIFEST), 'w') as f:
+            json.dump({'written_by': 'export.py (hf.py)', 'files': written}, f, indent=2)
+            f.write('\n')
+        _sync(folder)
+    except (OSError, SafetensorError) as error:
+        remove_ours()
+        reason = getattr(error, 'strerror', None) or str(error).strip().splitlines()[0][:200]
+        raise ExportError(
+            f"cannot write the export into {hf_dir} ({reason}); {hf_dir} is left as "
+            f"it was: free space (or give another --hf_dir) and export again"
+        ) from None
+    except BaseException:  # anything else (ExportError, KeyboardInterrupt, a bug) goes on as it was
+        remove_ours()
+        raise
+    try:
+        _publish(folder, hf_dir)
+    except OSError as e:
+        raise ExportError(
+            f"cannot move the new files into {hf_dir} ({e.strerror}); it may hold part of "
+            f"the new export: fix that and export again"
+        ) from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def remove_killed_stagings(hf_dir):
-    """Remove the staging folders that killed exports (SIGKILL, a power cut) left in hf_dir: the folders
-    holding the STAGING file staged() writes first, naming a process of this machine that is gone. Every
-    other folder stays, a running export's and one of another machine included. Returns their names."""
+    """Remove the staging folders of killed exports from hf_dir: those whose STAGING file names a process of
+    this machine that is gone (a running export's and another machine's stay). Returns their names."""
     removed = []
     for name in sorted(os.listdir(hf_dir)):
         path = os.path.join(hf_dir, name)
@@ -667,18 +645,14 @@ def _fsync(path):
 
 
 def previous_files(hf_dir):
-    """The names in hf_dir that an earlier export wrote: those its MANIFEST lists, the shards its
-    model.safetensors.index.json lists (named as save_torch_state_dict names them; an export from before
-    the manifest), and model.safetensors and its index, whose names say they are the directory's weights.
-    What cannot be read is taken to list nothing."""
+    """The names in hf_dir that an earlier export wrote: its MANIFEST's, the shards its index lists (an
+    export from before the manifest), model.safetensors and its index. What cannot be read lists nothing."""
     names = {'model.safetensors', 'model.safetensors.index.json'}
-    try:
-        with open(os.path.join(hf_dir, MANIFEST), encoding='utf-8') as f:
-            listed = json.load(f).get('files')
+    manifest = os.path.join(hf_dir, MANIFEST)
+    with contextlib.suppress(OSError, ValueError, AttributeError), open(manifest, encoding='utf-8') as f:
+        listed = json.load(f).get('files')
         if isinstance(listed, list):
             names.update(n for n in listed if isinstance(n, str))
-    except (OSError, ValueError, AttributeError):
-        pass
     index = os.path.join(hf_dir, 'model.safetensors.index.json')
     if os.path.isfile(index):
         names.update(n for n in _index_shards(index) or () if SHARD.fullmatch(n))
@@ -760,14 +734,13 @@ def check_vocabulary(kind, where, model_vocab, dataset):
     from data.tokenizer import GPT2_VOCAB, read_meta
     from dataloader import data_dir
 
-    if kind == 'hf':
-        vocab, what = read_meta(data_dir(dataset))['vocab_size'], f"the tokenizer {where}"
-    elif kind == 'gpt2':
+    if kind == 'gpt2':
         vocab = GPT2_VOCAB
         meta = os.path.join(data_dir(dataset), 'meta.pkl')
         what = "GPT-2's BPE" + ('' if os.path.exists(meta) else f" (no {meta}: a dataset without one is GPT-2 BPE)")
     else:
-        vocab, what = read_meta(data_dir(dataset))['vocab_size'], f"the vocabulary of {where}"
+        vocab = read_meta(data_dir(dataset))['vocab_size']
+        what = f"the tokenizer {where}" if kind == 'hf' else f"the vocabulary of {where}"
     if vocab > model_vocab:
         raise ExportError(
             f"the model embeds {model_vocab} token ids but {what} has {vocab}: not the tokenizer the "
@@ -828,9 +801,8 @@ def char_vocabulary(itos, where):
 
 
 def char_tokenizer(vocab):
-    """A `tokenizers` Tokenizer that encodes text as data/tokenizer.py's 'char' does, one id per character
-    (WordLevel over the characters, each character split off by the pre-tokenizer; no added tokens, no unknown
-    token: a character outside the vocabulary is an error, as here) and decodes by joining them."""
+    """A `tokenizers` Tokenizer that encodes as data/tokenizer.py's 'char' does, one id per character (no
+    unknown token: a character outside the vocabulary is an error, as here), and decodes by joining them."""
     try:
         from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
         from tokenizers.models import WordLevel
@@ -846,12 +818,10 @@ def char_tokenizer(vocab):
 
 
 def write_char_tokenizer(hf_dir, tokenizer, block_size):
-    """tokenizer.json (char_tokenizer's) and a tokenizer_config.json for transformers' PreTrainedTokenizerFast, which
-    AutoTokenizer then loads; clean_up_tokenization_spaces off, so that decode gives the text back (' ,' stays).
-    bos_token is the newline, where the vocabulary has one: the start sample.py gives a character model, and the
-    token lm-eval puts before a text it scores from its start (it needs a bos or eos token; encoding adds none).
-    Being a special token, it is what decode(skip_special_tokens=True) drops: decode without it to keep newlines.
-    Returns (bos id or None, eos None)."""
+    """tokenizer.json and a tokenizer_config.json that AutoTokenizer loads as a PreTrainedTokenizerFast whose
+    decode gives the text back (' ,' stays). bos_token is the newline, where the vocabulary has one: sample.py's
+    start, and what lm-eval puts before a text (decode(skip_special_tokens=True) drops it: keep newlines without
+    it). Returns (bos id or None, eos None)."""
     tokenizer.save(os.path.join(hf_dir, 'tokenizer.json'))
     config = dict(
         tokenizer_class='PreTrainedTokenizerFast', model_max_length=block_size, clean_up_tokenization_spaces=False
@@ -924,12 +894,12 @@ def copy_hf_tokenizer(tokenizer_dir, hf_dir):
 
 
 def read_model(out_dir):
-    """(GPT, checkpoint dict) of out_dir's train.py checkpoint (ckpt.pt, or the newest step folder
+    """(GPT, checkpoint dict, its path) of out_dir's train.py checkpoint (ckpt.pt, or the newest step folder
     consolidated); ExportError for one that lacks a part, does not make a model, or holds non-finite
     weights (CheckpointError for a file that cannot be read)."""
     from infra.checkpoint import read_any
 
-    checkpoint, path = read_any(out_dir, optimizer=False)  # ckpt.pt, or the newest step folder consolidated
+    checkpoint, path = read_any(out_dir, optimizer=False)
     for key, what in (('model', 'weights'), ('model_args', 'shape')):
         if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(key), dict):
             raise ExportError(
@@ -956,11 +926,8 @@ def read_model(out_dir):
 
 
 def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_size='5GB', log=print):
-    """Write out_dir/ckpt.pt's model and its dataset's tokenizer (tokenizer='none': no tokenizer) into
-    hf_dir; ExportError or CheckpointError, before anything is written. The files are written into a temporary
-    folder and replace their namesakes in hf_dir only once all are complete (staged()); an earlier export's files
-    that this one does not write are removed, every other file of hf_dir is kept. A write that fails (a full disk)
-    leaves hf_dir as it was."""
+    """Write out_dir's model and its dataset's tokenizer (tokenizer='none': no tokenizer) into hf_dir, staged();
+    ExportError or CheckpointError before anything is written."""
     if not hf_dir:
         raise ExportError("--hf_dir is required: the directory to write, e.g. --hf_dir=out/hf")
     if dtype and dtype not in DTYPES:
@@ -973,13 +940,9 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_s
         raise ExportError(
             f"max_shard_size must be a size like '5GB', '500MB' or a number of bytes, got {max_shard_size!r}"
         )
-    held = [
-        n
-        for n in ('config.json', 'model.safetensors', 'model.safetensors.index.json')
-        if os.path.exists(os.path.join(hf_dir, n))
-    ]
-    if held and not overwrite:
-        raise ExportError(f"{hf_dir} already holds {held[0]}; choose another --hf_dir or pass --overwrite=True")
+    for name in ('config.json', 'model.safetensors', 'model.safetensors.index.json'):
+        if os.path.exists(os.path.join(hf_dir, name)) and not overwrite:
+            raise ExportError(f"{hf_dir} already holds {name}; choose another --hf_dir or pass --overwrite=True")
     model, checkpoint, path = read_model(out_dir)
     stored = dtype and DTYPES[dtype] or next(iter(checkpoint['model'].values())).dtype
     if tokenizer == 'none':
@@ -1002,18 +965,15 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_s
 
         vocab = char_vocabulary(read_meta(data_dir(dataset))['itos'], where)
         char_tok = char_tokenizer(vocab)
-    # written into a new folder inside hf_dir, moved in only once complete (staged): a failure leaves hf_dir as it was
     with staged(hf_dir, log) as folder:
+        bos = eos = None
         if kind == 'gpt2':
-            (bos, eos), note = (
-                write_gpt2_tokenizer(folder, model.config.block_size, files),
-                "GPT-2 BPE (vocab.json, merges.txt)",
-            )
+            bos, eos = write_gpt2_tokenizer(folder, model.config.block_size, files)
+            note = "GPT-2 BPE (vocab.json, merges.txt)"
         elif kind == 'hf':
             (bos, eos), copied = copy_hf_tokenizer(where, folder)
             note = f"{', '.join(copied)} of {where}"
         elif kind == 'none':
-            bos = eos = None
             note = "none (--tokenizer=none); only the weights are exported"
         elif kind == 'char':
             bos, eos = write_char_tokenizer(folder, char_tok, model.config.block_size)
@@ -1022,7 +982,6 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_s
                 f"one id a character, as this repository encodes)"
             )
         else:
-            bos = eos = None
             note = f"none: {where} records a vocabulary but no tokenizer; only the weights are exported"
         weights = write_model(model, folder, stored, bos, eos, max_shard_size)
     shards = weights[0] if len(weights) == 1 else f"{len(weights)} shards with model.safetensors.index.json"
