@@ -1,14 +1,7 @@
 """
-The one builder: the model, its optimizer and its layer cycler, as every script trains them
-(train.py, bench.py, bench_memory.py, the experiments), so a benchmark measures what train.py runs.
-
-Configs are dicts with train.py's keys. Precision (`precision`):
-- 'amp': fp32 weights, gradients and optimizer state; the forward runs under autocast in `dtype`
-  on CUDA (bfloat16, or float16 with loss scaling), in fp32 on CPU. nanoGPT's setting.
-- 'bf16': everything in bf16: weights, gradients, AdamW moments (the paper's memory table).
-- 'bf16_master': bf16 weights and gradients; the optimizer keeps an fp32 master copy and fp32
-  moments of the parameters that train now only (BAdam's idea, optim.MasterAdamW), on the device
-  or, with master_device='cpu', on the CPU together with the AdamW arithmetic (ZeRO-Offload style).
+The one builder: the model, its optimizer and its layer cycler of a config (a dict of train.py's keys), as
+every script trains them (train.py, the benchmarks, the experiments), so a benchmark measures what train.py
+runs. The weights are fp32 under precision 'amp', bf16 under 'bf16' and 'bf16_master' (docs/precision.md).
 """
 
 import dataclasses
@@ -41,10 +34,9 @@ def transformer_kwargs(cfg, vocab_size=0):
 
 
 class RandomOnCPU(TorchDispatchMode):
-    """In-place random fills (normal_, uniform_) of tensors that are not fp32 on the CPU are drawn
-    on the CPU in fp32 from torch's default generator, then copied (cast) into the tensor: a model
-    initialised on a GPU, or in bf16, gets bitwise the weights of a CPU fp32 build then cast, for
-    the same seed, one tensor of host memory at a time."""
+    """In-place random fills (normal_, uniform_) of tensors that are not fp32 on the CPU are drawn on the CPU in
+    fp32 from torch's default generator, then cast into the tensor: a model initialised on a GPU, or in bf16,
+    gets bitwise the weights of a CPU fp32 build then cast, one tensor of host memory at a time."""
 
     FILLS = (torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default)
 
@@ -58,12 +50,10 @@ class RandomOnCPU(TorchDispatchMode):
 
 
 def new_model(config, device, dtype=torch.float32, cpu_draws=True):
-    """A freshly initialised Transformer built directly on `device` with `dtype` weights: never a full fp32
-    copy on the host (LLaMA-7B: 27 GB before it reached the GPU). Built on meta, then filled with
-    the random draws of a CPU build in their order (the modules' constructors, then init_weights),
-    so the weights are bitwise those of Transformer(config) cast to `dtype`, whatever the device.
-    cpu_draws=False draws on `device` instead (the benchmarks, whose figures do not depend on the
-    values: LLaMA-7B's 13 billion CPU draws take minutes)."""
+    """A freshly initialised Transformer built directly on `device` with `dtype` weights, never a full fp32 copy
+    on the host: built on meta, then filled with a CPU build's random draws in their order, so the weights are
+    bitwise those of Transformer(config) cast to `dtype`. cpu_draws=False draws on `device` instead (the
+    benchmarks, whose figures do not depend on the values)."""
     with torch.device('meta'):
         model = Transformer(config)
     if torch.device(device).type == 'meta':  # shapes only (bench_memory's estimate): nothing to draw
@@ -80,10 +70,9 @@ def new_model(config, device, dtype=torch.float32, cpu_draws=True):
 
 
 def resumed_model(saved, cfg, device, path):
-    """A resume's model on `device` in the config's weight dtype (new_model), of the checkpoint's model_args with
-    the config's dropout, its weights loaded when `saved` (the values of the checkpoint at `path`) holds them:
-    ckpt.pt's; a step folder's come with Checkpointer.load, once the model is sharded. A one-line ValueError
-    for weights that do not load."""
+    """A resume's model on `device` in the config's weight dtype, of the checkpoint's model_args with the config's
+    dropout, with ckpt.pt's weights when `saved` (the checkpoint at `path`'s values) holds them (a step folder's
+    come with Checkpointer.load, once the model is sharded). A one-line ValueError for weights that do not load."""
     try:
         config = TransformerConfig(**{**saved['model_args'], 'dropout': cfg['dropout']})
         model = new_model(config, device, weight_dtype(cfg['precision']))
@@ -98,15 +87,9 @@ def resumed_model(saved, cfg, device, path):
 
 
 def configure_memory(model, cfg):
-    """The model's activation-memory options (infra/memory_options.py): checkpointing, offload to the host,
-    chunked loss."""
-    return memory_options.apply(
-        model,
-        activation_checkpointing=cfg['activation_checkpointing'],
-        checkpoint_sublayers=cfg['checkpoint_sublayers'],
-        activation_offload=cfg['activation_offload'],
-        loss_chunk=cfg['loss_chunk'],
-    )
+    """The model's activation-memory options (infra/memory_options.py), the config's keys of the same names."""
+    keys = ('activation_checkpointing', 'checkpoint_sublayers', 'activation_offload', 'loss_chunk')
+    return memory_options.apply(model, **{k: cfg[k] for k in keys})
 
 
 def compile_blocks(model, method, **kwargs):
@@ -128,8 +111,8 @@ def cast_model(model, precision):
 
 
 def build_optimizer(model, cfg, device_type, host_scope=nullcontext):
-    """The optimizer over ALL parameters, built before anything is frozen, so every block can train
-    later (LMFlow's bug: an optimizer over the trainable parameters only never trains the others)."""
+    """The optimizer over ALL parameters, built before anything is frozen, so every block can train later
+    (LMFlow's bug: an optimizer over the trainable parameters only never trains the others)."""
     betas, lr, wd = (cfg['beta1'], cfg['beta2']), cfg['learning_rate'], cfg['weight_decay']
     master = cfg['precision'] == 'bf16_master'
     if cfg['method'] in GALORE_METHODS:
@@ -169,14 +152,10 @@ def build_cycler(model, optimizer, cfg):
 
 
 def build(cfg, device, vocab_size=0, model=None, shard=None, cpu_draws=True, host_scope=nullcontext):
-    """The model, its optimizer and its cycler, as every script trains them.
-
-    model: an already built model (a resume, a pretrained import); None builds one from scratch,
-    directly on `device` in its weight dtype (new_model; seed the RNG before: the init draws from it).
-    shard(model): a hook that runs after the model is on its device and before the optimizer sees
-    its parameters (train.py's FSDP2 sharding).
-    cpu_draws: new_model's. host_scope: the fp32 masters' (optim.MasterWeights): the memory estimate
-    counts what is allocated inside it as host memory."""
+    """The model, its optimizer and its cycler. model: an already built one (a resume, a pretrained import);
+    None builds one with new_model (seed the RNG before). shard(model): runs once the model is on its device,
+    before the optimizer sees its parameters (FSDP2). host_scope: the fp32 masters' (optim.MasterWeights),
+    what the memory estimate counts as host memory."""
     if model is None:
         config = TransformerConfig(**transformer_kwargs(cfg, vocab_size))
         model = new_model(config, device, weight_dtype(cfg['precision']), cpu_draws)
