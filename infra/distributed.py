@@ -1,14 +1,13 @@
 """
-Everything torchrun brings: who this process is and the loop's collectives (Ranks), joining and
-leaving the process group (restarts included), the model the Trainer runs and syncs
-(ParallelModel: a DDP wrapper rebuilt at every switch, or FSDP2 resharded), FSDP2 sharding at
-build, and full-state checkpoints of a sharded model. One process meets only Ranks() here.
-The invariant checks of `--ddp_check=True` are ddp_check.py's. Everything here is told what it
-needs through arguments (a `Ranks`, the model, the optimizer).
+Everything torchrun brings: who this process is and the loop's collectives (Ranks), joining and leaving the
+process group (restarts included), the model the Trainer runs and syncs (ParallelModel: a DDP wrapper rebuilt
+at every switch, or FSDP2 resharded), FSDP2 sharding, and full-state checkpoints of a sharded model. One
+process meets only Ranks() here.
 """
 
 import datetime
 import gc
+import inspect
 import json
 import os
 import sys
@@ -62,9 +61,8 @@ class Ranks:
 
 
 def setup(backend, device, timeout_s=600):
-    """Join torchrun's process group when RANK is set; returns the Ranks and this rank's device.
-    timeout_s: how long a collective waits for a stuck or dead rank before it fails (every group).
-    A backend the machine cannot run is a one-line ValueError, before any group is made."""
+    """Join torchrun's process group when RANK is set; returns the Ranks and this rank's device. timeout_s:
+    how long a collective waits for a stuck or dead rank. A backend the machine cannot run: a ValueError."""
     if int(os.environ.get('RANK', -1)) == -1:
         return Ranks(), device
     if backend == 'nccl' and not (device.startswith('cuda') and torch.cuda.is_available()):
@@ -79,16 +77,16 @@ def setup(backend, device, timeout_s=600):
     if device.startswith('cuda'):
         device = f'cuda:{local_rank}'
         torch.cuda.set_device(device)
-    # Control messages (the stop flag, RNG states, ddp_check) travel over a CPU group: reading
-    # a flag back from a GPU tensor at every iteration would stall the GPU's queue of work.
+    # control messages (the stop flag, RNG states, ddp_check) travel over a CPU group: reading a flag back
+    # from a GPU tensor at every iteration would stall the GPU's queue of work
     cpu_group = dist.new_group(backend='gloo', timeout=timeout) if backend != 'gloo' else dist.group.WORLD
     return Ranks(True, dist.get_rank(), local_rank, dist.get_world_size(), cpu_group), device
 
 
 def report_error(error, printed=True):
-    """End a run in its one `error:` line, printed unless `printed` is False (a rank that leaves it to
-    another); returns the exit status, 1. Under torchrun the line also goes into this rank's error file,
-    which torchrun's failure summary then shows as the root cause, instead of a link to its docs."""
+    """End a run in its one `error:` line, printed unless `printed` is False (another rank prints it); returns
+    the exit status, 1. Under torchrun the line also goes to this rank's error file, which torchrun's failure
+    summary shows as the root cause."""
     line = f"error: {error}"
     if printed:
         print(line, file=sys.stderr, flush=True)
@@ -97,16 +95,14 @@ def report_error(error, printed=True):
         try:
             with open(path, 'w') as f:
                 json.dump({'message': line, 'timestamp': int(time.time())}, f)
-        except OSError:  # the summary then points at torchrun's docs, as before; the line was printed
+        except OSError:  # the line was printed; the summary then points at torchrun's docs
             pass
     return 1
 
 
 def check_same_config(ranks, cfg):
-    """Every rank runs one config, or each refuses before anything is built: a ValueError naming the first
-    key that differs from rank 0's. A wrapper or a per-node environment can give ranks different commands;
-    a different seed or learning rate then trains silently apart, a different method or max_iters ends in
-    a collective's crash."""
+    """Every rank runs one config, or each refuses before anything is built: a ValueError naming the first key
+    that differs from rank 0's (a different seed trains silently apart, a different max_iters hangs)."""
     if not ranks.enabled:
         return
     configs = ranks.gather(cfg)
@@ -120,11 +116,9 @@ def check_same_config(ranks, cfg):
 
 
 def attempt_store(timeout):
-    """init_process_group's store, rank and world size for a restart by torchrun, else {} (env://).
-    torchrun keeps one store (its agent's) for every restart of a job: the keys that a killed
-    attempt's process group wrote are still there, and a restarted rank read a dead rank's address
-    from them (gloo: 'connectFullMesh failed ... Connection refused'). Each attempt's keys get
-    their own prefix, the restart count."""
+    """init_process_group's store, rank and world size for a restart by torchrun, else {} (env://). torchrun
+    keeps its agent's store for every restart of a job, where a restarted rank would read a dead rank's address
+    (gloo: 'connectFullMesh failed'): each attempt's keys get their own prefix, the restart count."""
     attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT')
     if attempt is None or os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
         return {}  # not torchrun's agent store: a new store every launch, nothing stale in it
@@ -142,21 +136,15 @@ def attempt_store(timeout):
 def lost_rank(error):
     """Whether `error` is a collective that failed because another rank is stuck (timeout) or gone."""
     text = str(error)
-    return (
-        isinstance(error, RuntimeError)
-        and dist.is_initialized()
-        and any(
-            s in text
-            for s in (
-                'Timed out',
-                'timed out',
-                'Connection closed by peer',
-                'Connection reset by peer',
-                'Broken pipe',
-                'NCCL communicator was aborted',
-            )
-        )
+    lost = (
+        'Timed out',
+        'timed out',
+        'Connection closed by peer',
+        'Connection reset by peer',
+        'Broken pipe',
+        'NCCL communicator was aborted',
     )
+    return isinstance(error, RuntimeError) and dist.is_initialized() and any(s in text for s in lost)
 
 
 _last_barrier = []  # teardown's barrier work, kept until the process exits
@@ -164,17 +152,9 @@ _last_barrier = []  # teardown's barrier work, kept until the process exits
 
 def teardown(ranks):
     """Leave the process group at the end of a run, on every rank (a collective: a barrier).
-
-    destroy_process_group alone can end a finished run in SIGABRT ("terminate called without an
-    active exception"): a gloo worker thread drops the last collective's work a moment after
-    that collective returns, and if the interpreter is finalizing by then, freeing its tensors
-    takes the GIL, Python ends the thread (pthread_exit) inside a noexcept C++ destructor, and
-    std::terminate aborts. destroy_process_group does not stop those threads: gloo joins them only
-    in its destructor, and torch keeps the group alive (torch.distributed.nn.functional, imported
-    by DDP/FSDP after init, binds group.WORLD as a default argument; DTensor caches meshes).
-    gloo's barrier holds weak references to the work its threads still hold, so that work is
-    freed only with the barrier's, which this module keeps until the interpreter clears it, on
-    the main thread; a thread that drops its reference later frees nothing."""
+    destroy_process_group alone can end a finished run in SIGABRT: a gloo worker thread that frees the last
+    collective's work while the interpreter finalizes is ended inside a noexcept C++ destructor. The barrier's
+    work holds that work; kept here, it is freed by the interpreter on the main thread."""
     if not ranks.enabled:
         return
     work = dist.barrier(group=ranks.cpu_group, async_op=True)
@@ -188,11 +168,9 @@ def teardown(ranks):
 
 
 class ParallelModel:
-    """What the Trainer runs and syncs: `model` is the DDP wrapper over the parameters that
-    train now, rebuilt after every switch (a wrapper over all parameters would allocate the
-    full-size gradient buckets that layer cycling is meant to avoid), or the model itself, resharded
-    at every switch (FSDP2), or the model itself (one process).
-
+    """What the Trainer runs and syncs: `model` is the DDP wrapper over the parameters that train now, rebuilt
+    after every switch (one over all parameters would allocate the full-size gradient buckets layer cycling
+    avoids), or the model itself, resharded at every switch (FSDP2) or as it is (one process).
     on_switch(): at the first iteration and after every switch, before the next forward.
     sync(last): gradient sync on the last micro-step only; earlier ones accumulate locally.
     switches, old_wrapper, wrapper_in_gc_cycle: what the last on_switch did (ddp_check reads them)."""
@@ -240,22 +218,11 @@ class ParallelModel:
 
 
 def wrap_ddp(model, ranks, device_type, init_sync):
-    """DDP over the parameters that train now.
-
-    DDP allocates gradient buckets for, and all-reduces, exactly the parameters with
-    requires_grad=True at construction, so ParallelModel builds a new wrapper after every switch:
-    frozen blocks then cost no bucket memory and no communication. The alternative, one wrapper
-    for the whole run plus our own all-reduce of the active gradients, would either wait for the
-    end of backward (no overlap of communication with compute) or re-implement DDP's bucketed
-    autograd hooks, which is what DDP's C++ reducer already does, well tested, with no_sync and
-    compile support. A rebuild is local (no collective with init_sync=False: the weights are
-    already equal on every rank) and costs milliseconds, plus one bucket re-ordering in the next
-    backward, once every omgd_period iterations (results/ddp_switch_cost.md).
-    gradient_as_bucket_view: the gradients of the active parameters live in the buckets rather
-    than next to them, which saves one copy of the active gradients.
-    No buffer broadcast before every forward: the only buffers (LLaMA's RoPE tables) are constants
-    that every rank computes alike (no_buffer_sync: the argument that says so in this torch).
-    """
+    """DDP over the parameters that train now: it allocates buckets for, and all-reduces, exactly the parameters
+    with requires_grad=True at construction, so frozen blocks cost no bucket memory and no communication. A
+    rebuild is local with init_sync=False (the weights are equal on every rank) and costs milliseconds
+    (results/ddp_switch_cost.md). gradient_as_bucket_view saves a copy of the active gradients; no buffer
+    broadcast, as the only buffers (LLaMA's RoPE tables) are constants every rank computes alike."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if not ranks.enabled:
@@ -270,20 +237,16 @@ def wrap_ddp(model, ranks, device_type, init_sync):
 
 
 def no_buffer_sync(ddp_class):
-    """DDP's keyword argument that turns off the broadcast of buffers before every forward, in the
-    installed torch: forward_sync_buffers=False from torch 2.13 (which deprecates broadcast_buffers),
-    broadcast_buffers=False before it (torch 2.9 to 2.12 have no forward_sync_buffers). The two
-    differ only at construction: broadcast_buffers=False also skips the buffers' broadcast of
-    init_sync, which constant buffers do not need."""
-    import inspect
-
+    """DDP's keyword argument that turns off the broadcast of buffers before every forward in the installed
+    torch: forward_sync_buffers=False from torch 2.13 (which deprecates broadcast_buffers), else
+    broadcast_buffers=False (which also skips init_sync's broadcast of them, which constants do not need)."""
     if 'forward_sync_buffers' in inspect.signature(ddp_class.__init__).parameters:
         return {'forward_sync_buffers': False}
     return {'broadcast_buffers': False}
 
 
 # -----------------------------------------------------------------------------
-# FSDP2 at a switch (the sharding itself is done once, at build: shard_fsdp below)
+# FSDP2
 
 
 def fsdp_units(model):
@@ -292,36 +255,21 @@ def fsdp_units(model):
 
 
 def reshard_fsdp(model):
-    """Call at every switch, before the next forward. The root unit keeps its weights all-gathered
-    after a forward that had no backward (an evaluation): FSDP2's root does not reshard after
-    forward, and its next forward then reuses those unsharded parameters as they are, with the
-    requires_grad they had before the switch. A frozen root parameter (tensor methods) would still
-    get a gradient, and it would be reduce-scattered and applied (ddp_check catches it). Resharding
-    registers the sharded parameters again, so the next all-gather copies their requires_grad. It
-    frees memory and costs nothing: the next forward all-gathers anyway."""
+    """Call at every switch, before the next forward. FSDP2's root keeps its weights all-gathered after a
+    forward without backward (an evaluation), and its next forward would reuse them with the requires_grad
+    they had before the switch (a frozen root parameter would still train); resharding registers the
+    sharded parameters again. It costs nothing: the next forward all-gathers anyway."""
     for unit in fsdp_units(model):
         unit.reshard()
     return model
 
 
-# -----------------------------------------------------------------------------
-# FSDP2 at build
-
-
 def shard_fsdp(model, ranks, device_type, param_dtype):
-    """FSDP2 in place: each block is one FSDP unit (all-gathered before its forward and backward,
-    its gradients reduce-scattered after its backward), the root holds the rest (embedding, tied
-    head, positions, final norm). Call before building the optimizer and the layer cycler, which
-    must see the sharded (DTensor) parameters, and before any compile.
-
-    No rebuild at a switch: FSDP2 keeps no buckets and reduce-scatters, in each unit's
-    post-backward, only the parameters that produced a gradient. cycler.apply's
-    requires_grad_(False) and grad=None is all a switch needs; a frozen block communicates nothing
-    in backward (its weights are still all-gathered, in forward and again in backward while the
-    gradient flows through it). `--ddp_check=True` counts the reduce-scattered elements.
-    param_dtype: None (fp32 everywhere, CPU/gloo) or the compute dtype of the all-gathered weights
-    (bfloat16 on CUDA); gradients are reduced in float32 and the sharded master weights stay fp32.
-    """
+    """FSDP2 in place: each block is one unit, the root holds the rest (embedding, tied head, positions, final
+    norm). Call before building the optimizer and the cycler (they must see the sharded parameters) and before
+    any compile. A switch needs no rebuild: FSDP2 reduce-scatters only the parameters that got a gradient.
+    param_dtype: None (fp32 everywhere) or the dtype of the all-gathered weights; gradients are reduced in
+    float32 and the sharded master weights stay fp32."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -330,27 +278,24 @@ def shard_fsdp(model, ranks, device_type, param_dtype):
     kwargs = {'mesh': mesh, **({'mp_policy': mp} if mp else {})}
     for unit in fsdp_units(model):  # the blocks first: the root's unit holds what they leave
         fully_shard(unit, **kwargs)
-    # FSDP2 fixes each unit's gradient dtype at its lazy init (the first forward) from the parameters
-    # that then require grad: a unit frozen at that moment (a resume's first forward comes after the
-    # switch) would later get bf16 gradients for its fp32 shards. Initialise now, while all train.
+    # FSDP2 fixes each unit's gradient dtype at its lazy init from the parameters that then require grad: a unit
+    # frozen then (a resume's first forward) would later get bf16 gradients for its fp32 shards. Now all train.
     model._get_fsdp_state()._lazy_init()
     return model
 
 
 def _param_names(model, optimizer):
-    """Fully qualified names of the optimizer's parameters, in the order of its param_groups (the
-    order that numbers them in a torch.optim state dict; the tied head goes by its first name)."""
+    """Names of the optimizer's parameters in the order of its param_groups (which numbers them in a torch.optim
+    state dict; a tied parameter goes by its first name)."""
     names = {}
-    for name, p in model.named_parameters():  # deduplicated: the first name of a tied parameter
+    for name, p in model.named_parameters():
         names.setdefault(p, name)
     return [names[p] for group in optimizer.param_groups for p in group['params']]
 
 
 def full_state_dicts(model, optimizer):
-    """(model, optimizer) state dicts of a sharded model, gathered to CPU on rank 0 (empty dicts on
-    the others); a collective, call on every rank. The optimizer's is converted to torch.optim's
-    own format (state keyed by parameter number), so the checkpoint file is the one a single
-    process or DDP writes, and loads anywhere."""
+    """(model, optimizer) state dicts of a sharded model, gathered to CPU on rank 0 (empty dicts on the others);
+    a collective. The optimizer's in torch.optim's format (keyed by parameter number), as one process writes."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -358,8 +303,7 @@ def full_state_dicts(model, optimizer):
     optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
     if not optim_sd:
         return model_sd, optim_sd
-    # numbered as load_optimizer_state reads them back: a parameter's number is its place in
-    # _param_names, as in torch.optim's own state dict
+    # a parameter's number is its place in _param_names, as load_optimizer_state reads it back
     number = {name: i for i, name in enumerate(_param_names(model, optimizer))}
     groups = [{**group, 'params': [number[name] for name in group['params']]} for group in optim_sd['param_groups']]
     state = {number[name]: s for name, s in optim_sd['state'].items()}
@@ -367,8 +311,8 @@ def full_state_dicts(model, optimizer):
 
 
 def load_optimizer_state(model, optimizer, state_dict):
-    """Load a torch.optim-format (full, unsharded) optimizer state dict into the optimizer of a
-    sharded model; every rank passes the dict it read from the checkpoint."""
+    """Load a torch.optim-format (full) optimizer state dict into the optimizer of a sharded model; every rank
+    passes the dict it read from the checkpoint."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     names = _param_names(model, optimizer)
@@ -376,9 +320,8 @@ def load_optimizer_state(model, optimizer, state_dict):
         'state': {names[i]: s for i, s in state_dict['state'].items()},
         'param_groups': [{**g, 'params': [names[i] for i in g['params']]} for g in state_dict['param_groups']],
     }
-    # strict=False: frozen parameters whose state was dropped have none in the checkpoint. torch 2.9
-    # looks up the saved state of every parameter that requires grad all the same (a KeyError; 2.10
-    # skips it under strict=False): such parameters are frozen while it loads, and thawed after.
+    # strict=False: frozen parameters whose state was dropped have none. torch 2.9 looks up the state of every
+    # parameter that requires grad all the same (a KeyError): those are frozen while it loads
     params = [p for g in optimizer.param_groups for p in g['params']]
     saved = {names[i] for i in state_dict['state']}
     stateless = [p for p, name in zip(params, names) if name not in saved and p.requires_grad]
@@ -391,9 +334,8 @@ def load_optimizer_state(model, optimizer, state_dict):
     finally:
         for p in stateless:
             p.requires_grad_(True)
-    # set_optimizer_state_dict first runs one zero-gradient step to create state for every
-    # parameter that requires grad; remove what the checkpoint did not have, so that a parameter
-    # trained later starts its state (and its Adam step count) exactly as in an uninterrupted run
+    # set_optimizer_state_dict creates state for every parameter that requires grad; remove what the checkpoint
+    # did not have, so a parameter trained later starts its state as in an uninterrupted run
     for p, name in zip(params, names):
         if name not in saved:
             optimizer.state.pop(p, None)
