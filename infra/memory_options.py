@@ -1,16 +1,8 @@
 """
-The memory options of the model (model.py), in one file. None changes a parameter, a module name,
-the state_dict or what the model computes (up to the order of sums in the chunked loss); each trades
-compute, or copies to host memory, for device memory of the training step.
-
-apply       the options a config chooses, applied from outside the model (builder.configure_memory):
-            activation_checkpointing  each block's activations recomputed in the backward
-            checkpoint_sublayers      with it: attention and MLP recomputed apart
-            activation_offload        tensors saved for the backward kept in host memory (OffloadActivations)
-            loss_chunk                head and cross-entropy this many tokens at a time (ChunkedLinearCE)
-is_weight   whether a tensor saved for the backward is a weight (offloading leaves weights alone).
-compile_blocks  compile=True's regional compilation, per block, without a recompile per requires_grad pattern.
-cuda_allocator  the CUDA caching allocator's expandable segments, set before the first allocation.
+The model's memory options (apply: activation checkpointing, activation offload, chunked loss), its regional
+compilation (compile_blocks) and the CUDA allocator's setting. None changes a parameter, a module name, the
+state_dict or what the model computes (up to the order of sums in the chunked loss); each trades compute, or
+copies to host memory, for device memory of the training step (docs/memory.md).
 """
 
 import os
@@ -25,17 +17,14 @@ from torch.utils.checkpoint import checkpoint
 
 from configurator import at_least, check_rule
 
-RULES = {
-    'loss_chunk': at_least(0, '>= 0 tokens (0: the whole micro-batch at once)')
-}  # train_config.py checks a config with it
+# train_config.py checks a config with it
+RULES = {'loss_chunk': at_least(0, '>= 0 tokens (0: the whole micro-batch at once)')}
 
 
 def apply(model, activation_checkpointing=False, checkpoint_sublayers=False, activation_offload=False, loss_chunk=0):
     """Set the memory options of a Transformer, replacing any earlier choice (a resume may flip them); returns
-    the model. Each option wraps one method, the forward of every block, the model's forward or its
-    head_loss, by an attribute of that instance which shadows its class's method and calls it:
-    parameters, module names and the state_dict stay as they are, and DDP, FSDP2's fully_shard and a
-    per-block torch.compile applied afterwards wrap an ordinary module. All off: the model's own methods."""
+    the model. Each option shadows one method (every block's forward, the model's forward, its head_loss) by an
+    instance attribute, so the state_dict stays as it is and DDP, FSDP2 and torch.compile wrap an ordinary module."""
     check_rule('loss_chunk', loss_chunk, RULES['loss_chunk'])
     for block in model.blocks:
         _shadow(
@@ -55,22 +44,12 @@ def apply(model, activation_checkpointing=False, checkpoint_sublayers=False, act
 
 
 def compile_blocks(model, *, per_tensor=False, **kwargs):
-    """compile=True: every block of `model` compiled on its own (regional compilation), so that layer
-    cycling's requires_grad patterns do not multiply the graphs; kwargs go to torch.compile (backend,
-    mode, ...). Returns the model. Call after memory_options.apply and FSDP's sharding.
-
-    torch.compile guards every parameter's requires_grad (AOTAutograd's graphs depend on it): a graph
-    is compiled per pattern, and after torch._dynamo.config.recompile_limit (8) of them the code runs
-    eagerly. A whole-model compile meets a new pattern at every switch.
-    Block methods (full, lisa*, galore, golore; builder.compile_blocks says which): each block is one compiled
-    unit; it only ever sees two patterns, trainable or frozen. nn.Module.compile keeps parameter names free of
-    '_orig_mod.'.
-    Tensor methods (tensor_wor, tensor_iid: per_tensor=True) switch every tensor on its own, so a block would see up
-    to 2^(its tensors) patterns. There the modules that hold parameters (the Linears and norms) run
-    eagerly, outside the graphs (torch.compiler.disable), and the compiled graphs hold the
-    parameter-free computation between them (attention, rotary positions, activation functions,
-    residuals, dropout): their inputs are activations, whose patterns are few whatever trains.
-    The loss of low-precision logits is compiled too (model.LinearCrossEntropy's two passes over the logits)."""
+    """compile=True: every block compiled on its own (regional compilation); kwargs go to torch.compile. Returns
+    the model. Call after apply and FSDP's sharding. torch.compile compiles a graph per requires_grad pattern
+    and runs eagerly after recompile_limit (8) of them: a whole-model compile meets a new one at every switch,
+    a block only two (trainable or frozen). per_tensor (tensor methods, where a block would see 2^(its tensors)
+    patterns): the modules that hold parameters run eagerly and the graphs hold the parameter-free computation
+    between them, whose inputs are activations. nn.Module.compile keeps parameter names free of '_orig_mod.'."""
     for block in model.blocks:
         if per_tensor:
             for module in block.modules():
@@ -85,10 +64,9 @@ ALLOCATOR_SETTING = 'expandable_segments:True'
 
 
 def cuda_allocator(environ=os.environ):
-    """Expandable segments for the CUDA caching allocator, unless the user configured it: one growing
-    segment instead of fixed-size ones, so memory freed at a switch or between micro-batches is reused
-    whatever the sizes (without them LLaMA-7B LISA-wor reserved 17.58 GiB for 16.94 allocated on an
-    H200). Call before CUDA's first allocation, which reads the setting. Returns the log's line."""
+    """Expandable segments for the CUDA caching allocator, unless the user configured it, so memory freed at a
+    switch or between micro-batches is reused whatever the sizes. Call before CUDA's first allocation, which
+    reads the setting. Returns the log's line."""
     for name in ('PYTORCH_CUDA_ALLOC_CONF', 'PYTORCH_ALLOC_CONF'):
         if environ.get(name):
             return f"CUDA allocator: {name}={environ[name]} (set by you)"
@@ -104,10 +82,9 @@ def _shadow(module, name, method):
 
 
 def checkpointed_forward(block, sublayers, x, rope=None):
-    """The block's forward with its activations recomputed in the backward: about 1/3 more compute,
-    and only the block's input is kept. sublayers: attention and MLP are recomputed apart, so the
-    backward holds half a block's activations at a time, at the cost of keeping the input of each half
-    (pair with activation_offload). Evaluation and generation (block.eval()) run the plain forward."""
+    """The block's forward with its activations recomputed in the backward (only its input is kept).
+    sublayers: attention and MLP apart, so the backward holds half a block's activations at a time and keeps
+    the input of each half. Evaluation and generation (block.eval()) run the plain forward."""
     if not block.training:
         return type(block).forward(block, x, rope)
     if sublayers:
@@ -136,19 +113,12 @@ VOCAB_SLICES = 8  # a low-precision head's dW is summed in fp32 an eighth of the
 
 
 class ChunkedLinearCE(torch.autograd.Function):
-    """F.cross_entropy(F.linear(x, weight), targets, ignore_index=-1), `chunk` rows of x at a time,
-    so that at most one chunk of (chunk x vocab) logits exists, in forward and backward. Saves x,
-    weight and targets; the backward recomputes each chunk's logits (one more head matmul), turns
-    them into their gradient in place and adds its dx and dW into one buffer each.
-    dW is summed in fp32 and rounded once. A low-precision weight that trains (pure bf16) would need
-    a weight-sized fp32 buffer for that, so its backward goes over the vocabulary in VOCAB_SLICES
-    slices: each slice's dW is summed over every chunk in an fp32 buffer of the slice's size and
-    rounded into dW, the slice's share of the softmax taken from each token's log-sum-exp (saved by
-    the forward), and dx summed over the slices in fp32. Summed in bf16, every chunk would round the
-    running sum, an error that grows with the number of chunks.
-    torch.utils.checkpoint per chunk recomputes the same, but autograd then sums one weight-sized
-    gradient per chunk: 3 weight-sized buffers at its peak (GPT-2's head, 512 tokens in chunks of
-    64: 444 MiB, against 173 MiB here and 295 MiB unchunked)."""
+    """F.cross_entropy(F.linear(x, weight), targets, ignore_index=-1), `chunk` rows of x at a time, so that at
+    most one chunk of (chunk x vocab) logits exists. The backward recomputes each chunk's logits, turns them
+    into their gradient in place and adds its dx and dW into one buffer each (torch.utils.checkpoint per chunk
+    would sum one weight-sized gradient per chunk). dW is summed in fp32 and rounded once: a low-precision
+    weight that trains goes over the vocabulary in VOCAB_SLICES slices, each summed in an fp32 buffer of its
+    size, its share of the softmax taken from each token's log-sum-exp (saved by the forward)."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, chunk):
@@ -238,8 +208,8 @@ _WEIGHT_VIEWS = {
 
 
 def is_weight(t):
-    """A parameter, a view of one, or (autocast) a cast of a trainable one: it outlives the backward
-    anyway, so offloading it would only copy every weight to the host and back each micro-batch."""
+    """A parameter, a view of one, or (autocast) a cast of a trainable one: it outlives the backward anyway,
+    so offloading it would only copy every weight to the host and back each micro-batch."""
     if isinstance(t._base if t._base is not None else t, nn.Parameter):
         return True
     fn = t.grad_fn
@@ -258,16 +228,14 @@ def to_device(host, device):
     return host.to(device, non_blocking=True)
 
 
-# device type -> (to_host, to_device) of the offload copies, where they are not the ones above (set only by
-# offload_copies)
-OFFLOAD_COPIES = {}
+OFFLOAD_COPIES = {}  # device type -> (to_host, to_device), where not the ones above (offload_copies sets it)
 
 
 @contextmanager
 def offload_copies(device_type, to_host, to_device):
-    """While it is on, OffloadActivations copies tensors of `device_type` with these two functions: the meta
-    device has no data to copy, and memory_estimate.offload_on_meta counts the copies there instead."""
-    saved = dict(OFFLOAD_COPIES)  # put back on exit
+    """While it is on, OffloadActivations copies tensors of `device_type` with these two functions (the meta
+    device has no data to copy: memory_estimate.offload_on_meta counts the copies there instead)."""
+    saved = dict(OFFLOAD_COPIES)
     OFFLOAD_COPIES[device_type] = (to_host, to_device)
     try:
         yield
@@ -277,11 +245,9 @@ def offload_copies(device_type, to_host, to_device):
 
 
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
-    """torch.autograd.graph.save_on_cpu, less the weights and the duplicates: tensors saved for the
-    backward are copied to host memory (pinned and asynchronous from CUDA) and back when the backward
-    needs them. Weights stay where they are (save_on_cpu copies them all: 471.5 MiB of GPT-2's per
-    micro-batch, each way), and a view saved twice while its storage lives is copied once
-    (cross-entropy's log-probabilities are saved by log_softmax and nll_loss)."""
+    """torch.autograd.graph.save_on_cpu less the weights (is_weight) and the duplicates: tensors saved for the
+    backward are copied to host memory (pinned and asynchronous from CUDA) and back when the backward needs
+    them; a view saved twice while its storage lives is copied once (log_softmax's and nll_loss's)."""
 
     keep_on = ('cpu',)  # device types whose tensors are in host memory already
 
