@@ -24,10 +24,8 @@ sys.path.insert(0, ROOT)
 # A torchrun worker that imports this file keeps the folder of the pytest process that started it; each
 # pytest-xdist worker (tests -n 2) makes its own, as two workers preparing one dataset at once would collide.
 _OWNER = os.environ.get('PYTEST_XDIST_WORKER', 'pytest')
-if os.environ.get('OMGD_TEST_DATA_OWNER', _OWNER) == _OWNER and os.environ.get('OMGD_TEST_DATA_ROOT'):
-    TEST_DATA_ROOT = os.environ['OMGD_TEST_DATA_ROOT']
-else:
-    TEST_DATA_ROOT = tempfile.mkdtemp(prefix='omgd-test-data-')
+_INHERITED = os.environ.get('OMGD_TEST_DATA_OWNER', _OWNER) == _OWNER and os.environ.get('OMGD_TEST_DATA_ROOT')
+TEST_DATA_ROOT = _INHERITED or tempfile.mkdtemp(prefix='omgd-test-data-')
 os.environ['OMGD_DATA_ROOT'] = os.environ['OMGD_TEST_DATA_ROOT'] = TEST_DATA_ROOT
 os.environ['OMGD_TEST_DATA_OWNER'] = _OWNER
 
@@ -47,8 +45,10 @@ _DATA_BEFORE = data_files()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the run when a test wrote into the checkout's data/ (then remove the temporary data)."""
-    shutil.rmtree(TEST_DATA_ROOT, ignore_errors=True)
+    """Fail the run when a test wrote into the checkout's data/ (then remove the temporary data this process made:
+    a pytest a test starts, tests/test_compat.py's, leaves its parent's)."""
+    if not _INHERITED:
+        shutil.rmtree(TEST_DATA_ROOT, ignore_errors=True)
     changed = sorted(set(data_files().items()) ^ set(_DATA_BEFORE.items()))
     if changed:
         print(f"\nerror: the tests changed the checkout's data/: {sorted({p for p, _ in changed})}", file=sys.stderr)

@@ -284,3 +284,4 @@ def test_not_once_deselects_the_files_of_once_and_only_those():
         ).stdout
         collected[expr] = {line.split('::')[0] for line in out.splitlines() if '::' in line}
     assert collected == {'not once': {'tests/test_compat.py'}, 'once': {'tests/test_defaults.py'}}, collected
+    assert os.path.isdir(conftest.TEST_DATA_ROOT)  # a pytest started here leaves this one's prepared datasets
