@@ -1,13 +1,10 @@
 """
-train.py's config: every key with its default (the data, read top to bottom as in nanoGPT's
-train.py), the rule each value must follow, and the checks of values that cannot train together.
-train.py, sample.py's resume of a run, the benchmarks and the experiments all start from here:
+train.py's config, a plain dict (what checkpoints store): every key with its default and the comment that
+`python train.py --help` shows, the rule each value follows, the checks of values that cannot train together,
+and a resume's merge with its checkpoint's config:
 
     cfg = train_config.load(sys.argv[1:])    # defaults <- config files <- --key=value, checked
     cfg = train_config.run_config(cfg, given, saved)  # a resume's: merged with its checkpoint's, then checked
-
-A config is a plain dict (what checkpoints store). `python train.py --help` lists the keys with
-the comments below.
 """
 
 import dataclasses
@@ -152,8 +149,8 @@ GALORE_METHODS = ('galore', 'golore')  # galore.py's optimizers; every block tra
 METHOD_NAMES = (*omgd.METHODS, *GALORE_METHODS)
 PTDTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
-# the rule each value follows on its own (configurator.py checks them with the types);
-# combinations are check()'s. A key a library reads has its rule in that library, which checks it too
+# the rule each value follows on its own (configurator.py checks them with the types); combinations are
+# check()'s. A key a library reads has its rule in that library
 RULES = {
     'out_dir': at_least(1, 'a non-empty path', len),
     'eval_interval': at_least(1),
@@ -205,10 +202,9 @@ RESUMING = ('resume', 'auto')  # init_from values whose config is known only onc
 
 
 def load(argv, defaults=None, given=None):
-    """The config of these command-line arguments: defaults, then config files and --key=value in
-    order, type-checked (configurator.py), and the device; then every value's rule and the combinations
-    (check_run), unless init_from may resume: then run_config checks the merged values. Raises a one-line
-    ConfigError/ValueError. given: see configurator.configure."""
+    """The config of these command-line arguments: defaults, then config files and --key=value in order,
+    type-checked, and the device; then check_run, unless init_from may resume (run_config checks the merged
+    values). Raises a one-line ConfigError/ValueError. given: see configurator.configure."""
     cfg = configure(defaults or DEFAULTS, argv, given=given)
     check_device(cfg['device'])
     if cfg['init_from'] not in RESUMING:
@@ -224,9 +220,9 @@ def check_run(cfg):
 
 
 def run_config(cfg, given, saved=None, path=None):
-    """The config the run trains with, checked once on its final values: load()'s (checked there), or, for
-    init_from 'resume' or 'auto', the checkpoint's config (`saved`: the values of the checkpoint at `path`,
-    read once; None: nothing to resume) with the keys this command gave (`given`) on top, then checked."""
+    """The config the run trains with, checked once on its final values: load()'s, or for init_from 'resume'
+    or 'auto' the checkpoint's (`saved`: the values of the checkpoint at `path`; None: nothing to resume) with
+    the keys this command gave (`given`) on top."""
     if saved is not None:
         check_saved(saved, path)
         try:
@@ -252,9 +248,8 @@ RESUME_KEYS = {
 
 
 def check_saved(saved, path):
-    """Refuse (one-line ValueError) a checkpoint that lacks a value of RESUME_KEYS, or holds one (or a
-    model_args field) of another type than train.py writes: a hand-edited or foreign file, whose values
-    would otherwise fail later in a traceback (iter_num 'x' at the loop's first comparison)."""
+    """Refuse (one-line ValueError) a checkpoint that lacks a value of RESUME_KEYS, or holds one (or a model_args
+    field) of another type than train.py writes, which would otherwise fail later in a traceback."""
     missing = [k for k in RESUME_KEYS if not isinstance(saved, dict) or k not in saved]
     if missing:
         raise ValueError(
@@ -286,8 +281,7 @@ def check_saved(saved, path):
 
 
 def check(cfg):
-    """Raise a one-line ValueError for a value that breaks its rule, or values that cannot train
-    together (nothing is built yet)."""
+    """Raise a one-line ValueError for a value that breaks its rule, or values that cannot train together."""
     for key, rule in RULES.items():
         check_rule(key, cfg[key], rule)
     if (
@@ -342,8 +336,8 @@ def check(cfg):
 
 
 def check_preset(cfg):
-    """A preset sets the architecture (builder.transformer_kwargs): a shape key changed next to it would be
-    silently ignored, so refuse it (vocab_size is the exception: the tokenizer's, it overrides)."""
+    """A preset sets the architecture: refuse a shape key changed next to it, which would be silently ignored
+    (vocab_size, the tokenizer's, overrides it)."""
     from model import PRESETS
     from model import check_preset as check_name
 
@@ -389,9 +383,9 @@ THIS_COMMAND = (
 
 
 def check_resume(saved, model_args, cfg, given):
-    """Refuse (one-line ValueError) the keys this command gave (`given`) that cannot continue a
-    checkpoint of config `saved` and `model_args`: every such key in one message. Returns what the
-    checkpoint fixes: its config, its architecture on top (a config may predate that rule)."""
+    """Refuse (one-line ValueError) the keys this command gave (`given`) that cannot continue a checkpoint of
+    config `saved` and `model_args`, all in one message. Returns what the checkpoint fixes: its config, its
+    architecture on top (a config may predate that rule)."""
     # a key newer than the checkpoint: it trained as that key's default does (precision: amp)
     truth = {
         **{k: DEFAULTS[k] for k in FIXED_ON_RESUME if k in DEFAULTS},
@@ -412,8 +406,7 @@ def check_resume(saved, model_args, cfg, given):
 
 
 def resume_config(saved, model_args, cfg, given):
-    """The config of a resume: the checkpoint's (`saved`), with the keys this command gave (`given`)
-    on top, after check_resume (run_config checks the merged values)."""
+    """The config of a resume: the checkpoint's (`saved`) with the keys this command gave (`given`) on top."""
     truth = check_resume(saved, model_args, cfg, given)
     return {**cfg, **{k: v for k, v in truth.items() if k in cfg and k not in given and k not in THIS_COMMAND}}
 
@@ -461,8 +454,8 @@ def check_device(device):
 
 
 def check_parallel(cfg, world_size, fsdp):
-    """Raise a one-line ValueError for values that cannot train on `world_size` ranks, sharded with
-    FSDP2 (fsdp=True) or not; known once the process group is up (distributed.setup)."""
+    """Raise a one-line ValueError for values that cannot train on `world_size` ranks, sharded with FSDP2
+    (fsdp=True) or not."""
     if fsdp and cfg['dtype'] == 'float16':
         # GradScaler's overflow check would see only this rank's gradient shards, so ranks could disagree
         raise ValueError(
