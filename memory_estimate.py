@@ -1,22 +1,11 @@
 """
 The memory of a training iteration: measure() runs one row of bench_memory.py (measured on a GPU, counted
-without one), and the tools that count without a GPU.
-memory_bytes gives the exact bytes of weights, gradients and optimizer state; the tools below count the
-rest, the temporaries and activations of the forward, backward and step.
-
-LiveBytes  a TorchDispatchMode that adds up the bytes of every live tensor storage op by op and
-           keeps the peak; on any device (meta, cpu, cuda).
-MetaAsCuda a TorchFunctionMode under which a forward/backward on meta (or CPU) tensors allocates
-           what it would on a GPU: scaled_dot_product_attention as the FlashAttention (bf16/fp16)
-           or memory-efficient (fp32) kernel, which save the log-sum-exp, not T x T weights; and
-           CUDA autocast emulated at the torch-function level (matmuls cast to `dtype`; norms,
-           softmax and cross-entropy to fp32; casts of trainable weights cached for the forward).
-offload_on_meta  memory_options.OffloadActivations on the meta device: host copies counted as host memory.
-
-Not modelled: the caching allocator's 512-byte rounding and fragmentation, cuBLAS workspaces, the
-CUDA context, and the fused AdamW kernel (meta runs the per-parameter AdamW).
-torch.distributed._tools.mem_tracker.MemTracker is not used: it registers a gradient hook on every
-parameter it sees, which fails on frozen ones.
+without one), and check_fits refuses a model that cannot fit before it is allocated. Without a GPU,
+memory_bytes counts weights, gradients and optimizer state exactly, LiveBytes the live tensor bytes op by op,
+and MetaAsCuda makes a run on meta tensors allocate what it would on a GPU.
+Not modelled: the caching allocator's rounding and fragmentation, cuBLAS workspaces, the CUDA context, and
+the fused AdamW kernel (meta runs the per-parameter AdamW). torch's MemTracker is not used: it registers a
+gradient hook on every parameter it sees, which fails on frozen ones.
 """
 
 import gc
@@ -36,13 +25,13 @@ import builder
 import dataloader
 import train_config
 from infra import memory_options
-from model import TransformerConfig, emulated_autocast
+from model import Transformer, TransformerConfig, emulated_autocast
 from trainer import Trainer, random_batches
 
 
 def state_tensors(optimizer):
-    """(param, key, tensor) of the optimizer state counted as memory: not scalar 'step' counters,
-    nor GaLore's projectors (counted apart, as in the paper's table: galore.projector_bytes)."""
+    """(param, key, tensor) of the optimizer state counted as memory: not scalar 'step' counters, nor GaLore's
+    projectors (counted apart, as in the paper's table)."""
     for p, state in optimizer.state.items():
         for key, value in state.items():
             if torch.is_tensor(value) and value.dim() > 0 and key != 'projector':
@@ -58,12 +47,9 @@ def memory_bytes(model, optimizer):
 
 
 class LiveBytes(TorchDispatchMode):
-    """Bytes of the live tensor storages on `device`, and their peak, counted op by op.
-
-    Tensors made before entering must be registered with add(). A storage is counted once however
-    many views it has, and uncounted when it is freed (weak reference). Storages created inside
-    `with tracker.host():` stand for CPU memory (the meta device has no CPU) and are not counted.
-    """
+    """Bytes of the live tensor storages on `device` (any, meta included), and their peak, counted op by op.
+    Register tensors made before entering with add(). A storage counts once however many views it has, until
+    it is freed; those created inside `with tracker.host():` stand for CPU memory and are not counted."""
 
     def __init__(self, device):
         super().__init__()
@@ -128,55 +114,24 @@ class LiveBytes(TorchDispatchMode):
 
 
 class MetaAsCuda(TorchFunctionMode):
-    """Makes a forward/backward on meta (or CPU) tensors allocate what it would on a GPU.
-
-    - scaled_dot_product_attention runs the FlashAttention kernel (bf16/fp16) or the memory-
-      efficient one (fp32), which save a log-sum-exp per row, not the T x T attention weights
-      that the math fallback used off-GPU would keep;
-    - with dtype (bf16 or fp16), CUDA autocast's casts: matmuls to dtype, norms, softmax and
-      cross-entropy to fp32, and (cache=True, the forward) casts of leaf tensors that require
-      grad kept until the forward ends, like autocast's weight cache. None: no autocast.
-    - with dtype, model.Linear takes the path it takes under CUDA autocast: a frozen layer goes
-      through model.FrozenLinear, which keeps no low-precision copy of its weight for the backward
-      (model.emulated_autocast while the mode is on; the meta device has no autocast, so
-      without it the estimate would count a copy a CUDA run does not make). follow_cuda_linear=False
-      turns this off (tests compare the two).
-    Run the backward with backward() below (cache=False): activation checkpointing recomputes there.
-    """
+    """Makes a forward/backward on meta (or CPU) tensors allocate what it would on a GPU:
+    - scaled_dot_product_attention runs the FlashAttention (bf16/fp16) or memory-efficient (fp32) kernel,
+      which save a log-sum-exp per row, not the T x T weights of the math fallback used off-GPU;
+    - with dtype (None: no autocast), CUDA autocast's casts: matmuls to dtype, norms, softmax and cross-entropy
+      to fp32, and (cache=True, the forward) casts of trainable leaves kept until the forward ends;
+    - with dtype, model.Linear takes its CUDA autocast path (model.emulated_autocast): a frozen layer keeps no
+      low-precision copy of its weight. follow_cuda_linear=False turns this off (tests compare the two).
+    Run the backward with backward() (cache=False): activation checkpointing recomputes there."""
 
     follow_cuda_linear = True
     EMULATES = ('meta', 'cpu')  # the device types whose tensors it is used on
-    LOW = {
-        F.linear,
-        torch.matmul,
-        torch.mm,
-        torch.bmm,
-        torch.addmm,
-        torch.baddbmm,
-        torch.Tensor.matmul,
-        torch.Tensor.__matmul__,
-        torch.Tensor.mm,
-        torch.Tensor.bmm,
-    }
-    FP32 = {
-        F.layer_norm,
-        F.rms_norm,
-        F.group_norm,
-        F.softmax,
-        F.log_softmax,
-        torch.softmax,
-        torch.log_softmax,
-        torch.Tensor.softmax,
-        torch.Tensor.log_softmax,
-        F.cross_entropy,
-        F.nll_loss,
-        torch.exp,
-        torch.log,
-        torch.rsqrt,
-        torch.pow,
-        torch.Tensor.pow,
-        torch.sum,
-    }
+    # cast to dtype: matmuls, as functions and as Tensor methods
+    LOW = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm}
+    LOW |= {torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.bmm}
+    # cast to fp32: norms, softmax, losses and the reductions and pointwise ops autocast runs in fp32
+    FP32 = {F.layer_norm, F.rms_norm, F.group_norm, F.cross_entropy, F.nll_loss}
+    FP32 |= {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax}
+    FP32 |= {torch.exp, torch.log, torch.rsqrt, torch.pow, torch.Tensor.pow, torch.sum}
 
     def __init__(self, dtype=None, cache=False):
         super().__init__()
@@ -195,8 +150,8 @@ class MetaAsCuda(TorchFunctionMode):
         return super().__exit__(*args)
 
     def backward(self, loss):
-        """loss.backward() with this mode on. (Tensor.backward would hand itself to the mode, and a
-        mode is off while it handles a call, so call the autograd engine directly.)"""
+        """loss.backward() with this mode on (Tensor.backward would hand itself to the mode, which is off while
+        it handles a call: so the autograd engine, directly)."""
         with self:
             torch.autograd.graph._engine_run_backward(
                 (loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True, accumulate_grad=True
@@ -239,9 +194,8 @@ class MetaAsCuda(TorchFunctionMode):
 
 @contextmanager
 def offload_on_meta(tracker):
-    """memory_options.OffloadActivations (activation_offload=True) on the meta device, which has no data to
-    copy: the host copy of a saved tensor is a meta tensor that LiveBytes counts as host memory, and
-    its copy back in the backward a new tensor on the device."""
+    """memory_options.OffloadActivations on the meta device, which has no data to copy: a saved tensor's host
+    copy is a meta tensor that LiveBytes counts as host memory, its copy back a new tensor on the device."""
 
     def to_host(t):
         with tracker.host():
@@ -268,9 +222,8 @@ def available_bytes(device):
 
 
 def estimate_iteration(cfg, vocab_size=0):
-    """The meta-device estimate of one iteration of train.py's config `cfg` on one device: a dict of
-    bytes (params, grads, optimizer, others, peak; measure's row). Seconds for a 7B model. What
-    check_fits' estimate_peak returns."""
+    """The meta-device estimate of one iteration of train.py's config `cfg` on one device: measure's row, a
+    dict of bytes (params, grads, optimizer, others, peak). Seconds for a 7B model."""
     return measure(
         {**cfg, 'vocab_size': vocab_size or cfg['vocab_size'], 'micro_batches': 0, 'compile': False},
         torch.device('meta'),
@@ -279,9 +232,7 @@ def estimate_iteration(cfg, vocab_size=0):
 
 def unit_params(config):
     """(parameters of the largest block, parameters outside the blocks) of Transformer(config), built on meta:
-    the FSDP2 units of distributed.shard_fsdp (each block, and the root with the rest; tied once)."""
-    from model import Transformer
-
+    the FSDP2 units of distributed.shard_fsdp."""
     with torch.device('meta'):
         model = Transformer(config)
     in_blocks = {id(p) for p in model.blocks.parameters()}
@@ -291,20 +242,11 @@ def unit_params(config):
 
 
 def per_rank_peak(row, config, world_size=1, fsdp=False, bytes_per_weight=4):
-    """The peak bytes of one rank, from the single-device estimate `row` (estimate_iteration).
-
-    Without FSDP (one process, DDP) every rank holds what one device does: row['peak']. Under FSDP2
-    (distributed.shard_fsdp) an APPROXIMATION: weights, gradients and optimizer state are divided by
-    the world size (each rank holds its shards; FSDP2's padding of a first dimension to a multiple
-    of the world size is left out), activations and temporaries ('others') stay whole (each rank
-    runs its own micro-batch), and what is unsharded at once is added back, at bytes_per_weight
-    each (an upper bound when the all-gather runs in bf16 over fp32 shards):
-      - the root unit (embedding, head, final norm, positions): FSDP2 keeps the root gathered from
-        its forward to its backward, and its gradients are full-size until its reduce-scatter at
-        the end of the backward: its weights twice;
-      - three blocks' weights: the block computing, the next one prefetched, and one block's full
-        gradients before its reduce-scatter.
-    Not modelled: communication buffers beyond those, and the caching allocator's fragmentation."""
+    """The peak bytes of one rank, from the single-device estimate `row` (estimate_iteration): row['peak']
+    without FSDP. Under FSDP2 an APPROXIMATION: weights, gradients and optimizer state divided by the world
+    size (padding left out), activations and temporaries ('others') whole, and what is unsharded at once added
+    back at bytes_per_weight each: the root unit twice (gathered from its forward to its backward, and its
+    full-size gradients), and three blocks (the one computing, the next prefetched, one's full gradients)."""
     if not fsdp or world_size <= 1:
         return row['peak']
     block, root = unit_params(config)
@@ -314,20 +256,10 @@ def per_rank_peak(row, config, world_size=1, fsdp=False, bytes_per_weight=4):
 
 
 def check_fits(config, device, bytes_per_weight, estimate_peak=None, world_size=1, fsdp=False):
-    """Refuse (ValueError, one line) a model whose weights alone exceed the free memory of `device`
-    (builder.new_model builds them there directly, `bytes_per_weight` each): else the OOM killer
-    ends the process, or an allocation fails deep inside. The parameter count comes from a build
-    on the meta device (no memory). A lower bound: gradients, optimizer state and activations come
-    on top: when the weights take over a quarter of the free memory, estimate_peak() (measure's
-    meta-device estimate of an iteration, seconds for a 7B model: estimate_iteration) is compared too.
-
-    estimate_peak() returns estimate_iteration's row (a dict of bytes) or a number (the peak of one
-    device). world_size, fsdp: this rank's share under FSDP2 (fsdp=True: per_rank_peak's
-    approximation of the sharded peak; a bare number cannot be split, so no peak check then).
-    The weights alone are checked whole also under FSDP: builder.new_model builds the whole model on
-    every rank's device before shard_fsdp shards it. Without FSDP every rank holds everything."""
-    from model import Transformer
-
+    """Refuse (ValueError, one line) a model whose weights (`bytes_per_weight` each, whole on every rank: they
+    are built before shard_fsdp shards them) exceed the free memory of `device`, rather than meet the OOM
+    killer. When they take over a quarter of it, estimate_peak() is compared too: estimate_iteration's row
+    (under FSDP, per_rank_peak's share of world_size ranks) or a number (one device's peak, not split)."""
     device = torch.device(device)
     if device.type == 'meta':
         return
@@ -374,8 +306,7 @@ def model_config(cfg):
 
 
 def parse_precision(spec):
-    """'bf16' -> ('bf16', ''); 'bf16_master:cpu' -> ('bf16_master', 'cpu'), train.py's precision
-    and master_device keys (checked by train_config.check)."""
+    """'bf16' -> ('bf16', ''); 'bf16_master:cpu' -> ('bf16_master', 'cpu'): the precision and master_device keys."""
     precision, _, master_device = spec.partition(':')
     return precision, master_device
 
@@ -385,8 +316,8 @@ def precision_label(precision, master_device):
 
 
 def row_configs(cfg):
-    """One train.py config per row: every method of cfg['methods'] under every precision of
-    cfg['precisions'] (each '' means the config's own method / precision and master_device)."""
+    """One train.py config per row: every method of cfg['methods'] under every precision of cfg['precisions']
+    (each '' means the config's own)."""
     methods = list(dict.fromkeys(m for m in cfg['methods'].split(',') if m)) if cfg['methods'] else [cfg['method']]
     precisions = (
         list(dict.fromkeys(parse_precision(p) for p in cfg['precisions'].split(',') if p))
@@ -420,8 +351,7 @@ def resolve_device(name, allowed=('cuda', 'meta', 'cpu'), without_cuda='meta'):
 
 
 def build(cfg, device, host_scope=nullcontext):
-    """builder.build, whose model is made directly on `device` (on meta: no memory, no
-    initialisation cost), its random weights drawn there. (Model, optimizer, cycler.)"""
+    """builder.build with the model's random weights drawn on `device` (on meta: no memory, no cost)."""
     vocab = dataloader.dataset_vocab(cfg['dataset'], cfg['vocab_size'])
     return builder.build(cfg, device, vocab, cpu_draws=False, host_scope=host_scope)
 
@@ -431,8 +361,8 @@ def build(cfg, device, host_scope=nullcontext):
 
 
 def measure(cfg, device):
-    """Build cfg's model as train.py does, warm up, run one measured iteration through
-    Trainer.step; return the breakdown in bytes. cfg: a train.py config (row_configs)."""
+    """Build cfg's model as train.py does, warm up, run one measured iteration through Trainer.step; return
+    the breakdown in bytes. cfg: a train.py config (row_configs)."""
     cuda = device.type == 'cuda'
     compiled = cuda and cfg['compile']
     if cuda:
@@ -461,8 +391,7 @@ def measure(cfg, device):
     micro = min(cfg['micro_batches'] or gas, gas)
     sizes = {}
 
-    def at_zero_grad(trainer):  # the observer's before_zero_grad: the step is done, the gradients still held
-        # (every iteration's; the measured iteration is the last)
+    def at_zero_grad(trainer):  # the step is done, the gradients still held (the measured iteration is the last)
         if cuda:
             torch.cuda.synchronize(device)
         states = [v for _, _, v in state_tensors(opt)]
@@ -512,11 +441,7 @@ def measure(cfg, device):
         method=cfg['method'],
         precision=cfg['precision'],
         master_device=cfg['master_device'],
-        params=sizes['params'],
-        grads=sizes['grads'],
-        optimizer=sizes['optimizer'],
-        cpu_state=sizes['cpu_state'],
-        projectors=sizes['projectors'],
+        **sizes,  # params, grads, optimizer, cpu_state, projectors
         tracked_peak=None if compiled else tracker.peak,
         seconds=round(seconds, 2),
         micro_batches=micro,
