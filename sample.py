@@ -95,12 +95,13 @@ def main(argv):
         sys.exit(
             f"error: {path} is not a checkpoint of train.py ({type(e).__name__}); give the out_dir of a train.py run"
         )
-    # a diverged run's weights: every sample would be NaN logits, printed as nothing
+    # every sample would be NaN logits, printed as nothing; train.py never saves such weights (Checkpointer.save)
     bad = [k for k, t in checkpoint['model'].items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
         sys.exit(
-            f"error: {path} holds non-finite weights (NaN or inf in {len(bad)} tensor(s), e.g. {bad[0]}): the "
-            f"run diverged before this save; sample from an earlier checkpoint (or resume from one)"
+            f"error: {path} holds non-finite weights (NaN or inf in {len(bad)} tensor(s), e.g. {bad[0]}): train.py "
+            f"never saves such weights, so the file is damaged or not train.py's; restore a backup, or sample from "
+            f"an earlier checkpoint"
         )
     model.eval().to(cfg['device'])
     encode, decode = load_codec(data_dir(dataset), model.config.vocab_size)

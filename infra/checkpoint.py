@@ -136,21 +136,11 @@ class Checkpointer:
         iteration does not replace it (a preempted job's requeue then resumes, as torchtitan's and litgpt's do).
         All damaged: the newest's own error. Rank 0 decides, for every rank alike."""
         if self.found is None:
-            raise CheckpointError(
-                f"no checkpoint at {os.path.join(self.out_dir, 'ckpt.pt')} to resume from; train "
-                f"with init_from='scratch' first"
-            )
-        chosen, saved, skipped = self.found, None, []
-        for fmt, path, it in candidates(self.out_dir):
-            try:
-                saved = self._read(fmt, path)
-            except CheckpointError as e:
-                skipped.append((path, str(e).split('; ')[0]))
-                continue
-            chosen = fmt, path, it
-            break
-        else:
-            skipped = []  # none loads: the newest's own error, below
+            raise no_checkpoint(self.out_dir, " to resume from; train with init_from='scratch' first")
+        try:
+            chosen, saved, skipped = newest_readable(self.out_dir, self._read)
+        except CheckpointError:  # none loads: the newest's own error, below, on every rank alike
+            chosen, saved, skipped = self.found, None, []
         mine = tuple(chosen)
         chosen, skipped = self.ranks.gather((chosen, skipped))[0]
         if skipped and self.ranks.master:
@@ -298,6 +288,38 @@ class Checkpointer:
             os.rmdir(self.out_dir)  # a run that saved nothing leaves no empty out_dir behind
 
 
+def newest_readable(out_dir, read):
+    """The newest checkpoint of out_dir that read(format, path) reads without a CheckpointError: ((format, path,
+    iter_num), what read returned, [(path, why)] of each newer one it could not read): the one fall-back of every
+    reader. None reads: the newest's own CheckpointError; none there: no_checkpoint's."""
+    skipped, first = [], None
+    for fmt, path, it in candidates(out_dir):
+        try:
+            return (fmt, path, it), read(fmt, path), skipped
+        except CheckpointError as e:
+            skipped.append((path, str(e).split('; ')[0].removeprefix(f'{path}: ')))
+            first = first or e
+    raise first or no_checkpoint(out_dir, f"; train one first: python train.py --out_dir={out_dir}")
+
+
+def no_checkpoint(out_dir, then):
+    """The CheckpointError for an out_dir without a checkpoint to read: what it holds instead, or `then`."""
+    path = os.path.join(out_dir, 'ckpt.pt')
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        return CheckpointError(
+            f"no checkpoint at {path}: out_dir={out_dir!r} is a file, not a directory; give the --out_dir of a "
+            f"train.py run (the folder that holds its ckpt.pt or step folders)"
+        )
+    kept = checkpoint_dcp.not_resumable(out_dir)
+    if kept:
+        return CheckpointError(
+            f"no complete checkpoint in {out_dir}: it holds {', '.join(f'{n} ({why})' for n, why in kept)}; restore "
+            f"the .complete file of a step folder that is whole (a copy that drops dot-files loses it), or restore "
+            f"a backup"
+        )
+    return CheckpointError(f"no checkpoint at {path}{then}")
+
+
 def find(out_dir):
     """(format, path, iter_num) of the checkpoint a resume of out_dir continues, or None: the one of
     the highest iteration among out_dir/ckpt.pt and the complete step folders (the step folder when
@@ -386,6 +408,11 @@ class OutDirLock:
         import socket
         import time
 
+        if os.path.exists(self.out_dir) and not os.path.isdir(self.out_dir):
+            raise CheckpointError(
+                f"out_dir={self.out_dir!r} cannot hold checkpoints: it is a file, not a directory; choose a "
+                f"directory with --out_dir"
+            )
         try:
             os.makedirs(self.out_dir, exist_ok=True)
             self.file = open(self.path, 'a+b', buffering=0)  # unbuffered: a failed write fails there, not in close()
@@ -432,14 +459,23 @@ class OutDirLock:
 def read_any(out_dir, map_location='cpu', mmap=False, optimizer=True):
     """(checkpoint dict, path) of out_dir's newest checkpoint, ckpt.pt's format whatever was written:
     out_dir/ckpt.pt, or the newest complete step folder (checkpoint_dcp.py) consolidated in host
-    memory (optimizer=False reads its weights only), whichever holds the later iteration. A
-    one-line CheckpointError when there is none or it cannot be read."""
-    found = find(out_dir)
-    if found is None or found[0] == 'file':
-        path = os.path.join(out_dir, 'ckpt.pt')
-        return read(path, map_location=map_location, mmap=mmap), path
-    path = found[1]
-    checkpoint = checkpoint_dcp.consolidate(path, optimizer=optimizer)
-    if torch.device(map_location).type != 'cpu':
-        checkpoint['model'] = {k: v.to(map_location) for k, v in checkpoint['model'].items()}
+    memory (optimizer=False reads its weights only), whichever holds the later iteration; when it cannot
+    be read, the newest that can, named with it in a warning. A one-line CheckpointError when none can."""
+
+    def read_one(fmt, path):
+        if fmt == 'file':
+            return read(path, map_location=map_location, mmap=mmap)
+        checkpoint = checkpoint_dcp.consolidate(path, optimizer=optimizer)
+        if torch.device(map_location).type != 'cpu':
+            checkpoint['model'] = {k: v.to(map_location) for k, v in checkpoint['model'].items()}
+        return checkpoint
+
+    (_, path, it), checkpoint, skipped = newest_readable(out_dir, read_one)
+    if skipped:
+        print(
+            f"warning: cannot read {'; '.join(f'{p} ({why})' for p, why in skipped)}: reading {path} "
+            f"(iteration {it}) instead",
+            file=sys.stderr,
+            flush=True,
+        )
     return checkpoint, path

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException as _DCPException  # a BaseException
 
-from infra.checkpoint_file import CheckpointError, check_finite, gather_rng, read
+from infra.checkpoint_file import CheckpointError, check_archive, check_finite, first_sentence, gather_rng, read
 
 FAILURES = (Exception, _DCPException)
 MARKER = '.complete'
@@ -84,21 +84,38 @@ def latest(out_dir):
 def remove_incomplete(out_dir):
     """What interrupted saves and removals of this code left in out_dir: folders holding its WRITING or
     REMOVING marker are removed. Anything else is left as it is, and a folder that looks like a step
-    folder (it holds values.pt) but would not resume is named. Returns (removed, left) names. Only the
-    holder of out_dir's lock may call this."""
-    removed, left = [], []
-    for name in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
+    folder (it holds values.pt) but would not resume is named, unless a resume set it aside as damaged (and
+    said so). Returns (removed, left) names. Only the holder of out_dir's lock may call this."""
+    removed = [name for name in _folders(out_dir) if _interrupted(os.path.join(out_dir, name))]
+    for name in removed:
+        shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+    return removed, [name for name, why in not_resumable(out_dir) if why != DAMAGED]
+
+
+DAMAGED = 'set aside as damaged'
+
+
+def not_resumable(out_dir):
+    """[(name, why)] of the folders in out_dir that hold a step folder's values.pt yet do not resume (no .complete
+    file, or set aside), but for what an interrupted save or removal of this code left (remove_incomplete)."""
+    found = []
+    for name in _folders(out_dir):
         path = os.path.join(out_dir, name)
-        if not os.path.isdir(path):
+        complete = os.path.isfile(os.path.join(path, MARKER))
+        if (complete and STEP.match(name)) or _interrupted(path) or not os.path.isfile(os.path.join(path, VALUES)):
             continue
-        if any(os.path.isfile(os.path.join(path, m)) for m in (WRITING, REMOVING)):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(name)
-        elif os.path.isfile(os.path.join(path, VALUES)) and not (
-            STEP.match(name) and os.path.isfile(os.path.join(path, MARKER))
-        ):
-            left.append(name)  # it looks like a step folder, yet it would not resume
-    return removed, left
+        why = DAMAGED if name.endswith('.damaged') else 'not named step_NNNNNNN'
+        found.append((name, why if complete else f'no {MARKER} file'))
+    return found
+
+
+def _folders(out_dir):
+    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    return [name for name in names if os.path.isdir(os.path.join(out_dir, name))]
+
+
+def _interrupted(path):
+    return any(os.path.isfile(os.path.join(path, m)) for m in (WRITING, REMOVING))
 
 
 def prune(out_dir, keep_last):
@@ -463,7 +480,7 @@ def _cannot_read(path, e):
     failures = [f[0] for f in getattr(e, 'failures', {}).values() if isinstance(f, tuple) and f]
     if failures:
         e = failures[0]
-    reason = (str(e).strip().splitlines() or [''])[0][:200]
+    reason = first_sentence(e)
     return CheckpointError(
         f"cannot read checkpoint {path} ({type(e).__name__}{': ' + reason if reason else ''}); "
         f"it is corrupt, truncated or from another program: restore a backup or train from scratch"
@@ -483,10 +500,19 @@ def read_index(path):
 
 def check_readable(path):
     """The step folder's values (read_values), or a CheckpointError naming what is wrong when it cannot be
-    resumed from: its values, its index, or a shard the index points into that is missing or shorter than the
-    index says (what a copy cut short or a lost file leaves). Reads no tensor data."""
-    values = read_values(path)
-    check_shards(path, read_index(path))
+    resumed from: its values, its index, a shard the index points into that is missing or shorter than the
+    index says (what a copy cut short or a lost file leaves), or a record of a shard damaged where the load
+    looks before the tensors' bytes (check_archive: each tensor is a torch.save archive). Reads no tensor data."""
+    values, index = read_values(path), read_index(path)
+    check_shards(path, index)
+    files = {}
+    for info in index.storage_data.values():
+        files.setdefault(info.relative_path, []).append(info)
+    for name, infos in files.items():
+        with open(os.path.join(path, name), 'rb') as f:
+            for info in infos:
+                if not getattr(info, 'transform_descriptors', None):  # train.py writes no compressed record
+                    check_archive(f, f"{path}: shard {name}", info.offset, info.length)
     return values
 
 
@@ -553,7 +579,7 @@ def consolidate(path, optimizer=True):
     """The step folder as one process's checkpoint dict, in ckpt.pt's format (full tensors in host
     memory; the optimizer's state numbered as torch.optim numbers it). optimizer=False reads the
     weights only."""
-    values = read_values(path)
+    values = check_readable(path)
     index = read_index(path)  # tensors only
     template = {}
     for key, meta in index.state_dict_metadata.items():

@@ -11,6 +11,7 @@ previous one, and is read with weights_only=True, so a file from elsewhere canno
 """
 
 import contextlib
+import io
 import os
 import re
 import zipfile
@@ -38,16 +39,66 @@ def read(path, map_location='cpu', mmap=False):
         )
     if mmap and not zipfile.is_zipfile(path):  # not torch.save's format (nothing to map): torch's error names it
         mmap = False
+    if mmap:  # a mapped read trusts the records' headers it skips: damaged ones would map other bytes
+        with open(path, 'rb') as f:
+            check_archive(f, path)
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:
-        # torch's messages run to several sentences (advice to switch weights_only off, which we must not
-        # follow); the first names the problem
-        reason = str(e).strip().splitlines()[0].split('. ')[0].rstrip('.') if str(e).strip() else ''
         raise CheckpointError(
-            f"cannot read checkpoint {path} ({type(e).__name__}: {reason[:200]}); it is "
+            f"cannot read checkpoint {path} ({type(e).__name__}: {first_sentence(e)}); it is "
             f"corrupt, truncated or from another program: restore a backup or train from "
             f"scratch"
+        ) from None
+
+
+def first_sentence(e):
+    """An exception's first sentence: torch's messages run to several (advice to switch weights_only off, which we
+    must not follow); the first names the problem."""
+    return (str(e).strip().splitlines() or [''])[0].split('. ')[0].rstrip('.')[:200]
+
+
+class _Slice(io.RawIOBase):
+    """Bytes [start, start + size) of an open file, as a file of their own."""
+
+    def __init__(self, f, start, size):
+        self.f, self.start, self.size, self.pos = f, start, size, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, pos, whence=0):
+        self.pos = max(0, (0, self.pos, self.size)[whence] + pos)
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def readinto(self, b):
+        self.f.seek(self.start + self.pos)
+        n = self.f.readinto(memoryview(b)[: max(0, self.size - self.pos)])
+        self.pos += n
+        return n
+
+
+def check_archive(f, name, start=0, size=None):
+    """A CheckpointError naming `name` when the torch.save archive at bytes [start, start + size) of the open file f
+    is damaged where a read looks before the tensors' bytes: its directory, each record's header, and the small
+    records it unpickles (read whole, their CRC checked). Cheap: no tensor's bytes are read."""
+    where = '' if size is None else f" (the record at byte {start})"
+    size = os.fstat(f.fileno()).st_size - start if size is None else size
+    try:
+        with zipfile.ZipFile(_Slice(f, start, size)) as archive:
+            for record in archive.infolist():
+                with archive.open(record) as r:  # checks the record's header
+                    if '/data/' not in record.filename:
+                        r.read()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError, NotImplementedError) as e:
+        raise CheckpointError(
+            f"{name} is damaged{where}: {type(e).__name__}: {first_sentence(e)}; restore a backup or train from scratch"
         ) from None
 
 

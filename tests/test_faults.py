@@ -296,3 +296,56 @@ def test_ctrl_c_during_the_setup_is_one_line(tmp_path, monkeypatch, capsys):
     assert status == 130 and not (tmp_path / 'run').exists()
     assert err.strip().splitlines()[-1] == "error: interrupted (Ctrl-C); the last checkpoint, if any, is as it was"
     assert 'Traceback' not in err
+
+
+def test_a_shard_zeroed_inside_falls_back_in_every_reader(tmp_path, capsys):
+    """64 KiB zeroed inside the newest step folder's shard (same size, index intact): the readers (read_any:
+    sample.py, eval.py, export.py) and a resume read the older folder, each naming both in one warning (the
+    resume ended in 'cannot read checkpoint ... restore a backup or train from scratch'); the folder set aside
+    draws no second warning calling it incomplete."""
+    from infra import checkpoint
+
+    run_train(f'--out_dir={tmp_path}', '--max_iters=4', '--eval_interval=2', '--checkpoint_format=dcp')
+    shard = sorted((tmp_path / 'step_0000004').glob('*.distcp'))[0]
+    size = shard.stat().st_size
+    with open(shard, 'r+b') as f:
+        f.seek(size // 2)
+        f.write(bytes(65536))
+    assert shard.stat().st_size == size
+    capsys.readouterr()
+    saved, path = checkpoint.read_any(str(tmp_path), optimizer=False)
+    warned = capsys.readouterr().err.strip().splitlines()
+    assert saved['iter_num'] == 2 and path == str(tmp_path / 'step_0000002')
+    assert len(warned) == 1 and re.fullmatch(
+        rf"warning: cannot read {tmp_path / 'step_0000004'} \(shard {shard.name} is damaged \(the record at byte "
+        rf"\d+\): .*\): reading {path} \(iteration 2\) instead",
+        warned[0],
+    ), warned
+    run = run_train(f'--out_dir={tmp_path}', '--max_iters=6', '--eval_interval=2', '--init_from=auto')
+    assert f"resuming from iteration 2 of {path}" in run.stdout
+    assert [w.split(' (')[0] for w in warnings_of(run)] == [f"warning: cannot resume from {shard.parent}"], run.stderr
+    assert (tmp_path / 'step_0000004.damaged' / shard.name).stat().st_size == size
+    assert load(tmp_path)['iter_num'] == 6
+
+
+def test_step_folders_without_their_complete_file_are_named_for_what_they_are(tmp_path):
+    """Every step folder lacks .complete (a copy that dropped dot-files): a resume and sample.py name the folders
+    and the missing file, instead of 'no checkpoint at .../ckpt.pt' (a file the run never had) with advice to train
+    from scratch; an out_dir that is a file is named as one."""
+    from conftest import run_script
+
+    for step in ('step_0000010', 'step_0000020'):
+        (tmp_path / step).mkdir()
+        (tmp_path / step / 'values.pt').write_bytes(b'')
+    expected = (
+        rf"^error: no complete checkpoint in {tmp_path}: it holds step_0000010 \(no \.complete file\), step_0000020 "
+        r"\(no \.complete file\); restore the \.complete file of a step folder that is whole"
+    )
+    assert_one_line_error(run_train(f'--out_dir={tmp_path}', '--init_from=resume', expect_ok=False), expected)
+    assert_one_line_error(run_script('sample.py', [f'--out_dir={tmp_path}']), expected)
+    assert sorted(os.listdir(tmp_path / 'step_0000020')) == ['values.pt']
+    (tmp_path / 'a_file').write_text('x')
+    assert_one_line_error(
+        run_script('sample.py', [f'--out_dir={tmp_path / "a_file"}']),
+        rf"out_dir='{tmp_path / 'a_file'}' is a file, not a directory; give the --out_dir of a train\.py run",
+    )

@@ -388,3 +388,22 @@ def test_a_stopped_comparison_leaves_no_train_py_behind(tmp_path, sig):
         )
         assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
         assert json.loads((runs / 'full_s0' / 'result.json').read_text())['eval_iters'] == [0, 2]
+
+
+def test_a_checkpoint_with_zeroed_bytes_is_named_damaged_by_a_mapped_read(tmp_path):
+    """64 KiB zeroed inside ckpt.pt: sample.py (a mapped read, which skips the records' headers) said 'holds
+    non-finite weights ...: the run diverged before this save'; now it names the damage, as a resume does."""
+    from conftest import run_train
+
+    run_train(f'--out_dir={tmp_path}', '--max_iters=2', '--eval_interval=2')
+    path = tmp_path / 'ckpt.pt'
+    size = path.stat().st_size
+    with open(path, 'r+b') as f:
+        f.seek(size // 4)
+        f.write(bytes(65536))
+    result = run_script('sample.py', [f'--out_dir={tmp_path}', '--max_new_tokens=2'])
+    assert result.returncode == 1 and 'Traceback' not in result.stderr and not result.stdout
+    assert re.fullmatch(
+        rf"error: {re.escape(str(path))} is damaged: BadZipFile: .*; restore a backup or train from scratch",
+        result.stderr.strip(),
+    ), result.stderr
