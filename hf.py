@@ -430,6 +430,14 @@ def from_state(hf_config, tensors, dropout=0.0, where='config.json'):
 def read_config(hf_dir):
     path = os.path.join(hf_dir, 'config.json')
     if not os.path.isfile(path):
+        from infra.checkpoint import all_checkpoints
+
+        if all_checkpoints(hf_dir):
+            raise HFError(
+                f"{hf_dir} holds no config.json: it is the out_dir of a train.py run, not a Hugging Face model "
+                f"directory; continue that run with --init_from=resume --out_dir={hf_dir} (its checkpoint is read "
+                f"with --out_dir={hf_dir}, and exported to a model directory by export.py)"
+            )
         raise HFError(f"{hf_dir} holds no config.json; a Hugging Face model directory has config.json and weights")
     try:
         with open(path, encoding='utf-8') as f:

@@ -591,3 +591,32 @@ def test_a_hugging_face_directory_with_a_nan_weight_is_one_line_naming_the_tenso
         r"again, or export it from a run that had not diverged$",
     )
     assert 'step 0' not in result.stdout and not out.exists()  # refused before any evaluation or save
+
+
+@pytest.mark.parametrize('kind', ['file', '/dev/null'])
+def test_an_out_dir_that_is_a_file_is_named_so(tmp_path, kind):
+    """--out_dir a file or /dev/null: 'is a file, not a directory' (was: its lock file 'notadir.txt/.lock cannot be
+    written (File exists)', with advice to remove what is at a path that cannot exist)."""
+    out = tmp_path / 'notadir.txt' if kind == 'file' else '/dev/null'
+    if kind == 'file':
+        out.write_text('kept')
+    result = run_script('train.py', [*TINY, f'--out_dir={out}', '--max_iters=1'])
+    assert_one_line_error(
+        result, rf"^error: out_dir='{out}' cannot hold checkpoints: it is a file, not a directory; choose a directory"
+    )
+    assert kind != 'file' or out.read_text() == 'kept'
+
+
+def test_init_from_a_runs_out_dir_says_how_a_run_is_continued(tmp_path):
+    """--init_from=<the out_dir of a train.py run> (ckpt.pt, no config.json): the error says a run is continued
+    with --init_from=resume --out_dir=..., not only what a Hugging Face directory holds."""
+    run = tmp_path / 'run'
+    run.mkdir()
+    (run / 'ckpt.pt').write_bytes(b'')
+    result = run_script('train.py', [*TINY, f'--out_dir={tmp_path / "new"}', f'--init_from={run}'])
+    assert_one_line_error(
+        result,
+        rf"^error: {run} holds no config\.json: it is the out_dir of a train\.py run, not a Hugging Face model "
+        rf"directory; continue that run with --init_from=resume --out_dir={run} ",
+    )
+    assert not (tmp_path / 'new').exists()
