@@ -7,9 +7,12 @@ and a resume's merge with its checkpoint's config:
     cfg = train_config.run_config(cfg, given, saved)  # a resume's: merged with its checkpoint's, then checked
 """
 
+import ast
 import dataclasses
+import io
 import math
 import os
+import tokenize
 
 import torch
 
@@ -499,10 +502,27 @@ def gpu_defaults():
 
 
 def meanings(path=__file__):
-    """{key: the comment of its line above}: what `--help` says of each key."""
+    """{key: its comment}: what `--help` says of each key. The comment on the key's assignment (on its line,
+    or inside the parentheses ruff format wraps a long line in) or, when it has none, the comment lines right
+    above it, joined into one line."""
+    source = open(path, encoding='utf-8').read()
+    comments = {
+        tok.start[0]: (tok.start[1], tok.string[1:].strip())
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    }
     out = {}
-    for line in open(path, encoding='utf-8'):
-        name = line.split(' = ', 1)[0]
-        if name in DEFAULTS and '  # ' in line:
-            out[name] = line.split('  # ', 1)[1].rstrip()
+    for node in ast.parse(source).body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            continue
+        name = node.targets[0].id
+        if name not in DEFAULTS:
+            continue
+        text = [comments[n][1] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+        above = node.lineno - 1
+        while not text and above - 1 in comments and comments[above - 1][0] == 0:
+            above -= 1  # the block of whole-line comments right above
+        text = text or [comments[n][1] for n in range(above, node.lineno)]
+        if text:
+            out[name] = ' '.join(text)
     return out
