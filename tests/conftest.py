@@ -59,7 +59,8 @@ def pytest_sessionfinish(session, exitstatus):
 # changed across the range (torch.distributed, DCP, FSDP2, DDP, torch.compile, torch.load's weights_only and mmap,
 # the optimizers' arithmetic, SDPA, autocast, the offload, the memory tools, train.py's exact resume) runs on every
 # version; one of pure-Python logic (configs, docs, reports, experiments' statistics, data preparation, error
-# lines of the scripts' own checks) is marked `once`, and .ci/torch deselects it with -m 'not once'.
+# lines of the scripts' own checks) is marked `once`, and .ci/torch deselects it with -m 'not once'. A test of such
+# logic in an EVERY_TORCH file carries @pytest.mark.once itself.
 # tests/test_compat.py checks that every test file is in exactly one of the two.
 EVERY_TORCH = {
     'test_bad_inputs.py',  # damaged and foreign checkpoints through torch.load(weights_only=True)

@@ -417,6 +417,7 @@ def train_error(*args):
     return message
 
 
+@pytest.mark.once  # a docs check, the slowest test; the import and training are tested on every torch above
 def test_the_cpu_run_of_docs_models_md_runs_as_written(tmp_path):
     """docs/models.md's stand-in run of config/finetune_shakespeare_lisa_wor.py (a GPU config) on the CPU, as written
     there: DIR a tiny random 8-block GPT-2 (there: 48 blocks), out_dir a temporary one. It trains, switches and

@@ -223,6 +223,7 @@ def test_new_model_drawn_on_the_device_is_initialised_like_a_cpu_build():
         ), k
 
 
+@pytest.mark.once  # the code map's claim, pure Python (sys.setprofile); the loop is tested above on every torch
 def test_one_iteration_reads_five_files(tmp_path):
     """The loop's iterations, switches and dropped optimizer state included, call into five of the
     project's files (train, trainer, omgd, model, dataloader), as the README says, and an iteration
