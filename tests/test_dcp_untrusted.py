@@ -146,7 +146,7 @@ def test_a_two_rank_resume_refuses_it_on_every_rank(planted):
     assert run.proc.returncode != 0 and not marker.exists(), run.out[-3000:]
     assert not re.search(r'\[rank\d\]: Traceback', run.out), run.out[-3000:]  # torchrun's own report aside
     errors = [line for line in run.out.splitlines() if line.startswith('error: ')]
-    assert len(errors) == 2 and all(re.search(REFUSED, line) and str(folder) in line for line in errors), run.out[
-        -3000:
-    ]
+    # torchrun stops the other rank once one exits with an error, at times before that rank printed its line
+    assert 1 <= len(errors) <= 2, run.out[-3000:]
+    assert all(re.search(REFUSED, line) and str(folder) in line for line in errors), run.out[-3000:]
     assert digest(out) == before
