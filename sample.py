@@ -11,10 +11,8 @@ import torch
 
 
 def load_codec(data_dir, model_vocab=None):
-    """(encode, decode) with the tokenizer the dataset's meta.pkl records (data/tokenizer.py): GPT-2
-    BPE, characters or a local Hugging Face tokenizer; a one-line error when it cannot be loaded, or
-    when it has more ids than the model embeds (model_vocab): not the tokenizer the model trained on
-    (a character-level model whose meta.pkl is gone would get GPT-2's BPE, and its ids an IndexError)."""
+    """(encode, decode) with the tokenizer the dataset's meta.pkl records (data/tokenizer.py); a one-line
+    error when it cannot be loaded, or has more ids than the model embeds (model_vocab): not the model's."""
     from data.tokenizer import Tokenizer, read_meta
 
     try:
@@ -82,7 +80,6 @@ def main(argv):
     try:
         check_device(cfg['device'])
         path = os.path.join(cfg['out_dir'], 'ckpt.pt')  # named by the error below if the read fails
-        # into host memory (mapped), whatever the device: the model alone moves there, below
         checkpoint, path = read_any(cfg['out_dir'], map_location='cpu', mmap=True, optimizer=False)
         model = Transformer(TransformerConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
