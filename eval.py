@@ -1,21 +1,11 @@
 """
-Evaluate a trained model the way the field does: train.py's checkpoint (out_dir/ckpt.pt) or a Hugging
-Face model directory (hf_dir, e.g. what export.py writes). docs/evaluation.md has the details.
+Evaluate a trained model: train.py's checkpoint (--out_dir) or a Hugging Face model directory (--hf_dir,
+e.g. export.py's). docs/evaluation.md has the details.
 
 $ python eval.py --out_dir=out                         # val loss and perplexity on train.py's windows
 $ python eval.py --out_dir=out --full=True             # ... over every token of the split, once
 $ python eval.py --out_dir=out --mc_path=hellaswag_val.jsonl           # HellaSwag: acc and acc_norm
 $ python eval.py --hf_dir=out/hf --mc_path=hellaswag_val.jsonl --lm_eval=True   # and lm-evaluation-harness
-
-- loss: the mean cross-entropy (and its exp, the perplexity) on a prepared split (data/<dataset>/<split>.bin).
-  By default on the windows train.py evaluates (eval_iters batches of random windows, seeded by the
-  checkpoint's data_seed + 1: the number train.py printed last); full=True covers the split in
-  non-overlapping windows of block_size tokens, every token predicted once.
-- mc: a multiple-choice file in HellaSwag's jsonl format (ctx_a, ctx_b, endings, label, activity_label; one
-  example a line), scored as lm-evaluation-harness scores HellaSwag: each ending, after a space, by the sum
-  of its tokens' log-probabilities; acc takes the largest sum, acc_norm the largest sum per character.
-- lm_eval: lm-evaluation-harness (pip install "lm-eval[hf]") on the Hugging Face form of the model: the mc
-  file as a local task (the same texts, offline), and any of its tasks named in lm_eval_tasks.
 
 The multiple-choice scoring lives in infra/multiple_choice.py, which train.py's eval_mc_path calls too.
 """
@@ -32,11 +22,8 @@ from contextlib import nullcontext
 import torch
 from tqdm.auto import tqdm
 
-from infra.multiple_choice import (
-    EvalError,
-    mc_accuracy,
-    read_mc,
-)  # EvalError: the scoring's errors and this script's alike
+from hf import DTYPES
+from infra.multiple_choice import EvalError, mc_accuracy, read_mc
 
 LM_EVAL_INSTALL = 'pip install "lm-eval[hf]"'
 MC_TASK = 'local_mc'  # the lm-eval task name of the mc file
@@ -80,7 +67,6 @@ HELP = dict(
     device="'cpu', 'cuda' or 'cuda:N'",
     dtype="'float32', or autocast in 'bfloat16' or 'float16'",
 )
-DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
 
 def rules():
@@ -101,12 +87,11 @@ def rules():
 
 
 def load_checkpoint_model(out_dir):
-    """(GPT on the CPU, checkpoint dict, its path) of train.py's out_dir/ckpt.pt or newest step folder (read with
-    weights_only, infra/checkpoint.py; mapped: the optimizer state is never read)."""
+    """(model on the CPU, checkpoint dict, its path) of out_dir's newest checkpoint, weights only."""
     from infra.checkpoint import of_type, read_any, trained_dataset
     from model import Transformer, TransformerConfig
 
-    checkpoint, path = read_any(out_dir, map_location='cpu', mmap=True, optimizer=False)  # or the newest step folder
+    checkpoint, path = read_any(out_dir, map_location='cpu', mmap=True, optimizer=False)
     try:
         model = Transformer(TransformerConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
@@ -162,9 +147,8 @@ def is_gpt2_vocab(vocab_json):
 
 
 def tokenizer_for(dataset, hf_dir):
-    """The Tokenizer (data/tokenizer.py) that the mc texts are encoded with: the dataset's meta.pkl
-    records it; a Hugging Face directory without a dataset: its tokenizer.json (the characters of one when it is
-    export.py's character tokenizer), or GPT-2's BPE when its vocab.json is GPT-2's."""
+    """The Tokenizer (data/tokenizer.py) of the mc texts: the dataset's (its meta.pkl), else the Hugging Face
+    directory's tokenizer.json (export.py's characters too), or GPT-2's BPE when its vocab.json is GPT-2's."""
     from data.tokenizer import Tokenizer, read_meta
     from dataloader import data_dir
     from hf import read_char_tokenizer
@@ -211,9 +195,8 @@ def split_path(dataset, split):
 
 @torch.no_grad()
 def window_loss(model, path, dtype, block_size, batch_size, eval_iters, seed, device='cpu', autocast=nullcontext()):
-    """train.py's estimate_loss on one split: the mean loss of eval_iters batches of random windows drawn
-    with `seed` (train.py: its data_seed + 1), which rank r of R draws the r-th part of (batch_size =
-    train.py's batch_size x R gives its windows)."""
+    """train.py's estimate_loss on one split: the mean loss of eval_iters batches of random windows drawn with
+    `seed` (train.py's data_seed + 1); batch_size = train.py's batch_size x ranks gives its windows."""
     from dataloader import TokenBatches
 
     batches = TokenBatches(
@@ -231,9 +214,8 @@ def window_loss(model, path, dtype, block_size, batch_size, eval_iters, seed, de
 
 @torch.no_grad()
 def full_loss(model, path, dtype, block_size, batch_size, device='cpu', autocast=nullcontext(), progress=False):
-    """(mean loss, tokens predicted) over the whole split: non-overlapping windows of block_size inputs
-    (the last one shorter), each followed by its targets, so every token but the first is predicted once.
-    progress: a bar on stderr (minutes on a CPU)."""
+    """(mean loss, tokens predicted) over the whole split in non-overlapping windows of block_size inputs
+    (the last one shorter): every token but the first is predicted once. progress: a bar on stderr."""
     import numpy as np
 
     data = np.memmap(path, dtype=dtype, mode='r')
@@ -267,8 +249,7 @@ def full_loss(model, path, dtype, block_size, batch_size, device='cpu', autocast
 
 
 def write_mc_task(examples, directory):
-    """An lm-eval task (YAML and the jsonl it reads) in `directory` for read_mc() examples: the same query,
-    choices and gold as mc_accuracy scores, read offline by the `datasets` json loader."""
+    """An lm-eval task (YAML and the jsonl it reads, offline) in `directory` for read_mc() examples."""
     data = os.path.join(directory, f'{MC_TASK}.jsonl')
     with open(data, 'w', encoding='utf-8') as f:
         for ex in examples:
@@ -302,9 +283,8 @@ def import_lm_eval():
 
 
 def hub_or_cache():
-    """Have lm-eval's tasks read their data from the Hugging Face cache alone (HF_HUB_OFFLINE) when the Hub
-    does not answer, instead of a minute of retries; set before datasets and huggingface_hub are imported,
-    which read it once."""
+    """Set HF_HUB_OFFLINE when the Hub does not answer, so lm-eval's tasks read the cache instead of retrying
+    for a minute; before datasets and huggingface_hub are imported, which read it once."""
     if os.environ.get('HF_HUB_OFFLINE') or os.environ.get('HF_DATASETS_OFFLINE'):
         return
     url = urllib.parse.urlsplit(os.environ.get('HF_ENDPOINT') or 'https://huggingface.co')
@@ -315,8 +295,8 @@ def hub_or_cache():
 
 
 def run_lm_eval(hf_dir, examples, tasks, include, device, batch_size, dtype):
-    """{task: {metric: value}} of lm-evaluation-harness's simple_evaluate on the Hugging Face directory:
-    the mc examples as task local_mc (when given) and the named tasks."""
+    """{task: {metric: value}} of lm-eval's simple_evaluate on the Hugging Face directory: the mc examples
+    as task local_mc (when given) and the named tasks."""
     lm_eval, HFLM, TaskManager = import_lm_eval()
     if include and not os.path.isdir(include):
         raise EvalError(f"lm_eval_include={include} is not a directory; give a directory of lm-eval task YAML files")
@@ -358,9 +338,8 @@ def run_lm_eval(hf_dir, examples, tasks, include, device, batch_size, dtype):
 
 
 def evaluate(cfg, log=print):
-    """Run what cfg asks for and log one line per result; returns {name: metrics}. EvalError (or
-    another one-line ValueError: CheckpointError, HFError, ConfigError) for bad input, all of it found
-    before the first forward."""
+    """Run what cfg asks for and log one line per result; returns {name: metrics}. Bad input is a one-line
+    ValueError (EvalError, CheckpointError, HFError), all found before the first forward."""
     device = cfg['device']
     autocast = (
         nullcontext()
