@@ -1,13 +1,9 @@
 """
-The 'file' checkpoint format, out_dir/ckpt.pt (one process's default), and the parts both formats
-share: the errors, the weights_only read, the finiteness vote and the RNG states. The step folders
-(checkpoint_dcp.py) build on these; checkpoint.py's Checkpointer picks the format of a run.
-
-A checkpoint is one torch.save'd dict: the state_dict() of each object train.py hands over
-(model, optimizer, cycler, scaler), and plain values (data position, model_args, iter_num,
-best_val_loss, config), plus world_size and every rank's RNG. It is never written with a
-non-finite weight or optimizer state, goes to disk (fsync) before it atomically replaces the
-previous one, and is read with weights_only=True, so a file from elsewhere cannot run code.
+The 'file' checkpoint format, out_dir/ckpt.pt, and what both formats share: the errors, the weights_only
+read, the finiteness vote and the RNG states. A checkpoint is one torch.save'd dict: each object's
+state_dict() (model, optimizer, cycler, scaler), plain values (data position, model_args, iter_num,
+best_val_loss, config), world_size and every rank's RNG. It is never written non-finite, reaches disk
+(fsync) before it atomically replaces the previous one, and is read with weights_only=True.
 """
 
 import contextlib
@@ -29,10 +25,8 @@ class NonFiniteState(CheckpointError):
 
 
 def read(path, map_location='cpu', mmap=False):
-    """The checkpoint dict at `path`, or a CheckpointError naming the problem in one line.
-
-    mmap=True maps the tensors instead of reading them: cheap enough to look at iter_num of a
-    multi-GB checkpoint."""
+    """The checkpoint dict at `path`, or a one-line CheckpointError. mmap=True maps the tensors instead of
+    reading them: cheap enough to look at iter_num of a multi-GB checkpoint."""
     if not os.path.exists(path):
         raise CheckpointError(
             f"no checkpoint at {path}; train one first: python train.py --out_dir={os.path.dirname(path) or '.'}"
@@ -104,12 +98,8 @@ def check_archive(f, name, start=0, size=None):
 
 @contextlib.contextmanager
 def atomic_path(path: Path):
-    """Yield a hidden temporary path next to ``path``; on success it replaces ``path``.
-
-    On any error the temporary file is removed and ``path`` keeps its old content, so a failed
-    write never leaves a half-written file behind. The pid keeps parallel writers apart.
-    (data/common.py's prepare scripts write their files through it too.)
-    """
+    """Yield a hidden temporary path next to ``path`` (the pid keeps parallel writers apart); on success it
+    replaces ``path``, on an error it is removed and ``path`` keeps its old content."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -132,7 +122,7 @@ def gather_rng(ranks, device_type):
 
 def all_finite(model, optimizer):
     """Whether every weight and every optimizer-state tensor of this rank (its shards) is finite."""
-    tensors = [p for p in model.parameters()]
+    tensors = list(model.parameters())
     # through state_dict(): its hooks wait for asynchronous copies of the state (optimizer_offload)
     tensors += [
         t
@@ -144,20 +134,16 @@ def all_finite(model, optimizer):
 
 
 def check_finite(ranks, model, optimizer):
-    """Raise NonFiniteState on every rank alike (a vote: a collective) when the weights or optimizer
-    state of any rank hold inf or NaN; before a save of either format, and after a resume."""
+    """Raise NonFiniteState on every rank alike (a vote: a collective) when any rank's weights or optimizer
+    state hold inf or NaN."""
     if ranks.any(not all_finite(model, optimizer)):
         raise NonFiniteState("the weights or optimizer state hold inf or NaN; no checkpoint was written")
 
 
 def save(path, ranks, objects, values, fsdp=False, device_type='cpu'):
-    """Write {name: obj.state_dict() for objects} and `values` (plain data) to `path`.
-
-    Call on every rank (collectives: the finiteness vote, the RNG states, FSDP's full state
-    dicts); rank 0 writes. objects holds 'model' and 'optimizer' (gathered from their shards under
-    FSDP) and whatever else has a state_dict. Raises NonFiniteState, on every rank alike, before
-    anything is written; a failed write (disk full, read-only) raises CheckpointError and leaves
-    the previous file as it was (atomic_path). Returns whether this rank wrote the file."""
+    """Write {name: obj.state_dict() for objects} and `values` (plain data) to `path`; a collective, rank 0
+    writes. NonFiniteState on every rank before anything is written; a failed write is a CheckpointError
+    and leaves the previous file as it was. Returns whether this rank wrote the file."""
     model, optimizer = objects['model'], objects['optimizer']
     check_finite(ranks, model, optimizer)
     rank_rngs = gather_rng(ranks, device_type)
@@ -217,9 +203,8 @@ def remove_interrupted_write(path):
 
 
 def load_state(checkpoint, objects, fsdp=False):
-    """Load each object's state from `checkpoint` (the model is loaded when it is built: not here).
-    ValueError or KeyError when it does not fit. A scaler loads only when loss scaling is on and
-    the checkpoint has its state (saved with float16)."""
+    """Load each object's state but the model's (loaded when it is built) from `checkpoint`; ValueError or
+    KeyError when it does not fit. A scaler loads only when it is on and the checkpoint has its state."""
     for name, obj in objects.items():
         if name == 'optimizer' and fsdp:  # the file holds full tensors; each rank keeps its shards
             from infra import distributed
@@ -233,11 +218,8 @@ def load_state(checkpoint, objects, fsdp=False):
 
 
 def restore_rng(checkpoint, ranks, device_type, seed, iter_num):
-    """Continue each rank's dropout stream from `checkpoint`; returns False when it was saved on
-    another number of ranks. Then (the data loader accepted the position, see dataloader.py) the
-    run goes on from the same weights, schedule and windows, but the per-rank dropout streams
-    cannot continue, and the gradient sum runs in another order, so it is not bitwise: each rank
-    is seeded afresh."""
+    """Continue each rank's dropout stream from `checkpoint`; returns False when it was saved on another
+    number of ranks, whose streams cannot continue: each rank is then seeded afresh."""
     rank_rngs = checkpoint['rng'].get('ranks', [])
     if len(rank_rngs) != ranks.world_size:
         torch.manual_seed(seed + ranks.rank + 1_000_003 * iter_num)
