@@ -1,34 +1,17 @@
 """
-Sharded checkpoints with torch.distributed.checkpoint (DCP, the engine torchtitan uses): what
-train.py writes under torchrun (checkpoint_format 'auto' with more than one rank, or 'dcp').
-Every rank writes its own shards; nothing is gathered on rank 0.
+Sharded checkpoints with torch.distributed.checkpoint (DCP): train.py's format under torchrun
+(checkpoint_format 'auto' with more than one rank, or 'dcp'). Every rank writes its own shards.
 
     out_dir/step_0000120/      the checkpoint of iteration 120
-        __0_0.distcp, ...      the tensors (weights, optimizer state): each rank's shards, written by it
-        .metadata              DCP's index of them (written by rank 0 once every rank has written)
-        values.pt              the rest (iteration, config, model_args, data position, cycler, scaler,
-                               every rank's RNG, the optimizer's groups): rank 0, torch.save
-        .complete              written last
+        __0_0.distcp, ...      each rank's shards of the weights and optimizer state
+        .metadata              DCP's index of them (rank 0, once every rank has written)
+        values.pt              everything else (rank 0, torch.save)
+        .complete              written last: only a step_NNNNNNN folder holding it is a checkpoint
 
-A save writes into step_0000120.tmp/; once every rank's shards and the index are on disk (DCP's
-save returns on rank 0 only after every rank reported its write), rank 0 writes .complete, renames
-the folder to step_0000120/, and only then removes the complete folders beyond `keep_last`
-(.complete first, so a folder half-removed by a crash no longer counts). Only a folder named
-step_NNNNNNN holding .complete is a checkpoint: a crash at any point of a save leaves the previous
-one the newest, and the lock holder removes whatever is left of the broken one at the next start.
-Under torchrun the write goes on in a background thread (dcp.async_save, on its own gloo group):
-the state is first copied to host memory, then training continues while the copy is written; the
-next save, the end of the run, and any error wait for it.
-
-Resume loads the tensors into the model and optimizer as they are now built, sharded or not, so a
-checkpoint saved on N ranks (FSDP2 or DDP) resumes on any number of ranks (DCP reshards by the
-parameters' names and global shapes). Nothing in the folder is unpickled beyond plain data:
-values.pt is read with weights_only=True, DCP's .metadata with an unpickler that admits only DCP's
-own index classes, and the DCP part holds tensors only: an index that declares anything else (a
-bytes item, which DCP would unpickle with torch.load and its full unpickler) is refused before any read.
-
-consolidate() reads a folder into one process's memory in ckpt.pt's format (sample.py, export.py,
-eval.py: checkpoint.read_any). checkpoint.py's Checkpointer drives the saves and resumes of train.py.
+A save writes into step_NNNNNNN.tmp/ and renames it once complete; a resume reshards onto any number
+of ranks. Nothing in a folder is read with anything that could run code: values.pt with weights_only,
+.metadata with an unpickler of DCP's index classes only, and an index declaring anything but tensors
+is refused. docs/distributed.md describes the protocol; consolidate() reads a folder in ckpt.pt's format.
 """
 
 import contextlib
@@ -56,10 +39,6 @@ VALUES = 'values.pt'
 STEP = re.compile(r'^step_(\d{7,})$')
 
 
-def step_name(iter_num):
-    return f"step_{iter_num:07d}"
-
-
 def complete_steps(out_dir):
     """[(iter_num, path)] of the complete checkpoints in out_dir, oldest first."""
     found = []
@@ -82,10 +61,9 @@ def latest(out_dir):
 
 
 def remove_incomplete(out_dir):
-    """What interrupted saves and removals of this code left in out_dir: folders holding its WRITING or
-    REMOVING marker are removed. Anything else is left as it is, and a folder that looks like a step
-    folder (it holds values.pt) but would not resume is named, unless a resume set it aside as damaged (and
-    said so). Returns (removed, left) names. Only the holder of out_dir's lock may call this."""
+    """Remove the folders of out_dir holding this code's WRITING or REMOVING marker (interrupted saves and
+    removals); returns (removed, left) names, left: the other folders that hold a values.pt but would not
+    resume, less those a resume set aside as damaged. Only the holder of out_dir's lock may call this."""
     removed = [name for name in _folders(out_dir) if _interrupted(os.path.join(out_dir, name))]
     for name in removed:
         shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
@@ -132,16 +110,12 @@ def _mark(folder, marker):
 
 
 def _fsync_dir(path):
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _param_names(model):
@@ -154,15 +128,9 @@ def _param_names(model):
 
 def _model_tensors(model):
     """(the model's state dict without the second names of tied parameters, {second name: first})."""
-    sd = model.state_dict()
-    kept = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
-    by_id, tied = {}, {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if name in kept:
-            by_id[id(p)] = name
-        elif id(p) in by_id:
-            tied[name] = by_id[id(p)]
-    return {k: v for k, v in sd.items() if k not in tied}, tied
+    names = _param_names(model)
+    tied = {name: names[p] for name, p in model.named_parameters(remove_duplicate=False) if names[p] != name}
+    return {k: v for k, v in model.state_dict().items() if k not in tied}, tied
 
 
 def _optimizer_parts(model, optimizer):
@@ -204,14 +172,13 @@ class Saver:
         _SAVERS.append(self)
 
     def save(self, objects, values, device_type='cpu'):
-        """Write the checkpoint of values['iter_num']; a collective. NonFiniteState (on every rank
-        alike, before anything is written) for a non-finite weight or optimizer state; a
-        CheckpointError when the write fails. Returns the folder's final path."""
+        """Write the checkpoint of values['iter_num']; a collective. NonFiniteState (every rank, before any
+        write) for a non-finite state; CheckpointError when the write fails. Returns the folder's path."""
         model, optimizer = objects['model'], objects['optimizer']
         check_finite(self.ranks, model, optimizer)
         self.wait()  # the previous background save is complete (or failed: raised here) before this one
         rank_rngs = gather_rng(self.ranks, device_type)
-        final = os.path.join(self.out_dir, step_name(values['iter_num']))
+        final = os.path.join(self.out_dir, f"step_{values['iter_num']:07d}")
         tmp = final + '.tmp'
         model_sd, tied = _model_tensors(model)
         optim_tensors, optim_rest = _optimizer_parts(model, optimizer)
@@ -264,9 +231,8 @@ class Saver:
         return final
 
     def _complete(self, future, tmp, final, completed=None):
-        """Rank 0, once DCP's save returned (it returns only after every rank reported its shards
-        written, and rank 0 wrote the index): the marker, the rename, then the pruning. Under
-        async_save in the writing thread, as soon as it is done; `completed` then tells wait()."""
+        """Rank 0, once DCP's save returned (every rank's shards and the index are written): the marker, the
+        rename, then the pruning. Under async_save in the writing thread; `completed` then tells wait()."""
         try:
             if future is not None:
                 future.result()
@@ -277,10 +243,7 @@ class Saver:
                     f"stays unfinished in {tmp}; move {final} out of out_dir, then resume"
                 )
                 return
-            with open(os.path.join(tmp, MARKER), 'w') as f:
-                f.write('complete\n')
-                f.flush()
-                os.fsync(f.fileno())
+            _mark(tmp, MARKER)
             os.remove(os.path.join(tmp, WRITING))
             if os.path.exists(final):  # this iteration's checkpoint of an earlier run (overwrite=True)
                 remove_checkpoints([final])
@@ -305,45 +268,37 @@ class Saver:
             )
 
     def wait(self):
-        """Wait for a background save to be complete; a CheckpointError (on every rank) when it failed.
-        A collective."""
-        if self.pending is not None:
-            future, tmp, completed = self.pending
-            self.pending = None
-            try:
-                future.result()
-            except FAILURES as e:
-                self.error = self.error or _failed(tmp, e)
-            completed.wait()
+        """Wait for a background save; a CheckpointError (on every rank) when it failed. A collective."""
+        self._drain(keep_error=True)
         self._raise_if_failed()
 
     def finish(self):
-        """At the end of the run, on every rank: the last background save is complete (or its failure
-        raised as a CheckpointError)."""
+        """At the end of the run, on every rank: wait() for the last background save, then forget it."""
         self.wait()
         if self in _SAVERS:
             _SAVERS.remove(self)
 
     def abandon(self):
         """On an error path (no collective): let a background save end as it ends, then forget it."""
-        if self.pending is not None:
-            future, _, completed = self.pending
-            self.pending = None
-            try:
-                future.result()
-            except FAILURES:
-                pass
-            completed.wait()
+        self._drain(keep_error=False)
         if self in _SAVERS:
             _SAVERS.remove(self)
 
+    def _drain(self, keep_error):
+        if self.pending is not None:
+            future, tmp, completed = self.pending
+            self.pending = None
+            try:
+                future.result()
+            except FAILURES as e:
+                if keep_error:
+                    self.error = self.error or _failed(tmp, e)
+            completed.wait()
+
 
 def background(setting, device_type):
-    """train.py's checkpoint_async: 'yes', 'no', or 'auto', in the background when the weights are on
-    a GPU. There the copy to host memory is the transfer a save makes anyway, and training waits only
-    for it. On the CPU that copy duplicates state already in host memory: under DDP on 2 CPU ranks it
-    cost 1.4 GiB a rank, and training waited longer than for a synchronous save
-    (results/checkpoint_formats.md)."""
+    """train.py's checkpoint_async ('yes', 'no', 'auto'): 'auto' saves in the background on a GPU only; on the
+    CPU the copy to host memory duplicates state already there (results/checkpoint_formats.md)."""
     return setting == 'yes' or (setting == 'auto' and device_type == 'cuda')
 
 
@@ -421,8 +376,8 @@ def _tensors_only(path, index):
 
 
 class SafeReader(dcp.FileSystemReader):
-    """FileSystemReader whose index is read with _IndexUnpickler and holds tensors only; it never
-    reads a bytes item (belt and braces: the index check refuses them first)."""
+    """FileSystemReader whose index is read with _IndexUnpickler and holds tensors only; it never reads a
+    bytes item."""
 
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -476,8 +431,12 @@ def _single_process_quiet():
 
 
 def _cannot_read(path, e):
-    # DCP's CheckpointException says only which ranks failed ("ranks:dict_keys([0])"): name the first rank's error
+    # DCP's CheckpointException says only which ranks failed ("ranks:dict_keys([0])"): a rank's refusal as it is,
+    # else the first rank's error
     failures = [f[0] for f in getattr(e, 'failures', {}).values() if isinstance(f, tuple) and f]
+    refused = [f for f in failures if isinstance(f, CheckpointError)]
+    if refused:
+        return refused[0]
     if failures:
         e = failures[0]
     reason = first_sentence(e)
@@ -499,10 +458,9 @@ def read_index(path):
 
 
 def check_readable(path):
-    """The step folder's values (read_values), or a CheckpointError naming what is wrong when it cannot be
-    resumed from: its values, its index, a shard the index points into that is missing or shorter than the
-    index says (what a copy cut short or a lost file leaves), or a record of a shard damaged where the load
-    looks before the tensors' bytes (check_archive: each tensor is a torch.save archive). Reads no tensor data."""
+    """The step folder's values, or a CheckpointError naming what would stop a resume: its values, its index,
+    a shard missing or shorter than the index says, or a shard's record damaged (check_archive). Reads no
+    tensor data."""
     values, index = read_values(path), read_index(path)
     check_shards(path, index)
     files = {}
@@ -543,15 +501,12 @@ def _load(state, path, group=None):
                 no_dist=not dist.is_initialized(),
             )
     except FAILURES as e:
-        failures = getattr(e, 'failures', {}).values()  # DCP's CheckpointException: (error, trace) by rank
-        refused = [f[0] for f in failures if isinstance(f, tuple) and isinstance(f[0], CheckpointError)]
-        raise (refused[0] if refused else _cannot_read(path, e)) from None
+        raise _cannot_read(path, e) from None
 
 
 def load(path, values, model, optimizer, group=None):
-    """Load the step folder's weights and optimizer state into `model` and `optimizer` as they are
-    built now (sharded over any number of ranks, or whole); a collective under torchrun. A
-    parameter without saved optimizer state has none after loading."""
+    """Load the step folder's weights and optimizer state into `model` and `optimizer` as they are built
+    now (sharded over any number of ranks, or whole); a collective under torchrun."""
     model_sd, _ = _model_tensors(model)
     rest = values['optimizer_rest']
     names = _param_names(model)
@@ -566,19 +521,22 @@ def load(path, values, model, optimizer, group=None):
     state = {'model': model_sd, 'optimizer': {k: v for k, v in optim.items() if v}}
     _load(state, path, group)
     model.load_state_dict({**model_sd, **{k: model_sd[v] for k, v in values['tied'].items()}})
-    numbered = [names[p] for g in optimizer.param_groups for p in g['params']]
-    number = {name: i for i, name in enumerate(numbered)}
-    sd = {
-        'state': {number[n]: {**rest['state'][n], **optim.get(n, {})} for n in rest['state']},
+    optimizer.load_state_dict(_numbered(rest, optim, [names[p] for g in optimizer.param_groups for p in g['params']]))
+
+
+def _numbered(rest, tensors, order):
+    """optimizer.state_dict() of values.pt's optimizer_rest and the tensors {name: {key: tensor}}, the
+    parameters numbered in the order of their names `order`, as torch.optim numbers them."""
+    number = {n: i for i, n in enumerate(order)}
+    return {
+        'state': dict(sorted((number[n], {**other, **tensors.get(n, {})}) for n, other in rest['state'].items())),
         'param_groups': [{**g, 'params': [number[n] for n in g['params']]} for g in rest['param_groups']],
     }
-    optimizer.load_state_dict(sd)
 
 
 def consolidate(path, optimizer=True):
-    """The step folder as one process's checkpoint dict, in ckpt.pt's format (full tensors in host
-    memory; the optimizer's state numbered as torch.optim numbers it). optimizer=False reads the
-    weights only."""
+    """The step folder as one process's checkpoint dict in ckpt.pt's format (full tensors in host memory).
+    optimizer=False reads the weights only."""
     values = check_readable(path)
     index = read_index(path)  # tensors only
     template = {}
@@ -594,16 +552,6 @@ def consolidate(path, optimizer=True):
     checkpoint['model'] = model
     if optimizer:
         rest = values['optimizer_rest']
-        numbered = [n for g in rest['param_groups'] for n in g['params']]
-        number = {n: i for i, n in enumerate(numbered)}
-        state = {}
-        for name, other in rest['state'].items():
-            state[number[name]] = {
-                **other,
-                **{k: template[f'optimizer.{name}.{k}'] for k in rest['layout'].get(name, {})},
-            }
-        checkpoint['optimizer'] = {
-            'state': dict(sorted(state.items())),
-            'param_groups': [{**g, 'params': [number[n] for n in g['params']]} for g in rest['param_groups']],
-        }
+        tensors = {n: {k: template[f'optimizer.{n}.{k}'] for k in keys} for n, keys in rest['layout'].items()}
+        checkpoint['optimizer'] = _numbered(rest, tensors, [n for g in rest['param_groups'] for n in g['params']])
     return checkpoint
