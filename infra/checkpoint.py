@@ -1,15 +1,9 @@
 """
-The checkpoints of a run, one home: Checkpointer starts or resumes train.py's run in out_dir and
-saves it, whatever the format; read_any() reads out_dir's newest checkpoint (sample.py, eval.py,
-export.py, hf.py).
-
-Two formats, each a back end of its own:
-- 'file' (checkpoint_file.py): out_dir/ckpt.pt, one torch.save'd dict, gathered and written by
-  rank 0; the default in one process.
-- 'dcp' (checkpoint_dcp.py): out_dir/step_NNNNNNN/ folders, every rank writes its own shards
-  (torch.distributed.checkpoint); the default under torchrun.
-A resume continues whichever holds the later iteration, on any number of ranks. Neither is ever
-written with a non-finite state, and neither is read with anything that could run code.
+The checkpoints of a run: Checkpointer starts or resumes train.py's run in out_dir and saves it, in
+either format; read_any() reads out_dir's newest checkpoint (sample.py, eval.py, export.py, hf.py).
+Formats: 'file', out_dir/ckpt.pt (checkpoint_file.py, the default in one process), and 'dcp', sharded
+step folders (checkpoint_dcp.py, the default under torchrun). A resume continues whichever holds the
+later iteration, on any number of ranks.
 """
 
 import os
@@ -30,6 +24,10 @@ from infra.checkpoint_file import (
     restore_rng,
     save,
 )
+
+
+def warn(message):
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 class Checkpointer:
@@ -57,12 +55,10 @@ class Checkpointer:
         self.saver = None  # the step folders' writer (checkpoint_dcp.Saver); None: ckpt.pt
 
     def start(self, cfg, configure, fsdp=False):
-        """Start or resume the run; returns its config, configure(saved, path): `saved` the values of the
-        checkpoint a resume continues (ckpt.pt's whole dict, a step folder's values.pt), read once and kept
-        as self.saved, or None; configure checks them and merges the run's config (a ValueError refuses).
-        The writer (rank 0) takes out_dir's lock, refuses to replace an earlier run's checkpoint unless
-        overwrite=True, and removes what an interrupted save left. Sets init_from ('resume', 'scratch' or a
-        pretrained model's name) and where the run starts (iter_num, best_val_loss, wandb_id)."""
+        """Start or resume the run; returns configure(saved, path), the run's config: `saved` is the values
+        of the checkpoint a resume continues (ckpt.pt's dict, a step folder's values.pt) or None, and
+        configure checks them (a ValueError refuses). The writer (rank 0) takes out_dir's lock, refuses to
+        replace an earlier run's checkpoint unless overwrite=True, and removes what an interrupted save left."""
         master, out_dir = self.ranks.master, self.out_dir
         if master and self.writes:
             try:
@@ -96,11 +92,9 @@ class Checkpointer:
                     f"removed {', '.join(removed)} from {out_dir}: checkpoint(s) left incomplete by an interrupted save"
                 )
             if left:
-                print(
-                    f"warning: {', '.join(left)} in {out_dir}: not a complete checkpoint, and no save of train.py "
-                    f"was writing it; left as it is (a copy missing its .complete file does not resume)",
-                    file=sys.stderr,
-                    flush=True,
+                warn(
+                    f"{', '.join(left)} in {out_dir}: not a complete checkpoint, and no save of train.py "
+                    f"was writing it; left as it is (a copy missing its .complete file does not resume)"
                 )
         self.seed = cfg['seed']
         fmt = cfg['checkpoint_format']  # 'auto': one file in one process; sharded folders on several ranks
@@ -131,10 +125,9 @@ class Checkpointer:
             )
 
     def _read_newest(self):
-        """The saved values of the newest checkpoint that can be read (read once, here); each newer one that
-        cannot is named in a warning and kept, moved aside to NAME.damaged so that this run's save of the same
-        iteration does not replace it (a preempted job's requeue then resumes, as torchtitan's and litgpt's do).
-        All damaged: the newest's own error. Rank 0 decides, for every rank alike."""
+        """The saved values of the newest checkpoint that can be read; each newer one is named in a warning
+        and moved aside to NAME.damaged, so that this run's save of its iteration does not replace it. All
+        damaged: the newest's own error. Rank 0 decides, for every rank alike."""
         if self.found is None:
             raise no_checkpoint(self.out_dir, " to resume from; train with init_from='scratch' first")
         try:
@@ -151,11 +144,9 @@ class Checkpointer:
                     os.replace(path, aside)
                     path = aside
                 kept.append(path)
-            print(
-                f"warning: cannot resume from {'; '.join(f'{p} ({why})' for p, why in skipped)}: resuming from "
-                f"{chosen[1]} instead; kept as {', '.join(kept)}",
-                file=sys.stderr,
-                flush=True,
+            warn(
+                f"cannot resume from {'; '.join(f'{p} ({why})' for p, why in skipped)}: resuming from "
+                f"{chosen[1]} instead; kept as {', '.join(kept)}"
             )
         if self.ranks.enabled:
             self.ranks.gather(None)  # every rank reads on once the damaged are moved aside
@@ -163,10 +154,9 @@ class Checkpointer:
         return saved if saved is not None and mine == self.found else self._read(*self.found[:2])
 
     def _read(self, fmt, path):
-        """A checkpoint's saved values: ckpt.pt whole, into host memory (mapped for a GPU: the ranks of a node
-        share its pages; a CPU run reads it, or its optimizer state would stay the file's pages, holding the
-        replaced file's disk space after the next save); a step folder's values.pt, its index and shards
-        checked (its tensors come with load()); a CheckpointError when it cannot be read."""
+        """A checkpoint's saved values, or a CheckpointError: ckpt.pt whole in host memory (mapped for a GPU,
+        whose node's ranks share the pages; not on a CPU, whose optimizer state would pin the replaced file);
+        a step folder's values.pt, its index and shards checked (its tensors come with load())."""
         if fmt == 'file':
             return read(path, map_location='cpu', mmap=self.device_type != 'cpu')
         return checkpoint_dcp.check_readable(path)
@@ -186,9 +176,9 @@ class Checkpointer:
             print(f"{path} holds {earlier}; this run's first save replaces it (overwrite=True)")
 
     def load(self, objects, data):
-        """A resume's state into the objects built since (model, optimizer, cycler, scaler) and into
-        the data loader `data`; a collective. Then the state must be finite, and each rank's dropout
-        continues (seeded afresh when the checkpoint was saved on another number of ranks)."""
+        """A resume's state into the objects built since (model, optimizer, cycler, scaler) and the data
+        loader `data`; a collective. The state must be finite; each rank's dropout continues (seeded afresh
+        on another number of ranks)."""
         if self.saved is None:
             return
         checkpoint, (fmt, path, _), ranks = self.saved, self.found, self.ranks
@@ -215,11 +205,9 @@ class Checkpointer:
             ) from None
         saved_tokens = checkpoint['data'].get('n_tokens')
         if saved_tokens is not None and saved_tokens != data.n_tokens and ranks.master:
-            print(
-                f"warning: {data.path} has {data.n_tokens:,} tokens, the checkpoint's data had {saved_tokens:,}: "
-                f"the file changed, and the saved position now points into another order of windows",
-                file=sys.stderr,
-                flush=True,
+            warn(
+                f"{data.path} has {data.n_tokens:,} tokens, the checkpoint's data had {saved_tokens:,}: "
+                f"the file changed, and the saved position now points into another order of windows"
             )
         try:
             same_ranks = restore_rng(checkpoint, ranks, self.device_type, self.seed, self.iter_num)
@@ -236,9 +224,8 @@ class Checkpointer:
         self.saved = None  # free memory
 
     def save(self, objects, values):
-        """Save the checkpoint of values['iter_num'] in the run's format; a collective, on every rank.
-        A non-finite state is never saved: a CheckpointError names the last good checkpoint instead.
-        Returns the checkpoint's path on the rank that wrote it (rank 0), None on the others."""
+        """Save the checkpoint of values['iter_num'] in the run's format; a collective. A non-finite state is
+        never saved: a CheckpointError names the last good checkpoint. Returns the path on rank 0, else None."""
         try:
             if self.saver is not None:  # every rank writes its shards of a step folder
                 path, wrote = self.saver.save(objects, values, self.device_type), self.ranks.master
@@ -270,8 +257,7 @@ class Checkpointer:
         )
 
     def finish(self):
-        """At the end of the run, on every rank: the last background save is on disk, complete (or its
-        failure raised as a CheckpointError)."""
+        """At the end of the run, on every rank: the last background save is on disk (or its failure raised)."""
         if self.saver is not None:
             self.saver.finish()
 
@@ -321,21 +307,11 @@ def no_checkpoint(out_dir, then):
 
 
 def find(out_dir):
-    """(format, path, iter_num) of the checkpoint a resume of out_dir continues, or None: the one of
-    the highest iteration among out_dir/ckpt.pt and the complete step folders (the step folder when
-    they tie; an unreadable ckpt.pt counts as older than any folder, and alone it is still found so
-    that the resume names what is wrong with it: iter_num -1)."""
-    found = []
-    steps = checkpoint_dcp.complete_steps(out_dir)
-    if steps:
-        found.append((steps[-1][0], 1, 'dcp', steps[-1][1]))
-    path = os.path.join(out_dir, 'ckpt.pt')
-    if os.path.exists(path):
-        found.append((file_iteration(path), 0, 'file', path))
-    if not found:
-        return None
-    it, _, fmt, path = max(found)
-    return fmt, path, it
+    """(format, path, iter_num) of the checkpoint a resume of out_dir continues, or None: the highest
+    iteration among ckpt.pt and the complete step folders (the folder on a tie); an unreadable ckpt.pt
+    (iter_num -1) only when it is alone, so that the resume names what is wrong with it."""
+    found = candidates(out_dir)
+    return ([c for c in found if c[2] >= 0] or found or [None])[0]
 
 
 def of_type(value, kind):
@@ -344,8 +320,8 @@ def of_type(value, kind):
 
 
 def candidates(out_dir):
-    """[(format, path, iter_num)] of every checkpoint in out_dir, newest first; an unreadable ckpt.pt
-    (iter_num -1) first of all: it may be the newest, so a fall-back names it."""
+    """[(format, path, iter_num)] of every checkpoint in out_dir, newest first (the folder on a tie); an
+    unreadable ckpt.pt (iter_num -1) first of all: it may be the newest, so a fall-back names it."""
     found = [(it, 1, 'dcp', path) for it, path in checkpoint_dcp.complete_steps(out_dir)]
     path = os.path.join(out_dir, 'ckpt.pt')
     if os.path.exists(path):
@@ -395,9 +371,8 @@ def check_out_dir(out_dir):
 
 
 class OutDirLock:
-    """One writer per out_dir: rank 0 of a run holds an exclusive flock on out_dir/.lock until it
-    exits. The kernel releases it when the process dies, however it dies, so a crash never leaves
-    the folder locked. The file names the holder for the message that refuses a second writer."""
+    """One writer per out_dir: rank 0 holds an exclusive flock on out_dir/.lock, which the kernel releases
+    however the process dies. The file names the holder for the message that refuses a second writer."""
 
     def __init__(self, out_dir):
         self.out_dir, self.path, self.file = out_dir, os.path.join(out_dir, '.lock'), None
@@ -457,10 +432,9 @@ class OutDirLock:
 
 
 def read_any(out_dir, map_location='cpu', mmap=False, optimizer=True):
-    """(checkpoint dict, path) of out_dir's newest checkpoint, ckpt.pt's format whatever was written:
-    out_dir/ckpt.pt, or the newest complete step folder (checkpoint_dcp.py) consolidated in host
-    memory (optimizer=False reads its weights only), whichever holds the later iteration; when it cannot
-    be read, the newest that can, named with it in a warning. A one-line CheckpointError when none can."""
+    """(checkpoint dict, path) of out_dir's newest readable checkpoint in ckpt.pt's format (a step folder
+    consolidated in host memory; optimizer=False: its weights only); a newer unreadable one is named in a
+    warning. A one-line CheckpointError when none can be read."""
 
     def read_one(fmt, path):
         if fmt == 'file':
@@ -472,10 +446,5 @@ def read_any(out_dir, map_location='cpu', mmap=False, optimizer=True):
 
     (_, path, it), checkpoint, skipped = newest_readable(out_dir, read_one)
     if skipped:
-        print(
-            f"warning: cannot read {'; '.join(f'{p} ({why})' for p, why in skipped)}: reading {path} "
-            f"(iteration {it}) instead",
-            file=sys.stderr,
-            flush=True,
-        )
+        warn(f"cannot read {'; '.join(f'{p} ({why})' for p, why in skipped)}: reading {path} (iteration {it}) instead")
     return checkpoint, path
