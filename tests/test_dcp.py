@@ -245,20 +245,34 @@ def test_an_incomplete_folder_never_resumes_and_only_what_a_save_wrote_is_remove
     assert_one_line_error(refused, r"^error: block_size=16 differs from the checkpoint's 32 .*; n_layer=6 conflicts")
 
 
+def stepped_saver(out_dir):
+    """(a Saver of out_dir, the objects and values of one trained step) for the in-process save tests."""
+    import itertools
+
+    from conftest import train_defaults
+
+    import builder
+    from infra import checkpoint_dcp
+    from infra.distributed import Ranks
+    from trainer import Trainer
+
+    cfg = train_defaults(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
+    model, optimizer, cycler = builder.build(cfg, 'cpu')
+    x = torch.randint(32, (2, 8))
+    trainer = Trainer(cfg, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu')
+    trainer.step()
+    values = {'iter_num': 1, 'config': cfg, 'data': {}, 'model_args': {}}
+    return checkpoint_dcp.Saver(str(out_dir), Ranks(), keep_last=3), trainer, optimizer, values
+
+
 def test_a_step_folder_no_save_wrote_is_never_replaced_by_a_save(tmp_path):
     """A step folder missing its .complete (a copy that dropped dot-files, another run's iteration) is left as
     it is: a run that would save that iteration is refused before training, naming it, and a save that meets
     such a folder anyway leaves it and fails in one line (it used to remove the folder by its name)."""
     import filecmp
-    import itertools
     import shutil
 
-    from conftest import train_defaults
-
-    import builder
-    from infra import checkpoint, checkpoint_dcp
-    from infra.distributed import Ranks
-    from trainer import Trainer
+    from infra import checkpoint
 
     run_train(
         f'--out_dir={tmp_path}',
@@ -284,35 +298,17 @@ def test_a_step_folder_no_save_wrote_is_never_replaced_by_a_save(tmp_path):
     # the save itself never removes a folder it did not write (nor one overwrite=True did not hand over)
     out = tmp_path / 'save'
     shutil.copytree(tmp_path / 'kept', out / 'step_0000001')
-    cfg = train_defaults(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
-    model, optimizer, cycler = builder.build(cfg, 'cpu')
-    x = torch.randint(32, (2, 8))
-    trainer = Trainer(cfg, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu')
-    trainer.step()
-    saver = checkpoint_dcp.Saver(str(out), Ranks(), keep_last=3)
+    saver, trainer, _, values = stepped_saver(out)
     with pytest.raises(checkpoint.CheckpointError, match=r"step_0000001 exists and this run did not write it"):
-        saver.save(trainer.state_objects(), {'iter_num': 1, 'config': cfg, 'data': {}, 'model_args': {}})
+        saver.save(trainer.state_objects(), values)
     assert sorted(os.listdir(out / 'step_0000001')) == sorted(os.listdir(tmp_path / 'kept'))
     assert not filecmp.dircmp(out / 'step_0000001', tmp_path / 'kept').diff_files
 
 
 def test_a_non_finite_state_is_never_saved(tmp_path):
-    import itertools
+    from infra import checkpoint
 
-    from conftest import train_defaults
-
-    import builder
-    from infra import checkpoint, checkpoint_dcp
-    from infra.distributed import Ranks
-    from trainer import Trainer
-
-    cfg = train_defaults(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
-    model, optimizer, cycler = builder.build(cfg, 'cpu')
-    x = torch.randint(32, (2, 8))
-    trainer = Trainer(cfg, model, optimizer, cycler, itertools.repeat((x, x, None)), 'cpu')
-    trainer.step()
-    saver = checkpoint_dcp.Saver(str(tmp_path), Ranks(), keep_last=3)
-    values = {'iter_num': 1, 'config': cfg, 'data': {}, 'model_args': {}}
+    saver, trainer, optimizer, values = stepped_saver(tmp_path)
     saver.save(trainer.state_objects(), values)
     state = next(iter(optimizer.state.values()))
     state['exp_avg_sq'].view(-1)[0] = float('inf')
