@@ -40,10 +40,12 @@ vectorised per chunk; --decompose=False skips the decomposition.
     python experiments/linreg.py --T=1e5 --seeds=4    # writes out/linreg.* (the default, git-ignored)
 """
 
+import contextlib
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -533,16 +535,18 @@ def write_text(path, text):
 def write_reports(out_dir, writers):
     """Each {file name: writer(path)} writes a hidden file beside its name, and only when all are written do
     they replace the earlier report: a disk that fills half-way leaves that report whole. A one-line exit."""
-    written = []
+    written = []  # (temporary, final) paths; each temporary file created here, exclusively, so removing it is safe
     try:
         for name, write in writers.items():
-            written.append((os.path.join(out_dir, f'.{name}.tmp-{os.getpid()}'), os.path.join(out_dir, name)))
-            write(written[-1][0])
+            fd, tmp = tempfile.mkstemp(prefix=f'.{name}.tmp-', dir=out_dir)
+            os.close(fd)
+            written.append((tmp, os.path.join(out_dir, name)))
+            write(tmp)
         for tmp, path in written:
             os.replace(tmp, path)
     except OSError as e:
         for tmp, _ in written:
-            if os.path.exists(tmp):
+            with contextlib.suppress(FileNotFoundError):  # already moved into place
                 os.remove(tmp)
         sys.exit(
             f"error: cannot write the report into --out_dir={out_dir} ({e.strerror or e}); free space or allow "
