@@ -206,3 +206,12 @@ def test_documented_training_commands_do_not_write_into_the_quick_starts_out():
     finally:
         os.chdir(cwd)
     assert into_out == []
+
+
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run's suite line is the README's first test command (with CI's environment variables in front)."""
+    readme = open(os.path.join(ROOT, 'README.md')).read()
+    command = re.search(r'^(python -m pytest [^#\n]*?)\s*# all', readme, re.M).group(1)
+    run = open(os.path.join(ROOT, '.ci', 'run')).read()
+    suite = [line for line in run.splitlines() if 'python -m pytest' in line and not line.startswith('#')]
+    assert len(suite) == 1 and suite[0].endswith(' ' + command), (suite, command)
