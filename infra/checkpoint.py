@@ -66,7 +66,8 @@ class Checkpointer:
             except CheckpointError:
                 self.made_out_dir = False  # held by the other run
                 raise
-        self.found, self.fsdp = find(out_dir), fsdp
+        self.candidates, self.fsdp = candidates(out_dir), fsdp  # listed once: each ckpt.pt's iteration is a read
+        self.found = find(out_dir, self.candidates)
         self.init_from = cfg['init_from']
         if self.init_from == 'auto':  # a restarted job resumes; the first launch starts from scratch
             self.init_from = 'resume' if self.found else 'scratch'
@@ -131,7 +132,7 @@ class Checkpointer:
         if self.found is None:
             raise no_checkpoint(self.out_dir, " to resume from; train with init_from='scratch' first")
         try:
-            chosen, saved, skipped = newest_readable(self.out_dir, self._read)
+            chosen, saved, skipped = newest_readable(self.out_dir, self._read, self.candidates)
         except CheckpointError:  # none loads: the newest's own error, below, on every rank alike
             chosen, saved, skipped = self.found, None, []
         mine = tuple(chosen)
@@ -274,12 +275,13 @@ class Checkpointer:
             os.rmdir(self.out_dir)  # a run that saved nothing leaves no empty out_dir behind
 
 
-def newest_readable(out_dir, read):
-    """The newest checkpoint of out_dir that read(format, path) reads without a CheckpointError: ((format, path,
-    iter_num), what read returned, [(path, why)] of each newer one it could not read): the one fall-back of every
-    reader. None reads: the newest's own CheckpointError; none there: no_checkpoint's."""
+def newest_readable(out_dir, read, found=None):
+    """The newest checkpoint of out_dir (or of `found`, its candidates()) that read(format, path) reads without a
+    CheckpointError: ((format, path, iter_num), what read returned, [(path, why)] of each newer one it could not
+    read): the one fall-back of every reader. None reads: the newest's own CheckpointError; none there:
+    no_checkpoint's."""
     skipped, first = [], None
-    for fmt, path, it in candidates(out_dir):
+    for fmt, path, it in candidates(out_dir) if found is None else found:
         try:
             return (fmt, path, it), read(fmt, path), skipped
         except CheckpointError as e:
@@ -306,11 +308,12 @@ def no_checkpoint(out_dir, then):
     return CheckpointError(f"no checkpoint at {path}{then}")
 
 
-def find(out_dir):
+def find(out_dir, found=None):
     """(format, path, iter_num) of the checkpoint a resume of out_dir continues, or None: the highest
     iteration among ckpt.pt and the complete step folders (the folder on a tie); an unreadable ckpt.pt
-    (iter_num -1) only when it is alone, so that the resume names what is wrong with it."""
-    found = candidates(out_dir)
+    (iter_num -1) only when it is alone, so that the resume names what is wrong with it. `found`: out_dir's
+    candidates(), when already listed."""
+    found = candidates(out_dir) if found is None else found
     return ([c for c in found if c[2] >= 0] or found or [None])[0]
 
 

@@ -81,3 +81,17 @@ def test_every_check_runs_once(tmp_path, monkeypatch):
         calls.clear()
         train(out, '--eval_interval=2', *args)
         assert calls == expected, (args, calls)
+
+
+def test_a_resume_of_ckpt_pt_reads_the_file_twice(tmp_path, monkeypatch):
+    """Resuming ckpt.pt reads it twice: once mapped for its iteration (to order it among the step folders), once
+    whole; listing out_dir's checkpoints again for the fall-back read it a third time."""
+    from infra import checkpoint
+
+    out = tmp_path / 'run'
+    train(out, '--eval_interval=2', '--max_iters=2')
+    reads = []
+    original = checkpoint.read
+    monkeypatch.setattr(checkpoint, 'read', lambda path, *a, **k: reads.append(path) or original(path, *a, **k))
+    train(out, '--eval_interval=2', '--max_iters=4', '--init_from=resume')
+    assert reads == [str(out / 'ckpt.pt')] * 2, reads
