@@ -387,7 +387,10 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config) if llama else MLP(config)
 
     def forward(self, x, rope=None):
-        return self.mlp_part(self.attention_part(x, rope))
+        # two statements: nested, a graph break inside attention_part (compile=True's per-tensor mode) leaves the
+        # bound method self.mlp_part on dynamo's stack, a new object per call, and torch 2.9 recompiles every call
+        x = self.attention_part(x, rope)
+        return self.mlp_part(x)
 
     def attention_part(self, x, rope=None, cache=None):
         return x + self.attn(self.ln_1(x), rope, cache)
