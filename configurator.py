@@ -3,11 +3,9 @@ nanoGPT's configurator, made strict; every script's command line goes through it
 
     $ python train.py config/shakespeare_lisa_wor.py --batch_size=32 --compile=False
 
-Arguments without '--' are Python config files executed in order, then '--key=value' overrides (a bare
---key sets a boolean to True). Every key must exist as a default (a typo names the closest keys, and the
-config file and line), a value keeps its default's type (an int is a valid float; booleans read
-True/False/true/false/1/0; ints fit in 64 bits, floats are finite) and may follow a rule (at_least, above,
-between, one_of). The result is a plain dict, which train.py also stores in its checkpoints.
+Arguments without '--' are config files executed in order, '--key=value' overrides them (a bare --key sets a
+boolean). Every key must have a default, a value keeps its default's type (an int is a valid float) and may
+follow a rule (at_least, above, between, one_of). The result is a plain dict.
 """
 
 import ast
@@ -28,7 +26,7 @@ def _unknown_key(key, defaults):
 
 
 def coerce(key, value, default):
-    """`value` as the type of `default` (bool, int, float or str), or a one-line ConfigError."""
+    """`value` as the type of `default` (bool, int, float or str), or a ConfigError."""
     want = type(default)
     if isinstance(value, str) and want is not str:
         text = value.strip()
@@ -89,7 +87,6 @@ def load_config_file(path):
     }
 
 
-# -----------------------------------------------------------------------------
 # rules: (test, requirement) pairs; the error names the key, the value and the requirement
 
 
@@ -110,8 +107,7 @@ def between(low, high, closed=False):
 
 
 def one_of(*choices, label=None, described=None):
-    """label: the error reads "unknown <label> 'x'; choose one of a, b, c" (long lists); described: the
-    requirement in words."""
+    """label: the error reads "unknown <label> 'x'; choose one of a, b, c"; described: the requirement in words."""
     listed = ' or '.join(map(repr, choices)) if len(choices) < 3 else f"one of {', '.join(map(repr, choices))}"
     requirement = (label, choices) if label else described or listed
     return (lambda v: v in choices), requirement
@@ -132,13 +128,12 @@ def wants_help(argv):
 
 
 def help_text(defaults, meanings=None):
-    """--help's key list: every key with its default and, where `meanings` has it, what it means."""
+    """--help's list: every key, its default and its meaning where `meanings` has one."""
     return '\n'.join(f"  {f'--{k}={v!r}':<36} {(meanings or {}).get(k, '')}".rstrip() for k, v in defaults.items())
 
 
 def command_line(argv, defaults, rules=None, usage='', meanings=None):
-    """Every script's command line: configure(), or --help/-h prints `usage` and every key and exits 0;
-    a bad argument exits 1 with one `error:` line."""
+    """configure(), or --help prints `usage` and the keys and exits 0; a bad argument exits 1 with an `error:` line."""
     if wants_help(argv):
         print(f"{usage.strip()}\n\nkeys (default, meaning):\n{help_text(defaults, meanings)}")
         sys.exit(0)
@@ -149,9 +144,8 @@ def command_line(argv, defaults, rules=None, usage='', meanings=None):
 
 
 def configure(defaults, argv, rules=None, given=None):
-    """`defaults` updated by the config files and --key=value overrides of argv, each value checked by its
-    rule in `rules` (key -> rule). given: a set that receives the keys argv sets (a resume tells an override
-    from a default by it)."""
+    """`defaults` updated by argv's config files and overrides, each checked by its rule in `rules`. given: a set
+    that receives the keys argv sets (a resume tells an override from a default by it)."""
     config = dict(defaults)
     set_in = {}  # key -> the config file that set it last: its errors name the file and line
     for arg in argv:
@@ -182,7 +176,7 @@ def configure(defaults, argv, rules=None, given=None):
 
 
 def _bare_switch(arg, key, defaults):
-    """A bare --key: True for a boolean key (the habit of other command lines); else the form to use."""
+    """A bare --key: True for a boolean key; else an error naming the form to use."""
     if isinstance(defaults.get(key), bool):
         return True
     if key not in defaults:
@@ -205,7 +199,3 @@ def _in_file(error, path, key):
                 lines.append(node.lineno)
     where = f", line {max(lines)}" if lines else ''  # none: set by a file it executes, or by exec
     return ConfigError(f"config file {path!r}{where}: {error}")
-
-
-def format_config(config):
-    return '\n'.join(f'  {k} = {v!r}' for k, v in config.items())

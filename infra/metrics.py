@@ -1,7 +1,6 @@
 """
-What a run reports: the log line of each event, its record in out_dir/metrics.jsonl (`Records`, also sent
-to wandb), model FLOPs utilization (`mfu`, over the GPU peaks of PEAK_BF16_FLOPS), and the stdout the log
-goes to (`LogOutlivesItsReader`).
+What a run reports: each event's log line and its record in out_dir/metrics.jsonl (and wandb), model FLOPs
+utilization (over PEAK_BF16_FLOPS), and the stdout the log goes to.
 """
 
 import json
@@ -12,14 +11,11 @@ import time
 
 import torch
 
-from configurator import format_config
-
 
 class Metrics:
-    """train.py's reports, one method per event, called on every rank. Each event's values are handed in:
-    each shows on the log line by its rule in SHOWN and goes into the record as it is; Metrics adds only
-    time, throughput, MFU and memory. Rank 0 prints, and writes the records unless the run is eval_only.
-    Constructing it imports wandb (wandb_log): a missing package stops the run before anything is built."""
+    """train.py's reports, one method per event, called on every rank with the event's values: each shows on the
+    line by its rule in SHOWN and goes into the record as it is; Metrics adds time, throughput, MFU and memory.
+    Rank 0 prints and writes (not when eval_only). wandb is imported here, before anything is built."""
 
     def __init__(self, cfg, ranks, device, resumed_from=None):
         self.cfg, self.master, self.world_size = cfg, ranks.master, ranks.world_size
@@ -28,10 +24,10 @@ class Metrics:
         writes = self.master and not cfg['eval_only']
         self.records = Records(cfg['out_dir'], writes, resumed_from, wandb_log=cfg['wandb_log'] and self.master)
         self.running_mfu = None  # the moving average of the logged iterations' MFU
-        self.flops_per_token = None  # MFU's numerator, counted again after a switch
+        self.flops_per_token = None
 
     def start_wandb(self, run_id):
-        """The wandb run's id (None without wandb); a resume continues its checkpoint's run, `run_id`."""
+        """The wandb run's id (None without wandb); a resume continues the checkpoint's `run_id`."""
         wandb, cfg = self.records.wandb, self.cfg
         if wandb is not None:
             run_id = run_id or wandb.util.generate_id()
@@ -39,13 +35,13 @@ class Metrics:
         return run_id
 
     def header(self, model, checkpointer, tokens_per_iter, warnings=()):
-        """The head of the log: the warnings handed in, the config, the model, what the run starts from."""
+        """The head of the log: warnings, the config, the model, what the run starts from."""
         if not self.master:
             return
         cfg, resuming = self.cfg, checkpointer.init_from == 'resume'
         for line in warnings:
             print(f"warning: {line}", file=sys.stderr, flush=True)
-        print(f"config:\n{format_config(cfg)}")
+        print('config:\n' + '\n'.join(f'  {k} = {v!r}' for k, v in cfg.items()))
         print(
             f"model: {cfg['arch']}, {cfg['n_layer']} blocks, {model.get_num_params() / 1e6:.2f}M parameters "
             f"(from {'a checkpoint' if resuming else checkpointer.init_from})"
@@ -55,7 +51,6 @@ class Metrics:
             print(f"resuming from iteration {checkpointer.iter_num} of {checkpointer.path}")
 
     def begin(self, model, tokens_per_iter, first_iter):
-        """The loop starts: the run's clock."""
         self.model, self.tokens_per_iter, self.first_iter = model, tokens_per_iter, first_iter
         self.run_start, self.flops_per_token = time.time(), None
 
@@ -65,18 +60,15 @@ class Metrics:
             self.records.write('eval', iter=it, **values)
 
     def switch(self, it, description, **values):
-        """The cycler switched: `description` (what trains now) on the line, then the values SHOWN shows."""
-        # the FLOPs depend on which blocks train; counted at the next logged iteration only, since counting
-        # walks every parameter in Python while the GPU waits (0.2-0.8 ms at GPT-2 124M)
-        self.flops_per_token = None
+        """`description`: what trains now."""
+        self.flops_per_token = None  # counted again at the next logged iteration (it walks every parameter)
         if self.master:
             more = shown(values)
             print(f"iter {it}: {description}{', ' + more if more else ''}")
             self.records.write('switch', iter=it, description=description, **values)
 
     def iteration(self, it, dt, seconds_per_iter, **values):
-        """A logged iteration: the values handed in, then time, throughput, MFU (on a GPU of known peak), CUDA
-        memory, and the time left at seconds_per_iter."""
+        """The values handed in, then time, throughput, MFU, CUDA memory, the time left at seconds_per_iter."""
         if not self.master:
             return
         tokens_per_iter, max_iters = self.tokens_per_iter, self.cfg['max_iters']
@@ -96,7 +88,6 @@ class Metrics:
         self.records.write('iter', iter=it, **{k: v for k, v in fields.items() if v is not None})
 
     def save(self, it, path):
-        """path: the checkpoint written, None on a rank that wrote nothing."""
         if path is not None:
             self.records.write('save', iter=it, path=path)
 
@@ -141,9 +132,8 @@ def shown(values):
 
 
 class Records:
-    """out_dir/metrics.jsonl: one JSON object a line with its `kind` ('eval', 'iter', 'switch', 'save', 'end')
-    and `iter`; a resume first drops the records after the checkpoint's iteration. With wandb, the numbers
-    of the evaluations and logged iterations go there too."""
+    """out_dir/metrics.jsonl: one JSON object a line with its `kind` and `iter`; a resume drops the records after
+    the checkpoint's iteration. wandb gets the numbers of 'eval' and 'iter'."""
 
     def __init__(self, out_dir, enabled, resumed_from=None, wandb_log=False):
         self.path, self.enabled, self.wandb = os.path.join(out_dir, 'metrics.jsonl'), enabled, None
@@ -158,24 +148,23 @@ class Records:
             self.wandb = wandb
 
     def _start(self):
-        """At the first record, not before: a run refused at start leaves the earlier file as it was."""
+        """At the first record, not before: a run refused at start leaves the earlier file as it was. A resume
+        keeps the records before the checkpoint's iteration and its save (not a line cut by a crash); a new run
+        (overwrite=True) starts a new file."""
         self.started = True
         if os.path.exists(self.path):
+            with open(self.path) as f:
+                lines = f.readlines() if self.resumed_from is not None else []
             kept = []
-            if self.resumed_from is not None:
-                with open(self.path) as f:
-                    kept = [line for line in f if self._kept(line, self.resumed_from)]
-            with open(self.path, 'w') as f:  # a new run in this out_dir (overwrite=True) starts a new file
+            for line in lines:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if rec['iter'] < self.resumed_from or (rec['iter'] == self.resumed_from and rec['kind'] == 'save'):
+                    kept.append(line)
+            with open(self.path, 'w') as f:
                 f.writelines(kept)
-
-    @staticmethod
-    def _kept(line, resumed_from):
-        """Records of iterations before the checkpoint's, and its save; not a line cut by a crash."""
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            return False
-        return rec['iter'] < resumed_from or (rec['iter'] == resumed_from and rec['kind'] == 'save')
 
     def write(self, kind, **fields):
         if self.enabled:
@@ -186,12 +175,8 @@ class Records:
                     f.write(json.dumps({'kind': kind, **fields}) + '\n')
             except OSError as e:  # a full disk, a read-only file, a folder of that name: the training goes on
                 self.enabled = False
-                print(
-                    f"warning: cannot write {self.path} ({e.strerror or e}): this run's records stop here, its "
-                    f"checkpoints and log go on; free space or fix that path before the next run",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                warning = f"cannot write {self.path} ({e.strerror or e}): the records stop here, the run goes on"
+                print(f"warning: {warning}", file=sys.stderr, flush=True)
         if self.wandb is not None and kind in ('eval', 'iter'):
             self.wandb.log(
                 {f'{kind}/{k}': v for k, v in fields.items() if isinstance(v, (int, float))}, step=fields['iter']
@@ -271,7 +256,7 @@ def _words(name):
 
 
 def peak_for_name(name):
-    """PEAK_BF16_FLOPS' figure for a GPU named `name`, or None (no entry, or an ambiguous name)."""
+    """PEAK_BF16_FLOPS' figure for a GPU named `name`, or None (no entry, or a tie)."""
     words = set(_words(name))
     matches = [(len(_words(key)), flops) for key, flops in PEAK_BF16_FLOPS.items() if set(_words(key)) <= words]
     if not matches:
@@ -282,7 +267,7 @@ def peak_for_name(name):
 
 
 def peak_bf16_flops(device):
-    """The GPU's peak from PEAK_BF16_FLOPS, or None (CPU, unknown GPU: no MFU is reported)."""
+    """The GPU's peak FLOP/s, or None (CPU, an unknown GPU: no MFU)."""
     device = torch.device(device)
     if device.type != 'cuda':
         return None
