@@ -1,8 +1,6 @@
 """
-Everything torchrun brings: who this process is and the loop's collectives (Ranks), joining and leaving the
-process group (restarts included), the model the Trainer runs and syncs (ParallelModel: a DDP wrapper rebuilt
-at every switch, or FSDP2 resharded), FSDP2 sharding, and full-state checkpoints of a sharded model. One
-process meets only Ranks() here.
+Everything torchrun brings: Ranks and the loop's collectives, joining and leaving the process group, the model
+the Trainer runs and syncs (ParallelModel: DDP rebuilt at every switch, or FSDP2), full-state checkpoints of it.
 """
 
 import datetime
@@ -10,6 +8,7 @@ import gc
 import inspect
 import json
 import os
+import re
 import sys
 import time
 import weakref
@@ -17,9 +16,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-# -----------------------------------------------------------------------------
-# who this process is, and the collectives of the loop (setup makes it)
 
 
 @dataclass
@@ -62,7 +58,7 @@ class Ranks:
 
 def setup(backend, device, timeout_s=600):
     """Join torchrun's process group when RANK is set; returns the Ranks and this rank's device. timeout_s:
-    how long a collective waits for a stuck or dead rank. A backend the machine cannot run: a ValueError."""
+    how long a collective waits for a stuck or dead rank."""
     if int(os.environ.get('RANK', -1)) == -1:
         return Ranks(), device
     if backend == 'nccl' and not (device.startswith('cuda') and torch.cuda.is_available()):
@@ -77,16 +73,15 @@ def setup(backend, device, timeout_s=600):
     if device.startswith('cuda'):
         device = f'cuda:{local_rank}'
         torch.cuda.set_device(device)
-    # control messages (the stop flag, RNG states, ddp_check) travel over a CPU group: reading a flag back
-    # from a GPU tensor at every iteration would stall the GPU's queue of work
+    # control messages (the stop flag, RNG states, ddp_check) go over a CPU group: a flag read back from a GPU
+    # tensor at every iteration would stall the GPU's queue
     cpu_group = dist.new_group(backend='gloo', timeout=timeout) if backend != 'gloo' else dist.group.WORLD
     return Ranks(True, dist.get_rank(), local_rank, dist.get_world_size(), cpu_group), device
 
 
 def report_error(error, printed=True):
-    """End a run in its one `error:` line, printed unless `printed` is False (another rank prints it); returns
-    the exit status, 1. Under torchrun the line also goes to this rank's error file, which torchrun's failure
-    summary shows as the root cause."""
+    """End a run in its `error:` line (printed unless another rank prints it); returns the exit status, 1. Under
+    torchrun the line also goes to this rank's error file, the root cause of torchrun's failure summary."""
     line = f"error: {error}"
     if printed:
         print(line, file=sys.stderr, flush=True)
@@ -95,14 +90,14 @@ def report_error(error, printed=True):
         try:
             with open(path, 'w') as f:
                 json.dump({'message': line, 'timestamp': int(time.time())}, f)
-        except OSError:  # the line was printed; the summary then points at torchrun's docs
+        except OSError:  # the line was printed
             pass
     return 1
 
 
 def check_same_config(ranks, cfg):
-    """Every rank runs one config, or each refuses before anything is built: a ValueError naming the first key
-    that differs from rank 0's (a different seed trains silently apart, a different max_iters hangs)."""
+    """A ValueError naming the first key that differs from rank 0's (a different seed trains silently apart, a
+    different max_iters hangs)."""
     if not ranks.enabled:
         return
     configs = ranks.gather(cfg)
@@ -116,9 +111,9 @@ def check_same_config(ranks, cfg):
 
 
 def attempt_store(timeout):
-    """init_process_group's store, rank and world size for a restart by torchrun, else {} (env://). torchrun
-    keeps its agent's store for every restart of a job, where a restarted rank would read a dead rank's address
-    (gloo: 'connectFullMesh failed'): each attempt's keys get their own prefix, the restart count."""
+    """init_process_group's store, rank and world size for a restart by torchrun, else {} (env://). torchrun's
+    agent store outlives restarts, where a restarted rank would read a dead rank's address (gloo:
+    'connectFullMesh failed'): each attempt's keys get their own prefix."""
     attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT')
     if attempt is None or os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
         return {}  # not torchrun's agent store: a new store every launch, nothing stale in it
@@ -126,35 +121,24 @@ def attempt_store(timeout):
     store = dist.TCPStore(
         os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, is_master=False, timeout=timeout
     )
-    return {
-        'store': dist.PrefixStore(f'attempt_{attempt}', store),
-        'rank': int(os.environ['RANK']),
-        'world_size': world_size,
-    }
+    return dict(
+        store=dist.PrefixStore(f'attempt_{attempt}', store), rank=int(os.environ['RANK']), world_size=world_size
+    )
 
 
 def lost_rank(error):
     """Whether `error` is a collective that failed because another rank is stuck (timeout) or gone."""
-    text = str(error)
-    lost = (
-        'Timed out',
-        'timed out',
-        'Connection closed by peer',
-        'Connection reset by peer',
-        'Broken pipe',
-        'NCCL communicator was aborted',
-    )
-    return isinstance(error, RuntimeError) and dist.is_initialized() and any(s in text for s in lost)
+    lost = r'[Tt]imed out|Connection (closed|reset) by peer|Broken pipe|NCCL communicator was aborted'
+    return isinstance(error, RuntimeError) and dist.is_initialized() and re.search(lost, str(error)) is not None
 
 
 _last_barrier = []  # teardown's barrier work, kept until the process exits
 
 
 def teardown(ranks):
-    """Leave the process group at the end of a run, on every rank (a collective: a barrier).
-    destroy_process_group alone can end a finished run in SIGABRT: a gloo worker thread that frees the last
-    collective's work while the interpreter finalizes is ended inside a noexcept C++ destructor. The barrier's
-    work holds that work; kept here, it is freed by the interpreter on the main thread."""
+    """Leave the process group, on every rank (a barrier). destroy_process_group alone can end in SIGABRT: a gloo
+    thread freeing the last collective's work at interpreter exit dies in a noexcept destructor; the barrier's
+    work, kept here, holds it until the main thread frees it."""
     if not ranks.enabled:
         return
     work = dist.barrier(group=ranks.cpu_group, async_op=True)
@@ -163,17 +147,10 @@ def teardown(ranks):
     dist.destroy_process_group()
 
 
-# -----------------------------------------------------------------------------
-# the parallel model: what the Trainer runs and syncs under torchrun
-
-
 class ParallelModel:
     """What the Trainer runs and syncs: `model` is the DDP wrapper over the parameters that train now, rebuilt
-    after every switch (one over all parameters would allocate the full-size gradient buckets layer cycling
-    avoids), or the model itself, resharded at every switch (FSDP2) or as it is (one process).
-    on_switch(): at the first iteration and after every switch, before the next forward.
-    sync(last): gradient sync on the last micro-step only; earlier ones accumulate locally.
-    switches, old_wrapper, wrapper_in_gc_cycle: what the last on_switch did (ddp_check reads them)."""
+    by on_switch() (one over all would allocate the full gradient buckets layer cycling avoids), or the model
+    itself (FSDP2, resharded; one process). switches, old_wrapper, wrapper_in_gc_cycle: for ddp_check."""
 
     def __init__(self, raw_model, ranks, device_type, fsdp):
         self.raw_model, self.ranks, self.device_type, self.fsdp = raw_model, ranks, device_type, fsdp
@@ -184,24 +161,20 @@ class ParallelModel:
     def on_switch(self):
         self.old_wrapper, self.wrapper_in_gc_cycle = None, False
         if self.fsdp:
-            # nothing to rebuild: FSDP2 reduce-scatters only the gradients that exist (ddp_check counts)
-            self.model = reshard_fsdp(self.raw_model)  # so the next forward sees the new requires_grad
+            self.model = reshard_fsdp(self.raw_model)  # FSDP2 reduce-scatters only the gradients that exist
         else:
             self.old_wrapper = weakref.ref(self.model) if self.ranks.enabled and self.model is not None else None
-            # `self.model` is the last reference to the old wrapper: dropping it frees its reducer, whose
-            # destructor removes its autograd hooks and frees its buckets before the new ones exist
-            self.model = None
-            # a wrapper that outlives its last reference sits in a garbage-collector reference cycle
+            self.model = None  # the last reference: its reducer's hooks and buckets go before the new ones exist
             self.wrapper_in_gc_cycle = self.old_wrapper is not None and self.old_wrapper() is not None
             if self.wrapper_in_gc_cycle:
                 gc.collect()  # free its buckets before the new wrapper allocates (ddp_check verifies this)
             t = time.time()
-            # the first wrapper broadcasts rank 0's weights
             self.model = wrap_ddp(self.raw_model, self.ranks, self.device_type, init_sync=self.old_wrapper is None)
             self.rebuild_ms = (time.time() - t) * 1000
         self.switches += 1
 
     def sync(self, last):
+        """Gradient sync on the last micro-step only."""
         if self.fsdp:
             self.model.set_requires_gradient_sync(last)
         else:
@@ -213,16 +186,10 @@ class ParallelModel:
         return self.model if self.ranks.enabled and not self.fsdp else None
 
 
-# -----------------------------------------------------------------------------
-# DDP
-
-
 def wrap_ddp(model, ranks, device_type, init_sync):
-    """DDP over the parameters that train now: it allocates buckets for, and all-reduces, exactly the parameters
-    with requires_grad=True at construction, so frozen blocks cost no bucket memory and no communication. A
-    rebuild is local with init_sync=False (the weights are equal on every rank) and costs milliseconds
-    (results/ddp_switch_cost.md). gradient_as_bucket_view saves a copy of the active gradients; no buffer
-    broadcast, as the only buffers (LLaMA's RoPE tables) are constants every rank computes alike."""
+    """DDP over the parameters with requires_grad=True now: frozen blocks cost no bucket and no communication. A
+    rebuild with init_sync=False is local and costs milliseconds (results/ddp_switch_cost.md). No buffer sync:
+    the only buffers (RoPE tables) are constants."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if not ranks.enabled:
@@ -237,16 +204,11 @@ def wrap_ddp(model, ranks, device_type, init_sync):
 
 
 def no_buffer_sync(ddp_class):
-    """DDP's keyword argument that turns off the broadcast of buffers before every forward in the installed
-    torch: forward_sync_buffers=False from torch 2.13 (which deprecates broadcast_buffers), else
-    broadcast_buffers=False (which also skips init_sync's broadcast of them, which constants do not need)."""
+    """DDP's keyword that turns off the buffer broadcast before every forward: forward_sync_buffers from torch
+    2.13 (which deprecates broadcast_buffers), else broadcast_buffers."""
     if 'forward_sync_buffers' in inspect.signature(ddp_class.__init__).parameters:
         return {'forward_sync_buffers': False}
     return {'broadcast_buffers': False}
-
-
-# -----------------------------------------------------------------------------
-# FSDP2
 
 
 def fsdp_units(model):
@@ -255,29 +217,23 @@ def fsdp_units(model):
 
 
 def reshard_fsdp(model):
-    """Call at every switch, before the next forward. FSDP2's root keeps its weights all-gathered after a
-    forward without backward (an evaluation), and its next forward would reuse them with the requires_grad
-    they had before the switch (a frozen root parameter would still train); resharding registers the
-    sharded parameters again. It costs nothing: the next forward all-gathers anyway."""
+    """At every switch, before the next forward: after a forward without backward (an evaluation) FSDP2's root
+    keeps its gathered weights with their old requires_grad (a frozen root parameter would still train)."""
     for unit in fsdp_units(model):
         unit.reshard()
     return model
 
 
 def shard_fsdp(model, ranks, device_type, param_dtype):
-    """FSDP2 in place: each block is one unit, the root holds the rest (embedding, tied head, positions, final
-    norm). Call before building the optimizer and the cycler (they must see the sharded parameters) and before
-    any compile. A switch needs no rebuild: FSDP2 reduce-scatters only the parameters that got a gradient.
-    param_dtype: None (fp32 everywhere) or the dtype of the all-gathered weights; gradients are reduced in
-    float32 and the sharded master weights stay fp32."""
+    """FSDP2 in place, one unit per block and the root; before the optimizer, the cycler and any compile.
+    param_dtype: None (fp32) or the dtype of the gathered weights; gradients are reduced in fp32."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device_type, (ranks.world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
-    kwargs = {'mesh': mesh, **({'mp_policy': mp} if mp else {})}
+    mp = MixedPrecisionPolicy(param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
     for unit in fsdp_units(model):  # the blocks first: the root's unit holds what they leave
-        fully_shard(unit, **kwargs)
+        fully_shard(unit, mesh=mesh, mp_policy=mp)
     # FSDP2 fixes each unit's gradient dtype at its lazy init from the parameters that then require grad: a unit
     # frozen then (a resume's first forward) would later get bf16 gradients for its fp32 shards. Now all train.
     model._get_fsdp_state()._lazy_init()
@@ -285,8 +241,7 @@ def shard_fsdp(model, ranks, device_type, param_dtype):
 
 
 def _param_names(model, optimizer):
-    """Names of the optimizer's parameters in the order of its param_groups (which numbers them in a torch.optim
-    state dict; a tied parameter goes by its first name)."""
+    """Names of the optimizer's parameters in param_groups order, torch.optim's numbering (tied: its first name)."""
     names = {}
     for name, p in model.named_parameters():
         names.setdefault(p, name)
@@ -294,8 +249,8 @@ def _param_names(model, optimizer):
 
 
 def full_state_dicts(model, optimizer):
-    """(model, optimizer) state dicts of a sharded model, gathered to CPU on rank 0 (empty dicts on the others);
-    a collective. The optimizer's in torch.optim's format (keyed by parameter number), as one process writes."""
+    """(model, optimizer) state dicts of a sharded model on rank 0's CPU (empty elsewhere), a collective; the
+    optimizer's keyed by parameter number, as one process writes it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -303,7 +258,6 @@ def full_state_dicts(model, optimizer):
     optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
     if not optim_sd:
         return model_sd, optim_sd
-    # a parameter's number is its place in _param_names, as load_optimizer_state reads it back
     number = {name: i for i, name in enumerate(_param_names(model, optimizer))}
     groups = [{**group, 'params': [number[name] for name in group['params']]} for group in optim_sd['param_groups']]
     state = {number[name]: s for name, s in optim_sd['state'].items()}
@@ -311,8 +265,7 @@ def full_state_dicts(model, optimizer):
 
 
 def load_optimizer_state(model, optimizer, state_dict):
-    """Load a torch.optim-format (full) optimizer state dict into the optimizer of a sharded model; every rank
-    passes the dict it read from the checkpoint."""
+    """Load a full torch.optim-format state dict (every rank passes it) into a sharded model's optimizer."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     names = _param_names(model, optimizer)
@@ -320,8 +273,7 @@ def load_optimizer_state(model, optimizer, state_dict):
         'state': {names[i]: s for i, s in state_dict['state'].items()},
         'param_groups': [{**g, 'params': [names[i] for i in g['params']]} for g in state_dict['param_groups']],
     }
-    # strict=False: frozen parameters whose state was dropped have none. torch 2.9 looks up the state of every
-    # parameter that requires grad all the same (a KeyError): those are frozen while it loads
+    # strict=False: frozen parameters may have no state; torch 2.9 still looks up every trainable one's (a KeyError)
     params = [p for g in optimizer.param_groups for p in g['params']]
     saved = {names[i] for i in state_dict['state']}
     stateless = [p for p, name in zip(params, names) if name not in saved and p.requires_grad]
@@ -334,8 +286,7 @@ def load_optimizer_state(model, optimizer, state_dict):
     finally:
         for p in stateless:
             p.requires_grad_(True)
-    # set_optimizer_state_dict creates state for every parameter that requires grad; remove what the checkpoint
-    # did not have, so a parameter trained later starts its state as in an uninterrupted run
+    # it creates state for every trainable parameter: a later one starts its state as in an uninterrupted run
     for p, name in zip(params, names):
         if name not in saved:
             optimizer.state.pop(p, None)
