@@ -1,10 +1,8 @@
 """
-`--ddp_check=True`: the invariants of layer cycling under DDP or FSDP2, asserted on every rank after every
-optimizer step (the torchrun tests run with it; it hashes all weights, so it is slow). Each rank reports its
-active set, a SHA-256 of all weights, whether the previous DDP wrapper was freed by reference counting,
-whether frozen parameters are bitwise unchanged since the switch, whether gradients and optimizer state exist
-exactly for the active parameters, and what it communicated (DDP's all-reduces and FSDP2's reduce-scatters
-are replaced by counting versions of the same collectives); every rank compares all reports.
+`--ddp_check=True`: the invariants of layer cycling under DDP or FSDP2, checked on every rank after every
+optimizer step (slow: it hashes all weights). Each rank reports its active set, its weights' SHA-256, what it
+communicated (through counting versions of the collectives) and whether the old DDP wrapper, frozen weights,
+gradients and optimizer state are as they should be; every rank compares all reports.
 """
 
 import hashlib
@@ -15,17 +13,19 @@ import torch.distributed as dist
 
 
 class Checker:
-    """The state the checks compare against: communication counters and the frozen weights at the
-    last switch. fsdp_units: the FSDP2 units of distributed.shard_fsdp, or None (DDP, one process)."""
+    """Communication counters and the frozen weights at the last switch. fsdp_units: distributed.fsdp_units, or
+    None (DDP, one process)."""
 
     def __init__(self, ranks, model, fsdp_units=None):
         self.ranks, self.model, self.fsdp_units = ranks, model, fsdp_units
-        self.comm = count_reduce_scatters(fsdp_units) if fsdp_units else [0]
+        self.comm = {'calls': 0, 'elements': 0} if fsdp_units else [0]
+        for unit in fsdp_units or ():
+            unit.set_custom_reduce_scatter(CountedReduceScatter(self.comm))
         self.old_wrapper, self.wrapper_in_gc_cycle, self.frozen_snapshot = None, False, []
 
     def on_switch(self, wrapper, old_wrapper=None, wrapper_in_gc_cycle=False):
-        """After a switch, before the next forward. wrapper: the new DDP wrapper (its all-reduces are
-        counted from now on) or None; old_wrapper: a weak reference to the one it replaced."""
+        """After a switch, before the next forward. wrapper: the new DDP wrapper (its all-reduces are counted) or
+        None; old_wrapper: a weak reference to the one it replaced."""
         self.old_wrapper, self.wrapper_in_gc_cycle = old_wrapper, wrapper_in_gc_cycle
         if self.fsdp_units is None:
             self.comm = [0]  # all-reduces this step
@@ -36,9 +36,8 @@ class Checker:
         ]
 
     def check(self, wrapper, optimizer, cycler, state_policy):
-        """After the optimizer step, gradients still in place: every rank reports, and compares all reports (a
-        collective); the counters restart. wrapper: the DDP wrapper, or None (one process, or FSDP).
-        Returns (problems, summary)."""
+        """After the optimizer step, gradients in place: (problems, summary) on every rank (a collective); the
+        counters restart. wrapper: the DDP wrapper, or None."""
         ranks, comm, fsdp = self.ranks, self.comm, self.fsdp_units is not None
         params = list(self.model.parameters())  # deduplicated: the tied head is the embedding
         active = [p for p in params if p.requires_grad]
@@ -64,7 +63,6 @@ class Checker:
             'comm elements': None,
         }
         if wrapper is not None:
-            # what the reducer holds: the parameters of its buckets and the buckets' flat buffers
             buckets = wrapper.reducer._get_zeros_like_grad_buckets()
             report['DDP buckets hold exactly the active parameters'] = {
                 id(p) for b in buckets for p in b.parameters()
@@ -131,26 +129,15 @@ class CountedReduceScatter:
             def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
                 counter['calls'] += 1
                 counter['elements'] += input_tensor.numel()
-                return reduce_scatter_single()(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+                # reduce_scatter_single from torch 2.13, which deprecates reduce_scatter_tensor (2.9 to 2.12)
+                collective = getattr(dist, 'reduce_scatter_single', None) or dist.reduce_scatter_tensor
+                return collective(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
         return Counted()
 
 
-def reduce_scatter_single():
-    """The collective FSDP2 calls: dist.reduce_scatter_single from torch 2.13, which deprecates its older name
-    reduce_scatter_tensor (torch 2.9 to 2.12 have only that)."""
-    return getattr(dist, 'reduce_scatter_single', None) or dist.reduce_scatter_tensor
-
-
-def count_reduce_scatters(fsdp_units):
-    counter = {'calls': 0, 'elements': 0}
-    for unit in fsdp_units:
-        unit.set_custom_reduce_scatter(CountedReduceScatter(counter))
-    return counter
-
-
 def local_shard(t):
-    """This rank's part of a parameter (FSDP: its shard), or the tensor itself."""
+    """This rank's shard of a parameter (FSDP), or the tensor itself."""
     return t.to_local() if hasattr(t, 'to_local') else t
 
 
@@ -159,9 +146,8 @@ class CheckFailed(RuntimeError):
 
 
 class RankCheck:
-    """The Trainer's observer for `--ddp_check=True`: after each rebuild of `parallel` (ParallelModel) it counts
-    the new wrapper's communication and snapshots the frozen weights; after every optimizer step it checks and
-    raises CheckFailed on every rank alike. `summary`: the last step's line."""
+    """The Trainer's observer for `--ddp_check=True`: Checker.on_switch after each rebuild of `parallel`
+    (ParallelModel), a check after every optimizer step (CheckFailed on every rank alike). `summary`: the last."""
 
     def __init__(self, parallel, fsdp_units=None):
         self.parallel, self.summary, self.switches_seen = parallel, None, 0
