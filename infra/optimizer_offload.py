@@ -1,11 +1,8 @@
 """
 omgd_state='offload': the optimizer state of a frozen unit parked in host memory and copied back a period
-before the unit trains again (omgd.Cycler calls these methods; omgd.StatePolicy has the same ones).
-
-On CUDA every copy runs on one side stream (CudaCopies), so a switch waits for none: a switch's copies out go
-as one batch into pinned buffers kept between switches, and the copies back are queued a period early. Every
-reader of the parked state waits for the event after the copies out: a copy back on the compute stream, a
-checkpoint (optimizer.state_dict(), through a hook) on the host. As torchao's CPU-offload optimizer does it.
+before the unit trains again (omgd.Cycler calls these methods). On CUDA the copies run on a side stream into
+pinned buffers kept between switches, and every reader of the parked state (a copy back, a checkpoint) waits
+for the copies out, as torchao's CPU-offload optimizer does.
 """
 
 import weakref
@@ -14,8 +11,8 @@ import torch
 
 
 class ImmediateCopies:
-    """Copies done when they are asked for (CPU; meta has no data). to_host takes [(value, host buffer)],
-    to_device [host tensor]; record() returns an event that the waits take."""
+    """Copies done when asked (CPU, meta). to_host takes [(value, host buffer)], to_device [host tensor];
+    record() returns the event the waits take."""
 
     def to_host(self, pairs):
         for value, buffer in pairs:
@@ -38,8 +35,7 @@ class ImmediateCopies:
 
 
 class CudaCopies(ImmediateCopies):
-    """Every copy on one side stream, in the order asked; a switch's copies go as one batch (one wait for the
-    compute stream, a few CUDA calls per tensor)."""
+    """Every copy on one side stream, in the order asked; a switch's copies out go as one batch."""
 
     def __init__(self, device):
         self.stream = torch.cuda.Stream(device)
@@ -79,11 +75,9 @@ def copies_for(device):
 
 
 class OffloadedState:
-    """The optimizer state of frozen parameters in host memory (pinned under CUDA). A period before a switch,
-    prefetch(ps) starts copying back the next group's state; the switch calls wait_for_prefetch(), restore(p)
-    for each unit that trains again (its prefetched copy, or a copy now), release(p) for each that froze, and
-    finish_switch(), which parks the released moments (not scalar 'step's) in one batch.
-    copies: device -> ImmediateCopies or CudaCopies (tests give their own)."""
+    """A period before a switch, prefetch(ps) starts copying back the next group's state; the switch calls
+    wait_for_prefetch(), restore(p) for each unit that trains again, release(p) for each that froze, and
+    finish_switch(), which parks the released moments (not scalar 'step's). copies: device -> ImmediateCopies."""
 
     def __init__(self, optimizer, copies=copies_for):
         self.optimizer, self.make_copies = optimizer, copies
@@ -94,8 +88,7 @@ class OffloadedState:
         self.prefetched = {}  # param -> {state key: its copy back, started by prefetch()}
         self.parked = {}  # device -> the event after its last copy out
         self.prefetch_done = {}  # device -> the event after its last prefetch
-        # a checkpoint reads optimizer.state_dict() on the host once the copies out have landed (a weak
-        # reference: the optimizer does not keep this object alive)
+        # a checkpoint reads the state once the copies out have landed (weak: the optimizer keeps self not alive)
         wait = weakref.WeakMethod(self.wait_parked)
         optimizer.register_state_dict_pre_hook(lambda optimizer: wait() and wait()())
 
