@@ -1,12 +1,12 @@
 """
-Omni-Masked Gradient Descent (OMGD) and its LLM instance, LISA-wor layer cycling (Yang, Ren, Jiang, Tian,
-Peng: "Omni-Masked Gradient Descent"). Algorithm 2 (LISA-wor): every K iterations gamma middle blocks are
-drawn from a pool of blocks not yet used in this cycle, the others are frozen, and active gradients are
-scaled by N_L / gamma. Frozen: requires_grad=False, grad=None and (policy 'drop') no optimizer state.
-Blocks are chosen by their index in model.blocks, so nothing changes under DDP or torch.compile.
-Algorithm 1 on the paper's least squares: experiments/linreg.py.
+Omni-Masked Gradient Descent (OMGD) and its LLM instance, LISA-wor layer cycling (Yang et al., "Omni-Masked
+Gradient Descent"). Algorithm 2: every K iterations gamma blocks are drawn from a pool of blocks not yet used
+in this cycle, the others are frozen (requires_grad=False, grad=None, under 'drop' no optimizer state), and
+active gradients are scaled by N_L / gamma. Blocks are chosen by their index in model.blocks, so nothing
+changes under DDP or torch.compile. Algorithm 1 on the paper's least squares: experiments/linreg.py.
 """
 
+import itertools
 import math
 from dataclasses import dataclass, fields
 from typing import NamedTuple
@@ -34,7 +34,7 @@ METHODS = {
 }
 OUTER_PARTS = ('embed', 'pos', 'norm', 'head')
 STATE_POLICIES = ('drop', 'offload', 'keep')  # what a frozen unit's optimizer state does (StatePolicy)
-# the rule of each train.py key a cycler reads (train_config.py checks a whole config with them)
+# the rule of each train.py key a cycler reads (train_config.py checks a config with them)
 RULES = {
     'omgd_gamma': at_least(1),
     'omgd_period': at_least(1),
@@ -49,7 +49,6 @@ FIXED_ON_RESUME = {
 
 
 def check_always(parts):
-    """omgd_always's rule: a ValueError for a part that is not an outer part."""
     unknown = [part for part in parts if part not in OUTER_PARTS]
     if unknown:
         raise ValueError(f"unknown omgd_always part(s) {unknown}; choose from {','.join(OUTER_PARTS)}")
@@ -57,7 +56,7 @@ def check_always(parts):
 
 @dataclass(frozen=True)
 class CyclerConfig:
-    """What a cycler does: train.py's `method` and `omgd_*` keys, without the prefix; their defaults are these."""
+    """train.py's `method` and `omgd_*` keys, without the prefix; their defaults are these."""
 
     method: str = 'lisa_wor'
     gamma: int = 2  # block methods: active blocks per period
@@ -70,7 +69,6 @@ class CyclerConfig:
 
     @classmethod
     def from_config(cls, cfg, method=None):
-        """From train.py's config: `method` (default cfg's) and each field's omgd_<field> key."""
         values = {f.name: cfg[f'omgd_{f.name}'] for f in fields(cls) if f'omgd_{f.name}' in cfg}
         if isinstance(values.get('always'), str):  # 'embed,pos,norm,head' on the command line
             values['always'] = tuple(part for part in values['always'].split(',') if part)
@@ -89,8 +87,8 @@ class CyclerConfig:
 
 
 def build_cycler(model, optimizer, config):
-    """A Cycler over model.blocks (block methods, with config.always's outer parts training at every step
-    and the others frozen) or over every tensor (tensor methods, which accept only every outer part)."""
+    """A Cycler over model.blocks (block methods: the outer parts not in config.always are frozen) or over
+    every tensor (tensor methods: every outer part cycles too)."""
     outer = model.outer_modules()
     if METHODS.get(config.method) and METHODS[config.method].unit == 'tensor':
         if not set(outer) <= set(config.always):
@@ -110,26 +108,13 @@ def build_cycler(model, optimizer, config):
     return cycler
 
 
-def trainable_parts(model):
-    """What trains now, whatever built the mask: {'outer': names in model.outer_modules(), 'blocks': indices in
-    model.blocks} of the modules holding a parameter that requires a gradient."""
-
-    def trains(module):
-        return any(p.requires_grad for p in module.parameters())
-
-    return {
-        'outer': [name for name, module in model.outer_modules().items() if trains(module)],
-        'blocks': [i for i, block in enumerate(model.blocks) if trains(block)],
-    }
-
-
 # -----------------------------------------------------------------------------
 # The mask on a model and its optimizer: freezing, state policies, gradient scale
 
 
 class Cycler:
-    """A method's mask over units (lists of parameters switched together; others are left alone), drawn by a
-    GroupSchedule. Per iteration: step(it), prefetch(it), forward/backward, scale_grads(), optimizer step."""
+    """A method's mask over units (lists of parameters switched together), drawn by a GroupSchedule.
+    Per iteration: step(it), prefetch(it), forward/backward, scale_grads(), optimizer step."""
 
     def __init__(self, units, optimizer, config):
         config.check(len(units))
@@ -140,13 +125,14 @@ class Cycler:
                 "build the optimizer over all parameters before freezing anything"
             )
         self.units, self.config = units, config
-        self.optimizer_state = state_policy(optimizer, config.state)
+        policy = config.state
+        self.optimizer_state = OffloadedState(optimizer) if policy == 'offload' else StatePolicy(optimizer, policy)
         self.active = list(range(len(units)))  # everything trains until the first switch
         self.last_switch, self.scale = -1, 1.0
         self.schedule = None if config.method == 'full' else self._schedule()
 
     def _schedule(self):
-        """The GroupSchedule of the method, and its gradient scale (the inverse keep ratio)."""
+        """The method's GroupSchedule; sets the gradient scale (the inverse keep ratio)."""
         kind, n, gamma, ratio = METHODS[self.config.method], len(self.units), self.config.gamma, self.config.ratio
         if kind.unit == 'block':
             partition = lambda g: random_partition(n, [gamma] * (n // gamma), g)
@@ -190,8 +176,7 @@ class Cycler:
         return True
 
     def prefetch(self, iter_num):
-        """Call after step(iter_num). On a period's last iteration, peek at the next group and (under
-        'offload') start copying its parked state back."""
+        """After step(iter_num): on a period's last iteration, 'offload' starts copying the next group's state back."""
         if not self._switches_at(iter_num + 1):
             return
         group = self.schedule.peek()
@@ -225,12 +210,19 @@ class Cycler:
             p.grad.mul_(scale)
 
     def report(self, model):
-        """A switch's log description and record values: `active`, the cycled units on; `trains`, every part
-        that trains (trainable_parts)."""
-        parts = trainable_parts(model)
+        """A switch's log line and record values: `active`, the cycled units on; `trains`, every part of the
+        model with a parameter that trains now ({'outer': names, 'blocks': indices}), whatever froze the rest."""
+
+        def trains(module):
+            return any(p.requires_grad for p in module.parameters())
+
+        parts = {
+            'outer': [name for name, module in model.outer_modules().items() if trains(module)],
+            'blocks': [i for i, block in enumerate(model.blocks) if trains(block)],
+        }
         blocks = f"blocks {parts['blocks']}" if parts['blocks'] else 'no block'
-        trains = ', '.join(parts['outer']) + (' and ' if parts['outer'] else '') + blocks
-        return f'{self.describe()}; trains {trains}', {'active': list(self.active), 'trains': parts}
+        names = ', '.join(parts['outer']) + (' and ' if parts['outer'] else '') + blocks
+        return f'{self.describe()}; trains {names}', {'active': list(self.active), 'trains': parts}
 
     def describe(self):
         if self.schedule is None:
@@ -267,9 +259,8 @@ class Cycler:
 
 
 class StatePolicy:
-    """The optimizer state of a parameter that freezes: 'keep' leaves it (the paper's GPT-2 setting), 'drop'
-    deletes it (zero moments and step 0 when it trains again). 'offload' is optimizer_offload.OffloadedState,
-    with the same methods: the state parked in host memory and copied back a period early."""
+    """A frozen parameter's optimizer state: 'keep' leaves it (the paper's GPT-2 setting), 'drop' deletes it
+    (zero moments and step 0 when it trains again). 'offload': optimizer_offload.OffloadedState, same methods."""
 
     def __init__(self, optimizer, policy):
         self.optimizer, self.policy = optimizer, policy
@@ -278,14 +269,10 @@ class StatePolicy:
         if self.policy == 'drop':
             self.optimizer.state.pop(p, None)
 
-    def _nothing(self, *args):
-        """What 'keep' and 'drop' do at the hooks only 'offload' needs."""
+    def _nothing(self, *args):  # the hooks only 'offload' needs
+        pass
 
     restore = prefetch = wait_for_prefetch = finish_switch = _nothing
-
-
-def state_policy(optimizer, policy):
-    return OffloadedState(optimizer) if policy == 'offload' else StatePolicy(optimizer, policy)
 
 
 # -----------------------------------------------------------------------------
@@ -293,9 +280,9 @@ def state_policy(optimizer, policy):
 
 
 class GroupSchedule:
-    """One group of units per period. Without replacement (OMGD) a cycle uses the groups of one random
-    partition in turn (LISA-wor: Algorithm 2's pool of floor(N_L/gamma) groups); with replacement every
-    period draws a partition and uses its first group. partitions_drawn: the cycle, else the period."""
+    """One group of units per period. Without replacement (OMGD) a cycle uses the groups of one random partition
+    in turn (LISA-wor: Algorithm 2's pool of floor(N_L/gamma) groups); with replacement every period draws a
+    partition and uses its first group."""
 
     def __init__(self, partition, replacement, generator):
         self.partition, self.replacement, self.generator = partition, replacement, generator
@@ -324,8 +311,8 @@ class GroupSchedule:
             'pending': self.pending,
             'partitions_drawn': self.partitions_drawn,
             'rng': self.generator.get_state(),
-            'ahead': self.ahead,
-        }  # the generator has moved past it: a resume must not redraw
+            'ahead': self.ahead,  # the generator has moved past it: a resume must not redraw
+        }
 
     def load_state_dict(self, state):
         # checkpoints written before 2026-11-26 name the count 'cycle'
@@ -338,16 +325,12 @@ class GroupSchedule:
 def random_partition(n, sizes, generator):
     """Disjoint random groups of range(n) with the given sizes (their sum may be < n)."""
     perm = torch.randperm(n, generator=generator).tolist()
-    groups, start = [], 0
-    for size in sizes:
-        groups.append(sorted(perm[start : start + size]))
-        start += size
-    return groups
+    starts = itertools.accumulate(sizes, initial=0)
+    return [sorted(perm[start : start + size]) for start, size in zip(starts, sizes)]
 
 
 def balanced_partition(sizes, num_groups, generator):
-    """Split items at random into num_groups groups of about equal total size: in random order, each goes to
-    the lightest group (totals within one item of each other)."""
+    """Items into num_groups groups of about equal total size: in random order, each to the lightest group."""
     groups, totals = [[] for _ in range(num_groups)], [0] * num_groups
     for i in torch.randperm(len(sizes), generator=generator).tolist():
         lightest = totals.index(min(totals))
@@ -357,8 +340,8 @@ def balanced_partition(sizes, num_groups, generator):
 
 
 def bernoulli_subset(n, ratio, generator):
-    """The paper's i.i.d. mask on n items, each kept with probability `ratio`. An empty draw (nothing to
-    train) is redrawn, which raises P(kept) to r / (1 - (1-r)^n): the Cycler scales by its inverse."""
+    """The paper's i.i.d. mask on n items, each kept with probability `ratio`. An empty draw is redrawn, which
+    raises P(kept) to r / (1 - (1-r)^n): the Cycler scales by its inverse."""
     while True:
         kept = (torch.rand(n, generator=generator, dtype=torch.float64) < ratio).nonzero().flatten()
         if len(kept):
