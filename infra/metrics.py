@@ -175,8 +175,12 @@ class Records:
                     f.write(json.dumps({'kind': kind, **fields}) + '\n')
             except OSError as e:  # a full disk, a read-only file, a folder of that name: the training goes on
                 self.enabled = False
-                warning = f"cannot write {self.path} ({e.strerror or e}): the records stop here, the run goes on"
-                print(f"warning: {warning}", file=sys.stderr, flush=True)
+                print(
+                    f"warning: cannot write {self.path} ({e.strerror or e}): this run's records stop here, its "
+                    f"checkpoints and log go on; free space or fix that path before the next run",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if self.wandb is not None and kind in ('eval', 'iter'):
             self.wandb.log(
                 {f'{kind}/{k}': v for k, v in fields.items() if isinstance(v, (int, float))}, step=fields['iter']
