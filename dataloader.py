@@ -1,9 +1,8 @@
 """
-Batches of token windows from a token file (train.bin / val.bin of uint16 or uint32 ids, data/tokenizer.py),
-in the order 'rr' (random reshuffling, the default: each epoch visits every window of block_size+1 tokens once,
-in a permutation, from a random offset) or 'iid' (nanoGPT's sampling with replacement). The order is a function
-of (seed, epoch), so a checkpoint needs only the position (epoch, windows consumed), and a run resumes on any
-number of ranks and batch_size (docs/distributed.md). Every id must be below vocab_size (check_vocab).
+Batches of token windows from train.bin / val.bin, in the order 'rr' (random reshuffling: each epoch visits every
+window of block_size+1 tokens once, from a random offset) or 'iid' (nanoGPT's sampling with replacement). The
+order is a function of (seed, epoch): a checkpoint keeps the position, and a run resumes on any number of ranks
+and batch_size (docs/distributed.md).
 """
 
 import importlib
@@ -15,14 +14,14 @@ import torch
 from configurator import check_rule, one_of
 from data.tokenizer import read_meta
 
-RULES = {'sampling': one_of('rr', 'iid')}  # the train.py key TokenBatches reads (train_config.py checks it)
+RULES = {'sampling': one_of('rr', 'iid')}
 
 SCAN_LIMIT = 1 << 28  # ids check_vocab scans at start (512 MiB of uint16, about a second)
 
 
 def open_tokens(path, prepare_hint, dtype='uint16', n_ids=None):
-    """The ids of a .bin file, memory-mapped; a one-line error for a file that is missing, empty, cut, or of
-    ids not `dtype` wide (uint32 read as uint16 would train on every id followed by a 0)."""
+    """The ids of a .bin file, memory-mapped; an error for a file that is missing, empty, cut, or of ids not
+    `dtype` wide (uint32 read as uint16 would train on every id followed by a 0)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found; run `{prepare_hint}` first")
     again = f"run `{prepare_hint}` again"
@@ -70,19 +69,19 @@ class TokenBatches:
         self.path, self.prepare_hint, self.dtype = path, prepare_hint, dtype
         self.block_size, self.batch_size, self.sampling = block_size, batch_size, sampling
         self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.per_step = batch_size * world_size  # windows per micro-step, of every rank together
         self.vocab_size = None  # set by check_vocab when this file is too large to scan at start
-        n_tokens = len(open_tokens(path, prepare_hint, dtype, n_ids))
+        self.n_tokens = n_tokens = len(open_tokens(path, prepare_hint, dtype, n_ids))
         # every epoch has the same number of windows, whatever its offset in [0, block_size]
         self.windows_per_epoch = (n_tokens - block_size) // (block_size + 1)
-        self.steps_per_epoch = self.windows_per_epoch // (batch_size * world_size)
+        self.steps_per_epoch = self.windows_per_epoch // self.per_step
         if n_tokens <= block_size or (sampling == 'rr' and self.steps_per_epoch == 0):
             raise ValueError(
                 f"{path} has {n_tokens} tokens, too few for block_size={block_size} x "
-                f"{batch_size * world_size} windows per step; lower block_size or batch_size"
+                f"{self.per_step} windows per step; lower block_size or batch_size"
             )
         # iid draws with replacement from any split; its 'epoch' (which seeds the draws) is at least a step
         self.steps_per_epoch = max(1, self.steps_per_epoch)
-        self.n_tokens = n_tokens
         self.epoch, self.windows_done = 0, 0  # windows of the epoch consumed, by every rank together
         self._order = None
 
@@ -97,8 +96,8 @@ class TokenBatches:
 
     def next_starts(self):
         """Token offsets of this rank's windows for the next micro-step: rank r takes the r-th part of the step's
-        batch_size x ranks windows, so the windows of a step do not depend on the number of ranks."""
-        per_step = self.batch_size * self.world_size
+        windows, which do not depend on the number of ranks."""
+        per_step = self.per_step
         if self.windows_done + per_step > self.steps_per_epoch * per_step:  # the rest is the dropped tail
             self.epoch, self.windows_done = self.epoch + 1, 0
         mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
@@ -134,10 +133,9 @@ class TokenBatches:
 
     def epochs(self):
         """Epochs of data consumed so far, as a fraction (iid: windows drawn / windows in the split)."""
-        per_step = self.batch_size * self.world_size
         if self.sampling == 'rr':
-            return self.epoch + self.windows_done / (self.steps_per_epoch * per_step)
-        return (self.epoch * self.steps_per_epoch * per_step + self.windows_done) / max(1, self.windows_per_epoch)
+            return self.epoch + self.windows_done / (self.steps_per_epoch * self.per_step)
+        return (self.epoch * self.steps_per_epoch * self.per_step + self.windows_done) / max(1, self.windows_per_epoch)
 
     def state_dict(self):
         return {
@@ -145,7 +143,7 @@ class TokenBatches:
             'seed': self.seed,
             'epoch': self.epoch,
             'windows_consumed': self.windows_done,
-            'windows_per_step': self.batch_size * self.world_size,
+            'windows_per_step': self.per_step,
             'n_tokens': self.n_tokens,
         }
 
@@ -172,13 +170,13 @@ EMBEDDED = ('shakespeare', 'shakespeare_char')  # corpora shipped in packages: p
 
 
 def data_dir(dataset):
-    """data/<dataset>, or `dataset` itself when it is a path."""
+    """data/<dataset>, or `dataset` when it is a path."""
     return os.path.join(DATA_ROOT, dataset)
 
 
 def prepare_advice(dataset):
-    """What to do about a dataset with no prepared splits: run its prepare script, or (a mistyped name) the
-    datasets that there are."""
+    """What to do about a dataset with no prepared splits: run its prepare script, or (a mistyped name) which
+    datasets there are."""
     if os.path.isfile(os.path.join(SCRIPTS, dataset, 'prepare.py')):
         return f"run `python data/{dataset}/prepare.py` first"
     names = set()
@@ -202,8 +200,8 @@ def prepare_if_embedded(dataset, verbose=True):
 
 
 def dataset_vocab(dataset, vocab_size=0):
-    """The vocabulary a run uses: vocab_size, else meta.pkl's for a character set or a Hugging Face tokenizer,
-    else 0 for GPT-2 BPE (builder.transformer_kwargs decides). A ValueError for a meta.pkl it cannot read."""
+    """vocab_size, else meta.pkl's (a character set, a Hugging Face tokenizer), else 0 for GPT-2 BPE (the builder
+    decides)."""
     if vocab_size:
         return vocab_size
     meta = read_meta(data_dir(dataset))
@@ -211,8 +209,8 @@ def dataset_vocab(dataset, vocab_size=0):
 
 
 def check_vocab(dataset, vocab_size, *batches):
-    """A one-line ValueError for ids vocab_size cannot embed: meta.pkl records a larger vocabulary (a folder
-    without one records none), or a file of up to SCAN_LIMIT ids holds one; larger files check each batch."""
+    """A ValueError for ids vocab_size cannot embed, in meta.pkl's vocabulary or a file of up to SCAN_LIMIT ids;
+    larger files check each batch."""
     meta = read_meta(data_dir(dataset))
     if os.path.exists(os.path.join(data_dir(dataset), 'meta.pkl')) and meta['vocab_size'] > vocab_size:
         raise ValueError(
@@ -237,8 +235,8 @@ def check_vocab(dataset, vocab_size, *batches):
 
 
 def open_splits(dataset, block_size, batch_size, sampling, seed, rank=0, world_size=1):
-    """(train batches in `sampling` order, {'train', 'val'}: evaluation batches, rewound to the same windows
-    at each evaluation by load_state_dict(their .start)). A one-line ValueError for data missing or unreadable."""
+    """(train batches in `sampling` order, {'train', 'val'}: evaluation batches, rewound to the same windows at
+    each evaluation by load_state_dict(their .start)). A ValueError for data missing or unreadable."""
     advice = prepare_advice(dataset)
     if not os.path.exists(os.path.join(data_dir(dataset), 'train.bin')) and not advice.startswith('run '):
         raise ValueError(f"dataset {dataset!r} has no prepared splits in {data_dir(dataset)}; {advice}")  # mistyped
