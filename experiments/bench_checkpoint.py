@@ -125,7 +125,9 @@ def main(argv):
 
     formats = cfg['formats'].split(',')
     where = {
-        fmt: os.path.join(out_dir, 'ckpt.pt') if fmt == 'file' else checkpoint_dcp.latest(os.path.join(out_dir, fmt))
+        fmt: os.path.join(out_dir, 'ckpt.pt')
+        if fmt == 'file'
+        else checkpoint_dcp.complete_steps(os.path.join(out_dir, fmt))[-1][1]
         for fmt in formats
     }
     if cfg['phase'] == 'load':

@@ -1,29 +1,21 @@
 """
-The checkpoints of a run: Checkpointer starts or resumes train.py's run in out_dir and saves it, in
-either format; read_any() reads out_dir's newest checkpoint (sample.py, eval.py, export.py, hf.py).
-Formats: 'file', out_dir/ckpt.pt (checkpoint_file.py, the default in one process), and 'dcp', sharded
-step folders (checkpoint_dcp.py, the default under torchrun). A resume continues whichever holds the
-later iteration, on any number of ranks.
+The checkpoints of a run: Checkpointer starts or resumes train.py's run in out_dir and saves it, in either
+format; read_any() reads out_dir's newest checkpoint (sample.py, eval.py, export.py, hf.py). Formats: 'file',
+out_dir/ckpt.pt (checkpoint_file.py, the default in one process), and 'dcp', sharded step folders
+(checkpoint_dcp.py, the default under torchrun). A resume continues the later iteration, on any number of ranks.
 """
 
+import fcntl
 import os
+import socket
 import sys
+import tempfile
+import time
 
 import torch
 
-from infra import checkpoint_dcp
-
-# the 'file' format's functions, as the scripts and tests call them (checkpoint.read, checkpoint.save, ...)
-from infra.checkpoint_file import (
-    CheckpointError,
-    NonFiniteState,
-    check_finite,
-    load_state,  # noqa: F401
-    read,
-    remove_interrupted_write,
-    restore_rng,
-    save,
-)
+from infra import checkpoint_dcp, checkpoint_file
+from infra.checkpoint_file import CheckpointError, NonFiniteState, load_state, read, restore_rng, save
 
 
 def warn(message):
@@ -36,14 +28,14 @@ class Checkpointer:
         cfg = checkpointer.start(cfg, configure)  # the lock; scratch, resume or auto; configure(saved values)
         checkpointer.saved                        # a resume's saved values, read once (its model is built of them)
         checkpointer.load(objects, data)          # a resume's weights (a step folder's), optimizer, cycler, ... RNG
-        checkpointer.save(objects, values)      # a collective; returns the path where this rank wrote
-        checkpointer.finish()                   # the last background write is on disk
-        checkpointer.close(failed)              # out_dir's lock (and an out_dir the run left empty)
+        checkpointer.save(objects, values)        # a collective; returns the path where this rank wrote
+        checkpointer.finish()                     # the last background write is on disk
+        checkpointer.close(failed)                # out_dir's lock (and an out_dir the run left empty)
 
     What it refuses is a CheckpointError: one line that says what to do."""
 
     def __init__(self, out_dir, ranks, device, writes=True):
-        self.out_dir, self.ranks, self.device, self.writes = out_dir, ranks, device, writes  # writes: not eval_only
+        self.out_dir, self.ranks, self.writes = out_dir, ranks, writes  # writes: not eval_only
         self.device_type = 'cuda' if device.startswith('cuda') else 'cpu'
         self.lock = OutDirLock(out_dir)
         # an out_dir this run makes is removed again when the run fails before it saved anything
@@ -55,10 +47,10 @@ class Checkpointer:
         self.saver = None  # the step folders' writer (checkpoint_dcp.Saver); None: ckpt.pt
 
     def start(self, cfg, configure, fsdp=False):
-        """Start or resume the run; returns configure(saved, path), the run's config: `saved` is the values
-        of the checkpoint a resume continues (ckpt.pt's dict, a step folder's values.pt) or None, and
-        configure checks them (a ValueError refuses). The writer (rank 0) takes out_dir's lock, refuses to
-        replace an earlier run's checkpoint unless overwrite=True, and removes what an interrupted save left."""
+        """Start or resume the run; returns configure(saved, path), the run's config (`saved`: the values of the
+        checkpoint a resume continues, or None; a ValueError refuses). The writer (rank 0) takes out_dir's lock,
+        refuses to replace an earlier run's checkpoint unless overwrite=True, and removes what an interrupted
+        save left."""
         master, out_dir = self.ranks.master, self.out_dir
         if master and self.writes:
             try:
@@ -75,16 +67,11 @@ class Checkpointer:
             self.saved = self._read_newest()
         elif self.found and self.writes:
             self._replace(cfg['overwrite'])
-        if self.saved is None:
-            cfg = configure(None, None)
-        else:  # where the run starts: the checkpoint's values, once configure has checked them
-            cfg, saved, self.path = configure(self.saved, self.found[1]), self.saved, self.found[1]
-            self.iter_num, self.best_val_loss, self.wandb_id = (
-                saved['iter_num'],
-                saved['best_val_loss'],
-                saved.get('wandb_id'),
-            )
-            self.saved_iter = self.iter_num
+        saved = self.saved
+        cfg = configure(saved, None if saved is None else self.found[1])
+        if saved is not None:  # where the run starts: the checkpoint's values, once configure has checked them
+            self.path, self.iter_num, self.saved_iter = self.found[1], saved['iter_num'], saved['iter_num']
+            self.best_val_loss, self.wandb_id = saved['best_val_loss'], saved.get('wandb_id')
         if master and self.writes:  # the writer (it holds the lock): an unusable out_dir is found now
             check_out_dir(out_dir)
             removed, left = checkpoint_dcp.remove_incomplete(out_dir)  # what a crash in the middle of a save left
@@ -100,12 +87,8 @@ class Checkpointer:
         self.seed = cfg['seed']
         fmt = cfg['checkpoint_format']  # 'auto': one file in one process; sharded folders on several ranks
         if fmt == 'dcp' or (fmt == 'auto' and self.ranks.world_size > 1):
-            self.saver = checkpoint_dcp.Saver(
-                out_dir,
-                self.ranks,
-                cfg['keep_last'],
-                checkpoint_dcp.background(cfg['checkpoint_async'], self.device_type),
-            )  # in the background on a GPU (checkpoint_async)
+            in_background = checkpoint_dcp.background(cfg['checkpoint_async'], self.device_type)
+            self.saver = checkpoint_dcp.Saver(out_dir, self.ranks, cfg['keep_last'], in_background)
             self.saver.replaces = self.replaced if master else []
             if master and self.writes:
                 self._refuse_foreign_steps(left, cfg['max_iters'])
@@ -126,9 +109,8 @@ class Checkpointer:
             )
 
     def _read_newest(self):
-        """The saved values of the newest checkpoint that can be read; each newer one is named in a warning
-        and moved aside to NAME.damaged, so that this run's save of its iteration does not replace it. All
-        damaged: the newest's own error. Rank 0 decides, for every rank alike."""
+        """The saved values of the newest readable checkpoint; each newer one is named in a warning and moved
+        aside to NAME.damaged (this run's save of its iteration must not replace it). Rank 0 decides for all."""
         if self.found is None:
             raise no_checkpoint(self.out_dir, " to resume from; train with init_from='scratch' first")
         try:
@@ -155,9 +137,8 @@ class Checkpointer:
         return saved if saved is not None and mine == self.found else self._read(*self.found[:2])
 
     def _read(self, fmt, path):
-        """A checkpoint's saved values, or a CheckpointError: ckpt.pt whole in host memory (mapped for a GPU,
-        whose node's ranks share the pages; not on a CPU, whose optimizer state would pin the replaced file);
-        a step folder's values.pt, its index and shards checked (its tensors come with load())."""
+        """ckpt.pt whole in host memory (mapped for a GPU, whose node's ranks share the pages; not on a CPU,
+        whose optimizer state would pin the replaced file), or a step folder's values (its tensors: load())."""
         if fmt == 'file':
             return read(path, map_location='cpu', mmap=self.device_type != 'cpu')
         return checkpoint_dcp.check_readable(path)
@@ -172,14 +153,13 @@ class Checkpointer:
                 f"--out_dir, or pass --overwrite=True to replace it (--init_from=auto resumes when "
                 f"there is one)"
             )
-        self.replaced = all_checkpoints(self.out_dir)
+        self.replaced = [path for _, path, _ in self.candidates]
         if self.ranks.master:
             print(f"{path} holds {earlier}; this run's first save replaces it (overwrite=True)")
 
     def load(self, objects, data):
         """A resume's state into the objects built since (model, optimizer, cycler, scaler) and the data
-        loader `data`; a collective. The state must be finite; each rank's dropout continues (seeded afresh
-        on another number of ranks)."""
+        loader `data`; a collective. Each rank's dropout continues (seeded afresh on another number of ranks)."""
         if self.saved is None:
             return
         checkpoint, (fmt, path, _), ranks = self.saved, self.found, self.ranks
@@ -197,7 +177,7 @@ class Checkpointer:
                 f"or not train.py's: restore a backup or train from scratch"
             ) from None
         try:
-            check_finite(ranks, model, optimizer)
+            checkpoint_file.check_finite(ranks, model, optimizer)
         except NonFiniteState:
             raise CheckpointError(
                 f"{path} holds weights or optimizer state that are not finite (iteration "
@@ -225,8 +205,8 @@ class Checkpointer:
         self.saved = None  # free memory
 
     def save(self, objects, values):
-        """Save the checkpoint of values['iter_num'] in the run's format; a collective. A non-finite state is
-        never saved: a CheckpointError names the last good checkpoint. Returns the path on rank 0, else None."""
+        """Save the checkpoint of values['iter_num']; a collective. A non-finite state is refused, naming the last
+        good checkpoint. Returns the path on rank 0, else None."""
         try:
             if self.saver is not None:  # every rank writes its shards of a step folder
                 path, wrote = self.saver.save(objects, values, self.device_type), self.ranks.master
@@ -263,8 +243,8 @@ class Checkpointer:
             self.saver.finish()
 
     def close(self, failed=False):
-        """Let go of out_dir. After a failure (no collective then) a background save of a good state
-        ends first, and an out_dir this run made and left empty is removed."""
+        """Let go of out_dir. After a failure (no collective then) a background save ends first, and an out_dir
+        this run made and left empty is removed."""
         if failed and self.saver is not None:
             self.saver.abandon()
         left_empty = (
@@ -276,10 +256,9 @@ class Checkpointer:
 
 
 def newest_readable(out_dir, read, found=None):
-    """The newest checkpoint of out_dir (or of `found`, its candidates()) that read(format, path) reads without a
-    CheckpointError: ((format, path, iter_num), what read returned, [(path, why)] of each newer one it could not
-    read): the one fall-back of every reader. None reads: the newest's own CheckpointError; none there:
-    no_checkpoint's."""
+    """The fall-back of every reader: ((format, path, iter_num), read(format, path)) of the newest checkpoint of
+    out_dir (or of `found`, its candidates()) that reads, and [(path, why)] of each newer one. None reads: the
+    newest's CheckpointError."""
     skipped, first = [], None
     for fmt, path, it in candidates(out_dir) if found is None else found:
         try:
@@ -309,10 +288,8 @@ def no_checkpoint(out_dir, then):
 
 
 def find(out_dir, found=None):
-    """(format, path, iter_num) of the checkpoint a resume of out_dir continues, or None: the highest
-    iteration among ckpt.pt and the complete step folders (the folder on a tie); an unreadable ckpt.pt
-    (iter_num -1) only when it is alone, so that the resume names what is wrong with it. `found`: out_dir's
-    candidates(), when already listed."""
+    """(format, path, iter_num) of the checkpoint a resume of out_dir (or of `found`, its candidates()) continues,
+    or None; an unreadable ckpt.pt (iter_num -1) only when it is alone, so that the resume names its fault."""
     found = candidates(out_dir) if found is None else found
     return ([c for c in found if c[2] >= 0] or found or [None])[0]
 
@@ -333,8 +310,7 @@ def candidates(out_dir):
 
 
 def file_iteration(path):
-    """The iteration of the ckpt.pt at `path`; -1 when it cannot be read or holds no iteration (a resume of
-    it then says what is wrong)."""
+    """The iteration of the ckpt.pt at `path`; -1 when it cannot be read or holds none."""
     try:
         it = read(path, mmap=True)['iter_num']
     except (CheckpointError, KeyError, TypeError, IndexError):
@@ -344,7 +320,7 @@ def file_iteration(path):
 
 def trained_dataset(checkpoint):
     """The dataset a checkpoint trained on (config['dataset'], whose tokenizer reads its ids), or None when the
-    file records none: the readers' one check of a config that is not a dict or a dataset that is not a name."""
+    file records none (or a config that is not a dict, a dataset that is not a name)."""
     config = checkpoint.get('config') if isinstance(checkpoint, dict) else None
     dataset = config.get('dataset') if isinstance(config, dict) else None
     return dataset if isinstance(dataset, str) else None
@@ -357,20 +333,17 @@ def all_checkpoints(out_dir):
 
 
 def check_out_dir(out_dir):
-    """Refuse (CheckpointError) an out_dir that cannot hold a checkpoint, before any training; remove
-    the temporary file a killed save of ckpt.pt left there, as that save's record names it."""
+    """Refuse an out_dir that cannot hold a checkpoint, before any training; remove the temporary file a killed
+    save of ckpt.pt left there (remove_interrupted_write)."""
     try:
         os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f'.write-test-{os.getpid()}')
-        with open(probe, 'wb'):
-            pass
-        os.remove(probe)
+        tempfile.TemporaryFile(dir=out_dir).close()  # a file can be made there
     except OSError as e:
         raise CheckpointError(
             f"out_dir={out_dir!r} cannot hold checkpoints ({e.strerror or e}); choose a writable "
             f"directory with --out_dir"
         ) from None
-    remove_interrupted_write(os.path.join(out_dir, 'ckpt.pt'))
+    checkpoint_file.remove_interrupted_write(os.path.join(out_dir, 'ckpt.pt'))
 
 
 class OutDirLock:
@@ -382,10 +355,6 @@ class OutDirLock:
 
     def acquire(self):
         """Take the lock, or raise CheckpointError naming the run that holds it."""
-        import fcntl
-        import socket
-        import time
-
         if os.path.exists(self.out_dir) and not os.path.isdir(self.out_dir):
             raise CheckpointError(
                 f"out_dir={self.out_dir!r} cannot hold checkpoints: it is a file, not a directory; choose a "
@@ -395,10 +364,8 @@ class OutDirLock:
             os.makedirs(self.out_dir, exist_ok=True)
             self.file = open(self.path, 'a+b', buffering=0)  # unbuffered: a failed write fails there, not in close()
         except OSError as e:  # a full disk, a read-only place, a .lock that is a folder: named
-            raise CheckpointError(
-                f"out_dir={self.out_dir!r} cannot hold checkpoints: its lock file {self.path} cannot "
-                f"be written ({e.strerror or e}); choose a writable directory with --out_dir, or "
-                f"remove what is at {self.path}"
+            raise self._unwritable(
+                e, f"choose a writable directory with --out_dir, or remove what is at {self.path}"
             ) from None
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -411,19 +378,20 @@ class OutDirLock:
                 f"it, or choose another --out_dir"
             ) from None
         try:
-            self.file.seek(0)
-            self.file.truncate()
+            self.file.truncate(0)  # appends: written from byte 0
             self.file.write(
                 f"the run of pid {os.getpid()} on {socket.gethostname()}, started "
                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode()
             )
         except OSError as e:  # a full disk or quota: refused now, not at the first save after hours of training
             self.release()
-            raise CheckpointError(
-                f"out_dir={self.out_dir!r} cannot hold checkpoints: its lock file {self.path} cannot "
-                f"be written ({e.strerror or e}); free space or choose another --out_dir"
-            ) from None
-        return self
+            raise self._unwritable(e, "free space or choose another --out_dir") from None
+
+    def _unwritable(self, e, then):
+        return CheckpointError(
+            f"out_dir={self.out_dir!r} cannot hold checkpoints: its lock file {self.path} cannot be written "
+            f"({e.strerror or e}); {then}"
+        )
 
     def release(self, remove=False):
         """Let go (remove=True also deletes the file: only for an out_dir the run leaves empty)."""
@@ -436,8 +404,7 @@ class OutDirLock:
 
 def read_any(out_dir, map_location='cpu', mmap=False, optimizer=True):
     """(checkpoint dict, path) of out_dir's newest readable checkpoint in ckpt.pt's format (a step folder
-    consolidated in host memory; optimizer=False: its weights only); a newer unreadable one is named in a
-    warning. A one-line CheckpointError when none can be read."""
+    consolidated in host memory; optimizer=False: its weights only); a newer unreadable one is named in a warning."""
 
     def read_one(fmt, path):
         if fmt == 'file':

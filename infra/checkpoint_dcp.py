@@ -8,10 +8,9 @@ Sharded checkpoints with torch.distributed.checkpoint (DCP): train.py's format u
         values.pt              everything else (rank 0, torch.save)
         .complete              written last: only a step_NNNNNNN folder holding it is a checkpoint
 
-A save writes into step_NNNNNNN.tmp/ and renames it once complete; a resume reshards onto any number
-of ranks. Nothing in a folder is read with anything that could run code: values.pt with weights_only,
-.metadata with an unpickler of DCP's index classes only, and an index declaring anything but tensors
-is refused. docs/distributed.md describes the protocol; consolidate() reads a folder in ckpt.pt's format.
+A save writes into step_NNNNNNN.tmp/ and renames it once complete; a resume reshards onto any number of ranks.
+Nothing in a folder is read with anything that could run code: values.pt with weights_only, .metadata with an
+unpickler of DCP's index classes only, and an index declaring anything but tensors is refused.
 """
 
 import contextlib
@@ -28,7 +27,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException as _DCPException  # a BaseException
 
-from infra.checkpoint_file import CheckpointError, check_archive, check_finite, first_sentence, gather_rng, read
+from infra import checkpoint_file
+from infra.checkpoint_file import CheckpointError, fsync
 
 FAILURES = (Exception, _DCPException)
 MARKER = '.complete'
@@ -36,46 +36,28 @@ MARKER = '.complete'
 # be this code's by what it wrote, never by its name
 WRITING, REMOVING = '.writing', '.removing'
 VALUES = 'values.pt'
+DAMAGED = 'set aside as damaged'
 STEP = re.compile(r'^step_(\d{7,})$')
 
 
 def complete_steps(out_dir):
     """[(iter_num, path)] of the complete checkpoints in out_dir, oldest first."""
-    found = []
-    try:
-        names = os.listdir(out_dir)
-    except OSError:
-        return []
-    for name in names:
-        m = STEP.match(name)
-        path = os.path.join(out_dir, name)
-        if m and os.path.isfile(os.path.join(path, MARKER)):
-            found.append((int(m.group(1)), path))
-    return sorted(found)
-
-
-def latest(out_dir):
-    """The newest complete step folder of out_dir, or None."""
-    steps = complete_steps(out_dir)
-    return steps[-1][1] if steps else None
+    steps = [(int(m.group(1)), os.path.join(out_dir, name)) for name in _folders(out_dir) if (m := STEP.match(name))]
+    return sorted(step for step in steps if os.path.isfile(os.path.join(step[1], MARKER)))
 
 
 def remove_incomplete(out_dir):
     """Remove the folders of out_dir holding this code's WRITING or REMOVING marker (interrupted saves and
-    removals); returns (removed, left) names, left: the other folders that hold a values.pt but would not
-    resume, less those a resume set aside as damaged. Only the holder of out_dir's lock may call this."""
+    removals); returns their names and those of not_resumable() but the damaged. Only the lock's holder calls it."""
     removed = [name for name in _folders(out_dir) if _interrupted(os.path.join(out_dir, name))]
     for name in removed:
         shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
     return removed, [name for name, why in not_resumable(out_dir) if why != DAMAGED]
 
 
-DAMAGED = 'set aside as damaged'
-
-
 def not_resumable(out_dir):
     """[(name, why)] of the folders in out_dir that hold a step folder's values.pt yet do not resume (no .complete
-    file, or set aside), but for what an interrupted save or removal of this code left (remove_incomplete)."""
+    file, or set aside), but for what an interrupted save or removal of this code left."""
     found = []
     for name in _folders(out_dir):
         path = os.path.join(out_dir, name)
@@ -88,7 +70,10 @@ def not_resumable(out_dir):
 
 
 def _folders(out_dir):
-    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    try:
+        names = sorted(os.listdir(out_dir))
+    except OSError:  # no out_dir (yet), or not a folder
+        return []
     return [name for name in names if os.path.isdir(os.path.join(out_dir, name))]
 
 
@@ -96,26 +81,10 @@ def _interrupted(path):
     return any(os.path.isfile(os.path.join(path, m)) for m in (WRITING, REMOVING))
 
 
-def prune(out_dir, keep_last):
-    """Remove the oldest complete checkpoints beyond the newest keep_last (0 keeps all)."""
-    steps = complete_steps(out_dir)
-    remove_checkpoints([path for _, path in steps[:-keep_last]] if keep_last else [])
-
-
 def _mark(folder, marker):
     with open(os.path.join(folder, marker), 'w') as f:
         f.write(f"{marker[1:]} by train.py (checkpoint_dcp.py)\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path):
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    fsync(os.path.join(folder, marker))
 
 
 def _param_names(model):
@@ -134,9 +103,9 @@ def _model_tensors(model):
 
 
 def _optimizer_parts(model, optimizer):
-    """optimizer.state_dict() by parameter name: ({name: {key: tensor}} for DCP, and the rest for
-    values.pt: the groups (names for numbers), non-tensor state (an int step), and the layout of
-    the tensors (shape, dtype, whether shaped and sharded like the parameter) to load them back."""
+    """optimizer.state_dict() by parameter name: ({name: {key: tensor}} for DCP, and the rest for values.pt: the
+    groups, non-tensor state (an int step), and the tensors' layout (shape, dtype, whether shaped like the
+    parameter) to load them back."""
     names = _param_names(model)
     params = [p for g in optimizer.param_groups for p in g['params']]
     sd = optimizer.state_dict()
@@ -159,40 +128,32 @@ def _optimizer_parts(model, optimizer):
 class Saver:
     """Saves train.py's checkpoints as step folders (call save() on every rank); finish() at the end."""
 
-    def __init__(self, out_dir, ranks, keep_last, use_async=None):
+    def __init__(self, out_dir, ranks, keep_last, use_async=False):
         self.out_dir, self.ranks, self.keep_last = out_dir, ranks, keep_last
-        # use_async None: in the background wherever there are ranks and the installed torch can
-        self.use_async = use_async is not False and ranks.enabled and hasattr(dcp, 'async_save')
+        self.use_async = use_async and ranks.enabled and hasattr(dcp, 'async_save')
         # DCP's collectives (plans, the index) go over their own gloo group: under async_save they
         # run in a background thread while training runs its own collectives on the default group
         self.group = dist.new_group(backend='gloo') if ranks.enabled else None
         self.pending = None  # (future, tmp path, completed event) of a background save
         self.error = None
         self.replaces = []  # an earlier run's checkpoints (overwrite=True): removed once this run saved one
-        _SAVERS.append(self)
+        _SAVERS.add(self)
 
     def save(self, objects, values, device_type='cpu'):
         """Write the checkpoint of values['iter_num']; a collective. NonFiniteState (every rank, before any
-        write) for a non-finite state; CheckpointError when the write fails. Returns the folder's path."""
+        write) for a non-finite state. Returns the folder's path."""
         model, optimizer = objects['model'], objects['optimizer']
-        check_finite(self.ranks, model, optimizer)
+        checkpoint_file.check_finite(self.ranks, model, optimizer)
         self.wait()  # the previous background save is complete (or failed: raised here) before this one
-        rank_rngs = gather_rng(self.ranks, device_type)
+        rank_rngs = checkpoint_file.gather_rng(self.ranks, device_type)
         final = os.path.join(self.out_dir, f"step_{values['iter_num']:07d}")
         tmp = final + '.tmp'
         model_sd, tied = _model_tensors(model)
         optim_tensors, optim_rest = _optimizer_parts(model, optimizer)
         if self.ranks.master:
             states = {name: obj.state_dict() for name, obj in objects.items() if name not in ('model', 'optimizer')}
-            checkpoint = {
-                **states,
-                **values,
-                'world_size': self.ranks.world_size,
-                'rng': {'ranks': rank_rngs},
-                'optimizer_rest': optim_rest,
-                'tied': tied,
-                'format': 'dcp',
-            }
+            checkpoint = {**states, **values, 'world_size': self.ranks.world_size, 'rng': {'ranks': rank_rngs}}
+            checkpoint.update(optimizer_rest=optim_rest, tied=tied, format='dcp')
             try:
                 if os.path.exists(tmp) and not os.path.isfile(os.path.join(tmp, WRITING)):
                     raise FileExistsError(f"{tmp} exists and no save of train.py wrote it: move it away")
@@ -202,8 +163,7 @@ class Saver:
                 _mark(tmp, WRITING)  # first: a save cut short is known as this code's by it
                 with open(os.path.join(tmp, VALUES), 'wb') as f:
                     torch.save(checkpoint, f)
-                    f.flush()
-                    os.fsync(f.fileno())
+                fsync(os.path.join(tmp, VALUES))
             except OSError as e:
                 self.error = f"cannot write {tmp} ({e.strerror or e})"
         self._raise_if_failed()
@@ -231,8 +191,8 @@ class Saver:
         return final
 
     def _complete(self, future, tmp, final, completed=None):
-        """Rank 0, once DCP's save returned (every rank's shards and the index are written): the marker, the
-        rename, then the pruning. Under async_save in the writing thread; `completed` then tells wait()."""
+        """Rank 0, once every rank's shards and the index are written: the marker, the rename, then the pruning.
+        Under async_save in the writing thread; `completed` then tells wait()."""
         try:
             if future is not None:
                 future.result()
@@ -248,11 +208,13 @@ class Saver:
             if os.path.exists(final):  # this iteration's checkpoint of an earlier run (overwrite=True)
                 remove_checkpoints([final])
             os.replace(tmp, final)
-            _fsync_dir(self.out_dir)
+            with contextlib.suppress(OSError):
+                fsync(self.out_dir)
             # an earlier run's (overwrite=True) first: pruning then counts only this run's folders
             remove_checkpoints([p for p in self.replaces if p != final])
             self.replaces = []
-            prune(self.out_dir, self.keep_last)
+            if self.keep_last:  # the oldest beyond the newest keep_last
+                remove_checkpoints([path for _, path in complete_steps(self.out_dir)[: -self.keep_last]])
         except FAILURES as e:
             self.error = self.error or _failed(tmp, e)
         finally:
@@ -269,30 +231,27 @@ class Saver:
 
     def wait(self):
         """Wait for a background save; a CheckpointError (on every rank) when it failed. A collective."""
-        self._drain(keep_error=True)
+        self._drain()
         self._raise_if_failed()
 
     def finish(self):
         """At the end of the run, on every rank: wait() for the last background save, then forget it."""
         self.wait()
-        if self in _SAVERS:
-            _SAVERS.remove(self)
+        _SAVERS.discard(self)
 
     def abandon(self):
         """On an error path (no collective): let a background save end as it ends, then forget it."""
-        self._drain(keep_error=False)
-        if self in _SAVERS:
-            _SAVERS.remove(self)
+        self._drain()
+        _SAVERS.discard(self)
 
-    def _drain(self, keep_error):
+    def _drain(self):
         if self.pending is not None:
             future, tmp, completed = self.pending
             self.pending = None
             try:
                 future.result()
             except FAILURES as e:
-                if keep_error:
-                    self.error = self.error or _failed(tmp, e)
+                self.error = self.error or _failed(tmp, e)
             completed.wait()
 
 
@@ -302,12 +261,12 @@ def background(setting, device_type):
     return setting == 'yes' or (setting == 'auto' and device_type == 'cuda')
 
 
-_SAVERS = []  # savers not finished (what a test reaches the run's background writes through)
+_SAVERS = set()  # savers not finished (what a test reaches the run's background writes through)
 
 
 def remove_checkpoints(paths):
-    """Remove checkpoints (ckpt.pt files; step folders: REMOVING, then the complete marker, first, so a
-    removal cut short leaves a folder that neither resumes nor is mistaken for someone else's)."""
+    """Remove checkpoints (ckpt.pt files; step folders: REMOVING, then the complete marker, first, so a removal
+    cut short leaves a folder that neither resumes nor is mistaken for someone else's)."""
     for path in paths:
         if os.path.isdir(path):
             _mark(path, REMOVING)
@@ -319,7 +278,7 @@ def remove_checkpoints(paths):
 
 
 def _failed(tmp, e):
-    return f"cannot write {tmp} ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})"
+    return f"cannot write {tmp} ({type(e).__name__}: {checkpoint_file.first_line(e)})"
 
 
 # -----------------------------------------------------------------------------
@@ -327,8 +286,8 @@ def _failed(tmp, e):
 
 
 class _IndexUnpickler(pickle.Unpickler):
-    """DCP's .metadata is a pickle: admit only the classes of DCP's index (dataclasses, enums),
-    torch's Size, dtypes and layouts, and paths; never a function, so never code."""
+    """DCP's .metadata is a pickle: admit only DCP's index classes, torch's Size, dtypes and layouts, and paths;
+    never a function, so never code."""
 
     ALLOWED = {
         ('torch', 'Size'),
@@ -340,19 +299,14 @@ class _IndexUnpickler(pickle.Unpickler):
     }
 
     def find_class(self, module, name):
-        found = None
-        if (module, name) in self.ALLOWED:
+        index_class = module == 'torch.distributed.checkpoint.metadata'  # its classes, never a function
+        kinds = (torch.dtype, torch.layout, torch.memory_format)
+        torch_kind = module == 'torch' and isinstance(getattr(torch, name, None), kinds)
+        if (module, name) in self.ALLOWED or index_class or torch_kind:
             found = super().find_class(module, name)
-        elif module == 'torch.distributed.checkpoint.metadata':
-            found = super().find_class(module, name)
-            found = found if isinstance(found, type) else None
-        elif module == 'torch' and isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
-        ):
-            found = super().find_class(module, name)
-        if found is None:
-            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
-        return found
+            if isinstance(found, type) or not index_class:
+                return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
 
     def persistent_load(self, pid):
         raise pickle.UnpicklingError("persistent ids are not part of a checkpoint index")
@@ -366,8 +320,8 @@ def _refuse_bytes(path, key):
 
 
 def _tensors_only(path, index):
-    """Train.py's step folders hold tensors only (Saver.save); DCP reads any other item (a
-    BytesStorageMetadata) with torch.load's full unpickler, so an index declaring one is refused."""
+    """DCP reads any item but a tensor (a BytesStorageMetadata) with torch.load's full unpickler, and train.py's
+    step folders hold tensors only: an index declaring one is refused."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     for key, meta in getattr(index, 'state_dict_metadata', {}).items():
@@ -376,8 +330,7 @@ def _tensors_only(path, index):
 
 
 class SafeReader(dcp.FileSystemReader):
-    """FileSystemReader whose index is read with _IndexUnpickler and holds tensors only; it never reads a
-    bytes item."""
+    """FileSystemReader whose index is read with _IndexUnpickler and holds tensors only; never reads a bytes item."""
 
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -413,7 +366,7 @@ class _TensorsOnly(dcp.DefaultLoadPlanner):
 
 def read_values(path):
     """The values.pt of a step folder (everything but the tensors of the model and optimizer)."""
-    values = read(os.path.join(path, VALUES), mmap=False)
+    values = checkpoint_file.read(os.path.join(path, VALUES), mmap=False)
     if not isinstance(values, dict) or values.get('format') != 'dcp':
         raise CheckpointError(
             f"{path}/{VALUES} is not a values file of train.py's sharded checkpoint; restore a "
@@ -434,48 +387,34 @@ def _cannot_read(path, e):
     # DCP's CheckpointException says only which ranks failed ("ranks:dict_keys([0])"): a rank's refusal as it is,
     # else the first rank's error
     failures = [f[0] for f in getattr(e, 'failures', {}).values() if isinstance(f, tuple) and f]
-    refused = [f for f in failures if isinstance(f, CheckpointError)]
+    refused = [f for f in [e, *failures] if isinstance(f, CheckpointError)]
     if refused:
         return refused[0]
-    if failures:
-        e = failures[0]
-    reason = first_sentence(e)
-    return CheckpointError(
-        f"cannot read checkpoint {path} ({type(e).__name__}{': ' + reason if reason else ''}); "
-        f"it is corrupt, truncated or from another program: restore a backup or train from scratch"
-    )
+    return checkpoint_file.unreadable(path, failures[0] if failures else e)
 
 
 def read_index(path):
-    """DCP's index of the step folder (its .metadata), checked to hold tensors only; a one-line
-    CheckpointError naming the folder otherwise."""
+    """DCP's index of the step folder (its .metadata), checked to hold tensors only."""
     try:
         return SafeReader(path).read_metadata()
-    except CheckpointError:
-        raise
     except FAILURES as e:
         raise _cannot_read(path, e) from None
 
 
 def check_readable(path):
-    """The step folder's values, or a CheckpointError naming what would stop a resume: its values, its index,
-    a shard missing or shorter than the index says, or a shard's record damaged (check_archive). Reads no
-    tensor data."""
+    """The step folder's values, or a CheckpointError naming what would stop a resume: its values, its index, a
+    shard missing or too short, or a shard's record damaged. Reads no tensor data."""
     values, index = read_values(path), read_index(path)
     check_shards(path, index)
-    files = {}
     for info in index.storage_data.values():
-        files.setdefault(info.relative_path, []).append(info)
-    for name, infos in files.items():
-        with open(os.path.join(path, name), 'rb') as f:
-            for info in infos:
-                if not getattr(info, 'transform_descriptors', None):  # train.py writes no compressed record
-                    check_archive(f, f"{path}: shard {name}", info.offset, info.length)
+        if not getattr(info, 'transform_descriptors', None):  # train.py writes no compressed record
+            with open(os.path.join(path, info.relative_path), 'rb') as f:
+                checkpoint_file.check_archive(f, f"{path}: shard {info.relative_path}", info.offset, info.length)
     return values
 
 
 def check_shards(path, index):
-    """A CheckpointError naming the first shard file the index points into that is missing or too short."""
+    """Refuse the first shard file the index points into that is missing or too short."""
     for info in getattr(index, 'storage_data', {}).values():
         shard = os.path.join(path, info.relative_path)
         size = os.path.getsize(shard) if os.path.isfile(shard) else None
@@ -505,28 +444,26 @@ def _load(state, path, group=None):
 
 
 def load(path, values, model, optimizer, group=None):
-    """Load the step folder's weights and optimizer state into `model` and `optimizer` as they are built
-    now (sharded over any number of ranks, or whole); a collective under torchrun."""
+    """Load the step folder's weights and optimizer state into `model` and `optimizer` as they are built now
+    (sharded over any number of ranks, or whole); a collective under torchrun."""
     model_sd, _ = _model_tensors(model)
-    rest = values['optimizer_rest']
-    names = _param_names(model)
-    by_name = {name: p for p, name in names.items()}
-    optim = {}
-    for name, layout in rest['layout'].items():
-        p = by_name[name]
-        optim[name] = {
-            k: (torch.empty_like(p, dtype=dtype) if like_param else torch.empty(shape, dtype=dtype))
+    rest, names = values['optimizer_rest'], _param_names(model)
+    params = {name: p for p, name in names.items()}
+    optim = {  # shaped (and sharded) as the state is now, to be filled
+        name: {
+            k: torch.empty_like(params[name], dtype=dtype) if like_param else torch.empty(shape, dtype=dtype)
             for k, (shape, dtype, like_param) in layout.items()
         }
-    state = {'model': model_sd, 'optimizer': {k: v for k, v in optim.items() if v}}
-    _load(state, path, group)
+        for name, layout in rest['layout'].items()
+    }
+    _load({'model': model_sd, 'optimizer': optim}, path, group)
     model.load_state_dict({**model_sd, **{k: model_sd[v] for k, v in values['tied'].items()}})
     optimizer.load_state_dict(_numbered(rest, optim, [names[p] for g in optimizer.param_groups for p in g['params']]))
 
 
 def _numbered(rest, tensors, order):
-    """optimizer.state_dict() of values.pt's optimizer_rest and the tensors {name: {key: tensor}}, the
-    parameters numbered in the order of their names `order`, as torch.optim numbers them."""
+    """optimizer.state_dict() of values.pt's optimizer_rest and the tensors {name: {key: tensor}}, the parameters
+    numbered in the order of their names `order`, as torch.optim numbers them."""
     number = {n: i for i, n in enumerate(order)}
     return {
         'state': dict(sorted((number[n], {**other, **tensors.get(n, {})}) for n, other in rest['state'].items())),
@@ -535,14 +472,14 @@ def _numbered(rest, tensors, order):
 
 
 def consolidate(path, optimizer=True):
-    """The step folder as one process's checkpoint dict in ckpt.pt's format (full tensors in host memory).
-    optimizer=False reads the weights only."""
+    """The step folder as a checkpoint dict in ckpt.pt's format (full tensors in host memory); optimizer=False
+    reads the weights only."""
     values = check_readable(path)
-    index = read_index(path)  # tensors only
-    template = {}
-    for key, meta in index.state_dict_metadata.items():
-        if optimizer or key.startswith('model.'):
-            template[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    template = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in read_index(path).state_dict_metadata.items()
+        if optimizer or key.startswith('model.')
+    }
     if not any(k.startswith('model.') for k in template):
         raise CheckpointError(f"checkpoint {path} holds no weights; restore a backup or train from scratch")
     _load(template, path)

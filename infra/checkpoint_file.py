@@ -1,9 +1,8 @@
 """
-The 'file' checkpoint format, out_dir/ckpt.pt, and what both formats share: the errors, the weights_only
-read, the finiteness vote and the RNG states. A checkpoint is one torch.save'd dict: each object's
-state_dict() (model, optimizer, cycler, scaler), plain values (data position, model_args, iter_num,
-best_val_loss, config), world_size and every rank's RNG. It is never written non-finite, reaches disk
-(fsync) before it atomically replaces the previous one, and is read with weights_only=True.
+The 'file' checkpoint format, out_dir/ckpt.pt, and what both formats share: the errors, the weights_only read,
+the finiteness vote and the RNG states. A checkpoint is one torch.save'd dict: each object's state_dict(), plain
+values (iter_num, config, ...), world_size and every rank's RNG; never written non-finite, synced before it
+atomically replaces the previous one.
 """
 
 import contextlib
@@ -31,25 +30,31 @@ def read(path, map_location='cpu', mmap=False):
         raise CheckpointError(
             f"no checkpoint at {path}; train one first: python train.py --out_dir={os.path.dirname(path) or '.'}"
         )
-    if mmap and not zipfile.is_zipfile(path):  # not torch.save's format (nothing to map): torch's error names it
-        mmap = False
+    mmap = mmap and zipfile.is_zipfile(path)  # not torch.save's format (nothing to map): torch's error names it
     if mmap:  # a mapped read trusts the records' headers it skips: damaged ones would map other bytes
         with open(path, 'rb') as f:
             check_archive(f, path)
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:
-        raise CheckpointError(
-            f"cannot read checkpoint {path} ({type(e).__name__}: {first_sentence(e)}); it is "
-            f"corrupt, truncated or from another program: restore a backup or train from "
-            f"scratch"
-        ) from None
+        raise unreadable(path, e) from None
+
+
+def unreadable(path, e):
+    reason = first_sentence(e)
+    return CheckpointError(
+        f"cannot read checkpoint {path} ({type(e).__name__}{': ' + reason if reason else ''}); it is corrupt, "
+        f"truncated or from another program: restore a backup or train from scratch"
+    )
+
+
+def first_line(e):
+    return (str(e).strip().splitlines() or [''])[0][:200]
 
 
 def first_sentence(e):
-    """An exception's first sentence: torch's messages run to several (advice to switch weights_only off, which we
-    must not follow); the first names the problem."""
-    return (str(e).strip().splitlines() or [''])[0].split('. ')[0].rstrip('.')[:200]
+    """torch's messages run to several sentences (advice to switch weights_only off, which we must not follow)."""
+    return first_line(e).split('. ')[0].rstrip('.')
 
 
 class _Slice(io.RawIOBase):
@@ -68,9 +73,6 @@ class _Slice(io.RawIOBase):
         self.pos = max(0, (0, self.pos, self.size)[whence] + pos)
         return self.pos
 
-    def tell(self):
-        return self.pos
-
     def readinto(self, b):
         self.f.seek(self.start + self.pos)
         n = self.f.readinto(memoryview(b)[: max(0, self.size - self.pos)])
@@ -80,8 +82,8 @@ class _Slice(io.RawIOBase):
 
 def check_archive(f, name, start=0, size=None):
     """A CheckpointError naming `name` when the torch.save archive at bytes [start, start + size) of the open file f
-    is damaged where a read looks before the tensors' bytes: its directory, each record's header, and the small
-    records it unpickles (read whole, their CRC checked). Cheap: no tensor's bytes are read."""
+    is damaged: its directory, each record's header, and the small records it unpickles (their CRC checked). Reads
+    no tensor's bytes."""
     where = '' if size is None else f" (the record at byte {start})"
     size = os.fstat(f.fileno()).st_size - start if size is None else size
     try:
@@ -96,6 +98,15 @@ def check_archive(f, name, start=0, size=None):
         ) from None
 
 
+def fsync(path):
+    """Flush the file (or a folder's entries) at `path` to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path):
     """Yield a hidden temporary path next to ``path`` (the pid keeps parallel writers apart); on success it
@@ -104,8 +115,7 @@ def atomic_path(path: Path):
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield tmp
-        with open(tmp, 'rb+') as f:  # on disk before it replaces the old file: a power cut leaves one of the two
-            os.fsync(f.fileno())
+        fsync(tmp)  # on disk before it replaces the old file: a power cut leaves one of the two
         os.replace(tmp, path)
     except BaseException:
         if tmp.exists():
@@ -120,8 +130,9 @@ def gather_rng(ranks, device_type):
     )
 
 
-def all_finite(model, optimizer):
-    """Whether every weight and every optimizer-state tensor of this rank (its shards) is finite."""
+def check_finite(ranks, model, optimizer):
+    """Raise NonFiniteState on every rank alike (a vote: a collective) when any rank's weights or optimizer
+    state (its shards) hold inf or NaN."""
     tensors = list(model.parameters())
     # through state_dict(): its hooks wait for asynchronous copies of the state (optimizer_offload)
     tensors += [
@@ -130,13 +141,8 @@ def all_finite(model, optimizer):
         for t in state.values()
         if torch.is_tensor(t) and t.is_floating_point()
     ]
-    return all(bool(torch.isfinite(t.to_local() if hasattr(t, 'to_local') else t).all()) for t in tensors)
-
-
-def check_finite(ranks, model, optimizer):
-    """Raise NonFiniteState on every rank alike (a vote: a collective) when any rank's weights or optimizer
-    state hold inf or NaN."""
-    if ranks.any(not all_finite(model, optimizer)):
+    finite = all(bool(torch.isfinite(t.to_local() if hasattr(t, 'to_local') else t).all()) for t in tensors)
+    if ranks.any(not finite):
         raise NonFiniteState("the weights or optimizer state hold inf or NaN; no checkpoint was written")
 
 
@@ -160,15 +166,13 @@ def save(path, ranks, objects, values, fsdp=False, device_type='cpu'):
     record, ours = write_record(path), False
     try:
         with atomic_path(Path(path)) as tmp_path:
-            try:  # names the temporary file, for the next run if this one is killed
-                with open(record, 'x') as f:  # never over a record no save wrote (check_out_dir left it)
-                    ours = True
-                    f.write(tmp_path.name)
-            except FileExistsError:
-                pass
+            # names the temporary file, for the next run if this one is killed; never over a record no save wrote
+            with contextlib.suppress(FileExistsError), open(record, 'x') as f:
+                ours = True
+                f.write(tmp_path.name)
             torch.save(checkpoint, tmp_path)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError of its zip writer
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:200]
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
         raise CheckpointError(
             f"cannot write {path} ({reason}); the previous checkpoint is intact: free "
             f"space or choose another --out_dir, then resume"
@@ -186,20 +190,17 @@ def write_record(path):
 
 def remove_interrupted_write(path):
     """Remove the temporary file a killed save of `path` left, found through the record that save wrote
-    (write_record), never by its name alone: a file this code did not write is left. Returns its name or None."""
+    (write_record), never by its name alone: a file this code did not write is left."""
     record = write_record(path)
     if not os.path.isfile(record):
-        return None
+        return
     with open(record, errors='replace') as f:
         name = f.read().strip()
     # only a record in the form a save writes, naming atomic_path's form in the same folder, is ours
-    if not re.fullmatch(rf'\.{re.escape(os.path.basename(path))}\.tmp-\d+', name):
-        return None
-    tmp = os.path.join(os.path.dirname(path), name)
-    if os.path.isfile(tmp):
-        os.remove(tmp)
-    os.remove(record)
-    return name
+    if re.fullmatch(rf'\.{re.escape(os.path.basename(path))}\.tmp-\d+', name):
+        if os.path.isfile(os.path.join(os.path.dirname(path), name)):
+            os.remove(os.path.join(os.path.dirname(path), name))
+        os.remove(record)
 
 
 def load_state(checkpoint, objects, fsdp=False):
