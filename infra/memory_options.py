@@ -1,8 +1,7 @@
 """
 The model's memory options (apply: activation checkpointing, activation offload, chunked loss), its regional
-compilation (compile_blocks) and the CUDA allocator's setting. None changes a parameter, a module name, the
-state_dict or what the model computes (up to the order of sums in the chunked loss); each trades compute, or
-copies to host memory, for device memory of the training step (docs/memory.md).
+compilation (compile_blocks) and the CUDA allocator's setting. None changes a parameter name, the state_dict or
+what the model computes (up to the order of sums in the chunked loss) (docs/memory.md).
 """
 
 import os
@@ -17,14 +16,12 @@ from torch.utils.checkpoint import checkpoint
 
 from configurator import at_least, check_rule
 
-# train_config.py checks a config with it
 RULES = {'loss_chunk': at_least(0, '>= 0 tokens (0: the whole micro-batch at once)')}
 
 
 def apply(model, activation_checkpointing=False, checkpoint_sublayers=False, activation_offload=False, loss_chunk=0):
-    """Set the memory options of a Transformer, replacing any earlier choice (a resume may flip them); returns
-    the model. Each option shadows one method (every block's forward, the model's forward, its head_loss) by an
-    instance attribute, so the state_dict stays as it is and DDP, FSDP2 and torch.compile wrap an ordinary module."""
+    """Set the memory options of a Transformer, replacing any earlier choice; returns the model. Each shadows one
+    method (a block's forward, the model's forward, head_loss) by an instance attribute: the module stays ordinary."""
     check_rule('loss_chunk', loss_chunk, RULES['loss_chunk'])
     for block in model.blocks:
         _shadow(
@@ -44,12 +41,9 @@ def apply(model, activation_checkpointing=False, checkpoint_sublayers=False, act
 
 
 def compile_blocks(model, *, per_tensor=False, **kwargs):
-    """compile=True: every block compiled on its own (regional compilation); kwargs go to torch.compile. Returns
-    the model. Call after apply and FSDP's sharding. torch.compile compiles a graph per requires_grad pattern
-    and runs eagerly after recompile_limit (8) of them: a whole-model compile meets a new one at every switch,
-    a block only two (trainable or frozen). per_tensor (tensor methods, where a block would see 2^(its tensors)
-    patterns): the modules that hold parameters run eagerly and the graphs hold the parameter-free computation
-    between them, whose inputs are activations. nn.Module.compile keeps parameter names free of '_orig_mod.'."""
+    """compile=True: each block compiled on its own (kwargs go to torch.compile), after apply and FSDP; returns
+    the model. A graph per requires_grad pattern: a block meets two, a whole model one per switch. per_tensor
+    (2^tensors patterns): modules that hold parameters run eagerly, the graphs hold what lies between them."""
     for block in model.blocks:
         if per_tensor:
             for module in block.modules():
@@ -64,9 +58,8 @@ ALLOCATOR_SETTING = 'expandable_segments:True'
 
 
 def cuda_allocator(environ=os.environ):
-    """Expandable segments for the CUDA caching allocator, unless the user configured it, so memory freed at a
-    switch or between micro-batches is reused whatever the sizes. Call before CUDA's first allocation, which
-    reads the setting. Returns the log's line."""
+    """Expandable segments for the CUDA allocator (memory freed at a switch is reused whatever the sizes) unless
+    the user set one; before CUDA's first allocation. Returns the log's line."""
     for name in ('PYTORCH_CUDA_ALLOC_CONF', 'PYTORCH_ALLOC_CONF'):
         if environ.get(name):
             return f"CUDA allocator: {name}={environ[name]} (set by you)"
@@ -82,9 +75,8 @@ def _shadow(module, name, method):
 
 
 def checkpointed_forward(block, sublayers, x, rope=None):
-    """The block's forward with its activations recomputed in the backward (only its input is kept).
-    sublayers: attention and MLP apart, so the backward holds half a block's activations at a time and keeps
-    the input of each half. Evaluation and generation (block.eval()) run the plain forward."""
+    """The block's forward, its activations recomputed in the backward. sublayers: attention and MLP apart (half a
+    block's activations at a time). block.eval() runs the plain forward."""
     if not block.training:
         return type(block).forward(block, x, rope)
     if sublayers:
@@ -94,15 +86,13 @@ def checkpointed_forward(block, sublayers, x, rope=None):
 
 
 def offloaded_forward(model, idx, targets=None):
-    """The model's forward with the tensors saved for the backward in host memory (OffloadActivations);
-    a forward without grad saves none."""
+    """The model's forward with the tensors saved for the backward in host memory (OffloadActivations)."""
     with OffloadActivations() if torch.is_grad_enabled() else nullcontext():
         return type(model).forward(model, idx, targets)
 
 
 def chunked_head_loss(model, chunk, x, targets):
-    """The model's head_loss `chunk` tokens at a time (ChunkedLinearCE): the (tokens x vocab) logits
-    never exist all at once; each chunk's are recomputed in the backward."""
+    """The model's head_loss `chunk` tokens at a time (ChunkedLinearCE)."""
     x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
     if chunk >= x.size(0):
         return type(model).head_loss(model, x, targets)
@@ -113,12 +103,10 @@ VOCAB_SLICES = 8  # a low-precision head's dW is summed in fp32 an eighth of the
 
 
 class ChunkedLinearCE(torch.autograd.Function):
-    """F.cross_entropy(F.linear(x, weight), targets, ignore_index=-1), `chunk` rows of x at a time, so that at
-    most one chunk of (chunk x vocab) logits exists. The backward recomputes each chunk's logits, turns them
-    into their gradient in place and adds its dx and dW into one buffer each (torch.utils.checkpoint per chunk
-    would sum one weight-sized gradient per chunk). dW is summed in fp32 and rounded once: a low-precision
-    weight that trains goes over the vocabulary in VOCAB_SLICES slices, each summed in an fp32 buffer of its
-    size, its share of the softmax taken from each token's log-sum-exp (saved by the forward)."""
+    """F.cross_entropy(F.linear(x, weight), targets, ignore_index=-1), `chunk` rows of x at a time: one chunk's
+    logits exist at most. The backward recomputes each chunk's logits, turns them into their gradient in place
+    and adds into one dx and one dW. A low-precision dW is summed in fp32 over VOCAB_SLICES vocabulary slices
+    (the softmax from each token's saved log-sum-exp) and rounded once."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, chunk):
@@ -208,8 +196,7 @@ _WEIGHT_VIEWS = {
 
 
 def is_weight(t):
-    """A parameter, a view of one, or (autocast) a cast of a trainable one: it outlives the backward anyway,
-    so offloading it would only copy every weight to the host and back each micro-batch."""
+    """A parameter, a view of one, or (autocast) a cast of a trainable one: it outlives the backward anyway."""
     if isinstance(t._base if t._base is not None else t, nn.Parameter):
         return True
     fn = t.grad_fn
@@ -233,8 +220,7 @@ OFFLOAD_COPIES = {}  # device type -> (to_host, to_device), where not the ones a
 
 @contextmanager
 def offload_copies(device_type, to_host, to_device):
-    """While it is on, OffloadActivations copies tensors of `device_type` with these two functions (the meta
-    device has no data to copy: memory_estimate.offload_on_meta counts the copies there instead)."""
+    """While on, OffloadActivations copies tensors of `device_type` with these (meta has no data to copy)."""
     saved = dict(OFFLOAD_COPIES)
     OFFLOAD_COPIES[device_type] = (to_host, to_device)
     try:
@@ -245,9 +231,8 @@ def offload_copies(device_type, to_host, to_device):
 
 
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
-    """torch.autograd.graph.save_on_cpu less the weights (is_weight) and the duplicates: tensors saved for the
-    backward are copied to host memory (pinned and asynchronous from CUDA) and back when the backward needs
-    them; a view saved twice while its storage lives is copied once (log_softmax's and nll_loss's)."""
+    """torch.autograd.graph.save_on_cpu less the weights (is_weight) and the duplicates: a view saved twice
+    while its storage lives is copied once (log_softmax's and nll_loss's)."""
 
     keep_on = ('cpu',)  # device types whose tensors are in host memory already
 
