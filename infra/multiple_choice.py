@@ -1,8 +1,7 @@
 """
-Multiple choice in HellaSwag's format (one JSON object a line: ctx_a, ctx_b, endings, label, activity_label),
-scored as lm-evaluation-harness scores HellaSwag: each ending, after a space, by the sum of its tokens'
-log-probabilities given the context; acc takes the largest sum, acc_norm the largest sum per character.
-eval.py and train.py's periodic benchmark (eval_mc_path) call the same functions.
+Multiple choice in HellaSwag's jsonl format, scored as lm-evaluation-harness scores HellaSwag: each ending, after
+a space, by the sum of its tokens' log-probabilities given the context; acc takes the largest sum, acc_norm the
+largest per character. For eval.py and train.py's eval_mc_path.
 """
 
 import json
@@ -15,7 +14,7 @@ from tqdm.auto import tqdm
 
 
 class EvalError(ValueError):
-    """Bad input; the message is one line and says what to do."""
+    """Bad input; the message says what to do."""
 
 
 def preprocess(text):
@@ -58,8 +57,8 @@ def mc_example(doc, where):
 
 
 def read_mc(path, limit=0, encode=None):
-    """The examples of a HellaSwag jsonl file, the first `limit` when limit > 0, or an EvalError naming the
-    file and line. encode: every text must encode (train.py refuses it at the start, not at an evaluation)."""
+    """The first `limit` (all: 0) examples of a HellaSwag jsonl file, or an EvalError naming the file and line.
+    encode: every text must encode (train.py refuses it at the start, not at an evaluation)."""
     try:
         with open(path, encoding='utf-8') as f:
             lines = f.readlines()
@@ -90,17 +89,16 @@ def read_mc(path, limit=0, encode=None):
 
 
 def encode_pair(encode, context, continuation):
-    """(context ids, continuation ids) as lm-evaluation-harness splits them: what follows the context's own
-    encoding in the whole text's."""
+    """(context ids, continuation ids): what follows the context's encoding in the whole text's, as
+    lm-evaluation-harness splits them."""
     whole, ctx = encode(context + continuation), encode(context)
     return ctx, whole[len(ctx) :]
 
 
 @torch.no_grad()
 def continuation_logprobs(model, requests, device='cpu', autocast=nullcontext(), batch_size=16, progress=False):
-    """Each (context ids, continuation ids) request's sum of continuation log-probabilities, in float64; a
-    request longer than block_size + 1 tokens loses tokens on the left, as lm-evaluation-harness truncates.
-    The head runs on the continuations' positions only. progress: a bar on stderr."""
+    """Each (context ids, continuation ids) request's sum of continuation log-probabilities, in float64; one
+    longer than block_size + 1 tokens loses tokens on the left, as lm-evaluation-harness truncates."""
     block_size = model.config.block_size
     sums = []
     for i in tqdm(range(0, len(requests), batch_size), desc='scoring choices', unit='batch', disable=not progress):
@@ -119,15 +117,14 @@ def continuation_logprobs(model, requests, device='cpu', autocast=nullcontext(),
             logits = model.lm_head(model.hidden_states(x)[scored])
         logprobs = F.log_softmax(logits.float(), dim=-1).gather(1, y[scored][:, None])[:, 0]
         row_of = torch.arange(len(rows), device=device)[:, None].expand(-1, T)[scored]
-        sums += (
-            torch.zeros(len(rows), dtype=torch.float64, device=device).index_add_(0, row_of, logprobs.double()).tolist()
-        )
+        totals = torch.zeros(len(rows), dtype=torch.float64, device=device)
+        sums += totals.index_add_(0, row_of, logprobs.double()).tolist()
     return sums
 
 
 def mc_accuracy(model, examples, encode, device='cpu', autocast=nullcontext(), batch_size=16, progress=False):
     """{'acc', 'acc_norm', 'n'} of a model on read_mc() examples; the first of equal scores wins. encode: text
-    -> ids (an EvalError for text it cannot encode). The model is put in eval mode and back."""
+    -> ids (a ValueError for text it cannot encode)."""
     requests, spans = [], []
     for number, ex in enumerate(examples):
         try:
