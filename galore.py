@@ -1,31 +1,23 @@
 """
 GaLore and GoLore: AdamW whose moments live in a low-rank subspace of each matrix's gradient.
 
-GaLore (Zhao et al., 2024) projects the gradient G (m x n) onto r directions of its SVD, runs Adam on the
-projection and maps the normalised update back, times `scale`; the subspace is refreshed every
-`update_proj_gap` steps of the parameter (counted before the step's increment), from that step's gradient.
-GoLore (He et al., 2024) draws the refreshed subspace at random (uniform on the Stiefel manifold).
-Written here rather than `pip install galore-torch`: that package pulls in transformers and bitsandbytes and
-keeps a Python object in the optimizer state, which torch.save(weights_only=True) cannot hold.
-
-As the references (jiaweizzhao/GaLore galore_torch/, pkumelon/Golore golore_torch/ and GoLore.py):
-- projection on the smaller side: R = G Q (Q: n x r) for m >= n, else R = P^T G (P: m x r);
-- GaLore keeps Adam's moments and step count when the subspace changes; GoLore uses SVD while the step is
-  below `svd_steps` (their rand_epoch), random after, and at every refresh after the first re-expresses the
-  first moment in the new basis (P_new^T P_old exp_avg, or exp_avg Q_old^T Q_new), the second kept;
-- their AdamW arithmetic op for op (galore_adamw_step_): eps added to the uncorrected sqrt(v), both bias
-  corrections in the step size, weight decay after the update. convention='torch' runs optim.adamw_step_
-  instead, so a group without `rank` is bitwise torch.optim.AdamW(foreach=False).
-Different on purpose:
-- svd_steps defaults to 0 (random from the first refresh, the algorithm GoLore's paper analyses); the
-  reference scripts' setting is ceil(0.8 * total steps);
-- the re-projected first moment is stored (golore_torch/adamw.py keeps it for one step only, GoLore.py
-  stores it), with the r x r change of basis formed first (no m x n temporary);
+GaLore (Zhao et al., 2024) projects the gradient G (m x n) on the smaller side onto r directions of its SVD
+(R = G Q for m >= n, else P^T G), runs Adam on R and maps the normalised update back, times `scale`; the
+subspace is refreshed every `update_proj_gap` steps of the parameter (counted before the step), from that
+step's gradient, keeping the moments and step count. GoLore (He et al., 2024) draws it at random (uniform on
+the Stiefel manifold) from step `svd_steps` on, and at each refresh re-expresses the first moment in the new
+basis (the second is kept). The arithmetic is the references' (jiaweizzhao/GaLore, pkumelon/Golore;
+docs/methods.md), or torch.optim.AdamW's with convention='torch'. Not `pip install galore-torch`: it pulls in
+transformers and bitsandbytes, and keeps a Python object in the optimizer state, which
+torch.save(weights_only=True) cannot hold. Different from the references on purpose:
+- svd_steps defaults to 0 (random from the first refresh, as GoLore's paper analyses; the reference scripts
+  use ceil(0.8 * total steps));
+- the re-projected first moment is stored (as GoLore.py, not golore_torch/adamw.py), the r x r change of
+  basis formed first (no m x n temporary);
 - the random basis is Q of a Gaussian's QR (signs fixed: Haar) from a CPU generator seeded with (seed,
-  parameter index, step), so resumed runs and any device draw the same, and the global RNG is untouched;
-- the projector is a tensor in state['projector'] (saved by state_dict(); memory_estimate.memory_bytes
-  leaves it out of the optimizer state, as the papers count, and projector_bytes counts it);
-- master=True (precision='bf16_master'): fp32 masters as optim.MasterAdamW's (optim.MasterWeights).
+  parameter index, step): resumes and every device draw the same, the global RNG untouched;
+- the projector is a tensor in state['projector'], saved by state_dict() (memory_estimate counts it apart);
+- master=True (precision='bf16_master'): fp32 masters as optim.MasterAdamW's.
 """
 
 import math
@@ -37,6 +29,7 @@ from configurator import above, at_least, check_rule
 from optim import MasterWeights, adamw_step_, check_adamw_settings, param_groups
 
 PROJECTIONS = ('svd', 'random')
+GROUP_DEFAULTS = {'update_proj_gap': 200, 'scale': 0.25, 'projection': 'svd', 'svd_steps': 0}  # a projected group's
 CONVENTIONS = ('galore', 'torch')  # whose AdamW arithmetic: the references' or torch.optim.AdamW's
 
 # the rule of each train.py key a projected group reads (train_config.py checks a whole config with them)
@@ -44,8 +37,8 @@ RULES = {'galore_rank': at_least(1), 'galore_update_proj_gap': at_least(1), 'gal
 
 
 def galore_adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, back=None, scale=1.0):
-    """One AdamW step in place with galore_torch/adamw.py's arithmetic, op for op, and optim.adamw_step_'s
-    arguments: `back` maps the normalised low-rank update to param's shape."""
+    """optim.adamw_step_ with galore_torch/adamw.py's arithmetic, op for op: eps on the uncorrected root, both
+    bias corrections in the step size, weight decay after the update."""
     beta1, beta2 = betas
     exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
@@ -62,12 +55,10 @@ def galore_adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, w
 class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
     """AdamW; 2-D parameters in a group with `rank` get GaLore/GoLore projected moments.
 
-    A projected group may carry rank, update_proj_gap (default 200), scale (default 0.25), projection
-    ('svd': GaLore, 'random': GoLore) and svd_steps (default 0). Parameters without a grad are skipped.
-    master=True: fp32 masters, moments and projector computed from the widened grad (master_device,
-    host_scope: as MasterAdamW's); False: the update acts on the parameter, state in the grad's dtype.
-    convention: 'galore' (galore_adamw_step_) or 'torch' (optim.adamw_step_), for every group.
-    """
+    A projected group may carry rank and the keys of GROUP_DEFAULTS (projection 'svd': GaLore, 'random':
+    GoLore). master=True: fp32 masters, moments and projector from the widened grad (master_device, host_scope:
+    as MasterAdamW's); False: state in the grad's dtype. convention: 'galore' (galore_adamw_step_) or 'torch'
+    (optim.adamw_step_, bitwise torch.optim.AdamW(foreach=False) for a group without `rank`)."""
 
     def __init__(
         self,
@@ -95,10 +86,8 @@ class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
 
     def add_param_group(self, group):
         if 'rank' in group:
-            group.setdefault('update_proj_gap', 200)
-            group.setdefault('scale', 0.25)
-            group.setdefault('projection', 'svd')
-            group.setdefault('svd_steps', 0)
+            for key, value in GROUP_DEFAULTS.items():
+                group.setdefault(key, value)
             for key in ('rank', 'update_proj_gap', 'scale'):
                 check_rule(f'galore_{key}', group[key], RULES[f'galore_{key}'])
             if group['projection'] not in PROJECTIONS:
@@ -176,19 +165,9 @@ class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
         back = None
         if projected:  # the normalised low-rank update, mapped back to the matrix
             back = (lambda u: u @ proj.T) if right else (lambda u: proj @ u)
-        self.adamw_step_(
-            target,
-            grad,
-            state['exp_avg'],
-            state['exp_avg_sq'],
-            step,
-            group['lr'],
-            group['betas'],
-            group['eps'],
-            group['weight_decay'],
-            back=back,
-            scale=group.get('scale', 1.0),
-        )
+        settings = (group['lr'], group['betas'], group['eps'], group['weight_decay'])
+        scale = group.get('scale', 1.0)
+        self.adamw_step_(target, grad, state['exp_avg'], state['exp_avg_sq'], step, *settings, back=back, scale=scale)
         return target
 
 
@@ -201,26 +180,12 @@ def projector_bytes(optimizer):
     )
 
 
-def build_optimizer(
-    model,
-    weight_decay,
-    lr,
-    betas,
-    rank=128,
-    update_proj_gap=200,
-    scale=0.25,
-    projection='svd',
-    eps=1e-6,
-    seed=0,
-    svd_steps=0,
-    master=False,
-    master_device=None,
-    convention='galore',
-    host_scope=nullcontext,
-):
+def build_optimizer(model, weight_decay, lr, betas, rank=128, **kwargs):
     """GaLore (projection='svd') or GoLore ('random') on every matrix inside model.blocks, AdamW with
-    optim.param_groups' decay split elsewhere; over all parameters, frozen ones included. GoLore's
-    reference switch at a fraction rand_ratio of training: svd_steps = math.ceil(rand_ratio * total_steps)."""
+    optim.param_groups' decay split elsewhere; over all parameters, frozen ones included. kwargs: GROUP_DEFAULTS'
+    keys for the projected group, GaLoreAdamW's others. GoLore's reference switch at a fraction rand_ratio of
+    training: svd_steps = math.ceil(rand_ratio * total_steps)."""
+    settings = {key: kwargs.pop(key) for key in GROUP_DEFAULTS if key in kwargs}  # the rest: GaLoreAdamW's
     projected = [p for block in model.blocks for p in block.parameters() if p.dim() == 2]
     ids = {id(p) for p in projected}
     groups = []
@@ -229,26 +194,5 @@ def build_optimizer(
         if rest:
             groups.append({**group, 'params': rest})
     if projected:
-        groups.append(
-            {
-                'params': projected,
-                'weight_decay': weight_decay,
-                'rank': rank,
-                'update_proj_gap': update_proj_gap,
-                'scale': scale,
-                'projection': projection,
-                'svd_steps': svd_steps,
-            }
-        )
-    return GaLoreAdamW(
-        groups,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        seed=seed,
-        master=master,
-        master_device=master_device,
-        convention=convention,
-        host_scope=host_scope,
-    )
+        groups.append({'params': projected, 'weight_decay': weight_decay, 'rank': rank, **settings})
+    return GaLoreAdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay, **kwargs)
