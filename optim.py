@@ -1,12 +1,10 @@
 """
-The optimizers of the model's parameters: nanoGPT's decay split (param_groups) and AdamW (adamw); AdamW's
-arithmetic, once (adamw_step_, torch.optim.AdamW's, bitwise); MasterWeights, fp32 master weights of
-low-precision parameters (shared with galore.GaLoreAdamW(master=True)); MasterAdamW, AdamW on those masters.
-
-A master and its moments are made at a parameter's first step with a gradient, so frozen parameters get none
-and omgd's state policies act on them as on torch AdamW's ('drop' restarts from the rounded weight with zero
-moments and step 0). master_device='cpu' keeps masters, moments and the arithmetic on the CPU (ZeRO-Offload
-style); gradients come down and rounded weights go up through HostStaging's reused pinned buffers.
+The optimizers of the model's parameters: nanoGPT's decay split and AdamW; AdamW's arithmetic, once
+(adamw_step_, bitwise torch.optim.AdamW's); MasterAdamW, AdamW on fp32 master weights of low-precision
+parameters (MasterWeights, shared with galore.GaLoreAdamW). A master and its moments are made at a parameter's
+first step with a gradient, so frozen parameters get none ('drop' restarts from the rounded weight).
+master_device='cpu' keeps masters, moments and arithmetic on the CPU (ZeRO-Offload style), the copies going
+through HostStaging's reused pinned buffers.
 """
 
 from contextlib import nullcontext
@@ -22,8 +20,7 @@ FIXED_ON_RESUME = {'optimizer': 'its optimizer state is that optimizer\'s'}
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """nanoGPT's decay split: matrices and embeddings decay, biases and norm weights don't. Every parameter,
-    frozen or not (layer cycling unfreezes them later). A fork's group may carry 'lr_scale': Trainer.step
-    gives it the schedule's rate times that."""
+    frozen or not (layer cycling unfreezes them later). A fork's group may carry 'lr_scale' (Trainer.step)."""
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -46,9 +43,8 @@ def check_adamw_settings(lr, betas, eps, weight_decay):
 
 
 def adamw_foreach_(params, grads, exp_avgs, exp_avg_sqs, steps, lr, betas, eps, weight_decay):
-    """adamw_step_ (without `back`) on lists of tensors, through torch._foreach_* in the same order of
-    operations: bitwise adamw_step_ where foreach runs the per-tensor kernels (foreach_bitwise). CUDA's
-    fused kernels round some products in another order (addcmul: alpha * (t1 * t2) vs (alpha * t1) * t2)."""
+    """adamw_step_ (without `back`) on lists of tensors, in the same order of operations: bitwise where foreach
+    runs the per-tensor kernels (foreach_bitwise); CUDA's fused kernels round some products in another order."""
     beta1, beta2 = betas
     if weight_decay != 0:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
@@ -67,9 +63,9 @@ def foreach_bitwise(device):
 
 
 def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, back=None, scale=1.0):
-    """One AdamW step in place on param, exp_avg and exp_avg_sq; `step` counts this step (1 first). Without
-    `back`, torch.optim.AdamW(foreach=False)'s arithmetic op for op. With `back` (GaLore) grad and moments are
-    projected: the normalised update exp_avg / denom is mapped to param's shape by back(), times `scale`."""
+    """One AdamW step in place, torch.optim.AdamW(foreach=False)'s arithmetic op for op; `step` counts this step
+    (1 first). With `back` (GaLore) grad and moments are projected: back() maps the normalised update exp_avg /
+    denom to param's shape, times `scale`."""
     beta1, beta2 = betas
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
@@ -84,10 +80,9 @@ def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_d
 
 
 class HostStaging:
-    """Host buffers, one per (shape, dtype, slot), kept from step to step, that the copies between CUDA
-    parameters and their CPU masters go through: pinned (asynchronous DMA, allocated once). The CPU reads a
-    buffer after wait() and writes it after the event of its last copy up; copies on one stream keep their
-    order. pin=False (the tests' CPU seam): ordinary host memory."""
+    """Pinned host buffers, one per (shape, dtype, slot), kept from step to step, for the copies between CUDA
+    parameters and their CPU masters. The CPU reads a buffer after wait() and writes it after the event of its
+    last copy up. pin=False (the tests' CPU seam): ordinary host memory."""
 
     def __init__(self, pin=True):
         self.pin = pin
@@ -95,7 +90,7 @@ class HostStaging:
         self.uploads = {}  # (shape, dtype, slot) -> the event recorded after its last copy up (CUDA)
 
     def buffer(self, shape, dtype, slot=0):
-        """The buffer of this (shape, dtype, slot), free for the CPU to write (earlier copies up done)."""
+        """The buffer, free for the CPU to write (earlier copies up done)."""
         key = (tuple(shape), dtype, slot)
         if key not in self.buffers:
             self.buffers[key] = torch.empty(key[0], dtype=dtype, pin_memory=self.pin)
@@ -105,7 +100,7 @@ class HostStaging:
         return self.buffers[key]
 
     def download(self, t, slot=0):
-        """Start copying device tensor `t` into its buffer (asynchronous from CUDA); wait() before reading it."""
+        """Start copying device tensor `t` into its buffer; wait() before reading it."""
         return self.buffer(t.shape, t.dtype, slot).copy_(t, non_blocking=True)
 
     @staticmethod
@@ -122,11 +117,10 @@ class HostStaging:
 
 
 class MasterWeights:
-    """The fp32 master weights of MasterAdamW and GaLoreAdamW(master=True): a mixin for torch.optim.Optimizer
-    subclasses (call _init_master() before Optimizer.__init__). state['master'] is made from the weight at its
-    first step (again after 'drop'), the grad is widened to fp32 where the master lives, the updated master
-    rounded into the parameter. Every state tensor lives on master_home(p). `master` False: torch's loading.
-    """
+    """fp32 master weights, a mixin for torch.optim.Optimizer subclasses (call _init_master() before
+    Optimizer.__init__): state['master'] is made from the weight at its first step (again after 'drop'), the
+    grad widened to fp32 where the master lives, the updated master rounded into the parameter. Every state
+    tensor lives on master_home(p). `master` False: torch's loading."""
 
     master = True
     stage = None  # staging (HostStaging): None for CUDA parameters with CPU masters; True forces it (tests)
@@ -138,8 +132,7 @@ class MasterWeights:
         self.staged = {}  # param -> (its gradient's host buffer, slot), between _stage_grads and _round_into
 
     def master_home(self, p):
-        """Where p's master and moments live: master_device, unless it is None or of p's own device
-        type ('cuda' for a parameter on cuda:1 means cuda:1, so one setting serves every rank)."""
+        """master_device, unless None or of p's own device type ('cuda' for p on cuda:1 means cuda:1)."""
         if self.master_device is None or self.master_device.type == p.device.type:
             return p.device
         return self.master_device
@@ -150,7 +143,6 @@ class MasterWeights:
         return p.is_cuda and self.master_home(p).type == 'cpu' and not self._stages(p)
 
     def _stages(self, p):
-        """Whether p's copies to and from its master go through HostStaging."""
         if self.stage is not None:
             return self.stage
         return p.is_cuda and self.master_home(p).type == 'cpu'
@@ -177,7 +169,6 @@ class MasterWeights:
         return torch.zeros(shape, dtype=torch.float32, device=self.master_home(p), pin_memory=self._pinned(p))
 
     def _master(self, p, state):
-        """state['master'], first made as an fp32 copy of the weight as it is now."""
         if 'master' not in state:  # first step, or the first after 'drop' freed the state
             weight = p.detach()
             if self._stages(p):  # down in the weight's dtype through a buffer of its own (slot -1)
@@ -234,11 +225,10 @@ class MasterAdamW(MasterWeights, torch.optim.Optimizer):
     """AdamW on fp32 master copies of the parameters that train; the parameters keep their dtype.
 
     State per parameter with a gradient: 'master', 'exp_avg', 'exp_avg_sq' (fp32, on master_home(p)) and
-    'step' (an int). master_device: None or the parameters' device type (each parameter's own device), or
-    'cpu'. host_scope: a context manager around the state's allocation and arithmetic (memory_estimate's
-    LiveBytes counts those tensors as host memory). One parameter at a time: one widened gradient exists.
-    foreach=True runs adamw_foreach_ on FOREACH_BYTES of widened gradients at once where it is bitwise (the
-    CPU); off by default: no faster on the CPU, and the gradients held together raise the peak by a quarter.
+    'step' (an int). master_device: None (each parameter's own device) or 'cpu'. host_scope: a context manager
+    around the state's allocation and arithmetic (memory_estimate counts those tensors as host memory).
+    foreach=True runs adamw_foreach_ on FOREACH_BYTES of widened gradients at once where it is bitwise; off by
+    default: no faster on the CPU, and the gradients held together raise the peak by a quarter.
     """
 
     FOREACH_BYTES = 256 * 2**20

@@ -42,8 +42,8 @@ class RunError(Exception):
 
 @contextlib.contextmanager
 def refused(*errors, prefix='', then=None):
-    """`errors` raised inside are the user's to fix (their message says how): a RunError, not a traceback.
-    then(): what the failed run leaves behind, added to the message."""
+    """`errors` raised inside are the user's to fix: a RunError, not a traceback. then(): what the failed run
+    leaves behind, added to the message."""
     try:
         yield
     except errors as e:
@@ -202,12 +202,12 @@ def train(cfg, given_keys, ranks, device, checkpointer):
 
 
 # -----------------------------------------------------------------------------
-# the setup's steps and the loop's evaluation and log, in the order train() calls them
+# the setup's steps and the loop's evaluation, in the order train() calls them
 
 
 def open_data(cfg, ranks):
-    """(training batches, {split: evaluation batches}, the multiple-choice benchmark (examples, encode)
-    or None). The embedded Shakespeare corpora are prepared on first use, anything else must exist."""
+    """(training batches, {split: evaluation batches}, the multiple-choice benchmark (examples, encode) or None).
+    The embedded Shakespeare corpora are prepared on first use, anything else must exist."""
     if ranks.master:
         prepare_if_embedded(cfg['dataset'])
     if ranks.enabled:
@@ -222,7 +222,7 @@ def open_data(cfg, ranks):
             ranks.rank,
             ranks.world_size,
         )
-    mc = None  # eval_mc_path: the multiple-choice benchmark of every evaluation
+    mc = None
     if cfg['eval_mc_path']:
         with refused(ValueError, RuntimeError, OSError, prefix='eval_mc_path: '):
             encode = Tokenizer.from_meta(read_meta(data_dir(cfg['dataset']))).encode
@@ -231,8 +231,8 @@ def open_data(cfg, ranks):
 
 
 def initial_model(cfg, checkpointer, ranks, device, fsdp):
-    """The model the run starts from: out_dir's checkpoint's, a new one (builder.py), or a pretrained
-    GPT-2 / Hugging Face directory (hf.py); cropped to the config's block_size."""
+    """The model the run starts from: out_dir's checkpoint's, a new one, or a pretrained GPT-2 / Hugging Face
+    directory (hf.py); cropped to the config's block_size."""
     vocab_size = cfg['vocab_size']
     if not vocab_size:
         vocab_size = dataset_vocab(cfg['dataset'])
@@ -263,8 +263,8 @@ def initial_model(cfg, checkpointer, ranks, device, fsdp):
 
 
 def build_trainer(cfg, raw_model, ranks, device, fsdp, train_batches, iter_num):
-    """The run's Trainer (trainer.py) over what the one builder (builder.py) builds: memory options,
-    precision, device, the optimizer over ALL parameters, the cycler."""
+    """The run's Trainer over builder.build's model (memory options, precision, device), optimizer over ALL
+    parameters, and cycler."""
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
     # FSDP2, before the optimizer and the cycler (they must see the sharded parameters); gathered in amp's dtype
     amp_dtype = train_config.PTDTYPES[cfg['dtype']] if cfg['precision'] == 'amp' else torch.float32
@@ -298,8 +298,8 @@ def build_trainer(cfg, raw_model, ranks, device, fsdp, train_batches, iter_num):
 
 
 def evaluate(cfg, trainer, eval_batches, mc, ranks, device, metrics):
-    """{split: loss} of the evaluation of this iteration, averaged over ranks; rank 0 logs and records it
-    (with the multiple-choice scores of eval_mc_path)."""
+    """{split: loss} of this iteration, averaged over ranks; rank 0 logs and records it (with eval_mc_path's
+    multiple-choice scores)."""
     losses = trainer.evaluate(eval_batches, cfg['eval_iters'], ranks, device)
     scores = {}
     if mc is not None:  # every rank alike: the same weights, the same scores
@@ -310,8 +310,7 @@ def evaluate(cfg, trainer, eval_batches, mc, ranks, device, metrics):
 
 
 def run_warnings(cfg, checkpointer):
-    """The log's warnings: train_config's on the config, and what a resume at or past max_iters does (the loop's
-    first pass evaluates, then the run ends: no step, no save, and the end's sample)."""
+    """The log's warnings: train_config's, and what a resume at or past max_iters does (evaluates, then ends)."""
     lines = train_config.warnings(cfg)
     at, max_iters = checkpointer.iter_num, cfg['max_iters']
     if checkpointer.init_from == 'resume' and at >= max_iters and not cfg['eval_only']:
@@ -328,7 +327,7 @@ def run_warnings(cfg, checkpointer):
 
 
 def check_finite(losses, iter_num, checkpointer):
-    """Stop at a loss that is not finite (the values are all-reduced, so every rank stops here alike)."""
+    """Stop at a loss that is not finite (all-reduced values: every rank stops here alike)."""
     for split, value in losses.items():
         if not math.isfinite(value):
             raise RunError(
@@ -338,7 +337,7 @@ def check_finite(losses, iter_num, checkpointer):
 
 
 def sample(cfg, raw_model, autocast, device, master):
-    """A sample of the trained model at the end of the run (rank 0 prints it)."""
+    """A sample of the trained model (rank 0 prints it)."""
     with refused(ValueError):
         tokenizer = Tokenizer.from_meta(read_meta(data_dir(cfg['dataset'])))
     start = torch.tensor([tokenizer.encode('\n', special=True)], dtype=torch.long, device=device)
@@ -351,9 +350,8 @@ def sample(cfg, raw_model, autocast, device, master):
 
 class StopRequest:
     """SIGTERM (a cluster, or torchrun forwarding its own), Ctrl-C, SIGHUP: finish the iteration, then all ranks
-    save and stop together. A signal may reach only some ranks, so every iteration starts with `agreed()`, an
-    all_reduce(MAX) of the flag. torchrun kills the workers 30 s after forwarding a signal, so a stop saves at
-    once and skips the evaluation."""
+    save and stop together. A signal may reach only some ranks: every iteration starts with `agreed()`, an
+    all_reduce(MAX) of the flag. torchrun kills the workers 30 s after a signal: a stop saves at once."""
 
     def __init__(self):
         self.requested = False
@@ -363,7 +361,7 @@ class StopRequest:
         }
 
     def release(self):
-        """Put back the handlers there were before: after the loop a signal stops the process at once."""
+        """Put back the previous handlers: after the loop a signal stops the process at once."""
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 

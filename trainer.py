@@ -1,8 +1,6 @@
 """
 Trainer, the owner of one training iteration (train.py, the benchmarks and the experiments step the same
-one), and what an iteration needs around it: the learning rate (get_lr), autocast and the loss scaler.
-One iteration: Trainer.step -> omgd.Cycler (switch, optimizer state, gradient scale) -> the model's forward
-and backward, the next batch. Reporting is infra/metrics.py's, DDP/FSDP infra/distributed.py's.
+one), and what it needs around it: the learning rate (get_lr), autocast and the loss scaler.
 """
 
 import math
@@ -26,15 +24,14 @@ def get_lr(it, cfg):
 
 
 def autocast_context(cfg, device_type):
-    """'amp' on CUDA: autocast in cfg['dtype']. CPU, meta (bench_memory emulates CUDA), the bf16 precisions: none."""
+    """'amp' on CUDA: autocast in cfg['dtype']; else (CPU, meta, the bf16 precisions) none."""
     if cfg['precision'] != 'amp' or device_type != 'cuda' or cfg['dtype'] == 'float32':
         return nullcontext()
     return torch.amp.autocast(device_type=device_type, dtype=PTDTYPES[cfg['dtype']])
 
 
 def grad_scaler(cfg, device_type):
-    """nanoGPT's loss scaling for float16 autocast, a no-op otherwise (on the CPU, where tests run it, it
-    scales by a power of two and back)."""
+    """nanoGPT's loss scaling for float16 autocast, a no-op otherwise."""
     enabled = cfg['precision'] == 'amp' and cfg['dtype'] == 'float16' and device_type != 'meta'  # meta: shapes only
     return torch.amp.GradScaler(device_type, enabled=enabled)
 
@@ -42,12 +39,11 @@ def grad_scaler(cfg, device_type):
 class Trainer:
     """One run's iteration and everything it touches.
 
-    batches: an iterator of (x, y, position) micro-batches (dataloader.TokenBatches.iterate; position None
-    for random ones), fetched one ahead. parallel: distributed.ParallelModel (DDP/FSDP), or None.
-    grad_accum: micro-steps of this rank per iteration (default: the config's). iter_num: the iteration
-    the next step runs. autocast, backward: replace the config's autocast and loss.backward() (the meta
-    device). observer: an object with after_switch(trainer, switched) and/or before_zero_grad(trainer),
-    called inside each step (--ddp_check, the experiments' probes).
+    batches: an iterator of (x, y, position) micro-batches (position None for random ones), fetched one ahead.
+    parallel: distributed.ParallelModel (DDP/FSDP), or None. grad_accum: micro-steps of this rank per iteration.
+    iter_num: the iteration the next step runs. autocast, backward: replace the config's autocast and
+    loss.backward() (the meta device). observer: an object with after_switch(trainer, switched) and/or
+    before_zero_grad(trainer), called inside each step (--ddp_check, the experiments' probes).
     """
 
     def __init__(
@@ -75,7 +71,7 @@ class Trainer:
 
     @property
     def data_position(self):
-        """Where the training data continues (what a checkpoint stores): the batch fetched for the next step."""
+        """Where the training data continues (what a checkpoint stores)."""
         return self.batch[2] if self.batch is not None else None
 
     def next_batch(self):
@@ -83,10 +79,8 @@ class Trainer:
         return x, y
 
     def step(self, iter_num=None, micro_steps=None):
-        """Iteration `iter_num`: learning rate, switch, prefetch, DDP rebuild, then train_step.
-        Returns (the loss as a detached tensor, whether the cycler switched).
-        iter_num: run this iteration rather than the next (the benchmarks jump to switches);
-        micro_steps: this many micro-batches rather than grad_accum (the memory estimate's few)."""
+        """Iteration `iter_num` (default: the next): learning rate, switch, prefetch, DDP rebuild, train_step.
+        Returns (the detached loss, whether the cycler switched). micro_steps: instead of grad_accum."""
         it = self.iter_num if iter_num is None else iter_num
         lr = get_lr(it, self.cfg)
         for group in self.optimizer.param_groups:  # a group's own lr_scale (optim.py) scales the schedule's rate
@@ -108,8 +102,7 @@ class Trainer:
     def train_step(self, model, sync=None, micro_steps=None):
         """One optimizer step over grad_accum (or micro_steps) micro-batches; returns the last one's loss
         (detached, not synced). The next micro-batch is fetched right after each forward, while the GPU computes.
-        The OMGD scale goes once, before or after clipping (omgd_scale_after_clip: the paper's code clips first).
-        sync(last): the DDP/FSDP gradient sync, on the last micro-step only."""
+        The OMGD scale goes before or after clipping (omgd_scale_after_clip: the paper's code clips first)."""
         grad_accum, scaler = micro_steps or self.grad_accum, self.scaler
         grad_clip, scale_after_clip = self.cfg['grad_clip'], self.cfg['omgd_scale_after_clip']
         if self.batch is None:
@@ -158,8 +151,8 @@ class Trainer:
         return out
 
     def values(self):
-        """What an iteration's log line and record report beside its loss: the learning rate as applied, `lr`
-        when every group applied the same, else `lr_g<i>` of each group i. A fork's own figure goes here too."""
+        """What the log line and record report beside the loss: `lr` as applied (`lr_g<i>` per group when they
+        differ). A fork's own figure goes here too."""
         rates = [group['lr'] for group in self.optimizer.param_groups]
         if len(set(rates)) == 1:
             return {'lr': rates[0]}
