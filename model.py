@@ -161,17 +161,19 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 @dataclass
 class TransformerConfig:
-    # plain types only: checkpoints store dataclasses.asdict() of it, read with torch.load(weights_only=True)
+    # plain types only: checkpoints store dataclasses.asdict() of it, read with torch.load(weights_only=True).
+    # The defaults are train.py's (train_config reads them here): a small model that trains on a CPU in minutes;
+    # PRESETS hold the papers' sizes (GPT-2 124M is 'gpt2').
     arch: str = 'gpt2'  # 'gpt2' or 'llama'
-    block_size: int = 1024
+    block_size: int = 64  # tokens per sequence
     vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64 for speed
-    n_layer: int = 12
-    n_head: int = 12
+    n_layer: int = 6
+    n_head: int = 4
     n_kv_head: int = 0  # 0 -> n_head; fewer gives LLaMA grouped-query attention
-    n_embd: int = 768
+    n_embd: int = 128
     mlp_hidden: int = 0  # 0 -> 4*n_embd (gpt2) or the LLaMA 8/3 rule (llama)
     dropout: float = 0.0
-    bias: bool = True  # gpt2 only: biases in Linears and LayerNorms
+    bias: bool = False  # gpt2 only: biases in Linears and LayerNorms
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     gelu: str = 'exact'  # gpt2's GELU: 'exact' (erf, nanoGPT's) or 'tanh' (GPT-2's own weights; set by hf.py)

@@ -71,18 +71,20 @@ sampling = 'rr'  # 'rr': random reshuffling (each window once per epoch), 'iid':
 data_seed = 1337  # seeds the data order, independent of the model's init
 gradient_accumulation_steps = 1  # micro-steps per optimizer step, summed over all ranks
 batch_size = 32  # micro-batch size per rank
-block_size = 64  # tokens per sequence
-# model: a preset name ('gpt2', 'gpt2-medium', 'llama-60m', ...) sets the architecture keys below
+# model: the defaults are model.TransformerConfig's; a preset name ('gpt2', 'gpt2-medium', 'llama-60m', ...) sets
+# the architecture keys below
+_model = TransformerConfig
+block_size = _model.block_size  # tokens per sequence
 preset = ''  # a preset of model.py's PRESETS, or '' for the keys below
-arch = 'gpt2'  # 'gpt2' or 'llama'
-n_layer = 6  # transformer blocks
-n_head = 4  # attention heads
-n_kv_head = 0  # llama grouped-query attention; 0 means n_head
-n_embd = 128  # model width
-mlp_hidden = 0  # 0: 4*n_embd for gpt2, LLaMA's rule for llama
-dropout = 0.0  # dropout probability
-bias = False  # biases in linears and LayerNorms (gpt2)
-vocab_size = 0  # 0: from the dataset (meta.pkl), else GPT-2's 50304 (padded 50257)
+arch = _model.arch  # 'gpt2' or 'llama'
+n_layer = _model.n_layer  # transformer blocks
+n_head = _model.n_head  # attention heads
+n_kv_head = _model.n_kv_head  # llama grouped-query attention; 0 means n_head
+n_embd = _model.n_embd  # model width
+mlp_hidden = _model.mlp_hidden  # 0: 4*n_embd for gpt2, LLaMA's rule for llama
+dropout = _model.dropout  # dropout probability
+bias = _model.bias  # biases in linears and LayerNorms (gpt2)
+vocab_size = 0  # 0: the dataset's (meta.pkl), else the preset's, else TransformerConfig's (GPT-2's, padded)
 activation_checkpointing = False  # recompute each block's activations in the backward
 checkpoint_sublayers = (
     False  # with activation_checkpointing: recompute attention and MLP apart (lower peak, more saved inputs)

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataloader import TokenBatches  # noqa: E402
 from infra import metrics  # noqa: E402
-from model import Transformer, TransformerConfig  # noqa: E402
+from model import PRESETS, Transformer, TransformerConfig  # noqa: E402
 
 
 def timed(f, n=300, warmup=20):
@@ -40,7 +40,7 @@ def timed(f, n=300, warmup=20):
 
 def report_time(scratch):
     with torch.device('meta'):
-        model = Transformer(TransformerConfig())  # GPT-2 124M
+        model = Transformer(TransformerConfig(**{**PRESETS['gpt2'], 'vocab_size': 50304}))  # GPT-2 124M
     cfg = dict(out_dir=scratch, eval_only=False, wandb_log=False, max_iters=10**6, decay_lr=False, learning_rate=6e-4)
     m = metrics.Metrics(cfg, SimpleNamespace(master=True, world_size=1), 'cpu')
     m.peak_flops = 989e12  # an H100's: the MFU is computed as on a GPU

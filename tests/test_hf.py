@@ -499,7 +499,9 @@ def test_a_sharded_export_generates_our_greedy_tokens_in_transformers(tmp_path, 
     (Transformer.generate with top_k=1, what sample.py runs)."""
     (tmp_path / 'data').mkdir()  # no meta.pkl: GPT-2 BPE
     model = randomize(
-        Transformer(TransformerConfig(arch=arch, n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=50304))
+        Transformer(
+            TransformerConfig(arch=arch, n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=50304, bias=True)
+        )
     )
     (tmp_path / 'run').mkdir()
     torch.save(
