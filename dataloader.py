@@ -221,17 +221,15 @@ def check_vocab(dataset, vocab_size, *batches):
     scanned = set()
     for b in batches:
         if b.n_tokens > SCAN_LIMIT:
-            b.vocab_size = vocab_size
-            continue
-        if b.path in scanned:  # the training order and the evaluation batches of train.bin
-            continue
-        scanned.add(b.path)
-        top = int(np.memmap(b.path, dtype=b.dtype, mode='r').max())
-        if top >= vocab_size:
-            raise ValueError(
-                f"{b.path} holds token id {top}, not below vocab_size={vocab_size}: the file is corrupt or of "
-                f"another tokenizer; run `{b.prepare_hint}` again"
-            )
+            b.vocab_size = vocab_size  # checked batch by batch
+        elif b.path not in scanned:  # the training order and the evaluation batches share train.bin
+            scanned.add(b.path)
+            top = int(np.memmap(b.path, dtype=b.dtype, mode='r').max())
+            if top >= vocab_size:
+                raise ValueError(
+                    f"{b.path} holds token id {top}, not below vocab_size={vocab_size}: the file is corrupt or of "
+                    f"another tokenizer; run `{b.prepare_hint}` again"
+                )
 
 
 def open_splits(dataset, block_size, batch_size, sampling, seed, rank=0, world_size=1):
