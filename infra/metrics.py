@@ -63,8 +63,7 @@ class Metrics:
         """`description`: what trains now."""
         self.flops_per_token = None  # counted again at the next logged iteration (it walks every parameter)
         if self.master:
-            more = shown(values)
-            print(f"iter {it}: {description}{', ' + more if more else ''}")
+            print(f"iter {it}: {shown(dict(description=description, **values))}")
             self.records.write('switch', iter=it, description=description, **values)
 
     def iteration(self, it, dt, seconds_per_iter, **values):
@@ -94,10 +93,8 @@ class Metrics:
     def end(self, it, stopped):
         if self.master:
             elapsed = time.time() - self.run_start
-            print(
-                f"{'stopped' if stopped else 'done'}: iterations {self.first_iter} to {it} in "
-                f"{format_duration(elapsed)}"
-            )
+            took = format_duration(elapsed)
+            print(f"{'stopped' if stopped else 'done'}: iterations {self.first_iter} to {it} in {took}")
             self.records.write('end', iter=it, seconds=elapsed, stopped=bool(stopped))
 
 
@@ -117,6 +114,7 @@ SHOWN = {
     'mem_alloc_gib': 'mem {:.2f} GiB allocated',
     'mem_reserved_gib': '{:.2f} GiB reserved',
     'ddp_rebuild_ms': 'DDP rebuilt in {:.1f} ms',
+    'description': '{}',
     'active': None,  # a switch's: its description says it
     'trains': None,
 }
