@@ -77,7 +77,7 @@ def copies_for(device):
 class OffloadedState:
     """A period before a switch, prefetch(ps) starts copying back the next group's state; the switch calls
     wait_for_prefetch(), restore(p) for each unit that trains again, release(p) for each that froze, and
-    finish_switch(), which parks the released moments (not scalar 'step's). copies: device -> ImmediateCopies."""
+    finish_switch(), which parks the released moments (not scalar 'step's). copies: device -> its copier."""
 
     def __init__(self, optimizer, copies=copies_for):
         self.optimizer, self.make_copies = optimizer, copies
@@ -88,7 +88,7 @@ class OffloadedState:
         self.prefetched = {}  # param -> {state key: its copy back, started by prefetch()}
         self.parked = {}  # device -> the event after its last copy out
         self.prefetch_done = {}  # device -> the event after its last prefetch
-        # a checkpoint reads the state once the copies out have landed (weak: the optimizer keeps self not alive)
+        # a checkpoint reads the state once the copies out have landed; weak, so the optimizer does not keep self alive
         wait = weakref.WeakMethod(self.wait_parked)
         optimizer.register_state_dict_pre_hook(lambda optimizer: wait() and wait()())
 
