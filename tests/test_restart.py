@@ -18,7 +18,9 @@ pytestmark = pytest.mark.torchrun  # launches torchrun (deselect with -m "not to
 ARGS = [*DDP_TINY, '--batch_size=4', '--max_iters=12', '--eval_interval=4', '--init_from=auto']
 
 
-@pytest.mark.parametrize('workers', [1, 2])
+# [2] on every torch: torchrun's restart of a dead worker, the attempt's store and a sharded resume; [1] goes through
+# the same restart and store with one rank, and resumes ckpt.pt, whose torch.load test_resume.py covers on every torch
+@pytest.mark.parametrize('workers', [pytest.param(1, marks=pytest.mark.once), 2])
 def test_a_killed_worker_is_restarted_by_torchrun_and_resumes_bitwise(tmp_path, workers):
     """One worker (ckpt.pt), or two gloo workers (sharded step folders) of which rank 1 dies. Two
     workers: the restarted attempt once failed in init_process_group, reading the dead attempt's
