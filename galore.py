@@ -6,18 +6,9 @@ GaLore (Zhao et al., 2024) projects the gradient G (m x n) on the smaller side o
 subspace is refreshed every `update_proj_gap` steps of the parameter (counted before the step), from that
 step's gradient, keeping the moments and step count. GoLore (He et al., 2024) draws it at random (uniform on
 the Stiefel manifold) from step `svd_steps` on, and at each refresh re-expresses the first moment in the new
-basis (the second is kept). The arithmetic is the references' (jiaweizzhao/GaLore, pkumelon/Golore;
-docs/methods.md), or torch.optim.AdamW's with convention='torch'. Not `pip install galore-torch`: it pulls in
-transformers and bitsandbytes, and keeps a Python object in the optimizer state, which
-torch.save(weights_only=True) cannot hold. Different from the references on purpose:
-- svd_steps defaults to 0 (random from the first refresh, as GoLore's paper analyses; the reference scripts
-  use ceil(0.8 * total steps));
-- the re-projected first moment is stored (as GoLore.py, not golore_torch/adamw.py), the r x r change of
-  basis formed first (no m x n temporary);
-- the random basis is Q of a Gaussian's QR (signs fixed: Haar) from a CPU generator seeded with (seed,
-  parameter index, step): resumes and every device draw the same, the global RNG untouched;
-- the projector is a tensor in state['projector'], saved by state_dict() (memory_estimate counts it apart);
-- master=True (precision='bf16_master'): fp32 masters as optim.MasterAdamW's.
+basis (the second is kept). The arithmetic is the references' (jiaweizzhao/GaLore, pkumelon/Golore), or
+torch.optim.AdamW's with convention='torch'; why not galore-torch, and where this differs from the references
+on purpose: docs/methods.md. master=True (precision='bf16_master'): fp32 masters as optim.MasterAdamW's.
 """
 
 import math
