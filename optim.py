@@ -1,10 +1,7 @@
 """
 The optimizers of the model's parameters: nanoGPT's decay split and AdamW; AdamW's arithmetic, once
 (adamw_step_, bitwise torch.optim.AdamW's); MasterAdamW, AdamW on fp32 master weights of low-precision
-parameters (MasterWeights, shared with galore.GaLoreAdamW). A master and its moments are made at a parameter's
-first step with a gradient, so frozen parameters get none ('drop' restarts from the rounded weight).
-master_device='cpu' keeps masters, moments and arithmetic on the CPU (ZeRO-Offload style), the copies going
-through HostStaging's reused pinned buffers.
+parameters (MasterWeights, shared with galore.GaLoreAdamW; docs/precision.md).
 """
 
 from contextlib import nullcontext
