@@ -263,6 +263,7 @@ def test_every_test_file_runs_on_every_torch_or_once_by_the_rule():
     assert newest and all(' -m ' not in args and ' -k ' not in args for args in newest), newest
 
 
+@pytest.mark.once  # pytest's marker selection, pure Python: two pytest processes (16 s) that no torch version changes
 def test_not_once_deselects_the_files_of_once_and_only_those():
     """What .ci/torch runs on the other versions, collected for one file of each set: pytest -m 'not once' keeps
     this file's tests and drops test_defaults.py's (ONCE); -m once the other way round."""
