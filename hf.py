@@ -66,6 +66,10 @@ class HFError(ValueError):
     """A directory, config or tensor that cannot be mapped; the message is one line naming it."""
 
 
+class ExportError(ValueError):
+    """Bad input to save() or export(); the message is one line and says what to do."""
+
+
 # -----------------------------------------------------------------------------
 # config.json <-> TransformerConfig
 
@@ -627,10 +631,6 @@ HF_TOKENIZER_FILES = (
 )
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 CHAR_SPLIT = r'[\s\S]'  # the export's pre-tokenizer: every character (newlines too) a piece of its own
-
-
-class ExportError(ValueError):
-    """Bad input; the message is one line and says what to do."""
 
 
 def parse_size(size):
