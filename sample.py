@@ -9,20 +9,24 @@ import sys
 
 import torch
 
+from builder import trained_model
+from configurator import above, at_least, command_line
+from data.tokenizer import Tokenizer, read_meta
+from dataloader import data_dir
+from train_config import check_device
 
-def load_codec(data_dir, model_vocab=None):
+
+def load_codec(directory, model_vocab=None):
     """(encode, decode) with the tokenizer the dataset's meta.pkl records (data/tokenizer.py); a one-line
     error when it cannot be loaded, or has more ids than the model embeds (model_vocab): not the model's."""
-    from data.tokenizer import Tokenizer, read_meta
-
     try:
-        tok = Tokenizer.from_meta(read_meta(data_dir))
+        tok = Tokenizer.from_meta(read_meta(directory))
     except ValueError as e:
         sys.exit(f"error: {e}")
     if model_vocab is not None and tok.vocab_size > model_vocab:
-        meta = os.path.join(data_dir, 'meta.pkl')
+        meta = os.path.join(directory, 'meta.pkl')
         what = f"GPT-2's BPE, since there is no {meta}" if not os.path.exists(meta) else f"{tok.name}, from {meta}"
-        name = os.path.basename(os.path.normpath(data_dir))
+        name = os.path.basename(os.path.normpath(directory))
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', name, 'prepare.py')
         again = f"python data/{name}/prepare.py" if os.path.isfile(script) else "its prepare script"
         sys.exit(
@@ -33,65 +37,36 @@ def load_codec(data_dir, model_vocab=None):
     return (lambda text: tok.encode(text, special=True)), tok.decode
 
 
-# keys (--key=value) and their rules; configurator.py checks both, as for train.py
-DEFAULTS = dict(
-    out_dir='out',
-    start='\n',
-    num_samples=1,
-    max_new_tokens=300,
-    temperature=0.8,
-    top_k=200,
-    seed=1337,
-    device='cuda' if torch.cuda.is_available() else 'cpu',
+# keys (--key=value): (default, meaning); configurator.py checks them by RULES, as for train.py
+KEYS = dict(
+    out_dir=('out', 'the run whose checkpoint (ckpt.pt or newest step folder) to sample from'),
+    start=('\n', "the prompt, or FILE:path to read it from a file"),
+    num_samples=(1, 'how many samples'),
+    max_new_tokens=(300, 'tokens generated per sample'),
+    temperature=(0.8, '> 0; lower is more predictable'),
+    top_k=(200, 'sample among the k likeliest tokens (0: all)'),
+    seed=(1337, 'seeds the sampling'),
+    device=('cuda' if torch.cuda.is_available() else 'cpu', "'cpu', 'cuda' or 'cuda:N'"),
 )
-HELP = dict(
-    out_dir='the run whose checkpoint (ckpt.pt or newest step folder) to sample from',
-    start="the prompt, or FILE:path to read it from a file",
-    num_samples='how many samples',
-    max_new_tokens='tokens generated per sample',
-    temperature='> 0; lower is more predictable',
-    top_k='sample among the k likeliest tokens (0: all)',
-    seed='seeds the sampling',
-    device="'cpu', 'cuda' or 'cuda:N'",
+DEFAULTS = {k: default for k, (default, _) in KEYS.items()}
+HELP = {k: meaning for k, (_, meaning) in KEYS.items()}
+RULES = dict(
+    out_dir=at_least(1, 'a non-empty path', len),
+    start=at_least(1, 'a non-empty prompt', len),
+    num_samples=at_least(1),
+    max_new_tokens=at_least(1),
+    temperature=above(0),
+    top_k=at_least(0),
 )
-
-
-def rules():
-    from configurator import above, at_least
-
-    return dict(
-        out_dir=at_least(1, 'a non-empty path', len),
-        start=at_least(1, 'a non-empty prompt', len),
-        num_samples=at_least(1),
-        max_new_tokens=at_least(1),
-        temperature=above(0),
-        top_k=at_least(0),
-    )
 
 
 def main(argv):
-    from configurator import command_line
-    from dataloader import data_dir
-    from infra.checkpoint import CheckpointError, read_any, trained_dataset
-    from model import Transformer, TransformerConfig
-    from train_config import check_device
-
-    cfg = command_line(argv, DEFAULTS, rules(), "usage: python sample.py [--key=value ...]", HELP)
+    cfg = command_line(argv, DEFAULTS, RULES, "usage: python sample.py [--key=value ...]", HELP)
     try:
         check_device(cfg['device'])
-        path = os.path.join(cfg['out_dir'], 'ckpt.pt')  # named by the error below if the read fails
-        checkpoint, path = read_any(cfg['out_dir'], map_location='cpu', mmap=True, optimizer=False)
-        model = Transformer(TransformerConfig(**checkpoint['model_args']))
-        model.load_state_dict(checkpoint['model'])
-        dataset = trained_dataset(checkpoint)  # its tokenizer is the dataset's
-        if dataset is None:
-            raise KeyError('config.dataset')
-    except (CheckpointError, ValueError) as e:
+        model, checkpoint, path = trained_model(cfg['out_dir'])
+    except ValueError as e:  # CheckpointError too
         sys.exit(f"error: {e}")
-    except (RuntimeError, KeyError, TypeError) as e:  # a readable file that is not one of train.py's checkpoints
-        sys.exit(
-            f"error: {path} is not a checkpoint of train.py ({type(e).__name__}); give the out_dir of a train.py run"
-        )
     # every sample would be NaN logits, printed as nothing; train.py never saves such weights (Checkpointer.save)
     bad = [k for k, t in checkpoint['model'].items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
@@ -101,7 +76,7 @@ def main(argv):
             f"an earlier checkpoint"
         )
     model.eval().to(cfg['device'])
-    encode, decode = load_codec(data_dir(dataset), model.config.vocab_size)
+    encode, decode = load_codec(data_dir(checkpoint['config']['dataset']), model.config.vocab_size)
     torch.manual_seed(cfg['seed'])
     start = cfg['start']
     if start.startswith('FILE:'):

@@ -15,7 +15,8 @@ import torch
 from conftest import assert_one_line_error, assert_same_state, run_script, run_train, tiny_model_config
 from torch.nn import functional as F
 
-from eval import MC_TASK, full_loss, load_checkpoint_model, window_loss, write_mc_task
+from builder import trained_model
+from eval import MC_TASK, full_loss, window_loss, write_mc_task
 from infra.multiple_choice import continuation_logprobs, encode_pair, mc_accuracy, mc_example, read_mc
 from model import Transformer
 
@@ -487,7 +488,7 @@ def test_lm_eval_on_a_character_level_model(run, tmp_path):
     )
     out_dir = tmp_path / 'run'
     run_train(f'--out_dir={out_dir}', '--max_iters=4', '--eval_interval=4', '--block_size=64')
-    model, checkpoint, _ = load_checkpoint_model(str(out_dir))
+    model, checkpoint, _ = trained_model(str(out_dir))
     tok = Tokenizer.from_meta(read_meta(data_dir(checkpoint['config']['dataset'])))
     hf.export(str(out_dir), str(tmp_path / 'hf'), log=lambda line: None)
     expected = assert_lm_eval_agrees(str(tmp_path / 'hf'), model.eval(), tok.encode, tmp_path)
