@@ -1,9 +1,9 @@
 """
 Training speed of full AdamW, LISA, LISA-wor and GaLore on the same model and batch, in one run, like
 nanoGPT's bench.py: time per iteration, tokens/s, MFU (on a GPU of known peak) and peak memory. Each row
-gets a fresh model (same seed), optimizer and cycler from builder.build and runs train.py's iteration,
-Trainer.step, under the config's precision (compile=True: every block compiled, as train.py does). The
-learning rate stays at learning_rate; the data is one random batch reused.
+gets a fresh model (same seed), optimizer and cycler from builder.build and runs Trainer.step, train.py's
+iteration, under the config's precision (compile=True: every block compiled), at learning_rate, on one
+random batch reused.
 
 $ python bench.py --methods=full,lisa,lisa_wor,galore --preset=gpt2 --vocab_size=50304 --batch_size=12 \
       --block_size=1024 --omgd_gamma=3                                   # one GPU, compiled
@@ -11,17 +11,15 @@ $ python bench.py --methods=full,lisa_wor --arch=llama --n_layer=8 --n_head=8 --
       --vocab_size=8192 --batch_size=4 --block_size=128 --steps=10      # CPU, a small LLaMA-layout model
 $ python bench.py config/gpt2_lisa_wor.py --methods=lisa_wor --precisions=amp,bf16,bf16_master
 
-Every key of train.py is accepted with its meaning there, with train.py's defaults on this machine;
-device is auto (cuda if available, else cpu), cuda or cpu. Keys of this script: methods and precisions
-(the rows, as in bench_memory.py: '' is the config's), steps (timed iterations), warmup_steps (run
-first, compilation included), interleave (step the rows round-robin, so that other processes on a
-shared machine slow them all alike), out (a file for the report) and profile (a path prefix: one more
-iteration of each row under torch.profiler, its operators by self time in PREFIX_METHOD_PRECISION.txt).
+Every key of train.py is accepted with its meaning and default there; device is auto (cuda if available,
+else cpu), cuda or cpu. Keys of this script: methods and precisions (the rows, as in bench_memory.py),
+steps (timed iterations), warmup_steps (run first, compilation included), interleave (step the rows
+round-robin, so that other processes on a shared machine slow them all alike), out (a file for the report)
+and profile (a path prefix: one more iteration of each row under torch.profiler, in PREFIX_METHOD_PRECISION.txt).
 
-ms/iter is the median of the timed iterations. It hides the cost of a switch: 'switch ms/iter' is the
-mean of the timed iterations that switched, with its excess over the median. 'FLOP limit vs full' is
-full's FLOPs per token over the row's, the speed-up the FLOP count allows; FLOPs are counted as train.py
-does (model.estimate_flops_per_token: frozen blocks cost less).
+ms/iter is the median of the timed iterations; 'switch ms/iter' is the mean of those that switched (the cost
+the median hides). 'FLOP limit vs full' is full's FLOPs per token over the row's (model.estimate_flops_per_token:
+frozen blocks cost less), the speed-up the FLOP count allows.
 """
 
 import gc
@@ -117,48 +115,38 @@ class MethodRun:
 
 
 def bench(row_cfgs, device):
-    """Time every row; one after the other (peak memory per row on CUDA), or interleaved. A bar on stderr
-    counts the iterations (stdout is the report); it updates between the timed steps."""
-    cfg = row_cfgs[0]
-    total = cfg['warmup_steps'] + cfg['steps']
+    """Time every row: one after the other (peak memory per row on CUDA), or interleaved, step by step (load from
+    other processes on a shared machine hits every row alike). A bar on stderr counts the iterations (stdout
+    is the report); it updates between the timed steps."""
+    cfg, cuda = row_cfgs[0], device.type == 'cuda'
+    total, rows = cfg['warmup_steps'] + cfg['steps'], []
     with tqdm(total=total * len(row_cfgs), desc='timing', unit='iter') as bar:
-        if not cfg['interleave']:
-            return [bench_row(row_cfg, device, total, bar) for row_cfg in row_cfgs]
-        # round-robin: load from other processes on a shared machine hits every method alike
-        runs = [MethodRun(row_cfg, device) for row_cfg in row_cfgs]
-        for it in range(total):
+        for group in [row_cfgs] if cfg['interleave'] else [[row_cfg] for row_cfg in row_cfgs]:
+            runs = [MethodRun(row_cfg, device) for row_cfg in group]
+            bar.set_postfix_str(', '.join(f"{run.cfg['method']} ({run.label})" for run in runs))
+            for it in range(total):
+                if it == cfg['warmup_steps'] and cuda:
+                    torch.cuda.reset_peak_memory_stats(device)
+                for run in runs:
+                    run.step(it, timed=it >= cfg['warmup_steps'])
+                    bar.update()
             for run in runs:
-                run.step(it, timed=it >= cfg['warmup_steps'])
-                bar.update()
-    if cfg['profile']:
-        for run in runs:
-            run.profile(total, cfg['profile'])
-    return [run.row(peak_bf16_flops(device), with_memory=False) for run in runs]
-
-
-def bench_row(row_cfg, device, total, bar):
-    cuda = device.type == 'cuda'
-    run = MethodRun(row_cfg, device)
-    bar.set_postfix_str(f"{row_cfg['method']} ({run.label})")
-    for it in range(total):
-        if it == row_cfg['warmup_steps'] and cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        run.step(it, timed=it >= row_cfg['warmup_steps'])
-        bar.update()
-    row = run.row(peak_bf16_flops(device), with_memory=cuda)
-    if row_cfg['profile']:  # after the timing and the memory peak, so neither includes the profiler
-        run.profile(total, row_cfg['profile'])
-    bar.write(
-        f"{row['method']} ({row['precision']}): {row['ms']:.1f} ms/iter, {row['tokens_per_s']:,.0f} tokens/s, "
-        f"loss {row['loss']:.3f}",
-        file=sys.stdout,
-    )
-    sys.stdout.flush()
-    del run
-    if cuda:
-        gc.collect()
-        torch.cuda.empty_cache()
-    return row
+                rows.append(run.row(peak_bf16_flops(device), with_memory=cuda and not cfg['interleave']))
+                if cfg['profile']:  # after the timing and the memory peak, so neither includes the profiler
+                    run.profile(total, cfg['profile'])
+                if not cfg['interleave']:
+                    r = rows[-1]
+                    bar.write(
+                        f"{r['method']} ({r['precision']}): {r['ms']:.1f} ms/iter, {r['tokens_per_s']:,.0f} "
+                        f"tokens/s, loss {r['loss']:.3f}",
+                        file=sys.stdout,
+                    )
+                    sys.stdout.flush()
+            del runs, run
+            if cuda:
+                gc.collect()
+                torch.cuda.empty_cache()
+    return rows
 
 
 def describe_machine(device):
@@ -171,18 +159,13 @@ def describe_machine(device):
 
 
 def markdown(cfg, rows, device, config, argv):
-    n_params = rows[0]['n_params']
-    amp = ''  # what precision=amp computes in (autocast_context)
-    if any(r['precision'] == 'amp' for r in rows):
-        amp = (
-            f" (amp: {cfg['dtype']} autocast)"
-            if device.type == 'cuda' and cfg['dtype'] != 'float32'
-            else " (amp: fp32 compute)"
-        )
+    # what precision=amp computes in (autocast_context)
+    autocast = f"{cfg['dtype']} autocast" if device.type == 'cuda' and cfg['dtype'] != 'float32' else "fp32 compute"
+    amp = f" (amp: {autocast})" if any(r['precision'] == 'amp' for r in rows) else ''
     out = [
         f"Machine: {describe_machine(device)}",
         f"Model: {memory_estimate.model_name(cfg)} ({config.arch}, {config.n_layer} blocks, n_embd {config.n_embd}, "
-        f"vocab {config.vocab_size}, {n_params / 1e6:.1f}M parameters); batch {cfg['batch_size']} x "
+        f"vocab {config.vocab_size}, {rows[0]['n_params'] / 1e6:.1f}M parameters); batch {cfg['batch_size']} x "
         f"{cfg['block_size']} tokens x {cfg['gradient_accumulation_steps']} micro-batches; "
         f"precision {', '.join(dict.fromkeys(r['precision'] for r in rows))}{amp}; "
         f"compile={cfg['compile']}; {'rows interleaved step by step; ' if cfg['interleave'] else ''}"
@@ -212,12 +195,7 @@ def markdown(cfg, rows, device, config, argv):
 
 def check(cfg):
     """One-line ValueErrors for bad input; returns (device, row configs, TransformerConfig)."""
-    device = memory_estimate.resolve_device(cfg['device'], ('cuda', 'cpu'), without_cuda='cpu')
-    train_config.check_preset(cfg)
-    config = memory_estimate.model_config(cfg)
-    # before a row allocates it
-    memory_estimate.check_fits(config, device, builder.weight_dtype(cfg['precision']).itemsize)
-    return device, memory_estimate.row_configs(cfg), config
+    return memory_estimate.check_rows(cfg, ('cuda', 'cpu'), without_cuda='cpu')
 
 
 def setup(cfg):

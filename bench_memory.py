@@ -1,8 +1,8 @@
 """
-GPU memory of train.py's iteration, split like the OMGD paper's LLaMA-7B table: model weights,
-gradients, optimizer state, and "others" (activations, temporaries, workspaces) = the peak minus
-those three. Each row is memory_estimate.measure: train.py's config, builder.build's model,
-optimizer and cycler, and Trainer.step, the iteration train.py's loop runs (docs/memory.md).
+GPU memory of train.py's iteration, split like the OMGD paper's LLaMA-7B table: model weights, gradients,
+optimizer state, and "others" (activations, temporaries, workspaces) = the peak minus those three. Each row
+is memory_estimate.measure: builder.build's model, optimizer and cycler stepped by Trainer.step, as train.py
+runs them (docs/memory.md).
 
 $ python bench_memory.py config/llama7b_lisa_wor.py --vocab_size=32000 \
       --methods=full,galore,golore,lisa,lisa_wor                     # the paper's table (LLaMA's vocabulary)
@@ -12,42 +12,31 @@ $ python bench_memory.py config/gpt2_lisa_wor.py --methods=full,lisa_wor --preci
 Every key of train.py is accepted with its meaning there; the defaults are train.py's on a GPU
 machine (dtype bfloat16, compile True). Keys of this script:
   methods       comma-separated methods, one row each ('': the config's `method`)
-  precisions    comma-separated PRECISION or PRECISION:MASTER_DEVICE (train.py's precision keys,
-                e.g. bf16,bf16_master,bf16_master:cpu): the rows of every method under each ('': the
-                config's precision and master_device)
+  precisions    comma-separated PRECISION or PRECISION:MASTER_DEVICE (e.g. bf16,bf16_master,bf16_master:cpu):
+                the rows of every method under each ('': the config's precision and master_device)
   micro_batches micro-batches the measured iteration runs, of gradient_accumulation_steps
                 (0: all; the third and later allocate nothing the second did not)
-  device        auto (cuda if available, else meta), cuda, meta or cpu
+  device        auto (cuda if available, else meta), cuda (measured: max_memory_allocated/reserved),
+                meta (an ESTIMATE on shapes, memory_estimate.py) or cpu (run for real, fp32 compute)
   out           output prefix for .md/.json/.png; '' -> out/memory_<preset> (git-ignored)
 
-Iteration 0 is the warm-up: the switch freezes the other blocks and the step creates the optimizer
-state (under omgd_state='keep', one iteration at every switch of a full cycle, so every block holds
-state). The measured iteration is the next one, the costliest, since the state exists during the
-forward/backward. Weights, gradients and optimizer state are exact tensor bytes; GaLore's projectors
-(inside Others) and CPU-resident state (masters, moments) have columns of their own. Everything is freed
-between rows.
-
-  cuda  measured: peak = max_memory_allocated over the measured iteration, reserved =
-        max_memory_reserved; LiveBytes' count goes to the JSON too ('tracked_peak').
-  meta  an ESTIMATE, labelled so in every output: the same code on meta tensors, the peak counted
-        by memory_estimate.LiveBytes under MetaAsCuda (GPU attention kernels and autocast); CPU
-        masters and offloaded activations are counted as host memory. Eager only, no loss scaling,
-        no reserved figure; memory_estimate.py lists what is not modelled.
-  cpu   runs for real on the CPU (fp32 compute), counted by LiveBytes.
+The measured iteration follows a warm-up that creates the optimizer state (under omgd_state='keep', one
+iteration at every switch of a full cycle): the second of a switching period, the costliest. GaLore's
+projectors (inside Others) and CPU-resident state (masters, moments) have columns of their own.
 """
 
 import json
 import os
 import sys
+import textwrap
 import time
 
 import torch
 
-import builder
 import train_config
 from configurator import at_least, check_rule, command_line
 from infra import memory_options
-from memory_estimate import check_fits, measure, model_config, model_name, precision_label, resolve_device, row_configs
+from memory_estimate import check_rows, measure, model_config, model_name, precision_label
 
 # keys of this script only (train.py has none of these names); `device` has its own values here
 OWN_KEYS = dict(methods='', precisions='', micro_batches=2, out='')
@@ -56,7 +45,6 @@ assert not set(OWN_KEYS) & set(train_config.DEFAULTS)
 DEFAULTS = {**train_config.gpu_defaults(), 'device': 'auto', **OWN_KEYS}
 RULES = {**train_config.RULES, 'micro_batches': at_least(0)}
 
-GIB = 2**30
 # the byte counts of a row (memory_estimate.measure), written in GiB too in the JSON
 BYTE_KEYS = ('params', 'grads', 'optimizer', 'others', 'peak', 'reserved', 'projectors', 'cpu_state', 'tracked_peak')
 # the paper's Table (GiB), for comparison when the preset is llama-7b
@@ -74,13 +62,7 @@ PAPER_LLAMA_7B = {
 
 
 def gib(n):
-    return None if n is None else n / GIB
-
-
-def row_label(row, result):
-    """The method, and its precision when the table has several."""
-    several = len({(r['precision'], r['master_device']) for r in result['rows']}) > 1
-    return f"{row['method']} ({precision_label(row['precision'], row['master_device'])})" if several else row['method']
+    return None if n is None else n / 2**30
 
 
 PRECISION_NOTES = {
@@ -94,14 +76,13 @@ PRECISION_NOTES = {
 
 
 def notes_for(cfg, device, estimate, n_params, precisions):
-    lines = []
     if estimate:
         how = (
             "attention as FlashAttention/memory-efficient kernels, CUDA autocast emulated"
             if device.type == 'meta'
             else "the CPU's own kernels, fp32 compute as train.py on a CPU"
         )
-        lines.append(
+        how_measured = (
             f"ESTIMATE on the {device.type} device, not a GPU measurement. Weights, gradients and "
             "optimizer state are exact tensor bytes; Others = the peak of live tensor bytes counted op "
             f"by op (memory_estimate.LiveBytes; {how}) minus those three. Allocator "
@@ -109,38 +90,31 @@ def notes_for(cfg, device, estimate, n_params, precisions):
             "reserved figure."
         )
     else:
-        lines.append(
+        how_measured = (
             "Measured on the GPU: Total = torch.cuda.max_memory_allocated over the measured iteration, "
             "Reserved = max_memory_reserved; Others = Total - Model - Gradients - Optimizer."
         )
-    config = model_config(cfg)
-    lines.append(
+    config, gas = model_config(cfg), cfg['gradient_accumulation_steps']
+    labels = [precision_label(p, d) for p, d in precisions]
+    return [
+        how_measured,
         f"Model {model_name(cfg)}: {config.arch}, {config.n_layer} blocks, n_embd {config.n_embd}, MLP "
-        f"{config.mlp_hidden}, vocab {config.vocab_size}, {n_params:,} parameters."
-    )
-    for label in (precision_label(p, d) for p, d in precisions):
-        lines.append(f"precision={label}: {PRECISION_NOTES[label].format(dtype=cfg['dtype'])}.")
-    gas = cfg['gradient_accumulation_steps']
-    lines.append(
+        f"{config.mlp_hidden}, vocab {config.vocab_size}, {n_params:,} parameters.",
+        *(f"precision={label}: {PRECISION_NOTES[label].format(dtype=cfg['dtype'])}." for label in labels),
         f"Micro-batch {cfg['batch_size']} x {cfg['block_size']} tokens (of {gas} accumulation steps; the "
         f"measured iteration runs {min(cfg['micro_batches'] or gas, gas)}); "
         f"activation checkpointing {'on' if cfg['activation_checkpointing'] else 'off'}; "
         f"{'compiled per block' if cfg['compile'] and device.type == 'cuda' else 'eager'}; "
         f"grad_clip {cfg['grad_clip']:g}, OMGD scale {'after' if cfg['omgd_scale_after_clip'] else 'before'} "
-        f"clipping."
-    )
-    lines.append(
+        f"clipping.",
         f"State policy omgd_state='{cfg['omgd_state']}'. LISA methods: {cfg['omgd_gamma']} active blocks "
         f"plus {cfg['omgd_always']}. GaLore/GoLore: rank {cfg['galore_rank']} on every attention and MLP "
         f"matrix, projected on the smaller side; embeddings, head and norms have full AdamW state. "
-        f"Projection matrices are not counted as optimizer state (they are inside Others)."
-    )
-    lines.append(
+        f"Projection matrices are not counted as optimizer state (they are inside Others).",
         "Measured iteration = train.py's (Trainer.step), the second of a switching period "
         "(optimizer state already exists); the peak is over forward/backward of every micro-batch, "
-        "clipping, scaling and the step."
-    )
-    return lines
+        "clipping, scaling and the step.",
+    ]
 
 
 def title(result):
@@ -148,16 +122,13 @@ def title(result):
     cfg = result['config']
     where = 'one device' if result['estimate'] else f"one {result['device']}"
     precisions = ', '.join(precision_label(p, d) for p, d in result['precisions'])
-    options = [
-        name
-        for name, on in (
-            ('activation_checkpointing', cfg['activation_checkpointing']),
-            ('checkpoint_sublayers', cfg.get('checkpoint_sublayers')),  # .get: absent from older results/*.json
-            (f"loss_chunk={cfg['loss_chunk']}", cfg['loss_chunk']),
-            ('activation_offload', cfg['activation_offload']),
-        )
-        if on
-    ]
+    options = {
+        'activation_checkpointing': cfg['activation_checkpointing'],
+        'checkpoint_sublayers': cfg.get('checkpoint_sublayers'),  # .get: absent from older results/*.json
+        f"loss_chunk={cfg['loss_chunk']}": cfg['loss_chunk'],
+        'activation_offload': cfg['activation_offload'],
+    }
+    options = [name for name, on in options.items() if on]
     return (
         f"Memory breakdown (GiB), {model_name(cfg)}, {where}, micro-batch {cfg['batch_size']} x "
         f"{cfg['block_size']}, precision {precisions}, omgd_state {cfg['omgd_state']}, "
@@ -202,8 +173,6 @@ def plot(result, path):
     import matplotlib
 
     matplotlib.use('Agg')
-    import textwrap
-
     import matplotlib.pyplot as plt
 
     rows = result['rows']
@@ -219,7 +188,9 @@ def plot(result, path):
         bottom = [b + v for b, v in zip(bottom, values)]
     for i, r in enumerate(rows):
         ax.text(i, bottom[i], f"{gib(r['peak']):.2f}", ha='center', va='bottom', fontsize=9)
-    ax.set_xticks(list(x), [row_label(r, result) for r in rows], rotation=20)
+    several = len(result['precisions']) > 1  # then each bar names its precision too
+    labels = [f"{r['method']} ({precision_label(r['precision'], r['master_device'])})" for r in rows]
+    ax.set_xticks(list(x), labels if several else [r['method'] for r in rows], rotation=20)
     ax.set_ylabel('GiB')
     text = title(result).replace('Memory breakdown (GiB), ', 'GPU memory, ') + (
         f" (ESTIMATE, {result['device']} device)" if result['estimate'] else ''
@@ -235,11 +206,8 @@ def plot(result, path):
 
 def check(cfg):
     """One-line ValueErrors for what no row can run with; returns (device, row configs)."""
-    check_rule('micro_batches', cfg['micro_batches'], RULES['micro_batches'])
-    device = resolve_device(cfg['device'])
-    train_config.check_preset(cfg)
-    check_fits(model_config(cfg), device, builder.weight_dtype(cfg['precision']).itemsize)  # before a row allocates it
-    return device, row_configs(cfg)
+    check_rule('micro_batches', cfg['micro_batches'], RULES['micro_batches'])  # run() takes cfgs made elsewhere
+    return check_rows(cfg)[:2]
 
 
 def run(cfg, argv=()):

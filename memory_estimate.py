@@ -1,8 +1,7 @@
 """
 The memory of a training iteration: measure() runs one row of bench_memory.py (measured on a GPU, counted
-without one), and check_fits refuses a model that cannot fit before it is allocated. Without a GPU,
-memory_bytes counts weights, gradients and optimizer state exactly, LiveBytes the live tensor bytes op by op,
-and MetaAsCuda makes a run on meta tensors allocate what it would on a GPU.
+without one: LiveBytes counts the live tensor bytes op by op, MetaAsCuda makes meta tensors allocate what a GPU
+would), and check_fits refuses a model that cannot fit before it is allocated.
 Not modelled: the caching allocator's rounding and fragmentation, cuBLAS workspaces, the CUDA context, and
 the fused AdamW kernel (meta runs the per-parameter AdamW). torch's MemTracker is not used: it registers a
 gradient hook on every parameter it sees, which fails on frozen ones.
@@ -38,18 +37,21 @@ def state_tensors(optimizer):
                 yield p, key, value
 
 
+def nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def memory_bytes(model, optimizer):
     """Exact bytes of parameters, gradients and optimizer state tensors (on any device)."""
     params = list(model.parameters())  # deduped: a tied weight counts once
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    state = sum(v.numel() * v.element_size() for _, _, v in state_tensors(optimizer))
-    return {'params': sum(p.numel() * p.element_size() for p in params), 'grads': grads, 'optimizer': state}
+    grads = nbytes(p.grad for p in params if p.grad is not None)
+    return {'params': nbytes(params), 'grads': grads, 'optimizer': nbytes(v for _, _, v in state_tensors(optimizer))}
 
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of the live tensor storages on `device` (any, meta included), and their peak, counted op by op.
-    Register tensors made before entering with add(). A storage counts once however many views it has, until
-    it is freed; those created inside `with tracker.host():` stand for CPU memory and are not counted."""
+    A storage counts once however many views it has, until it is freed; those created inside
+    `with tracker.host():` stand for CPU memory and are not counted."""
 
     def __init__(self, device):
         super().__init__()
@@ -59,6 +61,7 @@ class LiveBytes(TorchDispatchMode):
         self.host_depth = 0
 
     def add(self, *tensors):
+        """Track the tensors among `tensors` (any nesting): those made before entering, and each op's outputs."""
         for t in tree_leaves(tensors):
             if isinstance(t, torch.Tensor):
                 self._track(t)
@@ -107,24 +110,18 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._track(t)
+        self.add(out)
         return out
 
 
 class MetaAsCuda(TorchFunctionMode):
-    """Makes a forward/backward on meta (or CPU) tensors allocate what it would on a GPU:
-    - scaled_dot_product_attention runs the FlashAttention (bf16/fp16) or memory-efficient (fp32) kernel,
-      which save a log-sum-exp per row, not the T x T weights of the math fallback used off-GPU;
-    - with dtype (None: no autocast), CUDA autocast's casts: matmuls to dtype, norms, softmax and cross-entropy
-      to fp32, and (cache=True, the forward) casts of trainable leaves kept until the forward ends;
-    - with dtype, model.Linear takes its CUDA autocast path (model.emulated_autocast): a frozen layer keeps no
-      low-precision copy of its weight. follow_cuda_linear=False turns this off (tests compare the two).
+    """Makes a forward/backward on meta (or CPU) tensors allocate what it would on a GPU: attention runs the
+    FlashAttention (bf16/fp16) or memory-efficient (fp32) kernel (a log-sum-exp per row, not T x T weights);
+    with dtype (None: no autocast), CUDA autocast's casts (cache=True, the forward: casts of trainable leaves
+    kept until it ends), and model.Linear's CUDA autocast path unless follow_cuda_linear is off (tests compare).
     Run the backward with backward() (cache=False): activation checkpointing recomputes there."""
 
     follow_cuda_linear = True
-    EMULATES = ('meta', 'cpu')  # the device types whose tensors it is used on
     # cast to dtype: matmuls, as functions and as Tensor methods
     LOW = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm}
     LOW |= {torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.bmm}
@@ -141,7 +138,7 @@ class MetaAsCuda(TorchFunctionMode):
     def __enter__(self):
         self.emulation = ExitStack()
         if self.dtype is not None and self.follow_cuda_linear:
-            self.emulation.enter_context(emulated_autocast(self.EMULATES, self.dtype))
+            self.emulation.enter_context(emulated_autocast(('meta', 'cpu'), self.dtype))
         return super().__enter__()
 
     def __exit__(self, *args):
@@ -266,7 +263,16 @@ def check_fits(config, device, bytes_per_weight, estimate_peak=None, world_size=
     with torch.device('meta'):
         n_params = sum(p.numel() for p in Transformer(config).parameters())
     need, free = bytes_per_weight * n_params, available_bytes(device)
-    if free is not None and need <= free and estimate_peak is not None and need > free / 4:
+    if free is None:
+        return
+    if need > free:
+        raise ValueError(
+            f"the model has {n_params / 1e9:.2f}B parameters: {need / 2**30:.1f} GiB of weights "
+            f"({bytes_per_weight} bytes each), more than the {free / 2**30:.1f} GiB free on {device.type}; "
+            f"choose a smaller model or a machine with more memory (bench_memory.py --device=meta "
+            f"estimates any size)"
+        )
+    if estimate_peak is not None and need > free / 4:
         estimate = estimate_peak()
         sharded = fsdp and world_size > 1
         if isinstance(estimate, dict):
@@ -274,22 +280,13 @@ def check_fits(config, device, bytes_per_weight, estimate_peak=None, world_size=
         else:
             peak = None if sharded else estimate
         if peak is not None and peak > free:
-            where = f"per rank of {world_size} under FSDP" if sharded else ""
             raise ValueError(
                 f"the model has {n_params / 1e9:.2f}B parameters and an iteration needs about "
-                f"{peak / 2**30:.1f} GiB{' ' + where if where else ''} (meta-device estimate), more "
-                f"than the {free / 2**30:.1f} GiB free on {device.type}; choose a smaller model or "
-                f"batch, a memory option (docs/memory.md), "
-                f"{'more ranks' if sharded else '--parallel=fsdp over several GPUs'}, "
-                f"or a machine with more memory"
+                f"{peak / 2**30:.1f} GiB{f' per rank of {world_size} under FSDP' if sharded else ''} (meta-device "
+                f"estimate), more than the {free / 2**30:.1f} GiB free on {device.type}; choose a smaller model "
+                f"or batch, a memory option (docs/memory.md), "
+                f"{'more ranks' if sharded else '--parallel=fsdp over several GPUs'}, or a machine with more memory"
             )
-    if free is not None and need > free:
-        raise ValueError(
-            f"the model has {n_params / 1e9:.2f}B parameters: {need / 2**30:.1f} GiB of weights "
-            f"({bytes_per_weight} bytes each), more than the {free / 2**30:.1f} GiB free on {device.type}; "
-            f"choose a smaller model or a machine with more memory (bench_memory.py --device=meta "
-            f"estimates any size)"
-        )
 
 
 # -----------------------------------------------------------------------------
@@ -305,25 +302,16 @@ def model_config(cfg):
         raise ValueError(f"model shape: {e}") from None
 
 
-def parse_precision(spec):
-    """'bf16' -> ('bf16', ''); 'bf16_master:cpu' -> ('bf16_master', 'cpu'): the precision and master_device keys."""
-    precision, _, master_device = spec.partition(':')
-    return precision, master_device
-
-
 def precision_label(precision, master_device):
     return f"{precision}:{master_device}" if master_device else precision
 
 
 def row_configs(cfg):
-    """One train.py config per row: every method of cfg['methods'] under every precision of cfg['precisions']
-    (each '' means the config's own)."""
+    """One train.py config per row: every method of cfg['methods'] under every PRECISION[:MASTER_DEVICE] of
+    cfg['precisions'] (each '' means the config's own)."""
     methods = list(dict.fromkeys(m for m in cfg['methods'].split(',') if m)) if cfg['methods'] else [cfg['method']]
-    precisions = (
-        list(dict.fromkeys(parse_precision(p) for p in cfg['precisions'].split(',') if p))
-        if cfg['precisions']
-        else [(cfg['precision'], cfg['master_device'])]
-    )
+    specs = [p.partition(':')[::2] for p in cfg['precisions'].split(',') if p]  # 'bf16_master:cpu' -> (.., 'cpu')
+    precisions = list(dict.fromkeys(specs)) if cfg['precisions'] else [(cfg['precision'], cfg['master_device'])]
     if not methods:
         raise ValueError("methods lists no method; name at least one, e.g. --methods=full,lisa_wor")
     if not precisions:
@@ -334,20 +322,25 @@ def row_configs(cfg):
     return rows
 
 
-def resolve_device(name, allowed=('cuda', 'meta', 'cpu'), without_cuda='meta'):
-    """The torch.device of --device: auto is cuda when available, else `without_cuda`."""
+def check_rows(cfg, devices=('cuda', 'meta', 'cpu'), without_cuda='meta'):
+    """The benchmarks' checks of cfg, one-line ValueErrors before anything is allocated: (the torch.device of
+    --device, auto being cuda when available, else `without_cuda`; row_configs; the TransformerConfig)."""
+    name = cfg['device']
     if name == 'auto':
         name = 'cuda' if torch.cuda.is_available() else without_cuda
-    if name not in allowed:
-        raise ValueError(f"device must be auto, {', '.join(allowed)}, got {name!r}")
+    if name not in devices:
+        raise ValueError(f"device must be auto, {', '.join(devices)}, got {name!r}")
     if name == 'cuda' and not torch.cuda.is_available():
         raise ValueError(
             f"device=cuda but CUDA is not available; use --device={without_cuda}"
             + (" for an estimate" if without_cuda == 'meta' else "")
         )
-    if name == 'cuda':  # with its index: tensors report cuda:N, and LiveBytes compares devices
-        return torch.device('cuda', torch.cuda.current_device())
-    return torch.device(name)
+    # with its index: tensors report cuda:N, and LiveBytes compares devices
+    device = torch.device('cuda', torch.cuda.current_device()) if name == 'cuda' else torch.device(name)
+    train_config.check_preset(cfg)
+    config = model_config(cfg)
+    check_fits(config, device, builder.weight_dtype(cfg['precision']).itemsize)  # before a row allocates it
+    return device, row_configs(cfg), config
 
 
 def build(cfg, device, host_scope=nullcontext):
@@ -381,7 +374,6 @@ def measure(cfg, device):
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    vocab, shape = net.config.vocab_size, (cfg['batch_size'], cfg['block_size'])
 
     autocast = backward = None
     if device.type == 'meta':  # the GPU's kernels and autocast, emulated on shapes (memory_estimate.py)
@@ -396,25 +388,18 @@ def measure(cfg, device):
             torch.cuda.synchronize(device)
         states = [v for _, _, v in state_tensors(opt)]
         projectors = [s['projector'] for s in opt.state.values() if torch.is_tensor(s.get('projector'))]
-        host = [v for v in states + projectors if tracker.is_host(v)]
         sizes.update(
             memory_bytes(net, opt),
-            optimizer=sum(v.numel() * v.element_size() for v in states if not tracker.is_host(v)),
-            cpu_state=sum(v.numel() * v.element_size() for v in host),
-            projectors=sum(v.numel() * v.element_size() for v in projectors if not tracker.is_host(v)),
+            optimizer=nbytes(v for v in states if not tracker.is_host(v)),
+            cpu_state=nbytes(v for v in states + projectors if tracker.is_host(v)),
+            projectors=nbytes(v for v in projectors if not tracker.is_host(v)),
         )
 
     # train.py's iteration, on a fresh batch per micro-step, on the device, as train.py's loader gives
+    batches = random_batches(net.config.vocab_size, (cfg['batch_size'], cfg['block_size']), device)
+    observer = SimpleNamespace(before_zero_grad=at_zero_grad)
     trainer = Trainer(
-        cfg,
-        net,
-        opt,
-        cycler,
-        random_batches(vocab, shape, device),
-        device.type,
-        autocast=autocast,
-        backward=backward,
-        observer=SimpleNamespace(before_zero_grad=at_zero_grad),
+        cfg, net, opt, cycler, batches, device.type, autocast=autocast, backward=backward, observer=observer
     )
     tracker.add(list(net.parameters()), list(net.buffers()))
     period, start = cfg['omgd_period'], cfg['omgd_warmup']
@@ -436,14 +421,13 @@ def measure(cfg, device):
         trainer.step(start + (switches - 1) * period + 1, micro_steps=micro)
         if cuda:
             torch.cuda.synchronize(device)
-    seconds = time.time() - t0
     row = dict(
         method=cfg['method'],
         precision=cfg['precision'],
         master_device=cfg['master_device'],
         **sizes,  # params, grads, optimizer, cpu_state, projectors
         tracked_peak=None if compiled else tracker.peak,
-        seconds=round(seconds, 2),
+        seconds=round(time.time() - t0, 2),
         micro_batches=micro,
         active_blocks=list(cycler.active) if cycler.schedule else 'all',
     )
