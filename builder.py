@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import galore
 import omgd
 from infra import memory_options
+from infra.checkpoint import of_type, read_any, trained_dataset
 from model import PRESET_KEYS, PRESETS, Transformer, TransformerConfig
 from optim import MasterAdamW, adamw, param_groups
 from train_config import GALORE_METHODS
@@ -22,11 +23,11 @@ from train_config import GALORE_METHODS
 
 def transformer_kwargs(cfg, vocab_size=0):
     """TransformerConfig keywords from the config's model keys (a preset's architecture overrides them).
-    vocab_size: the dataset's (0: the config's, else the preset's, else GPT-2's padded 50304)."""
+    vocab_size: the dataset's (0: the config's, else the preset's, else TransformerConfig's)."""
     vocab_size = vocab_size or cfg['vocab_size']
     # every TransformerConfig field that is a train.py key: a fork's new field (qk_norm) needs no list here
     args = {f.name: cfg[f.name] for f in dataclasses.fields(TransformerConfig) if f.name in cfg}
-    args['vocab_size'] = vocab_size or 50304
+    args['vocab_size'] = vocab_size or TransformerConfig.vocab_size
     if cfg['preset']:
         args.update({k: v for k, v in PRESETS[cfg['preset']].items() if k in PRESET_KEYS})
         args['vocab_size'] = vocab_size or PRESETS[cfg['preset']]['vocab_size']
@@ -164,3 +165,27 @@ def build(cfg, device, vocab_size=0, model=None, shard=None, cpu_draws=True, hos
         shard(model)
     optimizer = build_optimizer(model, cfg, torch.device(device).type, host_scope)  # over ALL parameters
     return model, optimizer, build_cycler(model, optimizer, cfg)
+
+
+def trained_model(out_dir):
+    """(Transformer on the CPU, checkpoint dict, its path) of out_dir's newest checkpoint, weights only (read
+    mapped): sample.py's and eval.py's model. A one-line ValueError for a file that is not train.py's."""
+    checkpoint, path = read_any(out_dir, map_location='cpu', mmap=True, optimizer=False)
+    try:
+        model = Transformer(TransformerConfig(**checkpoint['model_args']))
+        model.load_state_dict(checkpoint['model'])
+        if trained_dataset(checkpoint) is None:
+            raise TypeError("its config records no dataset")
+        config = checkpoint['config']
+        checkpoint['iter_num']  # what eval.py reads besides: iter_num, and these integers when the file has them
+        integers = {k: config[k] for k in ('batch_size', 'eval_iters', 'data_seed') if k in config}
+        integers['world_size'] = checkpoint.get('world_size', 1)
+        wrong = [f'{k}={v!r}' for k, v in integers.items() if not of_type(v, int)]
+        if wrong:
+            raise TypeError(f"it holds {wrong[0]}")
+    except Exception as e:  # a readable file that is not one of train.py's checkpoints
+        raise ValueError(
+            f"{path} is not a checkpoint of train.py ({type(e).__name__}: "
+            f"{(str(e).splitlines() or [''])[0][:200]}); give the out_dir of a train.py run"
+        ) from None
+    return model, checkpoint, path

@@ -284,11 +284,11 @@ def cpu_checkpoint_after_one_step(cfg, path):
 
 
 def tiny_model_config(arch, **kw):
-    """A TransformerConfig of a tiny model of `arch` (tests/test_model.py, tests/test_memory.py)."""
+    """A TransformerConfig of a tiny model of `arch` (tests/test_model.py, tests/test_memory.py); GPT-2 with biases."""
     from model import TransformerConfig
 
     return TransformerConfig(
-        **{**dict(arch=arch, block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.0), **kw}
+        **{**dict(arch=arch, block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32, bias=True), **kw}
     )
 
 
