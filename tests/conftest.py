@@ -12,6 +12,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 
 import pytest
 
@@ -430,10 +431,13 @@ class Launch:
 
 
 def torchrun_train(*args, ranks=2, expect_ok=True):
-    """train.py with DDP_TINY: under torchrun on `ranks` ranks, or one plain process (ranks=1)."""
-    launcher = [*TORCHRUN[:-1], f'--nproc_per_node={ranks}'] if ranks > 1 else [sys.executable]
-    cmd = launcher + ['train.py', *DDP_TINY, *args]
-    run = Launch(cmd).wait()
+    """train.py with DDP_TINY: under torchrun on `ranks` ranks, or in this process (ranks=1, run_script: no
+    start-up). Returns what has .out (the merged output) and .proc.returncode."""
+    if ranks == 1:
+        result = run_script('train.py', [*DDP_TINY, *args])
+        run = types.SimpleNamespace(out=result.stdout + result.stderr, proc=result)
+    else:
+        run = Launch([*TORCHRUN[:-1], f'--nproc_per_node={ranks}', 'train.py', *DDP_TINY, *args]).wait()
     if expect_ok:
         assert run.proc.returncode == 0, run.out[-3000:]
     return run

@@ -22,6 +22,7 @@ What is checked, and how (helpers and the tiny model come from tests/conftest.py
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -45,8 +46,8 @@ pytestmark = pytest.mark.torchrun  # launches torchrun (deselect with -m "not to
 
 FSDP = ['--parallel=fsdp']
 CLIPPED = [*LINEAR[:-1], '--grad_clip=0.05']  # SGD with clipping (active: without it the weights end 0.18 away)
-ITERS = 24
-EVAL = 4  # the checked run evaluates (and saves) inside switching periods too: at 4, 8, 16 and 20
+ITERS = 16
+EVAL = 4  # the checked run evaluates (and saves) inside switching periods too: at 4 and 8
 RESUME = ['--dropout=0.1', '--omgd_period=4', *TWO_RANKS, *FSDP]  # AdamW; dropout: per-rank RNG streams
 STRAIGHT = 16
 
@@ -54,7 +55,8 @@ STRAIGHT = 16
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
     """One torchrun launch (tests/test_ddp.py's runner): the checked FSDP run, the straight run of
-    the resume test, and a short tensor_wor run (units are single tensors)."""
+    the resume test and its first part (a normal end at 5), and a short tensor_wor run (units are single
+    tensors)."""
     root = tmp_path_factory.mktemp('fsdp')
     runs = [
         (
@@ -70,6 +72,7 @@ def runs(tmp_path_factory):
             ],
         ),
         ('straight', [f'--out_dir={root / "straight"}', f'--max_iters={STRAIGHT}', *RESUME]),
+        ('first', [f'--out_dir={root / "first"}', '--max_iters=5', *RESUME]),
         (
             'tensor_wor',
             [
@@ -110,7 +113,7 @@ def test_fsdp_checks_hold_and_two_ranks_match_one_process(runs, tmp_path):
     assert [c[1] for c in checks if int(c[0]) % 3 == 0] == [', '.join(map(str, s['active'])) for s in switches]
     assert 'tokens per iteration: 256 (2 ranks)' in log
     # An evaluation leaves FSDP's root unit all-gathered and the next forward reuses it, here both
-    # inside a period (4, 8, 16, 20) and at a switch (12, after reshard_fsdp); evaluations and
+    # inside a period (4, 8) and at a switch (12, after reshard_fsdp); evaluations and
     # checkpoint writes must leave training as it is without them: the comparison with one process
     # below, which evaluates only at 0 and at the end, covers that.
     evals = [r['iter'] for r in records(root / 'checked', 'eval')]
@@ -158,13 +161,17 @@ def test_tensor_method_under_fsdp(runs):
 
 def test_fsdp_resume_and_sigterm_continue_exactly(runs, tmp_path):
     root, _ = runs
-    train(f'--out_dir={tmp_path}', '--max_iters=5', *RESUME)  # a normal end at 5, then resume
+    tmp_path = tmp_path / 'run'
+    shutil.copytree(root / 'first', tmp_path)  # a normal end at 5 (the runs fixture), then resume
     assert load(tmp_path)['iter_num'] == 5
     stop_with_sigterm(tmp_path, after=7, target='rank1', args=RESUME, max_iters=STRAIGHT)
     train(f'--out_dir={tmp_path}', f'--max_iters={STRAIGHT}', '--init_from=resume', *RESUME)
     assert_same_state(load(root / 'straight'), load(tmp_path))
 
 
+# once: check_parallel's refusal is pure Python (tests/test_train.py checks its line), and torchrun's summary of
+# a one-line refusal is checked on every torch by tests/test_rank_agreement.py
+@pytest.mark.once
 def test_offload_is_refused_under_fsdp(tmp_path):
     run = train(f'--out_dir={tmp_path}', '--omgd_state=offload', *TWO_RANKS, *FSDP, expect_ok=False)
     assert run.proc.returncode != 0 and '[rank0]: Traceback' not in run.out  # torchrun's own report aside
