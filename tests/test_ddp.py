@@ -16,13 +16,15 @@ What is checked, and how:
   iteration, and the last resumed run ends bit for bit where a straight run ends.
 - Resuming on another number of ranks: accepted when the data position allows, else one line.
 
-Each launch pays ~10 s of process start-up and `import torch` on a busy 2-core machine, so the
-method sweep runs train.py several times inside one torchrun launch (this file's __main__).
+Each launch pays ~10 s of process start-up and `import torch` on a busy 2-core machine, so one torchrun
+launch runs train.py several times (this file's __main__): the checked run, the method sweep, the config's
+run, the straight run and the first part of the resumed one; the one-rank runs run in the pytest process.
 """
 
 import json
 import os
 import re
+import shutil
 import sys
 import weakref
 from functools import partial
@@ -69,16 +71,9 @@ def lisa_active_elements(ckpt, trained_blocks=2):
     return total, total - (len(ref.blocks) - trained_blocks) * sum(p.numel() for p in ref.blocks[0].parameters())
 
 
-@pytest.fixture(scope='module')
-def two_rank_run(tmp_path_factory):
-    """torchrun, 2 ranks, LISA-wor, 40 iterations = 14 switches, every invariant checked."""
-    out = tmp_path_factory.mktemp('two_ranks')
-    run = train(f'--out_dir={out}', '--max_iters=40', '--ddp_check=True', *LINEAR, *TWO_RANKS)
-    return out, run.out
-
-
-def test_two_ranks_stay_in_sync_and_match_one_rank(two_rank_run, tmp_path):
-    out, log = two_rank_run
+def test_two_ranks_stay_in_sync_and_match_one_rank(many_runs, tmp_path):
+    root, logs = many_runs
+    out, log = root / 'checked', logs['checked']
     switches = records(out, 'switch')
     assert [s['iter'] for s in switches] == list(range(0, 40, 3))
     assert all(s['ddp_rebuild_ms'] is not None and len(s['active']) == 2 for s in switches)
@@ -111,8 +106,8 @@ def test_two_ranks_stay_in_sync_and_match_one_rank(two_rank_run, tmp_path):
     assert len(losses[0]) == 40 and losses[0] == pytest.approx(losses[1], abs=1e-5)  # the mean over ranks
 
 
-def test_resume_on_another_number_of_ranks(two_rank_run, tmp_path):
-    out, _ = two_rank_run
+def test_resume_on_another_number_of_ranks(many_runs, tmp_path):
+    out = many_runs[0] / 'checked'
     first = load(out)
     assert first['world_size'] == 2 and first['data']['windows_per_step'] == 4
     # batch_size x ranks unchanged (4 x 1 for 2 x 2): same windows, the run goes on
@@ -134,13 +129,30 @@ METHODS = ['full', 'lisa', 'lisa_scale', 'lisa_wor_noscale', 'tensor_wor', 'tens
 )
 RESUME = ['--dropout=0.1', '--omgd_period=4', *TWO_RANKS]  # AdamW; dropout: per-rank RNG streams
 STRAIGHT = 40  # iterations of the straight run that the resumed runs must reproduce
+CONFIG = 'config/shakespeare_lisa_wor.py'
+SHORT = [  # its run shortened
+    '--max_iters=2',
+    '--eval_interval=2',
+    '--eval_iters=1',
+    '--n_layer=2',
+    '--omgd_gamma=1',
+    '--block_size=32',
+    '--sample_tokens=0',
+    '--compile=False',
+]
 
 
 @pytest.fixture(scope='module')
 def many_runs(tmp_path_factory):
-    """One torchrun launch, train.py run once per method, then the straight run of the resume test."""
+    """One torchrun launch: train.py run once per method, the checked run (LISA-wor, 40 iterations = 14
+    switches, every invariant checked), config/shakespeare_lisa_wor.py shortened, the straight run of the
+    resume test and its first part (a normal end at 10), and the run whose files are traced."""
     root = tmp_path_factory.mktemp('many')
     runs = [
+        ('checked', [f'--out_dir={root / "checked"}', '--max_iters=40', '--ddp_check=True', *LINEAR, *TWO_RANKS]),
+        ('config', [CONFIG, f'--out_dir={root / "config"}', *SHORT]),
+    ]
+    runs += [
         (
             m,
             [
@@ -157,6 +169,7 @@ def many_runs(tmp_path_factory):
         for m in METHODS
     ]
     runs.append(('straight', [f'--out_dir={root / "straight"}', f'--max_iters={STRAIGHT}', *RESUME]))
+    runs.append(('first', [f'--out_dir={root / "first"}', '--max_iters=10', *RESUME]))
     runs.append(('files', [f'--out_dir={root / "files"}', '--max_iters=4', *TWO_RANKS]))  # switches at 0 and 3
     run = Launch(TORCHRUN + ['tests/test_ddp.py'], env={'DDP_TEST_RUNS': json.dumps(runs)}).wait()
     assert run.proc.returncode == 0, run.out[-3000:]
@@ -258,7 +271,8 @@ stop_with_sigterm = partial(_stop_with_sigterm, args=RESUME, max_iters=STRAIGHT)
 
 def test_resume_and_sigterm_continue_exactly(many_runs, tmp_path):
     root, _ = many_runs
-    train(f'--out_dir={tmp_path}', '--max_iters=10', *RESUME)  # a normal end at 10, then resume
+    tmp_path = tmp_path / 'run'
+    shutil.copytree(root / 'first', tmp_path)  # a normal end at 10 (many_runs), then resume
     assert load(tmp_path)['iter_num'] == 10
     first = stop_with_sigterm(tmp_path, after=12, target='rank1')  # one worker only, the other follows
     stop_with_sigterm(tmp_path, after=first + 2, target='torchrun')  # a preempted node: torchrun gets it
@@ -282,37 +296,38 @@ if __name__ == '__main__':
     for name, args in json.loads(os.environ['DDP_TEST_RUNS']):
         if os.environ.get('RANK') == '0':
             print(f"=== {name}", flush=True)
+        argv = args if args[0].endswith('.py') else [*TINY, *args]  # a config file's run: as it is written
         if name == 'files':  # the files each rank's iterations call into
-            status, files = files_per_iteration([*TINY, *args])
+            status, files = files_per_iteration(argv)
             with open(os.path.join(args[0].split('=', 1)[1], f"files_rank{os.environ['RANK']}.json"), 'w') as out:
                 json.dump(files, out)
         else:
-            status = train_script.main([*TINY, *args])
+            status = train_script.main(argv)
         if status:
             sys.exit(status)
 
 
-def test_the_small_config_runs_on_two_ranks_and_a_refusal_is_one_line(tmp_path):
+def test_the_small_config_runs_on_two_ranks(many_runs):
     """config/shakespeare_lisa_wor.py runs under the torchrun command of its comment (its gradient_accumulation_steps
-    is a multiple of 2 ranks), shortened here; what 2 ranks cannot train is refused by one `error:` line, not one
-    per rank (torchrun's own report of the failed workers follows it)."""
-    config = os.path.join(ROOT, 'config', 'shakespeare_lisa_wor.py')
-    assert '# $ torchrun --standalone --nproc_per_node=2 train.py config/shakespeare_lisa_wor.py' in open(config).read()
-    short = [
-        '--max_iters=2',
-        '--eval_interval=2',
-        '--eval_iters=1',
-        '--n_layer=2',
-        '--omgd_gamma=1',
-        '--block_size=32',
-        '--sample_tokens=0',
-        '--compile=False',
-    ]
-    cmd = [*TORCHRUN, 'train.py', 'config/shakespeare_lisa_wor.py', f'--out_dir={tmp_path}', *short]
-    run = Launch(cmd).wait()
-    assert run.proc.returncode == 0, run.out[-3000:]
-    assert re.search(r'tokens per iteration: 1,024 \(2 ranks', run.out), run.out[-3000:]  # 2 micro-steps x 16 x 32
-    refused = Launch(cmd + ['--gradient_accumulation_steps=3', '--overwrite=True']).wait()
+    is a multiple of 2 ranks), shortened here (in many_runs' launch)."""
+    root, logs = many_runs
+    assert (
+        '# $ torchrun --standalone --nproc_per_node=2 train.py config/shakespeare_lisa_wor.py'
+        in open(os.path.join(ROOT, CONFIG)).read()
+    )
+    # 2 micro-steps x 16 x 32
+    assert re.search(r'tokens per iteration: 1,024 \(2 ranks', logs['config']), logs['config'][-3000:]
+    assert load(root / 'config')['iter_num'] == 2
+
+
+# once: check_parallel's refusal is pure Python (tests/test_train.py), and torchrun's summary of a one-line
+# refusal (the error file) is checked on every torch by tests/test_rank_agreement.py
+@pytest.mark.once
+def test_a_refusal_under_two_ranks_is_one_line(tmp_path):
+    """What 2 ranks cannot train is refused by one `error:` line, not one per rank (torchrun's own report of the
+    failed workers follows it)."""
+    cmd = [*TORCHRUN, 'train.py', CONFIG, f'--out_dir={tmp_path}', *SHORT, '--gradient_accumulation_steps=3']
+    refused = Launch(cmd).wait()
     errors = [line for line in refused.out.splitlines() if line.startswith('error: ')]
     assert refused.proc.returncode != 0 and len(errors) == 1, refused.out[-3000:]
     assert errors[0].startswith(
