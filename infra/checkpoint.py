@@ -149,9 +149,8 @@ class Checkpointer:
         earlier = f"iteration {it} of an earlier run" if it >= 0 else "an unreadable checkpoint"
         if not overwrite:
             raise CheckpointError(
-                f"{path} holds {earlier}; continue it with --init_from=resume, choose another "
-                f"--out_dir, or pass --overwrite=True to replace it (--init_from=auto resumes when "
-                f"there is one)"
+                f"{path} holds {earlier}; continue it with --init_from=resume, choose another --out_dir, or pass "
+                f"--overwrite=True to replace it (--init_from=auto resumes when there is one)"
             )
         self.replaced = [path for _, path, _ in self.candidates]
         if self.ranks.master:
@@ -180,9 +179,8 @@ class Checkpointer:
             checkpoint_file.check_finite(ranks, model, optimizer)
         except NonFiniteState:
             raise CheckpointError(
-                f"{path} holds weights or optimizer state that are not finite (iteration "
-                f"{self.iter_num}): it cannot be resumed; restore a backup of it, or start again "
-                f"with --init_from=scratch --overwrite=True"
+                f"{path} holds weights or optimizer state that are not finite (iteration {self.iter_num}): it cannot "
+                f"be resumed; restore a backup of it, or start again with --init_from=scratch --overwrite=True"
             ) from None
         saved_tokens = checkpoint['data'].get('n_tokens')
         if saved_tokens is not None and saved_tokens != data.n_tokens and ranks.master:
