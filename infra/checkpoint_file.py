@@ -7,6 +7,7 @@ atomically replaces the previous one.
 
 import contextlib
 import io
+import itertools
 import os
 import re
 import zipfile
@@ -109,16 +110,21 @@ def fsync(path):
 
 @contextlib.contextmanager
 def atomic_path(path: Path):
-    """Yield a hidden temporary path next to ``path`` (the pid keeps parallel writers apart); on success it
-    replaces ``path``, on an error it is removed and ``path`` keeps its old content."""
+    """Yield a hidden temporary file next to ``path``, created empty by this call (O_EXCL: a file of that name
+    someone else left is skipped, never written or removed); on success it replaces ``path``, on an error it is
+    removed and ``path`` keeps its old content."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    for n in itertools.count():  # the pid keeps parallel writers apart
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}" + (f"-{n}" if n else ''))
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the umask's mode, as open() gives
+            break
     try:
         yield tmp
         fsync(tmp)  # on disk before it replaces the old file: a power cut leaves one of the two
         os.replace(tmp, path)
     except BaseException:
-        if tmp.exists():
+        with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
 
@@ -197,7 +203,7 @@ def remove_interrupted_write(path):
     with open(record, errors='replace') as f:
         name = f.read().strip()
     # only a record in the form a save writes, naming atomic_path's form in the same folder, is ours
-    if re.fullmatch(rf'\.{re.escape(os.path.basename(path))}\.tmp-\d+', name):
+    if re.fullmatch(rf'\.{re.escape(os.path.basename(path))}\.tmp-\d+(-\d+)?', name):
         if os.path.isfile(os.path.join(os.path.dirname(path), name)):
             os.remove(os.path.join(os.path.dirname(path), name))
         os.remove(record)

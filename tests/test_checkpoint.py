@@ -176,6 +176,27 @@ def test_a_save_records_its_temporary_file_until_it_is_in_place(tmp_path, monkey
         checkpoint.check_out_dir(str(tmp_path / 'file'))
 
 
+def test_a_save_never_writes_or_removes_a_temporary_name_it_did_not_create(tmp_path, monkeypatch):
+    """A file already at the save's temporary name (another program's, or a save's of a recycled pid) is not
+    written over, and is left when the save fails as when it succeeds: the save writes a name of its own."""
+    foreign = tmp_path / f'.ckpt.pt.tmp-{os.getpid()}'
+    foreign.write_bytes(b'not ours')
+    real_save, used = torch.save, []
+
+    def disk_full(obj, f):
+        used.append(os.path.basename(f))
+        raise OSError(errno.ENOSPC, 'No space left on device')
+
+    monkeypatch.setattr(torch, 'save', disk_full)
+    with pytest.raises(checkpoint.CheckpointError, match='No space left'):
+        save(tmp_path / 'ckpt.pt', build())
+    assert used == [f'.ckpt.pt.tmp-{os.getpid()}-1'] and foreign.read_bytes() == b'not ours'
+    assert sorted(os.listdir(tmp_path)) == [foreign.name]
+    monkeypatch.setattr(torch, 'save', real_save)
+    save(tmp_path / 'ckpt.pt', build())
+    assert foreign.read_bytes() == b'not ours' and sorted(os.listdir(tmp_path)) == [foreign.name, 'ckpt.pt']
+
+
 @pytest.mark.parametrize('precision', ['amp', 'bf16_master'])
 def test_a_checkpoint_resumes_on_another_device_type(tmp_path, precision):
     """Written on the CPU, resumed with the model on another device (meta stands in for a GPU: a load
