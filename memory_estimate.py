@@ -24,7 +24,7 @@ import builder
 import dataloader
 import train_config
 from infra import memory_options
-from model import Transformer, TransformerConfig, emulated_autocast
+from model import DTYPES, Transformer, TransformerConfig, emulated_autocast
 from trainer import Trainer, random_batches
 
 
@@ -377,7 +377,7 @@ def measure(cfg, device):
 
     autocast = backward = None
     if device.type == 'meta':  # the GPU's kernels and autocast, emulated on shapes (memory_estimate.py)
-        dtype = train_config.PTDTYPES[cfg['dtype']] if cfg['precision'] == 'amp' and cfg['dtype'] != 'float32' else None
+        dtype = DTYPES[cfg['dtype']] if cfg['precision'] == 'amp' and cfg['dtype'] != 'float32' else None
         autocast, backward = MetaAsCuda(dtype, cache=True), MetaAsCuda(dtype, cache=False).backward
     gas = cfg['gradient_accumulation_steps']
     micro = min(cfg['micro_batches'] or gas, gas)

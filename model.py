@@ -223,6 +223,8 @@ PRESETS: dict[str, dict] = {
 
 
 ARCHS = ('gpt2', 'llama')
+# the dtypes of weights and autocast, by the names configs give them (train.py's dtype, eval.py's, hf.py's export)
+DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
 
 def check_arch(arch):

@@ -32,7 +32,7 @@ from infra import ddp_check, distributed, memory_options, multiple_choice
 from infra.checkpoint import Checkpointer, CheckpointError
 from infra.metrics import LogOutlivesItsReader, Metrics
 from memory_estimate import check_fits, estimate_iteration
-from model import PRESET_KEYS, TransformerConfig
+from model import DTYPES, PRESET_KEYS, TransformerConfig
 from trainer import Trainer
 
 
@@ -267,7 +267,7 @@ def build_trainer(cfg, raw_model, ranks, device, fsdp, train_batches, iter_num):
     parameters, and cycler."""
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
     # FSDP2, before the optimizer and the cycler (they must see the sharded parameters); gathered in amp's dtype
-    amp_dtype = train_config.PTDTYPES[cfg['dtype']] if cfg['precision'] == 'amp' else torch.float32
+    amp_dtype = DTYPES[cfg['dtype']] if cfg['precision'] == 'amp' else torch.float32
     param_dtype = amp_dtype if device_type == 'cuda' and amp_dtype != torch.float32 else None
     shard = functools.partial(distributed.shard_fsdp, ranks=ranks, device_type=device_type, param_dtype=param_dtype)
     with refused(ValueError):

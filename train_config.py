@@ -23,7 +23,7 @@ import optim
 from configurator import above, at_least, between, check_rule, configure, one_of
 from infra import memory_options
 from infra.checkpoint import of_type
-from model import SHAPE_KEYS, TransformerConfig, check_arch
+from model import DTYPES, SHAPE_KEYS, TransformerConfig, check_arch
 
 CUDA = torch.cuda.is_available()
 
@@ -152,7 +152,6 @@ DEFAULTS = {
 PRECISIONS = ('amp', 'bf16', 'bf16_master')
 GALORE_METHODS = ('galore', 'golore')  # galore.py's optimizers; every block trains
 METHOD_NAMES = (*omgd.METHODS, *GALORE_METHODS)
-PTDTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
 # the rule each value follows on its own (configurator.py checks them with the types); combinations are
 # check()'s. A key a library reads has its rule in that library
@@ -187,7 +186,7 @@ RULES = {
     'golore_svd_fraction': between(0, 1, closed=True),
     'precision': one_of(*PRECISIONS, label='precision'),
     'master_device': one_of('', 'cpu', described="'' (the weights' device) or 'cpu'"),
-    'dtype': one_of(*PTDTYPES, label='dtype'),
+    'dtype': one_of(*DTYPES, label='dtype'),
     'backend': one_of('nccl', 'gloo'),
     'parallel': one_of('ddp', 'fsdp'),
     'dist_timeout_s': at_least(1),

@@ -8,7 +8,7 @@ from contextlib import nullcontext
 
 import torch
 
-from train_config import PTDTYPES
+from model import DTYPES
 
 
 def get_lr(it, cfg):
@@ -27,7 +27,7 @@ def autocast_context(cfg, device_type):
     """'amp' on CUDA: autocast in cfg['dtype']; else (CPU, meta, the bf16 precisions) none."""
     if cfg['precision'] != 'amp' or device_type != 'cuda' or cfg['dtype'] == 'float32':
         return nullcontext()
-    return torch.amp.autocast(device_type=device_type, dtype=PTDTYPES[cfg['dtype']])
+    return torch.amp.autocast(device_type=device_type, dtype=DTYPES[cfg['dtype']])
 
 
 def grad_scaler(cfg, device_type):

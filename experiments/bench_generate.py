@@ -40,7 +40,7 @@ HELP = dict(
     dtype="'float32', or autocast in 'bfloat16' or 'float16'",
     seed="seeds the weights and the prompt",
 )
-DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+from model import DTYPES  # noqa: E402
 
 
 def rules():
