@@ -199,10 +199,10 @@ def files_per_iteration(argv, run=None):
         if frame.f_code is step and event in ('call', 'return'):
             marks.append(len(calls) - (event == 'call'))
 
-    def traced(trainer):  # the profile starts at the first step: the set-up before it is not traced (time)
+    def traced(*args, **kwargs):  # the profile starts at the first step: the set-up before it is not traced (time)
         if sys.getprofile() is None:
             sys.setprofile(profile)
-        return step_function(trainer)
+        return step_function(*args, **kwargs)
 
     step_function, Trainer.step = Trainer.step, traced
     try:
