@@ -19,6 +19,7 @@ What is checked, and how:
 import json
 import os
 import re
+import shutil
 import sys
 
 import pytest
@@ -55,7 +56,7 @@ def folders(out_dir):
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
     """One torchrun launch (tests/test_ddp.py's runner): straight runs under FSDP and DDP, each
-    writing step folders (dcp) and ckpt.pt (file)."""
+    writing step folders (dcp) and ckpt.pt (file), and the first part of the resumed FSDP run (a normal end at 6)."""
     root = tmp_path_factory.mktemp('dcp')
     runs = [
         (
@@ -74,13 +75,14 @@ def runs(tmp_path_factory):
         for parallel in ('fsdp', 'ddp')
         for fmt in ('dcp', 'file')
     ]
+    runs.append(('first', [f'--out_dir={root / "first"}', '--max_iters=6', *RESUME, *FSDP, '--checkpoint_format=dcp']))
     run = Launch(TORCHRUN + ['tests/test_ddp.py'], env={'DDP_TEST_RUNS': json.dumps(runs)}).wait(timeout=400)
     assert run.proc.returncode == 0, run.out[-3000:]
     logs = dict(re.findall(r'=== (\w+)\n(.*?)(?==== |\Z)', run.out, flags=re.S))
     return root, logs
 
 
-def test_fsdp_resume_from_step_folders_is_exact(runs, tmp_path):
+def test_step_folders_are_kept_complete_and_written_in_the_background_where_asked(runs):
     root, logs = runs
     straight = root / 'fsdp' / 'dcp'
     # saved at 4, 8, 12, 16; keep_last=3 keeps the newest three; no ckpt.pt, no temporary folder
@@ -88,7 +90,15 @@ def test_fsdp_resume_from_step_folders_is_exact(runs, tmp_path):
     assert all((straight / f / '.complete').exists() for f in folders(straight))
     assert 'written to disk in the background' in logs['fsdp_dcp']
     assert 'saved checkpoint to' in logs['ddp_dcp'] and 'in the background' not in logs['ddp_dcp']  # auto on a CPU
-    train(f'--out_dir={tmp_path}', '--max_iters=6', *RESUME, *FSDP, '--checkpoint_format=dcp')
+
+
+# once: a normal end's step folders resumed under FSDP, bitwise, is checked on every torch by test_fsdp.py's
+# resume test (and here by the crash test's resume); this one adds an eval_interval changed on resume
+@pytest.mark.once
+def test_fsdp_resume_from_step_folders_is_exact(runs, tmp_path):
+    root, _ = runs
+    straight, tmp_path = root / 'fsdp' / 'dcp', tmp_path / 'run'
+    shutil.copytree(root / 'first', tmp_path)  # a normal end at 6 (the runs fixture), then resume
     run = train(
         f'--out_dir={tmp_path}',
         f'--max_iters={STRAIGHT}',
@@ -129,24 +139,36 @@ def test_shards_hold_the_full_state_and_reshard_to_one_process(runs, tmp_path, p
     assert ends['dcp']['data']['windows_consumed'] == consolidated['data']['windows_consumed'] + 3 * 8
 
 
+@pytest.fixture(scope='module')
+def four_ranks(runs):
+    """One 4-rank torchrun launch (tests/test_ddp.py's runner): the FSDP and the DDP run's step folders resumed."""
+    root, _ = runs
+    resumed = []
+    for parallel in ('fsdp', 'ddp'):
+        copy_checkpoint(root / parallel / 'dcp', root / 'four' / parallel)
+        args = [
+            f'--out_dir={root / "four" / parallel}',
+            f'--max_iters={STRAIGHT + 3}',
+            '--init_from=resume',
+            '--batch_size=2',
+            '--gradient_accumulation_steps=4',
+            f'--parallel={parallel}',
+        ]
+        resumed.append((parallel, args))
+    cmd = [*TORCHRUN[:-1], '--nproc_per_node=4', 'tests/test_ddp.py']
+    run = Launch(cmd, env={'DDP_TEST_RUNS': json.dumps(resumed)}).wait()
+    assert run.proc.returncode == 0, run.out[-3000:]
+    return dict(re.findall(r'=== (\w+)\n(.*?)(?==== |\Z)', run.out, flags=re.S))
+
+
 @pytest.mark.parametrize('parallel', ['fsdp', 'ddp'])
-def test_a_two_rank_checkpoint_resumes_on_four_ranks(runs, tmp_path, parallel):
+def test_a_two_rank_checkpoint_resumes_on_four_ranks(runs, four_ranks, parallel):
     """The same global batch (8 windows an iteration) over 4 ranks: the next windows of the same order,
     none repeated or skipped."""
     root, _ = runs
-    saved = load(root / parallel / 'dcp')
-    copy_checkpoint(root / parallel / 'dcp', tmp_path)
-    run = train(
-        f'--out_dir={tmp_path}',
-        f'--max_iters={STRAIGHT + 3}',
-        '--init_from=resume',
-        '--batch_size=2',
-        '--gradient_accumulation_steps=4',
-        f'--parallel={parallel}',
-        ranks=4,
-    )
-    assert 'resuming a 2-rank checkpoint on 4 ranks: same data position' in run.out, run.out[-2000:]
-    after = load(tmp_path)
+    saved, log = load(root / parallel / 'dcp'), four_ranks[parallel]
+    assert 'resuming a 2-rank checkpoint on 4 ranks: same data position' in log, log[-2000:]
+    after = load(root / 'four' / parallel)
     assert after['world_size'] == 4 and after['iter_num'] == STRAIGHT + 3
     assert after['data']['windows_consumed'] == saved['data']['windows_consumed'] + 3 * 8
 
