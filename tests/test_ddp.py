@@ -295,8 +295,9 @@ if __name__ == '__main__':
     dist.init_process_group(backend='gloo')
     dist.init_process_group = dist.destroy_process_group = lambda *args, **kwargs: None
     for name, args in json.loads(os.environ['DDP_TEST_RUNS']):
-        if os.environ.get('RANK') == '0':
-            print(f"=== {name}", flush=True)
+        if os.environ.get('RANK') == '0':  # one write: under PYTHONUNBUFFERED, print's two let another rank's
+            sys.stdout.flush()  # output in between ('=== fsdp[Gloo] Rank 3 ...'), and the run's log went unfound
+            os.write(sys.stdout.fileno(), f"=== {name}\n".encode())
         argv = args if args[0].endswith('.py') else [*TINY, *args]  # a config file's run: as it is written
         if name == 'files':  # the files each rank's iterations call into
             status, files = files_per_iteration(argv)
