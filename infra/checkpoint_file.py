@@ -175,7 +175,7 @@ def save(path, ranks, objects, values, fsdp=False, device_type='cpu'):
             # names the temporary file, for the next run if this one is killed; never over a record no save wrote
             with contextlib.suppress(FileExistsError), open(record, 'x') as f:
                 ours = True
-                f.write(tmp_path.name)
+                f.write(record_text(tmp_path))
             torch.save(checkpoint, tmp_path)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError of its zip writer
         reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
@@ -194,18 +194,26 @@ def write_record(path):
     return os.path.join(os.path.dirname(path), f'.{os.path.basename(path)}.writing')
 
 
+def record_text(tmp):
+    """What the record holds: the temporary file's name and identity (device, inode), which atomic_path created."""
+    st = os.lstat(tmp)
+    return f'{os.path.basename(tmp)} {st.st_dev} {st.st_ino}'
+
+
 def remove_interrupted_write(path):
     """Remove the temporary file a killed save of `path` left, found through the record that save wrote
-    (write_record), never by its name alone: a file this code did not write is left."""
+    (write_record): only the very file the save created (same name, device and inode), never one by its name."""
     record = write_record(path)
     if not os.path.isfile(record):
         return
     with open(record, errors='replace') as f:
-        name = f.read().strip()
+        written = f.read().split()
     # only a record in the form a save writes, naming atomic_path's form in the same folder, is ours
-    if re.fullmatch(rf'\.{re.escape(os.path.basename(path))}\.tmp-\d+(-\d+)?', name):
-        if os.path.isfile(os.path.join(os.path.dirname(path), name)):
-            os.remove(os.path.join(os.path.dirname(path), name))
+    if len(written) == 3 and re.fullmatch(rf'\.{re.escape(os.path.basename(path))}\.tmp-\d+(-\d+)?', written[0]):
+        tmp = os.path.join(os.path.dirname(path), written[0])
+        with contextlib.suppress(FileNotFoundError):
+            if record_text(tmp).split() == written:
+                os.remove(tmp)
         os.remove(record)
 
 

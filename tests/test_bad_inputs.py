@@ -460,10 +460,12 @@ def test_a_foreign_config_is_one_line_for_every_reader(trained, tmp_path, config
 
 
 def test_stale_temporary_files_of_an_interrupted_save_are_removed(trained, tmp_path):
+    from infra import checkpoint_file
+
     out = tmp_path / 'run'
     shutil.copytree(trained, out)
     (out / '.ckpt.pt.tmp-12345').write_bytes(b'half a checkpoint')  # what a killed save leaves: its record too
-    (out / '.ckpt.pt.writing').write_text('.ckpt.pt.tmp-12345')
+    (out / '.ckpt.pt.writing').write_text(checkpoint_file.record_text(out / '.ckpt.pt.tmp-12345'))
     result = run_script(
         'train.py', [*TINY, f'--out_dir={out}', '--init_from=resume', '--max_iters=5', '--eval_interval=5']
     )

@@ -10,7 +10,7 @@ import torch
 from conftest import cpu_checkpoint_after_one_step, train_defaults
 
 import builder
-from infra import checkpoint
+from infra import checkpoint, checkpoint_file
 from infra.distributed import Ranks
 from trainer import Trainer
 
@@ -115,19 +115,31 @@ def test_the_file_is_synced_before_it_replaces_the_old_one(tmp_path, monkeypatch
 
 
 def test_out_dir_checked_and_the_temporary_of_a_killed_save_removed(tmp_path):
-    """A killed save leaves its temporary file and the record naming it: both go. A file of the same
-    form that no record names (a user's, a copy's) stays, and so does anything a record names that is
-    not a temporary of ckpt.pt in this folder."""
+    """A killed save leaves its temporary file and the record naming it (name, device, inode): both go. A file
+    of the same form that no record names (a user's, a copy's) stays, and so does anything a record names that
+    is not a temporary of ckpt.pt in this folder, or not the file the save created (replaced since)."""
+    record = tmp_path / '.ckpt.pt.writing'
     (tmp_path / '.ckpt.pt.tmp-999').write_bytes(b'from a save that was killed')
-    (tmp_path / '.ckpt.pt.writing').write_text('.ckpt.pt.tmp-999')
+    record.write_text(checkpoint_file.record_text(tmp_path / '.ckpt.pt.tmp-999'))  # what the save wrote
     (tmp_path / '.ckpt.pt.tmp-1000').write_bytes(b'no record names it')
     (tmp_path / 'ckpt.pt').write_bytes(b'kept')
     checkpoint.check_out_dir(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == ['.ckpt.pt.tmp-1000', 'ckpt.pt']
-    for named in ('ckpt.pt', '../ckpt.pt.tmp-1', '.ckpt.pt.tmp-1000/'):  # not a save's record: nothing removed
-        (tmp_path / '.ckpt.pt.writing').write_text(named)
+    # the name a save's record gave, now another file (its inode differs): the file stays, the record goes
+    (tmp_path / '.ckpt.pt.tmp-1').write_bytes(b'replaced')
+    record.write_text(checkpoint_file.record_text(tmp_path / '.ckpt.pt.tmp-1'))
+    (tmp_path / '.ckpt.pt.tmp-1').rename(tmp_path / 'moved')
+    (tmp_path / '.ckpt.pt.tmp-1').write_bytes(b'someone else wrote this')
+    checkpoint.check_out_dir(str(tmp_path))
+    assert (tmp_path / '.ckpt.pt.tmp-1').read_bytes() == b'someone else wrote this' and not record.exists()
+    (tmp_path / 'moved').unlink()
+    (tmp_path / '.ckpt.pt.tmp-1').unlink()
+    identity = checkpoint_file.record_text(tmp_path / '.ckpt.pt.tmp-1000').split()[1:]
+    # not a save's record: a name alone, or not a temporary of ckpt.pt in this folder; nothing removed
+    for text in ('.ckpt.pt.tmp-1000', 'ckpt.pt', '../ckpt.pt.tmp-1', ' '.join(['.ckpt.pt.tmp-1000/', *identity])):
+        record.write_text(text)
         checkpoint.check_out_dir(str(tmp_path))
-        assert sorted(os.listdir(tmp_path)) == ['.ckpt.pt.tmp-1000', '.ckpt.pt.writing', 'ckpt.pt'], named
+        assert sorted(os.listdir(tmp_path)) == ['.ckpt.pt.tmp-1000', '.ckpt.pt.writing', 'ckpt.pt'], text
 
 
 def test_a_save_never_replaces_or_removes_a_record_it_did_not_write(tmp_path, monkeypatch):
@@ -161,7 +173,7 @@ def test_a_save_records_its_temporary_file_until_it_is_in_place(tmp_path, monkey
     monkeypatch.setattr(torch, 'save', save_and_look)
     save(tmp_path / 'ckpt.pt', build())
     tmp_name = f'.ckpt.pt.tmp-{os.getpid()}'
-    assert seen == [sorted(['.ckpt.pt.writing', tmp_name]), tmp_name]
+    assert seen[0] == sorted(['.ckpt.pt.writing', tmp_name]) and seen[1].split()[0] == tmp_name
     assert sorted(os.listdir(tmp_path)) == ['ckpt.pt']
 
     def disk_full(obj, f):
