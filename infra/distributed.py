@@ -1,8 +1,7 @@
-"""
-Everything torchrun brings: Ranks and the loop's collectives, joining and leaving the process group, the model
-the Trainer runs and syncs (ParallelModel: DDP rebuilt at every switch, or FSDP2), full-state checkpoints of it.
-"""
+"""Everything torchrun brings: Ranks and the loop's collectives, joining and leaving the process group, the model
+the Trainer runs and syncs (ParallelModel: DDP rebuilt at every switch, or FSDP2), full-state checkpoints of it."""
 
+import contextlib
 import datetime
 import gc
 import inspect
@@ -87,20 +86,15 @@ def report_error(error, printed=True):
         print(line, file=sys.stderr, flush=True)
     path = os.environ.get('TORCHELASTIC_ERROR_FILE')
     if path:
-        try:
-            with open(path, 'w') as f:
-                json.dump({'message': line, 'timestamp': int(time.time())}, f)
-        except OSError:  # the line was printed
-            pass
+        with contextlib.suppress(OSError), open(path, 'w') as f:  # on OSError: the line was printed
+            json.dump({'message': line, 'timestamp': int(time.time())}, f)
     return 1
 
 
 def check_same_config(ranks, cfg):
     """A ValueError naming the first key that differs from rank 0's (a different seed trains silently apart, a
     different max_iters hangs)."""
-    if not ranks.enabled:
-        return
-    configs = ranks.gather(cfg)
+    configs = ranks.gather(cfg)  # [cfg] in one process
     for rank, other in enumerate(configs[1:], 1):
         for key in sorted(set(configs[0]) | set(other)):
             if other.get(key) != configs[0].get(key):
@@ -154,8 +148,7 @@ class ParallelModel:
 
     def __init__(self, raw_model, ranks, device_type, fsdp):
         self.raw_model, self.ranks, self.device_type, self.fsdp = raw_model, ranks, device_type, fsdp
-        self.model = None
-        self.rebuild_ms = None  # the last DDP rebuild
+        self.model = self.rebuild_ms = None  # rebuild_ms: the last DDP rebuild's
         self.switches, self.old_wrapper, self.wrapper_in_gc_cycle = 0, None, False
 
     def on_switch(self):
@@ -181,8 +174,7 @@ class ParallelModel:
             self.model.require_backward_grad_sync = last
 
     @property
-    def wrapper(self):
-        """The DDP wrapper, or None (one process, or FSDP, where the model itself is sharded)."""
+    def wrapper(self):  # the DDP wrapper, or None (one process, or FSDP, where the model itself is sharded)
         return self.model if self.ranks.enabled and not self.fsdp else None
 
 
@@ -194,18 +186,12 @@ def wrap_ddp(model, ranks, device_type, init_sync):
 
     if not ranks.enabled:
         return model
-    return DDP(
-        model,
-        device_ids=[ranks.local_rank] if device_type == 'cuda' else None,
-        init_sync=init_sync,
-        gradient_as_bucket_view=True,
-        **no_buffer_sync(DDP),
-    )
+    device_ids = [ranks.local_rank] if device_type == 'cuda' else None
+    return DDP(model, device_ids=device_ids, init_sync=init_sync, gradient_as_bucket_view=True, **no_buffer_sync(DDP))
 
 
 def no_buffer_sync(ddp_class):
-    """DDP's keyword that turns off the buffer broadcast before every forward: forward_sync_buffers from torch
-    2.13 (which deprecates broadcast_buffers), else broadcast_buffers."""
+    """DDP's keyword that turns off buffer broadcasts: forward_sync_buffers from torch 2.13, else broadcast_buffers."""
     if 'forward_sync_buffers' in inspect.signature(ddp_class.__init__).parameters:
         return {'forward_sync_buffers': False}
     return {'broadcast_buffers': False}
