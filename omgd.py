@@ -1,9 +1,7 @@
 """
-Omni-Masked Gradient Descent (OMGD) and its LLM instance, LISA-wor layer cycling (Yang et al., "Omni-Masked
-Gradient Descent"). Algorithm 2: every K iterations gamma blocks are drawn from a pool of blocks not yet used
-in this cycle, the others are frozen (requires_grad=False, grad=None, under 'drop' no optimizer state), and
-active gradients are scaled by N_L / gamma. Blocks are chosen by their index in model.blocks, so nothing
-changes under DDP or torch.compile. Algorithm 1 on the paper's least squares: experiments/linreg.py.
+Omni-Masked Gradient Descent (Yang et al.) and its LLM instance, LISA-wor layer cycling (Algorithm 2): every K
+iterations gamma blocks are drawn from a pool not yet used in this cycle, the others are frozen, and active gradients
+are scaled by N_L / gamma. Blocks are chosen by index in model.blocks, so DDP and torch.compile change nothing.
 """
 
 import itertools
@@ -87,8 +85,7 @@ class CyclerConfig:
 
 
 def build_cycler(model, optimizer, config):
-    """A Cycler over model.blocks (block methods: the outer parts not in config.always are frozen) or over
-    every tensor (tensor methods: every outer part cycles too)."""
+    """A Cycler over model.blocks, the outer parts not in config.always frozen, or (tensor methods) every tensor."""
     outer = model.outer_modules()
     if METHODS.get(config.method) and METHODS[config.method].unit == 'tensor':
         if not set(outer) <= set(config.always):
@@ -106,10 +103,6 @@ def build_cycler(model, optimizer, config):
         if id(p) not in trained:
             p.requires_grad_(False)
     return cycler
-
-
-# -----------------------------------------------------------------------------
-# The mask on a model and its optimizer: freezing, state policies, gradient scale
 
 
 class Cycler:
@@ -212,10 +205,7 @@ class Cycler:
     def report(self, model):
         """A switch's log line and record values: `active`, the cycled units on; `trains`, every part of the
         model with a parameter that trains now ({'outer': names, 'blocks': indices}), whatever froze the rest."""
-
-        def trains(module):
-            return any(p.requires_grad for p in module.parameters())
-
+        trains = lambda module: any(p.requires_grad for p in module.parameters())
         parts = {
             'outer': [name for name, module in model.outer_modules().items() if trains(module)],
             'blocks': [i for i, block in enumerate(model.blocks) if trains(block)],
@@ -254,10 +244,6 @@ class Cycler:
         self.apply(state['active'])
 
 
-# -----------------------------------------------------------------------------
-# The optimizer state of frozen units (omgd_state)
-
-
 class StatePolicy:
     """A frozen parameter's optimizer state: 'keep' leaves it (the paper's GPT-2 setting), 'drop' deletes it
     (zero moments and step 0 when it trains again). 'offload': optimizer_offload.OffloadedState, same methods."""
@@ -275,14 +261,9 @@ class StatePolicy:
     restore = prefetch = wait_for_prefetch = finish_switch = _nothing
 
 
-# -----------------------------------------------------------------------------
-# The groups of units, one per period (Algorithm 2's pool), and the random partitions they come from
-
-
 class GroupSchedule:
-    """One group of units per period. Without replacement (OMGD) a cycle uses the groups of one random partition
-    in turn (LISA-wor: Algorithm 2's pool of floor(N_L/gamma) groups); with replacement every period draws a
-    partition and uses its first group."""
+    """One group of units per period: without replacement (OMGD) a cycle uses one random partition's groups in turn
+    (LISA-wor: Algorithm 2's pool); with replacement every period draws a partition and uses its first group."""
 
     def __init__(self, partition, replacement, generator):
         self.partition, self.replacement, self.generator = partition, replacement, generator
