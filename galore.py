@@ -1,14 +1,8 @@
 """
-GaLore and GoLore: AdamW whose moments live in a low-rank subspace of each matrix's gradient.
-
-GaLore (Zhao et al., 2024) projects the gradient G (m x n) on the smaller side onto r directions of its SVD
-(R = G Q for m >= n, else P^T G), runs Adam on R and maps the normalised update back, times `scale`; the
-subspace is refreshed every `update_proj_gap` steps of the parameter (counted before the step), from that
-step's gradient, keeping the moments and step count. GoLore (He et al., 2024) draws it at random (uniform on
-the Stiefel manifold) from step `svd_steps` on, and at each refresh re-expresses the first moment in the new
-basis (the second is kept). The arithmetic is the references' (jiaweizzhao/GaLore, pkumelon/Golore), or
-torch.optim.AdamW's with convention='torch'; why not galore-torch, and where this differs from the references
-on purpose: docs/methods.md. master=True (precision='bf16_master'): fp32 masters as optim.MasterAdamW's.
+GaLore and GoLore: AdamW whose moments live in a low-rank subspace of each matrix's gradient. GaLore (Zhao et al.,
+2024) projects the gradient G (m x n) on its smaller side onto r directions of its SVD (R = G Q for m >= n, else
+P^T G), runs Adam on R and maps the update back, times `scale`; GoLore (He et al., 2024) draws the subspace at
+random from step `svd_steps` on. The arithmetic, and where it differs from the references on purpose: docs/methods.md.
 """
 
 import math
@@ -16,7 +10,7 @@ from contextlib import nullcontext
 
 import torch
 
-from configurator import above, at_least, check_rule
+from configurator import above, at_least, check_rule, one_of
 from optim import MasterWeights, adamw_step_, check_adamw_settings, param_groups
 
 PROJECTIONS = ('svd', 'random')
@@ -44,12 +38,9 @@ def galore_adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, w
 
 
 class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
-    """AdamW; 2-D parameters in a group with `rank` get GaLore/GoLore projected moments.
-
-    A projected group may carry rank and the keys of GROUP_DEFAULTS (projection 'svd': GaLore, 'random':
-    GoLore). master=True: fp32 masters, moments and projector from the widened grad (master_device, host_scope:
-    as MasterAdamW's); False: state in the grad's dtype. convention: 'galore' (galore_adamw_step_) or 'torch'
-    (optim.adamw_step_, bitwise torch.optim.AdamW(foreach=False) for a group without `rank`)."""
+    """AdamW; 2-D parameters in a group with `rank` (and GROUP_DEFAULTS' keys) get GaLore/GoLore projected moments.
+    master=True: fp32 masters, moments and projector, as optim.MasterAdamW's; False: state in the grad's dtype.
+    convention: 'galore' (galore_adamw_step_) or 'torch' (optim.adamw_step_, torch.optim.AdamW's arithmetic)."""
 
     def __init__(
         self,
@@ -81,10 +72,8 @@ class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
                 group.setdefault(key, value)
             for key in ('rank', 'update_proj_gap', 'scale'):
                 check_rule(f'galore_{key}', group[key], RULES[f'galore_{key}'])
-            if group['projection'] not in PROJECTIONS:
-                raise ValueError(f"projection must be one of {PROJECTIONS}, got {group['projection']!r}")
-            if not isinstance(group['svd_steps'], int) or group['svd_steps'] < 0:
-                raise ValueError(f"svd_steps must be an int >= 0, got {group['svd_steps']!r}")
+            check_rule('projection', group['projection'], one_of(*PROJECTIONS))
+            check_rule('svd_steps', group['svd_steps'], (lambda v: isinstance(v, int) and v >= 0, 'an int >= 0'))
         super().add_param_group(group)
 
     def _projector(self, grad, group, index, step, right):
@@ -164,26 +153,19 @@ class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
 
 def projector_bytes(optimizer):
     """Bytes of the GaLore/GoLore projection matrices (0 for other optimizers)."""
-    return sum(
-        s['projector'].numel() * s['projector'].element_size()
-        for s in optimizer.state.values()
-        if torch.is_tensor(s.get('projector'))
-    )
+    projectors = [s['projector'] for s in optimizer.state.values() if torch.is_tensor(s.get('projector'))]
+    return sum(t.numel() * t.element_size() for t in projectors)
 
 
 def build_optimizer(model, weight_decay, lr, betas, rank=128, **kwargs):
     """GaLore (projection='svd') or GoLore ('random') on every matrix inside model.blocks, AdamW with
     optim.param_groups' decay split elsewhere; over all parameters, frozen ones included. kwargs: GROUP_DEFAULTS'
-    keys for the projected group, GaLoreAdamW's others. GoLore's reference switch at a fraction rand_ratio of
-    training: svd_steps = math.ceil(rand_ratio * total_steps)."""
+    keys for the projected group, GaLoreAdamW's others."""
     settings = {key: kwargs.pop(key) for key in GROUP_DEFAULTS if key in kwargs}  # the rest: GaLoreAdamW's
     projected = [p for block in model.blocks for p in block.parameters() if p.dim() == 2]
     ids = {id(p) for p in projected}
-    groups = []
-    for group in param_groups(model, weight_decay):
-        rest = [p for p in group['params'] if id(p) not in ids]
-        if rest:
-            groups.append({**group, 'params': rest})
+    groups = [{**g, 'params': [p for p in g['params'] if id(p) not in ids]} for g in param_groups(model, weight_decay)]
+    groups = [g for g in groups if g['params']]  # a group left empty goes
     if projected:
         groups.append({'params': projected, 'weight_decay': weight_decay, 'rank': rank, **settings})
     return GaLoreAdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay, **kwargs)
