@@ -1,7 +1,5 @@
-"""
-What a run reports: each event's log line and its record in out_dir/metrics.jsonl (and wandb), model FLOPs
-utilization (over PEAK_BF16_FLOPS), and the stdout the log goes to.
-"""
+"""What a run reports: each event's log line and its record in out_dir/metrics.jsonl (and wandb), model FLOPs
+utilization (over PEAK_BF16_FLOPS), and the stdout the log goes to."""
 
 import json
 import os
@@ -14,21 +12,29 @@ import torch
 
 class Metrics:
     """train.py's reports, one method per event, called on every rank with the event's values: each shows on the
-    line by its rule in SHOWN and goes into the record as it is; Metrics adds time, throughput, MFU and memory.
-    Rank 0 prints and writes (not when eval_only). wandb is imported here, before anything is built."""
+    line by its rule in SHOWN and goes as it is into the record, a line of out_dir/metrics.jsonl with its `kind` and
+    `iter` (wandb gets the numbers of 'eval' and 'iter'); Metrics adds time, throughput, MFU and memory. Rank 0
+    prints and writes (not when eval_only). A resume drops the records after the checkpoint's iteration."""
 
     def __init__(self, cfg, ranks, device, resumed_from=None):
         self.cfg, self.master, self.world_size = cfg, ranks.master, ranks.world_size
         self.cuda = device.startswith('cuda')
         self.peak_flops = peak_bf16_flops(device)
-        writes = self.master and not cfg['eval_only']
-        self.records = Records(cfg['out_dir'], writes, resumed_from, wandb_log=cfg['wandb_log'] and self.master)
-        self.running_mfu = None  # the moving average of the logged iterations' MFU
-        self.flops_per_token = None
+        self.path, self.writes = os.path.join(cfg['out_dir'], 'metrics.jsonl'), self.master and not cfg['eval_only']
+        self.resumed_from, self.started, self.wandb = resumed_from, False, None
+        self.running_mfu = self.flops_per_token = None  # running_mfu: the moving average of the logged iterations'
+        if cfg['wandb_log'] and self.master:  # imported here, before anything is built
+            try:
+                import wandb
+            except ImportError:
+                raise ImportError(
+                    "wandb_log=True needs the wandb package: pip install wandb, or drop --wandb_log"
+                ) from None
+            self.wandb = wandb
 
     def start_wandb(self, run_id):
         """The wandb run's id (None without wandb); a resume continues the checkpoint's `run_id`."""
-        wandb, cfg = self.records.wandb, self.cfg
+        wandb, cfg = self.wandb, self.cfg
         if wandb is not None:
             run_id = run_id or wandb.util.generate_id()
             wandb.init(project=cfg['wandb_project'], name=cfg['wandb_run_name'], config=cfg, id=run_id, resume='allow')
@@ -57,14 +63,14 @@ class Metrics:
     def evaluation(self, it, **values):
         if self.master:
             print(f"step {it}: {shown(values)}")
-            self.records.write('eval', iter=it, **values)
+            self.record('eval', iter=it, **values)
 
     def switch(self, it, description, **values):
         """`description`: what trains now."""
         self.flops_per_token = None  # counted again at the next logged iteration (it walks every parameter)
         if self.master:
             print(f"iter {it}: {shown(dict(description=description, **values))}")
-            self.records.write('switch', iter=it, description=description, **values)
+            self.record('switch', iter=it, description=description, **values)
 
     def iteration(self, it, dt, seconds_per_iter, **values):
         """The values handed in, then time, throughput, MFU, CUDA memory, the time left at seconds_per_iter."""
@@ -84,18 +90,54 @@ class Metrics:
             )
         left = format_duration(seconds_per_iter * (max_iters - it - 1))
         print(f"iter {it}: {shown(fields)}, {it + 1}/{max_iters}, {left} left", flush=True)
-        self.records.write('iter', iter=it, **{k: v for k, v in fields.items() if v is not None})
+        self.record('iter', iter=it, **{k: v for k, v in fields.items() if v is not None})
 
     def save(self, it, path):
         if path is not None:
-            self.records.write('save', iter=it, path=path)
+            self.record('save', iter=it, path=path)
 
     def end(self, it, stopped):
         if self.master:
             elapsed = time.time() - self.run_start
             took = format_duration(elapsed)
             print(f"{'stopped' if stopped else 'done'}: iterations {self.first_iter} to {it} in {took}")
-            self.records.write('end', iter=it, seconds=elapsed, stopped=bool(stopped))
+            self.record('end', iter=it, seconds=elapsed, stopped=bool(stopped))
+
+    def record(self, kind, **fields):
+        if self.writes:
+            try:
+                # the file starts at the first record, not before: a run refused at start leaves it as it was
+                kept = self._kept_records() if not self.started else []
+                with open(self.path, 'a' if self.started else 'w') as f:
+                    f.writelines(kept)
+                    f.write(json.dumps({'kind': kind, **fields}) + '\n')
+                self.started = True
+            except OSError as e:  # a full disk, a read-only file, a folder of that name: the training goes on
+                self.writes = False
+                print(
+                    f"warning: cannot write {self.path} ({e.strerror or e}): this run's records stop here, its "
+                    f"checkpoints and log go on; free space or fix that path before the next run",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        if self.wandb is not None and kind in ('eval', 'iter'):
+            self.wandb.log(
+                {f'{kind}/{k}': v for k, v in fields.items() if isinstance(v, (int, float))}, step=fields['iter']
+            )
+
+    def _kept_records(self):
+        """A resume's: the records before the checkpoint's iteration and its save, not a line cut by a crash."""
+        kept = []
+        if self.resumed_from is not None and os.path.exists(self.path):
+            with open(self.path) as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue
+                    if rec['iter'] < self.resumed_from or (rec['iter'] == self.resumed_from and rec['kind'] == 'save'):
+                        kept.append(line)
+        return kept
 
 
 # A value's template on a log line, else `name value` (a float to 4 significant digits); None: recorded, never
@@ -127,62 +169,6 @@ def shown(values):
         if template is not None and value is not None:
             parts.append(template.format(value))
     return ', '.join(parts)
-
-
-class Records:
-    """out_dir/metrics.jsonl: one JSON object a line with its `kind` and `iter`; a resume drops the records after
-    the checkpoint's iteration. wandb gets the numbers of 'eval' and 'iter'."""
-
-    def __init__(self, out_dir, enabled, resumed_from=None, wandb_log=False):
-        self.path, self.enabled, self.wandb = os.path.join(out_dir, 'metrics.jsonl'), enabled, None
-        self.resumed_from, self.started = resumed_from, False
-        if wandb_log:
-            try:
-                import wandb
-            except ImportError:
-                raise ImportError(
-                    "wandb_log=True needs the wandb package: pip install wandb, or drop --wandb_log"
-                ) from None
-            self.wandb = wandb
-
-    def _start(self):
-        """At the first record, not before: a run refused at start leaves the earlier file as it was. A resume
-        keeps the records before the checkpoint's iteration and its save (not a line cut by a crash); a new run
-        (overwrite=True) starts a new file."""
-        self.started = True
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                lines = f.readlines() if self.resumed_from is not None else []
-            kept = []
-            for line in lines:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if rec['iter'] < self.resumed_from or (rec['iter'] == self.resumed_from and rec['kind'] == 'save'):
-                    kept.append(line)
-            with open(self.path, 'w') as f:
-                f.writelines(kept)
-
-    def write(self, kind, **fields):
-        if self.enabled:
-            try:
-                if not self.started:
-                    self._start()
-                with open(self.path, 'a') as f:
-                    f.write(json.dumps({'kind': kind, **fields}) + '\n')
-            except OSError as e:  # a full disk, a read-only file, a folder of that name: the training goes on
-                self.enabled = False
-                print(
-                    f"warning: cannot write {self.path} ({e.strerror or e}): this run's records stop here, its "
-                    f"checkpoints and log go on; free space or fix that path before the next run",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        if self.wandb is not None and kind in ('eval', 'iter'):
-            self.wandb.log(
-                {f'{kind}/{k}': v for k, v in fields.items() if isinstance(v, (int, float))}, step=fields['iter']
-            )
 
 
 def format_duration(seconds):
@@ -219,8 +205,7 @@ class LogOutlivesItsReader:
         return getattr(self.stream, name)
 
     @classmethod
-    def install(cls):
-        """Make sys.stdout one, once, when it is a real file (not a test's StringIO)."""
+    def install(cls):  # sys.stdout becomes one, once, when it is a real file (not a test's StringIO)
         if isinstance(sys.stdout, cls):
             return
         try:
@@ -259,21 +244,16 @@ def _words(name):
 
 def peak_for_name(name):
     """PEAK_BF16_FLOPS' figure for a GPU named `name`, or None (no entry, or a tie)."""
-    words = set(_words(name))
-    matches = [(len(_words(key)), flops) for key, flops in PEAK_BF16_FLOPS.items() if set(_words(key)) <= words]
-    if not matches:
-        return None
-    best = max(n for n, _ in matches)
-    flops = {f for n, f in matches if n == best}
+    matches = [key for key in PEAK_BF16_FLOPS if set(_words(key)) <= set(_words(name))]
+    most = max((len(_words(key)) for key in matches), default=0)
+    flops = {PEAK_BF16_FLOPS[key] for key in matches if len(_words(key)) == most}
     return flops.pop() if len(flops) == 1 else None
 
 
 def peak_bf16_flops(device):
     """The GPU's peak FLOP/s, or None (CPU, an unknown GPU: no MFU)."""
     device = torch.device(device)
-    if device.type != 'cuda':
-        return None
-    return peak_for_name(torch.cuda.get_device_name(device))
+    return peak_for_name(torch.cuda.get_device_name(device)) if device.type == 'cuda' else None
 
 
 def mfu(flops_per_token, tokens_per_iter, dt, peak_flops, world_size=1):
