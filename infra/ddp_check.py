@@ -1,9 +1,7 @@
-"""
-`--ddp_check=True`: the invariants of layer cycling under DDP or FSDP2, checked on every rank after every
+"""`--ddp_check=True`: the invariants of layer cycling under DDP or FSDP2, checked on every rank after every
 optimizer step (slow: it hashes all weights). Each rank reports its active set, its weights' SHA-256, what it
-communicated (through counting versions of the collectives) and whether the old DDP wrapper, frozen weights,
-gradients and optimizer state are as they should be; every rank compares all reports.
-"""
+communicated (counted collectives) and whether the old DDP wrapper, frozen weights, gradients and optimizer state
+are as they should be; every rank compares all reports."""
 
 import hashlib
 import math
@@ -93,10 +91,8 @@ class Checker:
         problems += [f"ranks differ in {k}" for k in ('active', 'weights') if any(r[k] != report[k] for r in reports)]
         if fsdp:
             kind, sent = 'fsdp', f"reduce-scattered {report['comm elements']} (padded)"
-            once, last = (
-                'one reduce-scatter per unit with active parameters',
-                'optimizer state only for active parameters',
-            )
+            once = 'one reduce-scatter per unit with active parameters'
+            last = 'optimizer state only for active parameters'
         else:
             kind, sent = 'ddp', f"DDP buckets {report['comm elements']}"
             once, last = 'one all-reduce per bucket', 'old wrapper freed'
