@@ -4,6 +4,7 @@ first key that differs, before any collective of training could crash or the ran
 import os
 import re
 import sys
+import types
 
 import pytest
 
@@ -11,26 +12,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from conftest import DDP_TINY, ROOT, TORCHRUN, Launch  # noqa: E402
 
-pytestmark = pytest.mark.torchrun
+import train_config  # noqa: E402
+from infra import distributed  # noqa: E402
 
 
-# one key on every torch: all four go through the same all-gather of the configs; the others differ only in
-# check_same_config's pure-Python comparison and formatting (a float, a string, the key that would hang)
-ONCE = pytest.mark.once
-
-
-@pytest.mark.parametrize(
-    'extra',
-    [
-        '--seed=2',
-        pytest.param('--learning_rate=0.0123', marks=ONCE),
-        pytest.param('--method=lisa', marks=ONCE),
-        pytest.param('--max_iters=9', marks=ONCE),
-    ],
-)
-def test_ranks_given_different_configs_are_refused_naming_the_key(tmp_path, extra):
+@pytest.mark.torchrun
+def test_ranks_given_different_configs_are_refused_naming_the_key(tmp_path):
     """Rank 1 alone gets `extra` (as a per-node wrapper would give it): every rank refuses with one line naming
     the key, nothing is trained or written."""
+    extra = '--seed=2'
     out = tmp_path / 'run'
     cmd = [
         *TORCHRUN,
@@ -52,6 +42,23 @@ def test_ranks_given_different_configs_are_refused_naming_the_key(tmp_path, extr
     root_cause = run.out[run.out.rindex('Root Cause') :]
     assert f'traceback : {errors[0]}' in root_cause and 'To enable traceback' not in run.out, root_cause
     assert not out.exists() or not any(p.name != '.lock' for p in out.iterdir())
+
+
+# the launch above on every torch; the same all-gathered comparison for a float, a string and the key that would
+# hang (a different max_iters) is pure Python: in-process, on the configs train.py reads from each rank's arguments
+@pytest.mark.once
+@pytest.mark.parametrize('extra', ['--learning_rate=0.0123', '--method=lisa', '--max_iters=9'])
+def test_the_refusal_names_the_key_that_differs(extra):
+    args = [*DDP_TINY, '--max_iters=6', '--gradient_accumulation_steps=2']
+    configs = [train_config.load(args), train_config.load([*args, extra])]
+    with pytest.raises(ValueError) as refused:
+        distributed.check_same_config(types.SimpleNamespace(gather=lambda cfg: configs), configs[0])
+    key, value = extra[2:].split('=')
+    assert re.fullmatch(
+        rf"rank 1 was given {key}=.*{re.escape(value)}.* and rank 0 {key}=\S+: every rank must run the same command "
+        "and config",
+        str(refused.value),
+    ), refused.value
 
 
 if __name__ == '__main__':
