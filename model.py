@@ -1,11 +1,7 @@
 """
-GPT-2 and LLaMA language models in one file, in the spirit of nanoGPT
-(https://github.com/karpathy/nanoGPT/blob/master/model.py).
-
-GPT-2: learned positions, fused q/k/v, GELU MLP, LayerNorm, head tied to the token embedding.
-LLaMA: rotary positions, grouped-query attention, SwiGLU, RMSNorm, no biases, a separate head.
-Layer cycling relies on the layout: the blocks are `model.blocks` (frozen by index), everything
-else is `model.outer_modules()`. Memory options are applied from outside (infra/memory_options.py).
+GPT-2 (learned positions, fused q/k/v, GELU, LayerNorm, tied head) and LLaMA (rotary positions, grouped-query
+attention, SwiGLU, RMSNorm, no biases) in one file, in the spirit of nanoGPT's model.py. Layer cycling relies on the
+layout: the blocks are `model.blocks` (frozen by index), everything else is `model.outer_modules()`.
 """
 
 import math
@@ -17,14 +13,10 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-# -----------------------------------------------------------------------------
-# the linear layer of every matrix: under autocast it keeps no low-precision copy of a frozen weight
-
 
 class FrozenLinear(torch.autograd.Function):
-    """F.linear of a frozen weight (and bias) under autocast. Autograd's own linear saves autocast's
-    low-precision copy of the weight until the backward (13.5 MiB per GPT-2 block in bf16); this saves
-    the parameter itself and casts it again in the backward."""
+    """F.linear of a frozen weight (and bias) under autocast: autograd's own would keep autocast's low-precision
+    copy of the weight until the backward; this saves the parameter itself and casts it again there."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, dtype):
@@ -83,11 +75,6 @@ class Linear(nn.Linear):
         return super().forward(x)
 
 
-# -----------------------------------------------------------------------------
-# the loss of low-precision logits: head and cross-entropy in one autograd function that keeps the logits
-# as they are (F.cross_entropy(logits.float()) keeps fp32 log-probabilities, twice the logits' bytes)
-
-
 def cross_entropy_sum(logits, targets):
     """The summed fp32 cross-entropy of (N, V) logits against targets (-1: ignored), and each row's log-sum-exp."""
     logits = logits.float()
@@ -130,9 +117,9 @@ EAGER_LOSS_KERNELS = LossKernels(_eager_cross_entropy_sum, _eager_cross_entropy_
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=-1) with the matmuls in `dtype`.
-    Saves x and the logits in `dtype`, one fp32 log-sum-exp per token and the weight itself (cast again in
-    the backward). kernels: LossKernels, eager or compiled (Transformer.compile_loss)."""
+    """F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=-1) with the matmuls in `dtype`, saving
+    x and the logits in `dtype` (not fp32 log-probabilities, twice their bytes), one fp32 log-sum-exp per token and
+    the weight itself. kernels: LossKernels, eager or compiled (Transformer.compile_loss)."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, dtype, kernels):
@@ -156,14 +143,10 @@ class LinearCrossEntropy(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-# -----------------------------------------------------------------------------
-
-
 @dataclass
 class TransformerConfig:
-    # plain types only: checkpoints store dataclasses.asdict() of it, read with torch.load(weights_only=True).
-    # The defaults are train.py's (train_config reads them here): a small model that trains on a CPU in minutes;
-    # PRESETS hold the papers' sizes (GPT-2 124M is 'gpt2').
+    # plain types only: checkpoints store its asdict(), read with weights_only=True. The defaults are train.py's
+    # (train_config reads them here), a small CPU model; PRESETS hold the papers' sizes (GPT-2 124M is 'gpt2').
     arch: str = 'gpt2'  # 'gpt2' or 'llama'
     block_size: int = 64  # tokens per sequence
     vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64 for speed
@@ -228,13 +211,11 @@ DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch
 
 
 def check_arch(arch):
-    """The one check of the arch key (train_config.py checks it before anything is built)."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be {' or '.join(map(repr, ARCHS))}, got {arch!r}")
 
 
 def check_preset(name):
-    """The one check of a preset name (train.py's preset key, the benchmarks' --preset)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
 
@@ -300,11 +281,9 @@ class Rotary(nn.Module):
     def reset_parameters(self, block_size=None):
         """(Re)compute the tables in fp32, for block_size positions (default: as many as now)."""
         device, block_size = self.cos.device, block_size or self.cos.size(0)
-        inv_freq = 1.0 / (
-            self.theta ** (torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim)
-        )
-        t = torch.arange(block_size, device=device, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
+        exponents = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim
+        inv_freq = 1.0 / self.theta**exponents
+        freqs = torch.outer(torch.arange(block_size, device=device, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()  # registered names: they stay buffers
 
@@ -479,8 +458,7 @@ class Transformer(nn.Module):
         return {name: module for name, module in out.items() if module is not None}
 
     def get_num_params(self, non_embedding=True):
-        """The number of parameters; non_embedding leaves out the lookup-only tables, which cost no FLOPs
-        (the position embedding, an untied token embedding)."""
+        """non_embedding leaves out the lookup-only tables (positions, an untied token embedding): no FLOPs."""
         n_params = sum(p.numel() for p in self.parameters())
         if non_embedding:
             if self.wpe is not None:
