@@ -1,5 +1,4 @@
-"""
-Pre-train a GPT-2 or LLaMA model with OMGD layer cycling (LISA-wor) or a baseline method.
+"""Pre-train a GPT-2 or LLaMA model with OMGD layer cycling (LISA-wor) or a baseline method.
 
 $ python train.py                                  # small LISA-wor model on Shakespeare, CPU, minutes
 $ python train.py config/shakespeare_lisa_wor.py --method=lisa --max_iters=500
@@ -212,16 +211,9 @@ def open_data(cfg, ranks):
         prepare_if_embedded(cfg['dataset'])
     if ranks.enabled:
         dist.barrier()
+    keys = ('dataset', 'block_size', 'batch_size', 'sampling', 'data_seed')
     with refused(FileNotFoundError, ValueError):
-        train_batches, eval_batches = open_splits(
-            cfg['dataset'],
-            cfg['block_size'],
-            cfg['batch_size'],
-            cfg['sampling'],
-            cfg['data_seed'],
-            ranks.rank,
-            ranks.world_size,
-        )
+        train_batches, eval_batches = open_splits(*(cfg[key] for key in keys), ranks.rank, ranks.world_size)
     mc = None
     if cfg['eval_mc_path']:
         with refused(ValueError, RuntimeError, OSError, prefix='eval_mc_path: '):
@@ -262,44 +254,34 @@ def initial_model(cfg, checkpointer, ranks, device, fsdp):
     return model
 
 
-def build_trainer(cfg, raw_model, ranks, device, fsdp, train_batches, iter_num):
-    """The run's Trainer over builder.build's model (memory options, precision, device), optimizer over ALL
-    parameters, and cycler."""
+def build_trainer(cfg, model, ranks, device, fsdp, train_batches, iter_num):
+    """The run's Trainer: builder.build's model, optimizer (over ALL parameters) and cycler, wrapped for torchrun."""
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
     # FSDP2, before the optimizer and the cycler (they must see the sharded parameters); gathered in amp's dtype
     amp_dtype = DTYPES[cfg['dtype']] if cfg['precision'] == 'amp' else torch.float32
     param_dtype = amp_dtype if device_type == 'cuda' and amp_dtype != torch.float32 else None
     shard = functools.partial(distributed.shard_fsdp, ranks=ranks, device_type=device_type, param_dtype=param_dtype)
     with refused(ValueError):
-        raw_model, optimizer, cycler = builder.build(cfg, device, model=raw_model, shard=shard if fsdp else None)
+        model, optimizer, cycler = builder.build(cfg, device, model=model, shard=shard if fsdp else None)
     if ranks.master and cycler.cycle_note():
         print(cycler.cycle_note())
     torch.manual_seed(cfg['seed'] + ranks.rank)  # from here on (dropout) each rank draws its own random numbers
     if cfg['compile']:  # per block: a whole-model compile recompiles at every requires_grad pattern
-        builder.compile_blocks(raw_model, cfg['method'])
+        builder.compile_blocks(model, cfg['method'])
     # under torchrun a DDP wrapper over the active parameters, rebuilt at every switch, or FSDP resharded
     parallel = observer = None
     if ranks.enabled or cfg['ddp_check']:
-        parallel = distributed.ParallelModel(raw_model, ranks, device_type, fsdp)
+        parallel = distributed.ParallelModel(model, ranks, device_type, fsdp)
     if cfg['ddp_check']:
-        observer = ddp_check.RankCheck(parallel, distributed.fsdp_units(raw_model) if fsdp else None)
+        observer = ddp_check.RankCheck(parallel, distributed.fsdp_units(model) if fsdp else None)
+    batches, grad_accum = train_batches.iterate(device), cfg['gradient_accumulation_steps'] // ranks.world_size
     return Trainer(
-        cfg,
-        raw_model,
-        optimizer,
-        cycler,
-        train_batches.iterate(device),
-        device_type,
-        cfg['gradient_accumulation_steps'] // ranks.world_size,
-        parallel,
-        observer=observer,
-        iter_num=iter_num,
+        cfg, model, optimizer, cycler, batches, device_type, grad_accum, parallel, observer=observer, iter_num=iter_num
     )
 
 
 def evaluate(cfg, trainer, eval_batches, mc, ranks, device, metrics):
-    """{split: loss} of this iteration, averaged over ranks; rank 0 logs and records it (with eval_mc_path's
-    multiple-choice scores)."""
+    """{split: loss}, averaged over ranks; rank 0 logs and records it with eval_mc_path's multiple-choice scores."""
     losses = trainer.evaluate(eval_batches, cfg['eval_iters'], ranks, device)
     scores = {}
     if mc is not None:  # every rank alike: the same weights, the same scores
@@ -360,8 +342,7 @@ class StopRequest:
             sig: signal.signal(sig, self._request) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
         }
 
-    def release(self):
-        """Put back the previous handlers: after the loop a signal stops the process at once."""
+    def release(self):  # the previous handlers: after the loop a signal stops the process at once
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
