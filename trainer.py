@@ -1,7 +1,5 @@
-"""
-Trainer, the owner of one training iteration (train.py, the benchmarks and the experiments step the same
-one), and what it needs around it: the learning rate (get_lr), autocast and the loss scaler.
-"""
+"""Trainer, the owner of one training iteration (train.py, the benchmarks and the experiments step the same one),
+and what it needs around it: the learning rate (get_lr), autocast and the loss scaler."""
 
 import math
 from contextlib import nullcontext
@@ -37,14 +35,11 @@ def grad_scaler(cfg, device_type):
 
 
 class Trainer:
-    """One run's iteration and everything it touches.
-
-    batches: an iterator of (x, y, position) micro-batches (position None for random ones), fetched one ahead.
-    parallel: distributed.ParallelModel (DDP/FSDP), or None. grad_accum: micro-steps of this rank per iteration.
-    iter_num: the iteration the next step runs. autocast, backward: replace the config's autocast and
-    loss.backward() (the meta device). observer: an object with after_switch(trainer, switched) and/or
-    before_zero_grad(trainer), called inside each step (--ddp_check, the experiments' probes).
-    """
+    """One run's iteration. batches: (x, y, position) micro-batches (position None for random ones), fetched one
+    ahead. parallel: distributed.ParallelModel (DDP/FSDP) or None. grad_accum: this rank's micro-steps per iteration.
+    iter_num: the iteration the next step runs. autocast, backward: replace the config's autocast and loss.backward()
+    (the meta device). observer: has after_switch(trainer, switched) and/or before_zero_grad(trainer), called in
+    each step (--ddp_check, the experiments' probes)."""
 
     def __init__(
         self,
@@ -166,8 +161,5 @@ class Trainer:
 def random_batches(vocab_size, shape, device):
     """Endless random (x, y, None) micro-batches on `device`: the benchmarks' data."""
     while True:
-        yield (
-            torch.randint(0, vocab_size, shape, device=device),
-            torch.randint(0, vocab_size, shape, device=device),
-            None,
-        )
+        x, y = (torch.randint(0, vocab_size, shape, device=device) for _ in range(2))
+        yield x, y, None
