@@ -1,8 +1,7 @@
 """
 Batches of token windows from train.bin / val.bin, in the order 'rr' (random reshuffling: each epoch visits every
-window of block_size+1 tokens once, from a random offset) or 'iid' (nanoGPT's sampling with replacement). The
-order is a function of (seed, epoch): a checkpoint keeps the position, and a run resumes on any number of ranks
-and batch_size (docs/distributed.md).
+window of block_size+1 tokens once, from a random offset) or 'iid' (nanoGPT's sampling with replacement). The order
+is a function of (seed, epoch), so a run resumes on any number of ranks and batch_size (docs/distributed.md).
 """
 
 import importlib
@@ -25,10 +24,9 @@ def open_tokens(path, prepare_hint, dtype='uint16', n_ids=None):
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found; run `{prepare_hint}` first")
     again = f"run `{prepare_hint}` again"
-    if os.path.isdir(path):
-        raise ValueError(f"{path} is a directory, not a file of token ids; {again}")
     if not os.path.isfile(path):  # /dev/zero, a named pipe, a socket: no size to check, and a pipe blocks the read
-        raise ValueError(f"{path} is not a regular file (a device, pipe or socket), not a file of token ids; {again}")
+        what = 'a directory' if os.path.isdir(path) else 'not a regular file (a device, pipe or socket)'
+        raise ValueError(f"{path} is {what}, not a file of token ids; {again}")
     size, itemsize = os.path.getsize(path), np.dtype(dtype).itemsize
     if size == 0 or size % itemsize:
         raise ValueError(
@@ -175,8 +173,7 @@ def data_dir(dataset):
 
 
 def prepare_advice(dataset):
-    """What to do about a dataset with no prepared splits: run its prepare script, or (a mistyped name) which
-    datasets there are."""
+    """What to do about a dataset with no prepared splits: run its prepare script, or (mistyped) which there are."""
     if os.path.isfile(os.path.join(SCRIPTS, dataset, 'prepare.py')):
         return f"run `python data/{dataset}/prepare.py` first"
     names = set()
@@ -200,8 +197,7 @@ def prepare_if_embedded(dataset, verbose=True):
 
 
 def dataset_vocab(dataset, vocab_size=0):
-    """vocab_size, else meta.pkl's (a character set, a Hugging Face tokenizer), else 0 for GPT-2 BPE (the builder
-    decides)."""
+    """vocab_size, else meta.pkl's (a character set, a Hugging Face tokenizer), else 0 (GPT-2 BPE: the builder's)."""
     if vocab_size:
         return vocab_size
     meta = read_meta(data_dir(dataset))
