@@ -1,13 +1,11 @@
 """
 Evaluate a trained model: train.py's checkpoint (--out_dir) or a Hugging Face model directory (--hf_dir,
-e.g. export.py's). docs/evaluation.md has the details.
+e.g. export.py's); multiple choice is scored by infra/multiple_choice.py. docs/evaluation.md has the details.
 
 $ python eval.py --out_dir=out                         # val loss and perplexity on train.py's windows
 $ python eval.py --out_dir=out --full=True             # ... over every token of the split, once
 $ python eval.py --out_dir=out --mc_path=hellaswag_val.jsonl           # HellaSwag: acc and acc_norm
 $ python eval.py --hf_dir=out/hf --mc_path=hellaswag_val.jsonl --lm_eval=True   # and lm-evaluation-harness
-
-The multiple-choice scoring lives in infra/multiple_choice.py, which train.py's eval_mc_path calls too.
 """
 
 import json
@@ -73,9 +71,7 @@ RULES = dict(
 
 def load_hf_model(hf_dir):
     if not os.path.isdir(hf_dir):
-        raise EvalError(
-            f"hf_dir={hf_dir} is not a directory; give a Hugging Face model directory (export.py writes one)"
-        )
+        raise EvalError(f"hf_dir={hf_dir} is not a directory; give a Hugging Face model directory (export.py's)")
     try:
         return hf.load(hf_dir)
     except hf.HFError:
@@ -188,8 +184,7 @@ def full_loss(model, path, dtype, block_size, batch_size, device='cpu', autocast
 
 
 def write_mc_task(examples, directory):
-    """An lm-eval task in `directory` for read_mc() examples: its YAML (written as JSON, which YAML reads) and
-    the jsonl it reads, offline."""
+    """An lm-eval task of read_mc() examples in `directory`: its YAML (as JSON, which YAML reads) and its jsonl."""
     data = os.path.join(directory, f'{MC_TASK}.jsonl')
     with open(data, 'w', encoding='utf-8') as f:
         f.writelines(json.dumps(ex) + '\n' for ex in examples)
@@ -231,8 +226,7 @@ def hub_or_cache():
 
 
 def run_lm_eval(hf_dir, examples, tasks, include, device, batch_size, dtype):
-    """{task: {metric: value}} of lm-eval's simple_evaluate on the Hugging Face directory: the mc examples
-    as task local_mc (when given) and the named tasks."""
+    """{task: {metric: value}} of lm-eval's simple_evaluate on hf_dir: the mc examples (task local_mc), `tasks`."""
     lm_eval, HFLM, TaskManager = import_lm_eval()
     if include and not os.path.isdir(include):
         raise EvalError(f"lm_eval_include={include} is not a directory; give a directory of lm-eval task YAML files")
@@ -264,9 +258,6 @@ def run_lm_eval(hf_dir, examples, tasks, include, device, batch_size, dtype):
         task: {k.split(',')[0]: v for k, v in found.items() if isinstance(v, float) and '_stderr' not in k}
         for task, found in results['results'].items()
     }
-
-
-# -----------------------------------------------------------------------------
 
 
 def evaluate(cfg, log=print):
@@ -308,9 +299,7 @@ def evaluate(cfg, log=print):
         if tasks:
             hub_or_cache()
         import_lm_eval()
-        check_exportable(cfg['hf_dir'], train_cfg.get('dataset'), cfg['out_dir'])
-        check_same_tokens(cfg['hf_dir'], dataset, examples)
-        check_lm_eval_lengths(examples, encode, model.config.block_size, cfg['mc_path'])
+        check_lm_eval(cfg, train_cfg.get('dataset'), dataset, examples, encode, model.config.block_size)
     if path is None and not examples and not lm_eval:
         raise EvalError("nothing to evaluate: give --dataset for the loss, --mc_path or --lm_eval_tasks")
 
@@ -350,33 +339,30 @@ def evaluate(cfg, log=print):
     return results
 
 
-def check_exportable(hf_dir, dataset, out_dir):
-    """Refuse lm-eval on a checkpoint whose dataset has no tokenizer (a meta.pkl with a vocab_size only), and on
-    a Hugging Face directory that holds none: transformers would hand lm-eval an empty GPT-2 tokenizer."""
-    if not hf_dir and hf.dataset_tokenizer(dataset)[0] not in ('gpt2', 'hf', 'char'):
+def check_lm_eval(cfg, trained_on, dataset, examples, encode, positions):
+    """Refuse before any work what lm-eval would fail on or score wrongly: no tokenizer Hugging Face reads
+    (transformers would hand lm-eval an empty GPT-2 one), other ids than the dataset's tokenizer gives, or an ending
+    longer than the model's positions (lm-eval's AssertionError; eval.py scores its last `positions` tokens)."""
+    hf_dir = cfg['hf_dir']
+    if not hf_dir and hf.dataset_tokenizer(trained_on)[0] not in ('gpt2', 'hf', 'char'):
         raise EvalError(
-            f"lm-eval needs a tokenizer Hugging Face reads, and the dataset of {out_dir} records none "
+            f"lm-eval needs a tokenizer Hugging Face reads, and the dataset of {cfg['out_dir']} records none "
             f"(its meta.pkl has a vocab_size only); score the mc file without --lm_eval"
         )
     if hf_dir and not any(os.path.isfile(os.path.join(hf_dir, f)) for f in HF_TOKENIZERS):
         raise EvalError(
-            f"{hf_dir} holds no tokenizer ({', '.join(HF_TOKENIZERS)}), and lm-eval would read it with "
-            f"an empty one; export the checkpoint again with export.py (it writes the dataset's "
-            f"tokenizer, characters too), or score the mc file without --lm_eval"
+            f"{hf_dir} holds no tokenizer ({', '.join(HF_TOKENIZERS)}), and lm-eval would read it with an empty one; "
+            f"export the checkpoint again with export.py (it writes the dataset's tokenizer, characters too), or "
+            f"score the mc file without --lm_eval"
         )
-
-
-def check_lm_eval_lengths(examples, encode, positions, mc_path):
-    """lm-eval stops with an AssertionError on an ending longer than the model's positions (eval.py scores its
-    last `positions` tokens): refuse it before the run, naming the example."""
+    check_same_tokens(hf_dir, dataset, examples)
     for number, ex in enumerate(examples or [], 1):
         for choice in ex['choices']:
             n = len(encode_pair(encode, ex['query'], ' ' + choice)[1])
             if n > positions:
                 raise EvalError(
-                    f"{mc_path}, example {number}: an ending of {n} tokens is longer than the model's "
-                    f"{positions} positions, which lm-eval cannot score; shorten it, or score the file "
-                    f"without --lm_eval"
+                    f"{cfg['mc_path']}, example {number}: an ending of {n} tokens is longer than the model's "
+                    f"{positions} positions, which lm-eval cannot score; shorten it or score the file without --lm_eval"
                 )
 
 
@@ -397,9 +383,8 @@ def check_same_tokens(hf_dir, dataset, examples):
         same = False
     if not same:
         raise EvalError(
-            f"the tokenizer of {hf_dir} encodes the mc texts differently from dataset {dataset!r}'s, so "
-            f"lm-eval would score other tokens; give the dataset the model trained on, or leave out "
-            f"--dataset"
+            f"the tokenizer of {hf_dir} encodes the mc texts differently from dataset {dataset!r}'s, so lm-eval "
+            f"would score other tokens; give the dataset the model trained on, or leave out --dataset"
         )
 
 
