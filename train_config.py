@@ -1,10 +1,7 @@
 """
-train.py's config, a plain dict (what checkpoints store): every key with its default and the comment that
-`python train.py --help` shows, the rule each value follows, the checks of values that cannot train together,
-and a resume's merge with its checkpoint's config:
-
-    cfg = train_config.load(sys.argv[1:])    # defaults <- config files <- --key=value, checked
-    cfg = train_config.run_config(cfg, given, saved)  # a resume's: merged with its checkpoint's, then checked
+train.py's config, a plain dict (what checkpoints store): each key's default and `--help` comment, the rule each
+value follows, the checks of values that cannot train together, and a resume's merge with its checkpoint's config:
+load(argv) reads the command line, run_config(cfg, given, saved) gives the values the run trains with.
 """
 
 import ast
@@ -23,19 +20,15 @@ import optim
 from configurator import above, at_least, between, check_rule, configure, one_of
 from infra import memory_options
 from infra.checkpoint import of_type
-from model import DTYPES, SHAPE_KEYS, TransformerConfig, check_arch
-
-CUDA = torch.cuda.is_available()
+from model import DTYPES, PRESETS, SHAPE_KEYS, TransformerConfig, check_arch
+from model import check_preset as check_preset_name
 
 
 def machine_defaults(cuda):
     """The keys whose default depends on whether the machine has CUDA."""
-    return dict(
-        device='cuda' if cuda else 'cpu',
-        dtype='bfloat16' if cuda else 'float32',
-        compile=cuda,
-        backend='nccl' if cuda else 'gloo',
-    )
+    if cuda:
+        return dict(device='cuda', dtype='bfloat16', compile=True, backend='nccl')
+    return dict(device='cpu', dtype='float32', compile=False, backend='gloo')
 
 
 # -----------------------------------------------------------------------------
@@ -49,15 +42,11 @@ eval_only = False  # evaluate once and exit
 eval_mc_path = ''  # a HellaSwag-format jsonl file scored at every evaluation (acc, acc_norm; infra/multiple_choice.py)
 eval_mc_limit = 0  # score its first N examples only (0: all)
 always_save_checkpoint = True  # if False, save only when the val loss improves
-# 'file': out_dir/ckpt.pt, gathered and written by rank 0; 'dcp': out_dir/step_NNNNNNN/ folders, each rank writes its
-# shards (torch.distributed.checkpoint); 'auto': file in one process, dcp on several ranks
+# 'file': out_dir/ckpt.pt written by rank 0; 'dcp': step_NNNNNNN/ folders, each rank its shards; 'auto': dcp on >1 rank
 checkpoint_format = 'auto'
 keep_last = 3  # dcp: how many of the newest step folders to keep (0: all)
-checkpoint_async = (
-    'auto'  # dcp: write step folders in a background thread: 'auto' (when the weights are on a GPU), 'yes' or 'no'
-)
-# 'scratch', 'resume' (from out_dir), 'auto' (resume when out_dir holds a checkpoint, else scratch: restarts), a GPT-2
-# name or a Hugging Face model directory
+checkpoint_async = 'auto'  # dcp: save step folders in a background thread: 'auto' (weights on a GPU), 'yes' or 'no'
+# 'scratch', 'resume' (from out_dir), 'auto' (resume if out_dir has a checkpoint, else scratch), a GPT-2 name or HF dir
 init_from = 'scratch'
 overwrite = False  # let a run that does not resume replace the checkpoint already in out_dir
 sample_tokens = 300  # length of the sample printed at the end (0: none)
@@ -71,8 +60,7 @@ sampling = 'rr'  # 'rr': random reshuffling (each window once per epoch), 'iid':
 data_seed = 1337  # seeds the data order, independent of the model's init
 gradient_accumulation_steps = 1  # micro-steps per optimizer step, summed over all ranks
 batch_size = 32  # micro-batch size per rank
-# model: the defaults are model.TransformerConfig's; a preset name ('gpt2', 'gpt2-medium', 'llama-60m', ...) sets
-# the architecture keys below
+# model: the defaults are model.TransformerConfig's; a preset ('gpt2', 'llama-60m', ...) sets the architecture keys
 _model = TransformerConfig
 block_size = _model.block_size  # tokens per sequence
 preset = ''  # a preset of model.py's PRESETS, or '' for the keys below
@@ -86,9 +74,7 @@ dropout = _model.dropout  # dropout probability
 bias = _model.bias  # biases in linears and LayerNorms (gpt2)
 vocab_size = 0  # 0: the dataset's (meta.pkl), else the preset's, else TransformerConfig's (GPT-2's, padded)
 activation_checkpointing = False  # recompute each block's activations in the backward
-checkpoint_sublayers = (
-    False  # with activation_checkpointing: recompute attention and MLP apart (lower peak, more saved inputs)
-)
+checkpoint_sublayers = False  # activation_checkpointing of attention and MLP apart: a lower peak, more saved inputs
 activation_offload = False  # keep the tensors saved for the backward in host memory
 loss_chunk = 0  # >0: head and cross-entropy this many tokens at a time; the full logits never exist (slower)
 # optimizer
@@ -120,68 +106,38 @@ omgd_always = ','.join(_cycler.always)  # parts trained at every step
 galore_rank = 128  # rank of the gradient projection
 galore_update_proj_gap = 200  # iterations between projection refreshes
 galore_scale = 0.25  # scale of the projected update
-golore_svd_fraction = (
-    0.0  # golore: fraction of max_iters on SVD (GaLore) projections before random ones; GoLore's scripts use 0.8
-)
+golore_svd_fraction = 0.0  # golore: share of max_iters with SVD (GaLore) projections, then random (GoLore's: 0.8)
 # system
-device = machine_defaults(CUDA)['device']  # 'cpu', 'cuda' or 'cuda:N' (torchrun picks the GPU of each rank)
-# 'amp' (fp32 weights, autocast), 'bf16' (all bf16) or 'bf16_master' (bf16 + fp32 masters of the active parameters)
-precision = 'amp'
-# bf16_master: '' keeps masters and moments on the weights' device, 'cpu' moves them and the AdamW step to the CPU
-master_device = ''
-dtype = machine_defaults(CUDA)[
-    'dtype'
-]  # amp's autocast dtype: float32, bfloat16 or float16 (loss-scaled); CPU runs in float32
-compile = machine_defaults(CUDA)['compile']  # torch.compile each block separately (regional compilation)
-backend = machine_defaults(CUDA)['backend']  # torch.distributed backend under torchrun: 'nccl' or 'gloo'
+_machine = machine_defaults(torch.cuda.is_available())
+device = _machine['device']  # 'cpu', 'cuda' or 'cuda:N' (torchrun picks the GPU of each rank)
+precision = 'amp'  # 'amp' (fp32 weights, autocast), 'bf16' (all bf16) or 'bf16_master' (bf16 + fp32 active masters)
+master_device = ''  # bf16_master: masters and moments on '' (the weights' device) or 'cpu' (with the AdamW step)
+dtype = _machine['dtype']  # amp's autocast dtype: float32, bfloat16 or float16 (loss-scaled); CPU runs in float32
+compile = _machine['compile']  # torch.compile each block separately (regional compilation)
+backend = _machine['backend']  # torch.distributed backend under torchrun: 'nccl' or 'gloo'
 parallel = 'ddp'  # under torchrun: 'ddp' (replicated weights) or 'fsdp' (FSDP2, weights sharded per block)
-# a config meant for GPUs (config/*.py of large runs): refused on a machine without CUDA unless --device is given
-gpu_config = False
+gpu_config = False  # a config for GPUs (config/*.py of large runs): refused without CUDA unless --device is given
 seed = 1337  # seeds the model's init (and dropout)
-dist_timeout_s = (
-    600  # under torchrun: a collective waiting this long for a stuck or dead rank ends the run with one line
-)
+dist_timeout_s = 600  # under torchrun: a collective waiting this long for a stuck or dead rank ends the run
 ddp_check = False  # assert the DDP or FSDP invariants at every iteration on every rank (tests; hashes all weights)
 # -----------------------------------------------------------------------------
-DEFAULTS = {
-    k: v
-    for k, v in dict(globals()).items()
-    if not k.startswith('_') and k not in ('CUDA',) and isinstance(v, (int, float, bool, str))
-}
+DEFAULTS = {k: v for k, v in dict(globals()).items() if not k.startswith('_') and isinstance(v, (int, float, str))}
 
 PRECISIONS = ('amp', 'bf16', 'bf16_master')
 GALORE_METHODS = ('galore', 'golore')  # galore.py's optimizers; every block trains
 METHOD_NAMES = (*omgd.METHODS, *GALORE_METHODS)
 
-# the rule each value follows on its own (configurator.py checks them with the types); combinations are
-# check()'s. A key a library reads has its rule in that library
+# the rule each value follows on its own (configurator.py checks them with the types); combinations are check()'s
 RULES = {
     'out_dir': at_least(1, 'a non-empty path', len),
-    'eval_interval': at_least(1),
-    'log_interval': at_least(1),
-    'eval_iters': at_least(1),
-    'sample_tokens': at_least(0),
     'dataset': at_least(1, 'a non-empty name', len),
-    'gradient_accumulation_steps': at_least(1),
-    'batch_size': at_least(1),
-    'block_size': at_least(1),
-    'n_layer': at_least(1),
-    'n_head': at_least(1),
-    'n_kv_head': at_least(0),
-    'n_embd': at_least(1),
-    'mlp_hidden': at_least(0),
-    'dropout': between(0, 1),
-    'vocab_size': at_least(0),
+    **dict.fromkeys(('eval_interval', 'log_interval', 'eval_iters', 'batch_size', 'dist_timeout_s'), at_least(1)),
+    **dict.fromkeys(('gradient_accumulation_steps', 'block_size', 'n_layer', 'n_head', 'n_embd'), at_least(1)),
+    **dict.fromkeys(('sample_tokens', 'max_iters', 'warmup_iters', 'lr_decay_iters', 'keep_last'), at_least(0)),
+    **dict.fromkeys(('eval_mc_limit', 'n_kv_head', 'mlp_hidden', 'vocab_size', 'weight_decay'), at_least(0)),
+    **dict.fromkeys(('grad_clip', 'min_lr'), at_least(0)),
+    **dict.fromkeys(('dropout', 'beta1', 'beta2', 'momentum'), between(0, 1)),
     'learning_rate': above(0),
-    'max_iters': at_least(0),
-    'weight_decay': at_least(0),
-    'beta1': between(0, 1),
-    'beta2': between(0, 1),
-    'momentum': between(0, 1),
-    'grad_clip': at_least(0),
-    'warmup_iters': at_least(0),
-    'lr_decay_iters': at_least(0),
-    'min_lr': at_least(0),
     'method': one_of(*METHOD_NAMES, label='method'),
     'golore_svd_fraction': between(0, 1, closed=True),
     'precision': one_of(*PRECISIONS, label='precision'),
@@ -189,26 +145,40 @@ RULES = {
     'dtype': one_of(*DTYPES, label='dtype'),
     'backend': one_of('nccl', 'gloo'),
     'parallel': one_of('ddp', 'fsdp'),
-    'dist_timeout_s': at_least(1),
     'checkpoint_format': one_of('auto', 'file', 'dcp'),
-    'keep_last': at_least(0),
-    'eval_mc_limit': at_least(0),
     'checkpoint_async': one_of('auto', 'yes', 'no'),
-    **omgd.RULES,
+    **omgd.RULES,  # the libraries' own keys, each rule written once, there
     **optim.RULES,
     **galore.RULES,
     **dataloader.RULES,
-    **memory_options.RULES,  # the libraries' own keys, each rule written once, there
+    **memory_options.RULES,
 }
 
-
 RESUMING = ('resume', 'auto')  # init_from values whose config is known only once out_dir's checkpoint is read
+# the values a resume reads besides the states of the objects (every checkpoint of train.py has them), by type
+RESUME_KEYS = dict(config=dict, model_args=dict, iter_num=int, best_val_loss=(int, float), data=dict, rng=dict)
+# what a resume cannot change, and why: the checkpoint's schedule, data position, state and weights belong to them
+FIXED_ON_RESUME = {
+    **{k: 'its layer schedule and data position belong to it' for k in ('dataset', 'method')},
+    **{k: 'its data position is a place in that order' for k in ('sampling', 'data_seed')},
+    **omgd.FIXED_ON_RESUME,  # the libraries' own keys, each written there
+    'block_size': 'the data position counts windows of block_size+1 tokens',
+    'precision': 'its optimizer state is kept in that precision',
+    **optim.FIXED_ON_RESUME,
+    # every TransformerConfig field with a key of its own (a fork's new one too) but the data's vocab_size and dropout
+    **{
+        f.name: 'the weights have that shape' if f.name in SHAPE_KEYS else 'its model was built with it'
+        for f in dataclasses.fields(TransformerConfig)
+        if f.name in DEFAULTS and f.name not in ('vocab_size', 'dropout', 'block_size')
+    },
+}
+# taken from this command (or this machine's defaults), never from the checkpoint
+THIS_COMMAND = ('init_from', 'out_dir', 'overwrite', 'eval_only', 'checkpoint_async', *machine_defaults(False))
 
 
 def load(argv, defaults=None, given=None):
-    """The config of these command-line arguments: defaults, then config files and --key=value in order,
-    type-checked, and the device; then check_run, unless init_from may resume (run_config checks the merged
-    values). Raises a one-line ConfigError/ValueError. given: see configurator.configure."""
+    """The config of these command-line arguments (configurator.configure, type-checked) and its device; check_run
+    too unless init_from may resume (run_config checks the merged values). Raises a one-line ValueError."""
     cfg = configure(defaults or DEFAULTS, argv, given=given)
     check_device(cfg['device'])
     if cfg['init_from'] not in RESUMING:
@@ -224,9 +194,8 @@ def check_run(cfg):
 
 
 def run_config(cfg, given, saved=None, path=None):
-    """The config the run trains with, checked once on its final values: load()'s, or for init_from 'resume'
-    or 'auto' the checkpoint's (`saved`: the values of the checkpoint at `path`; None: nothing to resume) with
-    the keys this command gave (`given`) on top."""
+    """The config the run trains with, checked once: load()'s, or a resume's: the checkpoint's config (`saved`, the
+    values of the checkpoint at `path`; None: nothing to resume) with the keys this command gave (`given`) on top."""
     if saved is not None:
         check_saved(saved, path)
         try:
@@ -238,17 +207,6 @@ def run_config(cfg, given, saved=None, path=None):
     if cfg['init_from'] in RESUMING:
         check_run(cfg)
     return cfg
-
-
-# the values a resume reads besides the states of the objects (every checkpoint of train.py has them), by type
-RESUME_KEYS = {
-    'config': dict,
-    'model_args': dict,
-    'iter_num': int,
-    'best_val_loss': (int, float),
-    'data': dict,
-    'rng': dict,
-}
 
 
 def check_saved(saved, path):
@@ -266,21 +224,14 @@ def check_saved(saved, path):
         if not of_type(v := saved[k], kind) or k == 'iter_num' and v < 0
     ]
     if isinstance(saved['model_args'], dict):
-        kinds = {
-            f.name: (int, float) if type(f.default) is float else type(f.default)
-            for f in dataclasses.fields(TransformerConfig)
-            if f.default is not None
-        }
-        wrong += [
-            f"model_args['{k}']={v!r}"[:80]
-            for k, v in saved['model_args'].items()
-            if k in kinds and not of_type(v, kinds[k])
-        ]
+        fields = [f for f in dataclasses.fields(TransformerConfig) if f.default is not None]
+        kinds = {f.name: (int, float) if type(f.default) is float else type(f.default) for f in fields}
+        args = saved['model_args'].items()
+        wrong += [f"model_args['{k}']={v!r}"[:80] for k, v in args if k in kinds and not of_type(v, kinds[k])]
     if wrong:
         raise ValueError(
-            f"cannot resume from {path}: its {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} "
-            f"not what train.py writes; the file is damaged or not train.py's: restore a backup or "
-            f"train from scratch"
+            f"cannot resume from {path}: its {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not what "
+            f"train.py writes (a damaged file or not train.py's); restore a backup or train from scratch"
         )
 
 
@@ -288,22 +239,18 @@ def check(cfg):
     """Raise a one-line ValueError for a value that breaks its rule, or values that cannot train together."""
     for key, rule in RULES.items():
         check_rule(key, cfg[key], rule)
-    if (
-        cfg['init_from'] not in ('scratch', 'resume', 'auto')
-        and not cfg['init_from'].startswith('gpt2')
-        and not os.path.isdir(cfg['init_from'])
-    ):
+    init = cfg['init_from']
+    if init not in ('scratch', *RESUMING) and not init.startswith('gpt2') and not os.path.isdir(init):
         raise ValueError(
             f"init_from must be 'scratch', 'resume', 'auto', a GPT-2 name or a Hugging Face model directory, "
-            f"got {cfg['init_from']!r}"
+            f"got {init!r}"
         )
     check_preset(cfg)
     check_arch(cfg['arch'])
     omgd.check_always([part for part in cfg['omgd_always'].split(',') if part])
     if cfg['min_lr'] > cfg['learning_rate']:
         raise ValueError(
-            f"min_lr={cfg['min_lr']} is above learning_rate={cfg['learning_rate']}; the schedule decays "
-            f"to min_lr: lower --min_lr"
+            f"min_lr={cfg['min_lr']} is above learning_rate={cfg['learning_rate']}, its peak: lower --min_lr"
         )
     if cfg['decay_lr'] and cfg['lr_decay_iters'] < cfg['warmup_iters']:
         raise ValueError(
@@ -322,8 +269,7 @@ def check(cfg):
         )
     if cfg['precision'] == 'bf16_master' and cfg['optimizer'] == 'sgd' and cfg['method'] not in GALORE_METHODS:
         raise ValueError(
-            "precision='bf16_master' keeps AdamW's fp32 master weights; use --optimizer=adamw, "
-            "or --precision=bf16 for SGD on bf16 weights"
+            "precision='bf16_master' keeps AdamW's fp32 master weights; use --optimizer=adamw or --precision=bf16 (SGD)"
         )
     # a shape no machine holds is refused here, before building it takes forever or overflows in torch
     width, depth, vocab = max(cfg['n_embd'], 1), cfg['n_layer'], cfg['vocab_size'] or 50304
@@ -333,21 +279,15 @@ def check(cfg):
             f"parameters; lower --n_layer or --n_embd"
         )
     if cfg['checkpoint_sublayers'] and not cfg['activation_checkpointing']:
-        raise ValueError(
-            "checkpoint_sublayers=True splits activation checkpointing per sublayer; add "
-            "--activation_checkpointing=True or drop --checkpoint_sublayers"
-        )
+        raise ValueError("checkpoint_sublayers=True needs --activation_checkpointing=True; add it or drop the first")
 
 
 def check_preset(cfg):
     """A preset sets the architecture: refuse a shape key changed next to it, which would be silently ignored
-    (vocab_size, the tokenizer's, overrides it)."""
-    from model import PRESETS
-    from model import check_preset as check_name
-
+    (vocab_size, the tokenizer's, overrides it). A value equal to the preset's is consistent."""
     if cfg['preset']:
-        check_name(cfg['preset'])
-        preset = PRESETS[cfg['preset']]  # the keys it sets; a value equal to the preset's is consistent
+        check_preset_name(cfg['preset'])
+        preset = PRESETS[cfg['preset']]
         changed = [k for k in SHAPE_KEYS if k in preset and cfg[k] not in (DEFAULTS[k], preset[k])]
         if changed:
             raise ValueError(
@@ -356,40 +296,10 @@ def check_preset(cfg):
             )
 
 
-# what a resume cannot change, and why: the checkpoint's schedule, data position, state and weights belong to them
-FIXED_ON_RESUME = {
-    **{k: 'its layer schedule and data position belong to it' for k in ('dataset', 'method')},
-    **{k: 'its data position is a place in that order' for k in ('sampling', 'data_seed')},
-    **omgd.FIXED_ON_RESUME,  # the libraries' own keys, each written there
-    'block_size': 'the data position counts windows of block_size+1 tokens',
-    'precision': 'its optimizer state is kept in that precision',
-    **optim.FIXED_ON_RESUME,
-    # every TransformerConfig field with a key of its own (a fork's new one too), but the data's vocab_size and
-    # the run's dropout
-    **{
-        f.name: 'the weights have that shape' if f.name in SHAPE_KEYS else 'its model was built with it'
-        for f in dataclasses.fields(TransformerConfig)
-        if f.name in DEFAULTS and f.name not in ('vocab_size', 'dropout', 'block_size')
-    },
-}
-# taken from this command (or this machine's defaults), never from the checkpoint
-THIS_COMMAND = (
-    'init_from',
-    'out_dir',
-    'overwrite',
-    'eval_only',
-    'device',
-    'dtype',
-    'compile',
-    'backend',
-    'checkpoint_async',
-)
-
-
 def check_resume(saved, model_args, cfg, given):
-    """Refuse (one-line ValueError) the keys this command gave (`given`) that cannot continue a checkpoint of
-    config `saved` and `model_args`, all in one message. Returns what the checkpoint fixes: its config, its
-    architecture on top (a config may predate that rule)."""
+    """Refuse (one-line ValueError, all at once) the keys this command gave (`given`) that cannot continue a
+    checkpoint of config `saved` and `model_args`. Returns what the checkpoint fixes: its config, its architecture
+    on top (a config may predate that rule)."""
     # a key newer than the checkpoint: it trained as that key's default does (precision: amp)
     truth = {
         **{k: DEFAULTS[k] for k in FIXED_ON_RESUME if k in DEFAULTS},
@@ -404,7 +314,7 @@ def check_resume(saved, model_args, cfg, given):
             conflicts.append(
                 f"{k}={cfg[k]!r} {verb} the checkpoint's {truth[k]!r} ({why}); resume with --{k}={truth[k]}{new_run}"
             )
-    if conflicts:  # every one at once (a resume takes the checkpoint's config: dropping them is enough)
+    if conflicts:  # a resume takes the checkpoint's config: dropping them is enough
         raise ValueError('; '.join(conflicts))
     return truth
 
@@ -460,33 +370,20 @@ def check_device(device):
 def check_parallel(cfg, world_size, fsdp):
     """Raise a one-line ValueError for values that cannot train on `world_size` ranks, sharded with FSDP2
     (fsdp=True) or not."""
-    if fsdp and cfg['dtype'] == 'float16':
-        # GradScaler's overflow check would see only this rank's gradient shards, so ranks could disagree
-        raise ValueError(
-            "dtype='float16' is not supported with parallel='fsdp' (its loss scaling sees only local "
-            "shards); use --dtype=bfloat16"
-        )
+
+    def refuse(value, why, fix):
+        raise ValueError(f"{value} is not supported with parallel='fsdp' ({why}); {fix}")
+
+    if fsdp and cfg['dtype'] == 'float16':  # ranks' overflow checks would disagree
+        refuse("dtype='float16'", 'its loss scaling sees only local shards', 'use --dtype=bfloat16')
     if fsdp and cfg['omgd_state'] == 'offload':
-        raise ValueError(
-            "omgd_state='offload' is not supported with parallel='fsdp' (the sharded optimizer state "
-            "stays on its device); use --omgd_state=drop or --omgd_state=keep"
-        )
+        refuse("omgd_state='offload'", 'sharded optimizer state stays on its device', 'use --omgd_state=drop or keep')
     if fsdp and cfg['precision'] == 'bf16_master':
-        raise ValueError(
-            "precision='bf16_master' is not supported with parallel='fsdp' (FSDP2 keeps fp32 shards and "
-            "computes in bf16 under precision='amp', which is its own master-weight scheme); use "
-            "--precision=amp"
-        )
+        refuse("precision='bf16_master'", 'under amp FSDP2 keeps fp32 shards, computes in bf16', 'use --precision=amp')
     if fsdp and cfg['eval_mc_path']:
-        raise ValueError(
-            "eval_mc_path is not supported with parallel='fsdp' (its scoring calls the sharded head "
-            "directly); score the checkpoints with eval.py --mc_path, or use --parallel=ddp"
-        )
+        refuse('eval_mc_path', 'its scoring calls the sharded head', 'use eval.py --mc_path, or --parallel=ddp')
     if fsdp and cfg['method'] in GALORE_METHODS:
-        raise ValueError(
-            f"method={cfg['method']!r} is not supported with parallel='fsdp' (its projections need "
-            f"whole gradients); use --parallel=ddp"
-        )
+        refuse(f"method={cfg['method']!r}", 'its projections need whole gradients', 'use --parallel=ddp')
     steps = cfg['gradient_accumulation_steps']
     if steps % world_size:
         raise ValueError(
@@ -503,9 +400,8 @@ def gpu_defaults():
 
 
 def meanings(path=__file__):
-    """{key: its comment}: what `--help` says of each key. The comment on the key's assignment (on its line,
-    or inside the parentheses ruff format wraps a long line in) or, when it has none, the comment lines right
-    above it, joined into one line."""
+    """{key: its comment}: what `--help` says of each key. The comment on the key's assignment (on its line, or
+    inside the parentheses ruff format wraps a long line in) or, without one, the comment lines right above it."""
     source = open(path, encoding='utf-8').read()
     comments = {
         tok.start[0]: (tok.start[1], tok.string[1:].strip())
@@ -514,16 +410,10 @@ def meanings(path=__file__):
     }
     out = {}
     for node in ast.parse(source).body:
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
-            continue
-        name = node.targets[0].id
-        if name not in DEFAULTS:
-            continue
-        text = [comments[n][1] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
-        above = node.lineno - 1
-        while not text and above - 1 in comments and comments[above - 1][0] == 0:
-            above -= 1  # the block of whole-line comments right above
-        text = text or [comments[n][1] for n in range(above, node.lineno)]
-        if text:
-            out[name] = ' '.join(text)
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id in DEFAULTS:
+            text = [comments[n][1] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+            above = node.lineno
+            while not text and comments.get(above - 1, (None,))[0] == 0:  # whole-line comments right above
+                above -= 1
+            out[node.targets[0].id] = ' '.join(text or [comments[n][1] for n in range(above, node.lineno)])
     return out
