@@ -1,15 +1,13 @@
 """
-Export train.py's checkpoint as a Hugging Face model directory, which transformers, vLLM and
-lm-evaluation-harness read (the mapping and the writing are hf.py's; docs/models.md lists the files).
+Export train.py's checkpoint as a Hugging Face model directory, which transformers, vLLM and lm-evaluation-harness
+read (the mapping and the writing are hf.py's; docs/models.md lists the files and how to load them).
 
 $ python export.py --out_dir=out --hf_dir=out/hf
-$ python -c "from transformers import AutoModelForCausalLM as M; print(M.from_pretrained('out/hf'))"
 
-Keys: out_dir, hf_dir, dtype ('' keeps the checkpoint's; float32, bfloat16, float16), overwrite
-(write into an hf_dir that already holds a model), tokenizer ('' the dataset's, 'none' the weights only),
-max_shard_size (default '5GB', as transformers: a larger model is written as shards with an index).
-A failed export leaves hf_dir as it was; a tokenizer with more ids than the model embeds, or NaN or inf
-weights, is refused.
+Keys: out_dir, hf_dir, dtype ('' keeps the checkpoint's; float32, bfloat16, float16), overwrite (write into an
+hf_dir that already holds a model), tokenizer ('' the dataset's, 'none' the weights only), max_shard_size ('5GB', as
+transformers: a larger model is written as shards with an index). A failed export leaves hf_dir as it was; a
+tokenizer with more ids than the model embeds, or NaN or inf weights, is refused.
 """
 
 import sys
