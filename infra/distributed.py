@@ -41,9 +41,10 @@ class Ranks:
 
     def any(self, flag):
         """True on every rank when `flag` is true on any rank (an all_reduce(MAX) on the CPU group)."""
+        if not self.enabled:
+            return bool(flag)
         t = torch.tensor(float(flag))
-        if self.enabled:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
         return t.item() > 0
 
     def mean(self, value, device):
@@ -56,8 +57,7 @@ class Ranks:
 
 
 def setup(backend, device, timeout_s=600):
-    """Join torchrun's process group when RANK is set; returns the Ranks and this rank's device. timeout_s:
-    how long a collective waits for a stuck or dead rank."""
+    """Join torchrun's process group when RANK is set: (Ranks, this rank's device). timeout_s: a collective's wait."""
     if int(os.environ.get('RANK', -1)) == -1:
         return Ranks(), device
     if backend == 'nccl' and not (device.startswith('cuda') and torch.cuda.is_available()):
@@ -105,19 +105,15 @@ def check_same_config(ranks, cfg):
 
 
 def attempt_store(timeout):
-    """init_process_group's store, rank and world size for a restart by torchrun, else {} (env://). torchrun's
-    agent store outlives restarts, where a restarted rank would read a dead rank's address (gloo:
-    'connectFullMesh failed'): each attempt's keys get their own prefix."""
-    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT')
-    if attempt is None or os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+    """init_process_group's store, rank and world size for a restart by torchrun, else {} (env://): torchrun's agent
+    store outlives restarts, where a rank would read a dead rank's address ('connectFullMesh failed'): a prefix each."""
+    env = os.environ
+    attempt = env.get('TORCHELASTIC_RESTART_COUNT')
+    if attempt is None or env.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
         return {}  # not torchrun's agent store: a new store every launch, nothing stale in it
-    world_size = int(os.environ['WORLD_SIZE'])
-    store = dist.TCPStore(
-        os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, is_master=False, timeout=timeout
-    )
-    return dict(
-        store=dist.PrefixStore(f'attempt_{attempt}', store), rank=int(os.environ['RANK']), world_size=world_size
-    )
+    world_size = int(env['WORLD_SIZE'])
+    store = dist.TCPStore(env['MASTER_ADDR'], int(env['MASTER_PORT']), world_size, is_master=False, timeout=timeout)
+    return dict(store=dist.PrefixStore(f'attempt_{attempt}', store), rank=int(env['RANK']), world_size=world_size)
 
 
 def lost_rank(error):
@@ -130,9 +126,8 @@ _last_barrier = []  # teardown's barrier work, kept until the process exits
 
 
 def teardown(ranks):
-    """Leave the process group, on every rank (a barrier). destroy_process_group alone can end in SIGABRT: a gloo
-    thread freeing the last collective's work at interpreter exit dies in a noexcept destructor; the barrier's
-    work, kept here, holds it until the main thread frees it."""
+    """Leave the process group, on every rank (a barrier). destroy_process_group alone can SIGABRT: a gloo thread
+    freeing the last collective's work at exit dies in a noexcept destructor; the barrier's work is kept till then."""
     if not ranks.enabled:
         return
     work = dist.barrier(group=ranks.cpu_group, async_op=True)
@@ -179,9 +174,8 @@ class ParallelModel:
 
 
 def wrap_ddp(model, ranks, device_type, init_sync):
-    """DDP over the parameters with requires_grad=True now: frozen blocks cost no bucket and no communication. A
-    rebuild with init_sync=False is local and costs milliseconds (results/ddp_switch_cost.md). No buffer sync:
-    the only buffers (RoPE tables) are constants."""
+    """DDP over the parameters that train now (frozen blocks: no bucket, no communication); with init_sync=False a
+    local rebuild of milliseconds (results/ddp_switch_cost.md). No buffer sync: the RoPE tables are constants."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if not ranks.enabled:
@@ -254,7 +248,7 @@ def load_optimizer_state(model, optimizer, state_dict):
     """Load a full torch.optim-format state dict (every rank passes it) into a sharded model's optimizer."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    names = _param_names(model, optimizer)
+    names, options = _param_names(model, optimizer), StateDictOptions(full_state_dict=True, strict=False)
     by_name = {
         'state': {names[i]: s for i, s in state_dict['state'].items()},
         'param_groups': [{**g, 'params': [names[i] for i in g['params']]} for g in state_dict['param_groups']],
@@ -266,9 +260,7 @@ def load_optimizer_state(model, optimizer, state_dict):
     for p in stateless:
         p.requires_grad_(False)
     try:
-        set_optimizer_state_dict(
-            model, optimizer, by_name, options=StateDictOptions(full_state_dict=True, strict=False)
-        )
+        set_optimizer_state_dict(model, optimizer, by_name, options=options)
     finally:
         for p in stateless:
             p.requires_grad_(True)
