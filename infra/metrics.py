@@ -205,9 +205,7 @@ class LogOutlivesItsReader:
         return getattr(self.stream, name)
 
     @classmethod
-    def install(cls):  # sys.stdout becomes one, once, when it is a real file (not a test's StringIO)
-        if isinstance(sys.stdout, cls):
-            return
+    def install(cls):  # sys.stdout becomes one when it is a real file (not closed, not a test's StringIO)
         try:
             sys.stdout.fileno()
         except (AttributeError, OSError, ValueError):  # not a real file: nothing can break
