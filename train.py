@@ -41,8 +41,7 @@ class RunError(Exception):
 
 @contextlib.contextmanager
 def refused(*errors, prefix='', then=None):
-    """`errors` raised inside are the user's to fix: a RunError, not a traceback. then(): what the failed run
-    leaves behind, added to the message."""
+    """`errors` raised inside are the user's to fix: a RunError, not a traceback; then() adds what the run leaves."""
     try:
         yield
     except errors as e:
@@ -87,9 +86,8 @@ def main(argv):
             if not distributed.lost_rank(e):
                 raise  # a bug: its traceback
             e = (
-                f"rank {ranks.rank}: a collective with the other ranks failed "
-                f"({str(e).strip().splitlines()[0][:160]}): "
-                f"another rank is stuck or dead; the last checkpoint in {cfg['out_dir']} is kept: resume with "
+                f"rank {ranks.rank}: a collective with the other ranks failed ({str(e).strip().splitlines()[0][:160]})"
+                f": another rank is stuck or dead; the last checkpoint in {cfg['out_dir']} is kept: resume with "
                 f"--init_from=auto (raise --dist_timeout_s={cfg['dist_timeout_s']} if a rank is only slow)"
             )
         distributed.report_error(e)
@@ -150,7 +148,7 @@ def train(cfg, given_keys, ranks, device, checkpointer):
     metrics.begin(trainer.model, tokens_per_iter, first_iter)
     t0 = time.time()
     while True:
-        stop = stop_request.agreed(ranks)
+        stop = ranks.any(stop_request.requested)  # a signal may reach only some ranks
         if stop:
             print(f"rank {ranks.rank}: stop requested, stopping at iteration {trainer.iter_num}", flush=True)
             if trainer.iter_num > first_iter:  # else nothing trained since the start or the resume
@@ -160,7 +158,12 @@ def train(cfg, given_keys, ranks, device, checkpointer):
             break
         it = trainer.iter_num
         if it % cfg['eval_interval'] == 0 or it >= cfg['max_iters'] or cfg['eval_only']:
-            losses = evaluate(cfg, trainer, eval_batches, mc, ranks, device, metrics)
+            losses = trainer.evaluate(eval_batches, cfg['eval_iters'], ranks, device)  # averaged over ranks
+            scores = {}
+            if mc is not None:  # every rank alike: the same weights, the same scores
+                found = multiple_choice.mc_accuracy(trainer.model, *mc, device, trainer.autocast)
+                scores = {'mc_acc': found['acc'], 'mc_acc_norm': found['acc_norm']}
+            metrics.evaluation(it, **{f'{split}_loss': loss for split, loss in losses.items()}, **scores)
             check_finite(losses, trainer.iter_num, checkpointer)
             improved = losses['val'] < best_val_loss
             best_val_loss = min(best_val_loss, losses['val'])
@@ -187,7 +190,7 @@ def train(cfg, given_keys, ranks, device, checkpointer):
         dt, t0 = t1 - t0, t1
         seconds_per_iter = dt if seconds_per_iter is None else 0.9 * seconds_per_iter + 0.1 * dt
         if it % cfg['log_interval'] == 0:
-            lossf = ranks.mean(loss.item(), device) if ranks.enabled else loss.item()
+            lossf = ranks.mean(loss.item(), device)
             check_finite({'train': lossf}, trainer.iter_num, checkpointer)
             metrics.iteration(it, dt, seconds_per_iter, loss=lossf, **trainer.values(), epoch=train_batches.epochs())
     stop_request.release()  # Ctrl-C during the sample below stops at once
@@ -201,7 +204,7 @@ def train(cfg, given_keys, ranks, device, checkpointer):
 
 
 # -----------------------------------------------------------------------------
-# the setup's steps and the loop's evaluation, in the order train() calls them
+# the setup's steps, in the order train() calls them
 
 
 def open_data(cfg, ranks):
@@ -280,17 +283,6 @@ def build_trainer(cfg, model, ranks, device, fsdp, train_batches, iter_num):
     )
 
 
-def evaluate(cfg, trainer, eval_batches, mc, ranks, device, metrics):
-    """{split: loss}, averaged over ranks; rank 0 logs and records it with eval_mc_path's multiple-choice scores."""
-    losses = trainer.evaluate(eval_batches, cfg['eval_iters'], ranks, device)
-    scores = {}
-    if mc is not None:  # every rank alike: the same weights, the same scores
-        found = multiple_choice.mc_accuracy(trainer.model, *mc, device, trainer.autocast)
-        scores = {'mc_acc': found['acc'], 'mc_acc_norm': found['acc_norm']}
-    metrics.evaluation(trainer.iter_num, **{f'{split}_loss': loss for split, loss in losses.items()}, **scores)
-    return losses
-
-
 def run_warnings(cfg, checkpointer):
     """The log's warnings: train_config's, and what a resume at or past max_iters does (evaluates, then ends)."""
     lines = train_config.warnings(cfg)
@@ -332,8 +324,8 @@ def sample(cfg, raw_model, autocast, device, master):
 
 class StopRequest:
     """SIGTERM (a cluster, or torchrun forwarding its own), Ctrl-C, SIGHUP: finish the iteration, then all ranks
-    save and stop together. A signal may reach only some ranks: every iteration starts with `agreed()`, an
-    all_reduce(MAX) of the flag. torchrun kills the workers 30 s after a signal: a stop saves at once."""
+    save and stop together (every iteration starts with ranks.any of the flag). torchrun kills the workers 30 s
+    after a signal: a stop saves at once."""
 
     def __init__(self):
         self.requested = False
@@ -349,9 +341,6 @@ class StopRequest:
     def _request(self, signum, frame):
         self.requested = True
         self.exit_status = 128 + signum
-
-    def agreed(self, ranks):
-        return ranks.any(self.requested) if ranks.enabled else self.requested  # one process: its own flag
 
 
 if __name__ == '__main__':
