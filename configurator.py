@@ -1,11 +1,8 @@
 """
-nanoGPT's configurator, made strict; every script's command line goes through it:
-
-    $ python train.py config/shakespeare_lisa_wor.py --batch_size=32 --compile=False
-
-Arguments without '--' are config files executed in order, '--key=value' overrides them (a bare --key sets a
-boolean). Every key must have a default, a value keeps its default's type (an int is a valid float) and may
-follow a rule (at_least, above, between, one_of). The result is a plain dict.
+nanoGPT's configurator, made strict; every script's command line goes through it, e.g.
+`python train.py config/shakespeare_lisa_wor.py --batch_size=32`: arguments without '--' are config files executed
+in order, '--key=value' overrides them (a bare --key sets a boolean). Every key must have a default, a value keeps
+its default's type (an int is a valid float) and may follow a rule (at_least, above, between, one_of).
 """
 
 import ast
@@ -88,8 +85,6 @@ def load_config_file(path):
 
 
 # rules: (test, requirement) pairs; the error names the key, the value and the requirement
-
-
 def at_least(low, requirement=None, measure=lambda v: v):
     return (lambda v: measure(v) >= low), requirement or f">= {low}"
 
@@ -152,8 +147,11 @@ def configure(defaults, argv, rules=None, given=None):
         path = None
         if arg.startswith('--'):
             key, sep, value = arg[2:].partition('=')
-            if not sep:
-                value = _bare_switch(arg, key, defaults)
+            if not sep and isinstance(defaults.get(key), bool):
+                value = True  # a bare --key of a boolean key
+            elif not sep:
+                hint = f"give --{key}=VALUE" if key in defaults else _unknown_key(key, defaults)
+                raise ConfigError(f"expected --key=value, got {arg!r}; {hint}")
             updates = {key: value}
         else:
             path, updates = arg, load_config_file(arg)
@@ -175,27 +173,13 @@ def configure(defaults, argv, rules=None, given=None):
     return config
 
 
-def _bare_switch(arg, key, defaults):
-    """A bare --key: True for a boolean key; else an error naming the form to use."""
-    if isinstance(defaults.get(key), bool):
-        return True
-    if key not in defaults:
-        raise ConfigError(f"expected --key=value, got {arg!r}; {_unknown_key(key, defaults)}")
-    raise ConfigError(f"expected --key=value, got {arg!r}; give --{key}=VALUE")
-
-
 def _in_file(error, path, key):
     """`error` about `key`, prefixed with the config file and the line that assigns it last."""
-    lines = []
     try:
         with open(path, encoding='utf-8') as f:
-            tree = ast.parse(f.read(), path)
+            nodes = list(ast.walk(ast.parse(f.read(), path)))
     except (OSError, SyntaxError, ValueError):  # the file changed since it ran: the file alone is named
-        tree = None
-    for node in ast.walk(tree) if tree else ():
-        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(isinstance(t, ast.Name) and t.id == key for target in targets for t in ast.walk(target)):
-                lines.append(node.lineno)
+        nodes = []
+    lines = [n.lineno for n in nodes if isinstance(n, ast.Name) and n.id == key and isinstance(n.ctx, ast.Store)]
     where = f", line {max(lines)}" if lines else ''  # none: set by a file it executes, or by exec
     return ConfigError(f"config file {path!r}{where}: {error}")
