@@ -1,10 +1,8 @@
 """
-The memory of a training iteration: measure() runs one row of bench_memory.py (measured on a GPU, counted
-without one: LiveBytes counts the live tensor bytes op by op, MetaAsCuda makes meta tensors allocate what a GPU
-would), and check_fits refuses a model that cannot fit before it is allocated.
-Not modelled: the caching allocator's rounding and fragmentation, cuBLAS workspaces, the CUDA context, and
-the fused AdamW kernel (meta runs the per-parameter AdamW). torch's MemTracker is not used: it registers a
-gradient hook on every parameter it sees, which fails on frozen ones.
+The memory of a training iteration: measure() runs one row of bench_memory.py (on a GPU, or on meta where LiveBytes
+counts the live tensor bytes op by op and MetaAsCuda allocates what a GPU would); check_fits refuses a model that
+cannot fit before it is allocated. Not modelled: the allocator's rounding and fragmentation, cuBLAS workspaces, the
+CUDA context, the fused AdamW kernel. (torch's MemTracker hooks every parameter's gradient: frozen ones fail.)
 """
 
 import gc
@@ -29,8 +27,7 @@ from trainer import Trainer, random_batches
 
 
 def state_tensors(optimizer):
-    """(param, key, tensor) of the optimizer state counted as memory: not scalar 'step' counters, nor GaLore's
-    projectors (counted apart, as in the paper's table)."""
+    """(param, key, tensor) of the optimizer state, less scalar 'step's and GaLore's projectors (counted apart)."""
     for p, state in optimizer.state.items():
         for key, value in state.items():
             if torch.is_tensor(value) and value.dim() > 0 and key != 'projector':
@@ -49,9 +46,8 @@ def memory_bytes(model, optimizer):
 
 
 class LiveBytes(TorchDispatchMode):
-    """Bytes of the live tensor storages on `device` (any, meta included), and their peak, counted op by op.
-    A storage counts once however many views it has, until it is freed; those created inside
-    `with tracker.host():` stand for CPU memory and are not counted."""
+    """Bytes of the live tensor storages on `device` (meta included) and their peak, counted op by op: a storage
+    once however many views it has, until freed; those made inside `with tracker.host():` (host memory) not at all."""
 
     def __init__(self, device):
         super().__init__()
@@ -77,9 +73,6 @@ class LiveBytes(TorchDispatchMode):
     def is_host(self, t):
         entry = self.entries.get(id(t.untyped_storage()))
         return t.device != self.device or (entry is not None and entry[2])
-
-    def reset_peak(self):
-        self.peak = self.current
 
     def _track(self, t):
         if t.device != self.device:
@@ -147,8 +140,7 @@ class MetaAsCuda(TorchFunctionMode):
         return super().__exit__(*args)
 
     def backward(self, loss):
-        """loss.backward() with this mode on (Tensor.backward would hand itself to the mode, which is off while
-        it handles a call: so the autograd engine, directly)."""
+        """loss.backward() with this mode on: the autograd engine directly (Tensor.backward would reach the mode)."""
         with self:
             torch.autograd.graph._engine_run_backward(
                 (loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True, accumulate_grad=True
@@ -180,26 +172,10 @@ class MetaAsCuda(TorchFunctionMode):
             q, k, v = (self._cast(t, self.dtype) for t in (q, k, v))
         if enable_gqa and k.size(1) != q.size(1):
             k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
+        aten = torch.ops.aten
         if q.dtype in (torch.bfloat16, torch.float16):
-            return torch.ops.aten._scaled_dot_product_flash_attention(
-                q, k, v, dropout_p, is_causal, False, scale=scale
-            )[0]
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, False, dropout_p, is_causal, scale=scale
-        )[0]
-
-
-@contextmanager
-def offload_on_meta(tracker):
-    """memory_options.OffloadActivations on the meta device, which has no data to copy: a saved tensor's host
-    copy is a meta tensor that LiveBytes counts as host memory, its copy back a new tensor on the device."""
-
-    def to_host(t):
-        with tracker.host():
-            return torch.empty_like(t)
-
-    with memory_options.offload_copies('meta', to_host, lambda host, device: torch.empty_like(host)):
-        yield
+            return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+        return aten._scaled_dot_product_efficient_attention(q, k, v, None, False, dropout_p, is_causal, scale=scale)[0]
 
 
 # -----------------------------------------------------------------------------
@@ -239,11 +215,10 @@ def unit_params(config):
 
 
 def per_rank_peak(row, config, world_size=1, fsdp=False, bytes_per_weight=4):
-    """The peak bytes of one rank, from the single-device estimate `row` (estimate_iteration): row['peak']
-    without FSDP. Under FSDP2 an APPROXIMATION: weights, gradients and optimizer state divided by the world
-    size (padding left out), activations and temporaries ('others') whole, and what is unsharded at once added
-    back at bytes_per_weight each: the root unit twice (gathered from its forward to its backward, and its
-    full-size gradients), and three blocks (the one computing, the next prefetched, one's full gradients)."""
+    """One rank's peak bytes from estimate_iteration's `row`: row['peak'] without FSDP. Under FSDP2 an APPROXIMATION:
+    params, grads and optimizer state / world_size (no padding), 'others' whole, plus the units unsharded at once
+    (bytes_per_weight each): the root twice (weights from forward to backward, full gradients) and three blocks
+    (computing, prefetched, one's full gradients)."""
     if not fsdp or world_size <= 1:
         return row['peak']
     block, root = unit_params(config)
@@ -258,19 +233,17 @@ def check_fits(config, device, bytes_per_weight, estimate_peak=None, world_size=
     killer. When they take over a quarter of it, estimate_peak() is compared too: estimate_iteration's row
     (under FSDP, per_rank_peak's share of world_size ranks) or a number (one device's peak, not split)."""
     device = torch.device(device)
-    if device.type == 'meta':
+    free = None if device.type == 'meta' else available_bytes(device)
+    if free is None:
         return
     with torch.device('meta'):
         n_params = sum(p.numel() for p in Transformer(config).parameters())
-    need, free = bytes_per_weight * n_params, available_bytes(device)
-    if free is None:
-        return
+    need = bytes_per_weight * n_params
     if need > free:
         raise ValueError(
-            f"the model has {n_params / 1e9:.2f}B parameters: {need / 2**30:.1f} GiB of weights "
-            f"({bytes_per_weight} bytes each), more than the {free / 2**30:.1f} GiB free on {device.type}; "
-            f"choose a smaller model or a machine with more memory (bench_memory.py --device=meta "
-            f"estimates any size)"
+            f"the model has {n_params / 1e9:.2f}B parameters: {need / 2**30:.1f} GiB of weights ({bytes_per_weight} "
+            f"bytes each), more than the {free / 2**30:.1f} GiB free on {device.type}; choose a smaller model or a "
+            f"machine with more memory (bench_memory.py --device=meta estimates any size)"
         )
     if estimate_peak is not None and need > free / 4:
         estimate = estimate_peak()
@@ -306,25 +279,11 @@ def precision_label(precision, master_device):
     return f"{precision}:{master_device}" if master_device else precision
 
 
-def row_configs(cfg):
-    """One train.py config per row: every method of cfg['methods'] under every PRECISION[:MASTER_DEVICE] of
-    cfg['precisions'] (each '' means the config's own)."""
-    methods = list(dict.fromkeys(m for m in cfg['methods'].split(',') if m)) if cfg['methods'] else [cfg['method']]
-    specs = [p.partition(':')[::2] for p in cfg['precisions'].split(',') if p]  # 'bf16_master:cpu' -> (.., 'cpu')
-    precisions = list(dict.fromkeys(specs)) if cfg['precisions'] else [(cfg['precision'], cfg['master_device'])]
-    if not methods:
-        raise ValueError("methods lists no method; name at least one, e.g. --methods=full,lisa_wor")
-    if not precisions:
-        raise ValueError("precisions lists no precision; name at least one, e.g. --precisions=bf16,bf16_master")
-    rows = [{**cfg, 'method': m, 'precision': p, 'master_device': d} for p, d in precisions for m in methods]
-    for row in rows:
-        train_config.check(row)
-    return rows
-
-
 def check_rows(cfg, devices=('cuda', 'meta', 'cpu'), without_cuda='meta'):
-    """The benchmarks' checks of cfg, one-line ValueErrors before anything is allocated: (the torch.device of
-    --device, auto being cuda when available, else `without_cuda`; row_configs; the TransformerConfig)."""
+    """The benchmarks' checks of cfg, one-line ValueErrors before anything is allocated. Returns the torch.device of
+    --device (auto: cuda when available, else `without_cuda`), one train.py config per row (every method of
+    --methods under every PRECISION[:MASTER_DEVICE] of --precisions; '' is the config's own) and the
+    TransformerConfig."""
     name = cfg['device']
     if name == 'auto':
         name = 'cuda' if torch.cuda.is_available() else without_cuda
@@ -340,7 +299,17 @@ def check_rows(cfg, devices=('cuda', 'meta', 'cpu'), without_cuda='meta'):
     train_config.check_preset(cfg)
     config = model_config(cfg)
     check_fits(config, device, builder.weight_dtype(cfg['precision']).itemsize)  # before a row allocates it
-    return device, row_configs(cfg), config
+    methods = list(dict.fromkeys(m for m in cfg['methods'].split(',') if m)) if cfg['methods'] else [cfg['method']]
+    specs = [p.partition(':')[::2] for p in cfg['precisions'].split(',') if p]  # 'bf16_master:cpu' -> (.., 'cpu')
+    precisions = list(dict.fromkeys(specs)) if cfg['precisions'] else [(cfg['precision'], cfg['master_device'])]
+    if not methods:
+        raise ValueError("methods lists no method; name at least one, e.g. --methods=full,lisa_wor")
+    if not precisions:
+        raise ValueError("precisions lists no precision; name at least one, e.g. --precisions=bf16,bf16_master")
+    rows = [{**cfg, 'method': m, 'precision': p, 'master_device': d} for p, d in precisions for m in methods]
+    for row in rows:
+        train_config.check(row)
+    return device, rows, config
 
 
 def build(cfg, device, host_scope=nullcontext):
@@ -355,7 +324,7 @@ def build(cfg, device, host_scope=nullcontext):
 
 def measure(cfg, device):
     """Build cfg's model as train.py does, warm up, run one measured iteration through Trainer.step; return
-    the breakdown in bytes. cfg: a train.py config (row_configs)."""
+    the breakdown in bytes. cfg: a train.py config (one of check_rows' rows)."""
     cuda = device.type == 'cuda'
     compiled = cuda and cfg['compile']
     if cuda:
@@ -376,9 +345,16 @@ def measure(cfg, device):
         torch.cuda.reset_peak_memory_stats(device)
 
     autocast = backward = None
-    if device.type == 'meta':  # the GPU's kernels and autocast, emulated on shapes (memory_estimate.py)
+    offload = nullcontext()
+    if device.type == 'meta':  # the GPU's kernels and autocast, emulated on shapes
         dtype = DTYPES[cfg['dtype']] if cfg['precision'] == 'amp' and cfg['dtype'] != 'float32' else None
         autocast, backward = MetaAsCuda(dtype, cache=True), MetaAsCuda(dtype, cache=False).backward
+
+        def to_host(t):  # activation offload's copy out: a meta tensor counted as host memory
+            with tracker.host():
+                return torch.empty_like(t)
+
+        offload = memory_options.offload_copies('meta', to_host, lambda host, device: torch.empty_like(host))
     gas = cfg['gradient_accumulation_steps']
     micro = min(cfg['micro_batches'] or gas, gas)
     sizes = {}
@@ -404,10 +380,7 @@ def measure(cfg, device):
     tracker.add(list(net.parameters()), list(net.buffers()))
     period, start = cfg['omgd_period'], cfg['omgd_warmup']
     t0 = time.time()
-    with (
-        tracker if not compiled else nullcontext(),
-        offload_on_meta(tracker) if device.type == 'meta' else nullcontext(),
-    ):
+    with tracker if not compiled else nullcontext(), offload:
         # warm-up: the first switch and its step create the optimizer state (and GaLore's projectors);
         # under 'keep' one iteration at every switch of a full cycle leaves state on every block
         switches = len(net.blocks) // cfg['omgd_gamma'] if cfg['omgd_state'] == 'keep' and cycler.schedule else 1
@@ -417,15 +390,13 @@ def measure(cfg, device):
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-        tracker.reset_peak()
+        tracker.peak = tracker.current
         trainer.step(start + (switches - 1) * period + 1, micro_steps=micro)
         if cuda:
             torch.cuda.synchronize(device)
-    row = dict(
-        method=cfg['method'],
-        precision=cfg['precision'],
-        master_device=cfg['master_device'],
-        **sizes,  # params, grads, optimizer, cpu_state, projectors
+    row = {key: cfg[key] for key in ('method', 'precision', 'master_device')}
+    row.update(
+        sizes,  # params, grads, optimizer, cpu_state, projectors
         tracked_peak=None if compiled else tracker.peak,
         seconds=round(time.time() - t0, 2),
         micro_batches=micro,
