@@ -24,11 +24,8 @@ def apply(model, activation_checkpointing=False, checkpoint_sublayers=False, act
     method (a block's forward, the model's forward, head_loss) by an instance attribute: the module stays ordinary."""
     check_rule('loss_chunk', loss_chunk, RULES['loss_chunk'])
     for block in model.blocks:
-        _shadow(
-            block,
-            'forward',
-            partial(checkpointed_forward, block, checkpoint_sublayers) if activation_checkpointing else None,
-        )
+        forward = partial(checkpointed_forward, block, checkpoint_sublayers)
+        _shadow(block, 'forward', forward if activation_checkpointing else None)
     _shadow(model, 'forward', partial(offloaded_forward, model) if activation_offload else None)
     _shadow(model, 'head_loss', partial(chunked_head_loss, model, loss_chunk) if loss_chunk > 0 else None)
     model.memory_options = dict(
@@ -54,17 +51,14 @@ def compile_blocks(model, *, per_tensor=False, **kwargs):
     return model
 
 
-ALLOCATOR_SETTING = 'expandable_segments:True'
-
-
 def cuda_allocator(environ=os.environ):
-    """Expandable segments for the CUDA allocator (memory freed at a switch is reused whatever the sizes) unless
-    the user set one; before CUDA's first allocation. Returns the log's line."""
+    """Expandable segments for the CUDA allocator (memory freed at a switch is reused whatever the sizes) unless the
+    user set one; call before CUDA's first allocation. Returns the log's line."""
     for name in ('PYTORCH_CUDA_ALLOC_CONF', 'PYTORCH_ALLOC_CONF'):
         if environ.get(name):
             return f"CUDA allocator: {name}={environ[name]} (set by you)"
-    environ['PYTORCH_CUDA_ALLOC_CONF'] = ALLOCATOR_SETTING
-    return f"CUDA allocator: {ALLOCATOR_SETTING} (set PYTORCH_CUDA_ALLOC_CONF to choose otherwise)"
+    environ['PYTORCH_CUDA_ALLOC_CONF'] = setting = 'expandable_segments:True'
+    return f"CUDA allocator: {setting} (set PYTORCH_CUDA_ALLOC_CONF to choose otherwise)"
 
 
 def _shadow(module, name, method):
@@ -103,10 +97,9 @@ VOCAB_SLICES = 8  # a low-precision head's dW is summed in fp32 an eighth of the
 
 
 class ChunkedLinearCE(torch.autograd.Function):
-    """F.cross_entropy(F.linear(x, weight), targets, ignore_index=-1), `chunk` rows of x at a time: one chunk's
-    logits exist at most. The backward recomputes each chunk's logits, turns them into their gradient in place
-    and adds into one dx and one dW. A low-precision dW is summed in fp32 over VOCAB_SLICES vocabulary slices
-    (the softmax from each token's saved log-sum-exp) and rounded once."""
+    """F.cross_entropy(F.linear(x, weight), targets, ignore_index=-1), `chunk` rows of x at a time (one chunk's logits
+    at most). The backward recomputes each chunk's logits, turns them into their gradient in place and adds into one
+    dx and one dW; a low-precision dW is summed in fp32 over VOCAB_SLICES vocabulary slices and rounded once."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, chunk):
@@ -183,16 +176,8 @@ class ChunkedLinearCE(torch.autograd.Function):
 
 
 # grad_fn chains from a saved tensor back to a parameter through these are weights, not activations
-_WEIGHT_VIEWS = {
-    'TBackward0',
-    'ToCopyBackward0',
-    'ViewBackward0',
-    'TransposeBackward0',
-    'PermuteBackward0',
-    'ExpandBackward0',
-    'UnsafeViewBackward0',
-    'AliasBackward0',
-}
+_WEIGHT_VIEWS = {'TBackward0', 'ToCopyBackward0', 'ViewBackward0', 'TransposeBackward0', 'PermuteBackward0'}
+_WEIGHT_VIEWS |= {'ExpandBackward0', 'UnsafeViewBackward0', 'AliasBackward0'}
 
 
 def is_weight(t):
