@@ -58,8 +58,7 @@ class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
         check_adamw_settings(lr, betas, eps, weight_decay)
         if master_device is not None and not master:
             raise ValueError(f"master_device={master_device!r} needs master=True")
-        if convention not in CONVENTIONS:
-            raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+        check_rule('convention', convention, one_of(*CONVENTIONS, described=f"one of {CONVENTIONS}"))
         self.adamw_step_ = galore_adamw_step_ if convention == 'galore' else adamw_step_
         self.seed = seed
         self.master = bool(master)
