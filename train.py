@@ -276,7 +276,7 @@ def build_trainer(cfg, model, ranks, device, fsdp, train_batches, iter_num):
     if ranks.enabled or cfg['ddp_check']:
         parallel = distributed.ParallelModel(model, ranks, device_type, fsdp)
     if cfg['ddp_check']:
-        observer = ddp_check.RankCheck(parallel, distributed.fsdp_units(model) if fsdp else None)
+        observer = ddp_check.Checker(ranks, model, distributed.fsdp_units(model) if fsdp else None, parallel)
     batches, grad_accum = train_batches.iterate(device), cfg['gradient_accumulation_steps'] // ranks.world_size
     return Trainer(
         cfg, model, optimizer, cycler, batches, device_type, grad_accum, parallel, observer=observer, iter_num=iter_num

@@ -11,11 +11,13 @@ import torch.distributed as dist
 
 
 class Checker:
-    """Communication counters and the frozen weights at the last switch. fsdp_units: distributed.fsdp_units, or
-    None (DDP, one process)."""
+    """Communication counters and the frozen weights at the last switch; with `parallel` (ParallelModel), the
+    Trainer's observer: on_switch after each rebuild, check after every optimizer step (CheckFailed on every rank
+    alike). fsdp_units: distributed.fsdp_units, or None (DDP, one process). `summary`: the last check's."""
 
-    def __init__(self, ranks, model, fsdp_units=None):
+    def __init__(self, ranks, model, fsdp_units=None, parallel=None):
         self.ranks, self.model, self.fsdp_units = ranks, model, fsdp_units
+        self.parallel, self.summary, self.switches_seen = parallel, None, 0
         self.comm = {'calls': 0, 'elements': 0} if fsdp_units else [0]
         for unit in fsdp_units or ():
             unit.set_custom_reduce_scatter(CountedReduceScatter(self.comm))
@@ -103,6 +105,18 @@ class Checker:
         )
         return problems, summary
 
+    def after_switch(self, trainer, switched):
+        parallel = self.parallel
+        if parallel.switches != self.switches_seen:  # rebuilt for this iteration
+            self.switches_seen = parallel.switches
+            self.on_switch(parallel.wrapper, parallel.old_wrapper, parallel.wrapper_in_gc_cycle)
+
+    def before_zero_grad(self, trainer):
+        cfg = trainer.cfg
+        problems, self.summary = self.check(self.parallel.wrapper, trainer.optimizer, trainer.cycler, cfg['omgd_state'])
+        if problems:
+            raise CheckFailed('; '.join(problems))
+
 
 def counted_allreduce(counter, bucket):
     """DDP's default all-reduce (its reference hook), counted: accumulation communicates on the last micro-step."""
@@ -139,24 +153,3 @@ def local_shard(t):
 
 class CheckFailed(RuntimeError):
     """An invariant did not hold on every rank; the message lists what failed."""
-
-
-class RankCheck:
-    """The Trainer's observer for `--ddp_check=True`: Checker.on_switch after each rebuild of `parallel`
-    (ParallelModel), a check after every optimizer step (CheckFailed on every rank alike). `summary`: the last."""
-
-    def __init__(self, parallel, fsdp_units=None):
-        self.parallel, self.summary, self.switches_seen = parallel, None, 0
-        self.checker = Checker(parallel.ranks, parallel.raw_model, fsdp_units)
-
-    def after_switch(self, trainer, switched):
-        if self.parallel.switches != self.switches_seen:  # rebuilt for this iteration
-            self.switches_seen = self.parallel.switches
-            self.checker.on_switch(self.parallel.wrapper, self.parallel.old_wrapper, self.parallel.wrapper_in_gc_cycle)
-
-    def before_zero_grad(self, trainer):
-        problems, self.summary = self.checker.check(
-            self.parallel.wrapper, trainer.optimizer, trainer.cycler, trainer.cfg['omgd_state']
-        )
-        if problems:
-            raise CheckFailed('; '.join(problems))

@@ -41,7 +41,7 @@ def test_ddp_check_holds_on_one_fsdp_rank(one_rank):
     iteration 0 on an H200 with torch 2.11)."""
     model, opt, cycler = sharded(one_rank)
     parallel = ParallelModel(model, one_rank, 'cpu', fsdp=True)
-    observer = ddp_check.RankCheck(parallel, fsdp_units(model))
+    observer = ddp_check.Checker(one_rank, model, fsdp_units(model), parallel)
     x = torch.randint(32, (2, 8))
     trainer = Trainer(
         CFG, model, opt, cycler, itertools.repeat((x, x, None)), 'cpu', parallel=parallel, observer=observer
