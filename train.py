@@ -77,8 +77,7 @@ def main(argv):
         return distributed.report_error(e, printed=os.environ.get('RANK', '0') == '0')
     if allocator_note and ranks.master:
         print(allocator_note, flush=True)
-    # out_dir's checkpoints (infra/checkpoint.py); --eval_only writes nothing
-    checkpointer = Checkpointer(cfg['out_dir'], ranks, device, writes=not cfg['eval_only'])
+    checkpointer = Checkpointer(cfg['out_dir'], ranks, device, writes=not cfg['eval_only'])  # infra/checkpoint.py
     try:
         status = train(cfg, given_keys, ranks, device, checkpointer)
     except (RunError, CheckpointError, RuntimeError) as e:  # one line; the last good checkpoint stays as it was
@@ -173,8 +172,7 @@ def train(cfg, given_keys, ranks, device, checkpointer):
         if it >= cfg['max_iters'] or cfg['eval_only']:
             break
 
-        # the one iteration (Trainer): learning rate, switch, prefetch, DDP rebuild, step
-        with (
+        with (  # the one iteration (Trainer.step): learning rate, switch, prefetch, DDP rebuild, step
             refused(ValueError, then=checkpointer.last_good),
             refused(ddp_check.CheckFailed, prefix=f"ddp check failed at iteration {it}, not on every rank: "),
         ):
