@@ -46,6 +46,8 @@ CONFIG_KEYS = {
 DEFAULTS = {'num_key_value_heads': 0, 'n_inner': 0, 'head_dim': 0, 'layer_norm_epsilon': 1e-5, 'rms_norm_eps': 1e-6}
 # GPT-2's Conv1D layers store their weight as (in, out), the transpose of nn.Linear's
 CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+# non-parameter tensors some checkpoints carry (GPT-2's causal masks, LLaMA's rotary frequencies): skipped
+BUFFERS = ('.attn.bias', '.attn.masked_bias', 'rotary_emb.inv_freq')
 # HF GELU names: GPT-2's own 'gelu_new' and 'gelu_pytorch_tanh' are the tanh approximation
 GELU_FROM_HF = {'gelu': 'exact', 'gelu_new': 'tanh', 'gelu_pytorch_tanh': 'tanh'}
 GELU_TO_HF = {'exact': 'gelu', 'tanh': 'gelu_new'}
@@ -215,11 +217,6 @@ def hf_name(name, arch):
     return name if name == 'lm_head.weight' else 'transformer.' + re.sub(r'^blocks\.', 'h.', name)
 
 
-def _hf_buffer(name):
-    """Non-parameter tensors some checkpoints carry: GPT-2's causal masks, LLaMA's rotary frequencies."""
-    return name.endswith(('.attn.bias', '.attn.masked_bias', 'rotary_emb.inv_freq'))
-
-
 # -----------------------------------------------------------------------------
 # in: a model directory as our Transformer
 
@@ -264,7 +261,7 @@ def read_tensors(hf_dir):
     cannot be read (truncated, damaged, pickled objects) or a NaN or inf weight is an HFError naming it."""
     for path, read in _weight_files(hf_dir):
         for name, tensor in read(path):
-            if tensor.is_floating_point() and not _hf_buffer(name) and not bool(torch.isfinite(tensor).all()):
+            if tensor.is_floating_point() and not name.endswith(BUFFERS) and not bool(torch.isfinite(tensor).all()):
                 raise HFError(
                     f"{path}: tensor {name!r} holds {int((~torch.isfinite(tensor)).sum())} non-finite value(s) "
                     f"(NaN or inf), so training and generation would give nan; download the model again, or "
@@ -318,7 +315,7 @@ def from_state(hf_config, tensors, dropout=0.0, where='config.json'):
     by_hf = {hf_name(k, config.arch): k for k in ours}
     loaded, head = set(), None
     for name, tensor in tensors:
-        if _hf_buffer(name):
+        if name.endswith(BUFFERS):
             continue
         if config.arch == 'gpt2' and not name.startswith(('transformer.', 'lm_head.')):
             name = 'transformer.' + name  # saved from GPT2Model, as the hub's GPT-2 files are
