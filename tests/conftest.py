@@ -119,6 +119,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in ONCE:
             item.add_marker(pytest.mark.once)
+    # .ci runs two workers a file at a time in this order (--no-loadscope-reorder): the files that launch torchrun
+    # first, then by their number of tests, so that the end is small files on both workers, not test_fsdp.py on one
+    weight = {}
+    for item in items:
+        launches, tests = weight.get(item.path, (0, 0))
+        weight[item.path] = (launches + bool(item.get_closest_marker('torchrun')), tests + 1)
+    items.sort(key=lambda item: tuple(-n for n in weight[item.path]))
 
 
 # -----------------------------------------------------------------------------
