@@ -21,10 +21,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    return [
-        {'params': decay, 'weight_decay': weight_decay},
-        {'params': no_decay, 'weight_decay': 0.0},
-    ]
+    return [{'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
 
 
 def adamw(model, weight_decay, learning_rate, betas, device_type):
@@ -78,8 +75,7 @@ def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_d
 
 class HostStaging:
     """Pinned host buffers, one per (shape, dtype, slot), kept from step to step, for the copies between CUDA
-    parameters and their CPU masters. The CPU reads a buffer after wait() and writes it after the event of its
-    last copy up. pin=False (the tests' CPU seam): ordinary host memory."""
+    parameters and their CPU masters. pin=False (the tests' CPU seam): ordinary host memory."""
 
     def __init__(self, pin=True):
         self.pin = pin
@@ -102,7 +98,6 @@ class HostStaging:
 
     @staticmethod
     def wait(device):
-        """The copies down started so far on `device` are done (nothing to wait for off CUDA)."""
         if device.type == 'cuda':
             torch.cuda.current_stream(device).synchronize()
 
@@ -140,9 +135,7 @@ class MasterWeights:
         return p.is_cuda and self.master_home(p).type == 'cpu' and not self._stages(p)
 
     def _stages(self, p):
-        if self.stage is not None:
-            return self.stage
-        return p.is_cuda and self.master_home(p).type == 'cpu'
+        return (p.is_cuda and self.master_home(p).type == 'cpu') if self.stage is None else self.stage
 
     def _staging(self, p):
         if self.staging is None:
@@ -219,14 +212,11 @@ class MasterWeights:
 
 
 class MasterAdamW(MasterWeights, torch.optim.Optimizer):
-    """AdamW on fp32 master copies of the parameters that train; the parameters keep their dtype.
-
-    State per parameter with a gradient: 'master', 'exp_avg', 'exp_avg_sq' (fp32, on master_home(p)) and
-    'step' (an int). master_device: None (each parameter's own device) or 'cpu'. host_scope: a context manager
-    around the state's allocation and arithmetic (memory_estimate counts those tensors as host memory).
-    foreach=True runs adamw_foreach_ on FOREACH_BYTES of widened gradients at once where it is bitwise; off by
-    default: no faster on the CPU, and the gradients held together raise the peak by a quarter.
-    """
+    """AdamW on fp32 master copies of the parameters that train; the parameters keep their dtype. State per
+    parameter with a gradient: 'master', 'exp_avg', 'exp_avg_sq' (fp32, on master_home(p)), 'step' (an int).
+    master_device: None (each parameter's own) or 'cpu'. host_scope: a context manager around the state's allocation
+    and arithmetic (memory_estimate counts those tensors as host memory). foreach=True runs adamw_foreach_ on
+    FOREACH_BYTES of widened gradients at once where bitwise; off by default (no faster on the CPU, a higher peak)."""
 
     FOREACH_BYTES = 256 * 2**20
 
