@@ -1,8 +1,7 @@
 """
-GPU memory of train.py's iteration, split like the OMGD paper's LLaMA-7B table: model weights, gradients,
-optimizer state, and "others" (activations, temporaries, workspaces) = the peak minus those three. Each row
-is memory_estimate.measure: builder.build's model, optimizer and cycler stepped by Trainer.step, as train.py
-runs them (docs/memory.md).
+GPU memory of train.py's iteration, split like the OMGD paper's LLaMA-7B table: model weights, gradients, optimizer
+state, and "others" (activations, temporaries, workspaces) = the peak minus those three. Each row is
+memory_estimate.measure of train.py's iteration, after a warm-up that creates the optimizer state (docs/memory.md).
 
 $ python bench_memory.py config/llama7b_lisa_wor.py --vocab_size=32000 \
       --methods=full,galore,golore,lisa,lisa_wor                     # the paper's table (LLaMA's vocabulary)
@@ -19,10 +18,6 @@ machine (dtype bfloat16, compile True). Keys of this script:
   device        auto (cuda if available, else meta), cuda (measured: max_memory_allocated/reserved),
                 meta (an ESTIMATE on shapes, memory_estimate.py) or cpu (run for real, fp32 compute)
   out           output prefix for .md/.json/.png; '' -> out/memory_<preset> (git-ignored)
-
-The measured iteration follows a warm-up that creates the optimizer state (under omgd_state='keep', one
-iteration at every switch of a full cycle): the second of a switching period, the costliest. GaLore's
-projectors (inside Others) and CPU-resident state (masters, moments) have columns of their own.
 """
 
 import json
@@ -50,10 +45,8 @@ BYTE_KEYS = ('params', 'grads', 'optimizer', 'others', 'peak', 'reserved', 'proj
 # the paper's Table (GiB), for comparison when the preset is llama-7b
 PAPER_LLAMA_7B = {
     'full': (12.55, 12.55, 25.10, 14.66, 64.86),
-    'galore': (12.55, 12.55, 1.73, 4.40, 31.23),
-    'golore': (12.55, 12.55, 1.73, 4.40, 31.23),
-    'lisa': (12.55, 1.24, 2.48, 3.29, 19.56),
-    'lisa_wor': (12.55, 1.24, 2.48, 3.29, 19.56),
+    **dict.fromkeys(('galore', 'golore'), (12.55, 12.55, 1.73, 4.40, 31.23)),
+    **dict.fromkeys(('lisa', 'lisa_wor'), (12.55, 1.24, 2.48, 3.29, 19.56)),
 }
 
 
@@ -83,11 +76,10 @@ def notes_for(cfg, device, estimate, n_params, precisions):
             else "the CPU's own kernels, fp32 compute as train.py on a CPU"
         )
         how_measured = (
-            f"ESTIMATE on the {device.type} device, not a GPU measurement. Weights, gradients and "
-            "optimizer state are exact tensor bytes; Others = the peak of live tensor bytes counted op "
-            f"by op (memory_estimate.LiveBytes; {how}) minus those three. Allocator "
-            "rounding/fragmentation, cuBLAS workspaces and the CUDA context are not included; no "
-            "reserved figure."
+            f"ESTIMATE on the {device.type} device, not a GPU measurement. Weights, gradients and optimizer state are "
+            "exact tensor bytes; Others = the peak of live tensor bytes counted op by op (memory_estimate.LiveBytes; "
+            f"{how}) minus those three. Allocator rounding/fragmentation, cuBLAS workspaces and the CUDA context are "
+            "not included; no reserved figure."
         )
     else:
         how_measured = (
@@ -101,19 +93,17 @@ def notes_for(cfg, device, estimate, n_params, precisions):
         f"Model {model_name(cfg)}: {config.arch}, {config.n_layer} blocks, n_embd {config.n_embd}, MLP "
         f"{config.mlp_hidden}, vocab {config.vocab_size}, {n_params:,} parameters.",
         *(f"precision={label}: {PRECISION_NOTES[label].format(dtype=cfg['dtype'])}." for label in labels),
-        f"Micro-batch {cfg['batch_size']} x {cfg['block_size']} tokens (of {gas} accumulation steps; the "
-        f"measured iteration runs {min(cfg['micro_batches'] or gas, gas)}); "
-        f"activation checkpointing {'on' if cfg['activation_checkpointing'] else 'off'}; "
-        f"{'compiled per block' if cfg['compile'] and device.type == 'cuda' else 'eager'}; "
-        f"grad_clip {cfg['grad_clip']:g}, OMGD scale {'after' if cfg['omgd_scale_after_clip'] else 'before'} "
-        f"clipping.",
-        f"State policy omgd_state='{cfg['omgd_state']}'. LISA methods: {cfg['omgd_gamma']} active blocks "
-        f"plus {cfg['omgd_always']}. GaLore/GoLore: rank {cfg['galore_rank']} on every attention and MLP "
-        f"matrix, projected on the smaller side; embeddings, head and norms have full AdamW state. "
-        f"Projection matrices are not counted as optimizer state (they are inside Others).",
-        "Measured iteration = train.py's (Trainer.step), the second of a switching period "
-        "(optimizer state already exists); the peak is over forward/backward of every micro-batch, "
-        "clipping, scaling and the step.",
+        f"Micro-batch {cfg['batch_size']} x {cfg['block_size']} tokens (of {gas} accumulation steps; the measured "
+        f"iteration runs {min(cfg['micro_batches'] or gas, gas)}); activation checkpointing "
+        f"{'on' if cfg['activation_checkpointing'] else 'off'}; "
+        f"{'compiled per block' if cfg['compile'] and device.type == 'cuda' else 'eager'}; grad_clip "
+        f"{cfg['grad_clip']:g}, OMGD scale {'after' if cfg['omgd_scale_after_clip'] else 'before'} clipping.",
+        f"State policy omgd_state='{cfg['omgd_state']}'. LISA methods: {cfg['omgd_gamma']} active blocks plus "
+        f"{cfg['omgd_always']}. GaLore/GoLore: rank {cfg['galore_rank']} on every attention and MLP matrix, projected "
+        "on the smaller side; embeddings, head and norms have full AdamW state. Projection matrices are not counted "
+        "as optimizer state (they are inside Others).",
+        "Measured iteration = train.py's (Trainer.step), the second of a switching period (optimizer state already "
+        "exists); the peak is over forward/backward of every micro-batch, clipping, scaling and the step.",
     ]
 
 
@@ -157,9 +147,9 @@ def markdown(result):
     if cfg['preset'] == 'llama-7b' and model_config(cfg).vocab_size == 32000:
         out += [
             '',
-            "The paper's table (GiB, pure bf16, vocab 32000), for comparison. Its Others/Total were "
-            "measured on an RTX PRO 6000 with its own code; a commented-out passage of the paper's source says "
-            "the full-parameter row was estimated from proportions after running out of memory.",
+            "The paper's table (GiB, pure bf16, vocab 32000), for comparison. Its Others/Total were measured on an RTX "
+            "PRO 6000 with its own code; a commented-out passage of the paper's source says the full-parameter row was "
+            "estimated from proportions after running out of memory.",
             '',
             '| Method | Model | Gradients | Optimizer | Others | Total |',
             '|---|---|---|---|---|---|',
@@ -170,16 +160,14 @@ def markdown(result):
 
 
 def plot(result, path):
-    import matplotlib
-
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure to close
 
     rows = result['rows']
     parts = [('params', 'Model'), ('grads', 'Gradients'), ('optimizer', 'Optimizer'), ('others', 'Others')]
     colors = ['#4c72b0', '#dd8452', '#55a868', '#c44e52']
     width = 1.3 * len(rows) + 4.0  # room for the legend right of the bars
-    fig, ax = plt.subplots(figsize=(width, 5.0))
+    fig = Figure(figsize=(width, 5.0))
+    ax = fig.subplots()
     x = range(len(rows))
     bottom = [0.0] * len(rows)
     for (key, label), color in zip(parts, colors):
@@ -201,7 +189,6 @@ def plot(result, path):
     ax.legend(loc='upper left', bbox_to_anchor=(1.01, 1.0), fontsize=8)  # outside: never over a bar's total
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def check(cfg):
@@ -216,11 +203,10 @@ def run(cfg, argv=()):
     rows, t0 = [], time.time()
     for i, row in enumerate(row_cfgs, 1):  # a 7B row takes a minute or more: say how far along it is
         rows.append(measure(row, device))
-        spent = time.time() - t0
+        spent, label = time.time() - t0, precision_label(row['precision'], row['master_device'])
         print(
-            f"measured {i}/{len(row_cfgs)} rows "
-            f"({row['method']}, {precision_label(row['precision'], row['master_device'])})"
-            f" in {spent:.0f} s, about {spent / i * (len(row_cfgs) - i):.0f} s left",
+            f"measured {i}/{len(row_cfgs)} rows ({row['method']}, {label}) in {spent:.0f} s, "
+            f"about {spent / i * (len(row_cfgs) - i):.0f} s left",
             file=sys.stderr,
             flush=True,
         )
