@@ -1,9 +1,7 @@
 """
-Training speed of full AdamW, LISA, LISA-wor and GaLore on the same model and batch, in one run, like
-nanoGPT's bench.py: time per iteration, tokens/s, MFU (on a GPU of known peak) and peak memory. Each row
-gets a fresh model (same seed), optimizer and cycler from builder.build and runs Trainer.step, train.py's
-iteration, under the config's precision (compile=True: every block compiled), at learning_rate, on one
-random batch reused.
+Training speed of the methods on the same model and batch, in one run, like nanoGPT's bench.py: time per iteration,
+tokens/s, MFU (on a GPU of known peak) and peak memory. Each row builds a fresh model (same seed), optimizer and
+cycler and runs Trainer.step, train.py's iteration, at learning_rate on one random batch reused.
 
 $ python bench.py --methods=full,lisa,lisa_wor,galore --preset=gpt2 --vocab_size=50304 --batch_size=12 \
       --block_size=1024 --omgd_gamma=3                                   # one GPU, compiled
@@ -11,15 +9,15 @@ $ python bench.py --methods=full,lisa_wor --arch=llama --n_layer=8 --n_head=8 --
       --vocab_size=8192 --batch_size=4 --block_size=128 --steps=10      # CPU, a small LLaMA-layout model
 $ python bench.py config/gpt2_lisa_wor.py --methods=lisa_wor --precisions=amp,bf16,bf16_master
 
-Every key of train.py is accepted with its meaning and default there; device is auto (cuda if available,
-else cpu), cuda or cpu. Keys of this script: methods and precisions (the rows, as in bench_memory.py),
-steps (timed iterations), warmup_steps (run first, compilation included), interleave (step the rows
-round-robin, so that other processes on a shared machine slow them all alike), out (a file for the report)
-and profile (a path prefix: one more iteration of each row under torch.profiler, in PREFIX_METHOD_PRECISION.txt).
+Every key of train.py is accepted with its meaning and default there; device is auto (cuda if available, else cpu),
+cuda or cpu. Keys of this script: methods and precisions (the rows, as in bench_memory.py), steps (timed iterations),
+warmup_steps (run first, compilation included), interleave (step the rows round-robin, so that other processes on a
+shared machine slow them all alike), out (a file for the report) and profile (a path prefix: one more iteration of
+each row under torch.profiler, in PREFIX_METHOD_PRECISION.txt).
 
-ms/iter is the median of the timed iterations; 'switch ms/iter' is the mean of those that switched (the cost
-the median hides). 'FLOP limit vs full' is full's FLOPs per token over the row's (model.estimate_flops_per_token:
-frozen blocks cost less), the speed-up the FLOP count allows.
+ms/iter is the median of the timed iterations; 'switch ms/iter' is the mean of those that switched (the cost the median
+hides). 'FLOP limit vs full' is full's FLOPs per token over the row's (frozen blocks cost less), the speed-up the FLOP
+count allows.
 """
 
 import gc
@@ -115,9 +113,8 @@ class MethodRun:
 
 
 def bench(row_cfgs, device):
-    """Time every row: one after the other (peak memory per row on CUDA), or interleaved, step by step (load from
-    other processes on a shared machine hits every row alike). A bar on stderr counts the iterations (stdout
-    is the report); it updates between the timed steps."""
+    """Time every row: one after the other (peak memory per row on CUDA), or interleaved step by step (load from other
+    processes hits every row alike). A bar on stderr (stdout is the report) updates between the timed steps."""
     cfg, cuda = row_cfgs[0], device.type == 'cuda'
     total, rows = cfg['warmup_steps'] + cfg['steps'], []
     with tqdm(total=total * len(row_cfgs), desc='timing', unit='iter') as bar:
@@ -178,10 +175,8 @@ def markdown(cfg, rows, device, config, argv):
         '|---|---|---|---|---|---|---|---|---|---|---|',
     ]
     for r in rows:
-        # against full training at the same precision
         full = next((f for f in rows if f['method'] == 'full' and f['precision'] == r['precision']), None)
-        speed = f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}x" if full else '–'
-        # the speed-up the FLOP count allows: full's FLOPs per token over this row's
+        speed = f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}x" if full else '–'  # full at the same precision
         limit = f"{full['flops_per_token'] / r['flops_per_token']:.2f}x" if full else '–'
         switch = '–' if r['switch_ms'] is None else f"{r['switch_ms']:.1f} ({r['switch_ms'] / r['ms'] - 1:+.0%})"
         mfu_shown = '–' if r['mfu'] is None else f"{100 * r['mfu']:.1f}%"
