@@ -88,7 +88,10 @@ def _rope_theta(hf, where):
             raise HFError(f"{where}: {key}={rope!r} is not an object of settings; download the model again")
         kind = rope.get('rope_type', rope.get('type', 'default'))
         if kind != 'default':
-            raise HFError(f"{where}: rope scaling {kind!r} cannot be mapped (the rotary embeddings here are unscaled)")
+            raise HFError(
+                f"{where}: rope scaling {kind!r} cannot be mapped (the rotary embeddings here are unscaled); "
+                "use a checkpoint without it"
+            )
     return _setting(params if params.get('rope_theta') is not None else hf, 'rope_theta', where, 10000.0)
 
 
@@ -621,7 +624,8 @@ def check_vocabulary(kind, where, meta, model_vocab, dataset):
         )
     if kind in ('gpt2', 'hf') and model_vocab > -(-vocab // 64) * 64:  # more than train.py's padding to 64
         print(
-            f"warning: the model embeds {model_vocab} token ids but {what} has only {vocab}; is it the model's?",
+            f"warning: the model embeds {model_vocab} token ids but {what} has only {vocab}; exporting it, but "
+            "check that it is the tokenizer the model trained on",
             file=sys.stderr,
         )
 
@@ -649,13 +653,17 @@ def char_tokenizer_writer(itos, where, block_size):
         or len(vocab) != len(itos)
         or sorted(itos) != list(range(len(itos)))
     ):
-        raise ExportError(f"the itos of {where} is not ids 0..N-1 of distinct characters; prepare the dataset again")
+        raise ExportError(
+            f"the itos of {where} is not ids 0..N-1 of distinct characters; prepare the dataset again, or pass "
+            f"--tokenizer=none to export the weights only"
+        )
     try:
         from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
         from tokenizers.models import WordLevel
     except ImportError:
         raise ExportError(
-            "the character-level tokenizer needs the tokenizers package: pip install tokenizers"
+            "the character-level tokenizer needs the tokenizers package: pip install tokenizers, or pass "
+            "--tokenizer=none to export the weights only"
         ) from None
     tok = Tokenizer(WordLevel(vocab))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(CHAR_SPLIT), behavior='isolated')
@@ -801,7 +809,7 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_s
     model, checkpoint, path = read_model(out_dir)
     stored = dtype and DTYPES[dtype] or next(iter(checkpoint['model'].values())).dtype
     write_tokenizer, note = tokenizer_writer(checkpoint, path, model.config, tokenizer)
-    weights = save(model, hf_dir, stored, max_shard_size=max_shard_size, tokenizer=write_tokenizer, log=log)
+    weights = save(model, hf_dir, stored, parse_size(max_shard_size), tokenizer=write_tokenizer, log=log)
     shards = weights[0] if len(weights) == 1 else f"{len(weights)} shards with model.safetensors.index.json"
     log(
         f"wrote {hf_dir}: config.json ({ARCHITECTURES[model.config.arch]}), {shards} "

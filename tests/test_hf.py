@@ -527,6 +527,9 @@ def test_a_sharded_export_generates_our_greedy_tokens_in_transformers(tmp_path, 
         generated = theirs.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert generated.tolist() == expected.tolist()
     assert hf.load(str(tmp_path / 'out')).state_dict().keys() == model.state_dict().keys()  # our import reads shards
+    # a number of bytes, as export.py's command line gives it (a string): the same shards
+    hf.export(str(tmp_path / 'run'), str(tmp_path / 'bytes'), max_shard_size='2000000', log=lines.append)
+    assert sorted(p.name for p in (tmp_path / 'bytes').glob('model-*.safetensors')) == shards
     with pytest.raises(hf.ExportError, match=r"max_shard_size must be a size like '5GB'"):
         hf.export(str(tmp_path / 'run'), str(tmp_path / 'bad'), max_shard_size='big')
 
