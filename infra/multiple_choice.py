@@ -19,10 +19,8 @@ class EvalError(ValueError):
 
 def preprocess(text):
     """lm-evaluation-harness's HellaSwag clean-up (tasks/hellaswag/utils.py) of WikiHow's [title] markers."""
-    text = text.strip()
-    text = text.replace(" [title]", ". ")
-    text = re.sub("\\[.*?\\]", "", text)
-    return text.replace("  ", " ")
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub("\\[.*?\\]", "", text).replace("  ", " ")
 
 
 def mc_example(doc, where):
@@ -89,8 +87,7 @@ def read_mc(path, limit=0, encode=None):
 
 
 def encode_pair(encode, context, continuation):
-    """(context ids, continuation ids): what follows the context's encoding in the whole text's, as
-    lm-evaluation-harness splits them."""
+    """(context ids, continuation ids): what follows the context's ids in the whole text's, as lm-eval splits them."""
     whole, ctx = encode(context + continuation), encode(context)
     return ctx, whole[len(ctx) :]
 
