@@ -1,5 +1,5 @@
 """
-Sample text from a trained checkpoint (char-level or GPT-2 BPE, picked from the dataset).
+Sample text from a trained checkpoint, with the tokenizer its dataset's meta.pkl records (data/tokenizer.py).
 
 $ python sample.py --out_dir=out --start="ROMEO:" --num_samples=2 --max_new_tokens=200
 """
@@ -17,8 +17,8 @@ from train_config import check_device
 
 
 def load_codec(directory, model_vocab=None):
-    """(encode, decode) with the tokenizer the dataset's meta.pkl records (data/tokenizer.py); a one-line
-    error when it cannot be loaded, or has more ids than the model embeds (model_vocab): not the model's."""
+    """(encode, decode) of the dataset's tokenizer; a one-line error when it cannot be loaded, or has more ids
+    than the model embeds (model_vocab): not the model's."""
     try:
         tok = Tokenizer.from_meta(read_meta(directory))
     except ValueError as e:
