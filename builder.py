@@ -1,7 +1,7 @@
 """
-The one builder: the model, its optimizer and its layer cycler of a config (a dict of train.py's keys), as
-every script trains them (train.py, the benchmarks, the experiments), so a benchmark measures what train.py
-runs. The weights are fp32 under precision 'amp', bf16 under 'bf16' and 'bf16_master' (docs/precision.md).
+The one builder: the model, its optimizer and its layer cycler of a config (a dict of train.py's keys), as every
+script trains them, so a benchmark measures what train.py runs. Weights are fp32 under precision 'amp', bf16 under
+'bf16' and 'bf16_master' (docs/precision.md).
 """
 
 import dataclasses
@@ -35,9 +35,8 @@ def transformer_kwargs(cfg, vocab_size=0):
 
 
 class RandomOnCPU(TorchDispatchMode):
-    """In-place random fills (normal_, uniform_) of tensors that are not fp32 on the CPU are drawn on the CPU in
-    fp32 from torch's default generator, then cast into the tensor: a model initialised on a GPU, or in bf16,
-    gets bitwise the weights of a CPU fp32 build then cast, one tensor of host memory at a time."""
+    """In-place random fills (normal_, uniform_) of a tensor not fp32 on the CPU are drawn there, one tensor at a
+    time, from torch's default generator, then cast in: a GPU or bf16 init gets a CPU fp32 build's weights, cast."""
 
     FILLS = (torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default)
 
@@ -51,10 +50,9 @@ class RandomOnCPU(TorchDispatchMode):
 
 
 def new_model(config, device, dtype=torch.float32, cpu_draws=True):
-    """A freshly initialised Transformer built directly on `device` with `dtype` weights, never a full fp32 copy
-    on the host: built on meta, then filled with a CPU build's random draws in their order, so the weights are
-    bitwise those of Transformer(config) cast to `dtype`. cpu_draws=False draws on `device` instead (the
-    benchmarks, whose figures do not depend on the values)."""
+    """A new Transformer built on `device` with `dtype` weights (never a full fp32 copy on the host), bitwise
+    Transformer(config)'s cast to `dtype`: built on meta, then filled with a CPU build's random draws in their
+    order. cpu_draws=False draws on `device` instead (the benchmarks, whose figures do not depend on the values)."""
     with torch.device('meta'):
         model = Transformer(config)
     if torch.device(device).type == 'meta':  # shapes only (bench_memory's estimate): nothing to draw
@@ -87,12 +85,6 @@ def resumed_model(saved, cfg, device, path):
     return model
 
 
-def configure_memory(model, cfg):
-    """The model's activation-memory options (infra/memory_options.py), the config's keys of the same names."""
-    keys = ('activation_checkpointing', 'checkpoint_sublayers', 'activation_offload', 'loss_chunk')
-    return memory_options.apply(model, **{k: cfg[k] for k in keys})
-
-
 def compile_blocks(model, method, **kwargs):
     """compile=True's regional compilation (memory_options.compile_blocks) for the method's unit of switching."""
     kind = omgd.METHODS.get(method)  # None: full, and GaLore's methods (every block trains)
@@ -102,13 +94,6 @@ def compile_blocks(model, method, **kwargs):
 def weight_dtype(precision):
     """The dtype of the weights: fp32 under 'amp', bf16 under 'bf16' and 'bf16_master'."""
     return torch.float32 if precision == 'amp' else torch.bfloat16
-
-
-def cast_model(model, precision):
-    """bf16 weights for 'bf16' and 'bf16_master' (in place: the Parameter objects stay the same)."""
-    if precision != 'amp':
-        model.to(weight_dtype(precision))
-    return model
 
 
 def build_optimizer(model, cfg, device_type, host_scope=nullcontext):
@@ -153,14 +138,17 @@ def build_cycler(model, optimizer, cfg):
 
 
 def build(cfg, device, vocab_size=0, model=None, shard=None, cpu_draws=True, host_scope=nullcontext):
-    """The model, its optimizer and its cycler. model: an already built one (a resume, a pretrained import);
-    None builds one with new_model (seed the RNG before). shard(model): runs once the model is on its device,
-    before the optimizer sees its parameters (FSDP2). host_scope: the fp32 masters' (optim.MasterWeights),
-    what the memory estimate counts as host memory."""
+    """The model, its optimizer and its cycler. model: an already built one (a resume, a pretrained import); None
+    builds one with new_model (seed the RNG before). shard(model): runs once the model is on its device, before the
+    optimizer sees its parameters (FSDP2). host_scope: the fp32 masters' (optim.MasterWeights), for the estimate."""
     if model is None:
         config = TransformerConfig(**transformer_kwargs(cfg, vocab_size))
         model = new_model(config, device, weight_dtype(cfg['precision']), cpu_draws)
-    cast_model(configure_memory(model, cfg), cfg['precision']).to(device)
+    keys = ('activation_checkpointing', 'checkpoint_sublayers', 'activation_offload', 'loss_chunk')
+    memory_options.apply(model, **{k: cfg[k] for k in keys})  # activation memory: the keys of those names
+    if cfg['precision'] != 'amp':  # in place: the Parameter objects stay the same
+        model.to(weight_dtype(cfg['precision']))
+    model.to(device)
     if shard is not None:
         shard(model)
     optimizer = build_optimizer(model, cfg, torch.device(device).type, host_scope)  # over ALL parameters
