@@ -1,8 +1,7 @@
 """
-The 'file' checkpoint format, out_dir/ckpt.pt, and what both formats share: the errors, the weights_only read,
-the finiteness vote and the RNG states. A checkpoint is one torch.save'd dict: each object's state_dict(), plain
-values (iter_num, config, ...), world_size and every rank's RNG; never written non-finite, synced before it
-atomically replaces the previous one.
+The 'file' format, out_dir/ckpt.pt: one torch.save'd dict (each object's state_dict(), plain values, world_size and
+every rank's RNG), never written non-finite, synced, then atomically replacing the previous one. And what both
+formats share: the errors, the weights_only read, the finiteness vote and the RNG states.
 """
 
 import contextlib
@@ -14,6 +13,8 @@ import zipfile
 from pathlib import Path
 
 import torch
+
+from infra import distributed
 
 
 class CheckpointError(ValueError):
@@ -82,9 +83,8 @@ class _Slice(io.RawIOBase):
 
 
 def check_archive(f, name, start=0, size=None):
-    """A CheckpointError naming `name` when the torch.save archive at bytes [start, start + size) of the open file f
-    is damaged: its directory, each record's header, and the small records it unpickles (their CRC checked). Reads
-    no tensor's bytes."""
+    """A CheckpointError naming `name` when the torch.save archive in bytes [start, start + size) of the open file f
+    is damaged: its directory, each record's header, the CRC of the small records it unpickles (not the tensors')."""
     where = '' if size is None else f" (the record at byte {start})"
     size = os.fstat(f.fileno()).st_size - start if size is None else size
     try:
@@ -110,9 +110,8 @@ def fsync(path):
 
 @contextlib.contextmanager
 def atomic_path(path: Path):
-    """Yield a hidden temporary file next to ``path``, created empty by this call (O_EXCL: a file of that name
-    someone else left is skipped, never written or removed); on success it replaces ``path``, on an error it is
-    removed and ``path`` keeps its old content."""
+    """Yield a hidden temporary file next to ``path``, created by this call (O_EXCL: another's file of that name is
+    skipped, never written or removed); on success it replaces ``path``, on an error it is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for n in itertools.count():  # the pid keeps parallel writers apart
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}" + (f"-{n}" if n else ''))
@@ -131,37 +130,29 @@ def atomic_path(path: Path):
 
 def gather_rng(ranks, device_type):
     """Every rank's RNG state (dropout), in rank order; a collective, call on every rank."""
-    return ranks.gather(
-        {'torch': torch.get_rng_state(), 'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None}
-    )
+    cuda = torch.cuda.get_rng_state() if device_type == 'cuda' else None
+    return ranks.gather({'torch': torch.get_rng_state(), 'cuda': cuda})
 
 
 def check_finite(ranks, model, optimizer):
-    """Raise NonFiniteState on every rank alike (a vote: a collective) when any rank's weights or optimizer
-    state (its shards) hold inf or NaN."""
+    """Raise NonFiniteState on every rank alike (a vote: a collective) when any rank's weights or optimizer state
+    hold inf or NaN."""
     tensors = list(model.parameters())
     # through state_dict(): its hooks wait for asynchronous copies of the state (optimizer_offload)
-    tensors += [
-        t
-        for state in optimizer.state_dict()['state'].values()
-        for t in state.values()
-        if torch.is_tensor(t) and t.is_floating_point()
-    ]
+    states = optimizer.state_dict()['state'].values()
+    tensors += [t for state in states for t in state.values() if torch.is_tensor(t) and t.is_floating_point()]
     finite = all(bool(torch.isfinite(t.to_local() if hasattr(t, 'to_local') else t).all()) for t in tensors)
     if ranks.any(not finite):
         raise NonFiniteState("the weights or optimizer state hold inf or NaN; no checkpoint was written")
 
 
 def save(path, ranks, objects, values, fsdp=False, device_type='cpu'):
-    """Write {name: obj.state_dict() for objects} and `values` (plain data) to `path`; a collective, rank 0
-    writes. NonFiniteState on every rank before anything is written; a failed write is a CheckpointError
-    and leaves the previous file as it was. Returns whether this rank wrote the file."""
+    """Write each object's state_dict() and `values` (plain data) to `path`; a collective, rank 0 writes (returns
+    whether this rank wrote). A failed write is a CheckpointError and leaves the previous file as it was."""
     model, optimizer = objects['model'], objects['optimizer']
     check_finite(ranks, model, optimizer)
     rank_rngs = gather_rng(ranks, device_type)
     if fsdp:  # gathered to rank 0 (a collective); the same file format as one process writes
-        from infra import distributed
-
         states = dict(zip(('model', 'optimizer'), distributed.full_state_dicts(model, optimizer)))
     else:
         states = {'model': model.state_dict(), 'optimizer': optimizer.state_dict()}
@@ -201,8 +192,8 @@ def record_text(tmp):
 
 
 def remove_interrupted_write(path):
-    """Remove the temporary file a killed save of `path` left, found through the record that save wrote
-    (write_record): only the very file the save created (same name, device and inode), never one by its name."""
+    """Remove the temporary file a killed save of `path` left, through the record that save wrote: only the very
+    file it created (same name, device and inode), never one by its name."""
     record = write_record(path)
     if not os.path.isfile(record):
         return
@@ -218,12 +209,10 @@ def remove_interrupted_write(path):
 
 
 def load_state(checkpoint, objects, fsdp=False):
-    """Load each object's state but the model's (loaded when it is built) from `checkpoint`; ValueError or
-    KeyError when it does not fit. A scaler loads only when it is on and the checkpoint has its state."""
+    """Load each object's state but the model's (loaded when it is built); ValueError or KeyError when it does not
+    fit. A scaler loads only when it is on and the checkpoint has its state."""
     for name, obj in objects.items():
         if name == 'optimizer' and fsdp:  # the file holds full tensors; each rank keeps its shards
-            from infra import distributed
-
             distributed.load_optimizer_state(objects['model'], obj, checkpoint['optimizer'])
         elif name == 'scaler':
             if obj.is_enabled() and checkpoint.get('scaler'):
@@ -233,8 +222,7 @@ def load_state(checkpoint, objects, fsdp=False):
 
 
 def restore_rng(checkpoint, ranks, device_type, seed, iter_num):
-    """Continue each rank's dropout stream from `checkpoint`; returns False when it was saved on another
-    number of ranks, whose streams cannot continue: each rank is then seeded afresh."""
+    """Continue each rank's dropout stream; False when saved on another number of ranks: each is seeded afresh."""
     rank_rngs = checkpoint['rng'].get('ranks', [])
     if len(rank_rngs) != ranks.world_size:
         torch.manual_seed(seed + ranks.rank + 1_000_003 * iter_num)
