@@ -1,8 +1,7 @@
 """
-The checkpoints of a run: Checkpointer starts or resumes train.py's run in out_dir and saves it, in either
-format; read_any() reads out_dir's newest checkpoint (sample.py, eval.py, export.py, hf.py). Formats: 'file',
-out_dir/ckpt.pt (checkpoint_file.py, the default in one process), and 'dcp', sharded step folders
-(checkpoint_dcp.py, the default under torchrun). A resume continues the later iteration, on any number of ranks.
+A run's checkpoints in out_dir: Checkpointer starts, resumes and saves train.py's run; read_any() reads the newest
+for the other scripts. Formats: 'file', out_dir/ckpt.pt (checkpoint_file.py, the default in one process), and 'dcp',
+sharded step folders (checkpoint_dcp.py, the default under torchrun); a resume may use any number of ranks.
 """
 
 import fcntl
@@ -23,15 +22,8 @@ def warn(message):
 
 
 class Checkpointer:
-    """out_dir's checkpoints for one run of train.py, whatever their format. Every rank makes one:
-
-        cfg = checkpointer.start(cfg, configure)  # the lock; scratch, resume or auto; configure(saved values)
-        checkpointer.saved                        # a resume's saved values, read once (its model is built of them)
-        checkpointer.load(objects, data)          # a resume's weights (a step folder's), optimizer, cycler, ... RNG
-        checkpointer.save(objects, values)        # a collective; returns the path where this rank wrote
-        checkpointer.finish()                     # the last background write is on disk
-        checkpointer.close(failed)                # out_dir's lock (and an out_dir the run left empty)
-
+    """out_dir's checkpoints for one run of train.py, made on every rank: start() (the lock; `saved`, a resume's
+    values, read once), load() and save() (collectives), finish() (the last background write is on disk), close().
     What it refuses is a CheckpointError: one line that says what to do."""
 
     def __init__(self, out_dir, ranks, device, writes=True):
@@ -47,10 +39,9 @@ class Checkpointer:
         self.saver = None  # the step folders' writer (checkpoint_dcp.Saver); None: ckpt.pt
 
     def start(self, cfg, configure, fsdp=False):
-        """Start or resume the run; returns configure(saved, path), the run's config (`saved`: the values of the
-        checkpoint a resume continues, or None; a ValueError refuses). The writer (rank 0) takes out_dir's lock,
-        refuses to replace an earlier run's checkpoint unless overwrite=True, and removes what an interrupted
-        save left."""
+        """Start or resume the run; returns configure(saved or None, its path), the run's config. The writer (rank 0)
+        takes the lock, refuses to replace an earlier run's checkpoint unless overwrite=True, and removes what an
+        interrupted save left."""
         master, out_dir = self.ranks.master, self.out_dir
         if master and self.writes:
             try:
@@ -76,9 +67,7 @@ class Checkpointer:
             check_out_dir(out_dir)
             removed, left = checkpoint_dcp.remove_incomplete(out_dir)  # what a crash in the middle of a save left
             if removed:
-                print(
-                    f"removed {', '.join(removed)} from {out_dir}: checkpoint(s) left incomplete by an interrupted save"
-                )
+                print(f"removed {', '.join(removed)} from {out_dir}: left incomplete by an interrupted save")
             if left:
                 warn(
                     f"{', '.join(left)} in {out_dir}: not a complete checkpoint, and no save of train.py "
@@ -95,8 +84,7 @@ class Checkpointer:
         return cfg
 
     def _refuse_foreign_steps(self, left, max_iters):
-        """A step folder no save of train.py wrote, at an iteration this run may save: refused now, before
-        training, rather than replaced by that save (it may hold another run's shards)."""
+        """Refuse now a step folder no save of train.py wrote at an iteration this run may save (another run's?)."""
         steps = [(int(m.group(1)), os.path.join(self.out_dir, n)) for n in left if (m := checkpoint_dcp.STEP.match(n))]
         # a damaged newer checkpoint that could not be moved aside is kept where it is, too
         steps += [(it, p) for it, p in checkpoint_dcp.complete_steps(self.out_dir) if p not in self.replaced]
@@ -137,8 +125,8 @@ class Checkpointer:
         return saved if saved is not None and mine == self.found else self._read(*self.found[:2])
 
     def _read(self, fmt, path):
-        """ckpt.pt whole in host memory (mapped for a GPU, whose node's ranks share the pages; not on a CPU,
-        whose optimizer state would pin the replaced file), or a step folder's values (its tensors: load())."""
+        """ckpt.pt in host memory (mapped for a GPU, whose node's ranks share the pages; a CPU's optimizer state
+        would pin the replaced file), or a step folder's values (its tensors: load())."""
         if fmt == 'file':
             return read(path, map_location='cpu', mmap=self.device_type != 'cpu')
         return checkpoint_dcp.check_readable(path)
@@ -157,8 +145,8 @@ class Checkpointer:
             print(f"{path} holds {earlier}; this run's first save replaces it (overwrite=True)")
 
     def load(self, objects, data):
-        """A resume's state into the objects built since (model, optimizer, cycler, scaler) and the data
-        loader `data`; a collective. Each rank's dropout continues (seeded afresh on another number of ranks)."""
+        """A resume's state into the objects built since and the data loader `data`; a collective. Each rank's
+        dropout continues (seeded afresh on another number of ranks)."""
         if self.saved is None:
             return
         checkpoint, (fmt, path, _), ranks = self.saved, self.found, self.ranks
@@ -229,11 +217,9 @@ class Checkpointer:
 
     def last_good(self):
         """What a failing run leaves behind, in words, for its error line."""
-        return (
-            f"kept the last good checkpoint {self.path} (iteration {self.saved_iter})"
-            if self.saved_iter is not None
-            else "this run saved no checkpoint"
-        )
+        if self.saved_iter is None:
+            return "this run saved no checkpoint"
+        return f"kept the last good checkpoint {self.path} (iteration {self.saved_iter})"
 
     def finish(self):
         """At the end of the run, on every rank: the last background save is on disk (or its failure raised)."""
@@ -244,7 +230,7 @@ class Checkpointer:
         """Let go of out_dir. After a failure (no collective then) a background save ends first, and an out_dir
         this run made and left empty is removed."""
         if failed and self.saver is not None:
-            self.saver.abandon()
+            self.saver.finish(failed=True)
         left_empty = (
             failed and self.made_out_dir and os.path.isdir(self.out_dir) and set(os.listdir(self.out_dir)) <= {'.lock'}
         )
@@ -254,9 +240,8 @@ class Checkpointer:
 
 
 def newest_readable(out_dir, read, found=None):
-    """The fall-back of every reader: ((format, path, iter_num), read(format, path)) of the newest checkpoint of
-    out_dir (or of `found`, its candidates()) that reads, and [(path, why)] of each newer one. None reads: the
-    newest's CheckpointError."""
+    """((format, path, iter_num), read(format, path), [(path, why)] of each newer one) of the newest checkpoint of
+    out_dir (or of `found`, its candidates()) that reads; none reads: the newest's CheckpointError."""
     skipped, first = [], None
     for fmt, path, it in candidates(out_dir) if found is None else found:
         try:
@@ -268,7 +253,7 @@ def newest_readable(out_dir, read, found=None):
 
 
 def no_checkpoint(out_dir, then):
-    """The CheckpointError for an out_dir without a checkpoint to read: what it holds instead, or `then`."""
+    """The CheckpointError for an out_dir without a checkpoint: what it holds instead, or `then`."""
     path = os.path.join(out_dir, 'ckpt.pt')
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         return CheckpointError(
@@ -317,22 +302,20 @@ def file_iteration(path):
 
 
 def trained_dataset(checkpoint):
-    """The dataset a checkpoint trained on (config['dataset'], whose tokenizer reads its ids), or None when the
-    file records none (or a config that is not a dict, a dataset that is not a name)."""
+    """config['dataset'] of a checkpoint (whose tokenizer reads its ids), or None when it records no such name."""
     config = checkpoint.get('config') if isinstance(checkpoint, dict) else None
     dataset = config.get('dataset') if isinstance(config, dict) else None
     return dataset if isinstance(dataset, str) else None
 
 
 def all_checkpoints(out_dir):
-    """Every checkpoint in out_dir: ckpt.pt and the complete step folders."""
-    path = os.path.join(out_dir, 'ckpt.pt')
-    return ([path] if os.path.exists(path) else []) + [p for _, p in checkpoint_dcp.complete_steps(out_dir)]
+    """The paths of every checkpoint in out_dir: ckpt.pt and the complete step folders."""
+    return [path for _, path, _ in candidates(out_dir)]
 
 
 def check_out_dir(out_dir):
-    """Refuse an out_dir that cannot hold a checkpoint, before any training; remove the temporary file a killed
-    save of ckpt.pt left there (remove_interrupted_write)."""
+    """Refuse an out_dir that cannot hold a checkpoint, before any training; remove what a killed save of ckpt.pt
+    left there."""
     try:
         os.makedirs(out_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=out_dir).close()  # a file can be made there
@@ -345,8 +328,8 @@ def check_out_dir(out_dir):
 
 
 class OutDirLock:
-    """One writer per out_dir: rank 0 holds an exclusive flock on out_dir/.lock, which the kernel releases
-    however the process dies. The file names the holder for the message that refuses a second writer."""
+    """One writer per out_dir: rank 0 holds a flock on out_dir/.lock (the kernel releases it however the process
+    dies), which names the holder for the message that refuses a second writer."""
 
     def __init__(self, out_dir):
         self.out_dir, self.path, self.file = out_dir, os.path.join(out_dir, '.lock'), None
@@ -361,35 +344,27 @@ class OutDirLock:
         try:
             os.makedirs(self.out_dir, exist_ok=True)
             self.file = open(self.path, 'a+b', buffering=0)  # unbuffered: a failed write fails there, not in close()
-        except OSError as e:  # a full disk, a read-only place, a .lock that is a folder: named
-            raise self._unwritable(
-                e, f"choose a writable directory with --out_dir, or remove what is at {self.path}"
-            ) from None
-        try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self.file.seek(0)
-            holder = self.file.read().decode(errors='replace').strip() or 'another process'
-            self.file.close()
-            raise CheckpointError(
-                f"out_dir={self.out_dir!r} is in use by {holder}; wait for that run to end or stop "
-                f"it, or choose another --out_dir"
-            ) from None
-        try:
+            try:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                self.file.seek(0)
+                holder = self.file.read().decode(errors='replace').strip() or 'another process'
+                self.release()
+                raise CheckpointError(
+                    f"out_dir={self.out_dir!r} is in use by {holder}; wait for that run to end or stop "
+                    f"it, or choose another --out_dir"
+                ) from None
             self.file.truncate(0)  # appends: written from byte 0
             self.file.write(
                 f"the run of pid {os.getpid()} on {socket.gethostname()}, started "
                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode()
             )
-        except OSError as e:  # a full disk or quota: refused now, not at the first save after hours of training
+        except OSError as e:  # a read-only place, a .lock that is a folder, a full disk: now, not at the first save
             self.release()
-            raise self._unwritable(e, "free space or choose another --out_dir") from None
-
-    def _unwritable(self, e, then):
-        return CheckpointError(
-            f"out_dir={self.out_dir!r} cannot hold checkpoints: its lock file {self.path} cannot be written "
-            f"({e.strerror or e}); {then}"
-        )
+            raise CheckpointError(
+                f"out_dir={self.out_dir!r} cannot hold checkpoints: its lock file {self.path} cannot be written "
+                f"({e.strerror or e}); free space or choose another --out_dir, or remove what is at {self.path}"
+            ) from None
 
     def release(self, remove=False):
         """Let go (remove=True also deletes the file: only for an out_dir the run leaves empty)."""
@@ -401,8 +376,8 @@ class OutDirLock:
 
 
 def read_any(out_dir, map_location='cpu', mmap=False, optimizer=True):
-    """(checkpoint dict, path) of out_dir's newest readable checkpoint in ckpt.pt's format (a step folder
-    consolidated in host memory; optimizer=False: its weights only); a newer unreadable one is named in a warning."""
+    """(checkpoint dict in ckpt.pt's format, path) of out_dir's newest readable checkpoint (a step folder in host
+    memory; optimizer=False: its weights only); a newer unreadable one is named in a warning."""
 
     def read_one(fmt, path):
         if fmt == 'file':

@@ -1,16 +1,9 @@
 """
-Sharded checkpoints with torch.distributed.checkpoint (DCP): train.py's format under torchrun
-(checkpoint_format 'auto' with more than one rank, or 'dcp'). Every rank writes its own shards.
-
-    out_dir/step_0000120/      the checkpoint of iteration 120
-        __0_0.distcp, ...      each rank's shards of the weights and optimizer state
-        .metadata              DCP's index of them (rank 0, once every rank has written)
-        values.pt              everything else (rank 0, torch.save)
-        .complete              written last: only a step_NNNNNNN folder holding it is a checkpoint
-
-A save writes into step_NNNNNNN.tmp/ and renames it once complete; a resume reshards onto any number of ranks.
-Nothing in a folder is read with anything that could run code: values.pt with weights_only, .metadata with an
-unpickler of DCP's index classes only, and an index declaring anything but tensors is refused.
+Sharded checkpoints with torch.distributed.checkpoint (DCP), train.py's format under torchrun: out_dir/step_NNNNNNN/
+holds each rank's shards (__R_0.distcp), DCP's index (.metadata), values.pt (everything else) and .complete, written
+last (docs/distributed.md). A save writes into step_NNNNNNN.tmp/ and renames it; a resume reshards onto any number of
+ranks. Nothing read can run code: values.pt with weights_only, .metadata with an unpickler of DCP's index classes
+only, and an index declaring anything but tensors is refused.
 """
 
 import contextlib
@@ -26,14 +19,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException as _DCPException  # a BaseException
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType
 
 from infra import checkpoint_file
 from infra.checkpoint_file import CheckpointError, fsync
 
 FAILURES = (Exception, _DCPException)
 MARKER = '.complete'
-# written first into a folder a save writes, or a removal removes: what an interrupted one leaves is known to
-# be this code's by what it wrote, never by its name
+# written first by a save or a removal: what an interrupted one leaves is known as ours by it, never by its name
 WRITING, REMOVING = '.writing', '.removing'
 VALUES = 'values.pt'
 DAMAGED = 'set aside as damaged'
@@ -88,11 +82,8 @@ def _mark(folder, marker):
 
 
 def _param_names(model):
-    """{parameter: its first name} (a tied parameter goes by its first name, as in named_parameters)."""
-    names = {}
-    for name, p in model.named_parameters():
-        names.setdefault(p, name)
-    return names
+    """{parameter: its name} (a tied parameter goes by its first name, as named_parameters lists it once)."""
+    return {p: name for name, p in model.named_parameters()}
 
 
 def _model_tensors(model):
@@ -103,9 +94,8 @@ def _model_tensors(model):
 
 
 def _optimizer_parts(model, optimizer):
-    """optimizer.state_dict() by parameter name: ({name: {key: tensor}} for DCP, and the rest for values.pt: the
-    groups, non-tensor state (an int step), and the tensors' layout (shape, dtype, whether shaped like the
-    parameter) to load them back."""
+    """optimizer.state_dict() by parameter name: ({name: {key: tensor}} for DCP, the rest for values.pt: the groups,
+    non-tensor state, the tensors' layout (shape, dtype, whether shaped like the parameter) to load them back)."""
     names = _param_names(model)
     params = [p for g in optimizer.param_groups for p in g['params']]
     sd = optimizer.state_dict()
@@ -131,11 +121,9 @@ class Saver:
     def __init__(self, out_dir, ranks, keep_last, use_async=False):
         self.out_dir, self.ranks, self.keep_last = out_dir, ranks, keep_last
         self.use_async = use_async and ranks.enabled and hasattr(dcp, 'async_save')
-        # DCP's collectives (plans, the index) go over their own gloo group: under async_save they
-        # run in a background thread while training runs its own collectives on the default group
+        # DCP's collectives go over a gloo group of their own: async_save runs them in a thread beside training's
         self.group = dist.new_group(backend='gloo') if ranks.enabled else None
-        self.pending = None  # (future, tmp path, completed event) of a background save
-        self.error = None
+        self.pending, self.error = None, None  # a background save's (future, tmp path, completed event); a failure
         self.replaces = []  # an earlier run's checkpoints (overwrite=True): removed once this run saved one
         _SAVERS.add(self)
 
@@ -229,22 +217,9 @@ class Saver:
                 f"is intact: free space or choose another --out_dir, then resume"
             )
 
-    def wait(self):
-        """Wait for a background save; a CheckpointError (on every rank) when it failed. A collective."""
-        self._drain()
-        self._raise_if_failed()
-
-    def finish(self):
-        """At the end of the run, on every rank: wait() for the last background save, then forget it."""
-        self.wait()
-        _SAVERS.discard(self)
-
-    def abandon(self):
-        """On an error path (no collective): let a background save end as it ends, then forget it."""
-        self._drain()
-        _SAVERS.discard(self)
-
-    def _drain(self):
+    def wait(self, collective=True):
+        """Wait for a background save; a CheckpointError (on every rank: a collective) when it failed.
+        collective=False (an error path): let it end as it ends."""
         if self.pending is not None:
             future, tmp, completed = self.pending
             self.pending = None
@@ -253,11 +228,17 @@ class Saver:
             except FAILURES as e:
                 self.error = self.error or _failed(tmp, e)
             completed.wait()
+        if collective:
+            self._raise_if_failed()
+
+    def finish(self, failed=False):
+        """At the end of the run, on every rank: wait() for the last background save (failed=True: no collective)."""
+        self.wait(collective=not failed)
+        _SAVERS.discard(self)
 
 
 def background(setting, device_type):
-    """train.py's checkpoint_async ('yes', 'no', 'auto'): 'auto' saves in the background on a GPU only; on the
-    CPU the copy to host memory duplicates state already there (results/checkpoint_formats.md)."""
+    """checkpoint_async: 'auto' saves in the background on a GPU only (on the CPU the copy would duplicate state)."""
     return setting == 'yes' or (setting == 'auto' and device_type == 'cuda')
 
 
@@ -265,8 +246,8 @@ _SAVERS = set()  # savers not finished (what a test reaches the run's background
 
 
 def remove_checkpoints(paths):
-    """Remove checkpoints (ckpt.pt files; step folders: REMOVING, then the complete marker, first, so a removal
-    cut short leaves a folder that neither resumes nor is mistaken for someone else's)."""
+    """Remove ckpt.pt files and step folders (REMOVING, then the complete marker, first: a removal cut short leaves a
+    folder that neither resumes nor is mistaken for someone else's)."""
     for path in paths:
         if os.path.isdir(path):
             _mark(path, REMOVING)
@@ -281,13 +262,8 @@ def _failed(tmp, e):
     return f"cannot write {tmp} ({type(e).__name__}: {checkpoint_file.first_line(e)})"
 
 
-# -----------------------------------------------------------------------------
-# reading
-
-
 class _IndexUnpickler(pickle.Unpickler):
-    """DCP's .metadata is a pickle: admit only DCP's index classes, torch's Size, dtypes and layouts, and paths;
-    never a function, so never code."""
+    """DCP's .metadata is a pickle: admit only DCP's index classes, torch's Size, dtypes and layouts, and paths."""
 
     ALLOWED = {
         ('torch', 'Size'),
@@ -322,8 +298,6 @@ def _refuse_bytes(path, key):
 def _tensors_only(path, index):
     """DCP reads any item but a tensor (a BytesStorageMetadata) with torch.load's full unpickler, and train.py's
     step folders hold tensors only: an index declaring one is refused."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     for key, meta in getattr(index, 'state_dict_metadata', {}).items():
         if not isinstance(meta, TensorStorageMetadata):
             raise _refuse_bytes(path, key)
@@ -333,8 +307,6 @@ class SafeReader(dcp.FileSystemReader):
     """FileSystemReader whose index is read with _IndexUnpickler and holds tensors only; never reads a bytes item."""
 
     def read_metadata(self, *args, **kwargs):
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
         path = self._get_metadata_path(kwargs.get('rank'))
         with self.fs.create_stream(path, 'rb') as f:
             metadata = _IndexUnpickler(io.BytesIO(f.read())).load()
@@ -345,8 +317,6 @@ class SafeReader(dcp.FileSystemReader):
         return metadata
 
     def read_data(self, plan, planner):
-        from torch.distributed.checkpoint.planner import LoadItemType
-
         for item in plan.items:  # before anything is read
             if item.type == LoadItemType.BYTE_IO:
                 raise _refuse_bytes(self.path, item.dest_index.fqn)
@@ -364,17 +334,6 @@ class _TensorsOnly(dcp.DefaultLoadPlanner):
         raise _refuse_bytes(self.path, read_item.dest_index.fqn)
 
 
-def read_values(path):
-    """The values.pt of a step folder (everything but the tensors of the model and optimizer)."""
-    values = checkpoint_file.read(os.path.join(path, VALUES), mmap=False)
-    if not isinstance(values, dict) or values.get('format') != 'dcp':
-        raise CheckpointError(
-            f"{path}/{VALUES} is not a values file of train.py's sharded checkpoint; restore a "
-            f"backup or train from scratch"
-        )
-    return values
-
-
 @contextlib.contextmanager
 def _single_process_quiet():
     """DCP warns at every call in one process that it assumes one process: it is meant."""
@@ -384,37 +343,19 @@ def _single_process_quiet():
 
 
 def _cannot_read(path, e):
-    # DCP's CheckpointException says only which ranks failed ("ranks:dict_keys([0])"): a rank's refusal as it is,
-    # else the first rank's error
+    # DCP's CheckpointException names only the ranks that failed: a rank's refusal as it is, else its first error
     failures = [f[0] for f in getattr(e, 'failures', {}).values() if isinstance(f, tuple) and f]
     refused = [f for f in [e, *failures] if isinstance(f, CheckpointError)]
-    if refused:
-        return refused[0]
-    return checkpoint_file.unreadable(path, failures[0] if failures else e)
+    return refused[0] if refused else checkpoint_file.unreadable(path, failures[0] if failures else e)
 
 
 def read_index(path):
-    """DCP's index of the step folder (its .metadata), checked to hold tensors only."""
+    """DCP's index of the step folder (its .metadata), checked to hold tensors only and to point into shard files
+    that are there and long enough."""
     try:
-        return SafeReader(path).read_metadata()
+        index = SafeReader(path).read_metadata()
     except FAILURES as e:
         raise _cannot_read(path, e) from None
-
-
-def check_readable(path):
-    """The step folder's values, or a CheckpointError naming what would stop a resume: its values, its index, a
-    shard missing or too short, or a shard's record damaged. Reads no tensor data."""
-    values, index = read_values(path), read_index(path)
-    check_shards(path, index)
-    for info in index.storage_data.values():
-        if not getattr(info, 'transform_descriptors', None):  # train.py writes no compressed record
-            with open(os.path.join(path, info.relative_path), 'rb') as f:
-                checkpoint_file.check_archive(f, f"{path}: shard {info.relative_path}", info.offset, info.length)
-    return values
-
-
-def check_shards(path, index):
-    """Refuse the first shard file the index points into that is missing or too short."""
     for info in getattr(index, 'storage_data', {}).values():
         shard = os.path.join(path, info.relative_path)
         size = os.path.getsize(shard) if os.path.isfile(shard) else None
@@ -424,12 +365,29 @@ def check_shards(path, index):
                 f"{path}: shard {info.relative_path} is {state} (a copy cut short or a lost file): "
                 f"restore a backup or train from scratch"
             )
+    return index
+
+
+def check_readable(path):
+    """The step folder's values.pt, or a CheckpointError naming what would stop a resume: its values, its index, a
+    shard missing or too short, or a shard's record damaged. Reads no tensor data."""
+    values = checkpoint_file.read(os.path.join(path, VALUES), mmap=False)
+    if not isinstance(values, dict) or values.get('format') != 'dcp':
+        raise CheckpointError(
+            f"{path}/{VALUES} is not a values file of train.py's sharded checkpoint; restore a "
+            f"backup or train from scratch"
+        )
+    index = read_index(path)
+    for info in index.storage_data.values():
+        if not getattr(info, 'transform_descriptors', None):  # train.py writes no compressed record
+            with open(os.path.join(path, info.relative_path), 'rb') as f:
+                checkpoint_file.check_archive(f, f"{path}: shard {info.relative_path}", info.offset, info.length)
+    return values
 
 
 def _load(state, path, group=None):
-    # the index and the shards' sizes are checked here, on every rank alike (the same files), before DCP's
-    # collectives: inside dcp.load a refusal would reach the user wrapped in DCP's logged tracebacks
-    check_shards(path, read_index(path))
+    # checked on every rank alike before DCP's collectives: inside dcp.load a refusal comes wrapped in tracebacks
+    read_index(path)
     try:
         with _single_process_quiet():
             dcp.load(
@@ -472,8 +430,7 @@ def _numbered(rest, tensors, order):
 
 
 def consolidate(path, optimizer=True):
-    """The step folder as a checkpoint dict in ckpt.pt's format (full tensors in host memory); optimizer=False
-    reads the weights only."""
+    """The step folder as a checkpoint dict in ckpt.pt's format, in host memory; optimizer=False: the weights only."""
     values = check_readable(path)
     template = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
