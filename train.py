@@ -147,7 +147,8 @@ def train(cfg, given_keys, ranks, device, checkpointer):
     metrics.begin(trainer.model, tokens_per_iter, first_iter)
     t0 = time.time()
     while True:
-        stop = ranks.any(stop_request.requested)  # a signal may reach only some ranks
+        # a signal may reach only some ranks; one process reads its flag (an iteration reads no distributed.py)
+        stop = ranks.any(stop_request.requested) if ranks.enabled else stop_request.requested
         if stop:
             print(f"rank {ranks.rank}: stop requested, stopping at iteration {trainer.iter_num}", flush=True)
             if trainer.iter_num > first_iter:  # else nothing trained since the start or the resume
@@ -188,7 +189,7 @@ def train(cfg, given_keys, ranks, device, checkpointer):
         dt, t0 = t1 - t0, t1
         seconds_per_iter = dt if seconds_per_iter is None else 0.9 * seconds_per_iter + 0.1 * dt
         if it % cfg['log_interval'] == 0:
-            lossf = ranks.mean(loss.item(), device)
+            lossf = ranks.mean(loss.item(), device) if ranks.enabled else loss.item()
             check_finite({'train': lossf}, trainer.iter_num, checkpointer)
             metrics.iteration(it, dt, seconds_per_iter, loss=lossf, **trainer.values(), epoch=train_batches.epochs())
     stop_request.release()  # Ctrl-C during the sample below stops at once
