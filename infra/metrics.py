@@ -22,7 +22,7 @@ class Metrics:
         self.peak_flops = peak_bf16_flops(device)
         self.path, self.writes = os.path.join(cfg['out_dir'], 'metrics.jsonl'), self.master and not cfg['eval_only']
         self.resumed_from, self.started, self.wandb = resumed_from, False, None
-        self.running_mfu = self.flops_per_token = None  # running_mfu: the moving average of the logged iterations'
+        self.running_mfu = self.flops_per_token = None  # running_mfu: the logged iterations' moving average
         if cfg['wandb_log'] and self.master:  # imported here, before anything is built
             try:
                 import wandb
