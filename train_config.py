@@ -279,7 +279,10 @@ def check(cfg):
             f"parameters; lower --n_layer or --n_embd"
         )
     if cfg['checkpoint_sublayers'] and not cfg['activation_checkpointing']:
-        raise ValueError("checkpoint_sublayers=True needs --activation_checkpointing=True; add it or drop the first")
+        raise ValueError(
+            "checkpoint_sublayers=True splits activation checkpointing per sublayer; add "
+            "--activation_checkpointing=True or drop --checkpoint_sublayers"
+        )
 
 
 def check_preset(cfg):
