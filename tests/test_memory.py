@@ -420,6 +420,24 @@ def test_check_fits_under_fsdp_counts_this_ranks_shards(monkeypatch):
         memory_estimate.check_fits(cfg, 'cpu', bytes_per_weight, lambda: row['peak'])
 
 
+def test_train_hands_check_fits_the_estimated_row(tmp_path, monkeypatch):
+    """train.py gives check_fits estimate_iteration's row, not its peak alone: only a row can be split into one
+    rank's share under FSDP (a bare number skips the check there, as the test above shows)."""
+    from conftest import TINY as TRAIN_TINY
+
+    import train
+
+    seen = []
+
+    def check_fits(config, device, bytes_per_weight, estimate_peak=None, world_size=1, fsdp=False):
+        seen.append(estimate_peak())
+        raise ValueError('refused here')
+
+    monkeypatch.setattr(train, 'check_fits', check_fits)
+    assert train.main([*TRAIN_TINY, f'--out_dir={tmp_path / "run"}', '--max_iters=2']) == 1
+    assert isinstance(seen[0], dict) and {'params', 'grads', 'optimizer', 'others', 'peak'} <= set(seen[0]), seen
+
+
 def test_unit_params_and_the_estimate_of_one_device():
     from conftest import train_defaults
 
