@@ -415,7 +415,7 @@ def test_ci_runs_the_lm_eval_cross_checks():
     below run against the real harness in CI instead of skipping."""
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), '.ci', 'run')) as f:
         run = f.read()
-    install = re.search(r'^python -m pip install .*"lm-eval\[hf\]==[\d.]+"$', run, re.M)
+    install = re.search(r'^python -m (?:uv )?pip install .*"lm-eval\[hf\]==[\d.]+"$', run, re.M)
     suite = re.search(r'^OMGD_LM_EVAL=required .*python -m pytest -q .*tests$', run, re.M)
     assert install and suite and install.start() < suite.start(), run
 
