@@ -227,10 +227,10 @@ def per_rank_peak(row, config, world_size=1, fsdp=False, bytes_per_weight=4):
     return int(sharded + gathered + row['others'])
 
 
-def check_fits(config, device, bytes_per_weight, estimate_peak=None, world_size=1, fsdp=False):
+def check_fits(config, device, bytes_per_weight, estimate=None, world_size=1, fsdp=False):
     """Refuse (ValueError, one line) a model whose weights (`bytes_per_weight` each, whole on every rank: they
     are built before shard_fsdp shards them) exceed the free memory of `device`, rather than meet the OOM
-    killer. When they take over a quarter of it, estimate_peak() is compared too: estimate_iteration's row
+    killer. When they take over a quarter of it, estimate() is compared too: estimate_iteration's row
     (under FSDP, per_rank_peak's share of world_size ranks) or a number (one device's peak, not split)."""
     device = torch.device(device)
     free = None if device.type == 'meta' else available_bytes(device)
@@ -245,13 +245,13 @@ def check_fits(config, device, bytes_per_weight, estimate_peak=None, world_size=
             f"bytes each), more than the {free / 2**30:.1f} GiB free on {device.type}; choose a smaller model or a "
             f"machine with more memory (bench_memory.py --device=meta estimates any size)"
         )
-    if estimate_peak is not None and need > free / 4:
-        estimate = estimate_peak()
+    if estimate is not None and need > free / 4:
+        found = estimate()
         sharded = fsdp and world_size > 1
-        if isinstance(estimate, dict):
-            peak = per_rank_peak(estimate, config, world_size, fsdp, bytes_per_weight)
+        if isinstance(found, dict):
+            peak = per_rank_peak(found, config, world_size, fsdp, bytes_per_weight)
         else:
-            peak = None if sharded else estimate
+            peak = None if sharded else found
         if peak is not None and peak > free:
             raise ValueError(
                 f"the model has {n_params / 1e9:.2f}B parameters and an iteration needs about "

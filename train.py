@@ -244,7 +244,7 @@ def initial_model(cfg, checkpointer, ranks, device, fsdp):
                 dtype.itemsize,
                 world_size=ranks.world_size,
                 fsdp=fsdp,
-                estimate_peak=lambda: estimate_iteration(cfg, vocab_size),  # a row: FSDP checks one rank's share
+                estimate=lambda: estimate_iteration(cfg, vocab_size),  # a row: FSDP checks one rank's share
             )
             model = builder.new_model(model_config, device, dtype)  # on the device, in its dtype
         else:  # a GPT-2 name or a local Hugging Face model directory

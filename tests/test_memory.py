@@ -429,8 +429,8 @@ def test_train_hands_check_fits_the_estimated_row(tmp_path, monkeypatch):
 
     seen = []
 
-    def check_fits(config, device, bytes_per_weight, estimate_peak=None, world_size=1, fsdp=False):
-        seen.append(estimate_peak())
+    def check_fits(config, device, bytes_per_weight, estimate=None, world_size=1, fsdp=False):
+        seen.append(estimate())
         raise ValueError('refused here')
 
     monkeypatch.setattr(train, 'check_fits', check_fits)
