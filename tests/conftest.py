@@ -13,6 +13,7 @@ import threading
 import time
 import traceback
 import types
+import uuid
 
 import pytest
 
@@ -450,10 +451,76 @@ def torchrun_train(*args, ranks=2, expect_ok=True):
         result = run_script('train.py', [*DDP_TINY, *args])
         run = types.SimpleNamespace(out=result.stdout + result.stderr, proc=result)
     else:
-        run = Launch([*TORCHRUN[:-1], f'--nproc_per_node={ranks}', 'train.py', *DDP_TINY, *args]).wait()
+        run = forked_torchrun('train.py', *DDP_TINY, *args, ranks=ranks)
     if expect_ok:
         assert run.proc.returncode == 0, run.out[-3000:]
     return run
+
+
+def forked_torchrun(script, *args, ranks=2, env=None, timeout=TIMEOUT):
+    """`torchrun --standalone --nproc_per_node=ranks script *args` in this process: torchrun's own arguments, agent
+    and rendezvous, its workers forked from a forkserver that imported train.py once, where the command starts a
+    Python and imports torch for the agent and for each worker (~16 s of CPU a launch on 2 cores). What only the
+    command's own process shows (a signal sent to it, a restart, a hang) is tested on the command (Launch).
+    Returns what has .out (the workers' merged output, then torchrun's failure summary) and .proc.returncode."""
+    import multiprocessing
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    multiprocessing.set_forkserver_preload(['conftest', 'train'])
+    saved_env = dict(os.environ)  # the agent sets variables and signal handlers in its process: this one's
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    fd, out = tempfile.mkstemp(prefix='omgd-torchrun-', suffix='.log')
+    os.close(fd)
+    # --standalone, as torchrun's run() spells it out before config_from_args
+    rendezvous = ['--rdzv_backend=c10d', '--rdzv_endpoint=localhost:0', f'--rdzv_id={uuid.uuid4()}']
+    argv = [*rendezvous, f'--nproc_per_node={ranks}', '--start_method=forkserver', script, *args]
+    timed_out = threading.Event()
+
+    def kill_workers():  # the forkserver and the workers it forked (multiprocessing starts a new one)
+        timed_out.set()
+        for pid in descendants(os.getpid()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    watchdog = threading.Timer(timeout, kill_workers)
+    watchdog.start()
+    try:
+        config, _, _ = config_from_args(parse_args(argv))
+        elastic_launch(config, forked_worker)(script, list(args), env or {}, out)
+        returncode, summary = 0, ''
+    except ChildFailedError as e:  # the command prints it and exits 1
+        returncode, summary = 1, f"{type(e).__name__}: {e}"
+    finally:
+        watchdog.cancel()
+        os.environ.clear()
+        os.environ.update(saved_env)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    with open(out) as f:
+        text = f.read() + summary
+    os.remove(out)
+    if timed_out.is_set():
+        pytest.fail(f"timed out after {timeout} s (hang?):\n{text[-3000:]}")
+    return types.SimpleNamespace(out=text, proc=types.SimpleNamespace(returncode=returncode))
+
+
+def forked_worker(script, argv, env, out):
+    """A worker of forked_torchrun: `python script *argv`, its output appended to `out`, which the ranks share as
+    the command's workers share its stdout (line-buffered, as a test may wait for a line)."""
+    os.environ.update(env)
+    fd = os.open(out, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    sys.argv = [script, *argv]
+    import runpy
+
+    runpy.run_path(os.path.join(ROOT, script), run_name='__main__')
 
 
 def worker_pids(launch):

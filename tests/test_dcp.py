@@ -28,12 +28,11 @@ from conftest import (
     DDP_TINY,
     ONE_RANK,
     ROOT,
-    TORCHRUN,
     TWO_RANKS,
-    Launch,
     assert_one_line_error,
     assert_same_state,
     copy_checkpoint,
+    forked_torchrun,
     load,
     run_script,
     run_train,
@@ -76,7 +75,7 @@ def runs(tmp_path_factory):
         for fmt in ('dcp', 'file')
     ]
     runs.append(('first', [f'--out_dir={root / "first"}', '--max_iters=6', *RESUME, *FSDP, '--checkpoint_format=dcp']))
-    run = Launch(TORCHRUN + ['tests/test_ddp.py'], env={'DDP_TEST_RUNS': json.dumps(runs)}).wait(timeout=400)
+    run = forked_torchrun('tests/test_ddp.py', env={'DDP_TEST_RUNS': json.dumps(runs)}, timeout=400)
     assert run.proc.returncode == 0, run.out[-3000:]
     logs = dict(re.findall(r'=== (\w+)\n(.*?)(?==== |\Z)', run.out, flags=re.S))
     return root, logs
@@ -155,8 +154,7 @@ def four_ranks(runs):
             f'--parallel={parallel}',
         ]
         resumed.append((parallel, args))
-    cmd = [*TORCHRUN[:-1], '--nproc_per_node=4', 'tests/test_ddp.py']
-    run = Launch(cmd, env={'DDP_TEST_RUNS': json.dumps(resumed)}).wait()
+    run = forked_torchrun('tests/test_ddp.py', ranks=4, env={'DDP_TEST_RUNS': json.dumps(resumed)})
     assert run.proc.returncode == 0, run.out[-3000:]
     return dict(re.findall(r'=== (\w+)\n(.*?)(?==== |\Z)', run.out, flags=re.S))
 
@@ -191,13 +189,13 @@ def test_a_crash_in_the_middle_of_a_save_resumes_the_previous_checkpoint_exactly
     gloo group here) removes the broken folder, resumes step 4 and ends where a straight run ends."""
     root, _ = runs
     out = tmp_path / 'crashed'
-    cmd = [*TORCHRUN, 'tests/test_dcp.py', *CRASH_ARGS, f'--out_dir={out}']
-    crashed = Launch(cmd, env={'CRASH_IN_SAVE': 'step_0000008'}).wait(timeout=300)
+    args = ['tests/test_dcp.py', *CRASH_ARGS, f'--out_dir={out}']
+    crashed = forked_torchrun(*args, env={'CRASH_IN_SAVE': 'step_0000008'})
     assert crashed.proc.returncode != 0 and 'rank 1 killed while writing step_0000008' in crashed.out, crashed.out[
         -3000:
     ]
     assert folders(out) == ['step_0000004', 'step_0000008.tmp'], folders(out)
-    run = Launch(cmd).wait(timeout=300)
+    run = forked_torchrun(*args)
     assert run.proc.returncode == 0, run.out[-3000:]
     assert f'removed step_0000008.tmp from {out}' in run.out and 'resuming from iteration 4' in run.out, run.out[-3000:]
     assert_same_state(load(root / 'fsdp' / 'dcp'), load(out))

@@ -16,9 +16,10 @@ What is checked, and how:
   iteration, and the last resumed run ends bit for bit where a straight run ends.
 - Resuming on another number of ranks: accepted when the data position allows, else one line.
 
-Each launch pays ~10 s of process start-up and `import torch` on a busy 2-core machine, so one torchrun
-launch runs train.py several times (this file's __main__): the checked run, the method sweep, the config's
-run, the straight run and the first part of the resumed one; the one-rank runs run in the pytest process.
+torchrun's agent runs in the pytest process and forks its workers from a process that imported train.py
+(conftest.forked_torchrun); the signals go to the torchrun command. One launch runs train.py several times (this
+file's __main__): the checked run, the method sweep, the config's run, the straight run and the first part of the
+resumed one; the one-rank runs run in the pytest process.
 """
 
 import json
@@ -45,6 +46,7 @@ from conftest import (
     assert_same_state,
     copy_checkpoint,
     files_per_iteration,
+    forked_torchrun,
     load,
     records,
 )
@@ -172,7 +174,7 @@ def many_runs(tmp_path_factory):
     runs.append(('first', [f'--out_dir={root / "first"}', '--max_iters=10', *RESUME]))
     # switches at 0 and 3; the save after the last step is traced too (not counted): ckpt.pt's costs less to trace
     runs.append(('files', [f'--out_dir={root / "files"}', '--max_iters=4', '--checkpoint_format=file', *TWO_RANKS]))
-    run = Launch(TORCHRUN + ['tests/test_ddp.py'], env={'DDP_TEST_RUNS': json.dumps(runs)}).wait()
+    run = forked_torchrun('tests/test_ddp.py', env={'DDP_TEST_RUNS': json.dumps(runs)})
     assert run.proc.returncode == 0, run.out[-3000:]
     logs = dict(re.findall(r'=== (\w+)\n(.*?)(?==== |\Z)', run.out, flags=re.S))
     return root, logs

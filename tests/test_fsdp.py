@@ -29,11 +29,10 @@ import torch
 from conftest import (
     LINEAR,
     ONE_RANK,
-    TORCHRUN,
     TWO_RANKS,
-    Launch,
     assert_same_state,
     copy_checkpoint,
+    forked_torchrun,
     load,
     records,
     stop_with_sigterm,
@@ -86,7 +85,7 @@ def runs(tmp_path_factory):
             ],
         ),
     ]
-    run = Launch(TORCHRUN + ['tests/test_ddp.py'], env={'DDP_TEST_RUNS': json.dumps(runs)}).wait()
+    run = forked_torchrun('tests/test_ddp.py', env={'DDP_TEST_RUNS': json.dumps(runs)})
     assert run.proc.returncode == 0, run.out[-3000:]
     logs = dict(re.findall(r'=== (\w+)\n(.*?)(?==== |\Z)', run.out, flags=re.S))
     return root, logs
