@@ -431,6 +431,17 @@ class Launch:
         self.reader.join(timeout=10)
         return self
 
+    def worker_pids(self):
+        """{rank: pid} of torchrun's workers, read from their environment."""
+        workers = {}
+        for pid in descendants(self.proc.pid):
+            with open(f'/proc/{pid}/environ', 'rb') as f:
+                env = dict(kv.split(b'=', 1) for kv in f.read().split(b'\0') if b'=' in kv)
+            if b'RANK' in env:
+                workers[int(env[b'RANK'])] = pid
+        assert sorted(workers) == [0, 1]
+        return workers
+
     def wait_for(self, pattern, timeout=TIMEOUT):
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -457,12 +468,12 @@ def torchrun_train(*args, ranks=2, expect_ok=True):
     return run
 
 
-def forked_torchrun(script, *args, ranks=2, env=None, timeout=TIMEOUT):
-    """`torchrun --standalone --nproc_per_node=ranks script *args` in this process: torchrun's own arguments, agent
-    and rendezvous, its workers forked from a forkserver that imported train.py once, where the command starts a
-    Python and imports torch for the agent and for each worker (~16 s of CPU a launch on 2 cores). What only the
-    command's own process shows (a signal sent to it, a restart, a hang) is tested on the command (Launch).
-    Returns what has .out (the workers' merged output, then torchrun's failure summary) and .proc.returncode."""
+def forked_torchrun(script, *args, ranks=2, env=None, timeout=TIMEOUT, torchrun_args=(), during=None):
+    """`torchrun --standalone --nproc_per_node=ranks *torchrun_args script *args` in this process: torchrun's own
+    arguments, agent and rendezvous, its workers forked from a forkserver that imported train.py once, where the
+    command starts a Python and imports torch for the agent and for each worker (~16 s of CPU a launch on 2 cores).
+    during(launch), if given, runs in a thread while the workers run (the agent holds this thread: its signal
+    handlers). A signal sent to torchrun itself is tested on the command (Launch). Returns the ForkedLaunch."""
     import multiprocessing
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -472,45 +483,41 @@ def forked_torchrun(script, *args, ranks=2, env=None, timeout=TIMEOUT):
     multiprocessing.set_forkserver_preload(['conftest', 'train'])
     saved_env = dict(os.environ)  # the agent sets variables and signal handlers in its process: this one's
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
-    fd, out = tempfile.mkstemp(prefix='omgd-torchrun-', suffix='.log')
-    os.close(fd)
+    launch = ForkedLaunch(ranks)
     # --standalone, as torchrun's run() spells it out before config_from_args
     rendezvous = ['--rdzv_backend=c10d', '--rdzv_endpoint=localhost:0', f'--rdzv_id={uuid.uuid4()}']
-    argv = [*rendezvous, f'--nproc_per_node={ranks}', '--start_method=forkserver', script, *args]
-    timed_out = threading.Event()
-
-    def kill_workers():  # the forkserver and the workers it forked (multiprocessing starts a new one)
-        timed_out.set()
-        for pid in descendants(os.getpid()):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-    watchdog = threading.Timer(timeout, kill_workers)
+    argv = [*rendezvous, f'--nproc_per_node={ranks}', '--start_method=forkserver', *torchrun_args, script, *args]
+    watchdog = threading.Timer(timeout, launch.kill, args=(f"timed out after {timeout} s (hang?)",))
     watchdog.start()
+    if during:
+        launch.watched.clear()
+        threading.Thread(target=launch.watch, args=(during,), daemon=True).start()
     try:
         config, _, _ = config_from_args(parse_args(argv))
-        elastic_launch(config, forked_worker)(script, list(args), env or {}, out)
-        returncode, summary = 0, ''
+        elastic_launch(config, forked_worker)(script, list(args), env or {}, launch.path)
+        launch.proc.returncode = 0
     except ChildFailedError as e:  # the command prints it and exits 1
-        returncode, summary = 1, f"{type(e).__name__}: {e}"
+        launch.proc.returncode, launch.summary = 1, f"{type(e).__name__}: {e}"
     finally:
+        launch.ended.set()
         watchdog.cancel()
         os.environ.clear()
         os.environ.update(saved_env)
         for s, handler in handlers.items():
             signal.signal(s, handler)
-    with open(out) as f:
-        text = f.read() + summary
-    os.remove(out)
-    if timed_out.is_set():
-        pytest.fail(f"timed out after {timeout} s (hang?):\n{text[-3000:]}")
-    return types.SimpleNamespace(out=text, proc=types.SimpleNamespace(returncode=returncode))
+    launch.watched.wait()
+    launch.close()
+    if launch.failure:
+        raise launch.failure
+    return launch
 
 
 def forked_worker(script, argv, env, out):
     """A worker of forked_torchrun: `python script *argv`, its output appended to `out`, which the ranks share as
-    the command's workers share its stdout (line-buffered, as a test may wait for a line)."""
+    the command's workers share its stdout (line-buffered: a test waits for lines); its pid in out.rankN."""
     os.environ.update(env)
+    with open(f"{out}.rank{os.environ['RANK']}", 'w') as f:
+        f.write(str(os.getpid()))
     fd = os.open(out, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -523,28 +530,81 @@ def forked_worker(script, argv, env, out):
     runpy.run_path(os.path.join(ROOT, script), run_name='__main__')
 
 
-def worker_pids(launch):
-    """{rank: pid} of torchrun's workers, read from their environment."""
-    workers = {}
-    for pid in descendants(launch.proc.pid):
-        with open(f'/proc/{pid}/environ', 'rb') as f:
-            env = dict(kv.split(b'=', 1) for kv in f.read().split(b'\0') if b'=' in kv)
-        if b'RANK' in env:
-            workers[int(env[b'RANK'])] = pid
-    assert sorted(workers) == [0, 1]
-    return workers
+class ForkedLaunch:
+    """A forked_torchrun launch, as a test sees a Launch: .out, .proc.returncode, wait_for(), worker_pids()."""
+
+    def __init__(self, ranks):
+        fd, self.path = tempfile.mkstemp(prefix='omgd-torchrun-', suffix='.log')
+        os.close(fd)
+        self.ranks, self.text, self.summary, self.failure = ranks, None, '', None
+        self.proc = types.SimpleNamespace(returncode=None)
+        self.ended, self.watched = threading.Event(), threading.Event()
+        self.watched.set()
+
+    @property
+    def out(self):
+        if self.text is None:  # running
+            with open(self.path) as f:
+                return f.read() + self.summary
+        return self.text + self.summary
+
+    def worker_pids(self):
+        pids = {}
+        for rank in range(self.ranks):
+            with contextlib.suppress(OSError, ValueError), open(f'{self.path}.rank{rank}') as f:
+                pids[rank] = int(f.read())
+        return pids
+
+    def wait_for(self, pattern, timeout=TIMEOUT):
+        deadline = time.time() + timeout
+        while time.time() < deadline and not self.ended.is_set():
+            match = re.search(pattern, self.out)
+            if match:
+                return match
+            time.sleep(0.02)
+        pytest.fail(f"never printed {pattern!r}:\n{self.out[-3000:]}")
+
+    def watch(self, during):
+        try:
+            during(self)
+        except BaseException as e:  # raised in the test's thread once the agent returns
+            self.kill(e)
+        finally:
+            self.watched.set()
+
+    def kill(self, failure):
+        """End the launch with `failure` (an exception, or the message of a test failure): its workers and the
+        forkserver (multiprocessing starts another) are killed, the agent returns."""
+        if not isinstance(failure, BaseException):
+            failure = pytest.fail.Exception(f"{failure}:\n{self.out[-3000:]}")
+        self.failure = failure
+        for pid in descendants(os.getpid()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def close(self):
+        with open(self.path) as f:
+            self.text = f.read()
+        for path in [self.path, *(f'{self.path}.rank{r}' for r in range(self.ranks))]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
 
 def stop_with_sigterm(out_dir, after, target, args, max_iters):
-    """Resume in out_dir, send SIGTERM to `target` ('rank1' or 'torchrun') once iteration `after`
+    """Resume in out_dir, send SIGTERM to `target` ('rank1' or 'torchrun', the command) once iteration `after`
     is logged; check that both ranks stopped at the same iteration and saved it. Returns it."""
-    run = Launch(
-        TORCHRUN
-        + ['train.py', *DDP_TINY, f'--out_dir={out_dir}', f'--max_iters={max_iters}', '--init_from=resume', *args]
-    )
-    run.wait_for(rf'iter {after}: loss')
-    os.kill(worker_pids(run)[1] if target == 'rank1' else run.proc.pid, signal.SIGTERM)
-    run.wait()
+    argv = ['train.py', *DDP_TINY, f'--out_dir={out_dir}', f'--max_iters={max_iters}', '--init_from=resume', *args]
+
+    def stop(run):
+        run.wait_for(rf'iter {after}: loss')
+        os.kill(run.worker_pids()[1] if target == 'rank1' else run.proc.pid, signal.SIGTERM)
+
+    if target == 'rank1':
+        run = forked_torchrun(*argv, during=stop)
+    else:
+        run = Launch(TORCHRUN + argv)
+        stop(run)
+        run.wait()
     # the workers exit 143 (a preempted run is not a finished one, README); torchrun then exits 1
     assert run.proc.returncode == 1, run.out[-3000:]
     if target == 'rank1':  # the first worker to exit reports 143; torchrun may stop the other before it exits

@@ -11,7 +11,7 @@ import signal
 import sys
 
 import pytest
-from conftest import DDP_TINY, ROOT, Launch, assert_same_state, load
+from conftest import DDP_TINY, ROOT, assert_same_state, forked_torchrun, load
 
 pytestmark = pytest.mark.torchrun  # launches torchrun (deselect with -m "not torchrun")
 
@@ -25,14 +25,17 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_resumes_bitwise(tmp_path, 
     """One worker (ckpt.pt), or two gloo workers (sharded step folders) of which rank 1 dies. Two
     workers: the restarted attempt once failed in init_process_group, reading the dead attempt's
     addresses from torchrun's store (distributed.attempt_store)."""
-    launch = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={workers}']
     args = [*ARGS, f'--gradient_accumulation_steps={2 * workers}']
-    straight = Launch([*launch, 'train.py', *args, f'--out_dir={tmp_path / "straight"}']).wait()
+    straight = forked_torchrun('train.py', *args, f'--out_dir={tmp_path / "straight"}', ranks=workers)
     assert straight.proc.returncode == 0, straight.out[-3000:]
-    crashed = Launch(
-        [*launch, '--max-restarts=1', 'tests/test_restart.py', *args, f'--out_dir={tmp_path / "crashed"}'],
+    crashed = forked_torchrun(
+        'tests/test_restart.py',
+        *args,
+        f'--out_dir={tmp_path / "crashed"}',
+        ranks=workers,
+        torchrun_args=['--max-restarts=1'],
         env={'KILL_AT_ITER': '6', 'KILL_RANK': str(workers - 1)},
-    ).wait()
+    )
     out = crashed.out
     assert crashed.proc.returncode == 0, out[-3000:]
     assert 'killed at iteration 6' in out and 'resuming from iteration 4' in out, out[-3000:]
