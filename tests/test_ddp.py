@@ -40,9 +40,7 @@ from conftest import (
     LINEAR,
     ONE_RANK,
     ROOT,
-    TORCHRUN,
     TWO_RANKS,  # noqa: F401
-    Launch,
     assert_same_state,
     copy_checkpoint,
     files_per_iteration,
@@ -330,8 +328,7 @@ def test_the_small_config_runs_on_two_ranks(many_runs):
 def test_a_refusal_under_two_ranks_is_one_line(tmp_path):
     """What 2 ranks cannot train is refused by one `error:` line, not one per rank (torchrun's own report of the
     failed workers follows it)."""
-    cmd = [*TORCHRUN, 'train.py', CONFIG, f'--out_dir={tmp_path}', *SHORT, '--gradient_accumulation_steps=3']
-    refused = Launch(cmd).wait()
+    refused = forked_torchrun('train.py', CONFIG, f'--out_dir={tmp_path}', *SHORT, '--gradient_accumulation_steps=3')
     errors = [line for line in refused.out.splitlines() if line.startswith('error: ')]
     assert refused.proc.returncode != 0 and len(errors) == 1, refused.out[-3000:]
     assert errors[0].startswith(
