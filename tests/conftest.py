@@ -574,12 +574,13 @@ class ForkedLaunch:
             self.watched.set()
 
     def kill(self, failure):
-        """End the launch with `failure` (an exception, or the message of a test failure): its workers and the
-        forkserver (multiprocessing starts another) are killed, the agent returns."""
+        """End the launch with `failure` (an exception, or the message of a test failure): its workers are killed
+        (before they started: every process below this one), the agent returns."""
         if not isinstance(failure, BaseException):
             failure = pytest.fail.Exception(f"{failure}:\n{self.out[-3000:]}")
         self.failure = failure
-        for pid in descendants(os.getpid()):
+        workers = list(self.worker_pids().values())
+        for pid in [*workers, *(p for w in workers for p in descendants(w))] or descendants(os.getpid()):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
