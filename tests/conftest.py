@@ -528,7 +528,11 @@ def forked_worker(script, argv, env, out):
     sys.argv = [script, *argv]
     import runpy
 
-    runpy.run_path(os.path.join(ROOT, script), run_name='__main__')
+    try:
+        runpy.run_path(os.path.join(ROOT, script), run_name='__main__')
+    except Exception:  # as the interpreter ends on one: sys.excepthook (torch.distributed's prints '[rankN]: ')
+        sys.excepthook(*sys.exc_info())
+        sys.exit(1)
 
 
 class ForkedLaunch:
