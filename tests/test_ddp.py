@@ -17,9 +17,9 @@ What is checked, and how:
 - Resuming on another number of ranks: accepted when the data position allows, else one line.
 
 torchrun's agent runs in the pytest process and forks its workers from a process that imported train.py
-(conftest.forked_torchrun); the signals go to the torchrun command. One launch runs train.py several times (this
-file's __main__): the checked run, the method sweep, the config's run, the straight run and the first part of the
-resumed one; the one-rank runs run in the pytest process.
+(conftest.forked_torchrun); the SIGTERM for torchrun itself goes to the command. One launch runs train.py several
+times (this file's __main__): the checked run, the method sweep, the config's run, the straight run and the first
+part of the resumed one; the one-rank runs run in the pytest process.
 """
 
 import json
