@@ -401,7 +401,23 @@ def kill_tree(proc):
     proc.kill()
 
 
-class Launch:
+class Watched:
+    """wait_for() on a launch's live output: .out, running() and stop() are the launch's."""
+
+    def wait_for(self, pattern, timeout=TIMEOUT):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            match = re.search(pattern, self.out)
+            if match:
+                return match
+            if not self.running():
+                break
+            time.sleep(0.02)
+        self.stop()
+        pytest.fail(f"never printed {pattern!r}:\n{self.out[-3000:]}")
+
+
+class Launch(Watched):
     """A subprocess whose merged output is collected by a thread, so a test can watch it live."""
 
     def __init__(self, cmd, env=None):
@@ -425,34 +441,17 @@ class Launch:
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            kill_tree(self.proc)
+            self.stop()
             self.proc.wait()
             pytest.fail(f"timed out after {timeout} s (hang?):\n{self.out[-3000:]}")
         self.reader.join(timeout=10)
         return self
 
-    def worker_pids(self):
-        """{rank: pid} of torchrun's workers, read from their environment."""
-        workers = {}
-        for pid in descendants(self.proc.pid):
-            with open(f'/proc/{pid}/environ', 'rb') as f:
-                env = dict(kv.split(b'=', 1) for kv in f.read().split(b'\0') if b'=' in kv)
-            if b'RANK' in env:
-                workers[int(env[b'RANK'])] = pid
-        assert sorted(workers) == [0, 1]
-        return workers
+    def running(self):
+        return self.proc.poll() is None
 
-    def wait_for(self, pattern, timeout=TIMEOUT):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            match = re.search(pattern, self.out)
-            if match:
-                return match
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.02)
+    def stop(self):
         kill_tree(self.proc)
-        pytest.fail(f"never printed {pattern!r}:\n{self.out[-3000:]}")
 
 
 def torchrun_train(*args, ranks=2, expect_ok=True):
@@ -488,7 +487,7 @@ def forked_torchrun(script, *args, ranks=2, env=None, timeout=TIMEOUT, torchrun_
     # --standalone, as torchrun's run() spells it out before config_from_args
     rendezvous = ['--rdzv_backend=c10d', '--rdzv_endpoint=localhost:0', f'--rdzv_id={uuid.uuid4()}']
     argv = [*rendezvous, f'--nproc_per_node={ranks}', '--start_method=forkserver', *torchrun_args, script, *args]
-    watchdog = threading.Timer(timeout, launch.kill, args=(f"timed out after {timeout} s (hang?)",))
+    watchdog = threading.Timer(timeout, launch.time_out, args=(timeout,))
     watchdog.start()
     if during:
         launch.watched.clear()
@@ -535,8 +534,8 @@ def forked_worker(script, argv, env, out):
         sys.exit(1)
 
 
-class ForkedLaunch:
-    """A forked_torchrun launch, as a test sees a Launch: .out, .proc.returncode, wait_for(), worker_pids()."""
+class ForkedLaunch(Watched):
+    """A forked_torchrun launch, as a test sees a Launch (.out, .proc.returncode, wait_for()), and worker_pids()."""
 
     def __init__(self, ranks):
         fd, self.path = tempfile.mkstemp(prefix='omgd-torchrun-', suffix='.log')
@@ -560,29 +559,24 @@ class ForkedLaunch:
                 pids[rank] = int(f.read())
         return pids
 
-    def wait_for(self, pattern, timeout=TIMEOUT):
-        deadline = time.time() + timeout
-        while time.time() < deadline and not self.ended.is_set():
-            match = re.search(pattern, self.out)
-            if match:
-                return match
-            time.sleep(0.02)
-        pytest.fail(f"never printed {pattern!r}:\n{self.out[-3000:]}")
+    def running(self):
+        return not self.ended.is_set()
 
     def watch(self, during):
         try:
             during(self)
         except BaseException as e:  # raised in the test's thread once the agent returns
-            self.kill(e)
+            self.failure = e
+            self.stop()
         finally:
             self.watched.set()
 
-    def kill(self, failure):
-        """End the launch with `failure` (an exception, or the message of a test failure): its workers are killed
-        (before they started: every process below this one), the agent returns."""
-        if not isinstance(failure, BaseException):
-            failure = pytest.fail.Exception(f"{failure}:\n{self.out[-3000:]}")
-        self.failure = failure
+    def time_out(self, timeout):
+        self.failure = pytest.fail.Exception(f"timed out after {timeout} s (hang?):\n{self.out[-3000:]}")
+        self.stop()
+
+    def stop(self):
+        """Kill the workers (before they started: every process below this one): the agent returns."""
         workers = list(self.worker_pids().values())
         for pid in [*workers, *(p for w in workers for p in descendants(w))] or descendants(os.getpid()):
             with contextlib.suppress(ProcessLookupError):
