@@ -146,6 +146,7 @@ TINY = [
     '--omgd_period=3',
     '--warmup_iters=2',
     '--lr_decay_iters=100',
+    '--device=cpu',  # a CPU test on a GPU machine too (the CUDA tests say --device=cuda)
 ]
 
 
@@ -364,6 +365,7 @@ DDP_TINY = [
     '--lr_decay_iters=100',
     '--eval_interval=1000',
     '--backend=gloo',
+    '--device=cpu',  # else every rank takes cuda:LOCAL_RANK, and a forked worker cannot initialize CUDA at all
 ]
 # 8 windows per iteration either way: 2 ranks x 2 micro-steps x 2 windows, or 1 rank x 2 x 4 (the
 # same windows, dataloader.py); under 2 ranks each rank accumulates 2 micro-steps before syncing
@@ -473,7 +475,8 @@ def forked_torchrun(script, *args, ranks=2, env=None, timeout=TIMEOUT, torchrun_
     starts a Python and imports torch for the agent and each worker: 12 s (18 s of CPU) for 1 iteration on the 2-core
     machine, quiet; this 2.5 s for 2 iterations, after a pytest process's first launch. during(launch), if given,
     runs in a thread while the workers run (the agent keeps this one: its signal handlers). A signal sent to torchrun
-    itself is tested on the command (Launch). Returns the ForkedLaunch."""
+    itself is tested on the command (Launch). Workers run on the CPU (DDP_TINY): a forked child cannot initialize
+    CUDA once train_config's import asked torch.cuda.is_available(). Returns the ForkedLaunch."""
     import multiprocessing
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

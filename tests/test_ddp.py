@@ -139,6 +139,7 @@ SHORT = [  # its run shortened
     '--block_size=32',
     '--sample_tokens=0',
     '--compile=False',
+    '--device=cpu',  # two ranks on a one-GPU machine too
 ]
 
 

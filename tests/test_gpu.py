@@ -42,13 +42,16 @@ def test_a_cpu_checkpoint_resumes_on_the_gpu(tmp_path, precision):
             assert all(v.device.type == home for v in opt.state[p].values() if torch.is_tensor(v) and v.dim())
 
 
-def test_train_resume_on_the_gpu_is_bitwise(tmp_path):
+@pytest.mark.parametrize('at', [6, 3], ids=['mid_period', 'at_eval_and_switch'])
+def test_train_resume_on_the_gpu_is_bitwise(tmp_path, at):
     """train.py on CUDA (bf16 autocast, fused AdamW, CUDA RNG in the checkpoint): a split run resumes
-    into the straight one bit for bit."""
+    into the straight one bit for bit, also where the resume starts with an evaluation and a switch (a
+    resume at 3 of test_faults' runs differed in wte on an H200, 2026-11-28, cause not found)."""
     straight, split = tmp_path / 'straight', tmp_path / 'split'
-    common = ['--device=cuda', '--dtype=bfloat16', '--eval_interval=5', '--dropout=0.1', '--omgd_period=4']
+    every = ['--eval_interval=5', '--omgd_period=4'] if at == 6 else ['--eval_interval=3', '--omgd_period=3']
+    common = ['--device=cuda', '--dtype=bfloat16', '--dropout=0.1', *every]
     run_train(f'--out_dir={straight}', '--max_iters=12', *common)
-    run_train(f'--out_dir={split}', '--max_iters=6', *common)
+    run_train(f'--out_dir={split}', f'--max_iters={at}', *common)
     run_train(f'--out_dir={split}', '--max_iters=12', '--init_from=resume', *common)
     assert_same_state(load(straight), load(split))
 
