@@ -69,7 +69,7 @@ class LoopProbe:
             self.write()
 
     def record_sync(self, message, category, filename, lineno, file=None, line=None):
-        if 'synchronizing' not in str(message):
+        if 'called a synchronizing' not in str(message):  # not the mode's own prototype warning
             return
         frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(TORCH_DIR)][-3:]
         where = ' <- '.join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
