@@ -58,20 +58,22 @@ class LoopProbe:
             )
             self.profiler.__enter__()
             warnings.simplefilter('always')
-            warnings.showwarning = self.record_sync
+            self.show_warning, warnings.showwarning = warnings.showwarning, self.record_sync
             if CUDA:
                 torch.cuda.set_sync_debug_mode('warn')
         elif self.steps == self.end:
             if CUDA:
                 torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = self.show_warning
             synchronize()
             self.profiler.__exit__(None, None, None)
             self.write()
 
     def record_sync(self, message, category, filename, lineno, file=None, line=None):
-        if 'called a synchronizing' not in str(message):  # not the mode's own prototype warning
-            return
-        frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(TORCH_DIR)][-3:]
+        if 'called a synchronizing' not in str(message):  # the script's own warnings, and the mode's prototype one
+            return self.show_warning(message, category, filename, lineno, file, line)
+        stack = traceback.extract_stack()[:-1]
+        frames = [f for f in stack if not f.filename.startswith(TORCH_DIR) and f.filename != warnings.__file__][-3:]
         where = ' <- '.join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
         self.syncs[(str(message).split('\n')[0][:70], where)] += 1
 
