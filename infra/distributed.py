@@ -78,6 +78,9 @@ def setup(backend, device, timeout_s=600):
     return Ranks(True, dist.get_rank(), local_rank, dist.get_world_size(), cpu_group), device
 
 
+SILENT_RANK_WAIT_S = 3
+
+
 def report_error(error, printed=True):
     """End a run in its `error:` line (printed unless another rank prints it); returns the exit status, 1. Under
     torchrun the line also goes to this rank's error file, the root cause of torchrun's failure summary."""
@@ -88,6 +91,8 @@ def report_error(error, printed=True):
     if path:
         with contextlib.suppress(OSError), open(path, 'w') as f:  # on OSError: the line was printed
             json.dump({'message': line, 'timestamp': int(time.time())}, f)
+        if not printed:  # torchrun stops every worker at the first exit: the rank that prints the line exits first
+            time.sleep(SILENT_RANK_WAIT_S)
     return 1
 
 

@@ -3,6 +3,7 @@ do, no traceback, and an existing checkpoint and existing reports left byte for 
 In-process (conftest.run_script): the scripts' own checks are under test, not Python's start-up."""
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -536,6 +537,22 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_allocated(monkeypatch):
     monkeypatch.setattr(memory_estimate, 'available_bytes', lambda device: 100 * n)
     memory_estimate.check_fits(config, 'cpu', 4, lambda: calls.append(1) or 1000 * n)  # small: no estimate asked
     assert calls == [1, 1]
+
+
+def test_a_rank_that_does_not_print_the_line_exits_after_the_one_that_does(tmp_path, monkeypatch, capsys):
+    """Under torchrun, which stops every worker at the first exit, a rank that leaves the line to another waits
+    before it exits (else the printing rank could be stopped before it prints); both
+    ranks' error files hold the line."""
+    from infra import distributed
+
+    waits = []
+    monkeypatch.setattr(distributed.time, 'sleep', waits.append)
+    for printed in (True, False):
+        monkeypatch.setenv('TORCHELASTIC_ERROR_FILE', str(tmp_path / f'{printed}.json'))
+        assert distributed.report_error('n_layer must be >= 1', printed=printed) == 1
+        assert json.loads((tmp_path / f'{printed}.json').read_text())['message'] == 'error: n_layer must be >= 1'
+    assert capsys.readouterr().err == "error: n_layer must be >= 1\n"  # printed once
+    assert waits == [distributed.SILENT_RANK_WAIT_S]  # by the silent rank alone
 
 
 def test_an_error_file_that_cannot_be_written_still_ends_in_the_printed_line(tmp_path, monkeypatch, capsys):
