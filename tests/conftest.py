@@ -74,6 +74,7 @@ EVERY_TORCH = {
     'test_dcp.py',
     'test_dcp_untrusted.py',
     'test_ddp.py',
+    'test_forked_launch.py',
     'test_fsdp.py',
     'test_fsdp_one_rank.py',
     'test_galore.py',
