@@ -541,8 +541,7 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_allocated(monkeypatch):
 
 def test_a_rank_that_does_not_print_the_line_exits_after_the_one_that_does(tmp_path, monkeypatch, capsys):
     """Under torchrun, which stops every worker at the first exit, a rank that leaves the line to another waits
-    before it exits (else the printing rank could be stopped before it prints); both
-    ranks' error files hold the line."""
+    before it exits (else the printing rank could be stopped before it prints); both ranks' error files hold it."""
     from infra import distributed
 
     waits = []
