@@ -19,6 +19,7 @@ import json
 import os
 import runpy
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -79,13 +80,17 @@ class LoopProbe:
 
     def write(self):
         os.makedirs(self.out, exist_ok=True)
-        trace = os.path.join(self.out, f"{self.name}_trace.json")
-        self.profiler.export_chrome_trace(trace)
-        with open(trace) as f:
-            events = json.load(f)['traceEvents']
-        with open(trace, 'rb') as f, gzip.open(trace + '.gz', 'wb') as g:
-            g.write(f.read())
-        os.remove(trace)
+        fd, scratch = tempfile.mkstemp(dir=self.out, suffix='.json')  # a new file: the only one this removes
+        os.close(fd)
+        try:
+            self.profiler.export_chrome_trace(scratch)
+            with open(scratch, 'rb') as f:
+                trace = f.read()
+        finally:
+            os.remove(scratch)
+        with gzip.open(os.path.join(self.out, f"{self.name}_trace.json.gz"), 'wb') as g:
+            g.write(trace)
+        events = json.loads(trace)['traceEvents']
         n = self.end - self.start_profile
         gpu = sorted(
             (e['ts'], e['ts'] + e['dur'], e['name'])
