@@ -253,6 +253,9 @@ loop() {  # nanoGPT's train.py and ours, log_interval 1 and 10: 20 iterations ti
     local data=$W/tokens li probe=$PWD/experiments/profile_loop.py
     local common=(--batch_size=12 --block_size=1024 --gradient_accumulation_steps=1 --max_iters=40
                   --eval_interval=100000 --eval_iters=1 --compile=True)
+    if [ -e data/lease_tokens ]; then  # the dataset our train.py reads is made here, and removed only if made here
+        stamp "loop skipped: data/lease_tokens exists and is not this run's"; return 0
+    fi
     mkdir -p "$data/data/lease_tokens" data/lease_tokens
     $PY -c "import numpy as np; g = np.random.default_rng(0)
 for split, n in (('train', 20_000_000), ('val', 200_000)):
@@ -269,7 +272,7 @@ for split, n in (('train', 20_000_000), ('val', 200_000)):
             --log_interval=$li "${common[@]}" > "$L/loop_ours_log$li.log" 2>&1
         stamp "loop ours log_interval=$li rc=$? $(grep -h 'ms/iter' "$L/loop_ours_log$li.log")"
     done
-    rm -rf data/lease_tokens
+    rm data/lease_tokens/train.bin data/lease_tokens/val.bin && rmdir data/lease_tokens  # the two files copied above
 }
 
 galore7b() {  # GaLore's LLaMA-7B row, and what one of its SVDs costs (224 of them at the first step)
