@@ -58,17 +58,27 @@ class LoopProbe:
                 activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             )
             self.profiler.__enter__()
+            self.filters = warnings.filters[:]
             warnings.simplefilter('always')
             self.show_warning, warnings.showwarning = warnings.showwarning, self.record_sync
             if CUDA:
                 torch.cuda.set_sync_debug_mode('warn')
         elif self.steps == self.end:
-            if CUDA:
-                torch.cuda.set_sync_debug_mode(0)
-            warnings.showwarning = self.show_warning
             synchronize()
-            self.profiler.__exit__(None, None, None)
+            self.end_profile()
             self.write()
+
+    def end_profile(self):
+        """The profiler stopped; sync detection and warnings as they were."""
+        if CUDA:
+            torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning, warnings.filters[:] = self.show_warning, self.filters
+        self.profiler.__exit__(None, None, None)
+
+    def stop(self):
+        """After the script: ends a profile it left unfinished (it ended inside the profiled iterations)."""
+        if self.profiler is not None and self.steps < self.end:
+            self.end_profile()
 
     def record_sync(self, message, category, filename, lineno, file=None, line=None):
         if 'called a synchronizing' not in str(message):  # the script's own warnings, and the mode's prototype one
@@ -123,23 +133,32 @@ class LoopProbe:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], allow_abbrev=False)
     parser.add_argument('--out', required=True)
     parser.add_argument('--name', required=True)
     parser.add_argument('--warmup', type=int, default=10)
     parser.add_argument('--timed', type=int, default=20)
     parser.add_argument('--profiled', type=int, default=8)
     parser.add_argument('script')
-    args, script_args = parser.parse_known_args()
+    parser.add_argument('script_args', nargs=argparse.REMAINDER)  # the script's own, even where named like ours
+    args = parser.parse_args()
     probe = LoopProbe(os.path.abspath(args.out), args.name, args.warmup, args.timed, args.profiled)
-    register_optimizer_step_post_hook(probe)
-    sys.argv = [args.script, *script_args]
+    hook = register_optimizer_step_post_hook(probe)
+    sys.argv = [args.script, *args.script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))  # as `python SCRIPT` would
     try:
         runpy.run_path(args.script, run_name='__main__')
+    except SystemExit as e:
+        if e.code:  # the script failed: its own status
+            raise
     finally:
-        if probe.steps < probe.end:
-            print(f"error: {args.script} made {probe.steps} optimizer steps, fewer than the {probe.end} to measure")
+        hook.remove()
+        probe.stop()
+    if probe.steps < probe.end:
+        sys.exit(
+            f"error: {args.script} made {probe.steps} optimizer steps, fewer than the {probe.end} to measure; "
+            f"raise its --max_iters"
+        )
 
 
 if __name__ == '__main__':

@@ -517,6 +517,34 @@ def test_speed_variants_times_each_variant(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith("error: variants must be a comma list of batch=N")
 
 
+def test_profile_loop_times_then_profiles_a_training_script_unedited(tmp_path):
+    """experiments/profile_loop.py over train.py: its report and gzipped trace, the script's own --out_dir passed
+    through, a file already named like its trace kept; a run too short to measure is one error line, exit 1; the
+    optimizer hook and the warning filters do not outlive the run."""
+    import gzip
+    import warnings
+
+    from conftest import TINY
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    hooks, filters = len(_global_optimizer_post_hooks), warnings.filters[:]
+    (tmp_path / 'probe_trace.json').write_text('not this run')
+    probe = ['experiments/profile_loop.py', f'--out={tmp_path}', '--name=probe', '--warmup=2', '--timed=3']
+    train = ['train.py', *TINY, f'--out_dir={tmp_path / "run"}', '--eval_interval=100']
+    proc = run_script(probe[0], [*probe[1:], '--profiled=2', *train, '--max_iters=8'])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = (tmp_path / 'probe.txt').read_text()
+    assert re.match(r'probe: \d+\.\d+ ms/iter \(steps 2-5\)\nprofiled 2 iterations: ', report), report[:300]
+    assert json.loads(gzip.decompress((tmp_path / 'probe_trace.json.gz').read_bytes()))['traceEvents']
+    assert (tmp_path / 'probe_trace.json').read_text() == 'not this run'
+    assert (tmp_path / 'run' / 'ckpt.pt').exists()  # train.py's own --out_dir, not taken for profile_loop's --out
+    proc = run_script(probe[0], [*probe[1:], '--profiled=20', *train, '--max_iters=8', '--overwrite=True'])
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+        'error: train.py made 8 optimizer steps, fewer than the 25 to measure; raise its --max_iters'
+    ), proc.stderr[-2000:]
+    assert len(_global_optimizer_post_hooks) == hooks and warnings.filters == filters
+
+
 def test_switch_timing_splits_switch_iterations(tmp_path):
     """experiments/switch_timing.py: every iteration shown once, the switches marked where the cycler switched
     (a switch every 2 iterations), per policy."""
