@@ -160,7 +160,7 @@ paths() {
     path bf16 --precision=bf16 --compile=False &
     path bf16_master --precision=bf16_master --compile=False &
     path bf16_master_cpu --precision=bf16_master --master_device=cpu --compile=False &
-    for s in drop keep offload; do path "state_$s" --omgd_state=$s --omgd_period=5 --compile=False & done
+    for s in ${SWITCH_STATES:-drop keep offload}; do path "state_$s" --omgd_state=$s --omgd_period=5 --compile=False & done
     path cuts_compiled --precision=bf16_master --master_device=cpu --omgd_state=offload --activation_checkpointing=True \
         --checkpoint_sublayers=True --activation_offload=True --loss_chunk=64 --compile=True &
     path cpu_written --device=cpu --max_iters=20 --compile=False &
@@ -222,9 +222,9 @@ speed() {  # alone on the GPU: full, LISA, LISA-wor, GaLore; a switch every 5 it
     stamp "bench rc=$?"
 }
 
-switch_cost() {  # alone on the GPU: LISA-wor's switch under each state policy, timed after a whole cycle
+switch_cost() {  # alone on the GPU: LISA-wor's switch under each state policy (SWITCH_STATES), after a cycle
     local s                    # (12 blocks, 3 active, a switch every 5: a cycle is 20 iterations)
-    for s in drop keep offload; do
+    for s in ${SWITCH_STATES:-drop keep offload}; do
         timeout 70 $PY bench.py "${SPEED[@]}" --methods=lisa_wor --omgd_state=$s --warmup_steps=25 \
             --profile="$L/profile_$s" --out="$R/bench_gpt2_switch_${s}_$GPU.md" >> "$L/bench.log" 2>&1
         stamp "bench $s rc=$?"

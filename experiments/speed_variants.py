@@ -8,6 +8,8 @@ Variants (all: the default):
   batch=B       the micro-batch of B sequences (per-block compile)
   whole         the whole model compiled as one graph (torch.compile of the model), not block by block:
                 what nothing switching (method full) would allow
+  outer         the blocks compiled one by one as train.py does, and the embeddings and the final norm (they
+                train under every method) as regions of their own
   sdpa=NAME     attention through one SDPA kernel only (flash, cudnn, efficient, math), the blocks compiled under it
 Prints a table of ms/iter (median), tokens/s and MFU, and writes it to --out when given.
 """
@@ -24,7 +26,7 @@ import train_config  # noqa: E402
 from configurator import command_line  # noqa: E402
 from infra.metrics import peak_bf16_flops  # noqa: E402
 
-VARIANTS = 'batch=12,batch=16,batch=24,batch=32,whole,sdpa=flash,sdpa=cudnn,sdpa=efficient'
+VARIANTS = 'batch=12,outer,batch=16,batch=24,batch=32,whole,sdpa=flash,sdpa=cudnn,sdpa=efficient'
 DEFAULTS = {**bench.DEFAULTS, 'methods': 'full', 'variants': VARIANTS}
 SDPA = ('flash', 'cudnn', 'efficient', 'math')
 
@@ -33,7 +35,7 @@ def known_variant(variant):
     name, _, value = variant.partition('=')
     return (
         (name == 'batch' and value.isdigit() and int(value) > 0)
-        or variant == 'whole'
+        or variant in ('whole', 'outer')
         or (name == 'sdpa' and value in SDPA)
     )
 
@@ -42,7 +44,7 @@ RULES = {
     **bench.RULES,
     'variants': (
         (lambda v: bool(v) and all(known_variant(x) for x in v.split(','))),
-        f"a comma list of batch=N, whole, sdpa={'|'.join(SDPA)}",
+        f"a comma list of batch=N, whole, outer, sdpa={'|'.join(SDPA)}",
     ),
 }
 
@@ -74,6 +76,10 @@ def run_variant(cfg, device, variant):
             if name == 'whole':
                 run.net.compile()  # in place: the Trainer steps the same module
                 run.net.compile_loss()
+            if name == 'outer':
+                for module in run.net.outer_modules().values():
+                    if module is not run.net.lm_head:  # the head's product runs inside the loss
+                        module.compile()
             total = cfg['warmup_steps'] + cfg['steps']
             for it in range(total):
                 run.step(it, timed=it >= cfg['warmup_steps'])

@@ -56,6 +56,15 @@ def test_train_resume_on_the_gpu_is_bitwise(tmp_path, at):
     assert_same_state(load(straight), load(split))
 
 
+def test_train_on_the_gpu_twice_is_bitwise(tmp_path):
+    """Two straight runs of the resume test's evaluation-and-switch setting end bit for bit alike: a resume
+    that differs is then the resume's fault, not a nondeterministic kernel's."""
+    common = ['--device=cuda', '--dtype=bfloat16', '--dropout=0.1', '--eval_interval=3', '--omgd_period=3']
+    for name in ('a', 'b'):
+        run_train(f'--out_dir={tmp_path / name}', '--max_iters=12', *common)
+    assert_same_state(load(tmp_path / 'a'), load(tmp_path / 'b'))
+
+
 @pytest.mark.parametrize('method', ['lisa_wor', 'tensor_wor', 'tensor_iid', 'full'])
 def test_compiled_blocks_with_inductor_do_not_hit_the_recompile_limit(method):
     """memory_options.compile_blocks with the default backend (inductor), bf16 autocast: no recompile storm."""
