@@ -179,8 +179,11 @@ THIS_COMMAND = ('init_from', 'out_dir', 'overwrite', 'eval_only', 'checkpoint_as
 def load(argv, defaults=None, given=None):
     """The config of these command-line arguments (configurator.configure, type-checked) and its device; check_run
     too unless init_from may resume (run_config checks the merged values). Raises a one-line ValueError."""
+    given = set() if given is None else given
     cfg = configure(defaults or DEFAULTS, argv, given=given)
     check_device(cfg['device'])
+    if 'device' in given:  # --device=cpu on a GPU machine: the CPU's dtype, compile and backend unless given too
+        cfg.update({k: v for k, v in machine_defaults(cfg['device'] != 'cpu').items() if k not in given})
     if cfg['init_from'] not in RESUMING:
         check_run(cfg)
     return cfg

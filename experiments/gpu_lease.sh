@@ -141,7 +141,8 @@ suite() {  # the whole suite alone, -v (each outcome named as it ends), the cuda
     stamp "tests all rc=$rc $(tail -1 "$L/tests_all.log")"
     # a run cut by its deadline prints no tracebacks: the failed tests again, alone, with short ones
     local failed
-    failed=$(grep -oE '(FAILED|ERROR) tests/[^ ]+' "$L/tests_all.log" | awk '{print $2}' | sort -u | head -20)
+    # by test function: a parameter's id may hold spaces, which a command line would split
+    failed=$(grep -oE '(FAILED|ERROR) tests/[^ []+' "$L/tests_all.log" | awk '{print $2}' | sort -u | head -20)
     if [ -n "$failed" ]; then
         OMP_NUM_THREADS=1 timeout ${RERUN_S:-60} $PY -m pytest -q --tb=short -p no:cacheprovider $failed \
             > "$L/tests_failed_again.log" 2>&1

@@ -293,3 +293,19 @@ def galore_of(**kwargs):
     import galore
 
     return galore.build_optimizer(tiny_model(), 0.1, 1e-3, (0.9, 0.99), **kwargs)
+
+
+def test_the_device_given_decides_the_defaults_that_depend_on_it(monkeypatch):
+    """--device=cpu on a GPU machine (its defaults: bf16, compile, nccl) trains as a CPU machine would, unless
+    those keys are given too; with no --device the machine's defaults stay."""
+    import train_config
+
+    gpu_machine = train_config.gpu_defaults()
+    cpu = train_config.machine_defaults(cuda=False)
+    cfg = train_config.load(['--device=cpu'], defaults=gpu_machine)
+    assert {k: cfg[k] for k in cpu} == cpu
+    cfg = train_config.load(['--device=cpu', '--compile=True', '--dtype=bfloat16'], defaults=gpu_machine)
+    assert (cfg['compile'], cfg['dtype'], cfg['backend']) == (True, 'bfloat16', 'gloo')
+    monkeypatch.setattr(train_config, 'check_device', lambda device: None)  # 'cuda' on this CPU machine
+    cfg = train_config.load(['--max_iters=5'], defaults=gpu_machine)
+    assert (cfg['device'], cfg['compile'], cfg['backend']) == ('cuda', True, 'nccl')

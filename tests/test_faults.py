@@ -217,7 +217,9 @@ def test_a_resume_takes_the_checkpoints_config_and_names_every_conflict(tmp_path
 
     run_train(f'--out_dir={tmp_path / "straight"}', '--max_iters=6', '--eval_interval=3')
     run_train(f'--out_dir={tmp_path / "resumed"}', '--max_iters=3', '--eval_interval=3')
-    result = run_script('train.py', [f'--out_dir={tmp_path / "resumed"}', '--init_from=resume', '--max_iters=6'])
+    # --device: the machine's keys are this command's (a GPU machine would resume on its GPU, in bf16)
+    resume = [f'--out_dir={tmp_path / "resumed"}', '--init_from=resume', '--max_iters=6', '--device=cpu']
+    result = run_script('train.py', resume)
     assert result.returncode == 0, result.stderr[-2000:]
     assert_same_state(load(tmp_path / 'straight'), load(tmp_path / 'resumed'))
     result = run_script(
