@@ -243,7 +243,7 @@ speed_before() {  # the same rows from BEFORE's bench.py, alone on the GPU
 }
 
 variants() {  # full AdamW under micro-batches, a whole-model compile, each SDPA kernel (experiments/speed_variants.py)
-    timeout 150 $PY experiments/speed_variants.py "${SPEED[@]}" --steps=8 --warmup_steps=3 \
+    timeout 150 $PY experiments/speed_variants.py "${SPEED[@]}" --steps=${VARIANT_STEPS:-8} --warmup_steps=3 \
         --variants=${VARIANTS:-batch=16,batch=32,whole,sdpa=flash,batch=24,sdpa=efficient} \
         --out="$R/speed_variants_$GPU.md" > "$L/variants.log" 2>&1
     stamp "variants rc=$?"
