@@ -476,8 +476,9 @@ def forked_torchrun(script, *args, ranks=2, env=None, timeout=TIMEOUT, torchrun_
     starts a Python and imports torch for the agent and each worker: 12 s (18 s of CPU) for 1 iteration on the 2-core
     machine, quiet; this 2.5 s for 2 iterations, after a pytest process's first launch. during(launch), if given,
     runs in a thread while the workers run (the agent keeps this one: its signal handlers). A signal sent to torchrun
-    itself is tested on the command (Launch). Workers run on the CPU (DDP_TINY): a forked child cannot initialize
-    CUDA once train_config's import asked torch.cuda.is_available(). Returns the ForkedLaunch."""
+    itself is tested on the command (Launch). Workers run on the CPU (DDP_TINY); the forkserver asks NVML, not CUDA,
+    whether there is a GPU: a child forked after CUDA's initialization cannot use it, and AdamW asks CUDA even of
+    CPU parameters (its graph-capture check). Returns the ForkedLaunch."""
     import multiprocessing
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -486,6 +487,7 @@ def forked_torchrun(script, *args, ranks=2, env=None, timeout=TIMEOUT, torchrun_
 
     multiprocessing.set_forkserver_preload(['conftest', 'train'])
     saved_env = dict(os.environ)  # the agent sets variables and signal handlers in its process: this one's
+    os.environ['PYTORCH_NVML_BASED_CUDA_CHECK'] = '1'  # for the forkserver this launch may start
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
     launch = ForkedLaunch(ranks)
     # --standalone, as torchrun's run() spells it out before config_from_args
