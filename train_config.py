@@ -25,7 +25,7 @@ from model import check_preset as check_preset_name
 
 
 def machine_defaults(cuda):
-    """The keys whose default depends on whether the machine has CUDA."""
+    """The keys whose default depends on whether the machine has CUDA (or, where --device is given, the run)."""
     if cuda:
         return dict(device='cuda', dtype='bfloat16', compile=True, backend='nccl')
     return dict(device='cpu', dtype='float32', compile=False, backend='gloo')
