@@ -193,9 +193,10 @@ def check(cfg):
     return memory_estimate.check_rows(cfg, ('cuda', 'cpu'), without_cuda='cpu')
 
 
-def setup(cfg):
+def setup(cfg, given=()):
     """check(cfg), exiting with its one line; on CUDA, train.py's allocator and TF32 settings (the benchmarks
-    of experiments/ start the same way)."""
+    of experiments/ start the same way). given: the keys the command line set (a --device sets its defaults)."""
+    train_config.follow_device(cfg, given)
     if cfg['device'] in ('auto', 'cuda') and torch.cuda.is_available():  # before CUDA's first allocation
         print(memory_options.cuda_allocator(), flush=True)
     try:
@@ -209,8 +210,9 @@ def setup(cfg):
 
 
 def main(argv):
-    cfg = command_line(argv, DEFAULTS, RULES, __doc__, train_config.meanings())
-    device, row_cfgs, config = setup(cfg)
+    given = set()
+    cfg = command_line(argv, DEFAULTS, RULES, __doc__, train_config.meanings(), given)
+    device, row_cfgs, config = setup(cfg, given)
     try:
         rows = bench(row_cfgs, device)
     except RuntimeError as e:  # torch.OutOfMemoryError (CUDA), or the CPU allocator refusing a size

@@ -127,13 +127,13 @@ def help_text(defaults, meanings=None):
     return '\n'.join(f"  {f'--{k}={v!r}':<36} {(meanings or {}).get(k, '')}".rstrip() for k, v in defaults.items())
 
 
-def command_line(argv, defaults, rules=None, usage='', meanings=None):
+def command_line(argv, defaults, rules=None, usage='', meanings=None, given=None):
     """configure(), or --help prints `usage` and the keys and exits 0; a bad argument exits 1 with an `error:` line."""
     if wants_help(argv):
         print(f"{usage.strip()}\n\nkeys (default, meaning):\n{help_text(defaults, meanings)}")
         sys.exit(0)
     try:
-        return configure(defaults, argv, rules)
+        return configure(defaults, argv, rules, given)
     except ConfigError as e:
         sys.exit(f"error: {e}")
 

@@ -182,11 +182,17 @@ def load(argv, defaults=None, given=None):
     given = set() if given is None else given
     cfg = configure(defaults or DEFAULTS, argv, given=given)
     check_device(cfg['device'])
-    if 'device' in given:  # --device=cpu on a GPU machine: the CPU's dtype, compile and backend unless given too
-        cfg.update({k: v for k, v in machine_defaults(cfg['device'] != 'cpu').items() if k not in given})
+    follow_device(cfg, given)
     if cfg['init_from'] not in RESUMING:
         check_run(cfg)
     return cfg
+
+
+def follow_device(cfg, given):
+    """A --device given (cpu, cuda, cuda:N) sets the defaults that depend on it, in place: --device=cpu on a GPU
+    machine trains with the CPU's dtype, compile and backend unless those are given too."""
+    if 'device' in given and (cfg['device'] == 'cpu' or cfg['device'].startswith('cuda')):
+        cfg.update({k: v for k, v in machine_defaults(cfg['device'] != 'cpu').items() if k not in given})
 
 
 def check_run(cfg):

@@ -93,8 +93,9 @@ def run_variant(cfg, device, variant):
 
 
 def main(argv):
-    cfg = command_line(argv, DEFAULTS, RULES, __doc__, train_config.meanings())
-    device = bench.setup(cfg)[0]
+    given = set()
+    cfg = command_line(argv, DEFAULTS, RULES, __doc__, train_config.meanings(), given)
+    device = bench.setup(cfg, given)[0]
     lines = [
         f"Machine: {bench.describe_machine(device)}; method {cfg['methods'].split(',')[0]}, "
         f"{cfg['steps']} timed iterations after {cfg['warmup_steps']}",

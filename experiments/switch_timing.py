@@ -48,8 +48,9 @@ def time_iterations(cfg, device):
 
 
 def main(argv):
-    cfg = command_line(argv, DEFAULTS, RULES, __doc__, train_config.meanings())
-    device = bench.setup(cfg)[0]
+    given = set()
+    cfg = command_line(argv, DEFAULTS, RULES, __doc__, train_config.meanings(), given)
+    device = bench.setup(cfg, given)[0]
     cfg['method'] = cfg['methods'].split(',')[0]
     for policy in cfg['policies'].split(','):
         rows = time_iterations({**cfg, 'omgd_state': policy}, device)

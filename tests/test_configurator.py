@@ -309,3 +309,17 @@ def test_the_device_given_decides_the_defaults_that_depend_on_it(monkeypatch):
     monkeypatch.setattr(train_config, 'check_device', lambda device: None)  # 'cuda' on this CPU machine
     cfg = train_config.load(['--max_iters=5'], defaults=gpu_machine)
     assert (cfg['device'], cfg['compile'], cfg['backend']) == ('cuda', True, 'nccl')
+    # bench.py and the benchmarks of experiments/ (bench.setup), whose device may also be 'auto'
+    import torch
+
+    import bench
+
+    for argv, compiled in (
+        (['--device=cpu'], False),
+        (['--device=auto'], True),
+        (['--device=cpu', '--compile=True'], True),
+    ):
+        given = set()
+        cfg = configure({**bench.DEFAULTS, **gpu_machine, 'device': 'auto'}, argv, given=given)
+        monkeypatch.setattr(bench, 'check', lambda cfg: (torch.device('cpu'), [cfg], None))
+        assert bench.setup(cfg, given)[1][0]['compile'] is compiled, argv
