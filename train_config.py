@@ -109,7 +109,7 @@ galore_scale = 0.25  # scale of the projected update
 golore_svd_fraction = 0.0  # golore: share of max_iters with SVD (GaLore) projections, then random (GoLore's: 0.8)
 # system
 _machine = machine_defaults(torch.cuda.is_available())
-device = _machine['device']  # 'cpu', 'cuda' or 'cuda:N' (torchrun: each rank's); decides dtype/compile/backend defaults
+device = _machine['device']  # 'cpu', 'cuda' or 'cuda:N' (torchrun: each rank's); sets dtype/compile/backend defaults
 precision = 'amp'  # 'amp' (fp32 weights, autocast), 'bf16' (all bf16) or 'bf16_master' (bf16 + fp32 active masters)
 master_device = ''  # bf16_master: masters and moments on '' (the weights' device) or 'cpu' (with the AdamW step)
 dtype = _machine['dtype']  # amp's autocast dtype: float32, bfloat16 or float16 (loss-scaled); CPU runs in float32
