@@ -161,7 +161,7 @@ paths() {
     path bf16 --precision=bf16 --compile=False &
     path bf16_master --precision=bf16_master --compile=False &
     path bf16_master_cpu --precision=bf16_master --master_device=cpu --compile=False &
-    for s in ${SWITCH_STATES:-drop keep offload}; do path "state_$s" --omgd_state=$s --omgd_period=5 --compile=False & done
+    for s in drop keep offload; do path "state_$s" --omgd_state=$s --omgd_period=5 --compile=False & done
     path cuts_compiled --precision=bf16_master --master_device=cpu --omgd_state=offload --activation_checkpointing=True \
         --checkpoint_sublayers=True --activation_offload=True --loss_chunk=64 --compile=True &
     path cpu_written --device=cpu --max_iters=20 --compile=False &
