@@ -230,7 +230,8 @@ def per_rank_peak(row, config, world_size=1, fsdp=False, bytes_per_weight=4):
 def check_fits(config, device, bytes_per_weight, estimate=None, world_size=1, fsdp=False):
     """Refuse (ValueError, one line) a model whose weights (`bytes_per_weight` each, whole on every rank: they
     are built before shard_fsdp shards them) exceed the free memory of `device`, rather than meet the OOM
-    killer. When they take over a quarter of it, estimate() is compared too: estimate_iteration's row
+    killer. When they take over an eighth of it, estimate() is compared too (AdamW's gradients and moments alone
+    make 4x fp32 weights): estimate_iteration's row
     (under FSDP, per_rank_peak's share of world_size ranks) or a number (one device's peak, not split)."""
     device = torch.device(device)
     free = None if device.type == 'meta' else available_bytes(device)
@@ -245,7 +246,7 @@ def check_fits(config, device, bytes_per_weight, estimate=None, world_size=1, fs
             f"bytes each), more than the {free / 2**30:.1f} GiB free on {device.type}; choose a smaller model or a "
             f"machine with more memory (bench_memory.py --device=meta estimates any size)"
         )
-    if estimate is not None and need > free / 4:
+    if estimate is not None and need > free / 8:
         found = estimate()
         sharded = fsdp and world_size > 1
         if isinstance(found, dict):

@@ -514,8 +514,9 @@ def test_nccl_without_cuda_under_torchrun_is_one_line_that_torchrun_names(tmp_pa
 
 
 def test_a_model_that_cannot_fit_is_refused_before_it_is_allocated(monkeypatch):
-    """Weights over the free memory: refused at once; over a quarter of it: refused when the
-    iteration's estimate (bench_memory on meta) exceeds it; small: no estimate is run."""
+    """Weights over the free memory: refused at once; over an eighth of it: refused when the iteration's
+    estimate (bench_memory on meta) exceeds it; small: no estimate is run. (LLaMA-7B's 25 GiB of fp32 weights
+    on a 125 GiB host, a fifth, went on unchecked to need about 4x that.)"""
     import memory_estimate
     from model import TransformerConfig
 
@@ -531,14 +532,17 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_allocated(monkeypatch):
     with pytest.raises(ValueError, match=r'GiB of weights \(4 bytes each\)'):
         memory_estimate.check_fits(config, 'cpu', 4, lambda: calls.append(1) or 0)
     assert not calls
-    monkeypatch.setattr(memory_estimate, 'available_bytes', lambda device: 8 * n)  # fit, but over a quarter
+    monkeypatch.setattr(memory_estimate, 'available_bytes', lambda device: 8 * n)  # fit, but half of it
     with pytest.raises(ValueError, match=r'an iteration needs about .* GiB \(meta-device estimate\)'):
         memory_estimate.check_fits(config, 'cpu', 4, lambda: calls.append(1) or 9 * n)
     assert calls == [1]
     memory_estimate.check_fits(config, 'cpu', 4, lambda: calls.append(1) or 7 * n)  # the estimate fits
+    monkeypatch.setattr(memory_estimate, 'available_bytes', lambda device: 20 * n)  # a fifth, as LLaMA-7B above
+    with pytest.raises(ValueError, match=r'an iteration needs about .* GiB \(meta-device estimate\)'):
+        memory_estimate.check_fits(config, 'cpu', 4, lambda: calls.append(1) or 21 * n)
     monkeypatch.setattr(memory_estimate, 'available_bytes', lambda device: 100 * n)
     memory_estimate.check_fits(config, 'cpu', 4, lambda: calls.append(1) or 1000 * n)  # small: no estimate asked
-    assert calls == [1, 1]
+    assert calls == [1, 1, 1]
 
 
 def test_a_rank_that_does_not_print_the_line_exits_after_the_one_that_does(tmp_path, monkeypatch, capsys):
