@@ -83,15 +83,16 @@ class MethodRun:
             self.loss = loss.item()
 
     def profile(self, it, prefix):
-        """One more iteration under torch.profiler; its operators by self time go to PREFIX_METHOD_PRECISION.txt."""
+        """Iteration `it` under torch.profiler: its operators by GPU time (on CUDA), then by host time (a switch's
+        host work, the CUDA runtime's calls), in PREFIX_METHOD_PRECISION.txt."""
         from torch.profiler import ProfilerActivity, profile
 
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == 'cuda' else [])
-        with profile(activities=activities) as prof:
+        cuda = self.device.type == 'cuda'
+        with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
             self.step(it, timed=False)
-        key = 'self_device_time_total' if self.device.type == 'cuda' else 'self_cpu_time_total'
         with open(f"{prefix}_{self.cfg['method']}_{self.label}.txt", 'w') as f:
-            f.write(prof.key_averages().table(sort_by=key, row_limit=30) + '\n')
+            for key, what in [*([('self_device_time_total', 'GPU')] if cuda else []), ('self_cpu_time_total', 'host')]:
+                f.write(f"iteration {it}, by {what} time\n{prof.key_averages().table(sort_by=key, row_limit=30)}\n")
 
     def row(self, peak_flops, with_memory):
         # the median: robust to the odd slow step (a switch, another process on the machine)

@@ -500,6 +500,27 @@ EXPERIMENT_ARGS = [
 ]
 
 
+def test_bench_profiles_one_more_iteration_by_host_time(tmp_path):
+    """bench.py --profile: the iteration after the timed ones (a switch here: 2 + 3 = 5, period 5) under the
+    profiler, its operators by host time (on CUDA by GPU time first) in PREFIX_METHOD_PRECISION.txt."""
+    prefix = tmp_path / 'prof'
+    proc = run_script(
+        'bench.py',
+        [
+            *EXPERIMENT_ARGS,
+            '--steps=3',
+            '--warmup_steps=2',
+            '--methods=lisa_wor',
+            '--omgd_period=5',
+            f'--profile={prefix}',
+        ],
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = (tmp_path / 'prof_lisa_wor_amp.txt').read_text()
+    assert text.startswith('iteration 5, by host time\n') and 'Optimizer.step#AdamW.step' in text
+    assert 'by GPU time' not in text  # the CPU has no device table
+
+
 def test_speed_variants_times_each_variant(tmp_path):
     """experiments/speed_variants.py: one row per variant, in order, the report written where --out says; a
     variant it does not know is refused in one line before anything runs."""
