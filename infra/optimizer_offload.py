@@ -1,9 +1,6 @@
-"""
-omgd_state='offload': the optimizer state of a frozen unit parked in host memory and copied back a period
-before the unit trains again (omgd.Cycler calls these methods). On CUDA the copies run on a side stream into
-pinned buffers kept between switches, and every reader of the parked state (a copy back, a checkpoint) waits
-for the copies out, as torchao's CPU-offload optimizer does.
-"""
+"""omgd_state='offload': a frozen unit's optimizer state parked in host memory, copied back a period before it
+trains again. On CUDA the copies run on a side stream into pinned buffers kept between switches, and every reader
+of the parked state (a copy back, a checkpoint) waits for the copies out, as torchao's CPU-offload optimizer does."""
 
 import weakref
 
@@ -21,14 +18,10 @@ class ImmediateCopies:
     def to_device(self, parked, device):
         return [t.to(device, copy=True) for t in parked]
 
-    def record(self):
+    def record(self, *args):  # nothing to wait for: every copy is done
         return None
 
-    def wait_on_host(self, event):
-        pass
-
-    def wait_on_compute(self, event, device):
-        pass
+    wait_on_host = wait_on_compute = record
 
     def adopt(self, copy, device):
         return copy
