@@ -1,8 +1,6 @@
-"""
-GPT-2 (learned positions, fused q/k/v, GELU, LayerNorm, tied head) and LLaMA (rotary positions, grouped-query
+"""GPT-2 (learned positions, fused q/k/v, GELU, LayerNorm, tied head) and LLaMA (rotary positions, grouped-query
 attention, SwiGLU, RMSNorm, no biases) in one file, in the spirit of nanoGPT's model.py. Layer cycling relies on the
-layout: the blocks are `model.blocks` (frozen by index), everything else is `model.outer_modules()`.
-"""
+layout: the blocks are `model.blocks` (frozen by index), everything else is `model.outer_modules()`."""
 
 import math
 from contextlib import contextmanager
@@ -15,8 +13,7 @@ from torch.nn import functional as F
 
 
 class FrozenLinear(torch.autograd.Function):
-    """F.linear of a frozen weight (and bias) under autocast: autograd's own would keep autocast's low-precision
-    copy of the weight until the backward; this saves the parameter itself and casts it again there."""
+    """F.linear of a frozen weight under autocast that saves the parameter, not autocast's low-precision copy."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, dtype):
@@ -38,8 +35,7 @@ EMULATED_AUTOCAST = {}
 
 @contextmanager
 def emulated_autocast(device_types, dtype):
-    """Linear and the loss take the paths of an autocast in `dtype` on `device_types` without running one:
-    memory_estimate.MetaAsCuda emulates CUDA's autocast on the meta device, which has none."""
+    """Linear and the loss act as under autocast in `dtype` on `device_types` (memory_estimate's meta device)."""
     saved = dict(EMULATED_AUTOCAST)  # put back on exit (the emulations nest)
     EMULATED_AUTOCAST.update(dict.fromkeys(device_types, dtype))
     try:
@@ -118,8 +114,7 @@ EAGER_LOSS_KERNELS = LossKernels(_eager_cross_entropy_sum, _eager_cross_entropy_
 
 class LinearCrossEntropy(torch.autograd.Function):
     """F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=-1) with the matmuls in `dtype`, saving
-    x and the logits in `dtype` (not fp32 log-probabilities, twice their bytes), one fp32 log-sum-exp per token and
-    the weight itself. kernels: LossKernels, eager or compiled (Transformer.compile_loss)."""
+    x and the logits in `dtype`, fp32 log-sum-exps and the weight. kernels: LossKernels, eager or compiled."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, dtype, kernels):
@@ -268,8 +263,7 @@ def apply_rotary(x, cos, sin):
 
 
 class Rotary(nn.Module):
-    """LLaMA's rotary position embedding: (block_size, head_dim) cos and sin tables, non-persistent
-    buffers (outside the state_dict) computed on their own device (meta stays meta)."""
+    """LLaMA's rotary embedding: (block_size, head_dim) cos and sin tables, non-persistent, computed on their device."""
 
     def __init__(self, config):
         super().__init__()
@@ -323,8 +317,6 @@ class LlamaAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU MLP for gpt2."""
-
     def __init__(self, config):
         super().__init__()
         self.c_fc = Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
@@ -337,8 +329,6 @@ class MLP(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """Gated SiLU MLP for llama."""
-
     def __init__(self, config):
         super().__init__()
         self.gate_proj = Linear(config.n_embd, config.mlp_hidden, bias=False)
@@ -358,8 +348,7 @@ def make_norm(config):
 
 
 class Block(nn.Module):
-    """A pre-norm residual block with the parts of config.arch; its two halves are methods of their own
-    (infra/memory_options.py recomputes them apart, generation calls them with a cache)."""
+    """A pre-norm residual block; its halves are methods (memory_options recomputes them apart, generation caches)."""
 
     def __init__(self, config):
         super().__init__()
@@ -370,8 +359,7 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config) if llama else MLP(config)
 
     def forward(self, x, rope=None):
-        # two statements: nested, a graph break inside attention_part (compile=True's per-tensor mode) leaves the
-        # bound method self.mlp_part on dynamo's stack, a new object per call, and torch 2.9 recompiles every call
+        # two statements: nested, a graph break in attention_part makes torch 2.9's dynamo recompile every call
         x = self.attention_part(x, rope)
         return self.mlp_part(x)
 
@@ -383,8 +371,7 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Every attention layer's keys and values of the positions seen so far (up to max_len, one batch), so
-    that a generation step runs the model on its new token only."""
+    """Every attention layer's keys and values so far (up to max_len): a generation step runs its new token only."""
 
     def __init__(self, n_layer, max_len):
         self.max_len = max_len
@@ -522,9 +509,8 @@ class Transformer(nn.Module):
             self.rotary.reset_parameters(block_size)
 
     def estimate_flops_per_token(self):
-        """Training FLOPs per token as the model is frozen now (nanoGPT's 6N + attention, PaLM appendix B).
-        Blocks below every trainable parameter run forward only (2 per weight, a third of the attention);
-        from the lowest trainable block up a trainable weight costs 6, a frozen one 4 (its input gradient)."""
+        """Training FLOPs per token as frozen now (nanoGPT's 6N + attention): blocks below every trainable one run
+        forward only (2 per weight); above, a trainable weight costs 6, a frozen one 4 (its input gradient)."""
         cfg = self.config
         attention = 12 * cfg.n_embd * cfg.block_size  # per layer, forward + backward
         trains = lambda module: module is not None and any(p.requires_grad for p in module.parameters())
@@ -542,8 +528,7 @@ class Transformer(nn.Module):
         return flops + (6 if head.requires_grad else 4 if backward else 2) * head.numel()
 
     def fsdp_sharded(self):
-        """Whether FSDP2 shards the blocks: their weights are gathered by hooks on forward, which the cached
-        generation (it calls the blocks' halves) would skip."""
+        """Whether FSDP2 shards the blocks (its forward hooks gather weights; cached generation would skip them)."""
         if not torch.distributed.is_available():
             return False
         from torch.distributed.fsdp import FSDPModule
@@ -553,8 +538,8 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
         """Complete the (b, t) token indices idx with max_new_tokens sampled tokens (call model.eval() first).
-        use_cache: run each step on the new token only (KVCache), the same tokens as without. Beyond block_size
-        the window slides at every step, which cached keys cannot follow: those steps (and FSDP) run uncached."""
+        use_cache: each step runs its new token only (KVCache), same tokens; beyond block_size (and FSDP): uncached."""
+
         block_size = self.config.block_size
         cache = None
         if use_cache and idx.size(1) <= block_size and not self.fsdp_sharded():
