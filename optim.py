@@ -1,8 +1,6 @@
-"""
-The optimizers of the model's parameters: nanoGPT's decay split and AdamW; AdamW's arithmetic, once
+"""The optimizers of the model's parameters: nanoGPT's decay split and AdamW; AdamW's arithmetic, once
 (adamw_step_, bitwise torch.optim.AdamW's); MasterAdamW, AdamW on fp32 master weights of low-precision
-parameters (MasterWeights, shared with galore.GaLoreAdamW; docs/precision.md).
-"""
+parameters (MasterWeights, shared with galore.GaLoreAdamW; docs/precision.md)."""
 
 from contextlib import nullcontext
 
@@ -37,8 +35,7 @@ def check_adamw_settings(lr, betas, eps, weight_decay):
 
 
 def adamw_foreach_(params, grads, exp_avgs, exp_avg_sqs, steps, lr, betas, eps, weight_decay):
-    """adamw_step_ (without `back`) on lists of tensors, in the same order of operations: bitwise where foreach
-    runs the per-tensor kernels (foreach_bitwise); CUDA's fused kernels round some products in another order."""
+    """adamw_step_ (without `back`) on lists of tensors, op for op: bitwise where foreach_bitwise says so."""
     beta1, beta2 = betas
     if weight_decay != 0:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
@@ -74,8 +71,8 @@ def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_d
 
 
 class HostStaging:
-    """Pinned host buffers, one per (shape, dtype, slot), kept from step to step, for the copies between CUDA
-    parameters and their CPU masters. pin=False (the tests' CPU seam): ordinary host memory."""
+    """Pinned host buffers per (shape, dtype, slot), kept across steps, for copies between CUDA parameters and
+    their CPU masters (pin=False: ordinary host memory, the tests' CPU seam)."""
 
     def __init__(self, pin=True):
         self.pin = pin
@@ -109,10 +106,9 @@ class HostStaging:
 
 
 class MasterWeights:
-    """fp32 master weights, a mixin for torch.optim.Optimizer subclasses (call _init_master() before
-    Optimizer.__init__): state['master'] is made from the weight at its first step (again after 'drop'), the
-    grad widened to fp32 where the master lives, the updated master rounded into the parameter. Every state
-    tensor lives on master_home(p). `master` False: torch's loading."""
+    """fp32 master weights, a mixin for torch.optim.Optimizer subclasses (call _init_master() before its __init__):
+    state['master'] is made from the weight at its first step (again after 'drop'), the grad widened to fp32 there,
+    the master rounded back into the parameter. Every state tensor lives on master_home(p)."""
 
     master = True
     stage = None  # staging (HostStaging): None for CUDA parameters with CPU masters; True forces it (tests)
@@ -130,8 +126,7 @@ class MasterWeights:
         return self.master_device
 
     def _pinned(self, p):
-        # staged copies already go through pinned buffers: their masters stay pageable, which spares the
-        # pinned allocator's rounding to a power of two (a 4096 x 11008 fp32 moment: 256 MiB, not 172)
+        # staged masters stay pageable: the pinned allocator rounds to a power of two (256 MiB for 172)
         return p.is_cuda and self.master_home(p).type == 'cpu' and not self._stages(p)
 
     def _stages(self, p):
@@ -196,8 +191,8 @@ class MasterWeights:
         return value.pin_memory() if self._pinned(p) and not value.is_pinned() else value
 
     def load_state_dict(self, state_dict):
-        """torch's loading of the groups; the state tensors keep their saved dtype (torch's casts every
-        floating one to the parameter's: fp32 masters would come back bf16) and go to master_home(p)."""
+        """torch's loading, but state tensors keep their saved dtype (torch casts fp32 masters to the parameter's
+        bf16) and go to master_home(p). `master` False: torch's loading."""
         if not self.master:
             return super().load_state_dict(state_dict)
         super().load_state_dict({**state_dict, 'state': {}})
@@ -212,11 +207,10 @@ class MasterWeights:
 
 
 class MasterAdamW(MasterWeights, torch.optim.Optimizer):
-    """AdamW on fp32 master copies of the parameters that train; the parameters keep their dtype. State per
-    parameter with a gradient: 'master', 'exp_avg', 'exp_avg_sq' (fp32, on master_home(p)), 'step' (an int).
-    master_device: None (each parameter's own) or 'cpu'. host_scope: a context manager around the state's allocation
-    and arithmetic (memory_estimate counts those tensors as host memory). foreach=True runs adamw_foreach_ on
-    FOREACH_BYTES of widened gradients at once where bitwise; off by default (no faster on the CPU, a higher peak)."""
+    """AdamW on fp32 masters of the parameters that train (which keep their dtype); state 'master', 'exp_avg',
+    'exp_avg_sq' (fp32, on master_home(p)), 'step' (an int). master_device: None (each parameter's own) or 'cpu'.
+    host_scope: wraps the state's allocation and arithmetic (memory_estimate counts it as host memory).
+    foreach=True: adamw_foreach_ on FOREACH_BYTES of gradients at once where bitwise (off: a higher peak)."""
 
     FOREACH_BYTES = 256 * 2**20
 
