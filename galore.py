@@ -1,9 +1,7 @@
-"""
-GaLore and GoLore: AdamW whose moments live in a low-rank subspace of each matrix's gradient. GaLore (Zhao et al.,
+"""GaLore and GoLore: AdamW whose moments live in a low-rank subspace of each matrix's gradient. GaLore (Zhao et al.,
 2024) projects the gradient G (m x n) on its smaller side onto r directions of its SVD (R = G Q for m >= n, else
 P^T G), runs Adam on R and maps the update back, times `scale`; GoLore (He et al., 2024) draws the subspace at
-random from step `svd_steps` on. The arithmetic, and where it differs from the references on purpose: docs/methods.md.
-"""
+random from step `svd_steps` on. Its arithmetic, and where it departs from the references: docs/methods.md."""
 
 import math
 from contextlib import nullcontext
@@ -27,14 +25,14 @@ def galore_adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, w
     beta1, beta2 = betas
     exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    denom = exp_avg_sq.sqrt().add_(eps)  # eps against the uncorrected root
+    denom = exp_avg_sq.sqrt().add_(eps)
     step_size = lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
     update = exp_avg / denom
     if back is not None:
         update = back(update) * scale
     param.add_(update, alpha=-step_size)
     if weight_decay > 0.0:
-        param.add_(param, alpha=-lr * weight_decay)  # after the update
+        param.add_(param, alpha=-lr * weight_decay)
 
 
 class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
@@ -157,9 +155,9 @@ def projector_bytes(optimizer):
 
 
 def build_optimizer(model, weight_decay, lr, betas, rank=128, **kwargs):
-    """GaLore (projection='svd') or GoLore ('random') on every matrix inside model.blocks, AdamW with
-    optim.param_groups' decay split elsewhere; over all parameters, frozen ones included. kwargs: GROUP_DEFAULTS'
-    keys for the projected group, GaLoreAdamW's others."""
+    """GaLore (projection='svd') or GoLore ('random') on every matrix in model.blocks, optim.param_groups' AdamW
+    elsewhere; over all parameters. kwargs: GROUP_DEFAULTS' keys for the projected group, GaLoreAdamW's others."""
+
     settings = {key: kwargs.pop(key) for key in GROUP_DEFAULTS if key in kwargs}  # the rest: GaLoreAdamW's
     projected = [p for block in model.blocks for p in block.parameters() if p.dim() == 2]
     ids = {id(p) for p in projected}
