@@ -11,10 +11,9 @@ import torch
 
 
 class Metrics:
-    """train.py's reports, one method per event, called on every rank with the event's values: each shows on the
-    line by its rule in SHOWN and goes as it is into the record, a line of out_dir/metrics.jsonl with its `kind` and
-    `iter` (wandb gets the numbers of 'eval' and 'iter'); Metrics adds time, throughput, MFU and memory. Rank 0
-    prints and writes (not when eval_only). A resume drops the records after the checkpoint's iteration."""
+    """train.py's reports, one method per event, called on every rank: each value shows on the line by its rule in
+    SHOWN and goes as it is into the event's record, with its `kind` and `iter` (wandb gets 'eval' and 'iter'). Rank
+    0 prints and writes (not when eval_only); a resume drops the records after the checkpoint's iteration."""
 
     def __init__(self, cfg, ranks, device, resumed_from=None):
         self.cfg, self.master, self.world_size = cfg, ranks.master, ranks.world_size
@@ -22,7 +21,7 @@ class Metrics:
         self.peak_flops = peak_bf16_flops(device)
         self.path, self.writes = os.path.join(cfg['out_dir'], 'metrics.jsonl'), self.master and not cfg['eval_only']
         self.resumed_from, self.started, self.wandb = resumed_from, False, None
-        self.running_mfu = self.flops_per_token = None  # running_mfu: the logged iterations' moving average
+        self.running_mfu = None  # the logged iterations' moving average
         if cfg['wandb_log'] and self.master:  # imported here, before anything is built
             try:
                 import wandb
@@ -236,15 +235,12 @@ PEAK_BF16_FLOPS = {
 }
 
 
-def _words(name):
-    return re.findall(r'[a-z0-9]+', name.lower())
-
-
 def peak_for_name(name):
     """PEAK_BF16_FLOPS' figure for a GPU named `name`, or None (no entry, or a tie)."""
-    matches = [key for key in PEAK_BF16_FLOPS if set(_words(key)) <= set(_words(name))]
-    most = max((len(_words(key)) for key in matches), default=0)
-    flops = {PEAK_BF16_FLOPS[key] for key in matches if len(_words(key)) == most}
+    words = lambda text: set(re.findall(r'[a-z0-9]+', text.lower()))
+    matches = [key for key in PEAK_BF16_FLOPS if words(key) <= words(name)]
+    most = max((len(words(key)) for key in matches), default=0)
+    flops = {PEAK_BF16_FLOPS[key] for key in matches if len(words(key)) == most}
     return flops.pop() if len(flops) == 1 else None
 
 
