@@ -157,7 +157,6 @@ def projector_bytes(optimizer):
 def build_optimizer(model, weight_decay, lr, betas, rank=128, **kwargs):
     """GaLore (projection='svd') or GoLore ('random') on every matrix in model.blocks, optim.param_groups' AdamW
     elsewhere; over all parameters. kwargs: GROUP_DEFAULTS' keys for the projected group, GaLoreAdamW's others."""
-
     settings = {key: kwargs.pop(key) for key in GROUP_DEFAULTS if key in kwargs}  # the rest: GaLoreAdamW's
     projected = [p for block in model.blocks for p in block.parameters() if p.dim() == 2]
     ids = {id(p) for p in projected}

@@ -539,7 +539,6 @@ class Transformer(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
         """Complete the (b, t) token indices idx with max_new_tokens sampled tokens (call model.eval() first).
         use_cache: each step runs its new token only (KVCache), same tokens; beyond block_size (and FSDP): uncached."""
-
         block_size = self.config.block_size
         cache = None
         if use_cache and idx.size(1) <= block_size and not self.fsdp_sharded():
