@@ -35,11 +35,9 @@ def grad_scaler(cfg, device_type):
 
 
 class Trainer:
-    """One run's iteration. batches: (x, y, position) micro-batches (position None for random ones), fetched one
-    ahead. parallel: distributed.ParallelModel (DDP/FSDP) or None. grad_accum: this rank's micro-steps per iteration.
-    iter_num: the iteration the next step runs. autocast, backward: replace the config's autocast and loss.backward()
-    (the meta device). observer: has after_switch(trainer, switched) and/or before_zero_grad(trainer), called in
-    each step (--ddp_check, the experiments' probes)."""
+    """One run's iteration. batches: (x, y, position) micro-batches, fetched one ahead. parallel: ParallelModel or
+    None. grad_accum: this rank's micro-steps. autocast, backward: replace the config's (the meta device). observer:
+    after_switch(trainer, switched) and/or before_zero_grad(trainer), called each step (--ddp_check, probes)."""
 
     def __init__(
         self,
@@ -66,7 +64,6 @@ class Trainer:
 
     @property
     def data_position(self):
-        """Where the training data continues (what a checkpoint stores)."""
         return self.batch[2] if self.batch is not None else None
 
     def next_batch(self):
@@ -95,9 +92,8 @@ class Trainer:
         return loss, switched
 
     def train_step(self, model, sync=None, micro_steps=None):
-        """One optimizer step over grad_accum (or micro_steps) micro-batches; returns the last one's loss
-        (detached, not synced). The next micro-batch is fetched right after each forward, while the GPU computes.
-        The OMGD scale goes before or after clipping (omgd_scale_after_clip: the paper's code clips first)."""
+        """One optimizer step over grad_accum (or micro_steps) micro-batches; returns the last one's loss (detached,
+        not synced). The next micro-batch is fetched right after each forward, while the GPU computes."""
         grad_accum, scaler = micro_steps or self.grad_accum, self.scaler
         grad_clip, scale_after_clip = self.cfg['grad_clip'], self.cfg['omgd_scale_after_clip']
         if self.batch is None:
@@ -146,8 +142,7 @@ class Trainer:
         return out
 
     def values(self):
-        """What the log line and record report beside the loss: `lr` as applied (`lr_g<i>` per group when they
-        differ). A fork's own figure goes here too."""
+        """The log's values beside the loss: `lr` as applied (`lr_g<i>` per group when they differ); a fork's too."""
         rates = [group['lr'] for group in self.optimizer.param_groups]
         if len(set(rates)) == 1:
             return {'lr': rates[0]}
