@@ -1,9 +1,8 @@
 """
 Sharded checkpoints with torch.distributed.checkpoint (DCP), train.py's format under torchrun: out_dir/step_NNNNNNN/
-holds each rank's shards (__R_0.distcp), DCP's index (.metadata), values.pt (everything else) and .complete, written
-last (docs/distributed.md). A save writes into step_NNNNNNN.tmp/ and renames it; a resume reshards onto any number of
-ranks. Nothing read can run code: values.pt with weights_only, .metadata with an unpickler of DCP's index classes
-only, and an index declaring anything but tensors is refused.
+holds the ranks' shards, DCP's index (.metadata), values.pt (the rest) and .complete, written last into a .tmp folder
+then renamed; a resume reshards onto any number of ranks (docs/distributed.md). Nothing read runs code: values.pt
+with weights_only, .metadata with an unpickler of DCP's index classes; an index of anything but tensors is refused.
 """
 
 import contextlib
@@ -41,8 +40,8 @@ def complete_steps(out_dir):
 
 
 def remove_incomplete(out_dir):
-    """Remove the folders of out_dir holding this code's WRITING or REMOVING marker (interrupted saves and
-    removals); returns their names and those of not_resumable() but the damaged. Only the lock's holder calls it."""
+    """Remove out_dir's folders that hold a WRITING or REMOVING marker (interrupted saves and removals); returns
+    their names and not_resumable()'s but the damaged. Only the lock's holder calls it."""
     removed = [name for name in _folders(out_dir) if _interrupted(os.path.join(out_dir, name))]
     for name in removed:
         shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
@@ -87,7 +86,7 @@ def _param_names(model):
 
 
 def _model_tensors(model):
-    """(the model's state dict without the second names of tied parameters, {second name: first})."""
+    """(the model's state dict less tied parameters' second names, {second name: first})."""
     names = _param_names(model)
     tied = {name: names[p] for name, p in model.named_parameters(remove_duplicate=False) if names[p] != name}
     return {k: v for k, v in model.state_dict().items() if k not in tied}, tied
@@ -128,8 +127,8 @@ class Saver:
         _SAVERS.add(self)
 
     def save(self, objects, values, device_type='cpu'):
-        """Write the checkpoint of values['iter_num']; a collective. NonFiniteState (every rank, before any
-        write) for a non-finite state. Returns the folder's path."""
+        """Write the checkpoint of values['iter_num'] and return its folder; a collective. A non-finite state is
+        NonFiniteState on every rank, before any write."""
         model, optimizer = objects['model'], objects['optimizer']
         checkpoint_file.check_finite(self.ranks, model, optimizer)
         self.wait()  # the previous background save is complete (or failed: raised here) before this one
@@ -296,8 +295,7 @@ def _refuse_bytes(path, key):
 
 
 def _tensors_only(path, index):
-    """DCP reads any item but a tensor (a BytesStorageMetadata) with torch.load's full unpickler, and train.py's
-    step folders hold tensors only: an index declaring one is refused."""
+    """DCP reads any item but a tensor with torch.load's full unpickler; train.py's step folders hold tensors only."""
     for key, meta in getattr(index, 'state_dict_metadata', {}).items():
         if not isinstance(meta, TensorStorageMetadata):
             raise _refuse_bytes(path, key)
@@ -350,8 +348,7 @@ def _cannot_read(path, e):
 
 
 def read_index(path):
-    """DCP's index of the step folder (its .metadata), checked to hold tensors only and to point into shard files
-    that are there and long enough."""
+    """The step folder's DCP index (.metadata), checked to hold tensors only and to point into whole shard files."""
     try:
         index = SafeReader(path).read_metadata()
     except FAILURES as e:
@@ -369,8 +366,8 @@ def read_index(path):
 
 
 def check_readable(path):
-    """The step folder's values.pt, or a CheckpointError naming what would stop a resume: its values, its index, a
-    shard missing or too short, or a shard's record damaged. Reads no tensor data."""
+    """The step folder's values.pt, or a CheckpointError naming what would stop a resume (values, index, a shard
+    missing, short or damaged). Reads no tensor data."""
     values = checkpoint_file.read(os.path.join(path, VALUES), mmap=False)
     if not isinstance(values, dict) or values.get('format') != 'dcp':
         raise CheckpointError(
@@ -421,7 +418,7 @@ def load(path, values, model, optimizer, group=None):
 
 def _numbered(rest, tensors, order):
     """optimizer.state_dict() of values.pt's optimizer_rest and the tensors {name: {key: tensor}}, the parameters
-    numbered in the order of their names `order`, as torch.optim numbers them."""
+    numbered in the order of their names `order`."""
     number = {n: i for i, n in enumerate(order)}
     return {
         'state': dict(sorted((number[n], {**other, **tensors.get(n, {})}) for n, other in rest['state'].items())),
