@@ -1,9 +1,7 @@
-"""
-Omni-Masked Gradient Descent (Yang et al.) and its LLM instance, LISA-wor layer cycling (Algorithm 2): every K
+"""Omni-Masked Gradient Descent (Yang et al.) and its LLM instance, LISA-wor layer cycling (Algorithm 2): every K
 iterations gamma blocks are drawn from a pool not yet used in this cycle, the others are frozen (no gradient; under
 omgd_state='drop' no optimizer state), and active gradients are scaled by N_L / gamma. Blocks are chosen by index in
-model.blocks, so DDP and torch.compile change nothing. Algorithm 1 on the paper's least squares: experiments/linreg.py.
-"""
+model.blocks, so DDP and torch.compile change nothing. Algorithm 1 on least squares: experiments/linreg.py."""
 
 import itertools
 import math
