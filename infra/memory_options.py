@@ -1,8 +1,6 @@
-"""
-The model's memory options (apply: activation checkpointing, activation offload, chunked loss), its regional
+"""The model's memory options (apply: activation checkpointing, activation offload, chunked loss), its regional
 compilation (compile_blocks) and the CUDA allocator's setting. None changes a parameter name, the state_dict or
-what the model computes (up to the order of sums in the chunked loss) (docs/memory.md).
-"""
+what the model computes (up to the order of sums in the chunked loss) (docs/memory.md)."""
 
 import os
 import weakref
@@ -98,8 +96,7 @@ VOCAB_SLICES = 8  # a low-precision head's dW is summed in fp32 an eighth of the
 
 class ChunkedLinearCE(torch.autograd.Function):
     """F.cross_entropy(F.linear(x, weight), targets, ignore_index=-1), `chunk` rows of x at a time (one chunk's logits
-    at most). The backward recomputes each chunk's logits, turns them into their gradient in place and adds into one
-    dx and one dW; a low-precision dW is summed in fp32 over VOCAB_SLICES vocabulary slices and rounded once."""
+    at most); the backward recomputes each chunk's logits and turns them into their gradient in place."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, chunk):
