@@ -340,8 +340,8 @@ def evaluate(cfg, log=print):
 
 
 def check_lm_eval(cfg, trained_on, dataset, examples, encode, positions):
-    """Refuse before any work what lm-eval would fail on or score wrongly: no tokenizer Hugging Face reads
-    (transformers would hand lm-eval an empty GPT-2 one), other ids than the dataset's tokenizer gives, or an ending
+    """Refuse before any work what lm-eval would fail on or score wrongly: no tokenizer Hugging Face reads (transformers
+    would hand lm-eval an empty GPT-2 one), other ids from hf_dir's tokenizer than from the dataset's, or an ending
     longer than the model's positions (lm-eval's AssertionError; eval.py scores its last `positions` tokens)."""
     hf_dir = cfg['hf_dir']
     if not hf_dir and hf.dataset_tokenizer(trained_on)[0] not in ('gpt2', 'hf', 'char'):
@@ -355,7 +355,21 @@ def check_lm_eval(cfg, trained_on, dataset, examples, encode, positions):
             f"export the checkpoint again with export.py (it writes the dataset's tokenizer, characters too), or "
             f"score the mc file without --lm_eval"
         )
-    check_same_tokens(hf_dir, dataset, examples)
+    if hf_dir and dataset and examples:  # lm-eval encodes with hf_dir's tokenizer, eval.py (encode) the dataset's
+        try:
+            theirs = tokenizer_for('', hf_dir)
+        except ValueError:  # EvalError too: a tokenizer only transformers reads (tokenizer.model) is not compared
+            theirs = None
+        texts = [examples[0]['query']] + [' ' + c for c in examples[0]['choices']]
+        try:
+            same = theirs is None or all(theirs.encode(t) == encode(t) for t in texts)
+        except ValueError:  # a character outside one of the vocabularies
+            same = False
+        if not same:
+            raise EvalError(
+                f"the tokenizer of {hf_dir} encodes the mc texts differently from dataset {dataset!r}'s, so lm-eval "
+                f"would score other tokens; give the dataset the model trained on, or leave out --dataset"
+            )
     for number, ex in enumerate(examples or [], 1):
         for choice in ex['choices']:
             n = len(encode_pair(encode, ex['query'], ' ' + choice)[1])
@@ -364,28 +378,6 @@ def check_lm_eval(cfg, trained_on, dataset, examples, encode, positions):
                     f"{cfg['mc_path']}, example {number}: an ending of {n} tokens is longer than the model's "
                     f"{positions} positions, which lm-eval cannot score; shorten it or score the file without --lm_eval"
                 )
-
-
-def check_same_tokens(hf_dir, dataset, examples):
-    """With both --hf_dir and --dataset, eval.py encodes the mc texts with the dataset's tokenizer and lm-eval with
-    the directory's: refuse when the two give different ids for the first example (another vocabulary)."""
-    if not (hf_dir and dataset and examples):
-        return
-    try:
-        theirs = tokenizer_for('', hf_dir)
-    except ValueError:  # EvalError too: a tokenizer only transformers reads (tokenizer.model) is not compared
-        return
-    ours = tokenizer_for(dataset, hf_dir)
-    texts = [examples[0]['query']] + [' ' + c for c in examples[0]['choices']]
-    try:
-        same = all(theirs.encode(t) == ours.encode(t) for t in texts)
-    except ValueError:  # a character outside one of the vocabularies
-        same = False
-    if not same:
-        raise EvalError(
-            f"the tokenizer of {hf_dir} encodes the mc texts differently from dataset {dataset!r}'s, so lm-eval "
-            f"would score other tokens; give the dataset the model trained on, or leave out --dataset"
-        )
 
 
 def main(argv):
