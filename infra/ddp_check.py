@@ -1,7 +1,6 @@
-"""`--ddp_check=True`: the invariants of layer cycling under DDP or FSDP2, checked on every rank after every
-optimizer step (slow: it hashes all weights). Each rank reports its active set, its weights' SHA-256, what it
-communicated (counted collectives) and whether the old DDP wrapper, frozen weights, gradients and optimizer state
-are as they should be; every rank compares all reports."""
+"""`--ddp_check=True`: the invariants of layer cycling under DDP or FSDP2, checked on every rank after every optimizer
+step (slow: it hashes all weights). Every rank compares all ranks' reports: active set, weights' SHA-256, counted
+collectives, the old DDP wrapper, frozen weights, gradients and optimizer state."""
 
 import hashlib
 import math
@@ -146,8 +145,7 @@ class CountedReduceScatter:
         return Counted()
 
 
-def local_shard(t):
-    """This rank's shard of a parameter (FSDP), or the tensor itself."""
+def local_shard(t):  # this rank's shard of an FSDP parameter
     return t.to_local() if hasattr(t, 'to_local') else t
 
 
