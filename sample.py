@@ -12,7 +12,7 @@ import torch
 from builder import trained_model
 from configurator import above, at_least, command_line
 from data.tokenizer import Tokenizer, read_meta
-from dataloader import data_dir
+from dataloader import SCRIPTS, data_dir
 from train_config import check_device
 
 
@@ -27,7 +27,7 @@ def load_codec(directory, model_vocab=None):
         meta = os.path.join(directory, 'meta.pkl')
         what = f"GPT-2's BPE, since there is no {meta}" if not os.path.exists(meta) else f"{tok.name}, from {meta}"
         name = os.path.basename(os.path.normpath(directory))
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', name, 'prepare.py')
+        script = os.path.join(SCRIPTS, name, 'prepare.py')
         again = f"python data/{name}/prepare.py" if os.path.isfile(script) else "its prepare script"
         sys.exit(
             f"error: the checkpoint's vocab_size is {model_vocab} but the tokenizer of its dataset ({what}) has "
