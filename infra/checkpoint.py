@@ -22,9 +22,8 @@ def warn(message):
 
 
 class Checkpointer:
-    """out_dir's checkpoints for one run of train.py, made on every rank: start() (the lock; `saved`, a resume's
-    values, read once), load() and save() (collectives), finish() (the last background write is on disk), close().
-    What it refuses is a CheckpointError: one line that says what to do."""
+    """out_dir's checkpoints for one run of train.py, on every rank: start(), load() and save() (collectives),
+    finish(), close(). What it refuses is a CheckpointError: one line that says what to do."""
 
     def __init__(self, out_dir, ranks, device, writes=True):
         self.out_dir, self.ranks, self.writes = out_dir, ranks, writes  # writes: not eval_only
@@ -40,8 +39,7 @@ class Checkpointer:
 
     def start(self, cfg, configure, fsdp=False):
         """Start or resume the run; returns configure(saved or None, its path), the run's config. The writer (rank 0)
-        takes the lock, refuses to replace an earlier run's checkpoint unless overwrite=True, and removes what an
-        interrupted save left."""
+        takes the lock, replaces an earlier run's checkpoint only if overwrite=True, removes what a killed save left."""
         master, out_dir = self.ranks.master, self.out_dir
         if master and self.writes:
             try:
@@ -84,7 +82,7 @@ class Checkpointer:
         return cfg
 
     def _refuse_foreign_steps(self, left, max_iters):
-        """Refuse now a step folder no save of train.py wrote at an iteration this run may save (another run's?)."""
+        """Refuse now a step folder no save of train.py wrote at an iteration this run may save."""
         steps = [(int(m.group(1)), os.path.join(self.out_dir, n)) for n in left if (m := checkpoint_dcp.STEP.match(n))]
         # a damaged newer checkpoint that could not be moved aside is kept where it is, too
         steps += [(it, p) for it, p in checkpoint_dcp.complete_steps(self.out_dir) if p not in self.replaced]
@@ -98,7 +96,7 @@ class Checkpointer:
 
     def _read_newest(self):
         """The saved values of the newest readable checkpoint; each newer one is named in a warning and moved
-        aside to NAME.damaged (this run's save of its iteration must not replace it). Rank 0 decides for all."""
+        aside to NAME.damaged (a save of its iteration must not replace it). Rank 0 decides for all."""
         if self.found is None:
             raise no_checkpoint(self.out_dir, " to resume from; train with init_from='scratch' first")
         try:
@@ -125,9 +123,7 @@ class Checkpointer:
         return saved if saved is not None and mine == self.found else self._read(*self.found[:2])
 
     def _read(self, fmt, path):
-        """ckpt.pt in host memory (mapped for a GPU, whose node's ranks share the pages; a CPU's optimizer state
-        would pin the replaced file), or a step folder's values (its tensors: load())."""
-        if fmt == 'file':
+        if fmt == 'file':  # mapped for a GPU (a node's ranks share the pages), not on a CPU (would pin the file)
             return read(path, map_location='cpu', mmap=self.device_type != 'cpu')
         return checkpoint_dcp.check_readable(path)
 
@@ -145,8 +141,7 @@ class Checkpointer:
             print(f"{path} holds {earlier}; this run's first save replaces it (overwrite=True)")
 
     def load(self, objects, data):
-        """A resume's state into the objects built since and the data loader `data`; a collective. Each rank's
-        dropout continues (seeded afresh on another number of ranks)."""
+        """A resume's state into the objects built since and the data loader `data`; a collective."""
         if self.saved is None:
             return
         checkpoint, (fmt, path, _), ranks = self.saved, self.found, self.ranks
@@ -191,8 +186,8 @@ class Checkpointer:
         self.saved = None  # free memory
 
     def save(self, objects, values):
-        """Save the checkpoint of values['iter_num']; a collective. A non-finite state is refused, naming the last
-        good checkpoint. Returns the path on rank 0, else None."""
+        """Save the checkpoint of values['iter_num']; a collective, refusing a non-finite state. Returns the path on
+        rank 0, else None."""
         try:
             if self.saver is not None:  # every rank writes its shards of a step folder
                 path, wrote = self.saver.save(objects, values, self.device_type), self.ranks.master
@@ -215,20 +210,19 @@ class Checkpointer:
         print(f"saved checkpoint to {path}{note}")
         return path
 
-    def last_good(self):
-        """What a failing run leaves behind, in words, for its error line."""
+    def last_good(self):  # for a failing run's error line
         if self.saved_iter is None:
             return "this run saved no checkpoint"
         return f"kept the last good checkpoint {self.path} (iteration {self.saved_iter})"
 
     def finish(self):
-        """At the end of the run, on every rank: the last background save is on disk (or its failure raised)."""
+        """On every rank at the end: the last background save is on disk (or its failure raised)."""
         if self.saver is not None:
             self.saver.finish()
 
     def close(self, failed=False):
-        """Let go of out_dir. After a failure (no collective then) a background save ends first, and an out_dir
-        this run made and left empty is removed."""
+        """Let go of out_dir; after a failure (no collective) a background save ends first, and an out_dir this run
+        made and left empty is removed."""
         if failed and self.saver is not None:
             self.saver.finish(failed=True)
         left_empty = (
@@ -236,7 +230,7 @@ class Checkpointer:
         )
         self.lock.release(remove=left_empty)
         if left_empty:
-            os.rmdir(self.out_dir)  # a run that saved nothing leaves no empty out_dir behind
+            os.rmdir(self.out_dir)
 
 
 def newest_readable(out_dir, read, found=None):
@@ -272,7 +266,7 @@ def no_checkpoint(out_dir, then):
 
 def find(out_dir, found=None):
     """(format, path, iter_num) of the checkpoint a resume of out_dir (or of `found`, its candidates()) continues,
-    or None; an unreadable ckpt.pt (iter_num -1) only when it is alone, so that the resume names its fault."""
+    or None; an unreadable ckpt.pt (iter_num -1) only when alone, so that the resume names its fault."""
     found = candidates(out_dir) if found is None else found
     return ([c for c in found if c[2] >= 0] or found or [None])[0]
 
@@ -283,22 +277,17 @@ def of_type(value, kind):
 
 
 def candidates(out_dir):
-    """[(format, path, iter_num)] of every checkpoint in out_dir, newest first (the folder on a tie); an
-    unreadable ckpt.pt (iter_num -1) first of all: it may be the newest, so a fall-back names it."""
+    """[(format, path, iter_num)] of out_dir's checkpoints, newest first (the folder on a tie); an unreadable
+    ckpt.pt (iter_num -1) first of all: it may be the newest, so a fall-back names it."""
     found = [(it, 1, 'dcp', path) for it, path in checkpoint_dcp.complete_steps(out_dir)]
     path = os.path.join(out_dir, 'ckpt.pt')
     if os.path.exists(path):
-        found.append((file_iteration(path), 0, 'file', path))
+        try:
+            it = read(path, mmap=True)['iter_num']
+        except (CheckpointError, KeyError, TypeError, IndexError):
+            it = -1
+        found.append((it if of_type(it, int) and it >= 0 else -1, 0, 'file', path))
     return [(fmt, path, it) for it, _, fmt, path in sorted(found, key=lambda f: (f[0] < 0, f[:2]), reverse=True)]
-
-
-def file_iteration(path):
-    """The iteration of the ckpt.pt at `path`; -1 when it cannot be read or holds none."""
-    try:
-        it = read(path, mmap=True)['iter_num']
-    except (CheckpointError, KeyError, TypeError, IndexError):
-        return -1
-    return it if of_type(it, int) and it >= 0 else -1
 
 
 def trained_dataset(checkpoint):
@@ -314,8 +303,7 @@ def all_checkpoints(out_dir):
 
 
 def check_out_dir(out_dir):
-    """Refuse an out_dir that cannot hold a checkpoint, before any training; remove what a killed save of ckpt.pt
-    left there."""
+    """Refuse an out_dir that cannot hold a checkpoint; remove what a killed save of ckpt.pt left there."""
     try:
         os.makedirs(out_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=out_dir).close()  # a file can be made there
@@ -328,14 +316,13 @@ def check_out_dir(out_dir):
 
 
 class OutDirLock:
-    """One writer per out_dir: rank 0 holds a flock on out_dir/.lock (the kernel releases it however the process
-    dies), which names the holder for the message that refuses a second writer."""
+    """One writer per out_dir: rank 0 holds a flock on out_dir/.lock (released however the process dies), which
+    names the holder for the message that refuses a second writer."""
 
     def __init__(self, out_dir):
         self.out_dir, self.path, self.file = out_dir, os.path.join(out_dir, '.lock'), None
 
     def acquire(self):
-        """Take the lock, or raise CheckpointError naming the run that holds it."""
         if os.path.exists(self.out_dir) and not os.path.isdir(self.out_dir):
             raise CheckpointError(
                 f"out_dir={self.out_dir!r} cannot hold checkpoints: it is a file, not a directory; choose a "
@@ -367,7 +354,6 @@ class OutDirLock:
             ) from None
 
     def release(self, remove=False):
-        """Let go (remove=True also deletes the file: only for an out_dir the run leaves empty)."""
         if self.file is not None:
             if remove:
                 os.remove(self.path)
@@ -376,8 +362,8 @@ class OutDirLock:
 
 
 def read_any(out_dir, map_location='cpu', mmap=False, optimizer=True):
-    """(checkpoint dict in ckpt.pt's format, path) of out_dir's newest readable checkpoint (a step folder in host
-    memory; optimizer=False: its weights only); a newer unreadable one is named in a warning."""
+    """(checkpoint dict in ckpt.pt's format, path) of out_dir's newest readable checkpoint (optimizer=False: a step
+    folder's weights only); a newer unreadable one is named in a warning."""
 
     def read_one(fmt, path):
         if fmt == 'file':
