@@ -63,18 +63,13 @@ class CudaCopies(ImmediateCopies):
         return copy
 
 
-def copies_for(device):
-    return CudaCopies(device) if device.type == 'cuda' else ImmediateCopies()
-
-
 class OffloadedState:
     """A period before a switch, prefetch(ps) starts copying back the next group's state; the switch calls
     wait_for_prefetch(), restore(p) for each unit that trains again, release(p) for each that froze, and
-    finish_switch(), which parks the released moments (not scalar 'step's). copies: device -> its copier."""
+    finish_switch(), which parks the released moments (not scalar 'step's)."""
 
-    def __init__(self, optimizer, copies=copies_for):
-        self.optimizer, self.make_copies = optimizer, copies
-        self.copies = {}  # device -> its copies
+    def __init__(self, optimizer):
+        self.optimizer, self.copies = optimizer, {}  # device -> its copier (make_copies)
         self.offloaded = {}  # param -> {state key: original device}
         self.buffers = {}  # param -> {state key: host buffer}, reused at every release
         self.releasing = []  # params released in this switch, parked by finish_switch()
@@ -84,6 +79,9 @@ class OffloadedState:
         # a checkpoint reads the state once the copies out have landed; weak, so the optimizer does not keep self alive
         wait = weakref.WeakMethod(self.wait_parked)
         optimizer.register_state_dict_pre_hook(lambda optimizer: wait() and wait()())
+
+    def make_copies(self, device):  # a test swaps in its own
+        return CudaCopies(device) if device.type == 'cuda' else ImmediateCopies()
 
     def _copies(self, device):
         if device not in self.copies:
