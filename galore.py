@@ -37,8 +37,7 @@ def galore_adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, w
 
 class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
     """AdamW; 2-D parameters in a group with `rank` (and GROUP_DEFAULTS' keys) get GaLore/GoLore projected moments.
-    master=True: fp32 masters, moments and projector, as optim.MasterAdamW's; False: state in the grad's dtype.
-    convention: 'galore' (galore_adamw_step_) or 'torch' (optim.adamw_step_, torch.optim.AdamW's arithmetic)."""
+    master=True: fp32 masters, moments and projector (as optim.MasterAdamW); False: state in the grad's dtype."""
 
     def __init__(
         self,

@@ -140,8 +140,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 @dataclass
 class TransformerConfig:
-    # plain types only: checkpoints store its asdict(), read with weights_only=True. The defaults are train.py's
-    # (train_config reads them here), a small CPU model; PRESETS hold the papers' sizes (GPT-2 124M is 'gpt2').
+    # plain types only (checkpoints store its asdict()); the defaults are train.py's, PRESETS the papers' sizes
     arch: str = 'gpt2'  # 'gpt2' or 'llama'
     block_size: int = 64  # tokens per sequence
     vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64 for speed
@@ -411,7 +410,6 @@ class Transformer(nn.Module):
         self.config = config
         llama = config.arch == 'llama'
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        # positions: GPT-2 adds a learned embedding to the tokens', LLaMA rotates queries and keys
         self.wpe = None if llama else nn.Embedding(config.block_size, config.n_embd)
         self.rotary = Rotary(config) if llama else None
         self.drop = nn.Dropout(config.dropout)
@@ -492,7 +490,6 @@ class Transformer(nn.Module):
         dtype = autocast_dtype(x.device.type) or (weight.dtype if weight.element_size() < 4 else None)
         if dtype is None:  # fp32 logits
             return F.cross_entropy(self.lm_head(x), targets, ignore_index=-1)
-        # low-precision logits: their cross-entropy in fp32 math, without an fp32 copy of them (LinearCrossEntropy)
         return LinearCrossEntropy.apply(x, weight, targets, dtype, self.loss_kernels)
 
     def compile_loss(self, **kwargs):

@@ -54,9 +54,8 @@ def foreach_bitwise(device):
 
 
 def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, back=None, scale=1.0):
-    """One AdamW step in place, torch.optim.AdamW(foreach=False)'s arithmetic op for op; `step` counts this step
-    (1 first). With `back` (GaLore) grad and moments are projected: back() maps the normalised update exp_avg /
-    denom to param's shape, times `scale`."""
+    """One AdamW step in place, torch.optim.AdamW(foreach=False)'s op for op; `step` counts from 1. With `back`
+    (GaLore) grad and moments are projected: back() maps the update exp_avg / denom to param's shape, times `scale`."""
     beta1, beta2 = betas
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)

@@ -71,8 +71,7 @@ class Trainer:
         return x, y
 
     def step(self, iter_num=None, micro_steps=None):
-        """Iteration `iter_num` (default: the next): learning rate, switch, prefetch, DDP rebuild, train_step.
-        Returns (the detached loss, whether the cycler switched). micro_steps: instead of grad_accum."""
+        """Iteration `iter_num` (default: the next); returns (the detached loss, whether the cycler switched)."""
         it = self.iter_num if iter_num is None else iter_num
         lr = get_lr(it, self.cfg)
         for group in self.optimizer.param_groups:  # a group's own lr_scale (optim.py) scales the schedule's rate
