@@ -643,10 +643,9 @@ def write_gpt2_tokenizer(hf_dir, block_size, files=None):
 
 
 def char_tokenizer_writer(itos, where, block_size):
-    """write(folder) of a character-level dataset's itos (meta.pkl's id -> character): tokenizer.json, one id a
-    character as data/tokenizer.py's 'char' encodes (no unknown token) and decoded by joining, and a
-    tokenizer_config.json for AutoTokenizer. bos is the newline where there is one (sample.py's start, what lm-eval
-    puts before a text). write returns (bos id or None, None); ExportError for an itos it cannot be."""
+    """write(folder) of a character-level dataset's itos (meta.pkl's id -> character): a tokenizer.json that encodes
+    as data/tokenizer.py's 'char' (no unknown token) and a tokenizer_config.json; write returns (bos, None), bos the
+    newline's id where there is one (sample.py's start, what lm-eval puts before a text). ExportError for a bad itos."""
     vocab = {c: i for i, c in itos.items()}
     if (
         not all(isinstance(c, str) and len(c) == 1 for c in vocab)
