@@ -142,9 +142,8 @@ def teardown(ranks):
 
 
 class ParallelModel:
-    """What the Trainer runs and syncs: `model` is the DDP wrapper over the parameters that train now, rebuilt
-    by on_switch() (one over all would allocate the full gradient buckets layer cycling avoids), or the model
-    itself (FSDP2, resharded; one process). switches, old_wrapper, wrapper_in_gc_cycle: for ddp_check."""
+    """What the Trainer runs and syncs: `model` is wrap_ddp's wrapper, rebuilt by on_switch(), or the model itself
+    (FSDP2, resharded; one process). switches, old_wrapper, wrapper_in_gc_cycle: for ddp_check."""
 
     def __init__(self, raw_model, ranks, device_type, fsdp):
         self.raw_model, self.ranks, self.device_type, self.fsdp = raw_model, ranks, device_type, fsdp
