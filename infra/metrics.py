@@ -212,9 +212,6 @@ class LogOutlivesItsReader:
         sys.stdout = cls(sys.stdout)
 
 
-# -----------------------------------------------------------------------------
-# model FLOPs utilization (MFU)
-
 # Peak dense bf16 FLOP/s per GPU, from NVIDIA's datasheets ("with sparsity" halved). An entry matches when
 # each of its words is a whole word of the device name, in any order ('H100' is not a word of 'GH100'); the
 # match with the most words wins ('NVIDIA H100 NVL' gets 'H100 NVL'), and a tie means no MFU, not a wrong one.
