@@ -1,7 +1,7 @@
 """
-The 'file' format, out_dir/ckpt.pt: one torch.save'd dict (each object's state_dict(), plain values, world_size and
-every rank's RNG), never written non-finite, synced, then atomically replacing the previous one. And what both
-formats share: the errors, the weights_only read, the finiteness vote and the RNG states.
+The 'file' format, out_dir/ckpt.pt: one torch.save'd dict (state_dicts, plain values, every rank's RNG), never
+written non-finite, synced, then atomically replacing the previous one. And what both formats share: the errors,
+the weights_only read, the finiteness vote and the RNG states.
 """
 
 import contextlib
@@ -26,8 +26,7 @@ class NonFiniteState(CheckpointError):
 
 
 def read(path, map_location='cpu', mmap=False):
-    """The checkpoint dict at `path`, or a one-line CheckpointError. mmap=True maps the tensors instead of
-    reading them: cheap enough to look at iter_num of a multi-GB checkpoint."""
+    """The checkpoint dict at `path`, or a one-line CheckpointError; mmap=True maps the tensors, not reads them."""
     if not os.path.exists(path):
         raise CheckpointError(
             f"no checkpoint at {path}; train one first: python train.py --out_dir={os.path.dirname(path) or '.'}"
@@ -84,7 +83,7 @@ class _Slice(io.RawIOBase):
 
 def check_archive(f, name, start=0, size=None):
     """A CheckpointError naming `name` when the torch.save archive in bytes [start, start + size) of the open file f
-    is damaged: its directory, each record's header, the CRC of the small records it unpickles (not the tensors')."""
+    is damaged: its directory, each record's header, the CRC of the records it unpickles (not the tensors')."""
     where = '' if size is None else f" (the record at byte {start})"
     size = os.fstat(f.fileno()).st_size - start if size is None else size
     try:
@@ -110,8 +109,7 @@ def fsync(path):
 
 @contextlib.contextmanager
 def atomic_path(path: Path):
-    """Yield a hidden temporary file next to ``path``, created by this call (O_EXCL: another's file of that name is
-    skipped, never written or removed); on success it replaces ``path``, on an error it is removed."""
+    """A hidden temporary file next to ``path``, made by this call (O_EXCL); on success it replaces ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for n in itertools.count():  # the pid keeps parallel writers apart
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}" + (f"-{n}" if n else ''))
@@ -129,14 +127,13 @@ def atomic_path(path: Path):
 
 
 def gather_rng(ranks, device_type):
-    """Every rank's RNG state (dropout), in rank order; a collective, call on every rank."""
+    """Every rank's RNG state (dropout), in rank order; a collective."""
     cuda = torch.cuda.get_rng_state() if device_type == 'cuda' else None
     return ranks.gather({'torch': torch.get_rng_state(), 'cuda': cuda})
 
 
 def check_finite(ranks, model, optimizer):
-    """Raise NonFiniteState on every rank alike (a vote: a collective) when any rank's weights or optimizer state
-    hold inf or NaN."""
+    """NonFiniteState on every rank (a collective vote) when any rank's weights or optimizer state are not finite."""
     tensors = list(model.parameters())
     # through state_dict(): its hooks wait for asynchronous copies of the state (optimizer_offload)
     states = optimizer.state_dict()['state'].values()
@@ -192,8 +189,7 @@ def record_text(tmp):
 
 
 def remove_interrupted_write(path):
-    """Remove the temporary file a killed save of `path` left, through the record that save wrote: only the very
-    file it created (same name, device and inode), never one by its name."""
+    """Remove the temporary file a killed save of `path` left: only the very file its record names (name, inode)."""
     record = write_record(path)
     if not os.path.isfile(record):
         return
@@ -209,8 +205,7 @@ def remove_interrupted_write(path):
 
 
 def load_state(checkpoint, objects, fsdp=False):
-    """Load each object's state but the model's (loaded when it is built); ValueError or KeyError when it does not
-    fit. A scaler loads only when it is on and the checkpoint has its state."""
+    """Load each object's state but the model's (a scaler's only when on and saved); ValueError or KeyError if unfit."""
     for name, obj in objects.items():
         if name == 'optimizer' and fsdp:  # the file holds full tensors; each rank keeps its shards
             distributed.load_optimizer_state(objects['model'], obj, checkpoint['optimizer'])
