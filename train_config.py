@@ -1,8 +1,6 @@
-"""
-train.py's config, a plain dict (what checkpoints store): each key's default and `--help` comment, the rule each
+"""train.py's config, a plain dict (what checkpoints store): each key's default and `--help` comment, the rule each
 value follows, the checks of values that cannot train together, and a resume's merge with its checkpoint's config:
-load(argv) reads the command line, run_config(cfg, given, saved) gives the values the run trains with.
-"""
+load(argv) reads the command line, run_config(cfg, given, saved) gives the values the run trains with."""
 
 import ast
 import dataclasses
@@ -42,15 +40,12 @@ eval_only = False  # evaluate once and exit
 eval_mc_path = ''  # a HellaSwag-format jsonl file scored at every evaluation (acc, acc_norm; infra/multiple_choice.py)
 eval_mc_limit = 0  # score its first N examples only (0: all)
 always_save_checkpoint = True  # if False, save only when the val loss improves
-# 'file': out_dir/ckpt.pt written by rank 0; 'dcp': step_NNNNNNN/ folders, each rank its shards; 'auto': dcp on >1 rank
-checkpoint_format = 'auto'
+checkpoint_format = 'auto'  # 'file': out_dir/ckpt.pt; 'dcp': sharded step_NNNNNNN/ folders; 'auto': dcp on >1 rank
 keep_last = 3  # dcp: how many of the newest step folders to keep (0: all)
 checkpoint_async = 'auto'  # dcp: save step folders in a background thread: 'auto' (weights on a GPU), 'yes' or 'no'
-# 'scratch', 'resume' (from out_dir), 'auto' (resume if out_dir has a checkpoint, else scratch), a GPT-2 name or HF dir
-init_from = 'scratch'
+init_from = 'scratch'  # 'scratch', 'resume' (out_dir's), 'auto' (resume if out_dir has one), GPT-2 name or HF dir
 overwrite = False  # let a run that does not resume replace the checkpoint already in out_dir
 sample_tokens = 300  # length of the sample printed at the end (0: none)
-# wandb logging (optional, off by default; never needed to run or test)
 wandb_log = False  # log to Weights & Biases (needs `pip install wandb`)
 wandb_project = 'omgd'  # wandb project
 wandb_run_name = 'run'  # wandb run name
@@ -189,8 +184,7 @@ def load(argv, defaults=None, given=None):
 
 
 def follow_device(cfg, given):
-    """A --device given (cpu, cuda, cuda:N) sets the defaults that depend on it, in place: --device=cpu on a GPU
-    machine trains with the CPU's dtype, compile and backend unless those are given too."""
+    """A --device given (cpu, cuda, cuda:N) sets, in place, the dtype, compile and backend not given with it."""
     if 'device' in given and (cfg['device'] == 'cpu' or cfg['device'].startswith('cuda')):
         cfg.update({k: v for k, v in machine_defaults(cfg['device'] != 'cpu').items() if k not in given})
 
@@ -219,8 +213,8 @@ def run_config(cfg, given, saved=None, path=None):
 
 
 def check_saved(saved, path):
-    """Refuse (one-line ValueError) a checkpoint that lacks a value of RESUME_KEYS, or holds one (or a model_args
-    field) of another type than train.py writes, which would otherwise fail later in a traceback."""
+    """Refuse (one-line ValueError) a checkpoint lacking a value of RESUME_KEYS or holding one (or a model_args
+    field) of another type than train.py writes."""
     missing = [k for k in RESUME_KEYS if not isinstance(saved, dict) or k not in saved]
     if missing:
         raise ValueError(
@@ -295,8 +289,7 @@ def check(cfg):
 
 
 def check_preset(cfg):
-    """A preset sets the architecture: refuse a shape key changed next to it, which would be silently ignored
-    (vocab_size, the tokenizer's, overrides it). A value equal to the preset's is consistent."""
+    """Refuse a shape key changed next to a preset, which would be silently ignored (vocab_size overrides it)."""
     if cfg['preset']:
         check_preset_name(cfg['preset'])
         preset = PRESETS[cfg['preset']]
@@ -309,9 +302,8 @@ def check_preset(cfg):
 
 
 def check_resume(saved, model_args, cfg, given):
-    """Refuse (one-line ValueError, all at once) the keys this command gave (`given`) that cannot continue a
-    checkpoint of config `saved` and `model_args`. Returns what the checkpoint fixes: its config, its architecture
-    on top (a config may predate that rule)."""
+    """Refuse (one-line ValueError, all at once) the keys given that cannot continue a checkpoint of config `saved`
+    and `model_args`. Returns what the checkpoint fixes: its config, its architecture on top."""
     # a key newer than the checkpoint: it trained as that key's default does (precision: amp)
     truth = {
         **{k: DEFAULTS[k] for k in FIXED_ON_RESUME if k in DEFAULTS},
@@ -337,8 +329,9 @@ def resume_config(saved, model_args, cfg, given):
     return {**cfg, **{k: v for k, v in truth.items() if k in cfg and k not in given and k not in THIS_COMMAND}}
 
 
-def warnings(cfg):
-    """Lines for legal values that are almost surely mistakes: the run still starts, but says so."""
+def warnings(cfg, resumed_at=None):
+    """Lines for legal values that are almost surely mistakes: the run still starts, but says so. resumed_at: the
+    iteration a resume continues from (at or past max_iters the run only evaluates)."""
     lines, run = [], cfg['max_iters']
     cycles = cfg['method'] in omgd.METHODS and cfg['method'] != 'full'
     if cycles and cfg['omgd_warmup'] >= run > 0:
@@ -363,11 +356,21 @@ def warnings(cfg):
             f"learning_rate={cfg['learning_rate']} is above 1, where training diverges (AdamW's usual "
             f"values are 1e-4 to 1e-2); lower --learning_rate"
         )
+    if resumed_at is not None and resumed_at >= run and not cfg['eval_only']:
+        does = [f"evaluates the checkpoint ({cfg['eval_iters']} batches of each split)"]
+        if cfg['eval_mc_path']:
+            does.append("scores its multiple-choice benchmark")
+        if cfg['sample_tokens'] > 0:
+            does.append(f"prints a sample of {cfg['sample_tokens']} tokens (--sample_tokens=0: none)")
+        lines.append(
+            f"the checkpoint is at iteration {resumed_at} and max_iters={run}: this run trains nothing and saves no "
+            f"checkpoint: it {', '.join(does)} and ends; raise --max_iters to train on"
+        )
     return lines
 
 
 def check_device(device):
-    """Refuse a device train.py cannot train on (the benchmarks have their own: meta, auto)."""
+    """Refuse a device train.py cannot train on (the benchmarks' meta and auto are theirs)."""
     if device.split(':')[0] not in ('cpu', 'cuda'):
         raise ValueError(f"device={device!r} is not a training device; use 'cpu', 'cuda' or 'cuda:N'")
     if device.startswith('cpu:'):
@@ -380,8 +383,7 @@ def check_device(device):
 
 
 def check_parallel(cfg, world_size, fsdp):
-    """Raise a one-line ValueError for values that cannot train on `world_size` ranks, sharded with FSDP2
-    (fsdp=True) or not."""
+    """Raise a one-line ValueError for values that cannot train on `world_size` ranks, with FSDP2 or not."""
 
     def refuse(value, why, fix):
         raise ValueError(f"{value} is not supported with parallel='fsdp' ({why}); {fix}")
