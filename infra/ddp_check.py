@@ -97,12 +97,11 @@ class Checker:
         else:
             kind, sent = 'ddp', f"DDP buckets {report['comm elements']}"
             once, last = 'one all-reduce per bucket', 'old wrapper freed'
-        summary = (
+        return problems, (
             f"{kind} check: {ranks.world_size} ranks agree on active {report['active']} and weights sha256 "
             f"{report['weights'][:16]}; {report['active elements']} active elements, {sent}; {once}; "
             f"frozen untouched, no frozen gradients, {last}"
         )
-        return problems, summary
 
     def after_switch(self, trainer, switched):
         parallel = self.parallel
