@@ -1,8 +1,7 @@
 """
 The memory of a training iteration: measure() runs one row of bench_memory.py (on a GPU, or on meta where LiveBytes
-counts the live tensor bytes op by op and MetaAsCuda allocates what a GPU would); check_fits refuses a model that
-cannot fit before it is allocated. Not modelled: the allocator's rounding and fragmentation, cuBLAS workspaces, the
-CUDA context, the fused AdamW kernel. (torch's MemTracker hooks every parameter's gradient: frozen ones fail.)
+counts live tensor bytes op by op and MetaAsCuda allocates what a GPU would); check_fits refuses a model that cannot
+fit before it is allocated. Not modelled: allocator rounding, cuBLAS workspaces, the CUDA context, fused AdamW.
 """
 
 import gc
@@ -47,7 +46,8 @@ def memory_bytes(model, optimizer):
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of the live tensor storages on `device` (meta included) and their peak, counted op by op: a storage
-    once however many views it has, until freed; those made inside `with tracker.host():` (host memory) not at all."""
+    once however many views it has, until freed; none made inside `with tracker.host():` (host memory). (torch's
+    MemTracker hooks every parameter's gradient: frozen ones fail.)"""
 
     def __init__(self, device):
         super().__init__()
@@ -108,11 +108,10 @@ class LiveBytes(TorchDispatchMode):
 
 
 class MetaAsCuda(TorchFunctionMode):
-    """Makes a forward/backward on meta (or CPU) tensors allocate what it would on a GPU: attention runs the
-    FlashAttention (bf16/fp16) or memory-efficient (fp32) kernel (a log-sum-exp per row, not T x T weights);
-    with dtype (None: no autocast), CUDA autocast's casts (cache=True, the forward: casts of trainable leaves
-    kept until it ends), and model.Linear's CUDA autocast path unless follow_cuda_linear is off (tests compare).
-    Run the backward with backward() (cache=False): activation checkpointing recomputes there."""
+    """Makes a forward/backward on meta (or CPU) tensors allocate what it would on a GPU: FlashAttention (bf16/fp16)
+    or memory-efficient (fp32) attention, and with dtype CUDA autocast's casts (cache=True for the forward: casts of
+    trainable leaves kept until it ends) and model.Linear's CUDA path unless follow_cuda_linear is off (tests
+    compare). Run the backward with backward() (cache=False): activation checkpointing recomputes there."""
 
     follow_cuda_linear = True
     # cast to dtype: matmuls, as functions and as Tensor methods
@@ -195,8 +194,8 @@ def available_bytes(device):
 
 
 def estimate_iteration(cfg, vocab_size=0):
-    """The meta-device estimate of one iteration of train.py's config `cfg` on one device: measure's row, a
-    dict of bytes (params, grads, optimizer, others, peak). Seconds for a 7B model."""
+    """measure's row (bytes: params, grads, optimizer, others, peak) of one iteration of train.py's config `cfg`,
+    estimated on meta for one device; seconds for a 7B model."""
     return measure(
         {**cfg, 'vocab_size': vocab_size or cfg['vocab_size'], 'micro_batches': 0, 'compile': False},
         torch.device('meta'),
@@ -215,10 +214,9 @@ def unit_params(config):
 
 
 def per_rank_peak(row, config, world_size=1, fsdp=False, bytes_per_weight=4):
-    """One rank's peak bytes from estimate_iteration's `row`: row['peak'] without FSDP. Under FSDP2 an APPROXIMATION:
-    params, grads and optimizer state / world_size (no padding), 'others' whole, plus the units unsharded at once
-    (bytes_per_weight each): the root twice (weights from forward to backward, full gradients) and three blocks
-    (computing, prefetched, one's full gradients)."""
+    """One rank's peak bytes from estimate_iteration's `row`. Under FSDP2 an APPROXIMATION: params, grads and optimizer
+    / world_size, 'others' whole, plus the unsharded units (bytes_per_weight each): the root twice (weights from
+    forward to backward, full gradients) and three blocks (computing, prefetched, one's full gradients)."""
     if not fsdp or world_size <= 1:
         return row['peak']
     block, root = unit_params(config)
@@ -228,11 +226,9 @@ def per_rank_peak(row, config, world_size=1, fsdp=False, bytes_per_weight=4):
 
 
 def check_fits(config, device, bytes_per_weight, estimate=None, world_size=1, fsdp=False):
-    """Refuse (ValueError, one line) a model whose weights (`bytes_per_weight` each, whole on every rank: they
-    are built before shard_fsdp shards them) exceed the free memory of `device`, rather than meet the OOM
-    killer. When they take over an eighth of it, estimate() is compared too (AdamW's gradients and moments alone
-    make 4x fp32 weights): estimate_iteration's row
-    (under FSDP, per_rank_peak's share of world_size ranks) or a number (one device's peak, not split)."""
+    """Refuse (ValueError, one line) a model whose weights (`bytes_per_weight` each, whole on every rank before
+    shard_fsdp) exceed the free memory of `device`. Over an eighth of it (AdamW alone makes 4x fp32 weights),
+    estimate() is compared too: estimate_iteration's row (per_rank_peak under FSDP) or one device's peak bytes."""
     device = torch.device(device)
     free = None if device.type == 'meta' else available_bytes(device)
     if free is None:
@@ -281,10 +277,9 @@ def precision_label(precision, master_device):
 
 
 def check_rows(cfg, devices=('cuda', 'meta', 'cpu'), without_cuda='meta'):
-    """The benchmarks' checks of cfg, one-line ValueErrors before anything is allocated. Returns the torch.device of
-    --device (auto: cuda when available, else `without_cuda`), one train.py config per row (every method of
-    --methods under every PRECISION[:MASTER_DEVICE] of --precisions; '' is the config's own) and the
-    TransformerConfig."""
+    """The benchmarks' checks of cfg (one-line ValueErrors, before any allocation). Returns the torch.device (auto:
+    cuda, else `without_cuda`), one train.py config per row (each method of --methods under each
+    PRECISION[:MASTER_DEVICE] of --precisions; '': the config's own) and the TransformerConfig."""
     name = cfg['device']
     if name == 'auto':
         name = 'cuda' if torch.cuda.is_available() else without_cuda
@@ -324,8 +319,8 @@ def build(cfg, device, host_scope=nullcontext):
 
 
 def measure(cfg, device):
-    """Build cfg's model as train.py does, warm up, run one measured iteration through Trainer.step; return
-    the breakdown in bytes. cfg: a train.py config (one of check_rows' rows)."""
+    """Build cfg's model (one of check_rows' rows) as train.py does, warm up, run one measured iteration through
+    Trainer.step; returns the breakdown in bytes."""
     cuda = device.type == 'cuda'
     compiled = cuda and cfg['compile']
     if cuda:
@@ -403,11 +398,8 @@ def measure(cfg, device):
         micro_batches=micro,
         active_blocks=list(cycler.active) if cycler.schedule else 'all',
     )
-    if cuda:
-        row['peak'] = torch.cuda.max_memory_allocated(device)
-        row['reserved'] = torch.cuda.max_memory_reserved(device)
-    else:
-        row['peak'], row['reserved'] = tracker.peak, None
+    row['peak'] = torch.cuda.max_memory_allocated(device) if cuda else tracker.peak
+    row['reserved'] = torch.cuda.max_memory_reserved(device) if cuda else None
     row['others'] = row['peak'] - row['params'] - row['grads'] - row['optimizer']
     row['n_params'] = sum(p.numel() for p in net.parameters())
     return row  # the model, optimizer and cycler are freed with this frame
