@@ -1,7 +1,7 @@
 """
-Training speed of the methods on the same model and batch, in one run, like nanoGPT's bench.py: time per iteration,
-tokens/s, MFU (on a GPU of known peak) and peak memory. Each row builds a fresh model (same seed), optimizer and
-cycler and runs Trainer.step, train.py's iteration, at learning_rate on one random batch reused.
+Training speed of the methods on the same model and batch, like nanoGPT's bench.py: time per iteration, tokens/s,
+MFU (on a GPU of known peak) and peak memory. Each row builds a fresh model (same seed) and runs Trainer.step,
+train.py's iteration, at learning_rate on one random batch reused.
 
 $ python bench.py --methods=full,lisa,lisa_wor,galore --preset=gpt2 --vocab_size=50304 --batch_size=12 \
       --block_size=1024 --omgd_gamma=3                                   # one GPU, compiled
@@ -11,13 +11,12 @@ $ python bench.py config/gpt2_lisa_wor.py --methods=lisa_wor --precisions=amp,bf
 
 Every key of train.py is accepted with its meaning and default there; device is auto (cuda if available, else cpu),
 cuda or cpu. Keys of this script: methods and precisions (the rows, as in bench_memory.py), steps (timed iterations),
-warmup_steps (run first, compilation included), interleave (step the rows round-robin, so that other processes on a
-shared machine slow them all alike), out (a file for the report) and profile (a path prefix: one more iteration of
-each row under torch.profiler, in PREFIX_METHOD_PRECISION.txt).
+warmup_steps (run first, compilation included), interleave (step the rows round-robin: other processes slow them all
+alike), out (a file for the report), profile (a path prefix: one more iteration of each row under torch.profiler,
+in PREFIX_METHOD_PRECISION.txt).
 
-ms/iter is the median of the timed iterations; 'switch ms/iter' is the mean of those that switched (the cost the median
-hides). 'FLOP limit vs full' is full's FLOPs per token over the row's (frozen blocks cost less), the speed-up the FLOP
-count allows.
+ms/iter is the median of the timed iterations; 'switch ms/iter' the mean of those that switched (what the median
+hides); 'FLOP limit vs full' is full's FLOPs per token over the row's, the speed-up the FLOP count allows.
 """
 
 import gc
@@ -114,8 +113,8 @@ class MethodRun:
 
 
 def bench(row_cfgs, device):
-    """Time every row: one after the other (peak memory per row on CUDA), or interleaved step by step (load from other
-    processes hits every row alike). A bar on stderr (stdout is the report) updates between the timed steps."""
+    """Time every row: one after the other (peak memory per row on CUDA), or interleaved step by step. A bar on
+    stderr (stdout is the report) updates between the timed steps."""
     cfg, cuda = row_cfgs[0], device.type == 'cuda'
     total, rows = cfg['warmup_steps'] + cfg['steps'], []
     with tqdm(total=total * len(row_cfgs), desc='timing', unit='iter') as bar:
@@ -195,8 +194,8 @@ def check(cfg):
 
 
 def setup(cfg, given=()):
-    """check(cfg), exiting with its one line; on CUDA, train.py's allocator and TF32 settings (the benchmarks
-    of experiments/ start the same way). given: the keys the command line set (a --device sets its defaults)."""
+    """check(cfg), exiting with its one line; on CUDA, train.py's allocator and TF32 settings (experiments/ start the
+    same way). given: the keys the command line set (a --device sets its defaults)."""
     train_config.follow_device(cfg, given)
     if cfg['device'] in ('auto', 'cuda') and torch.cuda.is_available():  # before CUDA's first allocation
         print(memory_options.cuda_allocator(), flush=True)
