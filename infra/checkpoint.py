@@ -28,7 +28,7 @@ class Checkpointer:
     def __init__(self, out_dir, ranks, device, writes=True):
         self.out_dir, self.ranks, self.writes = out_dir, ranks, writes  # writes: not eval_only
         self.device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-        self.lock = OutDirLock(out_dir)
+        self.lock = None  # rank 0's lock_out_dir()
         # an out_dir this run makes is removed again when the run fails before it saved anything
         self.made_out_dir = ranks.master and not os.path.exists(out_dir)
         self.init_from, self.found, self.saved, self.fsdp, self.seed = None, None, None, False, None
@@ -43,7 +43,7 @@ class Checkpointer:
         master, out_dir = self.ranks.master, self.out_dir
         if master and self.writes:
             try:
-                self.lock.acquire()
+                self.lock = lock_out_dir(out_dir)
             except CheckpointError:
                 self.made_out_dir = False  # held by the other run
                 raise
@@ -228,7 +228,10 @@ class Checkpointer:
         left_empty = (
             failed and self.made_out_dir and os.path.isdir(self.out_dir) and set(os.listdir(self.out_dir)) <= {'.lock'}
         )
-        self.lock.release(remove=left_empty)
+        if self.lock is not None:
+            if left_empty:
+                os.remove(self.lock.name)
+            self.lock.close()
         if left_empty:
             os.rmdir(self.out_dir)
 
@@ -315,50 +318,41 @@ def check_out_dir(out_dir):
     checkpoint_file.remove_interrupted_write(os.path.join(out_dir, 'ckpt.pt'))
 
 
-class OutDirLock:
-    """One writer per out_dir: rank 0 holds a flock on out_dir/.lock (released however the process dies), which
-    names the holder for the message that refuses a second writer."""
-
-    def __init__(self, out_dir):
-        self.out_dir, self.path, self.file = out_dir, os.path.join(out_dir, '.lock'), None
-
-    def acquire(self):
-        if os.path.exists(self.out_dir) and not os.path.isdir(self.out_dir):
-            raise CheckpointError(
-                f"out_dir={self.out_dir!r} cannot hold checkpoints: it is a file, not a directory; choose a "
-                f"directory with --out_dir"
-            )
+def lock_out_dir(out_dir):
+    """One writer per out_dir: the open out_dir/.lock, flocked (released however the process dies) and naming its
+    holder for the CheckpointError that refuses a second writer."""
+    path, f = os.path.join(out_dir, '.lock'), None
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(
+            f"out_dir={out_dir!r} cannot hold checkpoints: it is a file, not a directory; choose a "
+            f"directory with --out_dir"
+        )
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        f = open(path, 'a+b', buffering=0)  # unbuffered: a failed write fails there, not in close()
         try:
-            os.makedirs(self.out_dir, exist_ok=True)
-            self.file = open(self.path, 'a+b', buffering=0)  # unbuffered: a failed write fails there, not in close()
-            try:
-                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                self.file.seek(0)
-                holder = self.file.read().decode(errors='replace').strip() or 'another process'
-                self.release()
-                raise CheckpointError(
-                    f"out_dir={self.out_dir!r} is in use by {holder}; wait for that run to end or stop "
-                    f"it, or choose another --out_dir"
-                ) from None
-            self.file.truncate(0)  # appends: written from byte 0
-            self.file.write(
-                f"the run of pid {os.getpid()} on {socket.gethostname()}, started "
-                f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode()
-            )
-        except OSError as e:  # a read-only place, a .lock that is a folder, a full disk: now, not at the first save
-            self.release()
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().decode(errors='replace').strip() or 'another process'
+            f.close()
             raise CheckpointError(
-                f"out_dir={self.out_dir!r} cannot hold checkpoints: its lock file {self.path} cannot be written "
-                f"({e.strerror or e}); free space or choose another --out_dir, or remove what is at {self.path}"
+                f"out_dir={out_dir!r} is in use by {holder}; wait for that run to end or stop "
+                f"it, or choose another --out_dir"
             ) from None
-
-    def release(self, remove=False):
-        if self.file is not None:
-            if remove:
-                os.remove(self.path)
-            self.file.close()
-            self.file = None
+        f.truncate(0)  # appends: written from byte 0
+        f.write(
+            f"the run of pid {os.getpid()} on {socket.gethostname()}, started "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode()
+        )
+        return f
+    except OSError as e:  # a read-only place, a .lock that is a folder, a full disk: now, not at the first save
+        if f is not None:
+            f.close()
+        raise CheckpointError(
+            f"out_dir={out_dir!r} cannot hold checkpoints: its lock file {path} cannot be written "
+            f"({e.strerror or e}); free space or choose another --out_dir, or remove what is at {path}"
+        ) from None
 
 
 def read_any(out_dir, map_location='cpu', mmap=False, optimizer=True):
