@@ -1,8 +1,5 @@
-"""
-The one builder: the model, its optimizer and its layer cycler of a config (a dict of train.py's keys), as every
-script trains them, so a benchmark measures what train.py runs. Weights are fp32 under precision 'amp', bf16 under
-'bf16' and 'bf16_master' (docs/precision.md).
-"""
+"""The one builder: the model, its optimizer and its layer cycler of a config (a dict of train.py's keys), as every
+script trains them, so a benchmark measures what train.py runs."""
 
 import dataclasses
 import math
@@ -24,19 +21,17 @@ from train_config import GALORE_METHODS
 def transformer_kwargs(cfg, vocab_size=0):
     """TransformerConfig keywords from the config's model keys (a preset's architecture overrides them).
     vocab_size: the dataset's (0: the config's, else the preset's, else TransformerConfig's)."""
-    vocab_size = vocab_size or cfg['vocab_size']
     # every TransformerConfig field that is a train.py key: a fork's new field (qk_norm) needs no list here
     args = {f.name: cfg[f.name] for f in dataclasses.fields(TransformerConfig) if f.name in cfg}
-    args['vocab_size'] = vocab_size or TransformerConfig.vocab_size
-    if cfg['preset']:
-        args.update({k: v for k, v in PRESETS[cfg['preset']].items() if k in PRESET_KEYS})
-        args['vocab_size'] = vocab_size or PRESETS[cfg['preset']]['vocab_size']
+    preset = PRESETS[cfg['preset']] if cfg['preset'] else {}
+    args.update({k: v for k, v in preset.items() if k in PRESET_KEYS})
+    args['vocab_size'] = vocab_size or cfg['vocab_size'] or preset.get('vocab_size', TransformerConfig.vocab_size)
     return args
 
 
 class RandomOnCPU(TorchDispatchMode):
-    """In-place random fills (normal_, uniform_) of a tensor not fp32 on the CPU are drawn there, one tensor at a
-    time, from torch's default generator, then cast in: a GPU or bf16 init gets a CPU fp32 build's weights, cast."""
+    """Random fills (normal_, uniform_) of a tensor not fp32 on the CPU are drawn there, then cast in: a GPU or bf16
+    init gets a CPU fp32 build's weights, cast."""
 
     FILLS = (torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default)
 
@@ -50,9 +45,8 @@ class RandomOnCPU(TorchDispatchMode):
 
 
 def new_model(config, device, dtype=torch.float32, cpu_draws=True):
-    """A new Transformer built on `device` with `dtype` weights (never a full fp32 copy on the host), bitwise
-    Transformer(config)'s cast to `dtype`: built on meta, then filled with a CPU build's random draws in their
-    order. cpu_draws=False draws on `device` instead (the benchmarks, whose figures do not depend on the values)."""
+    """A new Transformer on `device` in `dtype` (never a full fp32 copy on the host), bitwise Transformer(config)'s
+    cast to `dtype`. cpu_draws=False draws on `device` instead (the benchmarks, which need no such values)."""
     with torch.device('meta'):
         model = Transformer(config)
     if torch.device(device).type == 'meta':  # shapes only (bench_memory's estimate): nothing to draw
@@ -69,9 +63,8 @@ def new_model(config, device, dtype=torch.float32, cpu_draws=True):
 
 
 def resumed_model(saved, cfg, device, path):
-    """A resume's model on `device` in the config's weight dtype, of the checkpoint's model_args with the config's
-    dropout, with ckpt.pt's weights when `saved` (the checkpoint at `path`'s values) holds them (a step folder's
-    come with Checkpointer.load, once the model is sharded). A one-line ValueError for weights that do not load."""
+    """A resume's model of the checkpoint's model_args and the config's dropout and dtype, with ckpt.pt's weights
+    when `saved` holds them (a step folder's come with Checkpointer.load). A one-line ValueError if they do not load."""
     try:
         config = TransformerConfig(**{**saved['model_args'], 'dropout': cfg['dropout']})
         model = new_model(config, device, weight_dtype(cfg['precision']))
@@ -101,6 +94,7 @@ def build_optimizer(model, cfg, device_type, host_scope=nullcontext):
     (LMFlow's bug: an optimizer over the trainable parameters only never trains the others)."""
     betas, lr, wd = (cfg['beta1'], cfg['beta2']), cfg['learning_rate'], cfg['weight_decay']
     master = cfg['precision'] == 'bf16_master'
+    masters = dict(master_device=cfg['master_device'] or None, host_scope=host_scope)
     if cfg['method'] in GALORE_METHODS:
         svd_steps = math.ceil(cfg['golore_svd_fraction'] * cfg['max_iters']) if cfg['method'] == 'golore' else 0
         return galore.build_optimizer(
@@ -115,17 +109,10 @@ def build_optimizer(model, cfg, device_type, host_scope=nullcontext):
             seed=cfg['omgd_seed'],
             svd_steps=svd_steps,
             master=master,
-            master_device=cfg['master_device'] or None,
-            host_scope=host_scope,
+            **masters,
         )
     if master:
-        return MasterAdamW(
-            param_groups(model, wd),
-            lr=lr,
-            betas=betas,
-            master_device=cfg['master_device'] or None,
-            host_scope=host_scope,
-        )
+        return MasterAdamW(param_groups(model, wd), lr=lr, betas=betas, **masters)
     if cfg['optimizer'] == 'adamw':
         return adamw(model, wd, lr, betas, device_type)
     return torch.optim.SGD(param_groups(model, wd), lr=lr, momentum=cfg['momentum'])
@@ -138,9 +125,8 @@ def build_cycler(model, optimizer, cfg):
 
 
 def build(cfg, device, vocab_size=0, model=None, shard=None, cpu_draws=True, host_scope=nullcontext):
-    """The model, its optimizer and its cycler. model: an already built one (a resume, a pretrained import); None
-    builds one with new_model (seed the RNG before). shard(model): runs once the model is on its device, before the
-    optimizer sees its parameters (FSDP2). host_scope: the fp32 masters' (optim.MasterWeights), for the estimate."""
+    """The model, its optimizer and its cycler. model: one already built, or None: new_model's (seed the RNG first).
+    shard(model): once on its device, before the optimizer sees it (FSDP2). host_scope: the masters' (the estimate)."""
     if model is None:
         config = TransformerConfig(**transformer_kwargs(cfg, vocab_size))
         model = new_model(config, device, weight_dtype(cfg['precision']), cpu_draws)
