@@ -1,9 +1,7 @@
-"""
-nanoGPT's configurator, made strict; every script's command line goes through it, e.g.
+"""nanoGPT's configurator, made strict; every script's command line goes through it, e.g.
 `python train.py config/shakespeare_lisa_wor.py --batch_size=32`: arguments without '--' are config files executed
 in order, '--key=value' overrides them (a bare --key sets a boolean). Every key must have a default, a value keeps
-its default's type (an int is a valid float) and may follow a rule (at_least, above, between, one_of).
-"""
+its default's type (an int is a valid float) and may follow a rule (at_least, above, between, one_of)."""
 
 import ast
 import difflib
@@ -122,15 +120,16 @@ def wants_help(argv):
     return any(arg in ('-h', '--help') for arg in argv)
 
 
-def help_text(defaults, meanings=None):
-    """--help's list: every key, its default and its meaning where `meanings` has one."""
-    return '\n'.join(f"  {f'--{k}={v!r}':<36} {(meanings or {}).get(k, '')}".rstrip() for k, v in defaults.items())
+def help_text(usage, defaults, meanings=None):
+    """--help's text: `usage`, then every key, its default and its meaning where `meanings` has one."""
+    keys = '\n'.join(f"  {f'--{k}={v!r}':<36} {(meanings or {}).get(k, '')}".rstrip() for k, v in defaults.items())
+    return f"{usage.strip()}\n\nkeys (default, meaning):\n{keys}"
 
 
 def command_line(argv, defaults, rules=None, usage='', meanings=None, given=None):
     """configure(), or --help prints `usage` and the keys and exits 0; a bad argument exits 1 with an `error:` line."""
     if wants_help(argv):
-        print(f"{usage.strip()}\n\nkeys (default, meaning):\n{help_text(defaults, meanings)}")
+        print(help_text(usage, defaults, meanings))
         sys.exit(0)
     try:
         return configure(defaults, argv, rules, given)

@@ -51,10 +51,8 @@ def refused(*errors, prefix='', then=None):
 def main(argv):
     # train_config.py holds every key with its default and its rule; config files and --key=value override them
     if wants_help(argv):
-        print(
-            f"usage: python train.py [config/FILE.py ...] [--key=value ...]\n\nkeys (default, meaning):\n"
-            f"{help_text(train_config.DEFAULTS, train_config.meanings())}"
-        )
+        usage = "usage: python train.py [config/FILE.py ...] [--key=value ...]"
+        print(help_text(usage, train_config.DEFAULTS, train_config.meanings()))
         return 0
     given_keys = set()  # the keys the command line and config files set: a resume refuses architecture overrides
     try:
@@ -109,8 +107,9 @@ def train(cfg, given_keys, ranks, device, checkpointer):
     # scratch, resume or auto; a resume's config is its checkpoint's with this command's keys on top (run_config)
     with refused(ValueError):
         cfg = checkpointer.start(cfg, functools.partial(train_config.run_config, cfg, given_keys), fsdp)
+    resumed_at = checkpointer.iter_num if checkpointer.init_from == 'resume' else None
     with refused(ImportError):  # the log lines, out_dir/metrics.jsonl and wandb (infra/metrics.py)
-        metrics = Metrics(cfg, ranks, device, checkpointer.iter_num if checkpointer.init_from == 'resume' else None)
+        metrics = Metrics(cfg, ranks, device, resumed_at)
     torch.manual_seed(cfg['seed'])  # same model init on every rank (DDP broadcasts rank 0's; FSDP needs it)
     if device.startswith('cuda'):
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -123,7 +122,7 @@ def train(cfg, given_keys, ranks, device, checkpointer):
     with refused(ValueError):  # every id of the data needs a row of the embedding
         check_vocab(cfg['dataset'], raw_model.config.vocab_size, train_batches, *eval_batches.values())
     tokens_per_iter = cfg['gradient_accumulation_steps'] * cfg['batch_size'] * cfg['block_size']
-    metrics.header(raw_model, checkpointer, tokens_per_iter, run_warnings(cfg, checkpointer))
+    metrics.header(raw_model, checkpointer, tokens_per_iter, train_config.warnings(cfg, resumed_at))
     trainer = build_trainer(cfg, raw_model, ranks, device, fsdp, train_batches, checkpointer.iter_num)
     checkpointer.load(trainer.state_objects(), train_batches)  # a resume's optimizer, cycler, scaler, data, RNG
     wandb_id = metrics.start_wandb(checkpointer.wandb_id)
@@ -207,8 +206,7 @@ def train(cfg, given_keys, ranks, device, checkpointer):
 
 
 def open_data(cfg, ranks):
-    """(training batches, {split: evaluation batches}, the multiple-choice benchmark (examples, encode) or None).
-    The embedded Shakespeare corpora are prepared on first use, anything else must exist."""
+    """(training batches, {split: evaluation batches}, the multiple-choice benchmark (examples, encode) or None)."""
     if ranks.master:
         prepare_if_embedded(cfg['dataset'])
     if ranks.enabled:
@@ -225,8 +223,7 @@ def open_data(cfg, ranks):
 
 
 def initial_model(cfg, checkpointer, ranks, device, fsdp):
-    """The model the run starts from: out_dir's checkpoint's, a new one, or a pretrained GPT-2 / Hugging Face
-    directory (hf.py); cropped to the config's block_size."""
+    """The run's first model: out_dir's checkpoint's, a new one or a pretrained one (hf.py), cropped to block_size."""
     vocab_size = cfg['vocab_size']
     if not vocab_size:
         vocab_size = dataset_vocab(cfg['dataset'])
@@ -282,23 +279,6 @@ def build_trainer(cfg, model, ranks, device, fsdp, train_batches, iter_num):
     )
 
 
-def run_warnings(cfg, checkpointer):
-    """The log's warnings: train_config's, and what a resume at or past max_iters does (evaluates, then ends)."""
-    lines = train_config.warnings(cfg)
-    at, max_iters = checkpointer.iter_num, cfg['max_iters']
-    if checkpointer.init_from == 'resume' and at >= max_iters and not cfg['eval_only']:
-        does = [f"evaluates the checkpoint ({cfg['eval_iters']} batches of each split)"]
-        if cfg['eval_mc_path']:
-            does.append("scores its multiple-choice benchmark")
-        if cfg['sample_tokens'] > 0:
-            does.append(f"prints a sample of {cfg['sample_tokens']} tokens (--sample_tokens=0: none)")
-        lines.append(
-            f"the checkpoint is at iteration {at} and max_iters={max_iters}: this run trains nothing and saves no "
-            f"checkpoint: it {', '.join(does)} and ends; raise --max_iters to train on"
-        )
-    return lines
-
-
 def check_finite(losses, iter_num, checkpointer):
     """Stop at a loss that is not finite (all-reduced values: every rank stops here alike)."""
     for split, value in losses.items():
@@ -322,9 +302,8 @@ def sample(cfg, raw_model, autocast, device, master):
 
 
 class StopRequest:
-    """SIGTERM (a cluster, or torchrun forwarding its own), Ctrl-C, SIGHUP: finish the iteration, then all ranks
-    save and stop together (every iteration starts with ranks.any of the flag). torchrun kills the workers 30 s
-    after a signal: a stop saves at once."""
+    """SIGTERM (a cluster, or torchrun forwarding its own), Ctrl-C, SIGHUP: finish the iteration, then all ranks save
+    and stop together (every iteration starts with ranks.any of the flag), at once: torchrun kills them 30 s after."""
 
     def __init__(self):
         self.requested = False
