@@ -121,6 +121,7 @@ DEFAULTS = {k: v for k, v in dict(globals()).items() if not k.startswith('_') an
 PRECISIONS = ('amp', 'bf16', 'bf16_master')
 GALORE_METHODS = ('galore', 'golore')  # galore.py's optimizers; every block trains
 METHOD_NAMES = (*omgd.METHODS, *GALORE_METHODS)
+RESUMING = ('resume', 'auto')  # init_from values whose config is known only once out_dir's checkpoint is read
 
 # the rule each value follows on its own (configurator.py checks them with the types); combinations are check()'s
 RULES = {
@@ -133,6 +134,10 @@ RULES = {
     **dict.fromkeys(('grad_clip', 'min_lr'), at_least(0)),
     **dict.fromkeys(('dropout', 'beta1', 'beta2', 'momentum'), between(0, 1)),
     'learning_rate': above(0),
+    'init_from': (
+        lambda v: v in ('scratch', *RESUMING) or v.startswith('gpt2') or os.path.isdir(v),
+        "'scratch', 'resume', 'auto', a GPT-2 name or a Hugging Face model directory",
+    ),
     'method': one_of(*METHOD_NAMES, label='method'),
     'golore_svd_fraction': between(0, 1, closed=True),
     'precision': one_of(*PRECISIONS, label='precision'),
@@ -149,7 +154,6 @@ RULES = {
     **memory_options.RULES,
 }
 
-RESUMING = ('resume', 'auto')  # init_from values whose config is known only once out_dir's checkpoint is read
 # the values a resume reads besides the states of the objects (every checkpoint of train.py has them), by type
 RESUME_KEYS = dict(config=dict, model_args=dict, iter_num=int, best_val_loss=(int, float), data=dict, rng=dict)
 # what a resume cannot change, and why: the checkpoint's schedule, data position, state and weights belong to them
@@ -242,19 +246,11 @@ def check(cfg):
     """Raise a one-line ValueError for a value that breaks its rule, or values that cannot train together."""
     for key, rule in RULES.items():
         check_rule(key, cfg[key], rule)
-    init = cfg['init_from']
-    if init not in ('scratch', *RESUMING) and not init.startswith('gpt2') and not os.path.isdir(init):
-        raise ValueError(
-            f"init_from must be 'scratch', 'resume', 'auto', a GPT-2 name or a Hugging Face model directory, "
-            f"got {init!r}"
-        )
     check_preset(cfg)
     check_arch(cfg['arch'])
     omgd.check_always([part for part in cfg['omgd_always'].split(',') if part])
     if cfg['min_lr'] > cfg['learning_rate']:
-        raise ValueError(
-            f"min_lr={cfg['min_lr']} is above learning_rate={cfg['learning_rate']}, its peak: lower --min_lr"
-        )
+        raise ValueError(f"min_lr={cfg['min_lr']} is above learning_rate={cfg['learning_rate']}: lower --min_lr")
     if cfg['decay_lr'] and cfg['lr_decay_iters'] < cfg['warmup_iters']:
         raise ValueError(
             f"lr_decay_iters={cfg['lr_decay_iters']} ends before warmup_iters={cfg['warmup_iters']}; "
