@@ -23,7 +23,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def adamw(model, weight_decay, learning_rate, betas, device_type):
-    """nanoGPT's AdamW over param_groups (fused on CUDA)."""
     groups = param_groups(model, weight_decay)
     extra_args = dict(fused=True) if device_type == 'cuda' else dict()
     return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra_args)
@@ -206,10 +205,9 @@ class MasterWeights:
 
 
 class MasterAdamW(MasterWeights, torch.optim.Optimizer):
-    """AdamW on fp32 masters of the parameters that train (which keep their dtype); state 'master', 'exp_avg',
-    'exp_avg_sq' (fp32, on master_home(p)), 'step' (an int). master_device: None (each parameter's own) or 'cpu'.
-    host_scope: wraps the state's allocation and arithmetic (memory_estimate counts it as host memory).
-    foreach=True: adamw_foreach_ on FOREACH_BYTES of gradients at once where bitwise (off: a higher peak)."""
+    """AdamW on fp32 masters (state 'master', 'exp_avg', 'exp_avg_sq' on master_home(p), an int 'step') of parameters
+    that keep their dtype. host_scope wraps the state's allocation and arithmetic (memory_estimate: host memory).
+    foreach=True: adamw_foreach_ on FOREACH_BYTES of gradients at once where bitwise (off: a lower peak)."""
 
     FOREACH_BYTES = 256 * 2**20
 
