@@ -340,7 +340,6 @@ class SwiGLU(nn.Module):
 
 
 def make_norm(config):
-    """RMSNorm for llama, LayerNorm (with a bias when config.bias) for gpt2."""
     if config.arch == 'llama':
         return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
     return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
