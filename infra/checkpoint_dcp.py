@@ -127,8 +127,7 @@ class Saver:
         _SAVERS.add(self)
 
     def save(self, objects, values, device_type='cpu'):
-        """Write the checkpoint of values['iter_num'] and return its folder; a collective. A non-finite state is
-        NonFiniteState on every rank, before any write."""
+        """Write the checkpoint of values['iter_num'], return its folder; a collective (NonFiniteState first)."""
         model, optimizer = objects['model'], objects['optimizer']
         checkpoint_file.check_finite(self.ranks, model, optimizer)
         self.wait()  # the previous background save is complete (or failed: raised here) before this one
@@ -366,8 +365,7 @@ def read_index(path):
 
 
 def check_readable(path):
-    """The step folder's values.pt, or a CheckpointError naming what would stop a resume (values, index, a shard
-    missing, short or damaged). Reads no tensor data."""
+    """The step folder's values.pt, or a CheckpointError naming what would stop a resume; reads no tensor data."""
     values = checkpoint_file.read(os.path.join(path, VALUES), mmap=False)
     if not isinstance(values, dict) or values.get('format') != 'dcp':
         raise CheckpointError(
@@ -399,8 +397,7 @@ def _load(state, path, group=None):
 
 
 def load(path, values, model, optimizer, group=None):
-    """Load the step folder's weights and optimizer state into `model` and `optimizer` as they are built now
-    (sharded over any number of ranks, or whole); a collective under torchrun."""
+    """Load the step folder into `model` and `optimizer` as built now (sharded or whole); a collective in torchrun."""
     model_sd, _ = _model_tensors(model)
     rest, names = values['optimizer_rest'], _param_names(model)
     params = {name: p for p, name in names.items()}
@@ -417,8 +414,7 @@ def load(path, values, model, optimizer, group=None):
 
 
 def _numbered(rest, tensors, order):
-    """optimizer.state_dict() of values.pt's optimizer_rest and the tensors {name: {key: tensor}}, the parameters
-    numbered in the order of their names `order`."""
+    """optimizer.state_dict() of optimizer_rest and tensors {name: {key: tensor}}, numbered by the names in `order`."""
     number = {n: i for i, n in enumerate(order)}
     return {
         'state': dict(sorted((number[n], {**other, **tensors.get(n, {})}) for n, other in rest['state'].items())),
