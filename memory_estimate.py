@@ -194,8 +194,7 @@ def available_bytes(device):
 
 
 def estimate_iteration(cfg, vocab_size=0):
-    """measure's row (bytes: params, grads, optimizer, others, peak) of one iteration of train.py's config `cfg`,
-    estimated on meta for one device; seconds for a 7B model."""
+    """measure's row (bytes) of an iteration of train.py's `cfg` on one device, estimated on meta (seconds for 7B)."""
     return measure(
         {**cfg, 'vocab_size': vocab_size or cfg['vocab_size'], 'micro_batches': 0, 'compile': False},
         torch.device('meta'),
@@ -203,8 +202,7 @@ def estimate_iteration(cfg, vocab_size=0):
 
 
 def unit_params(config):
-    """(parameters of the largest block, parameters outside the blocks) of Transformer(config), built on meta:
-    the FSDP2 units of distributed.shard_fsdp."""
+    """(parameters of the largest block, outside the blocks) of Transformer(config): the FSDP2 units of shard_fsdp."""
     with torch.device('meta'):
         model = Transformer(config)
     in_blocks = {id(p) for p in model.blocks.parameters()}
@@ -319,8 +317,7 @@ def build(cfg, device, host_scope=nullcontext):
 
 
 def measure(cfg, device):
-    """Build cfg's model (one of check_rows' rows) as train.py does, warm up, run one measured iteration through
-    Trainer.step; returns the breakdown in bytes."""
+    """Build cfg's model (a check_rows row) as train.py does, warm up, measure one Trainer.step; bytes, broken down."""
     cuda = device.type == 'cuda'
     compiled = cuda and cfg['compile']
     if cuda:
