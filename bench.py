@@ -113,8 +113,7 @@ class MethodRun:
 
 
 def bench(row_cfgs, device):
-    """Time every row: one after the other (peak memory per row on CUDA), or interleaved step by step. A bar on
-    stderr (stdout is the report) updates between the timed steps."""
+    """Time every row: one after the other (peak memory per row on CUDA) or interleaved; a progress bar on stderr."""
     cfg, cuda = row_cfgs[0], device.type == 'cuda'
     total, rows = cfg['warmup_steps'] + cfg['steps'], []
     with tqdm(total=total * len(row_cfgs), desc='timing', unit='iter') as bar:
