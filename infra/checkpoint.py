@@ -186,7 +186,7 @@ class Checkpointer:
         self.saved = None  # free memory
 
     def save(self, objects, values):
-        """Save the checkpoint of values['iter_num']; a collective refusing a non-finite state. Its path on rank 0."""
+        """Save values['iter_num']'s checkpoint; a collective refusing non-finite state. Rank 0: the path, else None."""
         try:
             if self.saver is not None:  # every rank writes its shards of a step folder
                 path, wrote = self.saver.save(objects, values, self.device_type), self.ranks.master
