@@ -140,7 +140,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 @dataclass
 class TransformerConfig:
-    # plain types only (checkpoints store its asdict()); the defaults are train.py's, PRESETS the papers' sizes
+    # plain types only: checkpoints store its asdict(), read with weights_only=True. Defaults: train.py's
     arch: str = 'gpt2'  # 'gpt2' or 'llama'
     block_size: int = 64  # tokens per sequence
     vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64 for speed
