@@ -25,14 +25,14 @@ def galore_adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, w
     beta1, beta2 = betas
     exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    denom = exp_avg_sq.sqrt().add_(eps)
+    denom = exp_avg_sq.sqrt().add_(eps)  # eps against the uncorrected root
     step_size = lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
     update = exp_avg / denom
     if back is not None:
         update = back(update) * scale
     param.add_(update, alpha=-step_size)
     if weight_decay > 0.0:
-        param.add_(param, alpha=-lr * weight_decay)
+        param.add_(param, alpha=-lr * weight_decay)  # after the update
 
 
 class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
