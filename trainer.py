@@ -136,7 +136,7 @@ class Trainer:
                     _, loss = self.model(X, Y)
                 losses[k] = loss
             value = losses.mean().item()
-            out[split] = ranks.mean(value, device) if ranks is not None and ranks.enabled else value
+            out[split] = ranks.mean(value, device) if ranks is not None else value  # mean: the value on one process
         self.model.train()
         return out
 
