@@ -314,6 +314,7 @@ def test_the_device_given_decides_the_defaults_that_depend_on_it(monkeypatch):
 
     import bench
 
+    monkeypatch.setattr(bench, 'check', lambda cfg: (torch.device('cpu'), [cfg], None))
     for argv, compiled in (
         (['--device=cpu'], False),
         (['--device=auto'], True),
@@ -321,5 +322,4 @@ def test_the_device_given_decides_the_defaults_that_depend_on_it(monkeypatch):
     ):
         given = set()
         cfg = configure({**bench.DEFAULTS, **gpu_machine, 'device': 'auto'}, argv, given=given)
-        monkeypatch.setattr(bench, 'check', lambda cfg: (torch.device('cpu'), [cfg], None))
         assert bench.setup(cfg, given)[1][0]['compile'] is compiled, argv
