@@ -59,8 +59,17 @@ class LiveBytes(TorchDispatchMode):
     def add(self, *tensors):
         """Track the tensors among `tensors` (any nesting): those made before entering, and each op's outputs."""
         for t in tree_leaves(tensors):
-            if isinstance(t, torch.Tensor):
-                self._track(t)
+            if not isinstance(t, torch.Tensor) or t.device != self.device:
+                continue
+            st = t.untyped_storage()
+            key, nbytes = id(st), st.nbytes()
+            entry = self.entries.get(key)
+            if entry is None:
+                entry = self.entries[key] = [weakref.ref(st, partial(self._freed, key)), 0, self.host_depth > 0]
+            if not entry[2]:  # a new storage, or one resized in place, unless in host memory
+                self.current += nbytes - entry[1]
+                self.peak = max(self.peak, self.current)
+            entry[1] = nbytes
 
     @contextmanager
     def host(self):
@@ -73,26 +82,6 @@ class LiveBytes(TorchDispatchMode):
     def is_host(self, t):
         entry = self.entries.get(id(t.untyped_storage()))
         return t.device != self.device or (entry is not None and entry[2])
-
-    def _track(self, t):
-        if t.device != self.device:
-            return
-        st = t.untyped_storage()
-        key, nbytes = id(st), st.nbytes()
-        entry = self.entries.get(key)
-        if entry is not None:
-            if entry[1] != nbytes and not entry[2]:  # resized in place
-                self._count(nbytes - entry[1])
-            entry[1] = nbytes
-            return
-        host = self.host_depth > 0
-        self.entries[key] = [weakref.ref(st, partial(self._freed, key)), nbytes, host]
-        if not host:
-            self._count(nbytes)
-
-    def _count(self, delta):
-        self.current += delta
-        self.peak = max(self.peak, self.current)
 
     def _freed(self, key, ref):
         entry = self.entries.get(key)
@@ -241,19 +230,17 @@ def check_fits(config, device, bytes_per_weight, estimate=None, world_size=1, fs
             f"machine with more memory (bench_memory.py --device=meta estimates any size)"
         )
     if estimate is not None and need > free / 8:
-        found = estimate()
-        sharded = fsdp and world_size > 1
-        if isinstance(found, dict):
-            peak = per_rank_peak(found, config, world_size, fsdp, bytes_per_weight)
-        else:
-            peak = None if sharded else found
-        if peak is not None and peak > free:
+        peak, sharded = estimate(), fsdp and world_size > 1
+        if isinstance(peak, dict):  # a row: split into one rank's share
+            peak = per_rank_peak(peak, config, world_size, fsdp, bytes_per_weight)
+        elif sharded:  # one device's peak bytes cannot be split
+            return
+        if peak > free:
             raise ValueError(
-                f"the model has {n_params / 1e9:.2f}B parameters and an iteration needs about "
-                f"{peak / 2**30:.1f} GiB{f' per rank of {world_size} under FSDP' if sharded else ''} (meta-device "
-                f"estimate), more than the {free / 2**30:.1f} GiB free on {device.type}; choose a smaller model "
-                f"or batch, a memory option (docs/memory.md), "
-                f"{'more ranks' if sharded else '--parallel=fsdp over several GPUs'}, or a machine with more memory"
+                f"the model has {n_params / 1e9:.2f}B parameters and an iteration needs about {peak / 2**30:.1f} GiB"
+                f"{f' per rank of {world_size} under FSDP' if sharded else ''} (meta-device estimate), more than the "
+                f"{free / 2**30:.1f} GiB free on {device.type}; choose a smaller model or batch, a memory option "
+                f"(docs/memory.md), {'more ranks' if sharded else '--parallel=fsdp over several GPUs'}, or more memory"
             )
 
 
@@ -284,10 +271,8 @@ def check_rows(cfg, devices=('cuda', 'meta', 'cpu'), without_cuda='meta'):
     if name not in devices:
         raise ValueError(f"device must be auto, {', '.join(devices)}, got {name!r}")
     if name == 'cuda' and not torch.cuda.is_available():
-        raise ValueError(
-            f"device=cuda but CUDA is not available; use --device={without_cuda}"
-            + (" for an estimate" if without_cuda == 'meta' else "")
-        )
+        estimate = " for an estimate" if without_cuda == 'meta' else ""
+        raise ValueError(f"device=cuda but CUDA is not available; use --device={without_cuda}{estimate}")
     # with its index: tensors report cuda:N, and LiveBytes compares devices
     device = torch.device('cuda', torch.cuda.current_device()) if name == 'cuda' else torch.device(name)
     train_config.check_preset(cfg)
@@ -387,19 +372,19 @@ def measure(cfg, device):
         trainer.step(start + (switches - 1) * period + 1, micro_steps=micro)
         if cuda:
             torch.cuda.synchronize(device)
-    row = {key: cfg[key] for key in ('method', 'precision', 'master_device')}
-    row.update(
-        sizes,  # params, grads, optimizer, cpu_state, projectors
+    peak = torch.cuda.max_memory_allocated(device) if cuda else tracker.peak
+    return dict(
+        {key: cfg[key] for key in ('method', 'precision', 'master_device')},
+        **sizes,  # params, grads, optimizer, cpu_state, projectors
         tracked_peak=None if compiled else tracker.peak,
         seconds=round(time.time() - t0, 2),
         micro_batches=micro,
         active_blocks=list(cycler.active) if cycler.schedule else 'all',
-    )
-    row['peak'] = torch.cuda.max_memory_allocated(device) if cuda else tracker.peak
-    row['reserved'] = torch.cuda.max_memory_reserved(device) if cuda else None
-    row['others'] = row['peak'] - row['params'] - row['grads'] - row['optimizer']
-    row['n_params'] = sum(p.numel() for p in net.parameters())
-    return row  # the model, optimizer and cycler are freed with this frame
+        peak=peak,
+        reserved=torch.cuda.max_memory_reserved(device) if cuda else None,
+        others=peak - sizes['params'] - sizes['grads'] - sizes['optimizer'],
+        n_params=sum(p.numel() for p in net.parameters()),
+    )  # the model, optimizer and cycler are freed with this frame
 
 
 def model_name(cfg):
