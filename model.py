@@ -280,8 +280,7 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()  # registered names: they stay buffers
 
-    def forward(self, T, start=0):
-        """The tables of positions start .. start + T - 1 (start > 0: generation with a KV cache)."""
+    def forward(self, T, start=0):  # positions start .. start + T - 1 (start > 0: generation with a KV cache)
         return self.cos[start : start + T], self.sin[start : start + T]
 
 
@@ -464,9 +463,7 @@ class Transformer(nn.Module):
         b, t = idx.size()
         start = 0 if cache is None else cache.length  # the position of idx[:, 0]
         if start + t > self.config.block_size:
-            raise ValueError(
-                f"cannot forward a sequence of length {start + t}, block size is only {self.config.block_size}"
-            )
+            raise ValueError(f"cannot forward a sequence of length {start + t}, block size is {self.config.block_size}")
         if cache is not None and start + t > cache.max_len:
             raise ValueError(f"cannot forward a sequence of length {start + t}, the KV cache holds {cache.max_len}")
         x = self.wte(idx)  # (b, t, n_embd)
@@ -523,21 +520,18 @@ class Transformer(nn.Module):
         head = self.lm_head.weight
         return flops + (6 if head.requires_grad else 4 if backward else 2) * head.numel()
 
-    def fsdp_sharded(self):
-        """Whether FSDP2 shards the blocks (its forward hooks gather weights; cached generation would skip them)."""
-        if not torch.distributed.is_available():
-            return False
-        from torch.distributed.fsdp import FSDPModule
-
-        return isinstance(self.blocks[0], FSDPModule)
-
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
         """Complete the (b, t) token indices idx with max_new_tokens sampled tokens (call model.eval() first).
         use_cache: each step runs its new token only (KVCache), same tokens; beyond block_size (and FSDP): uncached."""
         block_size = self.config.block_size
+        sharded = False  # FSDP2's forward hooks gather a block's weights, which cached generation would skip
+        if torch.distributed.is_available():
+            from torch.distributed.fsdp import FSDPModule
+
+            sharded = isinstance(self.blocks[0], FSDPModule)
         cache = None
-        if use_cache and idx.size(1) <= block_size and not self.fsdp_sharded():
+        if use_cache and idx.size(1) <= block_size and not sharded:
             cache = KVCache(self.config.n_layer, min(block_size, idx.size(1) + max_new_tokens))
         for _ in range(max_new_tokens):
             if cache is not None and idx.size(1) <= block_size:
