@@ -112,10 +112,7 @@ class Cycler:
         config.check(len(units))
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group['params']}
         if any(id(p) not in in_optimizer for unit in units for p in unit):  # else they would never train
-            raise ValueError(
-                "every parameter layer cycling may activate must be in the optimizer; "
-                "build the optimizer over all parameters before freezing anything"
-            )
+            raise ValueError("every cycled parameter must be in the optimizer; build it before freezing any")
         self.units, self.config = units, config
         policy = config.state
         self.optimizer_state = OffloadedState(optimizer) if policy == 'offload' else StatePolicy(optimizer, policy)
@@ -232,11 +229,9 @@ class Cycler:
 
     def load_state_dict(self, state):
         """Restore the schedule and re-apply the active set (call after loading the optimizer)."""
-        if state['method'] != self.config.method:
-            raise ValueError(
-                f"checkpoint was trained with method={state['method']!r}, not "
-                f"{self.config.method!r}; resume with --method={state['method']}"
-            )
+        saved = state['method']
+        if saved != self.config.method:
+            raise ValueError(f"checkpoint was trained with method={saved!r}; resume with --method={saved}")
         self.last_switch = state['last_switch']
         if self.schedule is not None:
             self.schedule.load_state_dict(state['schedule'])
