@@ -123,10 +123,6 @@ class MasterWeights:
             return p.device
         return self.master_device
 
-    def _pinned(self, p):
-        # staged masters stay pageable: the pinned allocator rounds to a power of two (256 MiB for 172)
-        return p.is_cuda and self.master_home(p).type == 'cpu' and not self._stages(p)
-
     def _stages(self, p):
         return (p.is_cuda and self.master_home(p).type == 'cpu') if self.stage is None else self.stage
 
@@ -149,7 +145,7 @@ class MasterWeights:
 
     def _state_zeros(self, p, shape):
         """fp32 zeros on master_home(p): a moment of p (shape: p's, or GaLore's projected one)."""
-        return torch.zeros(shape, dtype=torch.float32, device=self.master_home(p), pin_memory=self._pinned(p))
+        return torch.zeros(shape, dtype=torch.float32, device=self.master_home(p))
 
     def _master(self, p, state):
         if 'master' not in state:  # first step, or the first after 'drop' freed the state
@@ -157,9 +153,7 @@ class MasterWeights:
             if self._stages(p):  # down in the weight's dtype through a buffer of its own (slot -1)
                 weight = self._staging(p).download(weight, slot=-1)
                 self.staging.wait(p.device)
-            state['master'] = torch.empty(
-                p.shape, dtype=torch.float32, device=self.master_home(p), pin_memory=self._pinned(p)
-            ).copy_(weight)
+            state['master'] = torch.empty(p.shape, dtype=torch.float32, device=self.master_home(p)).copy_(weight)
         return state['master']
 
     def _widened_grad(self, p, master):
@@ -185,8 +179,7 @@ class MasterWeights:
         p.copy_(rounded)  # outside the scope: the parameter stays device memory for LiveBytes
 
     def _place(self, value, p):
-        value = value.to(self.master_home(p))  # no copy when already there, as torch's loading
-        return value.pin_memory() if self._pinned(p) and not value.is_pinned() else value
+        return value.to(self.master_home(p))  # no copy when already there, as torch's loading
 
     def load_state_dict(self, state_dict):
         """torch's loading, but state tensors keep their saved dtype (torch casts fp32 masters to the parameter's
