@@ -110,8 +110,7 @@ class Trainer:
         if not scale_after_clip:
             self.cycler.scale_grads()
         if grad_clip != 0.0:
-            # frozen parameters hold no gradient (None), which clip_grad_norm_ skips
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # skips frozen parameters (grad None)
         if scale_after_clip:
             self.cycler.scale_grads()
         scaler.step(self.optimizer)  # with float16: skipped when a gradient overflowed, and the scale lowered
