@@ -235,14 +235,9 @@ def initial_model(cfg, checkpointer, ranks, device, fsdp):
         elif checkpointer.init_from == 'scratch':
             model_config = TransformerConfig(**builder.transformer_kwargs(cfg, vocab_size))
             dtype = builder.weight_dtype(cfg['precision'])
-            check_fits(  # before it is allocated: a one-line refusal, not the OOM killer
-                model_config,
-                device,
-                dtype.itemsize,
-                world_size=ranks.world_size,
-                fsdp=fsdp,
-                estimate=lambda: estimate_iteration(cfg, vocab_size),  # a row: FSDP checks one rank's share
-            )
+            # before it is allocated: a one-line refusal, not the OOM killer (FSDP checks one rank's share)
+            estimate = functools.partial(estimate_iteration, cfg, vocab_size)
+            check_fits(model_config, device, dtype.itemsize, estimate, ranks.world_size, fsdp)
             model = builder.new_model(model_config, device, dtype)  # on the device, in its dtype
         else:  # a GPT-2 name or a local Hugging Face model directory
             import hf
