@@ -178,9 +178,6 @@ class MasterWeights:
             rounded = master.to(p.dtype)  # rounded where the master is: fewer bytes to copy
         p.copy_(rounded)  # outside the scope: the parameter stays device memory for LiveBytes
 
-    def _place(self, value, p):
-        return value.to(self.master_home(p))  # no copy when already there, as torch's loading
-
     def load_state_dict(self, state_dict):
         """torch's loading, but state tensors keep their saved dtype (torch casts fp32 masters to the parameter's
         bf16) and go to master_home(p). `master` False: torch's loading."""
@@ -191,8 +188,8 @@ class MasterWeights:
         params = [p for g in self.param_groups for p in g['params']]
         for i, p in zip(saved_ids, params):
             if i in state_dict['state']:
-                self.state[p] = {
-                    key: self._place(value, p) if torch.is_tensor(value) else value
+                self.state[p] = {  # .to(): no copy when already there, as torch's loading
+                    key: value.to(self.master_home(p)) if torch.is_tensor(value) else value
                     for key, value in state_dict['state'][i].items()
                 }
 
