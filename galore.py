@@ -130,7 +130,7 @@ class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
                     change = new.T @ state['projector']  # r x r: new coordinates of the old basis
                     avg = state['exp_avg']
                     avg.copy_(avg @ change.T if right else change @ avg)
-                state['projector'] = self._place(new, p) if self.master else new
+                state['projector'] = new  # on the grad's device: master_home(p) under master=True
             proj = state['projector']
             grad = grad @ proj if right else proj.T @ grad
         if 'exp_avg' not in state:
