@@ -65,10 +65,6 @@ RULES = dict(
 )
 
 
-# -----------------------------------------------------------------------------
-# the model, its tokenizer and its data
-
-
 def load_hf_model(hf_dir):
     if not os.path.isdir(hf_dir):
         raise EvalError(f"hf_dir={hf_dir} is not a directory; give a Hugging Face model directory (export.py's)")
@@ -130,17 +126,11 @@ def split_path(dataset, split):
     return path
 
 
-# -----------------------------------------------------------------------------
-# loss
-
-
 @torch.no_grad()
 def window_loss(model, path, dtype, block_size, batch_size, eval_iters, seed, device='cpu', autocast=nullcontext()):
     """train.py's estimate_loss on one split: the mean loss of eval_iters batches of random windows drawn with
     `seed` (train.py's data_seed + 1); batch_size = train.py's batch_size x ranks gives its windows."""
-    batches = TokenBatches(
-        path, block_size, batch_size, 'iid', seed, dtype=dtype, prepare_hint='python data/<dataset>/prepare.py'
-    )
+    batches = TokenBatches(path, block_size, batch_size, 'iid', seed, dtype=dtype)
     batches.vocab_size = model.config.vocab_size  # every batch checked: an id the embedding lacks is an error
     losses = torch.zeros(eval_iters, device=device)
     for k in range(eval_iters):
@@ -177,10 +167,6 @@ def full_loss(model, path, dtype, block_size, batch_size, device='cpu', autocast
             _, loss = model(windows[:, :-1], windows[:, 1:])
         total += loss.item() * windows[:, 1:].numel()
     return total / n, n
-
-
-# -----------------------------------------------------------------------------
-# lm-evaluation-harness
 
 
 def write_mc_task(examples, directory):
@@ -225,9 +211,10 @@ def hub_or_cache():
         os.environ['HF_HUB_OFFLINE'] = os.environ['HF_DATASETS_OFFLINE'] = '1'
 
 
-def run_lm_eval(hf_dir, examples, tasks, include, device, batch_size, dtype):
+def run_lm_eval(hf_dir, examples, tasks, cfg):
     """{task: {metric: value}} of lm-eval's simple_evaluate on hf_dir: the mc examples (task local_mc), `tasks`."""
     lm_eval, HFLM, TaskManager = import_lm_eval()
+    include = cfg['lm_eval_include']
     if include and not os.path.isdir(include):
         raise EvalError(f"lm_eval_include={include} is not a directory; give a directory of lm-eval task YAML files")
     with tempfile.TemporaryDirectory() as task_dir:
@@ -243,7 +230,7 @@ def run_lm_eval(hf_dir, examples, tasks, include, device, batch_size, dtype):
                 f"lm_eval_tasks: unknown lm-eval task {unknown[0]!r}; see `lm-eval ls tasks`, or "
                 f"define it in a YAML file of --lm_eval_include"
             )
-        lm = HFLM(pretrained=hf_dir, device=device, batch_size=batch_size, dtype=dtype)
+        lm = HFLM(pretrained=hf_dir, device=cfg['device'], batch_size=cfg['batch_size'] or 16, dtype=cfg['dtype'])
         try:
             results = lm_eval.simple_evaluate(
                 model=lm, tasks=names, task_manager=task_manager, num_fewshot=0, log_samples=False, verbosity='ERROR'
@@ -264,11 +251,7 @@ def evaluate(cfg, log=print):
     """Run what cfg asks for and log one line per result; returns {name: metrics}. Bad input is a one-line
     ValueError (EvalError, CheckpointError, HFError, ExportError), all found before the first forward."""
     device = cfg['device']
-    autocast = (
-        nullcontext()
-        if cfg['dtype'] == 'float32'
-        else torch.amp.autocast(device_type=device.split(':')[0], dtype=DTYPES[cfg['dtype']])
-    )
+    autocast = torch.amp.autocast(device.split(':')[0], DTYPES[cfg['dtype']], enabled=cfg['dtype'] != 'float32')
     train_cfg, world_size = {}, 1
     if cfg['hf_dir']:
         model, source = load_hf_model(cfg['hf_dir']), cfg['hf_dir']
@@ -329,10 +312,7 @@ def evaluate(cfg, log=print):
         with tempfile.TemporaryDirectory() as exported:
             if not cfg['hf_dir']:  # the checkpoint as export.py writes it, which lm-eval loads
                 hf.export(cfg['out_dir'], exported, overwrite=True, log=lambda line: None)
-            hf_dir = cfg['hf_dir'] or exported
-            found = run_lm_eval(
-                hf_dir, examples, tasks, cfg['lm_eval_include'], device, cfg['batch_size'] or 16, cfg['dtype']
-            )
+            found = run_lm_eval(cfg['hf_dir'] or exported, examples, tasks, cfg)
         for task, metrics in found.items():
             results[f'lm_eval/{task}'] = metrics
             log(f"lm-eval {task}: " + ', '.join(f"{k} {v:.4f}" for k, v in metrics.items()))
@@ -340,9 +320,8 @@ def evaluate(cfg, log=print):
 
 
 def check_lm_eval(cfg, trained_on, dataset, examples, encode, positions):
-    """Refuse before any work what lm-eval would fail on or score wrongly: no tokenizer Hugging Face reads (transformers
-    would hand lm-eval an empty GPT-2 one), other ids from hf_dir's tokenizer than from the dataset's, or an ending
-    longer than the model's positions (lm-eval's AssertionError; eval.py scores its last `positions` tokens)."""
+    """Refuse before any work what lm-eval would fail on or score wrongly: no tokenizer Hugging Face reads, other ids
+    from hf_dir's tokenizer than the dataset's, or an ending longer than the model's positions (lm-eval's assert)."""
     hf_dir = cfg['hf_dir']
     if not hf_dir and hf.dataset_tokenizer(trained_on)[0] not in ('gpt2', 'hf', 'char'):
         raise EvalError(
@@ -352,8 +331,7 @@ def check_lm_eval(cfg, trained_on, dataset, examples, encode, positions):
     if hf_dir and not any(os.path.isfile(os.path.join(hf_dir, f)) for f in HF_TOKENIZERS):
         raise EvalError(
             f"{hf_dir} holds no tokenizer ({', '.join(HF_TOKENIZERS)}), and lm-eval would read it with an empty one; "
-            f"export the checkpoint again with export.py (it writes the dataset's tokenizer, characters too), or "
-            f"score the mc file without --lm_eval"
+            f"export the checkpoint again with export.py, or score the mc file without --lm_eval"
         )
     if hf_dir and dataset and examples:  # lm-eval encodes with hf_dir's tokenizer, eval.py (encode) the dataset's
         try:
