@@ -72,8 +72,7 @@ def setup(backend, device, timeout_s=600):
     if device.startswith('cuda'):
         device = f'cuda:{local_rank}'
         torch.cuda.set_device(device)
-    # control messages (the stop flag, RNG states, ddp_check) go over a CPU group: a flag read back from a GPU
-    # tensor at every iteration would stall the GPU's queue
+    # control messages (stop flag, RNG states, ddp_check) go over a CPU group: a GPU flag read each step stalls the GPU
     cpu_group = dist.new_group(backend='gloo', timeout=timeout) if backend != 'gloo' else dist.group.WORLD
     return Ranks(True, dist.get_rank(), local_rank, dist.get_world_size(), cpu_group), device
 
@@ -97,8 +96,7 @@ def report_error(error, printed=True):
 
 
 def check_same_config(ranks, cfg):
-    """A ValueError naming the first key that differs from rank 0's (a different seed trains silently apart, a
-    different max_iters hangs)."""
+    """A ValueError naming the first key unlike rank 0's (another seed trains apart silently, a max_iters hangs)."""
     configs = ranks.gather(cfg)  # [cfg] in one process
     for rank, other in enumerate(configs[1:], 1):
         for key in sorted(set(configs[0]) | set(other)):
@@ -224,12 +222,19 @@ def shard_fsdp(model, ranks, device_type, param_dtype):
     return model
 
 
-def _param_names(model, optimizer):
+def param_names(model, optimizer):
     """Names of the optimizer's parameters in param_groups order, torch.optim's numbering (tied: its first name)."""
-    names = {}
-    for name, p in model.named_parameters():
-        names.setdefault(p, name)
+    names = {p: name for name, p in model.named_parameters()}
     return [names[p] for group in optimizer.param_groups for p in group['params']]
+
+
+def numbered(state_dict, names):
+    """An optimizer state dict keyed by parameter name, keyed as torch.optim's: by each name's position in `names`."""
+    number = {name: i for i, name in enumerate(names)}
+    return {
+        'state': dict(sorted((number[name], s) for name, s in state_dict['state'].items())),
+        'param_groups': [{**g, 'params': [number[name] for name in g['params']]} for g in state_dict['param_groups']],
+    }
 
 
 def full_state_dicts(model, optimizer):
@@ -240,19 +245,14 @@ def full_state_dicts(model, optimizer):
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd = get_model_state_dict(model, options=options)
     optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
-    if not optim_sd:
-        return model_sd, optim_sd
-    number = {name: i for i, name in enumerate(_param_names(model, optimizer))}
-    groups = [{**group, 'params': [number[name] for name in group['params']]} for group in optim_sd['param_groups']]
-    state = {number[name]: s for name, s in optim_sd['state'].items()}
-    return model_sd, {'state': dict(sorted(state.items())), 'param_groups': groups}
+    return model_sd, numbered(optim_sd, param_names(model, optimizer)) if optim_sd else optim_sd
 
 
 def load_optimizer_state(model, optimizer, state_dict):
     """Load a full torch.optim-format state dict (every rank passes it) into a sharded model's optimizer."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    names, options = _param_names(model, optimizer), StateDictOptions(full_state_dict=True, strict=False)
+    names, options = param_names(model, optimizer), StateDictOptions(full_state_dict=True, strict=False)
     by_name = {
         'state': {names[i]: s for i, s in state_dict['state'].items()},
         'param_groups': [{**g, 'params': [names[i] for i in g['params']]} for g in state_dict['param_groups']],
