@@ -12,7 +12,7 @@ import torch
 from builder import trained_model
 from configurator import above, at_least, command_line
 from data.tokenizer import Tokenizer, read_meta
-from dataloader import SCRIPTS, data_dir
+from dataloader import data_dir
 from train_config import check_device
 
 
@@ -26,13 +26,10 @@ def load_codec(directory, model_vocab=None):
     if model_vocab is not None and tok.vocab_size > model_vocab:
         meta = os.path.join(directory, 'meta.pkl')
         what = f"GPT-2's BPE, since there is no {meta}" if not os.path.exists(meta) else f"{tok.name}, from {meta}"
-        name = os.path.basename(os.path.normpath(directory))
-        script = os.path.join(SCRIPTS, name, 'prepare.py')
-        again = f"python data/{name}/prepare.py" if os.path.isfile(script) else "its prepare script"
         sys.exit(
             f"error: the checkpoint's vocab_size is {model_vocab} but the tokenizer of its dataset ({what}) has "
             f"{tok.vocab_size} ids: not the tokenizer the model trained on; restore that meta.pkl, or prepare "
-            f"the dataset again ({again}) as it was prepared for this run"
+            f"the dataset again as it was prepared for this run"
         )
     return (lambda text: tok.encode(text, special=True)), tok.decode
 
@@ -71,9 +68,8 @@ def main(argv):
     bad = [k for k, t in checkpoint['model'].items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
         sys.exit(
-            f"error: {path} holds non-finite weights (NaN or inf in {len(bad)} tensor(s), e.g. {bad[0]}): train.py "
-            f"never saves such weights, so the file is damaged or not train.py's; restore a backup, or sample from "
-            f"an earlier checkpoint"
+            f"error: {path} holds non-finite weights (NaN or inf in {len(bad)} tensor(s), e.g. {bad[0]}): the file is "
+            f"damaged or not train.py's; restore a backup, or sample from an earlier checkpoint"
         )
     model.eval().to(cfg['device'])
     encode, decode = load_codec(data_dir(checkpoint['config']['dataset']), model.config.vocab_size)
