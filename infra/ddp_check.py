@@ -10,9 +10,8 @@ import torch.distributed as dist
 
 
 class Checker:
-    """Communication counters and the frozen weights at the last switch; with `parallel` (ParallelModel), the
-    Trainer's observer: on_switch after each rebuild, check after every optimizer step (CheckFailed on every rank
-    alike). fsdp_units: distributed.fsdp_units, or None (DDP, one process). `summary`: the last check's."""
+    """With `parallel` (ParallelModel), the Trainer's observer: on_switch after each rebuild, check after every
+    optimizer step (CheckFailed on every rank alike). fsdp_units: distributed.fsdp_units, or None (DDP, one process)."""
 
     def __init__(self, ranks, model, fsdp_units=None, parallel=None):
         self.ranks, self.model, self.fsdp_units = ranks, model, fsdp_units
@@ -23,8 +22,7 @@ class Checker:
         self.old_wrapper, self.wrapper_in_gc_cycle, self.frozen_snapshot = None, False, []
 
     def on_switch(self, wrapper, old_wrapper=None, wrapper_in_gc_cycle=False):
-        """After a switch, before the next forward. wrapper: the new DDP wrapper (its all-reduces are counted) or
-        None; old_wrapper: a weak reference to the one it replaced."""
+        """After a switch, before the next forward: counts the new DDP `wrapper`'s all-reduces (None: no DDP)."""
         self.old_wrapper, self.wrapper_in_gc_cycle = old_wrapper, wrapper_in_gc_cycle
         if self.fsdp_units is None:
             self.comm = [0]  # all-reduces this step
@@ -35,8 +33,7 @@ class Checker:
         ]
 
     def check(self, wrapper, optimizer, cycler, state_policy):
-        """After the optimizer step, gradients in place: (problems, summary) on every rank (a collective); the
-        counters restart. wrapper: the DDP wrapper, or None."""
+        """After the optimizer step, gradients in place: (problems, summary) on every rank (a collective)."""
         ranks, comm, fsdp = self.ranks, self.comm, self.fsdp_units is not None
         params = list(self.model.parameters())  # deduplicated: the tied head is the embedding
         active = [p for p in params if p.requires_grad]
