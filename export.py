@@ -5,9 +5,8 @@ read (the mapping and the writing are hf.py's; docs/models.md lists the files an
 $ python export.py --out_dir=out --hf_dir=out/hf
 
 Keys: out_dir, hf_dir, dtype ('' keeps the checkpoint's; float32, bfloat16, float16), overwrite (write into an
-hf_dir that already holds a model), tokenizer ('' the dataset's, 'none' the weights only), max_shard_size ('5GB', as
-transformers: a larger model is written as shards with an index). A failed export leaves hf_dir as it was; a
-tokenizer with more ids than the model embeds, or NaN or inf weights, is refused.
+hf_dir that holds a model), tokenizer ('' the dataset's, 'none' the weights only), max_shard_size ('5GB': larger
+models are written as shards with an index, as transformers does). A failed export leaves hf_dir as it was.
 """
 
 import sys
