@@ -35,8 +35,7 @@ def mc_example(doc, where):
         label = int(label)
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(endings):
         raise EvalError(
-            f"{where}: 'label' must be the index of the right ending (0 to {len(endings) - 1}), "
-            f"got {doc.get('label')!r}"
+            f"{where}: 'label' must be an ending's index (0 to {len(endings) - 1}), got {doc.get('label')!r}"
         )
     if isinstance(doc.get('ctx_a'), str) and isinstance(doc.get('ctx_b', ''), str):
         ctx = doc['ctx_a'] + " " + doc.get('ctx_b', '').capitalize()
