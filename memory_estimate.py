@@ -1,8 +1,7 @@
-"""
-The memory of a training iteration: measure() runs one row of bench_memory.py (on a GPU, or on meta where LiveBytes
-counts live tensor bytes op by op and MetaAsCuda allocates what a GPU would); check_fits refuses a model that cannot
-fit before it is allocated. Not modelled: allocator rounding, cuBLAS workspaces, the CUDA context, fused AdamW.
-"""
+"""The memory of a training iteration: measure() runs one row of bench_memory.py (on a GPU, or on meta where
+LiveBytes counts live tensor bytes op by op and MetaAsCuda allocates what a GPU would); check_rows makes the
+benchmarks' rows (one train.py config per method x precision); check_fits refuses a model that cannot fit before it
+is allocated. Not modelled: allocator rounding, cuBLAS workspaces, the CUDA context, fused AdamW."""
 
 import gc
 import time
@@ -166,10 +165,6 @@ class MetaAsCuda(TorchFunctionMode):
         return aten._scaled_dot_product_efficient_attention(q, k, v, None, False, dropout_p, is_causal, scale=scale)[0]
 
 
-# -----------------------------------------------------------------------------
-# refusing a model that cannot fit, before it is allocated
-
-
 def available_bytes(device):
     """Free memory of `device`: the GPU's (cudaMemGetInfo) or the host's MemAvailable (Linux)."""
     device = torch.device(device)
@@ -184,10 +179,8 @@ def available_bytes(device):
 
 def estimate_iteration(cfg, vocab_size=0):
     """measure's row (bytes) of an iteration of train.py's `cfg` on one device, estimated on meta (seconds for 7B)."""
-    return measure(
-        {**cfg, 'vocab_size': vocab_size or cfg['vocab_size'], 'micro_batches': 0, 'compile': False},
-        torch.device('meta'),
-    )
+    cfg = {**cfg, 'vocab_size': vocab_size or cfg['vocab_size'], 'micro_batches': 0, 'compile': False}
+    return measure(cfg, torch.device('meta'))
 
 
 def unit_params(config):
@@ -244,10 +237,6 @@ def check_fits(config, device, bytes_per_weight, estimate=None, world_size=1, fs
             )
 
 
-# -----------------------------------------------------------------------------
-# the config: train.py's keys, one row per method x precision
-
-
 def model_config(cfg):
     """The TransformerConfig builder.build makes of cfg (one-line error for an impossible shape)."""
     try:
@@ -297,10 +286,6 @@ def build(cfg, device, host_scope=nullcontext):
     return builder.build(cfg, device, vocab, cpu_draws=False, host_scope=host_scope)
 
 
-# -----------------------------------------------------------------------------
-# one row
-
-
 def measure(cfg, device):
     """Build cfg's model (a check_rows row) as train.py does, warm up, measure one Trainer.step; bytes, broken down."""
     cuda = device.type == 'cuda'
@@ -320,7 +305,6 @@ def measure(cfg, device):
     if cuda:  # the fp32 copy a bf16 build went through is cached, not in use: give it back
         gc.collect()
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
 
     autocast = backward = None
     offload = nullcontext()
