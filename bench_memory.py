@@ -36,11 +36,10 @@ from memory_estimate import check_rows, measure, model_config, model_name, preci
 # keys of this script only (train.py has none of these names); `device` has its own values here
 OWN_KEYS = dict(methods='', precisions='', micro_batches=2, out='')
 assert not set(OWN_KEYS) & set(train_config.DEFAULTS)
-# train.py's defaults on a GPU machine (bf16 autocast dtype, compile): the run this script measures or estimates
 DEFAULTS = {**train_config.gpu_defaults(), 'device': 'auto', **OWN_KEYS}
 RULES = {**train_config.RULES, 'micro_batches': at_least(0)}
 
-# the byte counts of a row (memory_estimate.measure), written in GiB too in the JSON
+# the byte counts of a row (memory_estimate.measure)
 BYTE_KEYS = ('params', 'grads', 'optimizer', 'others', 'peak', 'reserved', 'projectors', 'cpu_state', 'tracked_peak')
 # the paper's Table (GiB), for comparison when the preset is llama-7b
 PAPER_LLAMA_7B = {
@@ -48,10 +47,6 @@ PAPER_LLAMA_7B = {
     **dict.fromkeys(('galore', 'golore'), (12.55, 12.55, 1.73, 4.40, 31.23)),
     **dict.fromkeys(('lisa', 'lisa_wor'), (12.55, 1.24, 2.48, 3.29, 19.56)),
 }
-
-
-# -----------------------------------------------------------------------------
-# outputs
 
 
 def gib(n):
@@ -70,11 +65,9 @@ PRECISION_NOTES = {
 
 def notes_for(cfg, device, estimate, n_params, precisions):
     if estimate:
-        how = (
-            "attention as FlashAttention/memory-efficient kernels, CUDA autocast emulated"
-            if device.type == 'meta'
-            else "the CPU's own kernels, fp32 compute as train.py on a CPU"
-        )
+        how = "attention as FlashAttention/memory-efficient kernels, CUDA autocast emulated"
+        if device.type == 'cpu':
+            how = "the CPU's own kernels, fp32 compute as train.py on a CPU"
         how_measured = (
             f"ESTIMATE on the {device.type} device, not a GPU measurement. Weights, gradients and optimizer state are "
             "exact tensor bytes; Others = the peak of live tensor bytes counted op by op (memory_estimate.LiveBytes; "
@@ -112,13 +105,9 @@ def title(result):
     cfg = result['config']
     where = 'one device' if result['estimate'] else f"one {result['device']}"
     precisions = ', '.join(precision_label(p, d) for p, d in result['precisions'])
-    options = {
-        'activation_checkpointing': cfg['activation_checkpointing'],
-        'checkpoint_sublayers': cfg.get('checkpoint_sublayers'),  # .get: absent from older results/*.json
-        f"loss_chunk={cfg['loss_chunk']}": cfg['loss_chunk'],
-        'activation_offload': cfg['activation_offload'],
-    }
-    options = [name for name, on in options.items() if on]
+    names = ('activation_checkpointing', 'checkpoint_sublayers', 'loss_chunk', 'activation_offload')
+    # .get: checkpoint_sublayers is absent from older results/*.json
+    options = [f"{name}={cfg[name]}" if name == 'loss_chunk' else name for name in names if cfg.get(name)]
     return (
         f"Memory breakdown (GiB), {model_name(cfg)}, {where}, micro-batch {cfg['batch_size']} x "
         f"{cfg['block_size']}, precision {precisions}, omgd_state {cfg['omgd_state']}, "
@@ -133,10 +122,9 @@ def markdown(result):
     out += ['', f"Command: `{result['command']}`", '']
     extra = [('projectors', 'GaLore proj. (in Others)'), ('cpu_state', 'CPU state')]
     extra = [(k, h) for k, h in extra if any(r[k] for r in rows)]
-    head = ['Method', 'Precision', 'Model', 'Gradients', 'Optimizer', 'Others', 'Total', 'Reserved']
+    total = 'Total (est.)' if estimate else 'Total'
+    head = ['Method', 'Precision', 'Model', 'Gradients', 'Optimizer', 'Others', total, 'Reserved']
     head += [h for _, h in extra]
-    if estimate:
-        head[6] = 'Total (est.)'
     out += ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
     for r in rows:
         cells = [r['method'], precision_label(r['precision'], r['master_device'])]
@@ -224,20 +212,6 @@ def run(cfg, argv=()):
     )
 
 
-def write(result, prefix):
-    os.makedirs(os.path.dirname(prefix) or '.', exist_ok=True)
-    text = markdown(result)
-    with open(prefix + '.md', 'w') as f:
-        f.write(text)
-    rows = [dict(r) for r in result['rows']]
-    for r in rows:
-        r.update({f'{k}_gib': None if r[k] is None else round(gib(r[k]), 4) for k in BYTE_KEYS})
-    with open(prefix + '.json', 'w') as f:
-        json.dump({**result, 'rows': rows}, f, indent=1)
-    plot(result, prefix + '.png')
-    return text
-
-
 def output_prefix(cfg):
     """Where main writes: --out, else out/memory_<preset> (git-ignored), never results/ unless named."""
     return cfg['out'] or os.path.join('out', f"memory_{model_name(cfg)}")
@@ -251,11 +225,20 @@ def main(argv):
         result = run(cfg, argv)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    prefix = output_prefix(cfg)
+    prefix, text = output_prefix(cfg), markdown(result)
+    rows = [dict(r) for r in result['rows']]
+    for r in rows:  # the JSON's rows: each byte count in GiB too
+        r.update({f'{k}_gib': None if r[k] is None else round(gib(r[k]), 4) for k in BYTE_KEYS})
     try:
-        print(write(result, prefix), end='')
+        os.makedirs(os.path.dirname(prefix) or '.', exist_ok=True)
+        with open(prefix + '.md', 'w') as f:
+            f.write(text)
+        with open(prefix + '.json', 'w') as f:
+            json.dump({**result, 'rows': rows}, f, indent=1)
+        plot(result, prefix + '.png')
     except OSError as e:  # a full disk, a read-only folder, a file where a folder should be
         sys.exit(f"error: cannot write the report {prefix}.* ({e.strerror or e}); free space or choose another --out")
+    print(text, end='')
     print(f"wrote {prefix}.md, {prefix}.json, {prefix}.png")
 
 
