@@ -26,9 +26,7 @@ class Metrics:
             try:
                 import wandb
             except ImportError:
-                raise ImportError(
-                    "wandb_log=True needs the wandb package: pip install wandb, or drop --wandb_log"
-                ) from None
+                raise ImportError("wandb_log=True needs the wandb package: pip install wandb") from None
             self.wandb = wandb
 
     def start_wandb(self, run_id):
