@@ -112,7 +112,7 @@ class Cycler:
         config.check(len(units))
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group['params']}
         if any(id(p) not in in_optimizer for unit in units for p in unit):  # else they would never train
-            raise ValueError("every cycled parameter must be in the optimizer; build it before freezing any")
+            raise ValueError("every cycled parameter must be in the optimizer: build it over all parameters first")
         self.units, self.config = units, config
         policy = config.state
         self.optimizer_state = OffloadedState(optimizer) if policy == 'offload' else StatePolicy(optimizer, policy)
