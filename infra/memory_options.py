@@ -203,13 +203,11 @@ OFFLOAD_COPIES = {}  # device type -> (to_host, to_device), where not the ones a
 @contextmanager
 def offload_copies(device_type, to_host, to_device):
     """While on, OffloadActivations copies tensors of `device_type` with these (meta has no data to copy)."""
-    saved = dict(OFFLOAD_COPIES)
     OFFLOAD_COPIES[device_type] = (to_host, to_device)
     try:
         yield
     finally:
-        OFFLOAD_COPIES.clear()
-        OFFLOAD_COPIES.update(saved)
+        del OFFLOAD_COPIES[device_type]
 
 
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
