@@ -1,7 +1,8 @@
 """
 Hugging Face model directories in and out: GPT2LMHeadModel or LlamaForCausalLM (config.json with model.safetensors,
-its shards and index, or pytorch_model.bin) becomes our Transformer and back, the same tensors both ways. export()
-writes a train.py checkpoint with its dataset's tokenizer; from_pretrained() also takes a GPT-2 hub name.
+its shards and index, or pytorch_model.bin) becomes our Transformer and back, the same tensors both ways. In order:
+config.json <-> TransformerConfig; load() and from_pretrained() (a GPT-2 hub name too); save(), written staged() so
+that only what an earlier export wrote is replaced; export(): a train.py checkpoint with its dataset's tokenizer.
 """
 
 import contextlib
@@ -68,10 +69,6 @@ class ExportError(ValueError):
     """Bad input to save() or export(); the message is one line and says what to do."""
 
 
-# -----------------------------------------------------------------------------
-# config.json <-> TransformerConfig, tensor names
-
-
 def hf_keys(arch):
     """{TransformerConfig field: its config.json key} of one architecture."""
     column = list(ARCHITECTURES).index(arch)
@@ -94,8 +91,7 @@ def _rope_theta(hf, where):
 
 
 def _setting(hf, key, where, default=None):
-    """config.json's `key`: an integer >= 1 (>= 0 where DEFAULTS gives 0), or a positive number where the default
-    is a float; required unless it has a default."""
+    """config.json's `key`: an integer >= 1 (>= 0 where DEFAULTS gives 0), or a positive number if its default is."""
     default = DEFAULTS.get(key, default)
     value = default if hf.get(key) is None else hf[key]  # null: the default, as transformers reads it
     if value is None:
@@ -123,10 +119,8 @@ def config_from_hf(hf, where='config.json'):
         raise HFError(f"{where}: architectures={archs!r} is not a list of class names; download the model again")
     arch = hf.get('model_type')
     if arch not in ('gpt2', 'llama') or any(a != ARCHITECTURES[arch] for a in archs):
-        named = ', '.join(archs) or f"model_type {arch!r}"
-        raise HFError(
-            f"{where}: {named} cannot be mapped; this repository imports GPT2LMHeadModel and LlamaForCausalLM"
-        )
+        name = ', '.join(archs) or f"model_type {arch!r}"
+        raise HFError(f"{where}: {name} cannot be mapped; this repository imports GPT2LMHeadModel and LlamaForCausalLM")
     if arch == 'gpt2':
         act = hf.get('activation_function', 'gelu_new')
         refusals = [
@@ -158,8 +152,7 @@ def config_from_hf(hf, where='config.json'):
 
 
 def check_exportable(config):
-    """ExportError for a TransformerConfig field config_to_hf does not map (a fork's qk_norm) set to other than its
-    default: transformers would compute other logits."""
+    """ExportError when a field config_to_hf does not map (a fork's qk_norm) is set to other than its default."""
     mapped = (*CONFIG_KEYS, 'arch', 'dropout', 'bias', 'rope_theta', 'gelu', 'tie_embeddings')  # dropout: no-op in eval
     for f in dataclasses.fields(config):
         if f.name not in mapped and getattr(config, f.name) != f.default:
@@ -215,10 +208,6 @@ def hf_name(name, arch):
     return name if name == 'lm_head.weight' else 'transformer.' + re.sub(r'^blocks\.', 'h.', name)
 
 
-# -----------------------------------------------------------------------------
-# in: a model directory as our Transformer
-
-
 def _weight_files(hf_dir):
     """[(path, its reader)] of a directory's weights, a single file or the shards an index lists."""
     for name, read in (('model.safetensors', _safetensors), ('pytorch_model.bin', _torch_tensors)):
@@ -253,8 +242,7 @@ def _index_shards(index):
 
 
 def read_tensors(hf_dir):
-    """Yield (HF name, tensor) of every tensor in the directory's weight files, one at a time; a file that
-    cannot be read (truncated, damaged, pickled objects) or a NaN or inf weight is an HFError naming it."""
+    """Yield (HF name, tensor) of hf_dir's weight files one at a time; HFError for a bad file or a NaN or inf."""
     for path, read in _weight_files(hf_dir):
         for name, tensor in read(path):
             if tensor.is_floating_point() and not name.endswith(BUFFERS) and not bool(torch.isfinite(tensor).all()):
@@ -315,9 +303,7 @@ def from_state(hf_config, tensors, dropout=0.0, where='config.json'):
             name = 'transformer.' + name  # saved from GPT2Model, as the hub's GPT-2 files are
         key = by_hf.get(name)
         if key is None:
-            raise HFError(
-                f"{where}: tensor {name!r} cannot be mapped: the config's {config.arch} has no such parameter"
-            )
+            raise HFError(f"{where}: tensor {name!r} cannot be mapped: the {config.arch} config has no such parameter")
         if config.arch == 'gpt2' and key.endswith(CONV1D):
             tensor = tensor.t()
         if tensor.shape != ours[key].shape:
@@ -362,8 +348,7 @@ def load(hf_dir, dropout=0.0):
 
 
 def from_pretrained(name, dropout=0.0, block_size=0):
-    """load() for a directory; a GPT-2 hub name goes through transformers (its cache or the network). A block_size
-    (the training windows' length) longer than the model's positions is refused."""
+    """load() for a directory, transformers for a GPT-2 hub name; a block_size past the model's positions is refused."""
     model = load(name, dropout) if os.path.isdir(name) else _hub_gpt2(name, dropout)
     if block_size > model.config.block_size:
         raise HFError(
@@ -389,10 +374,6 @@ def _hub_gpt2(name, dropout):
     return from_state(hf.config.to_dict(), hf.state_dict().items(), dropout, where=name)
 
 
-# -----------------------------------------------------------------------------
-# out: a model directory, written staged; an export replaces only files an export wrote
-
-
 def hf_state_dict(model, dtype=None):
     """{HF name: tensor} of our model, contiguous and unshared, as safetensors stores them."""
     config, state = model.config, model.state_dict()
@@ -412,9 +393,8 @@ def hf_state_dict(model, dtype=None):
 
 
 def save(model, hf_dir, dtype=None, max_shard_size='5GB', tokenizer=None, log=None):
-    """Write our model's config.json, weights (shards of max_shard_size with an index, as transformers) and
-    generation_config.json into hf_dir, staged(); tokenizer(folder) adds its files and returns (bos, eos). Returns
-    the weight files' names."""
+    """Write our model's config.json, weights (shards of max_shard_size with an index) and generation_config.json
+    into hf_dir, staged(), and return the weights' names; tokenizer(folder) adds its files and returns (bos, eos)."""
     from huggingface_hub import save_torch_state_dict
 
     check_exportable(model.config)
@@ -529,14 +509,12 @@ def remove_killed_stagings(hf_dir):
             with open(os.path.join(path, STAGING)) as f:
                 pid, host = f.read().split('@', 1)
             os.kill(int(pid), 0)  # raises ProcessLookupError once the process is gone
-            continue
         except ProcessLookupError:
-            if host != socket.gethostname():
-                continue
+            if host == socket.gethostname():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(name)
         except (OSError, ValueError):  # unreadable, not ours to judge; or alive under another user
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(name)
+            pass
     return removed
 
 
@@ -554,9 +532,6 @@ def previous_files(hf_dir):
     # a plain name of a file in hf_dir, never a path out of it (a manifest that lists '../x')
     return {n for n in names if n not in ('', '.', '..') and os.path.basename(n) == n}
 
-
-# -----------------------------------------------------------------------------
-# export: train.py's checkpoint and its dataset's tokenizer as a model directory
 
 HF_TOKENIZER_FILES = (
     'tokenizer.json',
@@ -584,8 +559,7 @@ def parse_size(size):
 
 
 def dataset_tokenizer(dataset):
-    """('gpt2' | 'char' | 'hf' | None, where, meta) of a train.py dataset, as its meta.pkl records it: where is
-    meta.pkl's path, or for 'hf' the tokenizer directory."""
+    """(kind 'gpt2', 'char', 'hf' or None, where: meta.pkl or the 'hf' tokenizer's directory, meta) of a dataset."""
     try:
         meta = read_meta(data_dir(dataset))
     except ValueError as e:
@@ -599,8 +573,7 @@ def dataset_tokenizer(dataset):
 
 
 def check_vocabulary(kind, where, meta, model_vocab, dataset):
-    """Refuse a tokenizer with more ids than the model embeds: not the one it trained on (a character-level model
-    whose meta.pkl is gone would otherwise get GPT-2's BPE)."""
+    """Refuse a tokenizer with more ids than the model embeds (a char model whose meta.pkl is gone gets GPT-2's)."""
     if kind == 'gpt2':
         vocab = GPT2_VOCAB
         what = "GPT-2's BPE" + ('' if os.path.exists(where) else f" (no {where}: a dataset without one is GPT-2 BPE)")
@@ -670,8 +643,7 @@ def char_tokenizer_writer(itos, where, block_size):
 
 
 def read_char_tokenizer(hf_dir):
-    """{id: character} when hf_dir's tokenizer.json is a character tokenizer as export() writes it (so that
-    this repository encodes with its own 'char' tokenizer, data/tokenizer.py), else None."""
+    """{id: character} when hf_dir's tokenizer.json is a character tokenizer as export() writes it, else None."""
     try:
         found = _read_json(os.path.join(hf_dir, 'tokenizer.json'))
     except (OSError, ValueError):
@@ -694,8 +666,7 @@ def read_char_tokenizer(hf_dir):
 
 
 def hf_token_ids(tokenizer_dir):
-    """(bos, eos) ids of a Hugging Face tokenizer directory: from its model's generation_config.json or
-    config.json when it is a model directory, else its special tokens looked up in tokenizer.json."""
+    """(bos, eos) ids of a tokenizer directory: its generation_config.json's or config.json's, else tokenizer.json's."""
     for name in ('generation_config.json', 'config.json'):
         found = _read_json(os.path.join(tokenizer_dir, name))
         if found.get('bos_token_id') is not None or found.get('eos_token_id') is not None:
@@ -750,8 +721,7 @@ def tokenizer_writer(checkpoint, path, config, tokenizer=''):
 
 
 def read_model(out_dir):
-    """(GPT, checkpoint dict, its path) of out_dir's newest checkpoint; ExportError for one that lacks a part, does
-    not make a model, or holds non-finite weights (CheckpointError for a file that cannot be read)."""
+    """(model, checkpoint dict, path) of out_dir's newest checkpoint; ExportError if it makes no finite model."""
     checkpoint, path = read_any(out_dir, optimizer=False)
     for key, what in (('model', 'weights'), ('model_args', 'shape')):
         if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(key), dict):
