@@ -41,20 +41,17 @@ class Checker:
         for p in params:  # FSDP: the full weights, all-gathered (a collective, same order on every rank)
             full = p.full_tensor() if fsdp else p
             weights.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        in_state = {id(p) for p in optimizer.state}
+        frozen_untouched = all(torch.equal(local_shard(p), copy) for p, copy in self.frozen_snapshot)
+        grads_where_active = all((p.grad is not None) == p.requires_grad for p in params)
+        state_where_active = state_policy != 'drop' or {id(p) for p in optimizer.state} <= {id(p) for p in active}
         report = {
             'active': cycler.active,
             'weights': weights.hexdigest(),
             'the previous DDP wrapper is freed': self.old_wrapper is None or self.old_wrapper() is None,
             'by reference counting, without gc.collect()': not self.wrapper_in_gc_cycle,
-            'frozen parameters are untouched': all(
-                torch.equal(local_shard(p), copy) for p, copy in self.frozen_snapshot
-            ),
-            'gradients exist exactly for the active parameters': all(
-                (p.grad is not None) == p.requires_grad for p in params
-            ),
-            'optimizer state exists only for the active parameters': state_policy != 'drop'
-            or in_state <= {id(p) for p in active},
+            'frozen parameters are untouched': frozen_untouched,
+            'gradients exist exactly for the active parameters': grads_where_active,
+            'optimizer state exists only for the active parameters': state_where_active,
             'active elements': sum(p.numel() for p in active),
             'comm elements': None,
         }
