@@ -53,7 +53,6 @@ class MethodRun:
         self.label = memory_estimate.precision_label(cfg['precision'], cfg['master_device'])
         torch.manual_seed(cfg['seed'])
         self.net, self.opt, self.cycler = memory_estimate.build(cfg, device)
-        self.n_params = sum(p.numel() for p in self.net.parameters())
         if cfg['compile']:
             builder.compile_blocks(self.net, cfg['method'])  # train.py's regional compilation
         gen = torch.Generator().manual_seed(cfg['seed'])
@@ -106,7 +105,7 @@ class MethodRun:
             mfu=mfu(flops, self.tokens, dt, peak_flops) if peak_flops else None,
             peak_gib=torch.cuda.max_memory_allocated(self.device) / 2**30 if with_memory else None,
             reserved_gib=torch.cuda.max_memory_reserved(self.device) / 2**30 if with_memory else None,
-            n_params=self.n_params,
+            n_params=sum(p.numel() for p in self.net.parameters()),
             flops_per_token=flops,
             switch_ms=1000 * statistics.mean(self.switch_times) if self.switch_times else None,
         )
@@ -193,8 +192,7 @@ def check(cfg):
 
 
 def setup(cfg, given=()):
-    """check(cfg), exiting with its one line; on CUDA, train.py's allocator and TF32 settings (experiments/ start the
-    same way). given: the keys the command line set (a --device sets its defaults)."""
+    """check(cfg) or its one error line, with train.py's CUDA allocator and TF32; given: the command line's keys."""
     train_config.follow_device(cfg, given)
     if cfg['device'] in ('auto', 'cuda') and torch.cuda.is_available():  # before CUDA's first allocation
         print(memory_options.cuda_allocator(), flush=True)
@@ -223,15 +221,13 @@ def main(argv):
         )
     text = markdown(cfg, rows, device, config, argv)
     print(text, end='')
-    if cfg['out']:
+    if out := cfg['out']:
         try:
-            os.makedirs(os.path.dirname(cfg['out']) or '.', exist_ok=True)
-            with open(cfg['out'], 'w') as f:
+            os.makedirs(os.path.dirname(out) or '.', exist_ok=True)
+            with open(out, 'w') as f:
                 f.write(text)
         except OSError as e:  # a full disk, a read-only folder, a file where a folder should be
-            sys.exit(
-                f"error: cannot write the report {cfg['out']} ({e.strerror or e}); free space or choose another --out"
-            )
+            sys.exit(f"error: cannot write the report {out} ({e.strerror or e}); free space or choose another --out")
 
 
 if __name__ == '__main__':
