@@ -35,7 +35,8 @@ def mc_example(doc, where):
         label = int(label)
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(endings):
         raise EvalError(
-            f"{where}: 'label' must be an ending's index (0 to {len(endings) - 1}), got {doc.get('label')!r}"
+            f"{where}: 'label' must be the index of the right ending (0 to {len(endings) - 1}), "
+            f"got {doc.get('label')!r}"
         )
     if isinstance(doc.get('ctx_a'), str) and isinstance(doc.get('ctx_b', ''), str):
         ctx = doc['ctx_a'] + " " + doc.get('ctx_b', '').capitalize()
@@ -119,8 +120,7 @@ def continuation_logprobs(model, requests, device='cpu', autocast=nullcontext(),
 
 
 def mc_accuracy(model, examples, encode, device='cpu', autocast=nullcontext(), batch_size=16, progress=False):
-    """{'acc', 'acc_norm', 'n'} of a model on read_mc() examples; the first of equal scores wins. encode: text
-    -> ids (a ValueError for text it cannot encode)."""
+    """{'acc', 'acc_norm', 'n'} of a model on read_mc() examples (a tie: the first wins); encode: text -> ids."""
     requests, spans = [], []
     for number, ex in enumerate(examples):
         try:
