@@ -118,7 +118,6 @@ ddp_check = False  # assert the DDP or FSDP invariants at every iteration on eve
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in dict(globals()).items() if not k.startswith('_') and isinstance(v, (int, float, str))}
 
-PRECISIONS = ('amp', 'bf16', 'bf16_master')
 GALORE_METHODS = ('galore', 'golore')  # galore.py's optimizers; every block trains
 METHOD_NAMES = (*omgd.METHODS, *GALORE_METHODS)
 RESUMING = ('resume', 'auto')  # init_from values whose config is known only once out_dir's checkpoint is read
@@ -140,7 +139,7 @@ RULES = {
     ),
     'method': one_of(*METHOD_NAMES, label='method'),
     'golore_svd_fraction': between(0, 1, closed=True),
-    'precision': one_of(*PRECISIONS, label='precision'),
+    'precision': one_of('amp', 'bf16', 'bf16_master', label='precision'),
     'master_device': one_of('', 'cpu', described="'' (the weights' device) or 'cpu'"),
     'dtype': one_of(*DTYPES, label='dtype'),
     'backend': one_of('nccl', 'gloo'),
@@ -206,7 +205,7 @@ def run_config(cfg, given, saved=None, path=None):
     if saved is not None:
         check_saved(saved, path)
         try:
-            cfg = resume_config(saved['config'], saved['model_args'], cfg, given)
+            cfg = check_resume(saved['config'], saved['model_args'], cfg, given)
         except (KeyError, TypeError) as e:
             raise ValueError(
                 f"cannot resume from {path}: its config is not train.py's ({e}); restore a backup or train from scratch"
@@ -217,8 +216,7 @@ def run_config(cfg, given, saved=None, path=None):
 
 
 def check_saved(saved, path):
-    """Refuse (one-line ValueError) a checkpoint lacking a value of RESUME_KEYS or holding one (or a model_args
-    field) of another type than train.py writes."""
+    """Refuse (one-line ValueError) a checkpoint lacking a value of RESUME_KEYS or of another type (model_args too)."""
     missing = [k for k in RESUME_KEYS if not isinstance(saved, dict) or k not in saved]
     if missing:
         raise ValueError(
@@ -263,8 +261,7 @@ def check(cfg):
         )
     if cfg['precision'] != 'amp' and cfg['dtype'] == 'float16':
         raise ValueError(
-            f"dtype='float16' is the autocast dtype of precision='amp'; precision={cfg['precision']!r} "
-            f"trains bf16 weights: drop --dtype or use --precision=amp"
+            "dtype='float16' is the autocast dtype of precision='amp' only; drop --dtype or use --precision=amp"
         )
     if cfg['precision'] == 'bf16_master' and cfg['optimizer'] == 'sgd' and cfg['method'] not in GALORE_METHODS:
         raise ValueError(
@@ -279,8 +276,7 @@ def check(cfg):
         )
     if cfg['checkpoint_sublayers'] and not cfg['activation_checkpointing']:
         raise ValueError(
-            "checkpoint_sublayers=True splits activation checkpointing per sublayer; add "
-            "--activation_checkpointing=True or drop --checkpoint_sublayers"
+            "checkpoint_sublayers=True splits activation checkpointing: add --activation_checkpointing=True or drop it"
         )
 
 
@@ -298,8 +294,8 @@ def check_preset(cfg):
 
 
 def check_resume(saved, model_args, cfg, given):
-    """Refuse (one-line ValueError, all at once) the keys given that cannot continue a checkpoint of config `saved`
-    and `model_args`. Returns what the checkpoint fixes: its config, its architecture on top."""
+    """The config of a resume: the checkpoint's (`saved`, `model_args`) with the keys this command gave (`given`) on
+    top. Refuses (one-line ValueError, all at once) the keys given that cannot continue it."""
     # a key newer than the checkpoint: it trained as that key's default does (precision: amp)
     truth = {
         **{k: DEFAULTS[k] for k in FIXED_ON_RESUME if k in DEFAULTS},
@@ -316,12 +312,6 @@ def check_resume(saved, model_args, cfg, given):
             )
     if conflicts:  # a resume takes the checkpoint's config: dropping them is enough
         raise ValueError('; '.join(conflicts))
-    return truth
-
-
-def resume_config(saved, model_args, cfg, given):
-    """The config of a resume: the checkpoint's (`saved`) with the keys this command gave (`given`) on top."""
-    truth = check_resume(saved, model_args, cfg, given)
     return {**cfg, **{k: v for k, v in truth.items() if k in cfg and k not in given and k not in THIS_COMMAND}}
 
 

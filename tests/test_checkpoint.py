@@ -263,9 +263,9 @@ def test_the_resume_rules_are_one_rule_for_every_reader(tmp_path):
 
     saved = {k: v for k, v in CFG.items() if k != 'precision'}
     model_args = builder.transformer_kwargs(CFG, CFG['vocab_size'])
-    assert train_config.resume_config(saved, model_args, {**CFG, 'precision': 'bf16'}, set())['precision'] == 'amp'
+    assert train_config.check_resume(saved, model_args, {**CFG, 'precision': 'bf16'}, set())['precision'] == 'amp'
     with pytest.raises(ValueError, match=r"^precision='bf16' differs from the checkpoint's 'amp' .*--precision=amp$"):
-        train_config.resume_config(saved, model_args, {**CFG, 'precision': 'bf16'}, {'precision'})
+        train_config.check_resume(saved, model_args, {**CFG, 'precision': 'bf16'}, {'precision'})
     path = str(tmp_path / 'ckpt.pt')
     cpu_checkpoint_after_one_step(CFG, path)
     saved, cfg = {**checkpoint.read(path), 'best_val_loss': 9.0}, {**CFG, 'n_layer': 3, 'init_from': 'resume'}
