@@ -21,17 +21,12 @@ def apply(model, activation_checkpointing=False, checkpoint_sublayers=False, act
     """Set the memory options of a Transformer, replacing any earlier choice; returns the model. Each shadows one
     method (a block's forward, the model's forward, head_loss) by an instance attribute: the module stays ordinary."""
     check_rule('loss_chunk', loss_chunk, RULES['loss_chunk'])
+    model.memory_options = {k: v for k, v in locals().items() if k != 'model'}  # what was applied: the arguments
     for block in model.blocks:
         forward = partial(checkpointed_forward, block, checkpoint_sublayers)
         _shadow(block, 'forward', forward if activation_checkpointing else None)
     _shadow(model, 'forward', partial(offloaded_forward, model) if activation_offload else None)
     _shadow(model, 'head_loss', partial(chunked_head_loss, model, loss_chunk) if loss_chunk > 0 else None)
-    model.memory_options = dict(
-        activation_checkpointing=activation_checkpointing,
-        checkpoint_sublayers=checkpoint_sublayers,
-        activation_offload=activation_offload,
-        loss_chunk=loss_chunk,
-    )
     return model
 
 
