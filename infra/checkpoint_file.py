@@ -1,8 +1,6 @@
-"""
-The 'file' format, out_dir/ckpt.pt: one torch.save'd dict (state_dicts, plain values, every rank's RNG), never
+"""The 'file' format, out_dir/ckpt.pt: one torch.save'd dict (state_dicts, plain values, every rank's RNG), never
 written non-finite, synced, then atomically replacing the previous one. And what both formats share: the errors,
-the weights_only read, the finiteness vote and the RNG states.
-"""
+the weights_only read, the finiteness vote and the RNG states."""
 
 import contextlib
 import io
@@ -15,6 +13,8 @@ from pathlib import Path
 import torch
 
 from infra import distributed
+
+INTACT = "the previous checkpoint is intact: free space or choose another --out_dir, then resume"
 
 
 class CheckpointError(ValueError):
@@ -144,8 +144,7 @@ def check_finite(ranks, model, optimizer):
 
 
 def save(path, ranks, objects, values, fsdp=False, device_type='cpu'):
-    """Write each object's state_dict() and `values` (plain data) to `path`; a collective, rank 0 writes (returns
-    whether this rank wrote). A failed write is a CheckpointError and leaves the previous file as it was."""
+    """Write each object's state_dict() and `values` to `path` on rank 0 (a collective); True on the rank that wrote."""
     model, optimizer = objects['model'], objects['optimizer']
     check_finite(ranks, model, optimizer)
     rank_rngs = gather_rng(ranks, device_type)
@@ -166,11 +165,8 @@ def save(path, ranks, objects, values, fsdp=False, device_type='cpu'):
                 f.write(record_text(tmp_path))
             torch.save(checkpoint, tmp_path)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError of its zip writer
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
-        raise CheckpointError(
-            f"cannot write {path} ({reason}); the previous checkpoint is intact: free "
-            f"space or choose another --out_dir, then resume"
-        ) from None
+        reason = getattr(e, 'strerror', None) or first_line(e)
+        raise CheckpointError(f"cannot write {path} ({reason}); {INTACT}") from None
     finally:
         if ours:  # only the record this save wrote, never one found under its name
             os.remove(record)
