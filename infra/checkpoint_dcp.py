@@ -1,9 +1,7 @@
-"""
-Sharded checkpoints with torch.distributed.checkpoint (DCP), train.py's format under torchrun: out_dir/step_NNNNNNN/
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), train.py's format under torchrun: out_dir/step_NNNNNNN/
 holds the ranks' shards, DCP's index (.metadata), values.pt (the rest) and .complete, written last into a .tmp folder
 then renamed; a resume reshards onto any number of ranks (docs/distributed.md). Nothing read runs code: values.pt
-with weights_only, .metadata with an unpickler of DCP's index classes; an index of anything but tensors is refused.
-"""
+with weights_only, .metadata with an unpickler of DCP's index classes; an index of anything but tensors is refused."""
 
 import contextlib
 import io
@@ -21,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException as _DCPExceptio
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from infra import checkpoint_file
+from infra import checkpoint_file, distributed
 from infra.checkpoint_file import CheckpointError, fsync
 
 FAILURES = (Exception, _DCPException)
@@ -49,8 +47,7 @@ def remove_incomplete(out_dir):
 
 
 def not_resumable(out_dir):
-    """[(name, why)] of the folders in out_dir that hold a step folder's values.pt yet do not resume (no .complete
-    file, or set aside), but for what an interrupted save or removal of this code left."""
+    """[(name, why)] of out_dir's folders with a values.pt that do not resume, but for this code's interrupted saves."""
     found = []
     for name in _folders(out_dir):
         path = os.path.join(out_dir, name)
@@ -80,38 +77,28 @@ def _mark(folder, marker):
     fsync(os.path.join(folder, marker))
 
 
-def _param_names(model):
-    """{parameter: its name} (a tied parameter goes by its first name, as named_parameters lists it once)."""
-    return {p: name for name, p in model.named_parameters()}
-
-
 def _model_tensors(model):
     """(the model's state dict less tied parameters' second names, {second name: first})."""
-    names = _param_names(model)
-    tied = {name: names[p] for name, p in model.named_parameters(remove_duplicate=False) if names[p] != name}
+    first = {p: name for name, p in model.named_parameters()}  # named_parameters lists a tied one once
+    tied = {name: first[p] for name, p in model.named_parameters(remove_duplicate=False) if first[p] != name}
     return {k: v for k, v in model.state_dict().items() if k not in tied}, tied
 
 
 def _optimizer_parts(model, optimizer):
     """optimizer.state_dict() by parameter name: ({name: {key: tensor}} for DCP, the rest for values.pt: the groups,
     non-tensor state, the tensors' layout (shape, dtype, whether shaped like the parameter) to load them back)."""
-    names = _param_names(model)
+    names = distributed.param_names(model, optimizer)
     params = [p for g in optimizer.param_groups for p in g['params']]
     sd = optimizer.state_dict()
     tensors, other, layout = {}, {}, {}
     for i, state in sd['state'].items():
-        p, name = params[i], names[params[i]]
-        tensors[name] = {k: v for k, v in state.items() if torch.is_tensor(v)}
+        name, shape = names[i], params[i].shape
         other[name] = {k: v for k, v in state.items() if not torch.is_tensor(v)}
-        layout[name] = {
-            k: (tuple(v.shape), v.dtype, tuple(v.shape) == tuple(p.shape) and v.dim() > 0)
-            for k, v in tensors[name].items()
-        }
-    groups = [{**g, 'params': [names[params[i]] for i in g['params']]} for g in sd['param_groups']]
-    return (
-        {k: v for k, v in tensors.items() if v},
-        {'param_groups': groups, 'state': other, 'layout': {k: v for k, v in layout.items() if v}},
-    )
+        if found := {k: v for k, v in state.items() if torch.is_tensor(v)}:
+            tensors[name] = found
+            layout[name] = {k: (tuple(v.shape), v.dtype, v.shape == shape and v.dim() > 0) for k, v in found.items()}
+    groups = [{**g, 'params': [names[i] for i in g['params']]} for g in sd['param_groups']]
+    return tensors, {'param_groups': groups, 'state': other, 'layout': layout}
 
 
 class Saver:
@@ -143,8 +130,7 @@ class Saver:
             try:
                 if os.path.exists(tmp) and not os.path.isfile(os.path.join(tmp, WRITING)):
                     raise FileExistsError(f"{tmp} exists and no save of train.py wrote it: move it away")
-                if os.path.exists(tmp):  # this code's save of the same iteration, cut short
-                    remove_checkpoints([tmp])
+                remove_checkpoints([tmp])  # this code's save of the same iteration cut short, if any
                 os.makedirs(tmp)
                 _mark(tmp, WRITING)  # first: a save cut short is known as this code's by it
                 with open(os.path.join(tmp, VALUES), 'wb') as f:
@@ -168,17 +154,15 @@ class Saver:
         try:
             with _single_process_quiet():
                 dcp.save(state, **kwargs)
-        except FAILURES as e:
-            self.error = self.error or _failed(tmp, e)
-        else:
             if self.ranks.master:
                 self._complete(None, tmp, final)
+        except FAILURES as e:
+            self.error = self.error or _failed(tmp, e)
         self._raise_if_failed()
         return final
 
     def _complete(self, future, tmp, final, completed=None):
-        """Rank 0, once every rank's shards and the index are written: the marker, the rename, then the pruning.
-        Under async_save in the writing thread; `completed` then tells wait()."""
+        """Rank 0, once all shards and the index are written: marker, rename, pruning (async: in the writer thread)."""
         try:
             if future is not None:
                 future.result()
@@ -191,8 +175,7 @@ class Saver:
                 return
             _mark(tmp, MARKER)
             os.remove(os.path.join(tmp, WRITING))
-            if os.path.exists(final):  # this iteration's checkpoint of an earlier run (overwrite=True)
-                remove_checkpoints([final])
+            remove_checkpoints([final])  # this iteration's checkpoint of an earlier run (overwrite=True), if any
             os.replace(tmp, final)
             with contextlib.suppress(OSError):
                 fsync(self.out_dir)
@@ -210,14 +193,10 @@ class Saver:
     def _raise_if_failed(self):
         if self.ranks.any(self.error is not None):
             error, self.error = self.error, None
-            raise CheckpointError(
-                f"{error or 'another rank could not write its shards'}; the previous checkpoint "
-                f"is intact: free space or choose another --out_dir, then resume"
-            )
+            raise CheckpointError(f"{error or 'another rank could not write its shards'}; {checkpoint_file.INTACT}")
 
     def wait(self, collective=True):
-        """Wait for a background save; a CheckpointError (on every rank: a collective) when it failed.
-        collective=False (an error path): let it end as it ends."""
+        """Wait for a background save; its failure raised on every rank (a collective), unless collective=False."""
         if self.pending is not None:
             future, tmp, completed = self.pending
             self.pending = None
@@ -281,9 +260,6 @@ class _IndexUnpickler(pickle.Unpickler):
             if isinstance(found, type) or not index_class:
                 return found
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
-
-    def persistent_load(self, pid):
-        raise pickle.UnpicklingError("persistent ids are not part of a checkpoint index")
 
 
 def _refuse_bytes(path, key):
@@ -369,8 +345,7 @@ def check_readable(path):
     values = checkpoint_file.read(os.path.join(path, VALUES), mmap=False)
     if not isinstance(values, dict) or values.get('format') != 'dcp':
         raise CheckpointError(
-            f"{path}/{VALUES} is not a values file of train.py's sharded checkpoint; restore a "
-            f"backup or train from scratch"
+            f"{path}/{VALUES} is not a step folder's values file; restore a backup or train from scratch"
         )
     index = read_index(path)
     for info in index.storage_data.values():
@@ -399,8 +374,7 @@ def _load(state, path, group=None):
 def load(path, values, model, optimizer, group=None):
     """Load the step folder into `model` and `optimizer` as built now (sharded or whole); a collective in torchrun."""
     model_sd, _ = _model_tensors(model)
-    rest, names = values['optimizer_rest'], _param_names(model)
-    params = {name: p for p, name in names.items()}
+    rest, params = values['optimizer_rest'], dict(model.named_parameters())
     optim = {  # shaped (and sharded) as the state is now, to be filled
         name: {
             k: torch.empty_like(params[name], dtype=dtype) if like_param else torch.empty(shape, dtype=dtype)
@@ -410,16 +384,13 @@ def load(path, values, model, optimizer, group=None):
     }
     _load({'model': model_sd, 'optimizer': optim}, path, group)
     model.load_state_dict({**model_sd, **{k: model_sd[v] for k, v in values['tied'].items()}})
-    optimizer.load_state_dict(_numbered(rest, optim, [names[p] for g in optimizer.param_groups for p in g['params']]))
+    optimizer.load_state_dict(_numbered(rest, optim, distributed.param_names(model, optimizer)))
 
 
 def _numbered(rest, tensors, order):
     """optimizer.state_dict() of optimizer_rest and tensors {name: {key: tensor}}, numbered by the names in `order`."""
-    number = {n: i for i, n in enumerate(order)}
-    return {
-        'state': dict(sorted((number[n], {**other, **tensors.get(n, {})}) for n, other in rest['state'].items())),
-        'param_groups': [{**g, 'params': [number[n] for n in g['params']]} for g in rest['param_groups']],
-    }
+    state = {n: {**other, **tensors.get(n, {})} for n, other in rest['state'].items()}
+    return distributed.numbered({**rest, 'state': state}, order)
 
 
 def consolidate(path, optimizer=True):
@@ -435,8 +406,7 @@ def consolidate(path, optimizer=True):
     _load(template, path)
     model = {k[len('model.') :]: v for k, v in template.items() if k.startswith('model.')}
     model.update({k: model[v] for k, v in values['tied'].items()})
-    checkpoint = {k: v for k, v in values.items() if k not in ('optimizer_rest', 'tied', 'format')}
-    checkpoint['model'] = model
+    checkpoint = {k: v for k, v in values.items() if k not in ('optimizer_rest', 'tied', 'format')} | {'model': model}
     if optimizer:
         rest = values['optimizer_rest']
         tensors = {n: {k: template[f'optimizer.{n}.{k}'] for k in keys} for n, keys in rest['layout'].items()}
