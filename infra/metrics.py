@@ -73,20 +73,19 @@ class Metrics:
         """The values handed in, then time, throughput, MFU, CUDA memory, the time left at seconds_per_iter."""
         if not self.master:
             return
-        tokens_per_iter, max_iters = self.tokens_per_iter, self.cfg['max_iters']
         if self.peak_flops and it - self.first_iter >= 5:  # MFU once the first iterations' warm-up is behind
             if self.flops_per_token is None:
                 self.flops_per_token = self.model.estimate_flops_per_token()
-            iter_mfu = mfu(self.flops_per_token, tokens_per_iter, dt, self.peak_flops, self.world_size)
+            iter_mfu = mfu(self.flops_per_token, self.tokens_per_iter, dt, self.peak_flops, self.world_size)
             self.running_mfu = iter_mfu if self.running_mfu is None else 0.9 * self.running_mfu + 0.1 * iter_mfu
-        fields = dict(values, ms=dt * 1000, tok_per_s=tokens_per_iter / dt, mfu=self.running_mfu)
+        fields = dict(values, ms=dt * 1000, tok_per_s=self.tokens_per_iter / dt, mfu=self.running_mfu)
         if self.cuda:
             fields.update(
                 mem_alloc_gib=torch.cuda.max_memory_allocated() / 2**30,
                 mem_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
             )
-        left = format_duration(seconds_per_iter * (max_iters - it - 1))
-        print(f"iter {it}: {shown(fields)}, {it + 1}/{max_iters}, {left} left", flush=True)
+        left = format_duration(seconds_per_iter * (self.cfg['max_iters'] - it - 1))
+        print(f"iter {it}: {shown(fields)}, {it + 1}/{self.cfg['max_iters']}, {left} left", flush=True)
         self.record('iter', iter=it, **{k: v for k, v in fields.items() if v is not None})
 
     def save(self, it, path):
@@ -210,9 +209,7 @@ class LogOutlivesItsReader:
         sys.stdout = cls(sys.stdout)
 
 
-# Peak dense bf16 FLOP/s per GPU, from NVIDIA's datasheets ("with sparsity" halved). An entry matches when
-# each of its words is a whole word of the device name, in any order ('H100' is not a word of 'GH100'); the
-# match with the most words wins ('NVIDIA H100 NVL' gets 'H100 NVL'), and a tie means no MFU, not a wrong one.
+# Peak dense bf16 FLOP/s per GPU, from NVIDIA's datasheets ("with sparsity" halved)
 PEAK_BF16_FLOPS = {
     'H100': 989.4e12,  # SXM5; its name has no variant word ('NVIDIA H100 80GB HBM3')
     'H100 PCIe': 756e12,
@@ -231,7 +228,8 @@ PEAK_BF16_FLOPS = {
 
 
 def peak_for_name(name):
-    """PEAK_BF16_FLOPS' figure for a GPU named `name`, or None (no entry, or a tie)."""
+    """PEAK_BF16_FLOPS' figure for the entry whose words are all whole words of `name` ('H100' is not one of 'GH100'),
+    the most words winning ('NVIDIA H100 NVL' gets 'H100 NVL'); None for no entry or a tie (no MFU, not a wrong one)."""
     words = lambda text: set(re.findall(r'[a-z0-9]+', text.lower()))
     matches = [key for key in PEAK_BF16_FLOPS if words(key) <= words(name)]
     most = max((len(words(key)) for key in matches), default=0)
