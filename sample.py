@@ -17,8 +17,7 @@ from train_config import check_device
 
 
 def load_codec(directory, model_vocab=None):
-    """(encode, decode) of the dataset's tokenizer; a one-line error when it cannot be loaded, or has more ids
-    than the model embeds (model_vocab): not the model's."""
+    """(encode, decode) of the dataset's tokenizer; one error line if it cannot load or has over model_vocab ids."""
     try:
         tok = Tokenizer.from_meta(read_meta(directory))
     except ValueError as e:
