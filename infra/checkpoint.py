@@ -1,8 +1,6 @@
-"""
-A run's checkpoints in out_dir: Checkpointer starts, resumes and saves train.py's run; read_any() reads the newest
+"""A run's checkpoints in out_dir: Checkpointer starts, resumes and saves train.py's run; read_any() reads the newest
 for the other scripts. Formats: 'file', out_dir/ckpt.pt (checkpoint_file.py, the default in one process), and 'dcp',
-sharded step folders (checkpoint_dcp.py, the default under torchrun); a resume may use any number of ranks.
-"""
+sharded step folders (checkpoint_dcp.py, the default under torchrun); a resume may use any number of ranks."""
 
 import fcntl
 import os
@@ -67,10 +65,7 @@ class Checkpointer:
             if removed:
                 print(f"removed {', '.join(removed)} from {out_dir}: left incomplete by an interrupted save")
             if left:
-                warn(
-                    f"{', '.join(left)} in {out_dir}: not a complete checkpoint, and no save of train.py "
-                    f"was writing it; left as it is (a copy missing its .complete file does not resume)"
-                )
+                warn(f"{', '.join(left)} in {out_dir}: not resumable, nor a save of train.py cut short; left as it is")
         self.seed = cfg['seed']
         fmt = cfg['checkpoint_format']  # 'auto': one file in one process; sharded folders on several ranks
         if fmt == 'dcp' or (fmt == 'auto' and self.ranks.world_size > 1):
@@ -260,8 +255,7 @@ def no_checkpoint(out_dir, then):
     if kept:
         return CheckpointError(
             f"no complete checkpoint in {out_dir}: it holds {', '.join(f'{n} ({why})' for n, why in kept)}; restore "
-            f"the .complete file of a step folder that is whole (a copy that drops dot-files loses it), or restore "
-            f"a backup"
+            f"the .complete file of a step folder that is whole, or restore a backup"
         )
     return CheckpointError(f"no checkpoint at {path}{then}")
 
@@ -311,15 +305,13 @@ def check_out_dir(out_dir):
         tempfile.TemporaryFile(dir=out_dir).close()  # a file can be made there
     except OSError as e:
         raise CheckpointError(
-            f"out_dir={out_dir!r} cannot hold checkpoints ({e.strerror or e}); choose a writable "
-            f"directory with --out_dir"
+            f"out_dir={out_dir!r} cannot hold checkpoints ({e.strerror or e}); choose a writable --out_dir"
         ) from None
     checkpoint_file.remove_interrupted_write(os.path.join(out_dir, 'ckpt.pt'))
 
 
 def lock_out_dir(out_dir):
-    """One writer per out_dir: the open out_dir/.lock, flocked (released however the process dies) and naming its
-    holder for the CheckpointError that refuses a second writer."""
+    """One writer per out_dir: the open out_dir/.lock, flocked (freed however the process dies), naming its holder."""
     path, f = os.path.join(out_dir, '.lock'), None
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(
@@ -340,10 +332,8 @@ def lock_out_dir(out_dir):
                 f"it, or choose another --out_dir"
             ) from None
         f.truncate(0)  # appends: written from byte 0
-        f.write(
-            f"the run of pid {os.getpid()} on {socket.gethostname()}, started "
-            f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode()
-        )
+        started = time.strftime('%Y-%m-%d %H:%M:%S')
+        f.write(f"the run of pid {os.getpid()} on {socket.gethostname()}, started {started}".encode())
         return f
     except OSError as e:  # a read-only place, a .lock that is a folder, a full disk: now, not at the first save
         if f is not None:
