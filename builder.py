@@ -85,7 +85,6 @@ def compile_blocks(model, method, **kwargs):
 
 
 def weight_dtype(precision):
-    """The dtype of the weights: fp32 under 'amp', bf16 under 'bf16' and 'bf16_master'."""
     return torch.float32 if precision == 'amp' else torch.bfloat16
 
 
@@ -96,7 +95,6 @@ def build_optimizer(model, cfg, device_type, host_scope=nullcontext):
     master = cfg['precision'] == 'bf16_master'
     masters = dict(master_device=cfg['master_device'] or None, host_scope=host_scope)
     if cfg['method'] in GALORE_METHODS:
-        svd_steps = math.ceil(cfg['golore_svd_fraction'] * cfg['max_iters']) if cfg['method'] == 'golore' else 0
         return galore.build_optimizer(
             model,
             wd,
@@ -107,7 +105,7 @@ def build_optimizer(model, cfg, device_type, host_scope=nullcontext):
             scale=cfg['galore_scale'],
             projection='svd' if cfg['method'] == 'galore' else 'random',
             seed=cfg['omgd_seed'],
-            svd_steps=svd_steps,
+            svd_steps=math.ceil(cfg['golore_svd_fraction'] * cfg['max_iters']) if cfg['method'] == 'golore' else 0,
             master=master,
             **masters,
         )
