@@ -63,7 +63,7 @@ PRECISION_NOTES = {
 }
 
 
-def notes_for(cfg, device, estimate, n_params, precisions):
+def notes_for(cfg, device, estimate, row, precisions):
     if estimate:
         how = "attention as FlashAttention/memory-efficient kernels, CUDA autocast emulated"
         if device.type == 'cpu':
@@ -84,10 +84,10 @@ def notes_for(cfg, device, estimate, n_params, precisions):
     return [
         how_measured,
         f"Model {model_name(cfg)}: {config.arch}, {config.n_layer} blocks, n_embd {config.n_embd}, MLP "
-        f"{config.mlp_hidden}, vocab {config.vocab_size}, {n_params:,} parameters.",
+        f"{config.mlp_hidden}, vocab {config.vocab_size}, {row['n_params']:,} parameters.",
         *(f"precision={label}: {PRECISION_NOTES[label].format(dtype=cfg['dtype'])}." for label in labels),
         f"Micro-batch {cfg['batch_size']} x {cfg['block_size']} tokens (of {gas} accumulation steps; the measured "
-        f"iteration runs {min(cfg['micro_batches'] or gas, gas)}); activation checkpointing "
+        f"iteration runs {row['micro_batches']}); activation checkpointing "
         f"{'on' if cfg['activation_checkpointing'] else 'off'}; "
         f"{'compiled per block' if cfg['compile'] and device.type == 'cuda' else 'eager'}; grad_clip "
         f"{cfg['grad_clip']:g}, OMGD scale {'after' if cfg['omgd_scale_after_clip'] else 'before'} clipping.",
@@ -100,7 +100,7 @@ def notes_for(cfg, device, estimate, n_params, precisions):
     ]
 
 
-def title(result):
+def title(result, what='Memory breakdown (GiB)'):
     """One line naming everything that sets the bars: model, micro-batch, precisions, state policy, memory options."""
     cfg = result['config']
     where = 'one device' if result['estimate'] else f"one {result['device']}"
@@ -109,9 +109,8 @@ def title(result):
     # .get: checkpoint_sublayers is absent from older results/*.json
     options = [f"{name}={cfg[name]}" if name == 'loss_chunk' else name for name in names if cfg.get(name)]
     return (
-        f"Memory breakdown (GiB), {model_name(cfg)}, {where}, micro-batch {cfg['batch_size']} x "
-        f"{cfg['block_size']}, precision {precisions}, omgd_state {cfg['omgd_state']}, "
-        + (' + '.join(options) if options else 'no memory options')
+        f"{what}, {model_name(cfg)}, {where}, micro-batch {cfg['batch_size']} x {cfg['block_size']}, precision "
+        f"{precisions}, omgd_state {cfg['omgd_state']}, " + (' + '.join(options) if options else 'no memory options')
     )
 
 
@@ -168,9 +167,7 @@ def plot(result, path):
     labels = [f"{r['method']} ({precision_label(r['precision'], r['master_device'])})" for r in rows]
     ax.set_xticks(list(x), labels if several else [r['method'] for r in rows], rotation=20)
     ax.set_ylabel('GiB')
-    text = title(result).replace('Memory breakdown (GiB), ', 'GPU memory, ') + (
-        f" (ESTIMATE, {result['device']} device)" if result['estimate'] else ''
-    )
+    text = title(result, 'GPU memory') + (f" (ESTIMATE, {result['device']} device)" if result['estimate'] else '')
     # wrapped to the figure's width (about 14 characters an inch at 9 pt), so that no title is clipped
     ax.set_title(textwrap.fill(text, width=int(13 * width), break_on_hyphens=False), fontsize=9)
     ax.set_ylim(0, max(bottom) * 1.12)
@@ -207,7 +204,7 @@ def run(cfg, argv=()):
         config=cfg,
         precisions=precisions,
         command=' '.join(['python bench_memory.py', *argv]),
-        notes=notes_for(cfg, device, estimate, rows[0]['n_params'], precisions),
+        notes=notes_for(cfg, device, estimate, rows[0], precisions),
         rows=rows,
     )
 
