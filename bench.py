@@ -9,11 +9,10 @@ $ python bench.py --methods=full,lisa_wor --arch=llama --n_layer=8 --n_head=8 --
       --vocab_size=8192 --batch_size=4 --block_size=128 --steps=10      # CPU, a small LLaMA-layout model
 $ python bench.py config/gpt2_lisa_wor.py --methods=lisa_wor --precisions=amp,bf16,bf16_master
 
-Every key of train.py is accepted with its meaning and default there; device is auto (cuda if available, else cpu),
-cuda or cpu. Keys of this script: methods and precisions (the rows, as in bench_memory.py), steps (timed iterations),
-warmup_steps (run first, compilation included), interleave (step the rows round-robin: other processes slow them all
-alike), out (a file for the report), profile (a path prefix: one more iteration of each row under torch.profiler,
-in PREFIX_METHOD_PRECISION.txt).
+Every key of train.py is accepted, with its meaning and default; device is auto (cuda if available, else cpu), cuda or
+cpu. Its own keys: methods and precisions (the rows, as in bench_memory.py), steps (timed iterations), warmup_steps (run
+first, compilation included), interleave (rows stepped round-robin: other processes slow all alike), out (the report's
+file), profile (PREFIX: one more iteration per row under torch.profiler, to PREFIX_METHOD_PRECISION.txt).
 
 ms/iter is the median of the timed iterations; 'switch ms/iter' the mean of those that switched (what the median
 hides); 'FLOP limit vs full' is full's FLOPs per token over the row's, the speed-up the FLOP count allows.
