@@ -13,8 +13,7 @@ machine (dtype bfloat16, compile True). Keys of this script:
   methods       comma-separated methods, one row each ('': the config's `method`)
   precisions    comma-separated PRECISION or PRECISION:MASTER_DEVICE (e.g. bf16,bf16_master,bf16_master:cpu):
                 the rows of every method under each ('': the config's precision and master_device)
-  micro_batches micro-batches the measured iteration runs, of gradient_accumulation_steps
-                (0: all; the third and later allocate nothing the second did not)
+  micro_batches micro-batches the measured iteration runs (0: all; from the third on, they allocate nothing new)
   device        auto (cuda if available, else meta), cuda (measured: max_memory_allocated/reserved),
                 meta (an ESTIMATE on shapes, memory_estimate.py) or cpu (run for real, fp32 compute)
   out           output prefix for .md/.json/.png; '' -> out/memory_<preset> (git-ignored)
