@@ -40,8 +40,7 @@ CONFIG_KEYS = {
     'mlp_hidden': ('n_inner', 'intermediate_size'),
     'norm_eps': ('layer_norm_epsilon', 'rms_norm_eps'),
 }
-# config.json entries that may be absent or null: transformers' defaults, or 0 where TransformerConfig resolves
-# it as transformers does (n_kv_head: n_head; GPT-2's mlp_hidden: 4 * n_embd; head_dim: n_embd / n_head)
+# absent or null config.json entries: transformers' defaults, or 0 where TransformerConfig derives it as transformers
 DEFAULTS = {'num_key_value_heads': 0, 'n_inner': 0, 'head_dim': 0, 'layer_norm_epsilon': 1e-5, 'rms_norm_eps': 1e-6}
 # GPT-2's Conv1D layers store their weight as (in, out), the transpose of nn.Linear's
 CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
@@ -179,10 +178,8 @@ def config_to_hf(config, dtype=torch.float32, bos_token_id=None, eos_token_id=No
     if config.arch == 'gpt2':
         return dict(
             common,
+            **dict.fromkeys(('resid_pdrop', 'embd_pdrop', 'attn_pdrop'), 0.0),
             activation_function=GELU_TO_HF[config.gelu],
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
             scale_attn_weights=True,
             scale_attn_by_inverse_layer_idx=False,
             reorder_and_upcast_attn=False,
@@ -474,10 +471,9 @@ def staged(hf_dir, log=None):
         remove_ours()
         if not isinstance(error, (OSError, SafetensorError)):
             raise  # ExportError, KeyboardInterrupt, a bug: as it was
-        reason = getattr(error, 'strerror', None) or first_line(error)
+        why = getattr(error, 'strerror', None) or first_line(error)
         raise ExportError(
-            f"cannot write the export into {hf_dir} ({reason}); {hf_dir} is left as "
-            f"it was: free space (or give another --hf_dir) and export again"
+            f"cannot write the export into {hf_dir} ({why}); it is left as it was: free space or give another --hf_dir"
         ) from None
     try:  # metadata last; then what an earlier export wrote that this one did not goes
         new = os.listdir(folder)
