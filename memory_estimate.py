@@ -52,8 +52,7 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.device = torch.device(device)
         self.entries = {}  # id(storage) -> [weakref, nbytes, host]
-        self.current = self.peak = 0
-        self.host_depth = 0
+        self.current = self.peak = self.host_depth = 0
 
     def add(self, *tensors):
         """Track the tensors among `tensors` (any nesting): those made before entering, and each op's outputs."""
@@ -252,8 +251,7 @@ def precision_label(precision, master_device):
 
 def check_rows(cfg, devices=('cuda', 'meta', 'cpu'), without_cuda='meta'):
     """The benchmarks' checks of cfg (one-line ValueErrors, before any allocation). Returns the torch.device (auto:
-    cuda, else `without_cuda`), one train.py config per row (each method of --methods under each
-    PRECISION[:MASTER_DEVICE] of --precisions; '': the config's own) and the TransformerConfig."""
+    cuda, else `without_cuda`), one train.py config per method x precision ('': cfg's own) and the TransformerConfig."""
     name = cfg['device']
     if name == 'auto':
         name = 'cuda' if torch.cuda.is_available() else without_cuda
