@@ -1,6 +1,5 @@
-"""`--ddp_check=True`: the invariants of layer cycling under DDP or FSDP2, checked on every rank after every optimizer
-step (slow: it hashes all weights). Every rank compares all ranks' reports: active set, weights' SHA-256, counted
-collectives, the old DDP wrapper, frozen weights, gradients and optimizer state."""
+"""`--ddp_check=True`: layer cycling's invariants under DDP or FSDP2, compared across ranks after every optimizer step
+(slow): active set, weights' SHA-256, counted collectives, the old DDP wrapper, frozen weights, gradients, state."""
 
 import hashlib
 import math
