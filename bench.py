@@ -82,10 +82,8 @@ class MethodRun:
     def profile(self, it, prefix):
         """Iteration `it` under torch.profiler: its operators by GPU time (on CUDA), then by host time (a switch's
         host work, the CUDA runtime's calls), in PREFIX_METHOD_PRECISION.txt."""
-        from torch.profiler import ProfilerActivity, profile
-
         cuda = self.device.type == 'cuda'
-        with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        with torch.profiler.profile() as prof:  # the host's activity and, on a machine with CUDA, the GPU's
             self.step(it, timed=False)
         with open(f"{prefix}_{self.cfg['method']}_{self.label}.txt", 'w') as f:
             for key, what in [*([('self_device_time_total', 'GPU')] if cuda else []), ('self_cpu_time_total', 'host')]:
