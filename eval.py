@@ -321,8 +321,7 @@ def check_lm_eval(cfg, trained_on, dataset, examples, encode, positions):
     hf_dir = cfg['hf_dir']
     if not hf_dir and hf.dataset_tokenizer(trained_on)[0] not in ('gpt2', 'hf', 'char'):
         raise EvalError(
-            f"lm-eval needs a tokenizer Hugging Face reads, and the dataset of {cfg['out_dir']} records none "
-            f"(its meta.pkl has a vocab_size only); score the mc file without --lm_eval"
+            f"lm-eval needs a tokenizer Hugging Face reads; {cfg['out_dir']}'s dataset records none: drop --lm_eval"
         )
     if hf_dir and not any(os.path.isfile(os.path.join(hf_dir, f)) for f in HF_TOKENIZERS):
         raise EvalError(
