@@ -144,10 +144,8 @@ def bench(row_cfgs, device):
 def describe_machine(device):
     if device.type == 'cuda':
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    return (
-        f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), "
-        f"{torch.get_num_threads()} torch threads, torch {torch.__version__}"
-    )
+    cpu = platform.processor() or platform.machine()
+    return f"{os.cpu_count()}-core CPU ({cpu}), {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
 def markdown(cfg, rows, device, config, argv):
