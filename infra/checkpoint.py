@@ -20,15 +20,13 @@ def warn(message):
 
 
 class Checkpointer:
-    """out_dir's checkpoints for one run of train.py, on every rank: start(), load() and save() (collectives),
-    finish(), close(). What it refuses is a CheckpointError: one line that says what to do."""
+    """out_dir's checkpoints for one run of train.py, on every rank; what it refuses is a one-line CheckpointError."""
 
     def __init__(self, out_dir, ranks, device, writes=True):
         self.out_dir, self.ranks, self.writes = out_dir, ranks, writes  # writes: not eval_only
         self.device_type = 'cuda' if device.startswith('cuda') else 'cpu'
         self.lock = None  # rank 0's lock_out_dir()
-        # an out_dir this run makes is removed again when the run fails before it saved anything
-        self.made_out_dir = ranks.master and not os.path.exists(out_dir)
+        self.made_out_dir = ranks.master and not os.path.exists(out_dir)  # removed if the run fails before a save
         self.init_from, self.found, self.saved, self.fsdp, self.seed = None, None, None, False, None
         self.iter_num, self.best_val_loss, self.wandb_id = 0, 1e9, None  # where the run starts
         self.path, self.saved_iter = None, None  # the last good checkpoint, which an error names
@@ -112,8 +110,7 @@ class Checkpointer:
                 f"cannot resume from {'; '.join(f'{p} ({why})' for p, why in skipped)}: resuming from "
                 f"{chosen[1]} instead; kept as {', '.join(kept)}"
             )
-        if self.ranks.enabled:
-            self.ranks.gather(None)  # every rank reads on once the damaged are moved aside
+        self.ranks.gather(None)  # every rank reads on once the damaged are moved aside
         self.found = tuple(chosen)
         return saved if saved is not None and mine == self.found else self._read(*self.found[:2])
 
@@ -215,8 +212,7 @@ class Checkpointer:
             self.saver.finish()
 
     def close(self, failed=False):
-        """Let go of out_dir; after a failure (no collective) a background save ends first, and an out_dir this run
-        made and left empty is removed."""
+        """Let go of out_dir; failed=True (no collective): end a background save, remove an empty out_dir it made."""
         if failed and self.saver is not None:
             self.saver.finish(failed=True)
         left_empty = (
