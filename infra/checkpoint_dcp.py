@@ -1,7 +1,6 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP), train.py's format under torchrun: out_dir/step_NNNNNNN/
-holds the ranks' shards, DCP's index (.metadata), values.pt (the rest) and .complete, written last into a .tmp folder
-then renamed; a resume reshards onto any number of ranks (docs/distributed.md). Nothing read runs code: values.pt
-with weights_only, .metadata with an unpickler of DCP's index classes; an index of anything but tensors is refused."""
+holds the ranks' shards, DCP's index (.metadata), values.pt (the rest) and .complete, written into a .tmp folder then
+renamed; a resume reshards onto any number of ranks. Nothing read runs code; an index of all but tensors is refused."""
 
 import contextlib
 import io
@@ -166,8 +165,7 @@ class Saver:
         try:
             if future is not None:
                 future.result()
-            # only a checkpoint overwrite=True hands over is replaced; any other folder of this name stays
-            if os.path.exists(final) and final not in self.replaces:
+            if os.path.exists(final) and final not in self.replaces:  # only what overwrite=True hands over is replaced
                 self.error = (
                     f"{final} exists and this run did not write it: it is left as it is, and this save "
                     f"stays unfinished in {tmp}; move {final} out of out_dir, then resume"
