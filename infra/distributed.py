@@ -259,8 +259,7 @@ def load_optimizer_state(model, optimizer, state_dict):
     }
     # strict=False: frozen parameters may have no state; torch 2.9 still looks up every trainable one's (a KeyError)
     params = [p for g in optimizer.param_groups for p in g['params']]
-    saved = {names[i] for i in state_dict['state']}
-    stateless = [p for p, name in zip(params, names) if name not in saved and p.requires_grad]
+    stateless = [p for i, p in enumerate(params) if i not in state_dict['state'] and p.requires_grad]
     for p in stateless:
         p.requires_grad_(False)
     try:
@@ -269,6 +268,6 @@ def load_optimizer_state(model, optimizer, state_dict):
         for p in stateless:
             p.requires_grad_(True)
     # it creates state for every trainable parameter: a later one starts its state as in an uninterrupted run
-    for p, name in zip(params, names):
-        if name not in saved:
+    for i, p in enumerate(params):
+        if i not in state_dict['state']:
             optimizer.state.pop(p, None)
