@@ -15,6 +15,11 @@ from torch.utils.checkpoint import checkpoint
 from configurator import at_least, check_rule
 
 RULES = {'loss_chunk': at_least(0, '>= 0 tokens (0: the whole micro-batch at once)')}
+VOCAB_SLICES = 8  # a low-precision head's dW is summed in fp32 an eighth of the vocabulary at a time
+# grad_fn chains from a saved tensor back to a parameter through these are weights, not activations
+_WEIGHT_VIEWS = {'TBackward0', 'ToCopyBackward0', 'ViewBackward0', 'TransposeBackward0', 'PermuteBackward0'}
+_WEIGHT_VIEWS |= {'ExpandBackward0', 'UnsafeViewBackward0', 'AliasBackward0'}
+OFFLOAD_COPIES = {}  # device type -> the (to_host, to_device) used instead of this module's, set by offload_copies
 
 
 def apply(model, activation_checkpointing=False, checkpoint_sublayers=False, activation_offload=False, loss_chunk=0):
@@ -84,9 +89,6 @@ def chunked_head_loss(model, chunk, x, targets):
     if chunk >= x.size(0):
         return type(model).head_loss(model, x, targets)
     return ChunkedLinearCE.apply(x, model.lm_head.weight, targets, chunk)
-
-
-VOCAB_SLICES = 8  # a low-precision head's dW is summed in fp32 an eighth of the vocabulary at a time
 
 
 class ChunkedLinearCE(torch.autograd.Function):
@@ -167,11 +169,6 @@ class ChunkedLinearCE(torch.autograd.Function):
         return (dx.to(x.dtype) if need_x else None), (dw if need_w else None), None, None
 
 
-# grad_fn chains from a saved tensor back to a parameter through these are weights, not activations
-_WEIGHT_VIEWS = {'TBackward0', 'ToCopyBackward0', 'ViewBackward0', 'TransposeBackward0', 'PermuteBackward0'}
-_WEIGHT_VIEWS |= {'ExpandBackward0', 'UnsafeViewBackward0', 'AliasBackward0'}
-
-
 def is_weight(t):
     """A parameter, a view of one, or (autocast) a cast of a trainable one: it outlives the backward anyway."""
     if isinstance(t._base if t._base is not None else t, nn.Parameter):
@@ -190,9 +187,6 @@ def to_host(t):
 
 def to_device(host, device):
     return host.to(device, non_blocking=True)
-
-
-OFFLOAD_COPIES = {}  # device type -> (to_host, to_device), where not the ones above (offload_copies sets it)
 
 
 @contextmanager
