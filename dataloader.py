@@ -1,8 +1,6 @@
-"""
-Batches of token windows from train.bin / val.bin, in the order 'rr' (random reshuffling: each epoch visits every
+"""Batches of token windows from train.bin / val.bin, in the order 'rr' (random reshuffling: each epoch visits every
 window of block_size+1 tokens once, from a random offset) or 'iid' (nanoGPT's sampling with replacement). The order
-is a function of (seed, epoch), so a run resumes on any number of ranks and batch_size (docs/distributed.md).
-"""
+is a function of (seed, epoch), so a run resumes on any number of ranks and batch_size (docs/distributed.md)."""
 
 import importlib
 import os
@@ -82,15 +80,7 @@ class TokenBatches:
         self.steps_per_epoch = max(1, self.steps_per_epoch)
         self.epoch, self.windows_done = 0, 0  # windows of the epoch consumed, by every rank together
         self._order = None
-
-    def _epoch_order(self):
-        """(offset, permutation of window indices) of the current epoch, cached."""
-        if self._order is None or self._order[0] != self.epoch:
-            g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**64)  # a large data_seed wraps
-            offset = int(torch.randint(self.block_size + 1, (1,), generator=g))
-            perm = torch.randperm(self.windows_per_epoch, generator=g)
-            self._order = (self.epoch, offset, perm)
-        return self._order[1], self._order[2]
+        self.start = self.state_dict()  # evaluation batches rewind to it at each evaluation (load_state_dict)
 
     def next_starts(self):
         """Token offsets of this rank's windows for the next micro-step: rank r takes the r-th part of the step's
@@ -105,7 +95,11 @@ class TokenBatches:
             # one generator per global micro-step: iid draws resume exactly and do not depend on the ranks
             g = torch.Generator().manual_seed(((self.seed * 1_000_003 + self.epoch) * 1_000_003 + step_first) % 2**64)
             return torch.randint(self.n_tokens - self.block_size, (per_step,), generator=g)[mine]
-        offset, perm = self._epoch_order()
+        if self._order is None or self._order[0] != self.epoch:  # the epoch's offset and window order, drawn once
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**64)  # a large data_seed wraps
+            offset = int(torch.randint(self.block_size + 1, (1,), generator=g))
+            self._order = (self.epoch, offset, torch.randperm(self.windows_per_epoch, generator=g))
+        _, offset, perm = self._order
         return offset + perm[step_first : step_first + per_step][mine] * (self.block_size + 1)
 
     def next_batch(self, device='cpu'):
@@ -155,8 +149,7 @@ class TokenBatches:
             raise ValueError(
                 f"the checkpoint's data position ({state['windows_consumed']} windows into epoch {state['epoch']}) "
                 f"lies beyond the {self.windows_per_epoch} windows of {self.path} ({self.n_tokens:,} tokens, "
-                f"{state.get('n_tokens', 'unknown')} when it was saved): the file changed; resume on the data "
-                f"the checkpoint trained on"
+                f"{state.get('n_tokens', 'unknown')} when it was saved): the file changed; resume on the original data"
             )
         self.epoch, self.windows_done = state['epoch'], state['windows_consumed']
 
@@ -211,8 +204,7 @@ def check_vocab(dataset, vocab_size, *batches):
     if os.path.exists(os.path.join(data_dir(dataset), 'meta.pkl')) and meta['vocab_size'] > vocab_size:
         raise ValueError(
             f"vocab_size={vocab_size} is smaller than the vocabulary of {data_dir(dataset)} ({meta['vocab_size']} "
-            f"ids, tokenizer {meta['tokenizer']}): set --vocab_size={meta['vocab_size']} or more, or train on a "
-            f"dataset prepared with a smaller tokenizer"
+            f"ids, tokenizer {meta['tokenizer']}): set --vocab_size={meta['vocab_size']} or more"
         )
     scanned = set()
     for b in batches:
@@ -241,6 +233,4 @@ def open_splits(dataset, block_size, batch_size, sampling, seed, rank=0, world_s
         return TokenBatches(path, block_size, batch_size, order, seed, rank, world_size, hint, meta['dtype'], n_ids)
 
     evaluation = {split: batches(split, 'iid', seed + 1) for split in ('train', 'val')}
-    for split_batches in evaluation.values():
-        split_batches.start = split_batches.state_dict()
     return batches('train', sampling, seed), evaluation
