@@ -46,12 +46,6 @@ PAPER_LLAMA_7B = {
     **dict.fromkeys(('galore', 'golore'), (12.55, 12.55, 1.73, 4.40, 31.23)),
     **dict.fromkeys(('lisa', 'lisa_wor'), (12.55, 1.24, 2.48, 3.29, 19.56)),
 }
-
-
-def gib(n):
-    return None if n is None else n / 2**30
-
-
 PRECISION_NOTES = {
     'amp': "fp32 weights, gradients and AdamW state, forward under {dtype} autocast (nanoGPT's setting)",
     'bf16': "bf16 weights, gradients and AdamW state, no fp32 master (the paper's table)",
@@ -60,6 +54,10 @@ PRECISION_NOTES = {
     'bf16_master:cpu': "bf16 weights and gradients on the GPU; fp32 master copy, fp32 moments and the AdamW step "
     "on the CPU (CPU state column, not GPU memory)",
 }
+
+
+def gib(n):
+    return None if n is None else n / 2**30
 
 
 def notes_for(cfg, device, estimate, row, precisions):
