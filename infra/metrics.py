@@ -9,6 +9,43 @@ import time
 
 import torch
 
+# A value's template on a log line, else `name value` (a float to 4 significant digits); None: recorded, never
+# shown. A value of None is left off the line (and out of an iteration's record).
+SHOWN = {
+    'loss': 'loss {:.4f}',
+    'train_loss': 'train loss {:.4f}',
+    'val_loss': 'val loss {:.4f}',
+    'mc_acc': 'mc acc {:.4f}',
+    'mc_acc_norm': 'acc_norm {:.4f}',
+    'lr': 'lr {:.2e}',
+    'ms': 'time {:.1f}ms',
+    'tok_per_s': 'tok/s {:,.0f}',
+    'epoch': 'epoch {:.2f}',
+    'mfu': 'mfu {:.2%}',
+    'mem_alloc_gib': 'mem {:.2f} GiB allocated',
+    'mem_reserved_gib': '{:.2f} GiB reserved',
+    'ddp_rebuild_ms': 'DDP rebuilt in {:.1f} ms',
+    'description': '{}',
+    'active': None,  # a switch's: its description says it
+    'trains': None,
+}
+# Peak dense bf16 FLOP/s per GPU, from NVIDIA's datasheets ("with sparsity" halved)
+PEAK_BF16_FLOPS = {
+    'H100': 989.4e12,  # SXM5; its name has no variant word ('NVIDIA H100 80GB HBM3')
+    'H100 PCIe': 756e12,
+    'H100 NVL': 835e12,
+    'H200': 989e12,  # SXM ('NVIDIA H200')
+    'H200 NVL': 835e12,
+    'GH200': 989e12,
+    'A100': 312e12,  # SXM4 and PCIe alike
+    'B200': 2250e12,
+    'L40S': 362e12,
+    'L4': 121e12,
+    'A10': 125e12,
+    'A10G': 125e12,
+    'RTX 4090': 165e12,
+}
+
 
 class Metrics:
     """train.py's reports, one method per event, called on every rank: each value shows on the line by its rule in
@@ -136,28 +173,6 @@ class Metrics:
         return kept
 
 
-# A value's template on a log line, else `name value` (a float to 4 significant digits); None: recorded, never
-# shown. A value of None is left off the line (and out of an iteration's record).
-SHOWN = {
-    'loss': 'loss {:.4f}',
-    'train_loss': 'train loss {:.4f}',
-    'val_loss': 'val loss {:.4f}',
-    'mc_acc': 'mc acc {:.4f}',
-    'mc_acc_norm': 'acc_norm {:.4f}',
-    'lr': 'lr {:.2e}',
-    'ms': 'time {:.1f}ms',
-    'tok_per_s': 'tok/s {:,.0f}',
-    'epoch': 'epoch {:.2f}',
-    'mfu': 'mfu {:.2%}',
-    'mem_alloc_gib': 'mem {:.2f} GiB allocated',
-    'mem_reserved_gib': '{:.2f} GiB reserved',
-    'ddp_rebuild_ms': 'DDP rebuilt in {:.1f} ms',
-    'description': '{}',
-    'active': None,  # a switch's: its description says it
-    'trains': None,
-}
-
-
 def shown(values):
     parts = []
     for name, value in values.items():
@@ -207,24 +222,6 @@ class LogOutlivesItsReader:
         except (AttributeError, OSError, ValueError):  # not a real file: nothing can break
             return
         sys.stdout = cls(sys.stdout)
-
-
-# Peak dense bf16 FLOP/s per GPU, from NVIDIA's datasheets ("with sparsity" halved)
-PEAK_BF16_FLOPS = {
-    'H100': 989.4e12,  # SXM5; its name has no variant word ('NVIDIA H100 80GB HBM3')
-    'H100 PCIe': 756e12,
-    'H100 NVL': 835e12,
-    'H200': 989e12,  # SXM ('NVIDIA H200')
-    'H200 NVL': 835e12,
-    'GH200': 989e12,
-    'A100': 312e12,  # SXM4 and PCIe alike
-    'B200': 2250e12,
-    'L40S': 362e12,
-    'L4': 121e12,
-    'A10': 125e12,
-    'A10G': 125e12,
-    'RTX 4090': 165e12,
-}
 
 
 def peak_for_name(name):
