@@ -55,18 +55,17 @@ sampling = 'rr'  # 'rr': random reshuffling (each window once per epoch), 'iid':
 data_seed = 1337  # seeds the data order, independent of the model's init
 gradient_accumulation_steps = 1  # micro-steps per optimizer step, summed over all ranks
 batch_size = 32  # micro-batch size per rank
-# model: the defaults are model.TransformerConfig's; a preset ('gpt2', 'llama-60m', ...) sets the architecture keys
-_model = TransformerConfig
-block_size = _model.block_size  # tokens per sequence
+# model: a preset ('gpt2', 'llama-60m', ...) sets the architecture keys
+block_size = TransformerConfig.block_size  # tokens per sequence
 preset = ''  # a preset of model.py's PRESETS, or '' for the keys below
-arch = _model.arch  # 'gpt2' or 'llama'
-n_layer = _model.n_layer  # transformer blocks
-n_head = _model.n_head  # attention heads
-n_kv_head = _model.n_kv_head  # llama grouped-query attention; 0 means n_head
-n_embd = _model.n_embd  # model width
-mlp_hidden = _model.mlp_hidden  # 0: 4*n_embd for gpt2, LLaMA's rule for llama
-dropout = _model.dropout  # dropout probability
-bias = _model.bias  # biases in linears and LayerNorms (gpt2)
+arch = TransformerConfig.arch  # 'gpt2' or 'llama'
+n_layer = TransformerConfig.n_layer  # transformer blocks
+n_head = TransformerConfig.n_head  # attention heads
+n_kv_head = TransformerConfig.n_kv_head  # llama grouped-query attention; 0 means n_head
+n_embd = TransformerConfig.n_embd  # model width
+mlp_hidden = TransformerConfig.mlp_hidden  # 0: 4*n_embd for gpt2, LLaMA's rule for llama
+dropout = TransformerConfig.dropout  # dropout probability
+bias = TransformerConfig.bias  # biases in linears and LayerNorms (gpt2)
 vocab_size = 0  # 0: the dataset's (meta.pkl), else the preset's, else TransformerConfig's (GPT-2's, padded)
 activation_checkpointing = False  # recompute each block's activations in the backward
 checkpoint_sublayers = False  # activation_checkpointing of attention and MLP apart: a lower peak, more saved inputs
@@ -86,17 +85,16 @@ decay_lr = True  # False: constant learning_rate
 warmup_iters = 50  # linear warm-up iterations
 lr_decay_iters = 1000  # iterations of the cosine decay (then min_lr)
 min_lr = 2e-4  # the learning rate at the end of the decay
-# layer cycling (omgd.py); see the README's table of methods. The cycler's defaults are omgd.CyclerConfig's
-_cycler = omgd.CyclerConfig
-method = _cycler.method  # a method of omgd.METHODS (the README's table of methods), galore or golore
-omgd_gamma = _cycler.gamma  # active middle blocks per period
-omgd_period = _cycler.period  # K: iterations between switches
-omgd_warmup = _cycler.warmup  # iterations of full training before cycling starts
-omgd_ratio = _cycler.ratio  # tensor_wor: 1/M, each of the M groups' share; tensor_iid: each tensor's keep probability
-omgd_state = _cycler.state  # optimizer state of frozen parameters: 'drop', 'offload' (to CPU) or 'keep'
-omgd_seed = _cycler.seed  # seeds block selection (same on every rank), independent of the data order
+# layer cycling (omgd.py); see the README's table of methods
+method = omgd.CyclerConfig.method  # a method of omgd.METHODS (the README's table of methods), galore or golore
+omgd_gamma = omgd.CyclerConfig.gamma  # active middle blocks per period
+omgd_period = omgd.CyclerConfig.period  # K: iterations between switches
+omgd_warmup = omgd.CyclerConfig.warmup  # iterations of full training before cycling starts
+omgd_ratio = omgd.CyclerConfig.ratio  # tensor_wor: 1/M, each group's share; tensor_iid: each tensor's keep probability
+omgd_state = omgd.CyclerConfig.state  # optimizer state of frozen parameters: 'drop', 'offload' (to CPU) or 'keep'
+omgd_seed = omgd.CyclerConfig.seed  # seeds block selection (same on every rank), independent of the data order
 omgd_scale_after_clip = True  # the paper's code clips the gradient norm first, then scales
-omgd_always = ','.join(_cycler.always)  # parts trained at every step
+omgd_always = ','.join(omgd.CyclerConfig.always)  # parts trained at every step
 # galore / golore (galore.py)
 galore_rank = 128  # rank of the gradient projection
 galore_update_proj_gap = 200  # iterations between projection refreshes
