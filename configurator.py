@@ -57,7 +57,8 @@ def coerce(key, value, default):
 
 
 def load_config_file(path):
-    """The public names a config file assigns (modules and functions it uses are skipped)."""
+    """The public names a config file assigns (modules and functions it uses are skipped), and where each is set:
+    "config file 'x', line N" of its last assignment (no line for a name a file it executes sets)."""
     try:
         with open(path, encoding='utf-8') as f:
             source = f.read()
@@ -67,7 +68,8 @@ def load_config_file(path):
         raise ConfigError(f"config file {path!r} is not UTF-8 text; save it as UTF-8 (a Python file)") from None
     namespace = {'__file__': path}  # lets a config file build on another one next to it
     try:
-        exec(compile(source, path, 'exec'), namespace)
+        tree = ast.parse(source, path)
+        exec(compile(tree, path, 'exec'), namespace)
     except SystemExit:
         raise ConfigError(f"config file {path!r} calls exit(); a config file only assigns keys") from None
     except Exception as e:  # a mistake inside the file: one line naming the file and line
@@ -77,9 +79,14 @@ def load_config_file(path):
             frames = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
             line, message = (frames or ['?'])[-1], (str(e).splitlines() or [''])[0]
         raise ConfigError(f"config file {path!r}, line {line}: {type(e).__name__}: {message}") from None
-    return {
+    lines = {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            lines[n.id] = max(n.lineno, lines.get(n.id, 0))
+    values = {
         k: v for k, v in namespace.items() if not k.startswith('_') and not callable(v) and type(v).__name__ != 'module'
     }
+    return values, {k: f"config file {path!r}" + (f", line {lines[k]}" if k in lines else '') for k in values}
 
 
 # rules: (test, requirement) pairs; the error names the key, the value and the requirement
@@ -141,9 +148,9 @@ def configure(defaults, argv, rules=None, given=None):
     """`defaults` updated by argv's config files and overrides, each checked by its rule in `rules`. given: a set
     that receives the keys argv sets (a resume tells an override from a default by it)."""
     config = dict(defaults)
-    set_in = {}  # key -> the config file that set it last: its errors name the file and line
+    set_in = {}  # key -> where the config file that set it last sets it: its errors name the file and line
     for arg in argv:
-        path = None
+        where = {}
         if arg.startswith('--'):
             key, sep, value = arg[2:].partition('=')
             if not sep and isinstance(defaults.get(key), bool):
@@ -153,32 +160,20 @@ def configure(defaults, argv, rules=None, given=None):
                 raise ConfigError(f"expected --key=value, got {arg!r}; {hint}")
             updates = {key: value}
         else:
-            path, updates = arg, load_config_file(arg)
+            updates, where = load_config_file(arg)
         for key, value in updates.items():
             try:
                 if key not in defaults:
                     raise _unknown_key(key, defaults)
                 config[key] = coerce(key, value, defaults[key])
             except ConfigError as e:
-                raise _in_file(e, path, key) if path else e from None
-            set_in[key] = path
+                raise ConfigError(f"{where[key]}: {e}") if where else e from None
+            set_in[key] = where.get(key)
             if given is not None:
                 given.add(key)
     for key, rule in (rules or {}).items():
         try:
             check_rule(key, config[key], rule)
         except ConfigError as e:
-            raise _in_file(e, set_in[key], key) if set_in.get(key) else e from None
+            raise ConfigError(f"{set_in[key]}: {e}") if set_in.get(key) else e from None
     return config
-
-
-def _in_file(error, path, key):
-    """`error` about `key`, prefixed with the config file and the line that assigns it last."""
-    try:
-        with open(path, encoding='utf-8') as f:
-            nodes = list(ast.walk(ast.parse(f.read(), path)))
-    except (OSError, SyntaxError, ValueError):  # the file changed since it ran: the file alone is named
-        nodes = []
-    lines = [n.lineno for n in nodes if isinstance(n, ast.Name) and n.id == key and isinstance(n.ctx, ast.Store)]
-    where = f", line {max(lines)}" if lines else ''  # none: set by a file it executes, or by exec
-    return ConfigError(f"config file {path!r}{where}: {error}")
