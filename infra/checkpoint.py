@@ -34,8 +34,7 @@ class Checkpointer:
         self.saver = None  # the step folders' writer (checkpoint_dcp.Saver); None: ckpt.pt
 
     def start(self, cfg, configure, fsdp=False):
-        """Start or resume the run; returns configure(saved or None, its path), the run's config. The writer (rank 0)
-        takes the lock, replaces an earlier run's checkpoint only if overwrite=True, removes what a killed save left."""
+        """Start or resume the run: returns configure(saved values or None, their path), the run's config."""
         master, out_dir = self.ranks.master, self.out_dir
         if master and self.writes:
             try:
@@ -297,8 +296,7 @@ def all_checkpoints(out_dir):
 def check_out_dir(out_dir):
     """Refuse an out_dir that cannot hold a checkpoint; remove what a killed save of ckpt.pt left there."""
     try:
-        os.makedirs(out_dir, exist_ok=True)
-        tempfile.TemporaryFile(dir=out_dir).close()  # a file can be made there
+        tempfile.TemporaryFile(dir=out_dir).close()  # a file can be made there (lock_out_dir made the folder)
     except OSError as e:
         raise CheckpointError(
             f"out_dir={out_dir!r} cannot hold checkpoints ({e.strerror or e}); choose a writable --out_dir"
