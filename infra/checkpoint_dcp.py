@@ -166,10 +166,7 @@ class Saver:
             if future is not None:
                 future.result()
             if os.path.exists(final) and final not in self.replaces:  # only what overwrite=True hands over is replaced
-                self.error = (
-                    f"{final} exists and this run did not write it: it is left as it is, and this save "
-                    f"stays unfinished in {tmp}; move {final} out of out_dir, then resume"
-                )
+                self.error = f"{final} exists and this run did not write it; move it out of out_dir, then resume"
                 return
             _mark(tmp, MARKER)
             os.remove(os.path.join(tmp, WRITING))
@@ -357,13 +354,10 @@ def _load(state, path, group=None):
     # checked on every rank alike before DCP's collectives: inside dcp.load a refusal comes wrapped in tracebacks
     read_index(path)
     try:
+        reader, planner = SafeReader(path), _TensorsOnly(path)
         with _single_process_quiet():
             dcp.load(
-                state,
-                storage_reader=SafeReader(path),
-                planner=_TensorsOnly(path),
-                process_group=group,
-                no_dist=not dist.is_initialized(),
+                state, storage_reader=reader, planner=planner, process_group=group, no_dist=not dist.is_initialized()
             )
     except FAILURES as e:
         raise _cannot_read(path, e) from None
