@@ -111,8 +111,7 @@ class MetaAsCuda(TorchFunctionMode):
 
     def __init__(self, dtype=None, cache=False):
         super().__init__()
-        self.dtype, self.cache = dtype, cache
-        self.casts = {}
+        self.dtype, self.cache, self.casts = dtype, cache, {}
 
     def __enter__(self):
         self.emulation = ExitStack()
