@@ -38,7 +38,6 @@ assert not set(OWN_KEYS) & set(train_config.DEFAULTS)
 DEFAULTS = {**train_config.gpu_defaults(), 'device': 'auto', **OWN_KEYS}
 RULES = {**train_config.RULES, 'micro_batches': at_least(0)}
 
-# the byte counts of a row (memory_estimate.measure)
 BYTE_KEYS = ('params', 'grads', 'optimizer', 'others', 'peak', 'reserved', 'projectors', 'cpu_state', 'tracked_peak')
 # the paper's Table (GiB), for comparison when the preset is llama-7b
 PAPER_LLAMA_7B = {
@@ -207,7 +206,6 @@ def run(cfg, argv=()):
 
 
 def output_prefix(cfg):
-    """Where main writes: --out, else out/memory_<preset> (git-ignored), never results/ unless named."""
     return cfg['out'] or os.path.join('out', f"memory_{model_name(cfg)}")
 
 
@@ -232,8 +230,7 @@ def main(argv):
         plot(result, prefix + '.png')
     except OSError as e:  # a full disk, a read-only folder, a file where a folder should be
         sys.exit(f"error: cannot write the report {prefix}.* ({e.strerror or e}); free space or choose another --out")
-    print(text, end='')
-    print(f"wrote {prefix}.md, {prefix}.json, {prefix}.png")
+    print(f"{text}wrote {prefix}.md, {prefix}.json, {prefix}.png")
 
 
 if __name__ == '__main__':
