@@ -90,8 +90,7 @@ class MethodRun:
                 f.write(f"iteration {it}, by {what} time\n{prof.key_averages().table(sort_by=key, row_limit=30)}\n")
 
     def row(self, peak_flops, with_memory):
-        # the median: robust to the odd slow step (a switch, another process on the machine)
-        dt, flops = statistics.median(self.times), statistics.mean(self.flops)
+        dt, flops = statistics.median(self.times), statistics.mean(self.flops)  # median: robust to an odd slow step
         return dict(
             method=self.cfg['method'],
             precision=self.label,
