@@ -385,10 +385,9 @@ def check_parallel(cfg, world_size, fsdp):
     steps = cfg['gradient_accumulation_steps']
     if steps % world_size:
         raise ValueError(
-            f"gradient_accumulation_steps={steps} counts micro-steps summed over all ranks and must be "
-            f"a multiple of the {world_size} ranks, e.g. --gradient_accumulation_steps="
-            f"{world_size * math.ceil(steps / world_size)} (tokens per iteration = "
-            f"gradient_accumulation_steps x batch_size x block_size)"
+            f"gradient_accumulation_steps={steps} counts micro-steps summed over all ranks and must be a multiple of "
+            f"the {world_size} ranks, e.g. --gradient_accumulation_steps={world_size * math.ceil(steps / world_size)} "
+            "(tokens per iteration = gradient_accumulation_steps x batch_size x block_size)"
         )
 
 
@@ -398,20 +397,17 @@ def gpu_defaults():
 
 
 def meanings(path=__file__):
-    """{key: its comment}: what `--help` says of each key. The comment on the key's assignment (on its line, or
-    inside the parentheses ruff format wraps a long line in) or, without one, the comment lines right above it."""
+    """{key: its comment}: what `--help` says of each key, the comment on its assignment (on its line, or inside the
+    parentheses ruff format wraps a long line in)."""
     source = open(path, encoding='utf-8').read()
     comments = {
-        tok.start[0]: (tok.start[1], tok.string[1:].strip())
+        tok.start[0]: tok.string[1:].strip()
         for tok in tokenize.generate_tokens(io.StringIO(source).readline)
         if tok.type == tokenize.COMMENT
     }
-    out = {}
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id in DEFAULTS:
-            text = [comments[n][1] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
-            above = node.lineno
-            while not text and comments.get(above - 1, (None,))[0] == 0:  # whole-line comments right above
-                above -= 1
-            out[node.targets[0].id] = ' '.join(text or [comments[n][1] for n in range(above, node.lineno)])
-    return out
+    keys = [n for n in ast.parse(source).body if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)]
+    return {
+        n.targets[0].id: ' '.join(comments[i] for i in range(n.lineno, n.end_lineno + 1) if i in comments)
+        for n in keys
+        if n.targets[0].id in DEFAULTS
+    }
