@@ -57,8 +57,7 @@ def coerce(key, value, default):
 
 
 def load_config_file(path):
-    """The public names a config file assigns (modules and functions it uses are skipped), and where each is set:
-    "config file 'x', line N" of its last assignment (no line for a name a file it executes sets)."""
+    """The public names a config file assigns (not its modules and functions), and {name: "config file 'x', line N"}."""
     try:
         with open(path, encoding='utf-8') as f:
             source = f.read()
