@@ -30,8 +30,7 @@ def transformer_kwargs(cfg, vocab_size=0):
 
 
 class RandomOnCPU(TorchDispatchMode):
-    """Random fills (normal_, uniform_) of a tensor not fp32 on the CPU are drawn there, then cast in: a GPU or bf16
-    init gets a CPU fp32 build's weights, cast."""
+    """Random fills (normal_, uniform_) of a tensor not fp32 on the CPU are drawn there in fp32, then cast in."""
 
     FILLS = (torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default)
 
