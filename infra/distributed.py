@@ -238,8 +238,7 @@ def numbered(state_dict, names):
 
 
 def full_state_dicts(model, optimizer):
-    """(model, optimizer) state dicts of a sharded model on rank 0's CPU (empty elsewhere), a collective; the
-    optimizer's keyed by parameter number, as one process writes it."""
+    """(model, optimizer) full state dicts on rank 0's CPU (else empty), numbered as in one process; a collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
