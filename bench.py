@@ -1,4 +1,4 @@
-"""
+r"""
 Training speed of the methods on the same model and batch, like nanoGPT's bench.py: time per iteration, tokens/s,
 MFU (on a GPU of known peak) and peak memory. Each row builds a fresh model (same seed) and runs Trainer.step,
 train.py's iteration, at learning_rate on one random batch reused.

@@ -1,4 +1,4 @@
-"""
+r"""
 GPU memory of train.py's iteration, split like the OMGD paper's LLaMA-7B table: model weights, gradients, optimizer
 state, and "others" (activations, temporaries, workspaces) = the peak minus those three. Each row is
 memory_estimate.measure of train.py's iteration, after a warm-up that creates the optimizer state (docs/memory.md).
