@@ -120,8 +120,7 @@ GALORE_METHODS = ('galore', 'golore')  # galore.py's optimizers; every block tra
 METHOD_NAMES = (*omgd.METHODS, *GALORE_METHODS)
 RESUMING = ('resume', 'auto')  # init_from values whose config is known only once out_dir's checkpoint is read
 
-# the rule each value follows on its own (configurator.py checks them with the types); combinations are check()'s
-RULES = {
+RULES = {  # the rule each value follows on its own (configurator.py checks them); combinations are check()'s
     'out_dir': at_least(1, 'a non-empty path', len),
     'dataset': at_least(1, 'a non-empty name', len),
     **dict.fromkeys(('eval_interval', 'log_interval', 'eval_iters', 'batch_size', 'dist_timeout_s'), at_least(1)),
@@ -153,8 +152,7 @@ RULES = {
 
 # the values a resume reads besides the states of the objects (every checkpoint of train.py has them), by type
 RESUME_KEYS = dict(config=dict, model_args=dict, iter_num=int, best_val_loss=(int, float), data=dict, rng=dict)
-# what a resume cannot change, and why: the checkpoint's schedule, data position, state and weights belong to them
-FIXED_ON_RESUME = {
+FIXED_ON_RESUME = {  # what a resume cannot change, and why: they belong to its schedule, data, state or weights
     **{k: 'its layer schedule and data position belong to it' for k in ('dataset', 'method')},
     **{k: 'its data position is a place in that order' for k in ('sampling', 'data_seed')},
     **omgd.FIXED_ON_RESUME,  # the libraries' own keys, each written there
@@ -405,9 +403,8 @@ def meanings(path=__file__):
         for tok in tokenize.generate_tokens(io.StringIO(source).readline)
         if tok.type == tokenize.COMMENT
     }
-    keys = [n for n in ast.parse(source).body if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)]
     return {
         n.targets[0].id: ' '.join(comments[i] for i in range(n.lineno, n.end_lineno + 1) if i in comments)
-        for n in keys
-        if n.targets[0].id in DEFAULTS
+        for n in ast.parse(source).body
+        if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name) and n.targets[0].id in DEFAULTS
     }
