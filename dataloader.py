@@ -155,8 +155,7 @@ class TokenBatches:
 
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')  # the checkout's data/<name>/prepare.py
-# where dataset names are looked up: data/, or OMGD_DATA_ROOT (a shared data disk; the tests' temporary folder)
-DATA_ROOT = os.environ.get('OMGD_DATA_ROOT') or SCRIPTS
+DATA_ROOT = os.environ.get('OMGD_DATA_ROOT') or SCRIPTS  # where dataset names are looked up (a shared disk, tests)
 EMBEDDED = ('shakespeare', 'shakespeare_char')  # corpora shipped in packages: prepared on first use
 
 
