@@ -35,7 +35,7 @@ from memory_estimate import check_rows, measure, model_config, model_name, preci
 # keys of this script only (train.py has none of these names); `device` has its own values here
 OWN_KEYS = dict(methods='', precisions='', micro_batches=2, out='')
 assert not set(OWN_KEYS) & set(train_config.DEFAULTS)
-DEFAULTS = {**train_config.gpu_defaults(), 'device': 'auto', **OWN_KEYS}
+DEFAULTS = {**train_config.DEFAULTS, **train_config.machine_defaults(cuda=True), 'device': 'auto', **OWN_KEYS}
 RULES = {**train_config.RULES, 'micro_batches': at_least(0)}
 
 BYTE_KEYS = ('params', 'grads', 'optimizer', 'others', 'peak', 'reserved', 'projectors', 'cpu_state', 'tracked_peak')

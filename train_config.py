@@ -389,11 +389,6 @@ def check_parallel(cfg, world_size, fsdp):
         )
 
 
-def gpu_defaults():
-    """train.py's defaults on a machine with CUDA (what the memory benchmark estimates anywhere)."""
-    return {**DEFAULTS, **machine_defaults(True)}
-
-
 def meanings(path=__file__):
     """{key: its comment}: what `--help` says of each key, the comment on its assignment (on its line, or inside the
     parentheses ruff format wraps a long line in)."""

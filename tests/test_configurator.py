@@ -181,7 +181,8 @@ def test_defaults_are_data_importable_without_running_a_script():
     import train_config
 
     assert train_config.DEFAULTS['method'] == 'lisa_wor' and train_config.DEFAULTS['omgd_gamma'] == 2
-    assert train_config.gpu_defaults()['dtype'] == 'bfloat16' and train_config.gpu_defaults()['compile'] is True
+    gpu_machine = train_config.machine_defaults(cuda=True)
+    assert gpu_machine['dtype'] == 'bfloat16' and gpu_machine['compile'] is True
 
 
 @pytest.mark.parametrize(
@@ -300,7 +301,7 @@ def test_the_device_given_decides_the_defaults_that_depend_on_it(monkeypatch):
     those keys are given too; with no --device the machine's defaults stay."""
     import train_config
 
-    gpu_machine = train_config.gpu_defaults()
+    gpu_machine = {**train_config.DEFAULTS, **train_config.machine_defaults(cuda=True)}
     cpu = train_config.machine_defaults(cuda=False)
     cfg = train_config.load(['--device=cpu'], defaults=gpu_machine)
     assert {k: cfg[k] for k in cpu} == cpu
