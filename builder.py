@@ -138,16 +138,17 @@ def build(cfg, device, vocab_size=0, model=None, shard=None, cpu_draws=True, hos
     return model, optimizer, build_cycler(model, optimizer, cfg)
 
 
-def trained_model(out_dir):
+def trained_model(out_dir, dataset=True):
     """(Transformer on the CPU, checkpoint dict, its path) of out_dir's newest checkpoint, weights only (read
-    mapped): sample.py's and eval.py's model. A one-line ValueError for a file that is not train.py's."""
+    mapped): the model sample.py, eval.py and export (dataset=False: no config needed) read. A one-line ValueError
+    for a file that is not train.py's or weights that are not finite."""
     checkpoint, path = read_any(out_dir, map_location='cpu', mmap=True, optimizer=False)
     try:
         model = Transformer(TransformerConfig(**checkpoint['model_args']))
         model.load_state_dict(checkpoint['model'])
-        if trained_dataset(checkpoint) is None:
+        if dataset and trained_dataset(checkpoint) is None:
             raise TypeError("its config records no dataset")
-        config = checkpoint['config']
+        config = checkpoint['config'] if dataset else {}
         checkpoint['iter_num']  # what eval.py reads besides: iter_num, and these integers when the file has them
         integers = {k: config[k] for k in ('batch_size', 'eval_iters', 'data_seed') if k in config}
         integers['world_size'] = checkpoint.get('world_size', 1)
@@ -159,4 +160,10 @@ def trained_model(out_dir):
             f"{path} is not a checkpoint of train.py ({type(e).__name__}: "
             f"{(str(e).splitlines() or [''])[0][:200]}); give the out_dir of a train.py run"
         ) from None
+    bad = [k for k, t in checkpoint['model'].items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:  # Checkpointer.save refuses them: every logit would be NaN, and nothing would say why
+        raise ValueError(
+            f"{path} holds NaN or inf weights ({len(bad)} tensor(s), e.g. {bad[0]}), which train.py never saves: the "
+            f"file is damaged or not train.py's; restore a backup or use an earlier checkpoint"
+        )
     return model, checkpoint, path

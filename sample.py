@@ -60,16 +60,9 @@ def main(argv):
     cfg = command_line(argv, DEFAULTS, RULES, "usage: python sample.py [--key=value ...]", HELP)
     try:
         check_device(cfg['device'])
-        model, checkpoint, path = trained_model(cfg['out_dir'])
+        model, checkpoint, _ = trained_model(cfg['out_dir'])
     except ValueError as e:  # CheckpointError too
         sys.exit(f"error: {e}")
-    # every sample would be NaN logits, printed as nothing; train.py never saves such weights (Checkpointer.save)
-    bad = [k for k, t in checkpoint['model'].items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-    if bad:
-        sys.exit(
-            f"error: {path} holds non-finite weights (NaN or inf in {len(bad)} tensor(s), e.g. {bad[0]}): the file is "
-            f"damaged or not train.py's; restore a backup, or sample from an earlier checkpoint"
-        )
     model.eval().to(cfg['device'])
     encode, decode = load_codec(data_dir(checkpoint['config']['dataset']), model.config.vocab_size)
     torch.manual_seed(cfg['seed'])

@@ -360,6 +360,12 @@ def test_checkpoint_that_does_not_load_is_one_error_line(run, tmp_path):
         run_script('eval.py', [f'--out_dir={tmp_path}']),
         r"ckpt.pt is not a checkpoint of train.py \(RuntimeError: Error\(s\) in loading state_dict",
     )
+    checkpoint = torch.load(os.path.join(out_dir, 'ckpt.pt'), weights_only=True)
+    checkpoint['model']['blocks.0.ln_1.weight'][0] = float('nan')  # a diverged model's loss would print as nan
+    torch.save(checkpoint, tmp_path / 'ckpt.pt')
+    assert_one_line_error(
+        run_script('eval.py', [f'--out_dir={tmp_path}']), r"ckpt.pt holds NaN or inf weights \(1 tensor\(s\), e\.g\. "
+    )
     (tmp_path / 'ckpt.pt').write_bytes(b'not a checkpoint')
     assert_one_line_error(run_script('eval.py', [f'--out_dir={tmp_path}']), r"cannot read checkpoint .*corrupt")
 

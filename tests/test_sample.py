@@ -90,7 +90,7 @@ def test_a_dataset_whose_meta_pkl_is_gone_and_a_nan_checkpoint_are_one_line_erro
     result = run_script('sample.py', [f'--out_dir={tmp_path / "nan"}', '--max_new_tokens=5'])
     assert_one_line_error(
         result,
-        rf"{os.path.join(tmp_path, 'nan', 'ckpt.pt')} holds non-finite weights \(NaN or "
-        rf"inf in 1 tensor\(s\), e\.g\. {name}\): .*sample from an earlier checkpoint",
+        rf"{os.path.join(tmp_path, 'nan', 'ckpt.pt')} holds NaN or inf weights \(1 tensor\(s\), e\.g\. {name}\), "
+        r"which train\.py never saves: .*restore a backup or use an earlier checkpoint",
     )
     assert not result.stdout
