@@ -156,9 +156,9 @@ def trained_model(out_dir, dataset=True):
         if wrong:
             raise TypeError(f"it holds {wrong[0]}")
     except Exception as e:  # a readable file that is not one of train.py's checkpoints
-        raise ValueError(
-            f"{path} is not a checkpoint of train.py ({type(e).__name__}: "
-            f"{(str(e).splitlines() or [''])[0][:200]}); give the out_dir of a train.py run"
+        raise ValueError(  # load_state_dict's message runs over several lines: joined
+            f"{path} is not a checkpoint of train.py ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "
+            f"give the out_dir of a train.py run"
         ) from None
     bad = [k for k, t in checkpoint['model'].items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:  # Checkpointer.save refuses them: every logit would be NaN, and nothing would say why
