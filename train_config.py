@@ -200,19 +200,15 @@ def run_config(cfg, given, saved=None, path=None):
     values of the checkpoint at `path`; None: nothing to resume) with the keys this command gave (`given`) on top."""
     if saved is not None:
         check_saved(saved, path)
-        try:
-            cfg = check_resume(saved['config'], saved['model_args'], cfg, given)
-        except (KeyError, TypeError) as e:
-            raise ValueError(
-                f"cannot resume from {path}: its config is not train.py's ({e}); restore a backup or train from scratch"
-            ) from None
+        cfg = check_resume(saved['config'], saved['model_args'], cfg, given)
     if cfg['init_from'] in RESUMING:
         check_run(cfg)
     return cfg
 
 
 def check_saved(saved, path):
-    """Refuse (one-line ValueError) a checkpoint lacking a value of RESUME_KEYS or of another type (model_args too)."""
+    """Refuse (one-line ValueError) a checkpoint lacking a value of RESUME_KEYS, or with a value (of model_args and
+    config too) of another type than train.py writes."""
     missing = [k for k in RESUME_KEYS if not isinstance(saved, dict) or k not in saved]
     if missing:
         raise ValueError(
@@ -224,11 +220,11 @@ def check_saved(saved, path):
         for k, kind in RESUME_KEYS.items()
         if not of_type(v := saved[k], kind) or k == 'iter_num' and v < 0
     ]
-    if isinstance(saved['model_args'], dict):
-        fields = [f for f in dataclasses.fields(TransformerConfig) if f.default is not None]
-        kinds = {f.name: (int, float) if type(f.default) is float else type(f.default) for f in fields}
-        args = saved['model_args'].items()
-        wrong += [f"model_args['{k}']={v!r}"[:80] for k, v in args if k in kinds and not of_type(v, kinds[k])]
+    fields = {f.name: f.default for f in dataclasses.fields(TransformerConfig) if f.default is not None}
+    for name, defaults in (('model_args', fields), ('config', DEFAULTS)):
+        kinds = {k: (int, float) if type(d) is float else type(d) for k, d in defaults.items()}  # an int is a float
+        values = saved[name].items() if isinstance(saved[name], dict) else ()
+        wrong += [f"{name}['{k}']={v!r}"[:80] for k, v in values if k in kinds and not of_type(v, kinds[k])]
     if wrong:
         raise ValueError(
             f"cannot resume from {path}: its {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not what "

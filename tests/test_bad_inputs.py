@@ -413,6 +413,7 @@ def test_a_checkpoint_missing_a_value_is_one_line_naming_it(trained, tmp_path, k
         (dict(iter_num=-3), r"its iter_num=-3 is not what train\.py writes"),
         (dict(best_val_loss='x', rng=5), r"its best_val_loss='x', rng=5 are not what train\.py writes"),
         (dict(model_args={'n_embd': 'x'}), r"its model_args\['n_embd'\]='x' is not what train\.py writes"),
+        (dict(config={'learning_rate': 'x'}), r"its config\['learning_rate'\]='x' is not what train\.py writes"),
         (dict(rng={'ranks': [5]}), r"its random number states cannot be restored \(TypeError: "),
         (
             dict(cycler=None),
@@ -429,7 +430,7 @@ def test_a_checkpoint_value_of_the_wrong_type_is_one_line(trained, tmp_path, edi
     shutil.copytree(trained, out)
     checkpoint = torch.load(out / 'ckpt.pt', weights_only=True)
     for key, value in edit.items():
-        checkpoint[key] = {**checkpoint[key], **value} if key == 'model_args' else value
+        checkpoint[key] = {**checkpoint[key], **value} if key in ('model_args', 'config') else value
     torch.save(checkpoint, out / 'ckpt.pt')
     before = digest(out)
     for init_from in ('resume', 'auto'):
