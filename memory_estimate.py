@@ -44,9 +44,8 @@ def memory_bytes(model, optimizer):
 
 
 class LiveBytes(TorchDispatchMode):
-    """Bytes of the live tensor storages on `device` (meta included) and their peak, counted op by op: a storage
-    once however many views it has, until freed; none made inside `with tracker.host():` (host memory). (torch's
-    MemTracker hooks every parameter's gradient: frozen ones fail.)"""
+    """Bytes of the live tensor storages on `device` (meta too) and their peak, op by op: a storage once, however
+    many views, until freed; none made in `with tracker.host():`. (torch's MemTracker fails on frozen parameters.)"""
 
     def __init__(self, device):
         super().__init__()
@@ -95,12 +94,11 @@ class LiveBytes(TorchDispatchMode):
 
 
 class MetaAsCuda(TorchFunctionMode):
-    """Makes a forward/backward on meta (or CPU) tensors allocate what it would on a GPU: FlashAttention (bf16/fp16)
-    or memory-efficient (fp32) attention, and with dtype CUDA autocast's casts (cache=True for the forward: casts of
-    trainable leaves kept until it ends) and model.Linear's CUDA path unless follow_cuda_linear is off (tests
-    compare). Run the backward with backward() (cache=False): activation checkpointing recomputes there."""
+    """A forward/backward on meta (or CPU) allocates what it would on a GPU: flash (bf16/fp16) or memory-efficient
+    (fp32) attention; with dtype, CUDA autocast's casts (cache=True: trainable leaves' casts kept to the forward's
+    end) and model.Linear's CUDA path. backward() runs the backward (cache=False: checkpointing recomputes)."""
 
-    follow_cuda_linear = True
+    follow_cuda_linear = True  # off: model.Linear without its CUDA path (a test measures the difference)
     # cast to dtype: matmuls, as functions and as Tensor methods
     LOW = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm}
     LOW |= {torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.bmm}
@@ -303,8 +301,7 @@ def measure(cfg, device):
         gc.collect()
         torch.cuda.empty_cache()
 
-    autocast = backward = None
-    offload = nullcontext()
+    autocast, backward, offload = None, None, nullcontext()
     if device.type == 'meta':  # the GPU's kernels and autocast, emulated on shapes
         dtype = DTYPES[cfg['dtype']] if cfg['precision'] == 'amp' and cfg['dtype'] != 'float32' else None
         autocast, backward = MetaAsCuda(dtype, cache=True), MetaAsCuda(dtype, cache=False).backward
