@@ -16,6 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+SILENT_RANK_WAIT_S = 3  # report_error: a rank that leaves the line to another exits this much later
+_last_barrier = []  # teardown's barrier work, kept until the process exits
+
 
 @dataclass
 class Ranks:
@@ -77,9 +80,6 @@ def setup(backend, device, timeout_s=600):
     return Ranks(True, dist.get_rank(), local_rank, dist.get_world_size(), cpu_group), device
 
 
-SILENT_RANK_WAIT_S = 3
-
-
 def report_error(error, printed=True):
     """End a run in its `error:` line (printed unless another rank prints it); returns the exit status, 1. Under
     torchrun the line also goes to this rank's error file, the root cause of torchrun's failure summary."""
@@ -125,9 +125,6 @@ def lost_rank(error):
     return isinstance(error, RuntimeError) and dist.is_initialized() and re.search(lost, str(error)) is not None
 
 
-_last_barrier = []  # teardown's barrier work, kept until the process exits
-
-
 def teardown(ranks):
     """Leave the process group, on every rank (a barrier). destroy_process_group alone can SIGABRT: a gloo thread
     freeing the last collective's work at exit dies in a noexcept destructor; the barrier's work is kept till then."""
@@ -149,7 +146,6 @@ class ParallelModel:
         self.switches, self.old_wrapper, self.wrapper_in_gc_cycle = 0, None, False
 
     def on_switch(self):
-        self.old_wrapper, self.wrapper_in_gc_cycle = None, False
         if self.fsdp:
             self.model = reshard_fsdp(self.raw_model)  # FSDP2 reduce-scatters only the gradients that exist
         else:
@@ -258,7 +254,8 @@ def load_optimizer_state(model, optimizer, state_dict):
     }
     # strict=False: frozen parameters may have no state; torch 2.9 still looks up every trainable one's (a KeyError)
     params = [p for g in optimizer.param_groups for p in g['params']]
-    stateless = [p for i, p in enumerate(params) if i not in state_dict['state'] and p.requires_grad]
+    missing = [p for i, p in enumerate(params) if i not in state_dict['state']]
+    stateless = [p for p in missing if p.requires_grad]
     for p in stateless:
         p.requires_grad_(False)
     try:
@@ -267,6 +264,5 @@ def load_optimizer_state(model, optimizer, state_dict):
         for p in stateless:
             p.requires_grad_(True)
     # it creates state for every trainable parameter: a later one starts its state as in an uninterrupted run
-    for i, p in enumerate(params):
-        if i not in state_dict['state']:
-            optimizer.state.pop(p, None)
+    for p in missing:
+        optimizer.state.pop(p, None)
