@@ -1,6 +1,5 @@
-"""The 'file' format, out_dir/ckpt.pt: one torch.save'd dict (state_dicts, plain values, every rank's RNG), never
-written non-finite, synced, then atomically replacing the previous one. And what both formats share: the errors,
-the weights_only read, the finiteness vote and the RNG states."""
+"""The 'file' format, out_dir/ckpt.pt: one torch.save'd dict (state_dicts, values, each rank's RNG), never written
+non-finite, synced, replacing the last atomically. And both formats' errors, weights_only read and RNG states."""
 
 import contextlib
 import io
@@ -27,10 +26,6 @@ class NonFiniteState(CheckpointError):
 
 def read(path, map_location='cpu', mmap=False):
     """The checkpoint dict at `path`, or a one-line CheckpointError; mmap=True maps the tensors, not reads them."""
-    if not os.path.exists(path):
-        raise CheckpointError(
-            f"no checkpoint at {path}; train one first: python train.py --out_dir={os.path.dirname(path) or '.'}"
-        )
     mmap = mmap and zipfile.is_zipfile(path)  # not torch.save's format (nothing to map): torch's error names it
     if mmap:  # a mapped read trusts the records' headers it skips: damaged ones would map other bytes
         with open(path, 'rb') as f:
@@ -189,8 +184,7 @@ def remove_interrupted_write(path):
     record = write_record(path)
     if not os.path.isfile(record):
         return
-    with open(record, errors='replace') as f:
-        written = f.read().split()
+    written = Path(record).read_text(errors='replace').split()
     # only a record in the form a save writes, naming atomic_path's form in the same folder, is ours
     if len(written) == 3 and re.fullmatch(rf'\.{re.escape(os.path.basename(path))}\.tmp-\d+(-\d+)?', written[0]):
         tmp = os.path.join(os.path.dirname(path), written[0])
