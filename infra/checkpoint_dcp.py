@@ -3,7 +3,6 @@ holds the ranks' shards, DCP's index (.metadata), values.pt (the rest) and .comp
 renamed; a resume reshards onto any number of ranks. Nothing read runs code; an index of all but tensors is refused."""
 
 import contextlib
-import io
 import os
 import pickle
 import re
@@ -37,8 +36,7 @@ def complete_steps(out_dir):
 
 
 def remove_incomplete(out_dir):
-    """Remove out_dir's folders that hold a WRITING or REMOVING marker (interrupted saves and removals); returns
-    their names and not_resumable()'s but the damaged. Only the lock's holder calls it."""
+    """Remove folders an interrupted save or removal marked; returns (their names, not_resumable()'s but damaged)."""
     removed = [name for name in _folders(out_dir) if _interrupted(os.path.join(out_dir, name))]
     for name in removed:
         shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
@@ -103,13 +101,13 @@ def _optimizer_parts(model, optimizer):
 class Saver:
     """Saves train.py's checkpoints as step folders (call save() on every rank); finish() at the end."""
 
-    def __init__(self, out_dir, ranks, keep_last, use_async=False):
+    def __init__(self, out_dir, ranks, keep_last, use_async=False, replaces=()):
         self.out_dir, self.ranks, self.keep_last = out_dir, ranks, keep_last
-        self.use_async = use_async and ranks.enabled and hasattr(dcp, 'async_save')
+        self.use_async = use_async and ranks.enabled
         # DCP's collectives go over a gloo group of their own: async_save runs them in a thread beside training's
         self.group = dist.new_group(backend='gloo') if ranks.enabled else None
         self.pending, self.error = None, None  # a background save's (future, tmp path, completed event); a failure
-        self.replaces = []  # an earlier run's checkpoints (overwrite=True): removed once this run saved one
+        self.replaces = list(replaces)  # an earlier run's checkpoints (overwrite=True): removed once this run saved one
         _SAVERS.add(self)
 
     def save(self, objects, values, device_type='cpu'):
@@ -277,7 +275,7 @@ class SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         path = self._get_metadata_path(kwargs.get('rank'))
         with self.fs.create_stream(path, 'rb') as f:
-            metadata = _IndexUnpickler(io.BytesIO(f.read())).load()
+            metadata = _IndexUnpickler(f).load()
         _tensors_only(self.path, metadata)
         if getattr(metadata, 'storage_meta', None) is None:
             metadata.storage_meta = StorageMeta()
@@ -339,9 +337,7 @@ def check_readable(path):
     """The step folder's values.pt, or a CheckpointError naming what would stop a resume; reads no tensor data."""
     values = checkpoint_file.read(os.path.join(path, VALUES), mmap=False)
     if not isinstance(values, dict) or values.get('format') != 'dcp':
-        raise CheckpointError(
-            f"{path}/{VALUES} is not a step folder's values file; restore a backup or train from scratch"
-        )
+        raise CheckpointError(f"{path}/{VALUES} is not a step folder's values; restore a backup or train from scratch")
     index = read_index(path)
     for info in index.storage_data.values():
         if not getattr(info, 'transform_descriptors', None):  # train.py writes no compressed record
@@ -351,8 +347,6 @@ def check_readable(path):
 
 
 def _load(state, path, group=None):
-    # checked on every rank alike before DCP's collectives: inside dcp.load a refusal comes wrapped in tracebacks
-    read_index(path)
     try:
         reader, planner = SafeReader(path), _TensorsOnly(path)
         with _single_process_quiet():
@@ -396,7 +390,7 @@ def consolidate(path, optimizer=True):
     if not any(k.startswith('model.') for k in template):
         raise CheckpointError(f"checkpoint {path} holds no weights; restore a backup or train from scratch")
     _load(template, path)
-    model = {k[len('model.') :]: v for k, v in template.items() if k.startswith('model.')}
+    model = {k.removeprefix('model.'): v for k, v in template.items() if k.startswith('model.')}
     model.update({k: model[v] for k, v in values['tied'].items()})
     checkpoint = {k: v for k, v in values.items() if k not in ('optimizer_rest', 'tied', 'format')} | {'model': model}
     if optimizer:
