@@ -37,11 +37,7 @@ class Checkpointer:
         """Start or resume the run: returns configure(saved values or None, their path), the run's config."""
         master, out_dir = self.ranks.master, self.out_dir
         if master and self.writes:
-            try:
-                self.lock = lock_out_dir(out_dir)
-            except CheckpointError:
-                self.made_out_dir = False  # held by the other run
-                raise
+            self.lock = lock_out_dir(out_dir)
         self.candidates, self.fsdp = candidates(out_dir), fsdp  # listed once: each ckpt.pt's iteration is a read
         self.found = find(out_dir, self.candidates)
         self.init_from = cfg['init_from']
@@ -51,11 +47,10 @@ class Checkpointer:
             self.saved = self._read_newest()
         elif self.found and self.writes:
             self._replace(cfg['overwrite'])
-        saved = self.saved
-        cfg = configure(saved, None if saved is None else self.found[1])
-        if saved is not None:  # where the run starts: the checkpoint's values, once configure has checked them
-            self.path, self.iter_num, self.saved_iter = self.found[1], saved['iter_num'], saved['iter_num']
-            self.best_val_loss, self.wandb_id = saved['best_val_loss'], saved.get('wandb_id')
+        cfg = configure(self.saved, None if self.saved is None else self.found[1])
+        if self.saved is not None:  # where the run starts: the checkpoint's values, once configure has checked them
+            self.path, self.iter_num, self.saved_iter = self.found[1], self.saved['iter_num'], self.saved['iter_num']
+            self.best_val_loss, self.wandb_id = self.saved['best_val_loss'], self.saved.get('wandb_id')
         if master and self.writes:  # the writer (it holds the lock): an unusable out_dir is found now
             check_out_dir(out_dir)
             removed, left = checkpoint_dcp.remove_incomplete(out_dir)  # what a crash in the middle of a save left
@@ -67,28 +62,24 @@ class Checkpointer:
         fmt = cfg['checkpoint_format']  # 'auto': one file in one process; sharded folders on several ranks
         if fmt == 'dcp' or (fmt == 'auto' and self.ranks.world_size > 1):
             in_background = checkpoint_dcp.background(cfg['checkpoint_async'], self.device_type)
-            self.saver = checkpoint_dcp.Saver(out_dir, self.ranks, cfg['keep_last'], in_background)
-            self.saver.replaces = self.replaced if master else []
+            self.saver = checkpoint_dcp.Saver(out_dir, self.ranks, cfg['keep_last'], in_background, self.replaced)
             if master and self.writes:
-                self._refuse_foreign_steps(left, cfg['max_iters'])
+                self._refuse_foreign_steps(cfg['max_iters'])
         return cfg
 
-    def _refuse_foreign_steps(self, left, max_iters):
-        """Refuse now a step folder no save of train.py wrote at an iteration this run may save."""
-        steps = [(int(m.group(1)), os.path.join(self.out_dir, n)) for n in left if (m := checkpoint_dcp.STEP.match(n))]
-        # a damaged newer checkpoint that could not be moved aside is kept where it is, too
-        steps += [(it, p) for it, p in checkpoint_dcp.complete_steps(self.out_dir) if p not in self.replaced]
-        ahead = sorted((it, p) for it, p in steps if self.iter_num <= it <= max_iters and p != self.path)
-        if ahead:
-            it, path = ahead[0]
-            raise CheckpointError(
-                f"{path} was not written by this run and it would save iteration {it} there; move that folder out of "
-                f"out_dir (or restore its .complete file if it is a whole checkpoint), then run again"
-            )
+    def _refuse_foreign_steps(self, max_iters):
+        """Refuse now what a save would refuse later: a step folder this run did not write where it may save."""
+        steps = [(int(m[1]), m[0]) for m in map(checkpoint_dcp.STEP.match, os.listdir(self.out_dir)) if m]
+        for it, name in sorted(steps):
+            path = os.path.join(self.out_dir, name)
+            if self.iter_num <= it <= max_iters and path not in self.replaced and path != self.path:
+                raise CheckpointError(
+                    f"{path} was not written by this run and it would save iteration {it} there; move that folder "
+                    f"out of out_dir (or restore its .complete file if it is a whole checkpoint), then run again"
+                )
 
     def _read_newest(self):
-        """The saved values of the newest readable checkpoint; each newer one is named in a warning and moved
-        aside to NAME.damaged (a save of its iteration must not replace it). Rank 0 decides for all."""
+        """The newest readable checkpoint's values (rank 0 decides); a newer one is warned of, kept as NAME.damaged."""
         if self.found is None:
             raise no_checkpoint(self.out_dir, " to resume from; train with init_from='scratch' first")
         try:
@@ -214,15 +205,11 @@ class Checkpointer:
         """Let go of out_dir; failed=True (no collective): end a background save, remove an empty out_dir it made."""
         if failed and self.saver is not None:
             self.saver.finish(failed=True)
-        left_empty = (
-            failed and self.made_out_dir and os.path.isdir(self.out_dir) and set(os.listdir(self.out_dir)) <= {'.lock'}
-        )
-        if self.lock is not None:
-            if left_empty:
+        if self.lock is not None:  # rank 0, the writer
+            if failed and self.made_out_dir and os.path.isdir(self.out_dir) and os.listdir(self.out_dir) == ['.lock']:
                 os.remove(self.lock.name)
+                os.rmdir(self.out_dir)
             self.lock.close()
-        if left_empty:
-            os.rmdir(self.out_dir)
 
 
 def newest_readable(out_dir, read, found=None):
@@ -304,8 +291,7 @@ def lock_out_dir(out_dir):
     path, f = os.path.join(out_dir, '.lock'), None
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(
-            f"out_dir={out_dir!r} cannot hold checkpoints: it is a file, not a directory; choose a "
-            f"directory with --out_dir"
+            f"out_dir={out_dir!r} cannot hold checkpoints: it is a file, not a directory; choose a directory"
         )
     try:
         os.makedirs(out_dir, exist_ok=True)
