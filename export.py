@@ -14,14 +14,13 @@ import sys
 
 def main(argv):
     from configurator import command_line
-    from hf import ExportError, export
-    from infra.checkpoint import CheckpointError
+    from hf import export
 
     defaults = dict(out_dir='out', hf_dir='', dtype='', overwrite=False, tokenizer='', max_shard_size='5GB')
     cfg = command_line(argv, defaults, usage=__doc__)
     try:
         export(**cfg)
-    except (ExportError, CheckpointError) as e:
+    except ValueError as e:  # ExportError, CheckpointError, a checkpoint that is not train.py's
         sys.exit(f"error: {e}")
 
 

