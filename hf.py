@@ -682,7 +682,13 @@ def tokenizer_writer(checkpoint, path, config, tokenizer=''):
     names = [name for name in HF_TOKENIZER_FILES if os.path.exists(os.path.join(where, name))]
     if not names:
         raise ExportError(f"{where} holds no tokenizer files (tokenizer.json, tokenizer_config.json, ...)")
-    ids = hf_token_ids(where)
+    try:
+        ids = hf_token_ids(where)
+    except (ValueError, AttributeError, TypeError, KeyError) as e:  # JSON that is not a tokenizer's
+        raise ExportError(
+            f"{where}: its tokenizer files cannot be read ({type(e).__name__}: {first_line(e)}); restore them, "
+            f"or pass --tokenizer=none to export the weights only"
+        ) from None
 
     def copy(folder):
         for name in names:

@@ -570,6 +570,11 @@ def test_hf_tokenizer_dataset_exports_its_tokenizer_files(tmp_path):
     assert (config['bos_token_id'], config['eos_token_id']) == (0, 1)
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / 'out')
     assert tok('to be or not to be')['input_ids'] == [3, 4, 5, 6, 3, 4]
+    for damaged in ('{"bos_token": ', '["<s>"]'):  # cut short, or JSON that is not an object: one line, no export
+        (tok_dir / 'tokenizer_config.json').write_text(damaged)
+        with pytest.raises(hf.ExportError, match=rf"^{re.escape(str(tok_dir))}: its tokenizer files cannot be read"):
+            hf.export(str(tmp_path / 'run'), str(tmp_path / 'again'))
+        assert not (tmp_path / 'again').exists()
 
 
 def test_character_level_dataset_exports_a_tokenizer_transformers_reads(tmp_path):
