@@ -194,8 +194,6 @@ def run_lm_eval(hf_dir, examples, tasks, cfg):
     """{task: {metric: value}} of lm-eval's simple_evaluate on hf_dir: the mc examples (task local_mc), `tasks`."""
     lm_eval, HFLM, TaskManager = import_lm_eval()
     include = cfg['lm_eval_include']
-    if include and not os.path.isdir(include):
-        raise EvalError(f"lm_eval_include={include} is not a directory; give a directory of lm-eval task YAML files")
     with tempfile.TemporaryDirectory() as task_dir:
         names = list(tasks)
         if examples:
@@ -299,7 +297,9 @@ def evaluate(cfg, log=print):
 def check_lm_eval(cfg, trained_on, dataset, examples, encode, positions):
     """Refuse before any work what lm-eval would fail on or score wrongly: no tokenizer Hugging Face reads, other ids
     from hf_dir's tokenizer than the dataset's, or an ending longer than the model's positions (lm-eval's assert)."""
-    hf_dir = cfg['hf_dir']
+    hf_dir, include = cfg['hf_dir'], cfg['lm_eval_include']
+    if include and not os.path.isdir(include):
+        raise EvalError(f"lm_eval_include={include} is not a directory; give a directory of lm-eval task YAML files")
     if not hf_dir and hf.dataset_tokenizer(trained_on)[0] not in ('gpt2', 'hf', 'char'):
         raise EvalError(f"{cfg['out_dir']}'s dataset records no tokenizer lm-eval can read: drop --lm_eval")
     if hf_dir and not any(os.path.isfile(os.path.join(hf_dir, f)) for f in HF_TOKENIZERS):

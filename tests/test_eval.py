@@ -477,6 +477,17 @@ def test_lm_eval_scores_the_same_log_probabilities(hf_gpt2, tmp_path):
 
 
 @needs_lm_eval
+def test_an_lm_eval_include_that_is_no_directory_is_refused_before_the_loss(run, tmp_path):
+    out_dir, _ = run
+    path = write_jsonl(tmp_path / 'mc.jsonl', EXAMPLES)
+    missing = tmp_path / 'no_such_tasks'
+    argv = [f'--out_dir={out_dir}', f'--mc_path={path}', '--lm_eval=True', f'--lm_eval_include={missing}']
+    result = run_script('eval.py', argv)
+    assert_one_line_error(result, rf"^error: lm_eval_include={re.escape(str(missing))} is not a directory; ")
+    assert not result.stdout  # no loss, no mc score: the refusal comes before any forward
+
+
+@needs_lm_eval
 def test_lm_eval_on_a_character_level_model(run, tmp_path):
     """train.py's default (character-level) model: export writes its characters as a tokenizer transformers
     reads, so lm-eval scores every ending as eval.py does, from the checkpoint and from the exported directory;
