@@ -811,3 +811,13 @@ def test_an_index_that_is_not_an_object_of_file_names_is_one_line(tmp_path, inde
             r"object whose weight_map maps tensor names to file names\)",
         ):
             read(str(tmp_path / 'in'))
+
+
+@pytest.mark.parametrize(
+    'itos', [{0: 'a', 1: 'a'}, {1: 'a', 2: 'b'}, {0: 'a', 2: 'b'}, {0: 'ab', 1: 'c'}, {0: 'a', 1: 7}]
+)
+def test_an_itos_that_is_not_distinct_characters_by_id_is_refused(itos):
+    """meta.pkl's itos must be ids 0..N-1 of distinct characters, or the exported tokenizer encodes otherwise."""
+    with pytest.raises(hf.ExportError, match=r"^the itos of meta\.pkl is not ids 0\.\.N-1 of distinct characters"):
+        hf.char_tokenizer_writer(itos, 'meta.pkl', 64)
+    assert hf.char_tokenizer_writer({0: 'a', 1: 'b'}, 'meta.pkl', 64) is not None
