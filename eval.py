@@ -239,10 +239,11 @@ def evaluate(cfg, log=print):
         del checkpoint
     model.eval().to(device)
     dataset = cfg['dataset'] or train_cfg.get('dataset', '')
-    block_size = cfg['block_size'] or model.config.block_size
-    if block_size > model.config.block_size:
+    positions = model.config.block_size
+    block_size = cfg['block_size'] or positions
+    if block_size > positions:
         raise EvalError(
-            f"block_size={block_size} is longer than the model's {model.config.block_size} positions; give fewer"
+            f"block_size={block_size} is longer than the model's {positions} positions; use --block_size={positions}"
         )
     path = split_path(dataset, cfg['split']) if cfg['loss'] and dataset else None
     if cfg['full'] and path is None:
@@ -257,7 +258,7 @@ def evaluate(cfg, log=print):
         if tasks:
             hub_or_cache()
         import_lm_eval()
-        check_lm_eval(cfg, train_cfg.get('dataset'), dataset, examples, encode, model.config.block_size)
+        check_lm_eval(cfg, train_cfg.get('dataset'), dataset, examples, encode, positions)
     if path is None and not examples and not lm_eval:
         raise EvalError("nothing to evaluate: give --dataset for the loss, --mc_path or --lm_eval_tasks")
 
