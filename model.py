@@ -285,8 +285,6 @@ class Rotary(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """LLaMA's attention: rotary positions on q and k, grouped-query attention when n_kv_head < n_head."""
-
     def __init__(self, config):
         super().__init__()
         self.n_head = config.n_head
@@ -380,8 +378,6 @@ class KVCache:
 
 
 class LayerCache:
-    """One attention layer's keys and values, (B, kv_heads, max_len, head_dim) buffers filled from the left."""
-
     def __init__(self, max_len):
         self.max_len, self.length, self.k, self.v = max_len, 0, None, None
 
@@ -423,13 +419,11 @@ class Transformer(nn.Module):
     def init_weights(self):
         """(Re)initialise all parameters and buffers in place (again after `to_empty()` of a meta model)."""
         for module in self.modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, (nn.Linear, nn.Embedding)):
                 torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-                if module.bias is not None:
-                    torch.nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm, Rotary)):
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+            if isinstance(module, (nn.LayerNorm, nn.RMSNorm, Rotary)):
                 module.reset_parameters()
         for pn, p in self.named_parameters():
             if pn.endswith(_RESIDUAL_PROJ):
@@ -443,11 +437,10 @@ class Transformer(nn.Module):
     def get_num_params(self, non_embedding=True):
         """non_embedding leaves out the lookup-only tables (positions, an untied token embedding): no FLOPs."""
         n_params = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            if self.wpe is not None:
-                n_params -= self.wpe.weight.numel()
-            if not self.config.tie_embeddings:
-                n_params -= self.wte.weight.numel()
+        if non_embedding and self.wpe is not None:
+            n_params -= self.wpe.weight.numel()
+        if non_embedding and not self.config.tie_embeddings:
+            n_params -= self.wte.weight.numel()
         return n_params
 
     def forward(self, idx, targets=None):
@@ -510,12 +503,11 @@ class Transformer(nn.Module):
         backward = trains(self.wte) or trains(self.wpe)  # does anything at or below here train?
         flops = 0
         for block in self.blocks:
-            params = list(block.parameters())
             backward = backward or trains(block)
             if backward:
-                flops += sum((6 if p.requires_grad else 4) * p.numel() for p in params) + attention
+                flops += sum((6 if p.requires_grad else 4) * p.numel() for p in block.parameters()) + attention
             else:
-                flops += 2 * sum(p.numel() for p in params) + attention // 3
+                flops += 2 * sum(p.numel() for p in block.parameters()) + attention // 3
         backward = backward or trains(self.ln_f)
         head = self.lm_head.weight
         return flops + (6 if head.requires_grad else 4 if backward else 2) * head.numel()
@@ -538,9 +530,8 @@ class Transformer(nn.Module):
                 # the cache holds every position but the newest token's (at the first step: none, the prompt)
                 x = self.hidden_states(idx[:, cache.length :], cache)
                 logits = self.lm_head(x[:, [-1], :])
-            else:
-                idx_cond = idx if idx.size(1) <= block_size else idx[:, -block_size:]
-                logits, _ = self(idx_cond)
+            else:  # the last block_size tokens
+                logits, _ = self(idx[:, -block_size:])
             logits = logits[:, -1, :] / temperature
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
