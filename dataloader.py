@@ -83,8 +83,7 @@ class TokenBatches:
         self.start = self.state_dict()  # evaluation batches rewind to it at each evaluation (load_state_dict)
 
     def next_starts(self):
-        """Token offsets of this rank's windows for the next micro-step: rank r takes the r-th part of the step's
-        windows, which do not depend on the number of ranks."""
+        """Token offsets of this rank's windows for the next micro-step: the rank-th part of the step's windows."""
         per_step = self.per_step
         if self.windows_done + per_step > self.steps_per_epoch * per_step:  # the rest is the dropped tail
             self.epoch, self.windows_done = self.epoch + 1, 0
@@ -197,8 +196,7 @@ def dataset_vocab(dataset, vocab_size=0):
 
 
 def check_vocab(dataset, vocab_size, *batches):
-    """A ValueError for ids vocab_size cannot embed, in meta.pkl's vocabulary or a file of up to SCAN_LIMIT ids;
-    larger files check each batch."""
+    """A ValueError for ids vocab_size cannot embed: meta.pkl's, files of up to SCAN_LIMIT ids; larger: each batch."""
     meta = read_meta(data_dir(dataset))
     if os.path.exists(os.path.join(data_dir(dataset), 'meta.pkl')) and meta['vocab_size'] > vocab_size:
         raise ValueError(
