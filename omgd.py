@@ -39,7 +39,6 @@ RULES = {
     'omgd_ratio': above(0, upper=1),
     'omgd_state': one_of(*STATE_POLICIES),
 }
-# the keys a resume cannot change: the checkpoint's pool and partitions were drawn with them
 FIXED_ON_RESUME = {
     k: 'its layer schedule and data position belong to it' for k in ('omgd_gamma', 'omgd_ratio', 'omgd_always')
 }
@@ -75,9 +74,8 @@ class CyclerConfig:
         """Raise a one-line ValueError for a configuration that cannot run on n_units units."""
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        for f in fields(self):  # a field a fork adds is checked by its rule alone
-            if f'omgd_{f.name}' in RULES:
-                check_rule(f'omgd_{f.name}', getattr(self, f.name), RULES[f'omgd_{f.name}'])
+        for key, rule in RULES.items():  # a field a fork adds is checked by its rule there
+            check_rule(key, getattr(self, key.removeprefix('omgd_')), rule)
         check_always(self.always)
         if METHODS[self.method] and METHODS[self.method].unit == 'block' and self.gamma > n_units:
             raise ValueError(f"omgd_gamma must be in 1..{n_units} (the model's number of blocks), got {self.gamma}")
@@ -190,8 +188,7 @@ class Cycler:
                     self.optimizer_state.release(p)
         self.optimizer_state.finish_switch()
 
-    def scale_grads(self):
-        """Multiply the gradients of the active units by the method's scale (once per step)."""
+    def scale_grads(self):  # once per step
         scale = self.scaling()
         if scale == 1.0:
             return
@@ -199,8 +196,7 @@ class Cycler:
             p.grad.mul_(scale)
 
     def report(self, model):
-        """A switch's log line and record values: `active`, the cycled units on; `trains`, every part of the
-        model with a parameter that trains now ({'outer': names, 'blocks': indices}), whatever froze the rest."""
+        """A switch's log line and record: `active`, the cycled units on; `trains`, every part that trains now."""
         trains = lambda module: any(p.requires_grad for p in module.parameters())
         parts = {
             'outer': [name for name, module in model.outer_modules().items() if trains(module)],
@@ -249,10 +245,7 @@ class StatePolicy:
         if self.policy == 'drop':
             self.optimizer.state.pop(p, None)
 
-    def _nothing(self, *args):  # the hooks only 'offload' needs
-        pass
-
-    restore = prefetch = wait_for_prefetch = finish_switch = _nothing
+    restore = prefetch = wait_for_prefetch = finish_switch = lambda self, *args: None  # only 'offload' needs these
 
 
 class GroupSchedule:
@@ -290,9 +283,8 @@ class GroupSchedule:
         }
 
     def load_state_dict(self, state):
-        # checkpoints written before 2026-11-26 name the count 'cycle'
-        drawn = state['partitions_drawn'] if 'partitions_drawn' in state else state['cycle']
-        self.pending, self.partitions_drawn = [list(g) for g in state['pending']], drawn
+        self.pending = [list(g) for g in state['pending']]
+        self.partitions_drawn = state['partitions_drawn'] if 'partitions_drawn' in state else state['cycle']  # older
         self.ahead = [list(g) for g in state['ahead']] if state.get('ahead') else None  # older: absent
         self.generator.set_state(state['rng'])
 
