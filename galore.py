@@ -11,11 +11,8 @@ import torch
 from configurator import above, at_least, check_rule, one_of
 from optim import MasterWeights, adamw_step_, check_adamw_settings, param_groups
 
-PROJECTIONS = ('svd', 'random')
 GROUP_DEFAULTS = {'update_proj_gap': 200, 'scale': 0.25, 'projection': 'svd', 'svd_steps': 0}  # a projected group's
 CONVENTIONS = ('galore', 'torch')  # whose AdamW arithmetic: the references' or torch.optim.AdamW's
-
-# the rule of each train.py key a projected group reads (train_config.py checks a whole config with them)
 RULES = {'galore_rank': at_least(1), 'galore_update_proj_gap': at_least(1), 'galore_scale': above(0)}
 
 
@@ -57,8 +54,7 @@ class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
             raise ValueError(f"master_device={master_device!r} needs master=True")
         check_rule('convention', convention, one_of(*CONVENTIONS, described=f"one of {CONVENTIONS}"))
         self.adamw_step_ = galore_adamw_step_ if convention == 'galore' else adamw_step_
-        self.seed = seed
-        self.master = bool(master)
+        self.seed, self.master = seed, bool(master)
         self._init_master(master_device, host_scope)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
@@ -68,7 +64,7 @@ class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
                 group.setdefault(key, value)
             for key in ('rank', 'update_proj_gap', 'scale'):
                 check_rule(f'galore_{key}', group[key], RULES[f'galore_{key}'])
-            check_rule('projection', group['projection'], one_of(*PROJECTIONS))
+            check_rule('projection', group['projection'], one_of('svd', 'random'))
             check_rule('svd_steps', group['svd_steps'], (lambda v: isinstance(v, int) and v >= 0, 'an int >= 0'))
         super().add_param_group(group)
 
@@ -149,8 +145,7 @@ class GaLoreAdamW(MasterWeights, torch.optim.Optimizer):
 
 def projector_bytes(optimizer):
     """Bytes of the GaLore/GoLore projection matrices (0 for other optimizers)."""
-    projectors = [s['projector'] for s in optimizer.state.values() if torch.is_tensor(s.get('projector'))]
-    return sum(t.numel() * t.element_size() for t in projectors)
+    return sum(s['projector'].nbytes for s in optimizer.state.values() if torch.is_tensor(s.get('projector')))
 
 
 def build_optimizer(model, weight_decay, lr, betas, rank=128, **kwargs):
