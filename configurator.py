@@ -78,10 +78,8 @@ def load_config_file(path):
             frames = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
             line, message = (frames or ['?'])[-1], (str(e).splitlines() or [''])[0]
         raise ConfigError(f"config file {path!r}, line {line}: {type(e).__name__}: {message}") from None
-    lines = {}
-    for n in ast.walk(tree):
-        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
-            lines[n.id] = max(n.lineno, lines.get(n.id, 0))
+    stores = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+    lines = {n.id: n.lineno for n in sorted(stores, key=lambda n: n.lineno)}  # a name's last assignment wins
     values = {
         k: v for k, v in namespace.items() if not k.startswith('_') and not callable(v) and type(v).__name__ != 'module'
     }
