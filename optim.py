@@ -8,7 +8,6 @@ import torch
 
 from configurator import one_of
 
-# the rule of the train.py key this file reads, and what a resume cannot change (train_config.py merges both)
 RULES = {'optimizer': one_of('adamw', 'sgd')}
 FIXED_ON_RESUME = {'optimizer': 'its optimizer state is that optimizer\'s'}
 
@@ -23,9 +22,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def adamw(model, weight_decay, learning_rate, betas, device_type):
-    groups = param_groups(model, weight_decay)
     extra_args = dict(fused=True) if device_type == 'cuda' else dict()
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra_args)
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=learning_rate, betas=betas, **extra_args)
 
 
 def check_adamw_settings(lr, betas, eps, weight_decay):
@@ -143,8 +141,7 @@ class MasterWeights:
         for device in devices:
             self.staging.wait(device)
 
-    def _state_zeros(self, p, shape):
-        """fp32 zeros on master_home(p): a moment of p (shape: p's, or GaLore's projected one)."""
+    def _state_zeros(self, p, shape):  # a moment of p (shape: p's, or GaLore's projected one)
         return torch.zeros(shape, dtype=torch.float32, device=self.master_home(p))
 
     def _master(self, p, state):
@@ -179,8 +176,7 @@ class MasterWeights:
         p.copy_(rounded)  # outside the scope: the parameter stays device memory for LiveBytes
 
     def load_state_dict(self, state_dict):
-        """torch's loading, but state tensors keep their saved dtype (torch casts fp32 masters to the parameter's
-        bf16) and go to master_home(p). `master` False: torch's loading."""
+        """As torch's, but the state keeps its dtype (torch casts fp32 masters to bf16) and goes to master_home(p)."""
         if not self.master:
             return super().load_state_dict(state_dict)
         super().load_state_dict({**state_dict, 'state': {}})
