@@ -90,8 +90,7 @@ def build_cycler(model, optimizer, config):
                 f"{config.method} cycles every tensor, outer parts included; omgd_always must be "
                 f"{','.join(outer)} (the default), got {','.join(config.always) or 'nothing'}"
             )
-        units = [[p] for p in model.parameters()]  # parameters() dedupes the tied head
-        return Cycler(units, optimizer, config)
+        return Cycler([[p] for p in model.parameters()], optimizer, config)  # parameters() dedupes the tied head
     units = [list(block.parameters()) for block in model.blocks]
     cycler = Cycler(units, optimizer, config)  # checks the config before anything is frozen
     trained = {id(p) for part in config.always if part in outer for p in outer[part].parameters()}
