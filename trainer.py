@@ -59,8 +59,7 @@ class Trainer:
         self.grad_accum = grad_accum or cfg['gradient_accumulation_steps']
         self.autocast = autocast if autocast is not None else autocast_context(cfg, device_type)
         self.scaler = grad_scaler(cfg, device_type)  # float16 gradients underflow without loss scaling
-        self.backward, self.observer = backward, observer
-        self.iter_num = iter_num
+        self.backward, self.observer, self.iter_num = backward, observer, iter_num
 
     @property
     def data_position(self):
