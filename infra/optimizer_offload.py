@@ -146,7 +146,6 @@ class OffloadedState:
         for device, event in self.prefetch_done.items():
             self._copies(device).wait_on_compute(event, device)
 
-    def wait_parked(self):
-        """The host waits until every copy out has landed (before it reads the parked state)."""
+    def wait_parked(self):  # the host waits for every copy out
         for device, event in self.parked.items():
             self._copies(device).wait_on_host(event)
