@@ -19,8 +19,7 @@ from train_config import GALORE_METHODS
 
 
 def transformer_kwargs(cfg, vocab_size=0):
-    """TransformerConfig keywords from the config's model keys (a preset's architecture overrides them).
-    vocab_size: the dataset's (0: the config's, else the preset's, else TransformerConfig's)."""
+    """TransformerConfig keywords of the config's keys (a preset's PRESET_KEYS win); vocab_size: the dataset's."""
     # every TransformerConfig field that is a train.py key: a fork's new field (qk_norm) needs no list here
     args = {f.name: cfg[f.name] for f in dataclasses.fields(TransformerConfig) if f.name in cfg}
     preset = PRESETS[cfg['preset']] if cfg['preset'] else {}
@@ -36,10 +35,9 @@ class RandomOnCPU(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        target = args[0] if args else None
-        if func in self.FILLS and (target.device.type != 'cpu' or target.dtype != torch.float32):
-            drawn = func(torch.empty(target.shape, dtype=torch.float32, device='cpu'), *args[1:], **kwargs)
-            return target.copy_(drawn)
+        if func in self.FILLS and (args[0].device.type, args[0].dtype) != ('cpu', torch.float32):
+            drawn = func(torch.empty(args[0].shape, dtype=torch.float32, device='cpu'), *args[1:], **kwargs)
+            return args[0].copy_(drawn)
         return func(*args, **kwargs)
 
 
@@ -116,7 +114,6 @@ def build_optimizer(model, cfg, device_type, host_scope=nullcontext):
 
 
 def build_cycler(model, optimizer, cfg):
-    """omgd's layer cycler for the config's method ('full' for GaLore/GoLore: every block trains)."""
     method = 'full' if cfg['method'] in GALORE_METHODS else cfg['method']
     return omgd.build_cycler(model, optimizer, omgd.CyclerConfig.from_config(cfg, method))
 
