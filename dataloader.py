@@ -218,8 +218,7 @@ def check_vocab(dataset, vocab_size, *batches):
 
 
 def open_splits(dataset, block_size, batch_size, sampling, seed, rank=0, world_size=1):
-    """(train batches in `sampling` order, {'train', 'val'}: evaluation batches, rewound to the same windows at
-    each evaluation by load_state_dict(their .start)). A ValueError for data missing or unreadable."""
+    """(train batches in `sampling` order, {'train', 'val'}: evaluation batches); a ValueError for unusable data."""
     advice = prepare_advice(dataset)
     if not os.path.exists(os.path.join(data_dir(dataset), 'train.bin')) and not advice.startswith('run '):
         raise ValueError(f"dataset {dataset!r} has no prepared splits in {data_dir(dataset)}; {advice}")  # mistyped
