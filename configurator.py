@@ -1,7 +1,6 @@
-"""nanoGPT's configurator, made strict; every script's command line goes through it, e.g.
-`python train.py config/shakespeare_lisa_wor.py --batch_size=32`: arguments without '--' are config files executed
-in order, '--key=value' overrides them (a bare --key sets a boolean). Every key must have a default, a value keeps
-its default's type (an int is a valid float) and may follow a rule (at_least, above, between, one_of)."""
+"""nanoGPT's configurator, made strict, for every script: in `python train.py config/x.py --batch_size=32`
+the arguments without '--' are config files executed in order, then '--key=value' overrides (a bare --key sets a
+boolean). Every key has a default; a value keeps its default's type (an int is a valid float) and may follow a rule."""
 
 import ast
 import difflib
@@ -15,7 +14,7 @@ class ConfigError(ValueError):
 
 
 def _unknown_key(key, defaults):
-    close = difflib.get_close_matches(key, defaults, n=3, cutoff=0.6)
+    close = difflib.get_close_matches(key, defaults)
     hint = f"; did you mean {' or '.join(close)}?" if close else "; see the defaults at the top of the script"
     return ConfigError(f"unknown config key {key!r}{hint}")
 
