@@ -220,8 +220,7 @@ def config_from_preset(name: str, **overrides) -> TransformerConfig:
 
 
 def causal_attention(q, k, v, dropout):
-    """Causal attention of (B, heads, T, head_dim) queries to (B, T, C); keys and values may have fewer heads
-    (grouped-query) and, with a KV cache, S >= T positions, the queries being the last T."""
+    """Causal attention of (B, heads, T, head_dim) queries to (B, T, C); k, v: maybe fewer heads, S >= T positions."""
     # only ask for GQA when needed, so plain MHA keeps every SDPA backend available
     gqa = {'enable_gqa': True} if k.size(1) != q.size(1) else {}
     T, S = q.size(2), k.size(2)
@@ -497,8 +496,7 @@ class Transformer(nn.Module):
     def estimate_flops_per_token(self):
         """Training FLOPs per token as frozen now (nanoGPT's 6N + attention): blocks below every trainable one run
         forward only (2 per weight); above, a trainable weight costs 6, a frozen one 4 (its input gradient)."""
-        cfg = self.config
-        attention = 12 * cfg.n_embd * cfg.block_size  # per layer, forward + backward
+        attention = 12 * self.config.n_embd * self.config.block_size  # per layer, forward + backward
         trains = lambda module: module is not None and any(p.requires_grad for p in module.parameters())
         backward = trains(self.wte) or trains(self.wpe)  # does anything at or below here train?
         flops = 0
