@@ -46,9 +46,7 @@ def emulated_autocast(device_types, dtype):
 
 
 # read once here: torch <= 2.11's dynamo cannot trace torch.amp.is_autocast_available (a graph break)
-AUTOCAST_DEVICE_TYPES = frozenset(
-    t for t in ('cpu', 'cuda', 'xpu', 'mps', 'hpu', 'mtia') if torch.amp.is_autocast_available(t)
-)
+AUTOCAST_DEVICE_TYPES = frozenset(filter(torch.amp.is_autocast_available, ('cpu', 'cuda', 'xpu', 'mps', 'hpu', 'mtia')))
 
 
 def autocast_dtype(device_type):
@@ -515,13 +513,12 @@ class Transformer(nn.Module):
         """Complete the (b, t) token indices idx with max_new_tokens sampled tokens (call model.eval() first).
         use_cache: each step runs its new token only (KVCache), same tokens; beyond block_size (and FSDP): uncached."""
         block_size = self.config.block_size
-        sharded = False  # FSDP2's forward hooks gather a block's weights, which cached generation would skip
-        if torch.distributed.is_available():
+        if torch.distributed.is_available():  # FSDP2's forward hooks gather a block's weights: a cached step skips them
             from torch.distributed.fsdp import FSDPModule
 
-            sharded = isinstance(self.blocks[0], FSDPModule)
+            use_cache = use_cache and not isinstance(self.blocks[0], FSDPModule)
         cache = None
-        if use_cache and idx.size(1) <= block_size and not sharded:
+        if use_cache and idx.size(1) <= block_size:
             cache = KVCache(self.config.n_layer, min(block_size, idx.size(1) + max_new_tokens))
         for _ in range(max_new_tokens):
             if cache is not None and idx.size(1) <= block_size:
