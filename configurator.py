@@ -4,6 +4,7 @@ boolean). Every key has a default; a value keeps its default's type (an int is a
 
 import ast
 import difflib
+import inspect
 import math
 import sys
 import traceback
@@ -79,9 +80,7 @@ def load_config_file(path):
         raise ConfigError(f"config file {path!r}, line {line}: {type(e).__name__}: {message}") from None
     stores = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
     lines = {n.id: n.lineno for n in sorted(stores, key=lambda n: n.lineno)}  # a name's last assignment wins
-    values = {
-        k: v for k, v in namespace.items() if not k.startswith('_') and not callable(v) and type(v).__name__ != 'module'
-    }
+    values = {k: v for k, v in namespace.items() if not (k.startswith('_') or callable(v) or inspect.ismodule(v))}
     return values, {k: f"config file {path!r}" + (f", line {lines[k]}" if k in lines else '') for k in values}
 
 
