@@ -17,8 +17,7 @@ SCAN_LIMIT = 1 << 28  # ids check_vocab scans at start (512 MiB of uint16, about
 
 
 def open_tokens(path, prepare_hint, dtype='uint16', n_ids=None):
-    """The ids of a .bin file, memory-mapped; an error for a file that is missing, empty, cut, or of ids not
-    `dtype` wide (uint32 read as uint16 would train on every id followed by a 0)."""
+    """The ids of a .bin file, memory-mapped; an error for a file missing, empty, cut or of ids not `dtype` wide."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found; run `{prepare_hint}` first")
     again = f"run `{prepare_hint}` again"
