@@ -163,8 +163,7 @@ class TransformerConfig:
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         # resolve the 0 defaults here so the saved config states what was built
-        if self.n_kv_head == 0:
-            self.n_kv_head = self.n_head
+        self.n_kv_head = self.n_kv_head or self.n_head
         if self.n_head % self.n_kv_head != 0:
             raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
         if self.arch == 'llama':
