@@ -170,11 +170,9 @@ class TransformerConfig:
             if (self.n_embd // self.n_head) % 2 != 0:
                 raise ValueError("rotary embeddings need an even head dimension")
             self.bias = False  # LLaMA has no biases anywhere
-        if self.mlp_hidden == 0:
-            if self.arch == 'gpt2':
-                self.mlp_hidden = 4 * self.n_embd
-            else:  # LLaMA: 2/3 of 4*d keeps SwiGLU's 3 matrices at the cost of 2
-                self.mlp_hidden = 256 * math.ceil(int(2 * 4 * self.n_embd / 3) / 256)
+        if self.mlp_hidden == 0:  # LLaMA: 2/3 of 4*d keeps SwiGLU's 3 matrices at the cost of 2
+            llama_hidden = 256 * math.ceil(int(2 * 4 * self.n_embd / 3) / 256)
+            self.mlp_hidden = 4 * self.n_embd if self.arch == 'gpt2' else llama_hidden
 
 
 # the config fields that give the weights their shapes (train.py's keys of the same names), and what a preset sets
@@ -267,8 +265,7 @@ class Rotary(nn.Module):
         self.register_buffer('sin', torch.empty(config.block_size, self.head_dim), persistent=False)
         self.reset_parameters()
 
-    def reset_parameters(self, block_size=None):
-        """(Re)compute the tables in fp32, for block_size positions (default: as many as now)."""
+    def reset_parameters(self, block_size=None):  # in fp32, for block_size positions (default: as many as now)
         device, block_size = self.cos.device, block_size or self.cos.size(0)
         exponents = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim
         inv_freq = 1.0 / self.theta**exponents
