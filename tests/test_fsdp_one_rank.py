@@ -70,3 +70,15 @@ def test_mixed_precision_gradients_keep_the_shards_dtype_when_the_first_forward_
     model(x, x)[1].backward()
     grads = [p.grad for p in model.blocks[3].parameters()]
     assert grads and all(g is not None and g.dtype == torch.float32 for g in grads), {g.dtype for g in grads}
+
+
+def test_generation_on_sharded_blocks_gives_the_unsharded_models_tokens(one_rank):
+    """Under FSDP2 generate() runs uncached (a cached step would skip the hooks that gather a block's weights; it
+    ended in a Tensor/DTensor mix): the same greedy tokens as the same weights unsharded, with and without a cache."""
+    torch.manual_seed(0)
+    plain, _, _ = builder.build(CFG, 'cpu')
+    model, _, _ = sharded(one_rank)  # the same seed: the same weights
+    prompt = torch.randint(32, (1, 3))
+    expected = plain.eval().generate(prompt, 6, top_k=1)
+    assert torch.equal(model.eval().generate(prompt, 6, top_k=1), expected)
+    assert torch.equal(model.generate(prompt, 6, top_k=1, use_cache=False), expected)
