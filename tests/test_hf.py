@@ -799,11 +799,14 @@ def test_an_export_that_cannot_write_leaves_the_directory_as_it_was(tmp_path, mo
     assert not (tmp_path / 'new' / 'hf').exists()
 
 
-@pytest.mark.parametrize('index', ['[1, 2]', '{"weight_map": [1]}', '{"weight_map": {"a": 3}}', '"text"'])
+@pytest.mark.parametrize('index', ['[1, 2]', '{"weight_map": [1]}', '{"weight_map": {"a": 3}}', '"text"', None])
 def test_an_index_that_is_not_an_object_of_file_names_is_one_line(tmp_path, index):
     save_hf('gpt2', tmp_path / 'in')
     (tmp_path / 'in' / 'model.safetensors').unlink()
-    (tmp_path / 'in' / 'model.safetensors.index.json').write_text(index)
+    if index is None:  # a folder of that name (an IsADirectoryError traceback before)
+        (tmp_path / 'in' / 'model.safetensors.index.json').mkdir()
+    else:
+        (tmp_path / 'in' / 'model.safetensors.index.json').write_text(index)
     for read in (hf.load, hf.from_pretrained):
         with pytest.raises(
             hf.HFError,
